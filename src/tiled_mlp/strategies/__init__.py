@@ -1,0 +1,33 @@
+"""Pluggable parallel backends for TiledMLP, a registry and a resolver."""
+from .base import Strategy, UnsupportedBackendError
+from .deepspeed_zero import DeepSpeedZeroStrategy
+from .fsdp1 import FSDP1Strategy
+from .fsdp2 import FSDP2Strategy
+from .registry import (
+    available_strategies,
+    get_strategy,
+    get_strategy_class,
+    register_strategy,
+    unregister_strategy,
+)
+from .resolver import resolve_strategy, strategy_from_arg
+from .single_device import SingleDeviceStrategy
+
+for _builtin in (SingleDeviceStrategy, FSDP1Strategy, FSDP2Strategy, DeepSpeedZeroStrategy):
+    register_strategy(_builtin)
+
+__all__ = [
+    "Strategy",
+    "UnsupportedBackendError",
+    "SingleDeviceStrategy",
+    "FSDP1Strategy",
+    "FSDP2Strategy",
+    "DeepSpeedZeroStrategy",
+    "register_strategy",
+    "unregister_strategy",
+    "available_strategies",
+    "get_strategy",
+    "get_strategy_class",
+    "resolve_strategy",
+    "strategy_from_arg",
+]

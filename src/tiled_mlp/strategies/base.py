@@ -1,0 +1,51 @@
+"""The interface between the backend-neutral tiled core and a parallel backend.
+
+A strategy says whether a module is its own (``claims``), rejects configurations it cannot run before
+any work is done (``check_supported``), and says how the module's parameters are made whole for the
+shard loop and the backward recompute (``gathered``). Gradient delivery is not a strategy concern:
+the core returns each parameter's summed gradient through autograd exactly once per backward, and
+every backend's reduction hooks take it from there.
+"""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC
+from typing import ClassVar, ContextManager, List, Sequence
+
+import torch
+from torch import nn
+
+
+class UnsupportedBackendError(RuntimeError):
+    """The module runs under a backend (or a backend configuration) that TiledMLP cannot tile."""
+
+
+class Strategy(ABC):
+    #: Registry key, also accepted as ``TiledMLP(strategy=name)``.
+    name: ClassVar[str] = ""
+    #: The resolver asks the highest priority first; the single-device fallback has the lowest.
+    priority: ClassVar[int] = 0
+
+    @classmethod
+    def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
+        """Is ``module`` (the wrapped MLP, at its first forward) run by this backend? ``ancestors`` are
+        the modules above it, outermost first, where known (``apply_tiled_mlp`` records them)."""
+        return False
+
+    def check_supported(self, module: nn.Module) -> None:
+        """Raise a clear error for a configuration this backend cannot tile; called before any work."""
+
+    def gathered(self, module: nn.Module) -> ContextManager:
+        """Inside: the module's parameters are whole tensors usable by its forward. The default is a
+        no-op: the backend's own module hooks (which fire once around the tiled call) did it."""
+        return contextlib.nullcontext()
+
+    def trainable_params(self, module: nn.Module) -> List[torch.Tensor]:
+        """The tensors whose gradients the tiled Function returns."""
+        return [p for p in module.parameters() if p.requires_grad]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+REQUIRED_METHODS = ("claims", "check_supported", "gathered", "trainable_params")

@@ -1,0 +1,18 @@
+"""One device, and DDP: parameters are local and whole, gradients arrive once through autograd, so
+DDP's reducer (any shard count, ``no_sync`` included) needs nothing more."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import nn
+
+from .base import Strategy
+
+
+class SingleDeviceStrategy(Strategy):
+    name = "single_device"
+    priority = -100  # the fallback: claims whatever no backend-specific strategy claimed
+
+    @classmethod
+    def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
+        return True

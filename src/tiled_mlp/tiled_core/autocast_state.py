@@ -1,0 +1,28 @@
+"""The autocast state of the forward, replayed around the backward recompute.
+
+Without it, a forward run under ``torch.autocast`` would be recomputed in full precision and the
+recomputed activations would not match the ones the output was made from.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+
+    @classmethod
+    def capture(cls, device: torch.device) -> "AutocastState":
+        device_type = device.type
+        return cls(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+    def replay(self):
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=True)

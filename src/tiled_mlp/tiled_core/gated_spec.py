@@ -1,0 +1,135 @@
+"""Recognising a gated MLP (``down(act(gate(x)) * up(x))``) that the fast kernel may compute by hand.
+
+The fast kernel bypasses the module's own forward, so it is used only when nothing could be lost by
+that: the projections are plain ``nn.Linear`` (not LoRA or quantised wrappers), no hooks sit on them,
+the module has no dropout, the activation is one we can differentiate exactly, and a tiny numerical
+probe of the module's real forward agrees with the gated formula. Any doubt means the generic path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .activations import NativeGatedActivation
+
+_ACT_ATTRS = ("act_fn", "activation_fn", "act")
+
+# Activation classes by name, so the core never imports transformers; the probe below confirms the math.
+_ACTIVATION_BY_CLASS = {
+    "SiLU": "silu",
+    "SiLUActivation": "silu",
+    "GELUActivation": "gelu",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",
+    "GELUPytorchTanh": "gelu_tanh",
+}
+
+
+@dataclass
+class GatedMLPSpec:
+    """The tensors of a gated MLP. ``gate_up`` is set for a fused ``[gate; up]`` projection."""
+
+    activation: str
+    down: nn.Linear
+    gate: Optional[nn.Linear] = None
+    up: Optional[nn.Linear] = None
+    gate_up: Optional[nn.Linear] = None
+
+    @property
+    def linears(self) -> List[nn.Linear]:
+        first = [self.gate_up] if self.gate_up is not None else [self.gate, self.up]
+        return first + [self.down]
+
+    @property
+    def params(self) -> List[torch.Tensor]:
+        out = []
+        for linear in self.linears:
+            out.append(linear.weight)
+            if linear.bias is not None:
+                out.append(linear.bias)
+        return out
+
+
+def _activation_name(module: nn.Module) -> Optional[str]:
+    for attr in _ACT_ATTRS:
+        act = getattr(module, attr, None)
+        if act is None:
+            continue
+        if isinstance(act, nn.GELU):
+            return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+        name = _ACTIVATION_BY_CLASS.get(type(act).__name__)
+        return name if name is not None and _activation_matches(act, name) else None
+    return None
+
+
+def _activation_matches(act, name: str) -> bool:
+    probe = torch.linspace(-6.0, 6.0, 49, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            got = act(probe)
+    except Exception:
+        return False
+    want = NativeGatedActivation(name).act(probe)
+    return torch.allclose(got.to(torch.float64), want, rtol=1e-6, atol=1e-9)
+
+
+def _is_plain_linear(module) -> bool:
+    return type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+
+
+def _has_dropout(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
+
+
+def structural_spec(module: nn.Module) -> Tuple[Optional[GatedMLPSpec], str]:
+    """The spec if the module's structure allows the fast path, else None and the reason why not."""
+    act = _activation_name(module)
+    if act is None:
+        return None, "no recognised gated activation (act_fn / activation_fn: silu, gelu, gelu tanh)"
+    down = getattr(module, "down_proj", None)
+    if down is None:
+        return None, "no down_proj"
+    gate_up = getattr(module, "gate_up_proj", None)
+    if gate_up is not None:
+        spec = GatedMLPSpec(activation=act, down=down, gate_up=gate_up)
+    else:
+        spec = GatedMLPSpec(activation=act, down=down, gate=getattr(module, "gate_proj", None),
+                            up=getattr(module, "up_proj", None))
+        if spec.gate is None or spec.up is None:
+            return None, "no gate_proj/up_proj or gate_up_proj"
+    if not all(_is_plain_linear(m) for m in spec.linears):
+        return None, "projections are not plain nn.Linear without hooks (LoRA, quantised or hooked)"
+    if _has_dropout(module):
+        return None, "the module has dropout"
+    if spec.gate_up is not None and spec.gate_up.out_features % 2:
+        return None, "gate_up_proj has an odd number of outputs"
+    return spec, ""
+
+
+def gated_reference(spec: GatedMLPSpec, x: torch.Tensor) -> torch.Tensor:
+    """The formula the fast kernel implements, in plain torch (used for the probe)."""
+    act = NativeGatedActivation(spec.activation).act
+    if spec.gate_up is not None:
+        g, u = spec.gate_up(x).chunk(2, dim=-1)
+    else:
+        g, u = spec.gate(x), spec.up(x)
+    return spec.down(act(g) * u)
+
+
+def forward_matches_formula(module: nn.Module, forward_fn, spec: GatedMLPSpec, like: torch.Tensor) -> bool:
+    """Run the module's real forward on two random tokens and compare with the gated formula."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    in_features = spec.linears[0].in_features
+    probe = torch.randn((1, 2, in_features), generator=generator, dtype=torch.float32)
+    probe = probe.to(device=like.device, dtype=spec.down.weight.dtype)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        got = forward_fn(probe)
+        want = gated_reference(spec, probe)
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return False
+    tol = 1e-5 if probe.dtype in (torch.float32, torch.float64) else 2e-2
+    return torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)

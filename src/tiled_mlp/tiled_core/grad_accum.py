@@ -1,0 +1,70 @@
+"""One gradient buffer per parameter, summed over shards.
+
+The buffer is the gradient that ``backward`` returns, so there is no zeroed accumulator beside it:
+the first shard's contribution is written into fresh memory (``beta=0`` / plain ``mm``) and later
+shards are added in place. Autograd then adds the returned gradient to ``.grad`` exactly once per
+backward, which keeps pre-existing ``.grad`` (micro-batch accumulation) and fires every backend's
+gradient hook once.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+
+class GradAccumulator:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        needed: Sequence[bool],
+        accum_dtype: Optional[torch.dtype] = None,
+    ):
+        self._params = list(params)
+        self.needed = list(needed)
+        # None means "the parameter's own dtype": no extra buffer, no cast at the end.
+        self._accum_dtype = accum_dtype
+        self._buffers: List[Optional[torch.Tensor]] = [None] * len(self._params)
+
+    def _dtype_for(self, index: int) -> torch.dtype:
+        return self._accum_dtype or self._params[index].dtype
+
+    def add(self, index: int, grad: Optional[torch.Tensor]) -> None:
+        """grad[index] += grad (a None contribution is skipped: the parameter was unused)."""
+        if grad is None or not self.needed[index]:
+            return
+        buffer = self._buffers[index]
+        if buffer is None:
+            # Take ownership of the shard's gradient instead of copying it into a new buffer.
+            self._buffers[index] = grad if grad.dtype == self._dtype_for(index) else grad.to(self._dtype_for(index))
+        else:
+            buffer.add_(grad)
+
+    def add_matmul(self, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """grad[index] += a @ b, written straight into the buffer when dtypes allow it."""
+        if not self.needed[index]:
+            return
+        buffer = self._buffers[index]
+        if self._dtype_for(index) != a.dtype:
+            self.add(index, torch.mm(a, b))
+        elif buffer is None:
+            self._buffers[index] = torch.mm(a, b)
+        else:
+            buffer.addmm_(a, b)
+
+    def add_rowsum(self, index: int, rows: torch.Tensor) -> None:
+        """grad[index] += rows.sum(0): bias gradients."""
+        if not self.needed[index]:
+            return
+        buffer = self._buffers[index]
+        if buffer is None or self._dtype_for(index) != rows.dtype:
+            self.add(index, rows.sum(0, dtype=self._dtype_for(index)))
+        else:
+            buffer.add_(rows.sum(0))
+
+    def results(self) -> List[Optional[torch.Tensor]]:
+        """The summed gradients in each parameter's dtype (None where not needed or unused)."""
+        out = []
+        for param, buffer in zip(self._params, self._buffers):
+            out.append(None if buffer is None else buffer.to(param.dtype))
+        return out

@@ -1,0 +1,39 @@
+"""Input checks made before any work, so a bad call changes no state."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+# Names that common MLPs give their first projection (Llama, Phi3, GPT-2, GPT-NeoX, Mixtral experts, ...).
+_INPUT_PROJECTIONS = ("gate_proj", "up_proj", "gate_up_proj", "fc1", "c_fc", "w1", "dense_h_to_4h", "fc_in")
+
+
+def expected_hidden_size(module: nn.Module) -> Optional[int]:
+    """The input feature count the module needs, when it can be known without running it."""
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    for name in _INPUT_PROJECTIONS:
+        proj = getattr(module, name, None)
+        in_features = getattr(proj, "in_features", None)
+        if isinstance(in_features, int):
+            return in_features
+    return None
+
+
+def check_input(x, module: nn.Module) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"TiledMLP expects a tensor input, got {type(x).__name__}")
+    if x.dim() < 2:
+        raise ValueError(
+            f"TiledMLP expects an input of shape [..., tokens, hidden] (2 dims or more), got shape {tuple(x.shape)}"
+        )
+    if not x.is_floating_point():
+        raise TypeError(f"TiledMLP expects a floating-point input, got dtype {x.dtype}; cast it first")
+    hidden = expected_hidden_size(module)
+    if hidden is not None and x.shape[-1] != hidden:
+        raise ValueError(
+            f"TiledMLP input has hidden size {x.shape[-1]} but the wrapped {type(module).__name__} expects {hidden} "
+            f"(input shape {tuple(x.shape)}); pass [..., tokens, {hidden}]"
+        )
