@@ -1,0 +1,68 @@
+"""Run a function on several CPU processes with the gloo backend, bounded in time.
+
+Processes rendezvous through a file store under the test's own ``tmp_path`` (no ports), so tests run
+in parallel under pytest-xdist. Each rank's return value is saved with ``torch.save`` and handed
+back to the test; an exception in any rank fails the test with that rank's traceback.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, List
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world_size: int, fn: Callable, workdir: str, args: tuple) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Names DeepSpeed and accelerate read when they find an initialised process group.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    out = Path(workdir) / f"rank{rank}.pt"
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size
+        )
+        result = fn(rank, world_size, *args)
+        dist.barrier()  # an abort at exit was seen without it
+        torch.save({"ok": True, "result": result}, out)
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, out)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, tmp_path, *args: Any, timeout: float = 120.0) -> List[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` processes; returns each rank's result."""
+    workdir = Path(tmp_path) / f"dist-{time.monotonic_ns()}"
+    workdir.mkdir(parents=True)
+    ctx = mp.start_processes(_worker, args=(world_size, fn, str(workdir), args), nprocs=world_size,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed run of {fn.__name__} did not finish within {timeout:.0f} s (deadlock?)")
+    except mp.ProcessRaisedException:
+        pass  # the rank's own traceback is in its result file, reported below
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+    results = []
+    for rank in range(world_size):
+        path = workdir / f"rank{rank}.pt"
+        if not path.exists():
+            raise RuntimeError(f"rank {rank} of {fn.__name__} exited without a result (killed or crashed)")
+        record = torch.load(path, weights_only=False)
+        if not record["ok"]:
+            raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{record['error']}")
+        results.append(record["result"])
+    return results

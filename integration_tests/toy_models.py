@@ -1,0 +1,88 @@
+"""Small models shared by the distributed tests: residual gated-MLP blocks, optionally tiled, LoRA-style.
+
+Everything is built from a seed so every rank, and the single-process reference, starts from the
+same weights.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tiled_mlp import TiledMLP
+
+
+class GatedMLP(nn.Module):
+    """Llama-style ``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act_fn = nn.SiLU() if act == "silu" else nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LoRALinear(nn.Module):
+    """A frozen base Linear plus a trainable low-rank update (the shape of a PEFT LoRA layer)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base
+        self.base.weight.requires_grad_(False)
+        if self.base.bias is not None:
+            self.base.bias.requires_grad_(False)
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.lora_B.weight, std=0.02)  # non-zero, so A's gradient is non-zero too
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def add_lora(mlp: GatedMLP, rank: int = 4) -> GatedMLP:
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(mlp, name, LoRALinear(getattr(mlp, name), rank))
+    return mlp
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.mlp = GatedMLP(hidden, intermediate, act, bias)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class ToyModel(nn.Module):
+    """in_proj -> residual gated-MLP blocks -> head; ``loss(x, target)`` is a mean-squared error."""
+
+    def __init__(self, hidden=16, intermediate=40, layers=2, acts=("silu", "gelu_tanh"), bias=False):
+        super().__init__()
+        self.in_proj = nn.Linear(hidden, hidden)
+        self.layers = nn.ModuleList(Block(hidden, intermediate, acts[i % len(acts)], bias) for i in range(layers))
+        self.head = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.in_proj(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def make_toy_model(seed: int = 0, tiled: bool = False, lora: bool = False, dtype=torch.float32, **tile_kwargs) -> ToyModel:
+    """A seeded ToyModel; ``tiled`` wraps each block's MLP in TiledMLP(**tile_kwargs)."""
+    torch.manual_seed(seed)
+    model = ToyModel().to(dtype)
+    for layer in model.layers:
+        if lora:
+            add_lora(layer.mlp)
+            for p in (*layer.norm.parameters(), *model.in_proj.parameters(), *model.head.parameters()):
+                p.requires_grad_(False)
+        if tiled:
+            layer.mlp = TiledMLP(layer.mlp, **tile_kwargs)
+    return model
