@@ -1,0 +1,1 @@
+"""Benchmarks: exact memory accounting (real or fake tensors), timing ratios, peers, tables and plots."""

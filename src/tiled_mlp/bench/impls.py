@@ -1,0 +1,54 @@
+"""The implementations a benchmark compares, each as ``make(mlp, num_shards) -> step_fn(x)``.
+
+``untiled`` is the plain module; ``fast``/``generic`` are ours with the path forced; ``auto`` is ours
+with ``num_shards="auto"``; ``deepspeed`` is DeepSpeed's TiledMLP (the algorithm ms-swift, Liger and
+Axolotl reuse) when deepspeed is installed.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from typing import Callable, Dict
+
+from ..tiled_core import TiledMLP
+
+
+def _untiled(mlp, num_shards):
+    return mlp
+
+
+def _ours(path: str, auto: bool = False):
+    def make(mlp, num_shards):
+        return TiledMLP(mlp, num_shards="auto" if auto else num_shards, path=path)
+
+    return make
+
+
+def _deepspeed(mlp, num_shards):
+    # DeepSpeed logs its accelerator detection to stdout on import, which would corrupt `--json`.
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP as DeepSpeedTiledMLP
+
+    def mlp_forward(module, x):
+        return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
+
+    # DeepSpeed sets a per-shard `ds_grad_is_ready` flag on these; outside ZeRO-3 nothing reads it.
+    compute_params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
+    return lambda x: DeepSpeedTiledMLP.apply(mlp_forward, mlp, x, num_shards, compute_params)
+
+
+IMPLS: Dict[str, Callable] = {
+    "untiled": _untiled,
+    "deepspeed": _deepspeed,
+    "generic": _ours("generic"),
+    "fast": _ours("fast"),
+    "auto": _ours("auto", auto=True),
+}
+
+
+def available_impls():
+    names = list(IMPLS)
+    if importlib.util.find_spec("deepspeed") is None:
+        names.remove("deepspeed")
+    return names

@@ -1,0 +1,82 @@
+"""One forward+backward step of an implementation: its peak memory, its time, its gradient error.
+
+Memory: ``torch.cuda.max_memory_allocated`` on CUDA (everything live counts: input, grad_output,
+weights, grads), the live-storage tracker elsewhere (same accounting, exact). Time: the median of
+``repeats`` steps after ``warmup`` steps, reported as a ratio against the untiled module in the same
+run so machine speed cancels out.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, List, Optional
+
+import torch
+from torch import nn
+
+from .memory_tracker import LiveMemoryTracker
+
+
+def one_step(step_fn: Callable, mlp: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    mlp.zero_grad(set_to_none=True)
+    x.grad = None
+    y = step_fn(x)
+    y.backward(grad_out)
+    return y.detach()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize()
+
+
+def peak_bytes(step_fn: Callable, mlp: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> int:
+    """Peak live bytes of one step, counting the input, grad_output, weights and gradients."""
+    mlp.zero_grad(set_to_none=True)
+    x.grad = None
+    if x.device.type == "cuda":
+        _synchronize(x.device)
+        torch.cuda.reset_peak_memory_stats(x.device)
+        one_step(step_fn, mlp, x, grad_out)
+        _synchronize(x.device)
+        return torch.cuda.max_memory_allocated(x.device)
+    tracker = LiveMemoryTracker()
+    tracker.track(x, grad_out, *mlp.parameters())
+    with tracker:
+        one_step(step_fn, mlp, x, grad_out)
+    return tracker.peak_bytes
+
+
+def step_seconds(step_fn: Callable, mlp: nn.Module, x, grad_out, repeats: int = 3, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        one_step(step_fn, mlp, x, grad_out)
+    times: List[float] = []
+    for _ in range(repeats):
+        _synchronize(x.device)
+        start = time.perf_counter()
+        one_step(step_fn, mlp, x, grad_out)
+        _synchronize(x.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def step_outputs(step_fn: Callable, mlp: nn.Module, x, grad_out) -> List[torch.Tensor]:
+    """Output, input grad and every weight grad of one step (to compare implementations)."""
+    y = one_step(step_fn, mlp, x, grad_out)
+    return [y, x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
+
+
+def max_relative_error(got: List[torch.Tensor], want: List[torch.Tensor]) -> float:
+    """max over tensors of ||got - want|| / ||want|| (in float64)."""
+    worst = 0.0
+    for a, b in zip(got, want):
+        a, b = a.double(), b.double()
+        worst = max(worst, ((a - b).norm() / b.norm().clamp_min(1e-30)).item())
+    return worst
+
+
+def make_inputs(seq: int, hidden: int, dtype, device, batch: int = 1, seed: Optional[int] = 0):
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(batch, seq, hidden, generator=generator).to(device=device, dtype=dtype).requires_grad_(True)
+    grad_out = torch.randn(batch, seq, hidden, generator=generator).to(device=device, dtype=dtype)
+    return x, grad_out

@@ -1,0 +1,1 @@
+"""The ``tiled-mlp`` command: bench, plan, demo."""

@@ -1,0 +1,74 @@
+"""``tiled-mlp bench``: the seed's experiment table for one MLP size, ours against untiled and peers."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from ..bench.impls import available_impls
+from ..bench.report import format_table, plot, to_json
+from ..bench.runner import BenchConfig, run_bench
+from . import parsing
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="time and memory of tiled vs untiled MLP over sequence lengths",
+                              description=__doc__)
+    p.add_argument("--hidden", type=parsing.positive_int, default=512)
+    p.add_argument("--intermediate", type=parsing.positive_int, default=1408)
+    p.add_argument("--seq", type=parsing.seq_list, default=[1024, 2048, 4096, 8192],
+                   help="comma-separated sequence lengths (default 1024,2048,4096,8192)")
+    p.add_argument("--batch", type=parsing.positive_int, default=1)
+    p.add_argument("--dtype", type=parsing.dtype, default=None, help="default: float32 on CPU, bfloat16 elsewhere")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, npu, ...")
+    p.add_argument("--num-shards", type=parsing.shards, default="auto", help="an int >= 1 or auto (default)")
+    p.add_argument("--impls", default=None,
+                   help="comma-separated implementations to compare: " + ", ".join(available_impls()) +
+                        " (default: untiled, auto, and deepspeed when installed)")
+    p.add_argument("--repeats", type=parsing.positive_int, default=3, help="timed steps per cell (median)")
+    p.add_argument("--model-memory", action="store_true",
+                   help="model peak memory with fake tensors (no allocation, no timing): any size on any machine")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--plot", metavar="PNG", help="draw memory (and time) against sequence length")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=run)
+
+
+def _impls(arg, parser_error) -> list:
+    available = available_impls()
+    if arg is None:
+        return [i for i in ("untiled", "auto", "deepspeed") if i in available]
+    names = [n.strip() for n in arg.split(",") if n.strip()]
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        parser_error(f"unknown or unavailable implementation(s) {', '.join(unknown)}; available: {', '.join(available)}")
+    return names
+
+
+def run(args, parser_error) -> int:
+    device = torch.device(args.device)
+    if device.type != "cpu" and not args.model_memory:
+        module = getattr(torch, device.type, None)
+        if module is None or not module.is_available():
+            parser_error(f"device {args.device!r} is not available here; use --device cpu or --model-memory")
+    dtype = args.dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    cfg = BenchConfig(hidden=args.hidden, intermediate=args.intermediate, seqs=args.seq, dtype=dtype,
+                      device=args.device, num_shards=args.num_shards, impls=_impls(args.impls, parser_error),
+                      repeats=args.repeats, batch=args.batch, model_memory=args.model_memory)
+    rows = run_bench(cfg, show_progress=not (args.no_progress or args.json))
+    config = dict(hidden=cfg.hidden, intermediate=cfg.intermediate, seqs=cfg.seqs, dtype=str(dtype).replace("torch.", ""),
+                  device=cfg.device, batch=cfg.batch, num_shards=cfg.num_shards, impls=cfg.impls,
+                  model_memory=cfg.model_memory, torch=torch.__version__)
+    kind = "modelled with fake tensors" if cfg.model_memory else f"measured on {cfg.device}"
+    if args.json:
+        print(to_json(rows, config))
+    else:
+        print(f"SwiGLU MLP hidden={cfg.hidden} intermediate={cfg.intermediate} {config['dtype']} batch={cfg.batch}, "
+              f"fwd+bwd, memory {kind} (input, grad_output, weights and grads included)")
+        print(format_table(rows, tiled="auto" if "auto" in cfg.impls else cfg.impls[-1]))
+    if args.plot:
+        plot(rows, args.plot, f"SwiGLU {cfg.hidden}/{cfg.intermediate} {config['dtype']}, memory {kind}")
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0

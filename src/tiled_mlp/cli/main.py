@@ -1,0 +1,32 @@
+"""Entry point of the ``tiled-mlp`` command."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from . import bench_cmd, plan_cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tiled-mlp", description="Token-sharded MLPs for long-sequence training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in (bench_cmd, plan_cmd):
+        command.add_parser(sub)
+    try:
+        from . import demo_cmd
+    except ImportError:  # the demo needs transformers (the `hf` extra)
+        pass
+    else:
+        demo_cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.run(args, parser.error)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""``tiled-mlp plan``: how many shards, the predicted peak, and whether tiling helps at all.
+
+Predictions come from the fake-tensor memory model (exact live-storage accounting of the real code),
+so nothing is allocated and the seed's sizes plan in seconds on any machine.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ..bench.model_memory import modeled_peak_bytes
+from ..bench.mlp import SwiGLUMLP
+from ..tiled_core.auto_shards import auto_num_shards, mlp_size
+from . import parsing
+
+GiB = 2**30
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="shard count and predicted peak memory for one MLP step", description=__doc__)
+    p.add_argument("--hidden", type=parsing.positive_int, required=True)
+    p.add_argument("--intermediate", type=parsing.positive_int, required=True)
+    p.add_argument("--seq", type=parsing.positive_int, required=True, help="tokens per sequence")
+    p.add_argument("--batch", type=parsing.positive_int, default=1)
+    p.add_argument("--dtype", type=parsing.dtype, default=torch.bfloat16)
+    p.add_argument("--budget", type=parsing.byte_size, default=None,
+                   help="memory budget for the MLP step, e.g. 8GiB: plan the fewest shards that fit")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run)
+
+
+def floor_bytes(hidden: int, intermediate: int, tokens: int, dtype: torch.dtype) -> int:
+    """What no shard count removes: weights and their grads, input, output and both of their grads."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * 3 * hidden * intermediate * element + 4 * tokens * hidden * element
+
+
+def _auto_shards(hidden, intermediate, tokens, dtype):
+    with torch.device("meta"):
+        mlp = SwiGLUMLP(hidden, intermediate, dtype=dtype)
+    return auto_num_shards(tokens, mlp_size(mlp, hidden, torch.empty((), dtype=dtype).element_size()))
+
+
+def make_plan(hidden: int, intermediate: int, seq: int, dtype: torch.dtype, batch: int = 1, budget=None) -> dict:
+    tokens = seq * batch
+    model = lambda impl, n: modeled_peak_bytes(impl, hidden, intermediate, seq, dtype, n, batch)  # noqa: E731
+    untiled = model("untiled", 1)
+    auto = _auto_shards(hidden, intermediate, tokens, dtype)
+    plan = dict(hidden=hidden, intermediate=intermediate, seq=seq, batch=batch, dtype=str(dtype).replace("torch.", ""),
+                untiled_peak_bytes=untiled, auto_num_shards=auto or 1, auto_runs_untiled=auto is None,
+                auto_peak_bytes=untiled if auto is None else model("fast", auto),
+                floor_bytes=floor_bytes(hidden, intermediate, tokens, dtype))
+    plan["tiling_helps"] = plan["auto_peak_bytes"] < untiled
+    if budget is not None:
+        plan["budget_bytes"] = budget
+        plan.update(_fit_budget(budget, untiled, tokens, plan["floor_bytes"], lambda n: model("fast", n)))
+    return plan
+
+
+def _fit_budget(budget, untiled, tokens, floor, peak_at) -> dict:
+    if untiled <= budget:
+        return dict(budget_num_shards=None, budget_peak_bytes=untiled, budget_note="fits untiled: no tiling needed")
+    if floor > budget:
+        raise ValueError(
+            f"a budget of {budget / GiB:.2f} GiB is too small even with one token per shard: weights, their "
+            f"grads, input, output and their grads alone need {floor / GiB:.2f} GiB. Raise the budget, shorten "
+            "the sequence, or shard the weights (FSDP2 / ZeRO-3)."
+        )
+    shards = 1
+    while True:
+        peak = peak_at(shards)
+        if peak <= budget:
+            return dict(budget_num_shards=shards, budget_peak_bytes=peak, budget_note="fewest shards (power of two) that fit")
+        if shards >= tokens:
+            raise ValueError(
+                f"a budget of {budget / GiB:.2f} GiB does not fit even at one token per shard "
+                f"(predicted {peak / GiB:.2f} GiB); raise the budget"
+            )
+        shards = min(tokens, shards * 2)
+
+
+def run(args, parser_error) -> int:
+    try:
+        plan = make_plan(args.hidden, args.intermediate, args.seq, args.dtype, args.batch, args.budget)
+    except ValueError as error:
+        parser_error(str(error))
+    if args.json:
+        print(json.dumps(plan, indent=2))
+        return 0
+    g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+    print(f"SwiGLU hidden={args.hidden} intermediate={args.intermediate} seq={args.seq} batch={args.batch} {plan['dtype']}")
+    print(f"  untiled peak:        {g(plan['untiled_peak_bytes'])}")
+    if plan["auto_runs_untiled"]:
+        print("  auto:                runs untiled (tiling cannot lower the peak enough at this length)")
+    else:
+        ratio = plan["auto_peak_bytes"] / plan["untiled_peak_bytes"]
+        print(f"  auto:                {plan['auto_num_shards']} shards, peak {g(plan['auto_peak_bytes'])} ({ratio:.3f} of untiled)")
+    print(f"  floor (any shards):  {g(plan['floor_bytes'])}")
+    if args.budget is not None:
+        if plan["budget_num_shards"] is None:
+            print(f"  budget {g(args.budget)}: {plan['budget_note']}")
+        else:
+            print(f"  budget {g(args.budget)}: {plan['budget_num_shards']} shards, peak {g(plan['budget_peak_bytes'])}")
+    return 0
