@@ -16,12 +16,13 @@ from torch import nn
 from ..strategies.base import Strategy
 from ..strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
 from .activations import gated_activation
+from .auto_shards import auto_num_shards, mlp_size
 from .gated_spec import forward_matches_formula, structural_spec
 from .hooked_call import call_with_forward
 from .kernels import GatedShardKernel, GenericShardKernel
 from .shard_plan import NumShards, check_num_shards, make_shard_plan
 from .sharded_autograd import ShardedRun, sharded_apply
-from .validation import check_input, expected_hidden_size
+from .validation import check_input
 
 PATHS = ("auto", "fast", "generic")
 _INNER = "mlp"
@@ -111,10 +112,14 @@ class TiledMLP(nn.Module):
         if self.path == "fast" and spec is None:
             raise ValueError(f"path='fast' cannot apply to {type(self.mlp).__name__}: {why_not_fast}; use path='auto'")
         num_tokens = x.numel() // x.shape[-1]
-        hidden = expected_hidden_size(self.mlp) or x.shape[-1]
-        plan = make_shard_plan(num_tokens, self.num_shards, hidden)
-        if plan.num_shards == 0:
+        num_shards = self.num_shards
+        if num_shards == "auto":
+            num_shards = auto_num_shards(num_tokens, mlp_size(self.mlp, x.shape[-1], x.element_size()))
+        if num_tokens == 0 or num_shards is None:
+            # Nothing to split, or too short for tiling to lower the peak: the plain module.
+            self.last_path, self.last_num_shards = "untiled", 1
             return self.mlp(x)
+        plan = make_shard_plan(num_tokens, num_shards, x.shape[-1])
 
         def tiled_body(original_forward, x_in: torch.Tensor) -> torch.Tensor:
             with strategy.gathered(self.mlp):
