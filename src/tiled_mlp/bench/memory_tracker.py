@@ -31,6 +31,9 @@ class LiveMemoryTracker(TorchDispatchMode):
         self.peak_bytes = self.current_bytes
 
     def _add(self, tensor: torch.Tensor) -> None:
+        if hasattr(tensor, "to_local"):
+            # A DTensor is a wrapper without storage of its own; this rank holds its local shard.
+            tensor = tensor.to_local()
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key in self._live:

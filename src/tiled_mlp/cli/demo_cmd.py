@@ -1,0 +1,60 @@
+"""``tiled-mlp demo``: train a tiny Llama tiled and untiled on synthetic long sequences (CPU).
+
+With ``--nproc N --strategy fsdp2|deepspeed`` it launches N ranks through torchrun with gloo.
+"""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+from . import parsing
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--seq", type=parsing.positive_int, default=4096)
+    p.add_argument("--batch", type=parsing.positive_int, default=1)
+    p.add_argument("--steps", type=parsing.positive_int, default=3)
+    p.add_argument("--hidden", type=parsing.positive_int, default=128)
+    p.add_argument("--intermediate", type=parsing.positive_int, default=512)
+    p.add_argument("--layers", type=parsing.positive_int, default=2)
+    p.add_argument("--vocab", type=parsing.positive_int, default=256)
+    p.add_argument("--num-shards", type=parsing.shards, default=8)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--strategy", choices=["fsdp2", "deepspeed"], default=None,
+                   help="distributed backend (needs --nproc >= 2)")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("demo", help="train a tiny Llama tiled vs untiled (loss and peak memory per step)",
+                              description=__doc__)
+    add_arguments(p)
+    p.add_argument("--nproc", type=parsing.positive_int, default=1, help="ranks to launch with torchrun (CPU, gloo)")
+    p.set_defaults(run=run)
+
+
+def _passthrough(args) -> list:
+    out = []
+    for name in ("seq", "batch", "steps", "hidden", "intermediate", "layers", "vocab", "num_shards", "lr", "seed"):
+        out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.strategy:
+        out += ["--strategy", args.strategy]
+    return out
+
+
+def run(args, parser_error) -> int:
+    if importlib.util.find_spec("transformers") is None:
+        parser_error("the demo needs transformers: pip install 'tiled-mlp[hf]'")
+    if args.strategy and args.nproc < 2:
+        parser_error(f"--strategy {args.strategy} needs --nproc 2 or more")
+    if args.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        parser_error("--strategy deepspeed needs deepspeed: pip install 'tiled-mlp[deepspeed]'")
+    if args.nproc == 1:
+        from .demo_train import report
+
+        report(args, rank=0)
+        return 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+               "-m", "tiled_mlp.cli.demo_train", *_passthrough(args)]
+    return subprocess.call(command)
