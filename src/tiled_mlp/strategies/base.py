@@ -40,6 +40,12 @@ class Strategy(ABC):
         no-op: the backend's own module hooks (which fire once around the tiled call) did it."""
         return contextlib.nullcontext()
 
+    def is_backend_hook(self, hook) -> bool:
+        """Is this forward (pre-)hook on a submodule of the wrapped MLP the backend's own parameter
+        handling, which ``gathered`` stands in for inside the tiled call? Then the fast kernel, which
+        bypasses the submodules' ``__call__``, loses nothing by skipping it. Default: no."""
+        return False
+
     def trainable_params(self, module: nn.Module) -> List[torch.Tensor]:
         """The tensors whose gradients the tiled Function returns."""
         return [p for p in module.parameters() if p.requires_grad]

@@ -1,16 +1,88 @@
-"""DeepSpeed ZeRO. Stage 3 partitions parameters (they carry ``ds_id``); stages 1 and 2 keep them whole
-and reduce gradients from hooks on each parameter, which the core's single delivery satisfies."""
+"""DeepSpeed ZeRO (stages 1, 2 and 3).
+
+Stage 3 partitions every parameter (it then carries ``ds_id``/``ds_status``) and installs four module
+hooks on every submodule: gather before forward, release after it, and the same pair around the
+module's backward. Around the tiled call those hooks are exactly what is wanted once, and the core
+calls the wrapped MLP once through ``__call__`` for that. Inside it they are not: the generic kernel
+calls the MLP's original forward per shard, which calls each child Linear through *its* ``__call__``,
+so the children's hooks would all-gather and release once per shard, per recompute, and record a
+module trace whose length depends on the shard count. Ranks with different token counts (so
+different shard counts) would then issue different collectives (deadlock) and fail ZeRO's
+trace-agreement check.
+
+So the strategy registers the children's parameters as ZeRO-3 *external parameters* of the MLP
+(DeepSpeed's ``register_external_parameter``): the MLP's own hooks, which fire once around the tiled
+call, then fetch them before the forward and again before the backward, and release them afterwards
+(after autograd has accumulated their gradients into the full-size buffers). ``gathered`` suspends
+ZeRO-3's module hooks on the MLP's *descendants* for the shard loop and the recompute, and at the very
+first call (before the registration took effect) gathers with ``GatheredParameters``: one coalesced
+all-gather, the same on every rank whatever its shard count. Gradients are not this module's concern:
+the core returns each parameter's summed gradient once, and ZeRO's per-parameter post-accumulate hook
+reduces it once.
+
+Why not ``set_z3_leaf_modules``: it must be set before ``deepspeed.initialize``, and it moves the
+leaf's gradient reduction to a full backward hook on the module, which PyTorch fires before the
+module's backward when no input requires grad, so the gradients would be reduced before TiledMLP had
+produced them.
+
+Stages 1 and 2 keep parameters whole and reduce from per-parameter hooks, which the core's single
+delivery satisfies: nothing to gather, and this strategy only names the backend.
+
+deepspeed is imported lazily, and only once parameters already carry ZeRO-3 attributes.
+"""
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+import inspect
+from typing import ContextManager, Dict, Iterator, List, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from .base import Strategy
 
+_ZERO3_HOOK_OWNER = "DeepSpeedZeRoOffload."  # qualname prefix of the hooks ZeRO-3 puts on every module
+_ENGINE_CLASS = ("deepspeed.runtime.engine", "DeepSpeedEngine")
+
 
 def is_zero3_param(param) -> bool:
     return hasattr(param, "ds_id") and hasattr(param, "ds_status")
+
+
+def is_zero12_param(param) -> bool:
+    # ZeRO-1/2 (and DeepSpeed's bf16 optimizer) link each trained parameter to its fp32 master
+    # fragment; the attribute is set on every rank, None where the fragment lives on another rank.
+    return hasattr(param, "_hp_mapping")
+
+
+def _is_deepspeed_engine(module: nn.Module) -> bool:
+    return any((cls.__module__, cls.__name__) == _ENGINE_CLASS for cls in type(module).__mro__)
+
+
+def is_zero3_module_hook(hook) -> bool:
+    """Is ``hook`` one of the gather/release hooks ZeRO-3 registers on every submodule?"""
+    return any(getattr(fn, "__qualname__", "").startswith(_ZERO3_HOOK_OWNER) for fn in _wrapped_functions(hook))
+
+
+def _wrapped_functions(fn, depth: int = 3):
+    """``fn`` and the functions its decorators wrap: DeepSpeed decorates these hooks with
+    ``torch.compiler.disable`` (which sets ``__wrapped__``) and ``instrument_w_nvtx`` (a closure)."""
+    yield fn
+    if depth == 0:
+        return
+    inner = [getattr(fn, "__wrapped__", None)]
+    inner += [cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ()) if _cell_is_set(cell)]
+    for candidate in inner:
+        if inspect.isfunction(candidate) or inspect.ismethod(candidate):
+            yield from _wrapped_functions(candidate, depth - 1)
+
+
+def _cell_is_set(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 class DeepSpeedZeroStrategy(Strategy):
@@ -19,4 +91,83 @@ class DeepSpeedZeroStrategy(Strategy):
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        return any(is_zero3_param(p) for p in module.parameters())
+        if any(is_zero3_param(p) or is_zero12_param(p) for p in module.parameters()):
+            return True
+        return any(_is_deepspeed_engine(m) for m in ancestors)
+
+    def gathered(self, module: nn.Module) -> ContextManager:
+        if not any(is_zero3_param(p) for p in module.parameters()):
+            return contextlib.nullcontext()  # stages 1 and 2: parameters are whole
+        return _zero3_gathered(module)
+
+    @staticmethod
+    def is_backend_hook(hook) -> bool:
+        """ZeRO-3's own hooks are replaced by ``gathered`` inside the tiled call, so a child Linear
+        that carries only those may be bypassed by the fast kernel."""
+        return is_zero3_module_hook(hook)
+
+
+@contextlib.contextmanager
+def _zero3_gathered(module: nn.Module) -> Iterator[None]:
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
+
+    in_backward = torch._C._current_graph_task_id() != -1
+    if not in_backward:
+        _register_descendant_params_as_external(module)
+    params = [p for p in module.parameters() if is_zero3_param(p)]
+    inflight = [p.ds_id for p in params if p.ds_status == ZeroParamStatus.INFLIGHT]
+    if inflight:
+        raise RuntimeError(
+            f"TiledMLP: ZeRO-3 parameters {inflight} of {type(module).__name__} are still being fetched by DeepSpeed "
+            "when the tiled call needs them. Please report the model layout."
+        )
+    # What is still partitioned: only at the first call, before the registration above took effect.
+    # Every rank holds the same statuses at the same point, so this all-gather matches across ranks.
+    missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if missing and in_backward:
+        # Gathering here would release the parameters on exit, before autograd accumulates the
+        # gradients the recompute returns, into the full-size buffers it needs.
+        raise RuntimeError(
+            f"TiledMLP: ZeRO-3 did not gather parameters {[p.ds_id for p in missing]} of {type(module).__name__} "
+            "before its backward; its module hooks did not run around the tiled call. Please report the model layout."
+        )
+    with GatheredParameters(missing, modifier_rank=None), _descendant_hooks_suspended(module):
+        yield
+
+
+def _register_descendant_params_as_external(module: nn.Module) -> None:
+    """Make ZeRO-3 fetch the children's parameters with the MLP's own hooks: before its forward, again
+    before its backward (so the recompute has them), and release them after each, after autograd has
+    accumulated their gradients."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    own = {id(p) for p in module.parameters(recurse=False)}
+    registered = getattr(module, "_external_params", {})
+    for p in module.parameters():
+        if is_zero3_param(p) and id(p) not in own and id(p) not in registered:
+            register_external_parameter(module, p)
+
+
+@contextlib.contextmanager
+def _descendant_hooks_suspended(module: nn.Module) -> Iterator[None]:
+    removed: List[Tuple[dict, List[Tuple[int, object]], Dict[int, object]]] = []
+    try:
+        for sub in module.modules():
+            if sub is module:
+                continue
+            for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
+                mine = {k: h for k, h in hooks.items() if is_zero3_module_hook(h)}
+                if mine:
+                    removed.append((hooks, list(hooks.items()), mine))
+                    for key in mine:
+                        del hooks[key]
+        yield
+    finally:
+        for hooks, original, mine in reversed(removed):
+            # Back in their original order (ZeRO's hooks interleave with others); hooks that others
+            # added or removed meanwhile stay added or removed.
+            current = dict(hooks)
+            restored = [(k, h) for k, h in original if k in mine or k in current]
+            restored += [(k, h) for k, h in current.items() if k not in mine and all(k != ok for ok, _ in original)]
+            hooks.clear()
+            hooks.update(restored)

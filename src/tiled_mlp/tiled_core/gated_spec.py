@@ -84,15 +84,22 @@ def _has_values(t: torch.Tensor) -> bool:
     return not (t.is_meta or is_fake(t))
 
 
-def _is_plain_linear(module) -> bool:
-    return type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+def _no_hook_is_backend(hook) -> bool:
+    return False
+
+
+def _is_plain_linear(module, is_backend_hook=_no_hook_is_backend) -> bool:
+    # A backend's own parameter hooks (ZeRO-3 gather/release) are stood in for by the strategy's
+    # ``gathered`` inside the tiled call; any other hook would be skipped by the fast kernel.
+    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+    return type(module) is nn.Linear and all(is_backend_hook(h) for h in hooks)
 
 
 def _has_dropout(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
 
 
-def structural_spec(module: nn.Module) -> Tuple[Optional[GatedMLPSpec], str]:
+def structural_spec(module: nn.Module, is_backend_hook=_no_hook_is_backend) -> Tuple[Optional[GatedMLPSpec], str]:
     """The spec if the module's structure allows the fast path, else None and the reason why not."""
     act = _activation_name(module)
     if act is None:
@@ -108,7 +115,7 @@ def structural_spec(module: nn.Module) -> Tuple[Optional[GatedMLPSpec], str]:
                             up=getattr(module, "up_proj", None))
         if spec.gate is None or spec.up is None:
             return None, "no gate_proj/up_proj or gate_up_proj"
-    if not all(_is_plain_linear(m) for m in spec.linears):
+    if not all(_is_plain_linear(m, is_backend_hook) for m in spec.linears):
         return None, "projections are not plain nn.Linear without hooks (LoRA, quantised or hooked)"
     if _has_dropout(module):
         return None, "the module has dropout"

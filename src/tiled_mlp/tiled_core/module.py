@@ -108,7 +108,7 @@ class TiledMLP(nn.Module):
         check_input(x, self.mlp)
         strategy = self._strategy()
         strategy.check_supported(self.mlp)
-        spec, why_not_fast = structural_spec(self.mlp) if self.path != "generic" else (None, "path='generic'")
+        spec, why_not_fast = structural_spec(self.mlp, strategy.is_backend_hook) if self.path != "generic" else (None, "path='generic'")
         if self.path == "fast" and spec is None:
             raise ValueError(f"path='fast' cannot apply to {type(self.mlp).__name__}: {why_not_fast}; use path='auto'")
         num_tokens = x.numel() // x.shape[-1]
@@ -133,7 +133,7 @@ class TiledMLP(nn.Module):
         mlp = self.mlp
         fast = isinstance(kernel, GatedShardKernel)
         if fast:
-            current = lambda: structural_spec(mlp)[0].params  # noqa: E731
+            current = lambda: structural_spec(mlp, strategy.is_backend_hook)[0].params  # noqa: E731
         else:
             current = lambda: strategy.trainable_params(mlp)  # noqa: E731
         return ShardedRun(

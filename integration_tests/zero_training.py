@@ -1,0 +1,100 @@
+"""Rank-side half of the ZeRO tests: train one case under DeepSpeed and record full gradients and
+parameters after every optimizer step, for the untiled model, ours, and the DeepSpeed peer."""
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import Dict, List
+
+import torch
+
+from tiled_mlp import TiledMLP
+
+from .toy_models import make_toy_model
+from .zero_cases import HIDDEN, LR, STEPS, ZeroCase, ds_config
+from .zero_peer import use_deepspeed_tiled_mlp
+
+KINDS = ("untiled", "tiled", "peer")
+
+
+def build_model(case: ZeroCase, kind: str, rank: int):
+    tile_kwargs = dict(num_shards=case.shards(rank), path=case.path) if kind == "tiled" else {}
+    model = make_toy_model(seed=0, tiled=kind == "tiled", lora=case.lora, dtype=case.dtype, **tile_kwargs)
+    if case.frozen_input:
+        for p in (*model.in_proj.parameters(), *model.layers[0].norm.parameters()):
+            p.requires_grad_(False)
+    if kind == "peer":
+        for layer in model.layers:
+            use_deepspeed_tiled_mlp(layer.mlp, case.shards(rank))
+    return model
+
+
+def canonical_name(name: str) -> str:
+    """TiledMLP keeps the inner MLP as ``.mlp``: drop that level so the runs' names line up."""
+    return name.replace(".mlp.mlp.", ".mlp.")
+
+
+def micro_batch(case: ZeroCase, rank: int, index: int):
+    g = torch.Generator().manual_seed(1000 * (rank + 1) + index)
+    x = torch.randn(1, case.tokens(rank), HIDDEN, generator=g).to(case.dtype)
+    return x, torch.randn(x.shape, generator=g)
+
+
+def full_param(p) -> torch.Tensor:
+    """The whole fp32 master copy of a trained parameter; the gathered weight of a frozen one."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    master = safe_get_full_fp32_param(p)
+    if master is not None:
+        return master.detach().float().clone()
+    with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+        return p.detach().float().clone()
+
+
+def train(case: ZeroCase, kind: str, rank: int) -> Dict:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    model = build_model(case, kind, rank)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=LR), config=ds_config(case))
+    named = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
+    record = {"grads": [], "params": [], "shards": [], "paths": set(), "strategies": set()}
+    record["initial"] = {n: full_param(p) for n, p in named}
+    for step in range(STEPS):
+        for micro in range(case.gas):
+            x, target = micro_batch(case, rank, step * case.gas + micro)
+            loss = ((engine(x).float() - target) ** 2).mean()
+            engine.backward(loss)
+            record["shards"].append([m.last_num_shards for m in tiled])
+            record["paths"].update(m.last_path for m in tiled)
+            record["strategies"].update(m.strategy.name for m in tiled)
+            if micro == case.gas - 1:
+                assert engine.is_gradient_accumulation_boundary()
+                record["grads"].append(
+                    {n: safe_get_full_grad(p).detach().float().clone() for n, p in named if p.requires_grad}
+                )
+            engine.step()
+        record["params"].append({n: full_param(p) for n, p in named})
+    engine.destroy()
+    return record
+
+
+def train_cases(rank: int, world_size: int, cases: List[ZeroCase], kinds=("untiled", "tiled"), catch=()) -> Dict:
+    """``{case.name: {kind: record}}``; kinds listed in ``catch`` record an error instead of raising."""
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    results = {}
+    for case in cases:
+        results[case.name] = {}
+        for kind in kinds:
+            try:
+                results[case.name][kind] = train(case, kind, rank)
+            except Exception:  # noqa: BLE001 - only for the kinds in `catch`
+                if kind not in catch:
+                    raise
+                results[case.name][kind] = {"error": traceback.format_exc(limit=-3)}
+    return results
