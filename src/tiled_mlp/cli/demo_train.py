@@ -96,7 +96,7 @@ def report(args, rank: int) -> None:
           f"batch={args.batch} ({where}, CPU, float32); peak = live tensor memory during the step")
     print("| step | untiled loss | tiled loss | |diff| | untiled peak MiB | tiled peak MiB |")
     print("|---|---|---|---|---|---|")
-    for i, (lu, lt, pu, pt) in enumerate(zip(*untiled, *tiled)):
+    for i, (lu, pu, lt, pt) in enumerate(zip(*untiled, *tiled)):
         print(f"| {i} | {lu:.6f} | {lt:.6f} | {abs(lu - lt):.1e} | {pu:.1f} | {pt:.1f} |")
     worst = max(abs(a - b) for a, b in zip(untiled[0], tiled[0]))
     print(f"largest loss difference: {worst:.2e}")
