@@ -1,23 +1,77 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
 When the tiled module sits inside an FSDP2 unit (decoder layer, root) or is one itself, FSDP2's own
-module hooks unshard the parameters before the tiled call and again before its backward, and
-reduce-scatter the gradients that autograd accumulated into the unsharded parameters; the tiled core
-delivers each gradient once, so nothing more is needed here.
+module hooks, which fire once around the tiled call, unshard the parameters before it and again
+before its backward, and reduce-scatter the gradients that autograd accumulated into the unsharded
+parameters. The tiled core delivers each gradient exactly once, so ``gathered`` has nothing to do
+and there is no per-shard collective: ranks with different shard counts issue the same collectives.
+
+Claiming: a module is FSDP2's when it, a submodule, or a recorded ancestor is an ``FSDPModule``, or
+when one of its parameters is managed by an FSDP2 parameter group. The last test finds the enclosing
+unit with no recorded ancestors (``fully_shard(decoder_layer)`` around an MLP that was tiled first):
+FSDP2 keeps a process-wide module -> state map, and each of its parameters knows the module that
+owns it. That map is private API; if it moves, the claim falls back to the single-device strategy,
+which is equally correct here (its ``gathered`` is the same no-op), only less well named.
+
+Rejected: Linears inside the MLP that are FSDP2 units of their own (per-Linear ``fully_shard``).
+Their hooks would all-gather and reshard once per token shard (a shard-count-dependent number of
+collectives, so ranks with different token counts deadlock), and skipping those hooks would leave
+their gradients unreduced: FSDP2 registers a unit's post-backward reduce-scatter in its own
+pre-forward hook.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, List, Sequence
 
 from torch import nn
 
 from .base import Strategy, UnsupportedBackendError
+
+PER_LINEAR_ERROR = (
+    "TiledMLP cannot tile a module whose submodules are FSDP2 units of their own ({units}): each "
+    "would all-gather and reshard once per token shard (ranks with different token counts would "
+    "deadlock), and bypassing them would leave their gradients unreduced. Apply fully_shard to the "
+    "MLP, to the TiledMLP, or to the decoder layer that contains it, not to its Linears."
+)
 
 
 def _fsdp_module_class():
     from torch.distributed.fsdp import FSDPModule
 
     return FSDPModule
+
+
+def inner_fsdp_units(module: nn.Module) -> List[str]:
+    """Names of the submodules (not ``module`` itself) that are FSDP2 units."""
+    fsdp_module = _fsdp_module_class()
+    return [name for name, m in module.named_modules() if name and isinstance(m, fsdp_module)]
+
+
+def _fsdp2_states() -> Iterator[object]:
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    seen = set()
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        if isinstance(state, FSDPState) and id(state) not in seen:
+            seen.add(id(state))
+            yield state
+
+
+def params_managed_by_fsdp2(module: nn.Module) -> bool:
+    """Is a parameter of ``module`` (or of a submodule) sharded by some FSDP2 unit, wherever it is?"""
+    owners = {id(m) for m in module.modules() if m._parameters}
+    if not owners:
+        return False
+    try:
+        for state in _fsdp2_states():
+            for group in state._fsdp_param_groups:
+                if any(id(fp._module_info.module) in owners for fp in group.fsdp_params):
+                    return True
+    except (ImportError, AttributeError):  # FSDP2's internals moved: see the module docstring
+        return False
+    return False
 
 
 class FSDP2Strategy(Strategy):
@@ -31,14 +85,11 @@ class FSDP2Strategy(Strategy):
         if not dist.is_available():
             return False
         fsdp_module = _fsdp_module_class()
-        return any(isinstance(m, fsdp_module) for m in (*ancestors, *module.modules()))
+        if any(isinstance(m, fsdp_module) for m in (*ancestors, *module.modules())):
+            return True
+        return params_managed_by_fsdp2(module)
 
     def check_supported(self, module: nn.Module) -> None:
-        fsdp_module = _fsdp_module_class()
-        inner = [name for name, m in module.named_modules() if name and isinstance(m, fsdp_module)]
-        if inner:
-            raise UnsupportedBackendError(
-                "TiledMLP cannot tile a module whose submodules are FSDP2 units of their own "
-                f"({', '.join(inner)}): each would unshard and reshard once per token shard. Call fully_shard "
-                "on the MLP (or on the TiledMLP, or the decoder layer containing it) instead of on its Linears."
-            )
+        units = inner_fsdp_units(module)
+        if units:
+            raise UnsupportedBackendError(PER_LINEAR_ERROR.format(units=", ".join(units)))

@@ -1,0 +1,81 @@
+"""Rank side of the accelerate test: the toy model prepared by ``Accelerator`` with an FSDP2 plugin.
+
+On CPU, accelerate never enables FSDP by itself: with an initialised gloo group its state says
+``MULTI_CPU`` and it ignores the plugin (it only switches to FSDP on accelerator devices). We set the
+distributed type and the plugin on the shared state by hand; from there ``prepare`` runs its real
+FSDP2 path (``fsdp2_prepare_model``: auto-wrap of the decoder blocks with ``fully_shard``, then the
+root), which is what runs on GPUs.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+from tiled_mlp import TiledMLP
+
+from .fsdp2_cases import LR, STEPS, Fsdp2Case
+from .fsdp2_training import base_model, canonical_name, full, micro_batch
+
+CASE = Fsdp2Case("accelerate", num_shards=3)
+
+
+def _plugin():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["Block"],
+        reshard_after_forward=True,
+    )
+
+
+def _force_fsdp2(accelerator, plugin) -> None:
+    """See the module docstring: on CPU accelerate leaves FSDP off, so switch it on explicitly. Done
+    before every ``prepare``: with accelerate 1.15 the state was seen back at ``MULTI_CPU`` after a
+    ``prepare``, and a second model was then wrapped in DDP."""
+    from accelerate.utils import DistributedType
+
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    assert accelerator.is_fsdp2
+
+
+def train(accelerator, kind: str, rank: int) -> Dict:
+    from torch.distributed.fsdp import FSDPModule
+
+    model = base_model(CASE)
+    if kind == "tiled":
+        for layer in model.layers:
+            layer.mlp = TiledMLP(layer.mlp, num_shards=CASE.shards(rank))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    _force_fsdp2(accelerator, _plugin())
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert isinstance(model, FSDPModule) and all(isinstance(layer, FSDPModule) for layer in model.layers)
+    named = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
+    record = {"grads": [], "params": [], "shards": [], "paths": set(), "strategies": set()}
+    record["initial"] = {n: full(p) for n, p in named}
+    for step in range(STEPS):
+        x, target = micro_batch(CASE, rank, step)
+        loss = ((model(x) - target) ** 2).mean()
+        accelerator.backward(loss)
+        record["shards"].append([m.last_num_shards for m in tiled])
+        record["paths"].update(m.last_path for m in tiled)
+        record["strategies"].update(m.strategy.name for m in tiled)
+        record["grads"].append({n: full(p.grad) for n, p in named if p.requires_grad})
+        optimizer.step()
+        optimizer.zero_grad()
+        record["params"].append({n: full(p) for n, p in named})
+    return record
+
+
+def train_with_accelerate(rank: int, world_size: int) -> Dict:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, fsdp_plugin=_plugin())
+    out = {kind: train(accelerator, kind, rank) for kind in ("untiled", "tiled")}
+    dist.barrier()
+    return out

@@ -1,0 +1,114 @@
+"""Rank-side half of the FSDP2 tests: build the toy model under ``fully_shard`` as a case says, train
+it, and record every full gradient and every full parameter after every optimizer step."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tiled_mlp import TiledMLP
+
+from .fsdp2_cases import HIDDEN, LR, STEPS, Fsdp2Case
+from .toy_models import make_toy_model
+
+KINDS = ("untiled", "tiled")
+
+
+def canonical_name(name: str) -> str:
+    """TiledMLP keeps the inner MLP as ``.mlp``: drop that level so the runs' names line up."""
+    return name.replace(".mlp.mlp.", ".mlp.")
+
+
+def micro_batch(case: Fsdp2Case, rank: int, index: int):
+    """The same (input, target) for a rank and micro-batch index in every run and the reference."""
+    g = torch.Generator().manual_seed(1000 * (rank + 1) + index)
+    x = torch.randn(1, case.tokens(rank), HIDDEN, generator=g)
+    return x, torch.randn(x.shape, generator=g)
+
+
+def base_model(case: Fsdp2Case, dtype=torch.float32) -> nn.Module:
+    model = make_toy_model(seed=0, lora=case.lora).to(dtype)
+    if case.frozen_input:
+        for p in (*model.in_proj.parameters(), *model.layers[0].norm.parameters()):
+            p.requires_grad_(False)
+    return model
+
+
+def fsdp_kwargs(case: Fsdp2Case, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    kwargs = dict(mesh=init_device_mesh("cpu", (world_size,)), reshard_after_forward=case.reshard_after_forward)
+    if case.mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if case.cpu_offload:
+        # pin_memory needs an accelerator; on a CPU mesh the "offload" is to the same memory.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    return kwargs
+
+
+def build_model(case: Fsdp2Case, kind: str, rank: int, world_size: int) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = base_model(case)
+    kwargs = fsdp_kwargs(case, world_size)
+
+    def tile(mlp: nn.Module) -> nn.Module:
+        if kind != "tiled":
+            return mlp
+        return TiledMLP(mlp, num_shards=case.shards(rank), path=case.path,
+                        grad_accum_dtype=case.grad_accum_dtype, strategy=case.strategy)
+
+    for layer in model.layers:
+        if case.wrap == "mlp":
+            fully_shard(layer.mlp, **kwargs)  # the MLP is an FSDP2 unit before TiledMLP wraps it
+        layer.mlp = tile(layer.mlp)
+        if case.wrap == "tiled":
+            fully_shard(layer.mlp, **kwargs)
+        if case.wrap == "layers":
+            fully_shard(layer, **kwargs)
+        if case.record_ancestors and kind == "tiled":
+            layer.mlp.set_ancestors([model, layer])
+    fully_shard(model, **kwargs)
+    return model
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded DTensor (a collective: every rank calls it in the same order)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().clone()
+
+
+def train(case: Fsdp2Case, kind: str, rank: int, world_size: int) -> Dict:
+    model = build_model(case, kind, rank, world_size)
+    named = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    trainable = [p for _, p in named if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=LR)
+    tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
+    record = {"grads": [], "params": [], "shards": [], "paths": set(), "strategies": set()}
+    record["initial"] = {n: full(p) for n, p in named}
+    for step in range(STEPS):
+        for micro in range(case.gas):
+            # Reduce-scatter only at the last micro-batch; before it FSDP2 keeps unsharded sums.
+            model.set_requires_gradient_sync(micro == case.gas - 1)
+            x, target = micro_batch(case, rank, step * case.gas + micro)
+            loss = ((model(x).float() - target) ** 2).mean() / case.gas
+            loss.backward()
+            record["shards"].append([m.last_num_shards for m in tiled])
+            record["paths"].update(m.last_path for m in tiled)
+            record["strategies"].update(m.strategy.name for m in tiled)
+        record["grads"].append({n: full(p.grad) for n, p in named if p.requires_grad})
+        optimizer.step()
+        optimizer.zero_grad()
+        record["params"].append({n: full(p) for n, p in named})
+    return record
+
+
+def train_cases(rank: int, world_size: int, cases: List[Fsdp2Case]) -> Dict:
+    """``{case.name: {kind: record}}`` for every case, untiled and tiled."""
+    results = {}
+    for case in cases:
+        results[case.name] = {kind: train(case, kind, rank, world_size) for kind in KINDS}
+        dist.barrier()
+    return results
