@@ -1,0 +1,29 @@
+"""Integrations with model libraries. Nothing here imports transformers, peft or accelerate at import
+time; the helpers that build models import transformers when called."""
+from .args import TiledMLPFlags, add_tiled_mlp_args, apply_from_flags, read_tiled_mlp_flags
+from .hf import (
+    apply_tiled_mlp,
+    enable_tiled_mlp,
+    from_config,
+    from_pretrained,
+    is_tiled,
+    maybe_apply_tiled_mlp,
+    remove_tiled_mlp,
+)
+from .report import TiledBlock, TilingReport
+
+__all__ = [
+    "apply_tiled_mlp",
+    "remove_tiled_mlp",
+    "is_tiled",
+    "enable_tiled_mlp",
+    "maybe_apply_tiled_mlp",
+    "from_config",
+    "from_pretrained",
+    "TilingReport",
+    "TiledBlock",
+    "add_tiled_mlp_args",
+    "read_tiled_mlp_flags",
+    "apply_from_flags",
+    "TiledMLPFlags",
+]

@@ -1,0 +1,150 @@
+"""Hugging Face models: tile every MLP block of a model in place with one call, and undo it.
+
+``apply_tiled_mlp`` replaces each MLP block by ``TiledMLP(block)`` in its parent. The parameters stay
+the same objects (an optimizer made before or after keeps working), and ``TiledMLP`` keeps the inner
+module's ``state_dict`` keys, so ``save_pretrained``/``from_pretrained`` and backend checkpoints see the
+untiled layout. Only ``named_parameters()``/``named_modules()`` gain an ``.mlp`` infix inside each block.
+
+Apply it before wrapping the model in FSDP2 or DeepSpeed: the chain of modules above each block is
+recorded (``TiledMLP.set_ancestors``) so the backend is detected at the first forward, from a wrapped
+decoder layer or root alike.
+
+The model can also ask for it itself: ``enable_tiled_mlp(config)`` sets ``config.use_tiled_mlp`` (saved in
+``config.json``), and ``from_config``/``from_pretrained``/``maybe_apply_tiled_mlp`` honour it.
+transformers is imported lazily and only by those helpers; the matching itself is structural.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+from torch import nn
+
+from ..strategies.resolver import StrategyArg
+from ..tiled_core.gated_spec import structural_spec
+from ..tiled_core.module import TiledMLP
+from ..tiled_core.shard_plan import NumShards
+from .matching import Patterns, find_tiled, scan
+from .moe import TiledExperts
+from .report import TiledBlock, TilingReport, expected_path
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FLAG = "use_tiled_mlp"
+CONFIG_NUM_SHARDS = "tiled_mlp_num_shards"
+CONFIG_PATH = "tiled_mlp_path"
+
+
+def apply_tiled_mlp(
+    model: nn.Module,
+    num_shards: NumShards = "auto",
+    strategy: StrategyArg = "auto",
+    path: str = "auto",
+    include: Patterns = None,
+    exclude: Patterns = None,
+    grad_accum_dtype=None,
+) -> TilingReport:
+    """Tile the MLP blocks of ``model`` in place; returns (and logs) what was tiled and skipped.
+
+    ``include``/``exclude`` are glob patterns on qualified module names (``"model.layers.*.mlp"``);
+    ``include`` may also name a custom token-wise block that no structural rule recognises. Blocks that
+    are already tiled are left as they are, so calling this twice is harmless. Every block is wrapped
+    and checked before any is installed: an error (an unsupported backend, ``path="fast"`` on a block
+    that cannot take it) leaves the model unchanged.
+    """
+    found = scan(model, include, exclude)
+    staged = []
+    cannot_be_fast = []
+    for candidate in found.candidates:
+        wrapper = TiledExperts if candidate.kind == "experts" else TiledMLP
+        tiled = wrapper(candidate.module, strategy=strategy, num_shards=num_shards, path=path,
+                        grad_accum_dtype=grad_accum_dtype)
+        tiled.set_ancestors(candidate.ancestors)
+        # The constructor saw no ancestors; with them, a backend already wrapping the model (FSDP1 is
+        # rejected) is caught now. The strategy is resolved again at the first forward.
+        tiled.strategy.check_supported(candidate.module)
+        tiled.reset_strategy()
+        tiled.train(candidate.module.training)
+        if path == "fast" and structural_spec(candidate.module)[0] is None:
+            cannot_be_fast.append(f"{candidate.name}: {structural_spec(candidate.module)[1]}")
+        staged.append((candidate, tiled))
+    if cannot_be_fast:
+        raise ValueError("path='fast' cannot apply to these blocks (use path='auto'):\n  " + "\n  ".join(cannot_be_fast))
+
+    report = TilingReport(skipped=found.skipped)
+    for candidate, tiled in staged:
+        setattr(candidate.parent, candidate.attr, tiled)
+        report.patched.append(TiledBlock(candidate.name, type(candidate.module).__name__, candidate.kind, tiled,
+                                         expected_path(tiled)))
+    for old in found.already_tiled:
+        report.already_tiled.append(TiledBlock(old.name, type(original_module(old.module)).__name__, "tiled", old.module,
+                                               expected_path(old.module)))
+    if not report.blocks:
+        logger.warning("tiled-mlp found no MLP block to tile in %s", type(model).__name__)
+    logger.info("%s", report)
+    return report
+
+
+def remove_tiled_mlp(model: nn.Module) -> List[str]:
+    """Put every tiled block's original module back in its parent; returns the qualified names."""
+    restored = []
+    for name, parent, attr, tiled in find_tiled(model):
+        setattr(parent, attr, original_module(tiled))
+        restored.append(name)
+    return restored
+
+
+def original_module(tiled: TiledMLP) -> nn.Module:
+    return tiled.original if isinstance(tiled, TiledExperts) else tiled.mlp
+
+
+def is_tiled(model: nn.Module) -> bool:
+    return any(isinstance(m, TiledMLP) for m in model.modules())
+
+
+# -- the model asks for tiling through its config -----------------------------------------------------
+def enable_tiled_mlp(config: Any, num_shards: NumShards = "auto", path: str = "auto") -> Any:
+    """Mark a (transformers) config so that the helpers below tile the model built from it; the flag is
+    saved with ``save_pretrained``, so a reloaded checkpoint asks for tiling again."""
+    setattr(config, CONFIG_FLAG, True)
+    setattr(config, CONFIG_NUM_SHARDS, num_shards)
+    setattr(config, CONFIG_PATH, path)
+    return config
+
+
+def maybe_apply_tiled_mlp(model: nn.Module, **kwargs) -> Optional[TilingReport]:
+    """Tile ``model`` if its config says ``use_tiled_mlp``; ``kwargs`` go to ``apply_tiled_mlp``."""
+    config = getattr(model, "config", None)
+    if not getattr(config, CONFIG_FLAG, False):
+        return None
+    kwargs.setdefault("num_shards", getattr(config, CONFIG_NUM_SHARDS, "auto"))
+    kwargs.setdefault("path", getattr(config, CONFIG_PATH, "auto"))
+    return apply_tiled_mlp(model, **kwargs)
+
+
+def _pop_request(kwargs: dict, config: Any) -> None:
+    use = kwargs.pop(CONFIG_FLAG, None)
+    num_shards = kwargs.pop(CONFIG_NUM_SHARDS, None)
+    if use:
+        enable_tiled_mlp(config, num_shards if num_shards is not None else "auto")
+
+
+def from_config(model_class, config, **kwargs) -> nn.Module:
+    """``model_class.from_config(config)`` (an Auto class or a model class), tiled when the config or
+    ``use_tiled_mlp=True``/``tiled_mlp_num_shards=...`` in ``kwargs`` ask for it."""
+    _pop_request(kwargs, config)
+    build = getattr(model_class, "from_config", None) or getattr(model_class, "_from_config", None)
+    model = build(config, **kwargs) if build is not None else model_class(config, **kwargs)
+    maybe_apply_tiled_mlp(model)
+    return model
+
+
+def from_pretrained(model_class, *args, **kwargs) -> nn.Module:
+    """``model_class.from_pretrained(...)``, tiled when the saved config or ``use_tiled_mlp=True`` ask."""
+    use = kwargs.pop(CONFIG_FLAG, None)
+    num_shards = kwargs.pop(CONFIG_NUM_SHARDS, None)
+    model = model_class.from_pretrained(*args, **kwargs)
+    if use:
+        enable_tiled_mlp(model.config, num_shards if num_shards is not None else "auto")
+    maybe_apply_tiled_mlp(model)
+    return model

@@ -1,0 +1,162 @@
+"""Finding the MLP blocks of a model by structure, so no list of architectures has to be kept.
+
+A module is an MLP block when it has Linear-like children named ``gate_proj``/``up_proj``/``down_proj``
+or ``gate_up_proj``/``down_proj`` (every Llama-family, Gemma, Qwen, Mistral and Phi3 text MLP, the
+text MLP of most multimodal models, per-expert MLPs and shared experts). A transformers fused experts
+module (``experts(hidden_states, top_k_index, top_k_weights)``) is tiled through ``TiledExperts``. A
+mixture-of-experts block as a whole is never tiled: its router stays outside the shard loop (see
+``moe.py``). The walk stops at a match, so nothing is tiled twice.
+
+What the tiled call can run is also checked here, before anything is patched: the block's forward must
+take exactly one argument (``TiledMLP.forward(x)`` passes nothing else) and must not declare a tuple
+result (the generic kernel needs one tensor).
+"""
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import typing
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+from torch import nn
+
+from ..tiled_core.module import TiledMLP
+from .moe import is_fused_experts
+
+GATED_LAYOUTS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"))
+
+Patterns = Union[None, str, Iterable[str]]
+
+
+@dataclass
+class Candidate:
+    """A module to tile, where it sits, and the chain of modules above it (root first)."""
+
+    name: str
+    module: nn.Module
+    parent: nn.Module
+    attr: str
+    ancestors: List[nn.Module] = field(default_factory=list)
+    kind: str = "gated"  # "gated", "experts" (fused MoE experts) or "named" (an include pattern alone)
+
+
+@dataclass
+class Scan:
+    candidates: List[Candidate] = field(default_factory=list)
+    already_tiled: List[Candidate] = field(default_factory=list)
+    skipped: List[Tuple[str, str]] = field(default_factory=list)
+
+
+def _is_linear_like(module) -> bool:
+    # nn.Linear, and wrappers that keep its interface (PEFT LoRA layers, quantised Linears).
+    return isinstance(module, nn.Module) and all(
+        isinstance(getattr(module, attr, None), int) for attr in ("in_features", "out_features")
+    )
+
+
+def gated_layout(module: nn.Module) -> Optional[Tuple[str, ...]]:
+    for layout in GATED_LAYOUTS:
+        if all(_is_linear_like(getattr(module, name, None)) for name in layout):
+            return layout
+    return None
+
+
+def structural_kind(module: nn.Module) -> Optional[str]:
+    """"gated" or "experts" for a block the walk tiles, None for anything else."""
+    if gated_layout(module) is not None:
+        return "gated"
+    if is_fused_experts(module):
+        return "experts"
+    return None
+
+
+def call_problem(module: nn.Module) -> str:
+    """Why ``TiledMLP(module)(x)`` could not stand in for ``module(x)``; "" when it can."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return "" if callable(getattr(module, "forward", None)) else "no forward"
+    params = list(signature.parameters.values())
+    if not params:
+        return "forward takes no input"
+    extra = [p.name for p in params[1:]]
+    if params[0].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) or extra:
+        shown = ", ".join(p.name for p in params)
+        return f"forward({shown}) takes more than one input; TiledMLP passes the hidden states alone"
+    if _returns_tuple(module, signature):
+        return "forward returns a tuple; the generic path needs one tensor (tile its experts or add an adapter)"
+    return ""
+
+
+def _returns_tuple(module: nn.Module, signature: inspect.Signature) -> bool:
+    annotation = signature.return_annotation
+    if annotation is inspect.Signature.empty:
+        return False
+    if isinstance(annotation, str):
+        try:
+            annotation = typing.get_type_hints(type(module).forward).get("return", annotation)
+        except Exception:  # unresolvable forward references: judge by the text
+            return annotation.replace(" ", "").lower().startswith(("tuple", "typing.tuple"))
+    return annotation is tuple or typing.get_origin(annotation) is tuple
+
+
+def _as_patterns(patterns: Patterns) -> Optional[List[str]]:
+    if patterns is None:
+        return None
+    if isinstance(patterns, str):
+        return [patterns]
+    out = list(patterns)
+    if not all(isinstance(p, str) for p in out):
+        raise TypeError(f"include/exclude take glob patterns (str or a list of str), got {patterns!r}")
+    return out
+
+
+def _matches(name: str, patterns: Optional[List[str]]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns or ())
+
+
+def scan(model: nn.Module, include: Patterns = None, exclude: Patterns = None) -> Scan:
+    """Every module to tile in ``model`` (glob patterns on qualified names select and exclude).
+
+    ``include`` narrows the structural matches to those it names, and also selects modules that no
+    structural rule finds (a custom MLP): the caller then vouches that the module is token-wise.
+    """
+    include_patterns, exclude_patterns = _as_patterns(include), _as_patterns(exclude)
+    result = Scan()
+
+    def visit(parent: nn.Module, prefix: str, ancestors: Sequence[nn.Module]) -> None:
+        chain = [*ancestors, parent]
+        for attr, child in parent.named_children():
+            name = f"{prefix}{attr}"
+            if isinstance(child, TiledMLP):
+                result.already_tiled.append(Candidate(name, child, parent, attr, chain, "tiled"))
+                continue
+            kind = structural_kind(child)
+            chosen = kind is not None and (include_patterns is None or _matches(name, include_patterns))
+            if not chosen and _matches(name, include_patterns):
+                kind, chosen = "named", True
+            if chosen and _matches(name, exclude_patterns):
+                result.skipped.append((name, "excluded by pattern"))
+                continue
+            if chosen:
+                problem = "" if kind == "experts" else call_problem(child)
+                if not problem:
+                    result.candidates.append(Candidate(name, child, parent, attr, chain, kind))
+                    continue
+                result.skipped.append((name, problem))
+            visit(child, name + ".", chain)
+
+    visit(model, "", [])
+    return result
+
+
+def find_tiled(model: nn.Module) -> List[Tuple[str, nn.Module, str, TiledMLP]]:
+    """(qualified name, parent, attribute, TiledMLP) for every TiledMLP in ``model``."""
+    found = []
+    for parent_name, parent in model.named_modules():
+        for attr, child in parent.named_children():
+            if isinstance(child, TiledMLP):
+                found.append((f"{parent_name}.{attr}" if parent_name else attr, parent, attr, child))
+    return found
+

@@ -1,0 +1,62 @@
+"""What ``apply_tiled_mlp`` did: the blocks it tiled (and with which path), and what it left alone."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+from ..tiled_core.gated_spec import structural_spec
+from ..tiled_core.module import TiledMLP
+
+
+def expected_path(tiled: TiledMLP) -> str:
+    """The path the structure allows, before the first forward settles it (the fast path also needs a
+    numerical probe of the real forward, and no autocast)."""
+    if tiled.path == "generic":
+        return "generic (requested)"
+    if getattr(tiled, "original", None) is not None:
+        return "generic (fused MoE experts; the router stays untiled)"
+    spec, why_not = structural_spec(tiled.mlp)
+    if spec is None:
+        return f"generic ({why_not})"
+    return "fast (structure fits; confirmed by a probe at the first forward)"
+
+
+@dataclass
+class TiledBlock:
+    name: str
+    mlp_class: str
+    kind: str  # "gated", "moe", "named", or "tiled" for a block found already tiled
+    tiled: TiledMLP
+    expected_path: str
+
+    @property
+    def last_path(self) -> str:
+        """The path the last forward ran: "fast", "generic", "untiled" (too short to pay), or pending."""
+        return self.tiled.last_path or "pending (decided at the first forward)"
+
+
+@dataclass
+class TilingReport:
+    patched: List[TiledBlock] = field(default_factory=list)
+    already_tiled: List[TiledBlock] = field(default_factory=list)
+    skipped: List[Tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def blocks(self) -> List[TiledBlock]:
+        """Every tiled block of the model, patched now or before."""
+        return self.patched + self.already_tiled
+
+    def paths(self) -> Dict[str, str]:
+        """Qualified name -> the path its last forward ran (call after a forward for final answers)."""
+        return {block.name: block.last_path for block in self.blocks}
+
+    def __str__(self) -> str:
+        lines = [f"tiled-mlp: tiled {len(self.patched)} MLP block(s), {len(self.already_tiled)} already tiled, "
+                 f"{len(self.skipped)} skipped"]
+        for block in self.patched:
+            lines.append(f"  tiled   {block.name} ({block.mlp_class}, {block.kind}): {block.expected_path}")
+        for block in self.already_tiled:
+            lines.append(f"  kept    {block.name} ({block.mlp_class}): already tiled")
+        for name, why in self.skipped:
+            lines.append(f"  skipped {name}: {why}")
+        return "\n".join(lines)

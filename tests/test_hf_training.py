@@ -1,0 +1,190 @@
+"""A tiled transformers model in training setups: PEFT LoRA, gradient checkpointing, Trainer,
+torch.compile. Each is compared with the same setup untiled."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tiled_mlp import TiledMLP  # noqa: E402
+from tiled_mlp.integrations import apply_tiled_mlp  # noqa: E402
+from tiled_mlp.integrations.tiny_models import VOCAB, grads_by_key, tiny_model  # noqa: E402
+
+SHARDS = 3
+
+
+def _ids(seed=0, batch=2, seq=13):
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_grads_equal(reference, tiled, rtol, atol, require=None):
+    want, got = grads_by_key(reference), grads_by_key(tiled)
+    assert want.keys() == got.keys()
+    for key, want_grad in want.items():
+        assert (want_grad is None) == (got[key] is None), key
+        if want_grad is not None:
+            torch.testing.assert_close(got[key], want_grad, rtol=rtol, atol=atol, msg=key)
+    if require is not None:  # the gradients that must exist (and be non-zero) for the test to mean anything
+        present = {k for k, g in want.items() if g is not None}
+        assert present == {k for k in want if require(k)}, sorted(present ^ {k for k in want if require(k)})
+        assert all(want[k].abs().max() > 0 for k in present)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("order", ["tile_then_lora", "lora_then_tile"])
+def test_peft_lora_only_adapter_grads_and_equal_to_untiled(order):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                             target_modules=["gate_proj", "up_proj", "down_proj"])
+    reference = peft.get_peft_model(tiny_model("llama"), copy.deepcopy(config))
+    if order == "tile_then_lora":
+        base = tiny_model("llama")
+        apply_tiled_mlp(base, num_shards=SHARDS)
+        tiled = peft.get_peft_model(base, copy.deepcopy(config))
+        tiled.load_state_dict(reference.state_dict())  # the same adapter weights (keys match, tiled or not)
+    else:
+        tiled = copy.deepcopy(reference)
+        apply_tiled_mlp(tiled, num_shards=SHARDS)
+    blocks = [m for m in tiled.modules() if isinstance(m, TiledMLP)]
+    assert len(blocks) == 2
+    ids = _ids()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    tiled(input_ids=ids, labels=ids).loss.backward()
+    _assert_grads_equal(reference, tiled, rtol=1e-9, atol=1e-12,
+                        require=lambda key: "lora_" in key and ".mlp." in key)
+    assert {b.last_path for b in blocks} == {"generic"}  # LoRA projections rule out the fast kernel
+
+
+def _count_inner_calls(model):
+    """Count calls of each tiled block's inner original forward (one per shard) and of the
+    TiledMLP forward (one per block call)."""
+    counts = {"tiled": 0, "inner": 0}
+    for block in (m for m in model.modules() if isinstance(m, TiledMLP)):
+        inner = block.mlp
+        original = inner.forward
+
+        def counted(x, _original=original):
+            counts["inner"] += 1
+            return _original(x)
+
+        inner.forward = counted
+        tiled_forward = block.forward
+
+        def counted_tiled(x, _forward=tiled_forward):
+            counts["tiled"] += 1
+            return _forward(x)
+
+        block.forward = counted_tiled
+    return counts
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_grads_equal_and_forward_counts(reentrant):
+    """Two layers, 3 shards, generic path (the fast path never calls the inner forward per shard).
+
+    Per step and per layer, measured: without checkpointing, 1 TiledMLP call and 6 inner calls
+    (3 shards forward + 3 shard recomputes in backward); with HF checkpointing, 2 TiledMLP calls (the
+    layer's forward, then its recompute in backward) and 9 inner calls (3 + 3 in the recompute + 3 in
+    the tiled backward), whether the checkpoint is reentrant or not."""
+    reference = tiny_model("llama")
+    tiled = copy.deepcopy(reference)
+    apply_tiled_mlp(tiled, num_shards=SHARDS, path="generic")
+    plain = copy.deepcopy(tiled)
+    for model in (reference, tiled):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+    ids = _ids(1)
+    counts = _count_inner_calls(tiled)
+    plain_counts = _count_inner_calls(plain)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    tiled(input_ids=ids, labels=ids).loss.backward()
+    plain(input_ids=ids, labels=ids).loss.backward()
+    layers = 2
+    assert plain_counts == {"tiled": 1 * layers, "inner": 2 * SHARDS * layers}
+    assert counts == {"tiled": 2 * layers, "inner": 3 * SHARDS * layers}
+    _assert_grads_equal(reference, tiled, rtol=1e-9, atol=1e-12, require=lambda key: True)
+
+
+@pytest.mark.timeout(60)
+def test_gradient_checkpointing_fast_path_grads_equal():
+    reference = tiny_model("gemma")
+    tiled = copy.deepcopy(reference)
+    report = apply_tiled_mlp(tiled, num_shards=SHARDS)
+    for model in (reference, tiled):
+        model.gradient_checkpointing_enable()
+    ids = _ids(2)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    tiled(input_ids=ids, labels=ids).loss.backward()
+    assert set(report.paths().values()) == {"fast"}
+    _assert_grads_equal(reference, tiled, rtol=1e-9, atol=1e-12, require=lambda key: True)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=10, seq=13):
+        self.ids = _ids(3, batch=n, seq=seq)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+@pytest.mark.timeout(90)
+def test_trainer_five_steps_loss_matches_untiled(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    def run(tiled: bool):
+        model = tiny_model("llama", dtype=torch.float32)
+        if tiled:
+            apply_tiled_mlp(model, num_shards=SHARDS)
+        # Plain SGD: Adam's update barely moves when every gradient is off by the same factor.
+        args = TrainingArguments(output_dir=str(tmp_path / str(tiled)), per_device_train_batch_size=2, max_steps=5,
+                                 logging_steps=1, learning_rate=2.0, optim="sgd", report_to=[], save_strategy="no", use_cpu=True,
+                                 seed=0, disable_tqdm=True, dataloader_num_workers=0, lr_scheduler_type="constant")
+        trainer = Trainer(model=model, args=args, train_dataset=_Tokens())
+        trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        return losses, model
+
+    untiled_losses, _ = run(False)
+    tiled_losses, model = run(True)
+    assert len(untiled_losses) == 5
+    assert untiled_losses[0] != untiled_losses[-1]  # it trained
+    torch.testing.assert_close(torch.tensor(tiled_losses), torch.tensor(untiled_losses), rtol=1e-5, atol=1e-6)
+    assert model.model.layers[0].mlp.last_path == "fast"
+
+
+@pytest.mark.timeout(120)
+def test_torch_compile_of_the_decoder_layers_loss_and_grads_equal():
+    """Regional torch.compile (each decoder layer, the module around the tiled MLP, compiled in place
+    with aot_eager: dynamo and AOT autograd, no C++ build) runs and gives the untiled loss and
+    gradients. Compiling the whole model works the same way (measured: equal loss, 25 graph breaks)
+    but takes over a minute on this CPU. Graph breaks are counted and printed, not asserted: they come
+    from TiledMLP.forward's fake-tensor checks, its fast-path probe and RNG forking (see the report)."""
+    from torch._dynamo.utils import counters
+
+    reference = tiny_model("llama", dtype=torch.float32)
+    tiled = copy.deepcopy(reference)
+    apply_tiled_mlp(tiled, num_shards=SHARDS)
+    ids = _ids(4)
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in tiled.model.layers:
+        layer.compile(backend="aot_eager")
+    try:
+        got = tiled(input_ids=ids, labels=ids).loss
+        got.backward()
+    finally:
+        breaks = dict(counters["graph_break"])
+        torch._dynamo.reset()
+    want = reference(input_ids=ids, labels=ids).loss
+    want.backward()
+    print(f"graph breaks: {sum(breaks.values())} in {len(breaks)} kinds: {[r.splitlines()[0] for r in breaks]}")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _assert_grads_equal(reference, tiled, rtol=1e-4, atol=1e-6, require=lambda key: True)
+    assert tiled.model.layers[0].mlp.last_num_shards == SHARDS
