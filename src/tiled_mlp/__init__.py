@@ -8,11 +8,23 @@ from .strategies import (
     unregister_strategy,
 )
 from .tiled_core import TiledMLP
+from .integrations import (
+    TilingReport,
+    add_tiled_mlp_args,
+    apply_tiled_mlp,
+    enable_tiled_mlp,
+    remove_tiled_mlp,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TiledMLP",
+    "apply_tiled_mlp",
+    "remove_tiled_mlp",
+    "TilingReport",
+    "enable_tiled_mlp",
+    "add_tiled_mlp_args",
     "Strategy",
     "UnsupportedBackendError",
     "register_strategy",

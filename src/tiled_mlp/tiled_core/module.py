@@ -104,6 +104,9 @@ class TiledMLP(nn.Module):
         self._resolved_strategy = None
 
     # -- forward ---------------------------------------------------------------------------------------
+    # torch.compile of a surrounding model runs this eagerly: the shard loop, the RNG capture and the
+    # fast-path probe are not traceable, and tracing into them only produced a graph break at each.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x, self.mlp)
         strategy = self._strategy()
