@@ -77,7 +77,7 @@ class ToyModel(nn.Module):
 def make_toy_model(seed: int = 0, tiled: bool = False, lora: bool = False, dtype=torch.float32, **tile_kwargs) -> ToyModel:
     """A seeded ToyModel; ``tiled`` wraps each block's MLP in TiledMLP(**tile_kwargs)."""
     torch.manual_seed(seed)
-    model = ToyModel().to(dtype)
+    model = ToyModel()
     for layer in model.layers:
         if lora:
             add_lora(layer.mlp)
@@ -85,4 +85,5 @@ def make_toy_model(seed: int = 0, tiled: bool = False, lora: bool = False, dtype
                 p.requires_grad_(False)
         if tiled:
             layer.mlp = TiledMLP(layer.mlp, **tile_kwargs)
-    return model
+    # Cast last, so LoRA adapters created above get the dtype too (parameters keep their identity).
+    return model.to(dtype)

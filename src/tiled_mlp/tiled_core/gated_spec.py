@@ -73,7 +73,9 @@ def _activation_matches(act, name: str) -> bool:
         probe = torch.linspace(-6.0, 6.0, 49, dtype=torch.float64)
         try:
             with torch.no_grad():
-                got = act(probe)
+                # ``forward``, not ``__call__``: a backend's hooks on the activation module must not
+                # see this probe (other hooks have already ruled the fast path out).
+                got = act.forward(probe) if isinstance(act, nn.Module) else act(probe)
         except Exception:
             return False
         want = NativeGatedActivation(name).act(probe)
@@ -88,11 +90,30 @@ def _no_hook_is_backend(hook) -> bool:
     return False
 
 
-def _is_plain_linear(module, is_backend_hook=_no_hook_is_backend) -> bool:
-    # A backend's own parameter hooks (ZeRO-3 gather/release) are stood in for by the strategy's
-    # ``gathered`` inside the tiled call; any other hook would be skipped by the fast kernel.
-    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
-    return type(module) is nn.Linear and all(is_backend_hook(h) for h in hooks)
+def _module_hooks(module: nn.Module) -> tuple:
+    """Forward, forward-pre and (full) backward hooks registered on this one module."""
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return tuple(hook for name in names for hook in getattr(module, name, {}).values())
+
+
+def _has_foreign_hooks(module: nn.Module, is_backend_hook=_no_hook_is_backend) -> bool:
+    """Does any submodule below ``module`` carry a hook that the fast kernel would silently skip?
+
+    The fast kernel calls no submodule (not the projections, not ``act_fn``), so any hook on them
+    (a recording or modifying forward hook, a full backward hook) would never fire. A backend's own
+    parameter hooks (ZeRO-3 gather/release) are stood in for by the strategy's ``gathered`` inside the
+    tiled call. Hooks on ``module`` itself fire once around the tiled call, as untiled.
+    """
+    return any(
+        not is_backend_hook(hook)
+        for name, sub in module.named_modules() if name
+        for hook in _module_hooks(sub)
+    )
+
+
+def _is_plain_linear(module) -> bool:
+    # Hooks are checked for every submodule by ``_has_foreign_hooks``.
+    return type(module) is nn.Linear
 
 
 def _has_dropout(module: nn.Module) -> bool:
@@ -101,6 +122,8 @@ def _has_dropout(module: nn.Module) -> bool:
 
 def structural_spec(module: nn.Module, is_backend_hook=_no_hook_is_backend) -> Tuple[Optional[GatedMLPSpec], str]:
     """The spec if the module's structure allows the fast path, else None and the reason why not."""
+    if _has_foreign_hooks(module, is_backend_hook):
+        return None, "a submodule has hooks (forward or backward) that the fast kernel would skip"
     act = _activation_name(module)
     if act is None:
         return None, "no recognised gated activation (act_fn / activation_fn: silu, gelu, gelu tanh)"
@@ -115,8 +138,8 @@ def structural_spec(module: nn.Module, is_backend_hook=_no_hook_is_backend) -> T
                             up=getattr(module, "up_proj", None))
         if spec.gate is None or spec.up is None:
             return None, "no gate_proj/up_proj or gate_up_proj"
-    if not all(_is_plain_linear(m, is_backend_hook) for m in spec.linears):
-        return None, "projections are not plain nn.Linear without hooks (LoRA, quantised or hooked)"
+    if not all(_is_plain_linear(m) for m in spec.linears):
+        return None, "projections are not plain nn.Linear (LoRA or quantised wrappers)"
     if _has_dropout(module):
         return None, "the module has dropout"
     if spec.gate_up is not None and spec.gate_up.out_features % 2:

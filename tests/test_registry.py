@@ -1,0 +1,131 @@
+"""The strategy registry: third-party strategies, names, instances, priorities, unregistering."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from reference import GatedMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
+from tiled_mlp import Strategy, TiledMLP, available_strategies, get_strategy, register_strategy, unregister_strategy
+from tiled_mlp.strategies import SingleDeviceStrategy
+
+pytestmark = pytest.mark.timeout(30)
+
+HIDDEN, INTER, TOKENS = 8, 12, 7
+
+
+class MarkedMLP(GatedMLP):
+    """A module a third-party backend recognises by a marker."""
+
+    claimed_by_test = True
+
+
+class RecordingStrategy(Strategy):
+    """Claims marked modules and records that its ``gathered`` context was entered."""
+
+    name = "test_recording"
+    priority = 50
+    entered = []
+
+    @classmethod
+    def claims(cls, module, ancestors=()):
+        return getattr(module, "claimed_by_test", False)
+
+    @contextlib.contextmanager
+    def gathered(self, module):
+        type(self).entered.append(type(module).__name__)
+        yield
+
+
+@pytest.fixture
+def recording():
+    RecordingStrategy.entered = []
+    register_strategy(RecordingStrategy)
+    try:
+        yield RecordingStrategy
+    finally:
+        if RecordingStrategy.name in available_strategies():
+            unregister_strategy(RecordingStrategy.name)
+
+
+def test_builtins_are_registered():
+    assert {"single_device", "fsdp1", "fsdp2"} <= set(available_strategies())
+
+
+def test_auto_picks_a_claiming_third_party_strategy(recording):
+    mlp = seeded(MarkedMLP, 0, HIDDEN, INTER)
+    x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
+    got, tiled = tiled_run(mlp, x, dy, num_shards=3)
+    assert isinstance(tiled.strategy, RecordingStrategy)
+    # Once around the forward's shard loop, once around the backward recompute.
+    assert recording.entered == ["MarkedMLP", "MarkedMLP"]
+    assert_runs_close(untiled_run(mlp, x, dy), got)
+
+
+def test_auto_skips_it_when_it_does_not_claim(recording):
+    tiled = TiledMLP(GatedMLP(HIDDEN, INTER), num_shards=2)
+    tiled(torch.randn(1, TOKENS, HIDDEN))
+    assert isinstance(tiled.strategy, SingleDeviceStrategy)
+    assert recording.entered == []
+
+
+def test_lower_priority_loses_to_the_builtin_backends_but_beats_the_fallback(recording):
+    class Lower(RecordingStrategy):
+        name = "test_lower"
+        priority = -200  # below single_device's fallback
+
+    register_strategy(Lower)
+    try:
+        tiled = TiledMLP(MarkedMLP(HIDDEN, INTER), num_shards=2)
+        tiled(torch.randn(1, TOKENS, HIDDEN))
+        assert type(tiled.strategy) is RecordingStrategy
+    finally:
+        unregister_strategy("test_lower")
+
+
+def test_strategy_by_name_instance_and_class(recording):
+    mlp = seeded(GatedMLP, 1, HIDDEN, INTER)  # not marked: only an explicit choice selects it
+    x, dy = fresh_inputs((1, TOKENS, HIDDEN), HIDDEN)
+    want = untiled_run(mlp, x, dy)
+    for choice in ("test_recording", RecordingStrategy(), RecordingStrategy):
+        recording.entered = []
+        got, tiled = tiled_run(mlp, x, dy, num_shards=2, strategy=choice)
+        assert type(tiled.strategy) is RecordingStrategy
+        assert len(recording.entered) == 2
+        assert_runs_close(want, got)
+    assert isinstance(get_strategy("test_recording"), RecordingStrategy)
+
+
+def test_unregister(recording):
+    unregister_strategy("test_recording")
+    assert "test_recording" not in available_strategies()
+    with pytest.raises(KeyError, match="available strategies"):
+        unregister_strategy("test_recording")
+    with pytest.raises(KeyError):
+        TiledMLP(GatedMLP(HIDDEN, INTER), strategy="test_recording")
+    tiled = TiledMLP(MarkedMLP(HIDDEN, INTER), num_shards=2)
+    tiled(torch.randn(1, TOKENS, HIDDEN))
+    assert isinstance(tiled.strategy, SingleDeviceStrategy)
+
+
+def test_override_replaces_a_registered_name(recording):
+    class Replacement(RecordingStrategy):
+        name = "test_recording"
+
+    register_strategy(Replacement, override=True)
+    assert type(get_strategy("test_recording")) is Replacement
+    register_strategy(RecordingStrategy, override=True)
+    register_strategy(RecordingStrategy)  # the same class again is not a duplicate
+    assert type(get_strategy("test_recording")) is RecordingStrategy
+
+
+def test_register_works_as_a_decorator():
+    @register_strategy
+    class Decorated(Strategy):
+        name = "test_decorated"
+
+    try:
+        assert type(get_strategy("test_decorated")) is Decorated
+    finally:
+        unregister_strategy("test_decorated")
