@@ -1,0 +1,80 @@
+"""The tiled-mlp command: clear argument errors, parseable JSON, and plan's prediction against a
+measured peak."""
+import json
+
+import pytest
+import torch
+
+from tiled_mlp.bench.measure import make_inputs, peak_bytes
+from tiled_mlp.bench.mlp import SwiGLUMLP
+from tiled_mlp.cli.main import main
+from tiled_mlp.tiled_core import TiledMLP
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_negative_sequence_length_is_named(capsys):
+    err = _error(capsys, ["bench", "--seq", "2048,-5"])
+    assert "sequence lengths must be positive integers" in err and "-5" in err
+
+
+def test_unknown_dtype_lists_the_known_ones(capsys):
+    err = _error(capsys, ["plan", "--hidden", "64", "--intermediate", "128", "--seq", "64", "--dtype", "fp8"])
+    assert "unknown dtype 'fp8'" in err and "bfloat16" in err
+
+
+def test_budget_too_small_even_at_one_token_per_shard(capsys):
+    err = _error(capsys, ["plan", "--hidden", "4096", "--intermediate", "12288", "--seq", "131072", "--budget", "3GiB"])
+    assert "too small even with one token per shard" in err and "4.56 GiB" in err
+
+
+def test_malformed_budget_and_unknown_impl(capsys):
+    assert "expected a size like 8GiB" in _error(
+        capsys, ["plan", "--hidden", "64", "--intermediate", "128", "--seq", "64", "--budget", "lots"])
+    assert "unknown or unavailable implementation(s) nope" in _error(capsys, ["bench", "--impls", "untiled,nope"])
+
+
+def test_demo_strategy_needs_several_processes(capsys):
+    pytest.importorskip("transformers")
+    assert "needs --nproc 2 or more" in _error(capsys, ["demo", "--strategy", "fsdp2"])
+
+
+def test_bench_json_parses_and_reports_matching_gradients(capsys, tmp_path):
+    plot = tmp_path / "bench.png"
+    argv = ["bench", "--hidden", "32", "--intermediate", "96", "--seq", "64,256", "--impls", "untiled,fast,generic",
+            "--num-shards", "3", "--repeats", "1", "--json"]
+    if pytest.importorskip("matplotlib"):
+        argv += ["--plot", str(plot)]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["rows"]
+    assert {(r["seq"], r["impl"]) for r in rows} == {(s, i) for s in (64, 256) for i in ("untiled", "fast", "generic")}
+    for row in rows:
+        assert row["grad_rel_err"] < 1e-5 and row["peak_mb"] > 0 and row["ms"] > 0
+        assert row["num_shards"] == (1 if row["impl"] == "untiled" else 3)
+    assert plot.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("seq", [512, 4096])
+def test_plan_agrees_with_a_measured_peak(capsys, seq):
+    """plan's fake-tensor prediction against the peak of a real CPU step, both tiled (auto) and untiled."""
+    hidden, intermediate = 64, 256
+    assert main(["plan", "--hidden", str(hidden), "--intermediate", str(intermediate), "--seq", str(seq),
+                 "--dtype", "float32", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(hidden, intermediate)
+    x, grad_out = make_inputs(seq, hidden, torch.float32, "cpu")
+    measured_untiled = peak_bytes(mlp, mlp, x, grad_out)
+    tiled = TiledMLP(mlp, num_shards=plan["auto_num_shards"], path="fast") if not plan["auto_runs_untiled"] else mlp
+    measured_auto = peak_bytes(tiled, mlp, x, grad_out)
+    assert abs(plan["untiled_peak_bytes"] - measured_untiled) <= 0.05 * measured_untiled
+    assert abs(plan["auto_peak_bytes"] - measured_auto) <= 0.05 * measured_auto
