@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..tiled_core.module import TiledMLP
+from ..tiled_core.state_dict_keys import hide_child_in_state_dict
 
 FUSED_EXPERTS_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 _INNER = "experts"
@@ -43,8 +44,7 @@ class PackedExperts(nn.Module):
         # recompute of that call reads the same values).
         self.hidden, self.top_k = 0, 0
         self.hidden_dtype = self.weights_dtype = torch.float32
-        self._register_state_dict_hook(_drop_prefix)
-        self._register_load_state_dict_pre_hook(_add_prefix, with_module=True)
+        hide_child_in_state_dict(self, _INNER)
 
     def forward(self, packed: torch.Tensor) -> torch.Tensor:
         lead = packed.shape[:-1]
@@ -75,15 +75,3 @@ class TiledExperts(TiledMLP):
         packed = torch.cat([hidden_states.to(dtype), top_k_weights.to(dtype), top_k_index.to(dtype)], dim=-1)
         return super().forward(packed)
 
-
-def _drop_prefix(module, state_dict, prefix, local_metadata):
-    inner = prefix + _INNER + "."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
-    return state_dict
-
-
-def _add_prefix(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    inner = prefix + _INNER + "."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)

@@ -22,6 +22,7 @@ from .hooked_call import call_with_forward
 from .kernels import GatedShardKernel, GenericShardKernel
 from .shard_plan import NumShards, check_num_shards, make_shard_plan
 from .sharded_autograd import ShardedRun, sharded_apply
+from .state_dict_keys import hide_child_in_state_dict
 from .validation import check_input
 
 PATHS = ("auto", "fast", "generic")
@@ -74,8 +75,7 @@ class TiledMLP(nn.Module):
         self.last_path: Optional[str] = None
         self.last_num_shards: Optional[int] = None
         self._probe_cache: dict = {}
-        self._register_state_dict_hook(_drop_inner_prefix)
-        self._register_load_state_dict_pre_hook(_add_inner_prefix, with_module=True)
+        hide_child_in_state_dict(self, _INNER)
         # Reject what is already known to be unsupported (FSDP1, per-Linear FSDP2) now, not at the
         # first forward; "auto" is resolved again at the first forward, once the model is wrapped.
         self._strategy().check_supported(mlp)
@@ -181,15 +181,3 @@ class TiledMLP(nn.Module):
                 raise
             return getattr(super().__getattr__(_INNER), name)
 
-
-def _drop_inner_prefix(module, state_dict, prefix, local_metadata):
-    inner = prefix + _INNER + "."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
-    return state_dict
-
-
-def _add_inner_prefix(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    inner = prefix + _INNER + "."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
