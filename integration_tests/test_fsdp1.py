@@ -42,6 +42,13 @@ def ranks_main(rank: int, world_size: int) -> dict:
         out[f"forward orig={orig} grads untouched"] = all(
             g is None for g in grads_before + [p.grad for p in wrapped.parameters()])
 
+        # A forward before wrapping (a sanity check, a warm-up) must not pin the single-device
+        # strategy: FSDP1 would then drop every gradient silently.
+        model = make_toy_model(seed=0, tiled=True, num_shards=3)
+        model(torch.randn(2, 5, 16))
+        wrapped = FSDP(model, device_id=cpu, use_orig_params=orig)
+        out[f"forward after warm-up orig={orig}"] = _error_of(lambda: wrapped(torch.randn(2, 5, 16)))
+
         # Tiled per block, each block its own FSDP unit (the usual auto-wrap layout).
         model = make_toy_model(seed=0, tiled=True, num_shards=3)
         for index, layer in enumerate(model.layers):
@@ -78,4 +85,4 @@ def test_every_fsdp1_layout_is_rejected_with_the_fix_named(ranks):
 
 def test_all_cases_ran(ranks):
     assert len(ranks) == WORLD
-    assert len(ranks[0]) == 10
+    assert len(ranks[0]) == 12

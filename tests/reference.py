@@ -135,7 +135,7 @@ def untiled_shardwise_run(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, 
     ref = copy.deepcopy(module).to(torch.float64)
     x_ref = x.detach().to(torch.float64).requires_grad_(x.requires_grad)
     flat = x_ref.reshape(-1, x_ref.shape[-1])
-    plan = make_shard_plan(flat.shape[0], num_shards, flat.shape[-1])
+    plan = make_shard_plan(flat.shape[0], num_shards)
     torch.manual_seed(seed)
     out = torch.cat([ref(flat[s].unsqueeze(0)).squeeze(0) for s in plan.slices()]).view(*x.shape[:-1], -1)
     out.backward(dy.to(torch.float64))

@@ -170,22 +170,45 @@ def test_called_twice_in_one_graph():
 
 
 def test_autocast_recompute_runs_under_the_forward_autocast():
-    """The fast path stands aside under autocast; the generic recompute replays bf16 autocast, so
-    grads match the untiled autocast run within bf16 rounding (measured ~4e-3) instead of an fp32
-    recompute's activations."""
+    """Forward under bf16 autocast, backward outside it (as training loops do): the generic recompute
+    must replay the forward's autocast, so grads match the untiled autocast run within bf16 rounding
+    (measured ~4e-3) instead of an fp32 recompute's activations."""
+    from tiled_mlp import TiledMLP
+
     mlp = seeded(GatedMLP, 9, HIDDEN, INTER, "silu", dtype=torch.float32)
     x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN, dtype=torch.float32, seed=25)
+    tiled = TiledMLP(copy.deepcopy(mlp), num_shards=3)
+    ref = copy.deepcopy(mlp)
+    x_tiled, x_ref = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got, tiled = tiled_run(mlp, x, dy, num_shards=3)
-        ref = copy.deepcopy(mlp)
-        x_ref = x.detach().clone().requires_grad_()
+        out_tiled = tiled(x_tiled)
         out = ref(x_ref)
+    out_tiled.backward(dy.to(out_tiled.dtype))
     out.backward(dy.to(out.dtype))
+    got = Run(out_tiled.detach(), x_tiled.grad, {n: p.grad for n, p in tiled.mlp.named_parameters()})
     want = Run(out.detach(), x_ref.grad, {n: p.grad for n, p in ref.named_parameters()})
     assert tiled.last_path == "generic" and got.out.dtype == torch.bfloat16
     errors = run_errors(want, got)
     assert errors["out"] == 0.0
     assert max(errors.values()) < 1e-2, errors
+
+
+@pytest.mark.parametrize("path", ["generic", "fast"])
+def test_backward_under_an_autocast_the_forward_did_not_have(path):
+    """Forward in fp32, ``backward()`` called inside an autocast block (older AMP loops do this): the
+    recompute must stay fp32, like the forward, and match the fp32 reference."""
+    mlp = seeded(GatedMLP, 12, HIDDEN, INTER, "silu", dtype=torch.float32)
+    x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN, dtype=torch.float32, seed=27)
+    from tiled_mlp import TiledMLP
+
+    tiled = TiledMLP(copy.deepcopy(mlp), num_shards=3, path=path)
+    x_in = x.detach().clone().requires_grad_()
+    out = tiled(x_in)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out.backward(dy)
+    got = Run(out.detach(), x_in.grad, {n: p.grad for n, p in tiled.mlp.named_parameters()})
+    errors = run_errors(untiled_run(mlp, x, dy), got)
+    assert max(errors.values()) < 1e-5, errors
 
 
 def test_no_grad_and_empty_inputs():

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.timeout(30)
 @pytest.mark.parametrize("num_tokens", [1, 2, 7, 10, 64, 101])
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 7, 64, 200])
 def test_plan_covers_every_token_once(num_tokens, num_shards):
-    plan = make_shard_plan(num_tokens, num_shards, hidden_size=8)
+    plan = make_shard_plan(num_tokens, num_shards)
     covered = [t for s in plan.slices() for t in range(num_tokens)[s]]
     assert covered == list(range(num_tokens))
     assert plan.num_shards == min(num_shards, num_tokens)
@@ -26,9 +26,9 @@ def test_uneven_split_puts_the_extra_tokens_first():
     assert split_evenly(0, 3) == ()
 
 
-def test_auto_is_about_hidden_tokens_per_shard():
-    assert make_shard_plan(100, "auto", hidden_size=32).num_shards == 4
-    assert make_shard_plan(5, "auto", hidden_size=32).num_shards == 1
+def test_auto_must_be_resolved_before_planning():
+    with pytest.raises(ValueError, match="resolve num_shards='auto'"):
+        make_shard_plan(100, "auto")
 
 
 @pytest.mark.parametrize("bad, error", [(0, ValueError), (-1, ValueError), ("four", ValueError), ("", ValueError),
@@ -37,4 +37,4 @@ def test_bad_num_shards_is_rejected_with_a_message(bad, error):
     with pytest.raises(error, match="num_shards"):
         check_num_shards(bad)
     with pytest.raises(error, match="num_shards"):
-        make_shard_plan(10, bad, hidden_size=8)
+        make_shard_plan(10, bad)

@@ -75,6 +75,11 @@ def max_relative_error(got: List[torch.Tensor], want: List[torch.Tensor]) -> flo
     return worst
 
 
+def shards_used(step_fn, requested) -> int:
+    """The shard count the last step ran with (1 for a pass-through), else what was asked for."""
+    return getattr(step_fn, "last_num_shards", None) or requested
+
+
 def make_inputs(seq: int, hidden: int, dtype, device, batch: int = 1, seed: Optional[int] = 0):
     generator = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(batch, seq, hidden, generator=generator).to(device=device, dtype=dtype).requires_grad_(True)

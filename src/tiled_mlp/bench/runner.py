@@ -8,9 +8,9 @@ from typing import List, Optional, Union
 import torch
 
 from .impls import IMPLS
-from .measure import make_inputs, max_relative_error, peak_bytes, step_outputs, step_seconds
+from .measure import make_inputs, max_relative_error, peak_bytes, shards_used, step_outputs, step_seconds
 from .mlp import SwiGLUMLP
-from .model_memory import modeled_peak_bytes
+from .model_memory import modeled_step
 from .progress import Progress
 
 MiB = 2**20
@@ -56,8 +56,7 @@ def _measure_real(cfg: BenchConfig, seq: int, impls: List[str], progress: Progre
         error = max_relative_error(step_outputs(step_fn, mlp, x, grad_out), reference)
         peak = peak_bytes(step_fn, mlp, x, grad_out)
         seconds = step_seconds(step_fn, mlp, x, grad_out, repeats=cfg.repeats)
-        used = getattr(step_fn, "last_num_shards", shards)
-        rows.append(dict(seq=seq, impl=impl, num_shards=used, ms=seconds * 1e3, peak_mb=peak / MiB, grad_rel_err=error))
+        rows.append(dict(seq=seq, impl=impl, num_shards=shards_used(step_fn, shards), ms=seconds * 1e3, peak_mb=peak / MiB, grad_rel_err=error))
         progress.step(f"seq {seq} {impl}")
     return rows
 
@@ -66,8 +65,8 @@ def _measure_model(cfg: BenchConfig, seq: int, impls: List[str], progress: Progr
     rows = []
     for impl in impls:
         shards = shards_for(impl, cfg, seq)
-        peak = modeled_peak_bytes(impl, cfg.hidden, cfg.intermediate, seq, cfg.dtype, shards, cfg.batch, cfg.device)
-        rows.append(dict(seq=seq, impl=impl, num_shards=shards, ms=None, peak_mb=peak / MiB, grad_rel_err=None))
+        peak, used = modeled_step(impl, cfg.hidden, cfg.intermediate, seq, cfg.dtype, shards, cfg.batch, cfg.device)
+        rows.append(dict(seq=seq, impl=impl, num_shards=used, ms=None, peak_mb=peak / MiB, grad_rel_err=None))
         progress.step(f"seq {seq} {impl}")
     return rows
 

@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--impls", default=None,
                    help="comma-separated implementations to compare: " + ", ".join(available_impls()) +
                         " (default: untiled, auto, and deepspeed when installed)")
-    p.add_argument("--repeats", type=parsing.positive_int, default=3, help="timed steps per cell (median)")
+    p.add_argument("--repeats", type=parsing.positive_int, default=5, help="timed steps per cell (median)")
     p.add_argument("--model-memory", action="store_true",
                    help="model peak memory with fake tensors (no allocation, no timing): any size on any machine")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")

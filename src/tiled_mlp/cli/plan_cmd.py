@@ -10,8 +10,7 @@ import json
 import torch
 
 from ..bench.model_memory import modeled_peak_bytes
-from ..bench.mlp import SwiGLUMLP
-from ..tiled_core.auto_shards import auto_num_shards, mlp_size
+from ..tiled_core.auto_shards import MLPSize, auto_num_shards, fixed_bytes
 from . import parsing
 
 GiB = 2**30
@@ -30,23 +29,20 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def floor_bytes(hidden: int, intermediate: int, tokens: int, dtype: torch.dtype) -> int:
-    """What no shard count removes: weights and their grads, input, output and both of their grads."""
+def swiglu_size(hidden: int, intermediate: int, dtype: torch.dtype) -> MLPSize:
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * 3 * hidden * intermediate * element + 4 * tokens * hidden * element
+    return MLPSize(hidden, intermediate, 3 * hidden * intermediate * element, element)
 
 
-def _auto_shards(hidden, intermediate, tokens, dtype):
-    with torch.device("meta"):
-        mlp = SwiGLUMLP(hidden, intermediate, dtype=dtype)
-    return auto_num_shards(tokens, mlp_size(mlp, hidden, torch.empty((), dtype=dtype).element_size()))
+def floor_bytes(hidden: int, intermediate: int, tokens: int, dtype: torch.dtype) -> int:
+    return fixed_bytes(swiglu_size(hidden, intermediate, dtype), tokens)
 
 
 def make_plan(hidden: int, intermediate: int, seq: int, dtype: torch.dtype, batch: int = 1, budget=None) -> dict:
     tokens = seq * batch
     model = lambda impl, n: modeled_peak_bytes(impl, hidden, intermediate, seq, dtype, n, batch)  # noqa: E731
     untiled = model("untiled", 1)
-    auto = _auto_shards(hidden, intermediate, tokens, dtype)
+    auto = auto_num_shards(tokens, swiglu_size(hidden, intermediate, dtype))
     plan = dict(hidden=hidden, intermediate=intermediate, seq=seq, batch=batch, dtype=str(dtype).replace("torch.", ""),
                 untiled_peak_bytes=untiled, auto_num_shards=auto or 1, auto_runs_untiled=auto is None,
                 auto_peak_bytes=untiled if auto is None else model("fast", auto),

@@ -63,7 +63,6 @@ def apply_tiled_mlp(
         # The constructor saw no ancestors; with them, a backend already wrapping the model (FSDP1 is
         # rejected) is caught now. The strategy is resolved again at the first forward.
         tiled.strategy.check_supported(candidate.module)
-        tiled.reset_strategy()
         tiled.train(candidate.module.training)
         if path == "fast" and structural_spec(candidate.module)[0] is None:
             cannot_be_fast.append(f"{candidate.name}: {structural_spec(candidate.module)[1]}")

@@ -46,6 +46,10 @@ class Strategy(ABC):
         bypasses the submodules' ``__call__``, loses nothing by skipping it. Default: no."""
         return False
 
+    def param_bytes(self, module: nn.Module) -> int:
+        """Bytes of the module's whole (gathered) parameters, for the auto shard policy."""
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
     def trainable_params(self, module: nn.Module) -> List[torch.Tensor]:
         """The tensors whose gradients the tiled Function returns."""
         return [p for p in module.parameters() if p.requires_grad]

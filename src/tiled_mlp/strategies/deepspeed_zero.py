@@ -95,6 +95,10 @@ class DeepSpeedZeroStrategy(Strategy):
             return True
         return any(_is_deepspeed_engine(m) for m in ancestors)
 
+    def param_bytes(self, module: nn.Module) -> int:
+        """Outside the tiled call ZeRO-3 parameters are partitioned (``.data`` is empty): count ``ds_numel``."""
+        return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
+
     def gathered(self, module: nn.Module) -> ContextManager:
         if not any(is_zero3_param(p) for p in module.parameters()):
             return contextlib.nullcontext()  # stages 1 and 2: parameters are whole

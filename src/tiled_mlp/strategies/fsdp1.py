@@ -2,9 +2,9 @@
 and owns their views, so the module's parameters are not the tensors autograd accumulates into."""
 from __future__ import annotations
 
-import torch
 from typing import Sequence
 
+import torch
 from torch import nn
 
 from .base import Strategy, UnsupportedBackendError
@@ -25,17 +25,22 @@ def _is_fsdp1_tensor(t) -> bool:
     return bool(getattr(t, "_fsdp_flattened", False) or getattr(t._base, "_fsdp_flattened", False))
 
 
-def is_under_fsdp1(module: nn.Module) -> bool:
+def _fsdp1_class():
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    for sub in module.modules():
-        if isinstance(sub, FullyShardedDataParallel):
-            return True
-        if any(_is_fsdp1_tensor(t) for t in vars(sub).values()):
-            return True
-        if any(_is_fsdp1_tensor(p) for p in sub._parameters.values()):
-            return True
-    return False
+    return FullyShardedDataParallel
+
+
+def _is_fsdp1_module(module: nn.Module) -> bool:
+    if isinstance(module, _fsdp1_class()):
+        return True
+    return any(_is_fsdp1_tensor(t) for t in (*vars(module).values(), *module._parameters.values()))
+
+
+def is_under_fsdp1(module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
+    """FSDP1 wraps an ancestor (checked alone: another branch of the model is not our concern), or
+    owns the module's own parameters (checked over its whole subtree)."""
+    return any(isinstance(a, _fsdp1_class()) for a in ancestors) or any(map(_is_fsdp1_module, module.modules()))
 
 
 class FSDP1Strategy(Strategy):
@@ -46,7 +51,7 @@ class FSDP1Strategy(Strategy):
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         import torch.distributed as dist
 
-        return dist.is_available() and any(is_under_fsdp1(m) for m in (*ancestors, module))
+        return dist.is_available() and is_under_fsdp1(module, ancestors)
 
     def check_supported(self, module: nn.Module) -> None:
         raise UnsupportedBackendError(FSDP1_ERROR)

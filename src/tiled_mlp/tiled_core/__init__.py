@@ -1,6 +1,8 @@
 """Backend-neutral tiled MLP: shard plan, sharded autograd, per-shard kernels, the TiledMLP module.
 
-Imports torch only; backends are reached through the ``Strategy`` interface.
+Imports torch only; backends are reached through the ``Strategy`` interface. The one optional import
+is Liger-Kernel's Triton activation (``activations.py``), a kernel library, not a backend: imported
+lazily, on CUDA, only when it is installed.
 """
 from .module import TiledMLP
 from .shard_plan import ShardPlan, make_shard_plan

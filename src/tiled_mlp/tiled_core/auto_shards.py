@@ -2,12 +2,14 @@
 
 Two rules, both cheap enough for every forward:
 
-1. **Shard size**: enough shards that one shard's ``[tokens, intermediate]`` buffer holds about
-   ``SHARD_INTERMEDIATE_BYTES``. The modelled peak falls as shards shrink and flattens out near the
-   floor that no tiling removes (input, output, their gradients, weights and weight gradients);
-   64 MiB per buffer sits on the flat part (at 131072 tokens, hidden 4096, intermediate 12288, bf16:
-   48 shards, 0.225 of untiled against 0.216 for 256 shards), while a shard is still ~2700 tokens,
-   large enough to keep a GPU's matrix units busy.
+1. **Shard size**: what no tiling removes (weights and their grads, input, output and both of their
+   grads: the *fixed bytes*) sets the scale. A shard's working set is about four ``[tokens,
+   intermediate]`` buffers; keeping it under ``WORKING_SET_SHARE`` (1/8) of the fixed bytes puts the
+   peak within ~12% of that floor. Shards are capped at ``SHARD_INTERMEDIATE_BYTES`` (64 MiB) per
+   buffer, where the modelled peak has flattened out (131072 tokens, hidden 4096, intermediate 12288,
+   bf16: 49 shards, 0.225 of untiled, against 0.216 for 193 shards) and a shard (~2700 tokens) still
+   keeps a GPU's matrix units busy, and floored at ``MIN_TOKENS_PER_SHARD`` so tiny MLPs are not cut
+   into slivers that only add per-shard overhead.
 2. **Pass-through**: tiling costs recompute (11 matmul units against 9) and some fixed buffers, so it
    only pays when the intermediates it stops keeping are a real share of the step's memory. When the
    whole call's intermediate bytes are under ``MIN_INTERMEDIATE_SHARE`` of the fixed bytes, "auto"
@@ -22,11 +24,14 @@ from typing import Optional
 
 from torch import nn
 
+from .validation import INPUT_PROJECTIONS
+
 SHARD_INTERMEDIATE_BYTES = 64 * 2**20
+WORKING_SET_SHARE = 1 / 8
+WORKING_SET_BUFFERS = 4
+MIN_TOKENS_PER_SHARD = 256
 MIN_INTERMEDIATE_SHARE = 0.1
 
-# The first projection of common MLPs, whose output width is the intermediate size.
-_INPUT_PROJECTIONS = ("gate_proj", "up_proj", "fc1", "c_fc", "w1", "dense_h_to_4h", "fc_in")
 
 
 @dataclass(frozen=True)
@@ -43,16 +48,16 @@ def intermediate_size(module: nn.Module) -> Optional[int]:
     fused = getattr(module, "gate_up_proj", None)
     if isinstance(getattr(fused, "out_features", None), int):
         return fused.out_features // 2
-    for name in _INPUT_PROJECTIONS:
+    for name in INPUT_PROJECTIONS:
         out_features = getattr(getattr(module, name, None), "out_features", None)
         if isinstance(out_features, int):
             return out_features
     return None
 
 
-def mlp_size(module: nn.Module, hidden: int, element_bytes: int) -> MLPSize:
-    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    return MLPSize(hidden, intermediate_size(module), weight_bytes, element_bytes)
+def fixed_bytes(size: MLPSize, num_tokens: int) -> int:
+    """What no shard count removes: weights and their grads, input, output and both of their grads."""
+    return 2 * size.weight_bytes + 4 * num_tokens * size.hidden * size.element_bytes
 
 
 def auto_num_shards(num_tokens: int, size: MLPSize) -> Optional[int]:
@@ -60,9 +65,9 @@ def auto_num_shards(num_tokens: int, size: MLPSize) -> Optional[int]:
     if size.intermediate is None:
         return max(1, math.ceil(num_tokens / max(1, size.hidden)))
     intermediate_bytes = num_tokens * size.intermediate * size.element_bytes
-    # Weights and their grads, plus input, output and both of their grads.
-    fixed_bytes = 2 * size.weight_bytes + 4 * num_tokens * size.hidden * size.element_bytes
-    if intermediate_bytes < MIN_INTERMEDIATE_SHARE * fixed_bytes:
+    fixed = fixed_bytes(size, num_tokens)
+    if intermediate_bytes < MIN_INTERMEDIATE_SHARE * fixed:
         return None
-    tokens_per_shard = max(1, SHARD_INTERMEDIATE_BYTES // (size.intermediate * size.element_bytes))
+    buffer_bytes = min(SHARD_INTERMEDIATE_BYTES, WORKING_SET_SHARE * fixed / WORKING_SET_BUFFERS)
+    tokens_per_shard = max(MIN_TOKENS_PER_SHARD, int(buffer_bytes // (size.intermediate * size.element_bytes)))
     return max(1, math.ceil(num_tokens / tokens_per_shard))

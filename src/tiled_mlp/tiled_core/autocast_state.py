@@ -5,7 +5,6 @@ recomputed activations would not match the ones the output was made from.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +22,6 @@ class AutocastState:
         return cls(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
 
     def replay(self):
-        if not self.enabled:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=True)
+        # Always an explicit autocast context: when the forward ran without autocast, the recompute must
+        # not pick up an autocast that is active around the caller's ``backward()``.
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)

@@ -27,7 +27,9 @@ class GradAccumulator:
         self._buffers: List[Optional[torch.Tensor]] = [None] * len(self._params)
 
     def _dtype_for(self, index: int) -> torch.dtype:
-        return self._accum_dtype or self._params[index].dtype
+        own = self._params[index].dtype
+        # grad_accum_dtype raises precision (bf16 -> fp32); it never lowers it (fp64 stays fp64).
+        return own if self._accum_dtype is None else torch.promote_types(self._accum_dtype, own)
 
     def add(self, index: int, grad: Optional[torch.Tensor]) -> None:
         """grad[index] += grad (a None contribution is skipped: the parameter was unused)."""
@@ -63,8 +65,18 @@ class GradAccumulator:
             buffer.add_(rows.sum(0))
 
     def results(self) -> List[Optional[torch.Tensor]]:
-        """The summed gradients in each parameter's dtype (None where not needed or unused)."""
+        """The summed gradients in each parameter's dtype; None where no gradient is needed.
+
+        A trainable parameter the module did not use gets zeros, not None: it is an input of the tiled
+        Function, so backends that wait for every reachable parameter (DDP with
+        ``find_unused_parameters=True``) must see its gradient arrive, exactly once like the others.
+        """
         out = []
-        for param, buffer in zip(self._params, self._buffers):
-            out.append(None if buffer is None else buffer.to(param.dtype))
+        for param, buffer, needed in zip(self._params, self._buffers, self.needed):
+            if not needed:
+                out.append(None)
+            elif buffer is None:
+                out.append(torch.zeros_like(param))
+            else:
+                out.append(buffer.to(param.dtype))
         return out

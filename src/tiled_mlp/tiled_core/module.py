@@ -16,7 +16,7 @@ from torch import nn
 from ..strategies.base import Strategy
 from ..strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
 from .activations import gated_activation
-from .auto_shards import auto_num_shards, mlp_size
+from .auto_shards import MLPSize, auto_num_shards, intermediate_size
 from .gated_spec import forward_matches_formula, structural_spec
 from .hooked_call import call_with_forward
 from .kernels import GatedShardKernel, GenericShardKernel
@@ -69,17 +69,15 @@ class TiledMLP(nn.Module):
         self.grad_accum_dtype = grad_accum_dtype
         self.use_liger = use_liger
         self._fixed_strategy: Optional[Strategy] = fixed
-        self._resolved_strategy: Optional[Strategy] = None
         self._ancestor_refs: tuple = ()
         # What the last call ran with, for reports and tests.
         self.last_path: Optional[str] = None
         self.last_num_shards: Optional[int] = None
         self._probe_cache: dict = {}
         hide_child_in_state_dict(self, _INNER)
-        # Reject what is already known to be unsupported (FSDP1, per-Linear FSDP2) now, not at the
-        # first forward; "auto" is resolved again at the first forward, once the model is wrapped.
+        # Reject what is already known to be unsupported (FSDP1, per-Linear FSDP2) now; "auto" is
+        # resolved again at every forward, since the model is usually wrapped after it is tiled.
         self._strategy().check_supported(mlp)
-        self._resolved_strategy = None
 
     # -- configuration ------------------------------------------------------------------------------
     def set_ancestors(self, ancestors: Sequence[nn.Module]) -> None:
@@ -92,16 +90,13 @@ class TiledMLP(nn.Module):
         return self._strategy()
 
     def _strategy(self) -> Strategy:
+        # Not cached: a forward before `fully_shard`, `deepspeed.initialize` or an FSDP1 wrap must not
+        # pin the single-device fallback (FSDP1 would then lose every gradient silently). Resolving
+        # looks at a few attributes of the MLP's own modules and parameters; it is cheap.
         if self._fixed_strategy is not None:
             return self._fixed_strategy
-        if self._resolved_strategy is None:
-            ancestors = [m for m in (r() for r in self._ancestor_refs) if m is not None]
-            self._resolved_strategy = resolve_strategy(self.mlp, ancestors)
-        return self._resolved_strategy
-
-    def reset_strategy(self) -> None:
-        """Forget the auto-resolved strategy (after re-wrapping the model with another backend)."""
-        self._resolved_strategy = None
+        ancestors = [m for m in (r() for r in self._ancestor_refs) if m is not None]
+        return resolve_strategy(self.mlp, ancestors)
 
     # -- forward ---------------------------------------------------------------------------------------
     # torch.compile of a surrounding model runs this eagerly: the shard loop, the RNG capture and the
@@ -114,15 +109,19 @@ class TiledMLP(nn.Module):
         spec, why_not_fast = structural_spec(self.mlp, strategy.is_backend_hook) if self.path != "generic" else (None, "path='generic'")
         if self.path == "fast" and spec is None:
             raise ValueError(f"path='fast' cannot apply to {type(self.mlp).__name__}: {why_not_fast}; use path='auto'")
+        if self.path == "fast" and torch.is_autocast_enabled(x.device.type):
+            raise ValueError("path='fast' cannot run under torch.autocast (it computes in the weights' dtype); "
+                             "use path='auto' or cast the module to the compute dtype")
         num_tokens = x.numel() // x.shape[-1]
         num_shards = self.num_shards
         if num_shards == "auto":
-            num_shards = auto_num_shards(num_tokens, mlp_size(self.mlp, x.shape[-1], x.element_size()))
+            size = MLPSize(x.shape[-1], intermediate_size(self.mlp), strategy.param_bytes(self.mlp), x.element_size())
+            num_shards = auto_num_shards(num_tokens, size)
         if num_tokens == 0 or num_shards is None:
             # Nothing to split, or too short for tiling to lower the peak: the plain module.
             self.last_path, self.last_num_shards = "untiled", 1
             return self.mlp(x)
-        plan = make_shard_plan(num_tokens, num_shards, x.shape[-1])
+        plan = make_shard_plan(num_tokens, num_shards)
 
         def tiled_body(original_forward, x_in: torch.Tensor) -> torch.Tensor:
             with strategy.gathered(self.mlp):
@@ -136,7 +135,7 @@ class TiledMLP(nn.Module):
         mlp = self.mlp
         fast = isinstance(kernel, GatedShardKernel)
         if fast:
-            current = lambda: structural_spec(mlp, strategy.is_backend_hook)[0].params  # noqa: E731
+            current = lambda: getattr(structural_spec(mlp, strategy.is_backend_hook)[0], "params", [])  # noqa: E731
         else:
             current = lambda: strategy.trainable_params(mlp)  # noqa: E731
         return ShardedRun(

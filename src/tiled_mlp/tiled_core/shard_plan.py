@@ -6,15 +6,11 @@ that see different token counts (and so pick different shard counts) cannot dead
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Union
 
 NumShards = Union[int, str]
-
-# First "auto" policy (the one DeepSpeed and Liger use): about ``hidden`` tokens per shard, so a
-# shard's [tokens, hidden] slice is as large as one square weight block.
-AUTO = "auto"
+AUTO = "auto"  # resolved to a count (or to "run untiled") by ``auto_shards.auto_num_shards``
 
 
 @dataclass(frozen=True)
@@ -55,11 +51,6 @@ def check_num_shards(num_shards: NumShards) -> None:
         raise ValueError(f"num_shards must be >= 1 (1 means untiled work in one shard), got {num_shards}")
 
 
-def auto_num_shards(num_tokens: int, hidden_size: int) -> int:
-    """About ``hidden_size`` tokens per shard, at least one shard."""
-    return max(1, math.ceil(num_tokens / max(1, hidden_size)))
-
-
 def split_evenly(num_tokens: int, num_shards: int) -> tuple:
     """Nearly equal shard sizes; more shards than tokens clamps to one token per shard."""
     if num_tokens <= 0:
@@ -69,7 +60,8 @@ def split_evenly(num_tokens: int, num_shards: int) -> tuple:
     return tuple(base + 1 if i < extra else base for i in range(num_shards))
 
 
-def make_shard_plan(num_tokens: int, num_shards: NumShards, hidden_size: int) -> ShardPlan:
+def make_shard_plan(num_tokens: int, num_shards: int) -> ShardPlan:
     check_num_shards(num_shards)
-    count = auto_num_shards(num_tokens, hidden_size) if num_shards == AUTO else num_shards
-    return ShardPlan(num_tokens=num_tokens, shard_sizes=split_evenly(num_tokens, count))
+    if num_shards == AUTO:
+        raise ValueError("make_shard_plan needs a shard count: resolve num_shards='auto' with auto_shards.auto_num_shards")
+    return ShardPlan(num_tokens=num_tokens, shard_sizes=split_evenly(num_tokens, num_shards))

@@ -12,7 +12,7 @@ single delivery is what DDP's reducer, FSDP2's reduce-scatter and ZeRO's gradien
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, ContextManager, List, Optional
 
 import torch
@@ -37,7 +37,6 @@ class ShardedRun:
     current_params: Optional[Callable[[], List[torch.Tensor]]] = None
     grad_accum_dtype: Optional[torch.dtype] = None
     replay_rng: bool = True
-    rng_states: list = field(default_factory=list)
 
 
 class ShardedMLPFunction(torch.autograd.Function):
@@ -45,9 +44,9 @@ class ShardedMLPFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, run: ShardedRun, *params: torch.Tensor) -> torch.Tensor:
         x_flat = x.reshape(-1, x.shape[-1])
         out = None
-        run.rng_states = []
+        rng_states = []
         for shard in run.plan.slices():
-            run.rng_states.append(capture_rng_state(x.device) if run.replay_rng else None)
+            rng_states.append(capture_rng_state(x.device) if run.replay_rng else None)
             if out is None:
                 first = run.kernel.forward_shard(x_flat[shard], None)
                 # Allocate the whole output once (no torch.cat peak of shards + result).
@@ -58,6 +57,7 @@ class ShardedMLPFunction(torch.autograd.Function):
                 run.kernel.forward_shard(x_flat[shard], out[shard])
         ctx.save_for_backward(x)
         ctx.run = run
+        ctx.rng_states = rng_states
         # Plain references, not saved tensors: backends swap parameter storage between forward and
         # backward (ZeRO-3 replaces .data, FSDP2 frees and re-allocates) without it being a mutation.
         ctx.params = params
@@ -80,13 +80,15 @@ class ShardedMLPFunction(torch.autograd.Function):
         with run.gathered():
             if run.current_params is not None:
                 _check_same_params(params, run.current_params())
-            for shard, rng_state in zip(run.plan.slices(), run.rng_states):
+            for shard, rng_state in zip(run.plan.slices(), ctx.rng_states):
                 with replay_rng_state(x.device, rng_state), ctx.autocast.replay():
                     run.kernel.backward_shard(
                         x_flat[shard], dy_flat[shard], None if dx_flat is None else dx_flat[shard], grads
                     )
+            # Inside the gathered region: zeros for an unused parameter need its whole shape.
+            param_grads = grads.results()
         dx = None if dx_flat is None else dx_flat.view_as(x)
-        return (dx, None, *grads.results())
+        return (dx, None, *param_grads)
 
 
 def _check_same_params(saved, current) -> None:

@@ -7,14 +7,14 @@ import torch
 from torch import nn
 
 # Names that common MLPs give their first projection (Llama, Phi3, GPT-2, GPT-NeoX, Mixtral experts, ...).
-_INPUT_PROJECTIONS = ("gate_proj", "up_proj", "gate_up_proj", "fc1", "c_fc", "w1", "dense_h_to_4h", "fc_in")
+INPUT_PROJECTIONS = ("gate_proj", "up_proj", "gate_up_proj", "fc1", "c_fc", "w1", "dense_h_to_4h", "fc_in")
 
 
 def expected_hidden_size(module: nn.Module) -> Optional[int]:
     """The input feature count the module needs, when it can be known without running it."""
     if isinstance(module, nn.Linear):
         return module.in_features
-    for name in _INPUT_PROJECTIONS:
+    for name in INPUT_PROJECTIONS:
         proj = getattr(module, name, None)
         in_features = getattr(proj, "in_features", None)
         if isinstance(in_features, int):
