@@ -1,8 +1,10 @@
 """The implementations a benchmark compares, each as ``make(mlp, num_shards) -> step_fn(x)``.
 
-``untiled`` is the plain module; ``fast``/``generic`` are ours with the path forced; ``auto`` is ours
-with ``num_shards="auto"``; ``deepspeed`` is DeepSpeed's TiledMLP (the algorithm ms-swift, Liger and
-Axolotl reuse) when deepspeed is installed.
+- ``untiled``: the plain module.
+- ``fast`` / ``generic``: ours with the path forced; ``fast_native_act`` is ``fast`` without Liger's
+  Triton activation (the two differ only on CUDA with liger-kernel installed).
+- ``auto``: ours with ``num_shards="auto"`` (its own shard policy, whatever ``num_shards`` says).
+- ``deepspeed``: DeepSpeed's TiledMLP (the algorithm ms-swift, Liger and Axolotl reuse), when installed.
 """
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ def _untiled(mlp, num_shards):
     return mlp
 
 
-def _ours(path: str, auto: bool = False):
+def _ours(path: str, auto: bool = False, use_liger: bool = True):
     def make(mlp, num_shards):
-        return TiledMLP(mlp, num_shards="auto" if auto else num_shards, path=path)
+        return TiledMLP(mlp, num_shards="auto" if auto else num_shards, path=path, use_liger=use_liger)
 
     return make
 
@@ -43,6 +45,8 @@ IMPLS: Dict[str, Callable] = {
     "deepspeed": _deepspeed,
     "generic": _ours("generic"),
     "fast": _ours("fast"),
+    # On CUDA with liger-kernel installed "fast" uses Liger's Triton SiLU-mul; this is the native one.
+    "fast_native_act": _ours("fast", use_liger=False),
     "auto": _ours("auto", auto=True),
 }
 
