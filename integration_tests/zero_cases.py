@@ -26,14 +26,24 @@ class ZeroCase:
     lora: bool = False  # frozen base weights, trainable adapters (and a frozen first MLP input)
     unequal: bool = False  # ranks see different token counts, and so run different shard counts
     num_shards: Union[int, str] = 3
+    # num_shards="auto" with these token counts per rank, and the shard counts "auto" must pick.
+    auto_tokens: Tuple[int, int] = ()
+    auto_shards: Tuple[int, int] = ()
 
     def tokens(self, rank: int) -> int:
+        if self.auto_tokens:
+            return self.auto_tokens[rank % 2]
         return (19, 41)[rank % 2] if self.unequal else 24
 
     def shards(self, rank: int) -> Union[int, str]:
         # Unequal: different token counts *and* different shard counts on the two ranks, fixed here
         # rather than left to the "auto" policy so the test keeps meaning the same.
+        if self.auto_tokens:
+            return "auto"
         return (2, 3)[rank % 2] if self.unequal else self.num_shards
+
+    def expected_shards(self, rank: int) -> int:
+        return self.auto_shards[rank % 2] if self.auto_tokens else self.shards(rank)
 
 
 def ds_config(case: ZeroCase) -> dict:
@@ -76,6 +86,9 @@ GROUPS = {
         ZeroCase("z3-fast-gas2", path="fast", gas=2),
         ZeroCase("z3-fast-frozen-input", path="fast", frozen_input=True),
         ZeroCase("z3-fast-unequal", path="fast", unequal=True),
+        # "auto" on 8 tokens would run the MLP untiled (too short to pay), on 600 tokens tiled: under
+        # ZeRO-3 the two would gather differently and deadlock, so the short rank tiles in one shard.
+        ZeroCase("z3-auto-short-and-long-rank", path="fast", auto_tokens=(8, 600), auto_shards=(1, 3)),
     ),
     "zero3-bf16": (
         ZeroCase("z3-bf16-generic", dtype=torch.bfloat16, path="generic"),

@@ -41,7 +41,21 @@ def tile(model, **kwargs):
     return model
 
 
+class HoldsAnMLP(nn.Module):
+    """An MLP whose own child is called ``mlp``, the name TiledMLP gives the module it wraps."""
+
+    def __init__(self, hidden, intermediate):
+        super().__init__()
+        self.mlp = GatedMLP(hidden, intermediate)
+        self.register_buffer("gain", torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.gain * self.mlp(x)
+
+
 BUILDERS = {"gated": GatedMLP, "fused": FusedGatedMLP, "lora": lora_gated}
+# Also round-tripped: its keys contain ".mlp.mlp." untiled, which the tiled model must keep.
+ROUND_TRIP_BUILDERS = {**BUILDERS, "child_named_mlp": HoldsAnMLP}
 
 
 @pytest.mark.parametrize("builder", BUILDERS.values(), ids=BUILDERS)
@@ -60,7 +74,7 @@ def test_model_keys_are_identical_after_tiling(builder):
     assert all(".mlp.mlp." not in k for k in keys)
 
 
-@pytest.mark.parametrize("builder", BUILDERS.values(), ids=BUILDERS)
+@pytest.mark.parametrize("builder", ROUND_TRIP_BUILDERS.values(), ids=ROUND_TRIP_BUILDERS)
 def test_checkpoint_round_trip(builder, tmp_path):
     torch.manual_seed(0)
     untiled = Model(builder).double()
@@ -88,11 +102,13 @@ def test_checkpoint_round_trip(builder, tmp_path):
     torch.testing.assert_close(tiled(x), back(x), rtol=1e-10, atol=1e-12)
 
 
-def test_a_wrapper_can_load_its_own_state_dict_and_shares_the_parameters():
-    mlp = GatedMLP(HIDDEN, INTER)
+@pytest.mark.parametrize("builder", ROUND_TRIP_BUILDERS.values(), ids=ROUND_TRIP_BUILDERS)
+def test_a_wrapper_can_load_its_own_state_dict_and_shares_the_parameters(builder):
+    mlp = builder(HIDDEN, INTER)
     tiled = TiledMLP(mlp)
     state = {k: torch.randn_like(v) for k, v in tiled.state_dict().items()}
-    tiled.load_state_dict(state)
+    result = tiled.load_state_dict(state, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
     assert all(torch.equal(state[k], v) for k, v in mlp.state_dict().items())
     assert [id(p) for p in tiled.parameters()] == [id(p) for p in mlp.parameters()]
     assert [n for n, _ in tiled.named_parameters()] == [f"mlp.{n}" for n, _ in mlp.named_parameters()]

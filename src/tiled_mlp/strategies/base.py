@@ -46,6 +46,12 @@ class Strategy(ABC):
         bypasses the submodules' ``__call__``, loses nothing by skipping it. Default: no."""
         return False
 
+    def allows_untiled_call(self, module: nn.Module) -> bool:
+        """May a call run the plain module instead of the tiled loop (no tokens, or too few for tiling
+        to pay)? Only when both issue the same collectives. Default: yes (the backend's hooks sit
+        around the call, not inside it)."""
+        return True
+
     def param_bytes(self, module: nn.Module) -> int:
         """Bytes of the module's whole (gathered) parameters, for the auto shard policy."""
         return sum(p.numel() * p.element_size() for p in module.parameters())

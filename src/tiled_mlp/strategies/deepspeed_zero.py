@@ -99,6 +99,12 @@ class DeepSpeedZeroStrategy(Strategy):
         """Outside the tiled call ZeRO-3 parameters are partitioned (``.data`` is empty): count ``ds_numel``."""
         return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
 
+    def allows_untiled_call(self, module: nn.Module) -> bool:
+        """Not under ZeRO-3: the plain module gathers each child Linear with its own hooks, the tiled
+        call gathers them with the MLP's, so a rank running untiled beside one that tiles (fewer tokens
+        with num_shards="auto") would issue other collectives and deadlock. It tiles in one shard."""
+        return not any(is_zero3_param(p) for p in module.parameters())
+
     def gathered(self, module: nn.Module) -> ContextManager:
         if not any(is_zero3_param(p) for p in module.parameters()):
             return contextlib.nullcontext()  # stages 1 and 2: parameters are whole

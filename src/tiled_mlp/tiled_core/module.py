@@ -118,9 +118,11 @@ class TiledMLP(nn.Module):
             size = MLPSize(x.shape[-1], intermediate_size(self.mlp), strategy.param_bytes(self.mlp), x.element_size())
             num_shards = auto_num_shards(num_tokens, size)
         if num_tokens == 0 or num_shards is None:
-            # Nothing to split, or too short for tiling to lower the peak: the plain module.
-            self.last_path, self.last_num_shards = "untiled", 1
-            return self.mlp(x)
+            if strategy.allows_untiled_call(self.mlp):
+                # Nothing to split, or too short for tiling to lower the peak: the plain module.
+                self.last_path, self.last_num_shards = "untiled", 1
+                return self.mlp(x)
+            num_shards = 1  # the backend needs every rank on the tiled path (same collectives)
         plan = make_shard_plan(num_tokens, num_shards)
 
         def tiled_body(original_forward, x_in: torch.Tensor) -> torch.Tensor:

@@ -52,9 +52,13 @@ def check_num_shards(num_shards: NumShards) -> None:
 
 
 def split_evenly(num_tokens: int, num_shards: int) -> tuple:
-    """Nearly equal shard sizes; more shards than tokens clamps to one token per shard."""
+    """Nearly equal shard sizes; more shards than tokens clamps to one token per shard.
+
+    No tokens is one empty shard, not none: the kernel still runs once (on zero rows), so a backend
+    that gathers inside the tiled call (ZeRO-3) issues the same collectives as on a rank with tokens.
+    """
     if num_tokens <= 0:
-        return ()
+        return (0,)
     num_shards = min(num_shards, num_tokens)
     base, extra = divmod(num_tokens, num_shards)
     return tuple(base + 1 if i < extra else base for i in range(num_shards))

@@ -19,10 +19,11 @@ def _drop_child_prefix(child: str, module, state_dict, prefix, local_metadata):
 
 def _add_child_prefix(child: str, module, state_dict, prefix, local_metadata, strict, missing_keys,
                       unexpected_keys, error_msgs):
-    # Every key under this wrapper belongs to the child: the wrapper has no tensors of its own.
-    inner = prefix + child + "."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+    # Every key under this wrapper belongs to the child: the wrapper has no tensors of its own. All of
+    # them get the child's name, also those that already start with it (a child of the child that has
+    # the same name, e.g. an MLP holding ``mlp``).
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[prefix + child + "." + key[len(prefix):]] = state_dict.pop(key)
 
 
 def hide_child_in_state_dict(wrapper: nn.Module, child: str) -> None:
