@@ -4,3 +4,21 @@ from pathlib import Path
 # DeepSpeed JIT-builds a shared-memory op the first time a process initialises it (~40 s with g++):
 # one build cache for the whole test run, shared by every xdist worker and spawned rank.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).parent / ".torch_extensions"))
+
+
+# The test extras. Their tests skip where one is missing (the core alone: `tox -e core`); CI sets
+# TILED_MLP_REQUIRE_EXTRAS=1 so that a broken install fails the run instead of skipping quietly.
+EXTRAS = ("deepspeed", "accelerate", "transformers", "peft", "matplotlib")
+
+
+def pytest_sessionstart(session):
+    if os.environ.get("TILED_MLP_REQUIRE_EXTRAS") != "1":
+        return
+    import importlib.util
+
+    missing = [name for name in EXTRAS if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RuntimeError(
+            f"TILED_MLP_REQUIRE_EXTRAS=1 but {', '.join(missing)} cannot be imported: their tests would be "
+            "skipped. Install the extras (bash .ci/setup) or unset the variable to run the core alone."
+        )

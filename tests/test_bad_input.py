@@ -109,6 +109,30 @@ def test_register_strategy_rejects_bad_classes():
         register_strategy(Nameless)
     with pytest.raises(ValueError, match="override=True"):
         register_strategy(Duplicate)
+
+    class WrongArity(Strategy):
+        name = "wrong_arity"
+
+        def gathered(self):  # the core calls gathered(module)
+            return None
+
+    class InstanceClaims(Strategy):
+        name = "instance_claims"
+
+        def claims(self, module, ancestors=()):
+            return True
+
+    class ClaimsIsNotAMethod(Strategy):
+        name = "claims_flag"
+        claims = True
+
+    with pytest.raises(TypeError, match=r"gathered must accept \(module\)"):
+        register_strategy(WrongArity)
+    with pytest.raises(TypeError, match="claims must be a classmethod"):
+        register_strategy(InstanceClaims)
+    with pytest.raises(TypeError, match="claims is not a method"):
+        register_strategy(ClaimsIsNotAMethod)
+    assert not {"wrong_arity", "instance_claims", "claims_flag"} & set(available_strategies())
     assert "not_a_strategy" not in available_strategies()
     from tiled_mlp.strategies.registry import get_strategy_class
     from tiled_mlp.strategies import SingleDeviceStrategy
@@ -193,3 +217,15 @@ def test_instance_forward_installed_by_another_library_is_kept():
     assert mlp.__dict__["forward"] is patched
     torch.testing.assert_close(out.detach(), patched(x).detach(), rtol=1e-10, atol=1e-12)
     assert tiled.last_path == "generic"  # the patched forward is not the formula
+
+
+def test_a_hook_added_between_forward_and_backward_is_named_in_the_error():
+    mlp = GatedMLP(HIDDEN, 12).double()
+    tiled = TiledMLP(mlp, num_shards=2)
+    x = torch.randn(1, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
+    out = tiled(x)
+    assert tiled.last_path == "fast"
+    mlp.up_proj.register_forward_hook(lambda m, a, o: None)
+    with pytest.raises(RuntimeError, match="no longer suits the fast path.*hooks"):
+        out.sum().backward()
+    assert all(p.grad is None for p in mlp.parameters())

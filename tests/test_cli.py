@@ -1,5 +1,6 @@
 """The tiled-mlp command: clear argument errors, parseable JSON, and plan's prediction against a
 measured peak."""
+import importlib.util
 import json
 
 import pytest
@@ -50,7 +51,8 @@ def test_bench_json_parses_and_reports_matching_gradients(capsys, tmp_path):
     plot = tmp_path / "bench.png"
     argv = ["bench", "--hidden", "32", "--intermediate", "96", "--seq", "64,256", "--impls", "untiled,fast,generic",
             "--num-shards", "3", "--repeats", "1", "--json"]
-    if pytest.importorskip("matplotlib"):
+    with_plot = importlib.util.find_spec("matplotlib") is not None  # the plot alone is optional
+    if with_plot:
         argv += ["--plot", str(plot)]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
@@ -59,7 +61,8 @@ def test_bench_json_parses_and_reports_matching_gradients(capsys, tmp_path):
     for row in rows:
         assert row["grad_rel_err"] < 1e-5 and row["peak_mb"] > 0 and row["ms"] > 0
         assert row["num_shards"] == (1 if row["impl"] == "untiled" else 3)
-    assert plot.stat().st_size > 10_000
+    if with_plot:
+        assert plot.stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("seq", [512, 4096])

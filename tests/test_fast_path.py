@@ -1,8 +1,11 @@
 """The gated fast path (SwiGLU, GEGLU exact and tanh, fused gate_up_proj) and the path chooser."""
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
+from torch import nn
 
 from reference import (
     ACTS,
@@ -137,6 +140,35 @@ def test_auto_picks_generic_when_the_forward_is_not_the_formula():
     got, tiled = tiled_run(mlp, x, dy, num_shards=3)
     assert tiled.last_path == "generic"
     assert_runs_close(untiled_run(mlp, x, dy), got)
+
+
+class ClampedGatedMLP(GatedMLP):
+    """The gated formula except for large gate values: a probe near zero alone cannot tell."""
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)).clamp(max=4.0) * self.up_proj(x))
+
+
+def test_auto_picks_generic_when_the_forward_differs_only_for_large_values():
+    mlp = seeded(ClampedGatedMLP, 6, HIDDEN, INTER, "silu")
+    x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
+    x = (x * 8).detach().requires_grad_()  # inputs large enough for the clamp to matter here too
+    got, tiled = tiled_run(mlp, x, dy, num_shards=3)
+    assert tiled.last_path == "generic"
+    assert_runs_close(untiled_run(mlp, x, dy), got)
+
+
+def test_a_forward_replaced_on_a_projection_sends_auto_to_generic():
+    """accelerate's device/offload hooks replace ``module.forward`` on the instance; the fast kernel
+    would bypass it, so the generic path runs it (here it scales the projection's output)."""
+    mlp = seeded(GatedMLP, 7, HIDDEN, INTER, "silu")
+    # A bound method, so that the deep copies the reference and tiled runs make keep their own.
+    mlp.up_proj.forward = types.MethodType(lambda self, inp: 2.0 * nn.Linear.forward(self, inp), mlp.up_proj)
+    x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
+    want = untiled_run(mlp, x, dy)
+    got, tiled = tiled_run(mlp, x, dy, num_shards=3)
+    assert tiled.last_path == "generic"
+    assert_runs_close(want, got)
 
 
 def _lora():

@@ -64,4 +64,15 @@ class Strategy(ABC):
         return f"{type(self).__name__}()"
 
 
-REQUIRED_METHODS = ("claims", "check_supported", "gathered", "trainable_params")
+# The calls the core and the resolver make, by method: the arguments each must accept. ``claims`` is
+# called on the class (a classmethod or staticmethod), the others on an instance.
+INTERFACE = {
+    "claims": ("module", "ancestors"),
+    "check_supported": ("module",),
+    "gathered": ("module",),
+    "allows_untiled_call": ("module",),
+    "param_bytes": ("module",),
+    "trainable_params": ("module",),
+    "is_backend_hook": ("hook",),
+}
+CLASS_LEVEL = ("claims",)

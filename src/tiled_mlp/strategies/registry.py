@@ -4,7 +4,7 @@ from __future__ import annotations
 import inspect
 from typing import Dict, List, Type
 
-from .base import REQUIRED_METHODS, Strategy
+from .base import CLASS_LEVEL, INTERFACE, Strategy
 
 _REGISTRY: Dict[str, Type[Strategy]] = {}
 
@@ -15,9 +15,9 @@ def register_strategy(cls: Type[Strategy], override: bool = False) -> Type[Strat
         raise TypeError(f"register_strategy expects a subclass of tiled_mlp.Strategy, got {cls!r}")
     if not isinstance(cls.name, str) or not cls.name:
         raise TypeError(f"{cls.__name__} must set a non-empty class attribute `name` to be registered")
-    missing = [m for m in REQUIRED_METHODS if not callable(getattr(cls, m, None))]
-    if missing:
-        raise TypeError(f"{cls.__name__} does not implement the Strategy interface: missing {', '.join(missing)}")
+    problems = [p for p in (_interface_problem(cls, m, args) for m, args in INTERFACE.items()) if p]
+    if problems:
+        raise TypeError(f"{cls.__name__} does not implement the Strategy interface: {'; '.join(problems)}")
     if not isinstance(cls.priority, int):
         raise TypeError(f"{cls.__name__}.priority must be an int, got {cls.priority!r}")
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls and not override:
@@ -27,6 +27,23 @@ def register_strategy(cls: Type[Strategy], override: bool = False) -> Type[Strat
         )
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def _interface_problem(cls: Type[Strategy], method: str, args: tuple) -> str:
+    """Why ``cls.<method>`` cannot take the call the core makes, or "" when it can."""
+    static = inspect.getattr_static(cls, method, None)
+    if not callable(getattr(cls, method, None)):
+        return f"{method} is not a method"
+    on_class = isinstance(static, (classmethod, staticmethod))
+    if method in CLASS_LEVEL and not on_class:
+        return f"{method} must be a classmethod (the resolver asks the class before making an instance)"
+    # Plain functions are called on an instance: bind ``self`` too.
+    bound_args = (object(),) * len(args) if on_class else (None,) + (object(),) * len(args)
+    try:
+        inspect.signature(getattr(cls, method)).bind(*bound_args)
+    except TypeError:
+        return f"{method} must accept ({', '.join(args)})"
+    return ""
 
 
 def unregister_strategy(name: str) -> None:

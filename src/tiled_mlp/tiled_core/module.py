@@ -137,7 +137,14 @@ class TiledMLP(nn.Module):
         mlp = self.mlp
         fast = isinstance(kernel, GatedShardKernel)
         if fast:
-            current = lambda: getattr(structural_spec(mlp, strategy.is_backend_hook)[0], "params", [])  # noqa: E731
+            def current():
+                spec, why_not = structural_spec(mlp, strategy.is_backend_hook)
+                if spec is None:
+                    raise RuntimeError(
+                        f"TiledMLP: {type(mlp).__name__} no longer suits the fast path it ran forward with ({why_not}); "
+                        "add hooks or wrappers before the forward, or use path='generic'"
+                    )
+                return spec.params
         else:
             current = lambda: strategy.trainable_params(mlp)  # noqa: E731
         return ShardedRun(
