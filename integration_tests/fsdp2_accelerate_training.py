@@ -17,6 +17,7 @@ from tiled_mlp import TiledMLP
 
 from .fsdp2_cases import LR, STEPS, Fsdp2Case
 from .fsdp2_training import base_model, canonical_name, full, micro_batch
+from .training_record import new_record, note_tiled_calls
 
 CASE = Fsdp2Case("accelerate", num_shards=3)
 
@@ -56,15 +57,13 @@ def train(accelerator, kind: str, rank: int) -> Dict:
     assert isinstance(model, FSDPModule) and all(isinstance(layer, FSDPModule) for layer in model.layers)
     named = [(canonical_name(n), p) for n, p in model.named_parameters()]
     tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
-    record = {"grads": [], "params": [], "shards": [], "paths": set(), "strategies": set()}
+    record = new_record()
     record["initial"] = {n: full(p) for n, p in named}
     for step in range(STEPS):
         x, target = micro_batch(CASE, rank, step)
         loss = ((model(x) - target) ** 2).mean()
         accelerator.backward(loss)
-        record["shards"].append([m.last_num_shards for m in tiled])
-        record["paths"].update(m.last_path for m in tiled)
-        record["strategies"].update(m.strategy.name for m in tiled)
+        note_tiled_calls(record, tiled)
         record["grads"].append({n: full(p.grad) for n, p in named if p.requires_grad})
         optimizer.step()
         optimizer.zero_grad()

@@ -12,6 +12,7 @@ from tiled_mlp import TiledMLP
 
 from .fsdp2_cases import HIDDEN, LR, STEPS, Fsdp2Case
 from .toy_models import make_toy_model
+from .training_record import new_record, note_tiled_calls
 
 KINDS = ("untiled", "tiled")
 
@@ -86,7 +87,7 @@ def train(case: Fsdp2Case, kind: str, rank: int, world_size: int) -> Dict:
     trainable = [p for _, p in named if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=LR)
     tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
-    record = {"grads": [], "params": [], "shards": [], "paths": set(), "strategies": set()}
+    record = new_record()
     record["initial"] = {n: full(p) for n, p in named}
     for step in range(STEPS):
         for micro in range(case.gas):
@@ -95,9 +96,7 @@ def train(case: Fsdp2Case, kind: str, rank: int, world_size: int) -> Dict:
             x, target = micro_batch(case, rank, step * case.gas + micro)
             loss = ((model(x).float() - target) ** 2).mean() / case.gas
             loss.backward()
-            record["shards"].append([m.last_num_shards for m in tiled])
-            record["paths"].update(m.last_path for m in tiled)
-            record["strategies"].update(m.strategy.name for m in tiled)
+            note_tiled_calls(record, tiled)
         record["grads"].append({n: full(p.grad) for n, p in named if p.requires_grad})
         optimizer.step()
         optimizer.zero_grad()

@@ -86,9 +86,9 @@ GROUPS = {
         ZeroCase("z3-fast-gas2", path="fast", gas=2),
         ZeroCase("z3-fast-frozen-input", path="fast", frozen_input=True),
         ZeroCase("z3-fast-unequal", path="fast", unequal=True),
-        # "auto" on 8 tokens would run the MLP untiled (too short to pay), on 600 tokens tiled: under
+        # "auto" on 8 tokens would run the MLP untiled (too short to pay), on 2500 tokens tiled: under
         # ZeRO-3 the two would gather differently and deadlock, so the short rank tiles in one shard.
-        ZeroCase("z3-auto-short-and-long-rank", path="fast", auto_tokens=(8, 600), auto_shards=(1, 3)),
+        ZeroCase("z3-auto-short-and-long-rank", path="fast", auto_tokens=(8, 2500), auto_shards=(1, 3)),
     ),
     "zero3-bf16": (
         ZeroCase("z3-bf16-generic", dtype=torch.bfloat16, path="generic"),

@@ -13,6 +13,7 @@ from tiled_mlp import TiledMLP
 from .toy_models import make_toy_model
 from .zero_cases import HIDDEN, LR, STEPS, ZeroCase, ds_config
 from .zero_peer import use_deepspeed_tiled_mlp
+from .training_record import new_record, note_tiled_calls
 
 KINDS = ("untiled", "tiled", "peer")
 
@@ -61,16 +62,14 @@ def train(case: ZeroCase, kind: str, rank: int) -> Dict:
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=LR), config=ds_config(case))
     named = [(canonical_name(n), p) for n, p in model.named_parameters()]
     tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
-    record = {"grads": [], "params": [], "shards": [], "paths": set(), "strategies": set()}
+    record = new_record()
     record["initial"] = {n: full_param(p) for n, p in named}
     for step in range(STEPS):
         for micro in range(case.gas):
             x, target = micro_batch(case, rank, step * case.gas + micro)
             loss = ((engine(x).float() - target) ** 2).mean()
             engine.backward(loss)
-            record["shards"].append([m.last_num_shards for m in tiled])
-            record["paths"].update(m.last_path for m in tiled)
-            record["strategies"].update(m.strategy.name for m in tiled)
+            note_tiled_calls(record, tiled)
             if micro == case.gas - 1:
                 assert engine.is_gradient_accumulation_boundary()
                 record["grads"].append(

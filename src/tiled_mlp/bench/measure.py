@@ -3,7 +3,7 @@
 Memory: ``torch.cuda.max_memory_allocated`` on CUDA (everything live counts: input, grad_output,
 weights, grads), the live-storage tracker elsewhere (same accounting, exact). Time: the median of
 ``repeats`` steps after ``warmup`` steps, reported as a ratio against the untiled module in the same
-run so machine speed cancels out.
+run so machine speed cancels out; on CPU with freed memory kept in the process (``cpu_allocator``).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
+from .cpu_allocator import keep_freed_memory_in_process
 from .memory_tracker import LiveMemoryTracker
 
 
@@ -47,7 +48,9 @@ def peak_bytes(step_fn: Callable, mlp: nn.Module, x: torch.Tensor, grad_out: tor
     return tracker.peak_bytes
 
 
-def step_seconds(step_fn: Callable, mlp: nn.Module, x, grad_out, repeats: int = 3, warmup: int = 1) -> float:
+def step_seconds(step_fn: Callable, mlp: nn.Module, x, grad_out, repeats: int = 3, warmup: int = 3) -> float:
+    if x.device.type == "cpu":
+        keep_freed_memory_in_process()
     for _ in range(warmup):
         one_step(step_fn, mlp, x, grad_out)
     times: List[float] = []
