@@ -2,14 +2,14 @@
 
 Memory: ``torch.cuda.max_memory_allocated`` on CUDA (everything live counts: input, grad_output,
 weights, grads), the live-storage tracker elsewhere (same accounting, exact). Time: the median of
-``repeats`` steps after ``warmup`` steps, reported as a ratio against the untiled module in the same
+``repeats`` steps after ``warmup`` steps, interleaved across implementations, reported as a ratio against the untiled module in the same
 run so machine speed cancels out; on CPU with freed memory kept in the process (``cpu_allocator``).
 """
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -48,19 +48,27 @@ def peak_bytes(step_fn: Callable, mlp: nn.Module, x: torch.Tensor, grad_out: tor
     return tracker.peak_bytes
 
 
-def step_seconds(step_fn: Callable, mlp: nn.Module, x, grad_out, repeats: int = 3, warmup: int = 3) -> float:
+def step_seconds(step_fns: Dict[str, Callable], mlp: nn.Module, x, grad_out, repeats: int = 3,
+                 warmup: int = 3, on_round: Optional[Callable[[int], None]] = None) -> Dict[str, float]:
+    """Median seconds of one step for each implementation, timed round-robin: step r of every
+    implementation runs before step r+1 of any, so a slow spell of the machine (shared CPUs drift by
+    20% over minutes) lands on all of them alike instead of on whichever ran then."""
     if x.device.type == "cpu":
         keep_freed_memory_in_process()
-    for _ in range(warmup):
-        one_step(step_fn, mlp, x, grad_out)
-    times: List[float] = []
-    for _ in range(repeats):
-        _synchronize(x.device)
-        start = time.perf_counter()
-        one_step(step_fn, mlp, x, grad_out)
-        _synchronize(x.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    for step_fn in step_fns.values():
+        for _ in range(warmup):
+            one_step(step_fn, mlp, x, grad_out)
+    times: Dict[str, List[float]] = {name: [] for name in step_fns}
+    for round_index in range(repeats):
+        for name, step_fn in step_fns.items():
+            _synchronize(x.device)
+            start = time.perf_counter()
+            one_step(step_fn, mlp, x, grad_out)
+            _synchronize(x.device)
+            times[name].append(time.perf_counter() - start)
+        if on_round is not None:
+            on_round(round_index)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def step_outputs(step_fn: Callable, mlp: nn.Module, x, grad_out) -> List[torch.Tensor]:

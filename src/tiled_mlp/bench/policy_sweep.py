@@ -3,7 +3,8 @@
     python -m tiled_mlp.bench.policy_sweep
 
 Memory: fake-tensor model at the seed's size (hidden 4096, intermediate 12288, bf16, 131072 and
-32768 tokens). Time: CPU fp32, hidden 1024, intermediate 2816, 16384 tokens, as a ratio to untiled.
+32768 tokens). Time: CPU fp32, hidden 1024, intermediate 2816, 16384 tokens, as a ratio to untiled,
+every shard size timed interleaved with the untiled step.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def shards_for_target(tokens: int, intermediate: int, element_bytes: int, target
 
 
 def main() -> None:
-    progress = Progress(len(TARGETS_MIB) * 3 + 1, "sweep")
+    repeats = 5
+    progress = Progress(len(TARGETS_MIB) * 2 + repeats, "sweep")
     memory = {}
     for seq in (32768, 131072):
         untiled = modeled_peak_bytes("untiled", 4096, 12288, seq, torch.bfloat16, 1)
@@ -38,13 +40,11 @@ def main() -> None:
     torch.manual_seed(0)
     mlp = SwiGLUMLP(hidden, inter)
     x, dy = make_inputs(seq, hidden, torch.float32, "cpu")
-    base = step_seconds(mlp, mlp, x, dy, repeats=3)
-    progress.step("time untiled")
-    times = {}
-    for target in TARGETS_MIB:
-        n = shards_for_target(seq, inter, 4, target)
-        times[target] = (n, step_seconds(IMPLS["fast"](mlp, n), mlp, x, dy, repeats=3) / base)
-        progress.step(f"time {target} MiB")
+    counts = {target: shards_for_target(seq, inter, 4, target) for target in TARGETS_MIB}
+    step_fns = {"untiled": mlp, **{target: IMPLS["fast"](mlp, n) for target, n in counts.items()}}
+    seconds = step_seconds(step_fns, mlp, x, dy, repeats=repeats,
+                           on_round=lambda r: progress.step(f"timed round {r + 1}/{repeats}"))
+    times = {target: (n, seconds[target] / seconds["untiled"]) for target, n in counts.items()}
     progress.close()
     print("| MiB per shard buffer | shards @131072 | peak vs untiled @131072 | shards @32768 | peak vs untiled @32768 "
           "| CPU shards @16384 | CPU time vs untiled |")

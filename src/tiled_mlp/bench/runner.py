@@ -49,15 +49,19 @@ def _measure_real(cfg: BenchConfig, seq: int, impls: List[str], progress: Progre
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
     x, grad_out = make_inputs(seq, cfg.hidden, cfg.dtype, device, cfg.batch, cfg.seed)
     reference = step_outputs(IMPLS["untiled"](mlp, 1), mlp, x, grad_out)
-    rows = []
+    rows, step_fns = [], {}
     for impl in impls:
         shards = shards_for(impl, cfg, seq)
-        step_fn = IMPLS[impl](mlp, shards)
+        step_fn = step_fns[impl] = IMPLS[impl](mlp, shards)
         error = max_relative_error(step_outputs(step_fn, mlp, x, grad_out), reference)
         peak = peak_bytes(step_fn, mlp, x, grad_out)
-        seconds = step_seconds(step_fn, mlp, x, grad_out, repeats=cfg.repeats)
-        rows.append(dict(seq=seq, impl=impl, num_shards=shards_used(step_fn, shards), ms=seconds * 1e3, peak_mb=peak / MiB, grad_rel_err=error))
-        progress.step(f"seq {seq} {impl}")
+        rows.append(dict(seq=seq, impl=impl, num_shards=shards_used(step_fn, shards), peak_mb=peak / MiB, grad_rel_err=error))
+        progress.step(f"seq {seq} {impl}: gradients and memory")
+    # Timed together, interleaved, so that the ratios to untiled compare steps run side by side.
+    seconds = step_seconds(step_fns, mlp, x, grad_out, repeats=cfg.repeats,
+                           on_round=lambda r: progress.step(f"seq {seq}: timed round {r + 1}/{cfg.repeats}"))
+    for row in rows:
+        row["ms"] = seconds[row["impl"]] * 1e3
     return rows
 
 
@@ -73,7 +77,8 @@ def _measure_model(cfg: BenchConfig, seq: int, impls: List[str], progress: Progr
 
 def run_bench(cfg: BenchConfig, show_progress: bool = True) -> List[dict]:
     impls = ["untiled"] + [i for i in cfg.impls if i != "untiled"]
-    progress = Progress(len(cfg.seqs) * len(impls), "bench", enabled=show_progress)
+    rounds = 0 if cfg.model_memory else cfg.repeats
+    progress = Progress(len(cfg.seqs) * (len(impls) + rounds), "bench", enabled=show_progress)
     rows: List[dict] = []
     try:
         for seq in cfg.seqs:
