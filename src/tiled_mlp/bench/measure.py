@@ -2,8 +2,9 @@
 
 Memory: ``torch.cuda.max_memory_allocated`` on CUDA (everything live counts: input, grad_output,
 weights, grads), the live-storage tracker elsewhere (same accounting, exact). Time: the median of
-``repeats`` steps after ``warmup`` steps, interleaved across implementations, reported as a ratio against the untiled module in the same
-run so machine speed cancels out; on CPU with freed memory kept in the process (``cpu_allocator``).
+``repeats`` steps after ``warmup`` steps, interleaved across implementations and reported as a ratio
+against the untiled module in the same run, so machine speed cancels out; on CPU with freed memory
+kept in the process (``cpu_allocator``).
 """
 from __future__ import annotations
 
