@@ -21,11 +21,10 @@ _M_MMAP_MAX = -4
 def keep_freed_memory_in_process() -> bool:
     """Once per process; True when the setting took effect."""
     name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
+    if name is None:
         return False
-    if mallopt is None:
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # no such library, or a libc without mallopt (musl, macOS)
         return False
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
