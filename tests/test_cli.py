@@ -81,3 +81,87 @@ def test_plan_agrees_with_a_measured_peak(capsys, seq):
     measured_auto = peak_bytes(tiled, mlp, x, grad_out)
     assert abs(plan["untiled_peak_bytes"] - measured_untiled) <= 0.05 * measured_untiled
     assert abs(plan["auto_peak_bytes"] - measured_auto) <= 0.05 * measured_auto
+
+
+# -- errors caught before any work ---------------------------------------------------------------------
+@pytest.fixture
+def no_bench_work(monkeypatch):
+    """Running the benchmark or drawing its plot fails the test: the errors below must come before them."""
+    from tiled_mlp.cli import bench_cmd
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("benchmark work ran before the argument error")
+
+    monkeypatch.setattr(bench_cmd, "run_bench", refuse)
+    monkeypatch.setattr(bench_cmd, "plot", refuse)
+
+
+@pytest.mark.parametrize("impls", [",", "", " , ,"])
+def test_empty_impls_list_the_known_ones(capsys, no_bench_work, impls):
+    err = _error(capsys, ["bench", "--impls", impls])
+    assert "--impls names no implementation" in err and "untiled, " in err and "fast" in err
+
+
+@pytest.mark.parametrize("device", ["nonsense", "cuda0", "gpu"])
+def test_unknown_device_names_what_is_available(capsys, no_bench_work, device):
+    err = _error(capsys, ["bench", "--device", device])
+    assert f"unknown device {device!r}" in err and "available here: cpu" in err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("tiled-mlp bench: error: unknown device")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_device_names_what_is_available(capsys, no_bench_work):
+    err = _error(capsys, ["bench", "--device", "cuda"])
+    assert "device 'cuda' is not available" in err and "available here: cpu" in err
+
+
+def test_device_index_out_of_range(capsys, monkeypatch, no_bench_work):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    err = _error(capsys, ["bench", "--device", "cuda:2"])
+    assert "device 'cuda:2' does not exist" in err and "cuda:0" in err and "cuda:1" in err
+
+
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="fake CUDA tensors work where torch is built with CUDA")
+def test_model_memory_on_a_device_torch_cannot_fake(capsys, no_bench_work):
+    err = _error(capsys, ["bench", "--model-memory", "--device", "cuda", "--hidden", "16", "--intermediate", "32",
+                          "--seq", "64"])
+    assert "--model-memory cannot model device 'cuda'" in err
+
+
+def test_plot_without_matplotlib_fails_before_the_benchmark(capsys, monkeypatch, no_bench_work, tmp_path):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name.split(".")[0] == "matplotlib" else find_spec(name, *a, **k))
+    err = _error(capsys, ["bench", "--plot", str(tmp_path / "out.png")])
+    assert "--plot needs matplotlib" in err and "pip install 'tiled-mlp[bench]'" in err
+
+
+def test_plot_to_a_missing_folder_or_unknown_format_fails_before_the_benchmark(capsys, no_bench_work, tmp_path):
+    pytest.importorskip("matplotlib")
+    err = _error(capsys, ["bench", "--plot", str(tmp_path / "missing" / "out.png")])
+    assert "--plot" in err and "no such folder" in err
+    err = _error(capsys, ["bench", "--plot", str(tmp_path / "out.docx")])
+    assert "--plot" in err and "'docx'" in err and "png" in err
+
+
+@pytest.mark.parametrize("command", [["bench"], ["demo"]])
+@pytest.mark.parametrize("shards, words", [("2.7", ["whole number"]), ("0", [">= 1"]), ("many", ["'many'", "'auto'"])])
+def test_num_shards_goes_through_the_one_parser(capsys, no_bench_work, command, shards, words):
+    err = _error(capsys, [*command, "--num-shards", shards])
+    assert "argument --num-shards: num_shards must be" in err and all(w in err for w in words), err
+
+
+def test_num_shards_auto_in_any_case():
+    from tiled_mlp.cli.main import build_parser
+
+    assert build_parser().parse_args(["bench", "--num-shards", " AUTO "]).num_shards == "auto"
+
+
+@pytest.mark.parametrize("lr", ["nan", "inf", "-1", "0", "fast"])
+def test_demo_learning_rate_must_be_a_positive_finite_number(capsys, monkeypatch, lr):
+    from tiled_mlp.cli import demo_train
+
+    monkeypatch.setattr(demo_train, "report", lambda *a, **k: pytest.fail("the demo trained before the error"))
+    err = _error(capsys, ["demo", "--lr", lr])
+    assert "argument --lr: expected a positive number" in err and repr(lr) in err

@@ -1,13 +1,14 @@
 """``tiled-mlp bench``: the seed's experiment table for one MLP size, ours against untiled and peers."""
 from __future__ import annotations
 
-import argparse
-import json
+import importlib.util
+import os
 import sys
 
 import torch
 
 from ..bench.impls import available_impls
+from ..bench.model_memory import modeled_step
 from ..bench.report import format_table, plot, to_json
 from ..bench.runner import BenchConfig, run_bench
 from . import parsing
@@ -40,22 +41,58 @@ def _impls(arg, parser_error) -> list:
     available = available_impls()
     if arg is None:
         return [i for i in ("untiled", "auto", "deepspeed") if i in available]
-    names = [n.strip() for n in arg.split(",") if n.strip()]
+    names = list(dict.fromkeys(n.strip() for n in arg.split(",") if n.strip()))
+    if not names:
+        parser_error(f"--impls names no implementation (got {arg!r}); available: {', '.join(available)}")
     unknown = [n for n in names if n not in available]
     if unknown:
         parser_error(f"unknown or unavailable implementation(s) {', '.join(unknown)}; available: {', '.join(available)}")
     return names
 
 
+def _check_plot(path: str, parser_error) -> None:
+    """Everything that would make the plot fail after the benchmark ran: no matplotlib, no folder, a format."""
+    if importlib.util.find_spec("matplotlib") is None:
+        parser_error("--plot needs matplotlib: pip install 'tiled-mlp[bench]'")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        parser_error(f"--plot {path}: no such folder {folder}")
+    extension = os.path.splitext(path)[1][1:].lower()
+    if extension:  # none: matplotlib writes PNG
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if extension not in formats:
+            parser_error(f"--plot {path}: matplotlib cannot write {extension!r} files; "
+                         f"use one of {', '.join(sorted(formats))}")
+
+
+def _check_fake_device(args, dtype, impls, parser_error) -> None:
+    """--model-memory on a device that is not here: torch must still be able to fake its tensors."""
+    # "auto" runs untiled at the probe's size: probe the tiled path it takes at real sizes instead.
+    for impl in dict.fromkeys("fast" if i == "auto" else i for i in impls):
+        try:
+            modeled_step(impl, 8, 16, 4, dtype, 2, 1, args.device)  # a few bytes, on fake tensors
+        except RuntimeError as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            parser_error(f"--model-memory cannot model device {args.device!r} in this torch build ({reason}); "
+                         "use --device cpu")
+
+
 def run(args, parser_error) -> int:
-    device = torch.device(args.device)
-    if device.type != "cpu" and not args.model_memory:
-        module = getattr(torch, device.type, None)
-        if module is None or not module.is_available():
-            parser_error(f"device {args.device!r} is not available here; use --device cpu or --model-memory")
+    # Every argument is checked before the benchmark starts: a mistake must not cost a run.
+    try:
+        device = parsing.check_device(args.device, model_memory=args.model_memory)
+    except ValueError as error:
+        parser_error(str(error))
     dtype = args.dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    impls = _impls(args.impls, parser_error)
+    if args.plot:
+        _check_plot(args.plot, parser_error)
+    if args.model_memory and device.type != "cpu":
+        _check_fake_device(args, dtype, ["untiled"] + impls, parser_error)
     cfg = BenchConfig(hidden=args.hidden, intermediate=args.intermediate, seqs=args.seq, dtype=dtype,
-                      device=args.device, num_shards=args.num_shards, impls=_impls(args.impls, parser_error),
+                      device=args.device, num_shards=args.num_shards, impls=impls,
                       repeats=args.repeats, batch=args.batch, model_memory=args.model_memory)
     rows = run_bench(cfg, show_progress=not (args.no_progress or args.json))
     config = dict(hidden=cfg.hidden, intermediate=cfg.intermediate, seqs=cfg.seqs, dtype=str(dtype).replace("torch.", ""),

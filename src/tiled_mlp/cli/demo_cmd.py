@@ -20,7 +20,7 @@ def add_arguments(p) -> None:
     p.add_argument("--layers", type=parsing.positive_int, default=2)
     p.add_argument("--vocab", type=parsing.positive_int, default=256)
     p.add_argument("--num-shards", type=parsing.shards, default="auto")
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=parsing.positive_float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strategy", choices=["fsdp2", "deepspeed"], default=None,
                    help="distributed backend (needs --nproc >= 2)")

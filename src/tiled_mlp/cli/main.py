@@ -19,13 +19,17 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         demo_cmd.add_parser(sub)
+    # Errors a command finds while checking its arguments (before any work) read like argparse's own
+    # for that command: "tiled-mlp bench: error: ...", its usage, exit code 2.
+    for command_parser in sub.choices.values():
+        command_parser.set_defaults(parser_error=command_parser.error)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.run(args, parser.error)
+    return args.run(args, args.parser_error)
 
 
 if __name__ == "__main__":

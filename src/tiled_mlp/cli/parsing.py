@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
+from typing import List
 
 import torch
+
+from ..tiled_core.shard_plan import NumShards, parse_num_shards
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -22,6 +26,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a learning rate): 'nan', 'inf', 0 and negatives are mistakes."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
@@ -48,8 +63,12 @@ def dtype(text: str) -> torch.dtype:
         ) from None
 
 
-def shards(text: str):
-    return "auto" if text == "auto" else positive_int(text)
+def shards(text: str) -> NumShards:
+    """``parse_num_shards`` (the one parser of a shard count), its errors as argparse errors."""
+    try:
+        return parse_num_shards(text)
+    except (ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def byte_size(text: str) -> int:
@@ -62,3 +81,56 @@ def byte_size(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"the budget must be positive, got {text!r}")
     return int(value)
+
+
+# -- devices: checked before any work, naming what this machine has ------------------------------------
+_ACCELERATORS = ("cuda", "xpu", "mps", "npu", "mlu", "hpu", "mtia")
+
+
+def _is_available(kind: str) -> bool:
+    """``torch.<kind>.is_available()`` (``torch.backends.mps`` for mps); False where torch has no such backend."""
+    for owner in (getattr(torch, kind, None), getattr(torch.backends, kind, None)):
+        is_available = getattr(owner, "is_available", None)
+        if callable(is_available):
+            try:
+                return bool(is_available())
+            except Exception:  # a half-installed backend can raise instead of answering
+                return False
+    return False
+
+
+def available_devices() -> List[str]:
+    """'cpu', then each accelerator type torch reports available, with its indexes when it has several."""
+    names = ["cpu"]
+    for kind in _ACCELERATORS:
+        if not _is_available(kind):
+            continue
+        module = getattr(torch, kind, None)
+        try:
+            count = module.device_count() if hasattr(module, "device_count") else 1
+        except Exception:
+            count = 1
+        names.append(kind)
+        if count > 1:
+            names += [f"{kind}:{i}" for i in range(count)]
+    return names
+
+
+def check_device(text: str, model_memory: bool = False) -> torch.device:
+    """The device ``text`` names; a ValueError naming the available ones when it is unknown or absent.
+
+    With ``model_memory`` (fake tensors) the device need not be present, only known to torch.
+    """
+    available = ", ".join(available_devices())
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"unknown device {text!r}; available here: {available}") from None
+    if device.type == "cpu" or model_memory:
+        return device
+    if not _is_available(device.type):
+        raise ValueError(f"device {text!r} is not available on this machine; available here: {available}")
+    count = getattr(getattr(torch, device.type, None), "device_count", None)
+    if device.index is not None and count is not None and device.index >= count():
+        raise ValueError(f"device {text!r} does not exist; available here: {available}")
+    return device

@@ -6,8 +6,11 @@ that see different token counts (and so pick different shard counts) cannot dead
 """
 from __future__ import annotations
 
+import math
+import numbers
+import re
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 NumShards = Union[int, str]
 AUTO = "auto"  # resolved to a count (or to "run untiled") by ``auto_shards.auto_num_shards``
@@ -49,6 +52,47 @@ def check_num_shards(num_shards: NumShards) -> None:
         )
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1 (1 means untiled work in one shard), got {num_shards}")
+
+
+def parse_num_shards(value: Any) -> NumShards:
+    """A shard count from user input (CLI flags, training-script flags, a YAML/JSON config): the one parser.
+
+    Accepts ``"auto"`` (any case, surrounding spaces allowed), an int >= 1, or a string of one (``"4"``).
+    Rejects bools, floats (``2.7`` and ``2.0`` alike: a count is a whole number), numbers < 1 and other
+    strings: ``ValueError`` for a bad value, ``TypeError`` for a bad type, each naming the fix.
+    ``check_num_shards`` validates the already-typed constructor argument.
+    """
+    expected = "num_shards must be 'auto' or an integer >= 1"
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == AUTO:
+            return AUTO
+        if not re.fullmatch(r"[+-]?[0-9]+", text):
+            try:
+                number = float(text)
+            except ValueError:
+                raise ValueError(f"{expected}, got {value!r}") from None
+            raise ValueError(f"{expected}, got {value!r}: {_whole_number_fix(number)}")
+        value = int(text)
+    elif isinstance(value, bool):
+        raise TypeError(f"{expected}, got bool {value!r}: to turn tiling on or off use the use_tiled_mlp flag")
+    elif isinstance(value, float):
+        raise TypeError(f"{expected}, got float {value!r}: {_whole_number_fix(value)}")
+    elif isinstance(value, numbers.Integral):
+        value = int(value)  # numpy integers and the like
+    else:
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"num_shards must be >= 1 (1 means untiled work in one shard) or 'auto', got {value}")
+    return value
+
+
+def _whole_number_fix(value: float) -> str:
+    if not math.isfinite(value) or value < 1:
+        return "a shard count is a whole number; pass an int >= 1"
+    if value.is_integer():
+        return f"a shard count is a whole number; pass the int {int(value)}"
+    return f"a shard count is a whole number; pass an int such as {math.floor(value)} or {math.ceil(value)}"
 
 
 def split_evenly(num_tokens: int, num_shards: int) -> tuple:
