@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tiled_mlp import TiledMLP
 
 from .fsdp2_cases import LR, STEPS, Fsdp2Case
-from .fsdp2_training import base_model, canonical_name, full, micro_batch
+from .fsdp2_training import base_model, full, micro_batch
 from .training_record import new_record, note_tiled_calls
 
 CASE = Fsdp2Case("accelerate", num_shards=3)
@@ -55,7 +55,7 @@ def train(accelerator, kind: str, rank: int) -> Dict:
     _force_fsdp2(accelerator, _plugin())
     model, optimizer = accelerator.prepare(model, optimizer)
     assert isinstance(model, FSDPModule) and all(isinstance(layer, FSDPModule) for layer in model.layers)
-    named = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    named = list(model.named_parameters())  # tiled in place: the same names as untiled
     tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
     record = new_record()
     record["initial"] = {n: full(p) for n, p in named}

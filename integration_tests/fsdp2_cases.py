@@ -38,7 +38,7 @@ class Fsdp2Case:
     unequal: bool = False  # ranks see different token counts, and so run different shard counts
     cpu_offload: bool = False  # CPUOffloadPolicy(pin_memory=False)
     strategy: str = "auto"  # TiledMLP(strategy=...)
-    record_ancestors: bool = False  # TiledMLP.set_ancestors([model, block]) as the HF integration does
+    record_ancestors: bool = False  # tiling.set_ancestors([model, block]) as the HF integration does
     num_shards: Union[int, str] = 3
 
     def tokens(self, rank: int) -> int:

@@ -46,7 +46,7 @@ def per_linear_outcomes(rank: int, world_size: int) -> dict:
     # 2. Tiled first, then sharded: the first forward refuses before the tiled call runs.
     model = make_toy_model(seed=0, tiled=True, num_shards=3)
     tiled = [layer.mlp for layer in model.layers]
-    _shard_per_linear(model, [t.mlp for t in tiled], mesh)
+    _shard_per_linear(model, tiled, mesh)
     x = torch.randn(1, (19, 41)[rank % 2], HIDDEN, requires_grad=True)
     try:
         model(x).sum().backward()
@@ -54,7 +54,7 @@ def per_linear_outcomes(rank: int, world_size: int) -> dict:
     except UnsupportedBackendError as exc:
         out["forward"] = str(exc)
     # Nothing ran: no tiled call started, no gradient anywhere.
-    out["tiled_ran"] = [(t.last_path, t.last_num_shards) for t in tiled]
+    out["tiled_ran"] = [(t.tiling.last_path, t.tiling.last_num_shards) for t in tiled]
     out["grads"] = [n for n, p in model.named_parameters() if p.grad is not None] + (["x"] if x.grad is not None else [])
     # And no rank is left inside a collective the other one skipped: the group still agrees.
     total = torch.tensor([float(rank + 1)])

@@ -17,10 +17,6 @@ from .training_record import new_record, note_tiled_calls
 KINDS = ("untiled", "tiled")
 
 
-def canonical_name(name: str) -> str:
-    """TiledMLP keeps the inner MLP as ``.mlp``: drop that level so the runs' names line up."""
-    return name.replace(".mlp.mlp.", ".mlp.")
-
 
 def micro_batch(case: Fsdp2Case, rank: int, index: int):
     """The same (input, target) for a rank and micro-batch index in every run and the reference."""
@@ -71,7 +67,7 @@ def build_model(case: Fsdp2Case, kind: str, rank: int, world_size: int) -> nn.Mo
         if case.wrap == "layers":
             fully_shard(layer, **kwargs)
         if case.record_ancestors and kind == "tiled":
-            layer.mlp.set_ancestors([model, layer])
+            layer.mlp.tiling.set_ancestors([model, layer])
     fully_shard(model, **kwargs)
     return model
 
@@ -83,7 +79,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def train(case: Fsdp2Case, kind: str, rank: int, world_size: int) -> Dict:
     model = build_model(case, kind, rank, world_size)
-    named = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    named = list(model.named_parameters())  # tiled in place: the same names as untiled
     trainable = [p for _, p in named if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=LR)
     tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]

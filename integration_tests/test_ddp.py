@@ -25,8 +25,8 @@ TOL = 1e-10
 
 
 def canonical(name: str) -> str:
-    """Parameter names of the untiled model: no DDP ``module.`` prefix, no TiledMLP ``mlp.`` infix."""
-    return name.removeprefix("module.").replace(".mlp.mlp.", ".mlp.")
+    """Parameter names of the untiled model: no DDP ``module.`` prefix (tiling adds nothing)."""
+    return name.removeprefix("module.")
 
 
 def batch(seed: int, rank: int, tokens: int = TOKENS):
@@ -69,8 +69,8 @@ def _tiled_ddp(rank: int, num_shards, path: str, lora: bool = False):
 
 def _tiled_facts(model) -> dict:
     tiled = [layer.mlp for layer in model.layers]
-    return {"paths": [t.last_path for t in tiled], "shards": [t.last_num_shards for t in tiled],
-            "strategies": [t.strategy.name for t in tiled]}
+    return {"paths": [t.tiling.last_path for t in tiled], "shards": [t.tiling.last_num_shards for t in tiled],
+            "strategies": [t.tiling.last_strategy.name for t in tiled]}
 
 
 def ranks_main(rank: int, world_size: int) -> dict:
@@ -126,7 +126,7 @@ def ranks(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_grads_equal_on_every_rank_and_to_the_untiled_reference(ranks, case):
     results = [r[case] for r in ranks]
-    assert all(r["strategies"] == ["single_device"] * 2 for r in results)
+    assert all(r["strategies"] == ["ddp"] * 2 for r in results)
     assert all(r["shards"] == [3, 3] for r in results)
     expected_paths = {"fast": ["fast", "fast"]}.get(case, ["generic", "generic"])
     assert all(r["paths"] == expected_paths for r in results)

@@ -43,7 +43,7 @@ def _train(rank: int, world_size: int, tiled: bool) -> dict:
         optimizer.zero_grad(set_to_none=True)
     params = {k: p.full_tensor().detach() for k, p in model.state_dict().items()}
     return {"grads": grads, "params": params, "losses": losses,
-            "paths": sorted({(b.name, b.tiled.last_path, type(b.tiled.strategy).__name__) for b in blocks})}
+            "paths": sorted({(b.name, b.tiled.tiling.last_path, type(b.tiled.tiling.last_strategy).__name__) for b in blocks})}
 
 
 def _train_both(rank: int, world_size: int) -> dict:

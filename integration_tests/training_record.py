@@ -11,6 +11,6 @@ def new_record() -> Dict:
 
 def note_tiled_calls(record: Dict, tiled: Sequence) -> None:
     """Shard count, path and strategy of each TiledMLP's last call (checked by the tests)."""
-    record["shards"].append([m.last_num_shards for m in tiled])
-    record["paths"].update(m.last_path for m in tiled)
-    record["strategies"].update(m.strategy.name for m in tiled)
+    record["shards"].append([m.tiling.last_num_shards for m in tiled])
+    record["paths"].update(m.tiling.last_path for m in tiled)
+    record["strategies"].update(m.tiling.last_strategy.name for m in tiled)

@@ -150,7 +150,7 @@ def tiled_run(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, seed: Option
         torch.manual_seed(seed)
     out = tiled(x_in)
     out.backward(dy)
-    return _collect(tiled.mlp, out, x_in), tiled
+    return _collect(tiled, out, x_in), tiled
 
 
 def max_rel_error(want: torch.Tensor, have: torch.Tensor) -> float:

@@ -38,7 +38,7 @@ def test_float32_sums_are_no_worse_and_bounded(layout, bias):
     for num_shards in (4, 16, 64):
         default, _ = tiled_run(mlp, x, dy, num_shards=num_shards, path="fast")
         fp32, tiled = tiled_run(mlp, x, dy, num_shards=num_shards, path="fast", grad_accum_dtype=torch.float32)
-        assert tiled.last_path == "fast"
+        assert tiled.tiling.last_path == "fast"
         assert all(g.dtype == torch.bfloat16 for g in fp32.grads.values()), "grads must come back in the param dtype"
         e_bf16, e_fp32 = weight_grad_errors(want, default), weight_grad_errors(want, fp32)
         print(f"{layout} bias={bias} {num_shards} shards: bf16 sums {max(e_bf16.values()):.4f}, "

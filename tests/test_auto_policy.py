@@ -17,7 +17,7 @@ def test_short_sequences_pass_through_untiled_with_identical_results():
     tiled = TiledMLP(mlp)
     x = torch.randn(2, 8, 64)
     assert torch.equal(tiled(x), mlp(x))
-    assert tiled.last_path == "untiled"
+    assert tiled.tiling.last_path == "untiled"
 
 
 def test_long_sequences_tile_with_the_shard_size_target():

@@ -7,6 +7,7 @@ from torch import nn
 
 from reference import GatedMLP, PlainMLP, fresh_inputs, seeded, untiled_run, untiled_shardwise_run
 from tiled_mlp import Strategy, TiledMLP, register_strategy
+from tiled_mlp.tiled_core import untile
 from tiled_mlp.strategies.registry import available_strategies
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,7 +22,6 @@ def snapshot(mlp):
 def assert_untouched(mlp, before, x=None):
     assert all(p.grad is None for p in mlp.parameters()), "a .grad was written"
     assert all(torch.equal(before[n], p) for n, p in mlp.named_parameters()), "a parameter changed"
-    assert "forward" not in mlp.__dict__, "the temporary forward was left on the module"
     if x is not None:
         assert x.grad is None
 
@@ -39,7 +39,7 @@ def test_bad_num_shards_at_construction(bad, error, match):
 def test_bad_num_shards_set_later_fails_before_any_work():
     mlp = seeded(GatedMLP, 0, HIDDEN, INTER)
     tiled = TiledMLP(mlp, num_shards=2)
-    tiled.num_shards = 0
+    tiled.tiling.num_shards = 0
     before = snapshot(mlp)
     x = torch.randn(1, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
     with pytest.raises(ValueError, match="num_shards"):
@@ -58,7 +58,7 @@ def test_bad_constructor_arguments(kwargs, error, match):
 
 
 def test_wrapping_twice_or_wrapping_a_non_module():
-    with pytest.raises(TypeError, match="already a TiledMLP"):
+    with pytest.raises(TypeError, match="already tiled"):
         TiledMLP(TiledMLP(GatedMLP(HIDDEN, INTER)))
     with pytest.raises(TypeError, match="nn.Module"):
         TiledMLP(lambda x: x)
@@ -75,12 +75,15 @@ def test_wrapping_twice_or_wrapping_a_non_module():
 def test_bad_input_fails_before_any_work(make_x, error, match, builder):
     mlp = seeded(builder, 0, HIDDEN, INTER)
     calls = []
-    mlp.register_forward_pre_hook(lambda m, a: calls.append(1))
+    # Tiled in place, the module's own hooks fire before its forward checks the input, as untiled;
+    # none of its submodules may run.
+    for child in mlp.children():
+        child.register_forward_pre_hook(lambda m, a: calls.append(1))
     tiled = TiledMLP(mlp, num_shards=2)
     before = snapshot(mlp)
     with pytest.raises(error, match=match):
         tiled(make_x())
-    assert calls == [], "the module was called"
+    assert calls == [], "a submodule was called"
     assert_untouched(mlp, before)
 
 
@@ -213,19 +216,41 @@ def test_instance_forward_installed_by_another_library_is_kept():
     patched = mlp.forward
     x, dy = fresh_inputs((1, TOKENS, HIDDEN), HIDDEN)
     tiled = TiledMLP(mlp, num_shards=2)
-    out = tiled(x)
-    assert mlp.__dict__["forward"] is patched
+    out = tiled(x)  # the tiled forward runs, each shard through the patched one
     torch.testing.assert_close(out.detach(), patched(x).detach(), rtol=1e-10, atol=1e-12)
-    assert tiled.last_path == "generic"  # the patched forward is not the formula
+    assert tiled.tiling.last_path == "generic"  # never fast: the patch may do more than compute
+    untile(tiled)
+    assert mlp.__dict__["forward"] is patched and type(mlp) is GatedMLP
 
 
-def test_a_hook_added_between_forward_and_backward_is_named_in_the_error():
-    mlp = GatedMLP(HIDDEN, 12).double()
+def test_a_hook_added_between_forward_and_backward_changes_nothing_on_the_fast_path():
+    """Untiled, a forward hook added after the forward does not touch its backward; the fast path
+    computes its backward from the forward's tensors alone, so the same holds exactly."""
+    mlp = seeded(GatedMLP, 4, HIDDEN, 12)
+    x, dy = fresh_inputs((1, TOKENS, HIDDEN), HIDDEN)
+    want = untiled_run(mlp, x, dy)
+    tiled = TiledMLP(mlp, num_shards=2)
+    x_in = x.detach().clone().requires_grad_()
+    out = tiled(x_in)
+    assert tiled.tiling.last_path == "fast"
+    fired = []
+    mlp.up_proj.register_forward_hook(lambda m, a, o: fired.append(1) or o * 2)
+    out.backward(dy)
+    assert fired == []
+    torch.testing.assert_close(x_in.grad, want.dx, rtol=1e-10, atol=0)
+    for name, p in mlp.named_parameters():
+        torch.testing.assert_close(p.grad, want.grads[name], rtol=1e-10, atol=0)
+
+
+def test_a_hook_added_between_forward_and_backward_is_named_in_the_error_on_the_generic_path():
+    """The generic recompute calls the submodules, so a hook added after the forward would change the
+    recomputed values: refused by name before any gradient is written."""
+    mlp = PlainMLP(HIDDEN, 12).double()
     tiled = TiledMLP(mlp, num_shards=2)
     x = torch.randn(1, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
     out = tiled(x)
-    assert tiled.last_path == "fast"
-    mlp.up_proj.register_forward_hook(lambda m, a, o: None)
-    with pytest.raises(RuntimeError, match="no longer suits the fast path.*hooks"):
+    assert tiled.tiling.last_path == "generic"
+    mlp.fc1.register_forward_hook(lambda m, a, o: o * 2)
+    with pytest.raises(RuntimeError, match="changed between its forward and backward.*fc1"):
         out.sum().backward()
-    assert all(p.grad is None for p in mlp.parameters())
+    assert x.grad is None and all(p.grad is None for p in mlp.parameters())

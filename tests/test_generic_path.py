@@ -33,8 +33,8 @@ def test_plain_mlp_every_shard_count(batch, num_shards, bias):
     mlp = seeded(PlainMLP, 0, HIDDEN, INTER, bias=bias)
     x, dy = fresh_inputs((batch, TOKENS, HIDDEN), HIDDEN, seed=batch * 100 + num_shards)
     got, tiled = tiled_run(mlp, x, dy, num_shards=num_shards, path="generic")
-    assert tiled.last_path == "generic"
-    assert tiled.last_num_shards == min(num_shards, batch * TOKENS)
+    assert tiled.tiling.last_path == "generic"
+    assert tiled.tiling.last_num_shards == min(num_shards, batch * TOKENS)
     assert_runs_close(untiled_run(mlp, x, dy), got, context=f"batch {batch}, {num_shards} shards")
 
 
@@ -90,7 +90,7 @@ def test_lora_frozen_base_gets_no_grad(num_shards, bias):
     mlp = seeded(lora_gated, 4, HIDDEN, INTER, "silu", bias=bias)
     x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN, seed=17)
     got, tiled = tiled_run(mlp, x, dy, num_shards=num_shards)
-    assert tiled.last_path == "generic"
+    assert tiled.tiling.last_path == "generic"
     want = untiled_run(mlp, x, dy)
     assert_runs_close(want, got)
     frozen = [n for n, g in got.grads.items() if ".base." in n]
@@ -129,7 +129,7 @@ def test_existing_grad_is_accumulated_into(path):
     tiled = TiledMLP(mlp, num_shards=3, path=path)
     tiled(x1).backward(dy1)
     tiled(x2).backward(dy2)
-    for name, p in tiled.mlp.named_parameters():
+    for name, p in tiled.named_parameters():
         expected = want1.grads[name] + want2.grads[name]
         torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-12, msg=name)
 
@@ -149,7 +149,7 @@ def test_under_activation_checkpointing(use_reentrant):
     torch.manual_seed(3)
     out = checkpoint(tiled, x_in, use_reentrant=use_reentrant)
     out.backward(dy)
-    got = Run(out.detach(), x_in.grad, {n: p.grad for n, p in tiled.mlp.named_parameters()})
+    got = Run(out.detach(), x_in.grad, {n: p.grad for n, p in tiled.named_parameters()})
     assert_runs_close(untiled_shardwise_run(mlp, x, dy, 3, seed=3), got)
 
 
@@ -165,7 +165,7 @@ def test_called_twice_in_one_graph():
     x_ref = x.detach().clone().requires_grad_()
     mlp(mlp(x_ref)).backward(dy)
     torch.testing.assert_close(x_in.grad, x_ref.grad, rtol=1e-10, atol=1e-12)
-    for (name, p), q in zip(tiled.mlp.named_parameters(), mlp.parameters()):
+    for (name, p), q in zip(tiled.named_parameters(), mlp.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
@@ -185,9 +185,9 @@ def test_autocast_recompute_runs_under_the_forward_autocast():
         out = ref(x_ref)
     out_tiled.backward(dy.to(out_tiled.dtype))
     out.backward(dy.to(out.dtype))
-    got = Run(out_tiled.detach(), x_tiled.grad, {n: p.grad for n, p in tiled.mlp.named_parameters()})
+    got = Run(out_tiled.detach(), x_tiled.grad, {n: p.grad for n, p in tiled.named_parameters()})
     want = Run(out.detach(), x_ref.grad, {n: p.grad for n, p in ref.named_parameters()})
-    assert tiled.last_path == "generic" and got.out.dtype == torch.bfloat16
+    assert tiled.tiling.last_path == "generic" and got.out.dtype == torch.bfloat16
     errors = run_errors(want, got)
     assert errors["out"] == 0.0
     assert max(errors.values()) < 1e-2, errors
@@ -206,7 +206,7 @@ def test_backward_under_an_autocast_the_forward_did_not_have(path):
     out = tiled(x_in)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out.backward(dy)
-    got = Run(out.detach(), x_in.grad, {n: p.grad for n, p in tiled.mlp.named_parameters()})
+    got = Run(out.detach(), x_in.grad, {n: p.grad for n, p in tiled.named_parameters()})
     errors = run_errors(untiled_run(mlp, x, dy), got)
     assert max(errors.values()) < 1e-5, errors
 
@@ -222,4 +222,4 @@ def test_no_grad_and_empty_inputs():
     empty = torch.zeros(0, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
     out = tiled(empty)
     out.sum().backward()
-    assert out.shape == (0, TOKENS, HIDDEN) and tiled.last_path == "untiled"
+    assert out.shape == (0, TOKENS, HIDDEN) and tiled.tiling.last_path == "untiled"

@@ -147,7 +147,7 @@ def test_save_pretrained_round_trip_and_config_flag(tmp_path):
     torch.testing.assert_close(untiled(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
 
     reloaded = from_pretrained(AutoModelForCausalLM, tmp_path / "ckpt")  # the saved flag asks for tiling
-    assert is_tiled(reloaded) and reloaded.model.layers[0].mlp.num_shards == 3
+    assert is_tiled(reloaded) and reloaded.model.layers[0].mlp.tiling.num_shards == 3
     torch.testing.assert_close(reloaded(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
     assert report.paths()["model.layers.0.mlp"] == "fast"
 
@@ -155,7 +155,7 @@ def test_save_pretrained_round_trip_and_config_flag(tmp_path):
     config.use_tiled_mlp = False
     assert not is_tiled(from_config(LlamaForCausalLM, config))
     built = from_config(AutoModelForCausalLM, config, use_tiled_mlp=True, tiled_mlp_num_shards=5)
-    assert is_tiled(built) and built.model.layers[1].mlp.num_shards == 5
+    assert is_tiled(built) and built.model.layers[1].mlp.tiling.num_shards == 5
 
 
 @pytest.mark.timeout(30)
@@ -174,7 +174,7 @@ def test_training_script_flags():
     model = Net()
     assert apply_from_flags(model, {"use_tiled_mlp": False}) is None and not is_tiled(model)
     assert len(apply_from_flags(model, args).patched) == 2
-    assert model.blocks[0]["ffn"].num_shards == 4
+    assert model.blocks[0]["ffn"].tiling.num_shards == 4
 
 
 @pytest.mark.timeout(30)

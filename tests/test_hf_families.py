@@ -62,8 +62,8 @@ def test_tiled_family_matches_untiled_in_float64(family):
     mlp_grads = [g for k, g in want_grads.items() if ".mlp." in k and g is not None]
     assert mlp_grads and all(g.abs().max() > 0 for g in mlp_grads)
 
-    paths = {block.name: block.tiled.last_path for block in report.patched}
-    assert all(block.tiled.last_num_shards == SHARDS for block in report.patched)
+    paths = {block.name: block.tiled.tiling.last_path for block in report.patched}
+    assert all(block.tiled.tiling.last_num_shards == SHARDS for block in report.patched)
     expected = FAMILIES[family].expected_path
     if expected == "mixed":  # Qwen3-MoE tiny config: layer 0's experts (generic), layer 1 dense (fast)
         assert paths == {"model.layers.0.mlp.experts": "generic", "model.layers.1.mlp": "fast"}

@@ -35,4 +35,4 @@ def test_qwen2_5_vl_text_and_vision_mlps_tiled_match_untiled():
         torch.testing.assert_close(got[key], want_grad, rtol=1e-9, atol=1e-12, msg=key)
     assert want["model.visual.blocks.0.mlp.up_proj.bias"].abs().max() > 0  # the image reached the vision MLP
     assert report.paths() == {"model.visual.blocks.0.mlp": "fast", "model.language_model.layers.0.mlp": "fast"}
-    assert all(b.tiled.last_num_shards == 3 for b in report.patched)
+    assert all(b.tiled.tiling.last_num_shards == 3 for b in report.patched)

@@ -42,7 +42,7 @@ def test_gated_random_shapes(case):
     x, dy = fresh_inputs((case["batch"], case["tokens"], case["hidden"]), case["hidden"], seed=case["seed"] + 1,
                          requires_grad=case["input_grad"])
     got, tiled = tiled_run(mlp, x, dy, num_shards=case["num_shards"], path=case["path"])
-    assert tiled.last_path == ("generic" if case["path"] == "generic" else "fast")
+    assert tiled.tiling.last_path == ("generic" if case["path"] == "generic" else "fast")
     assert_runs_close(untiled_run(mlp, x, dy), got, context=str(case))
 
 
@@ -54,5 +54,5 @@ def test_non_gated_random_shapes(batch, tokens, hidden, intermediate, shards, bi
     mlp = seeded(PlainMLP, seed, hidden, intermediate, bias=bias)
     x, dy = fresh_inputs((batch, tokens, hidden), hidden, seed=seed + 1)
     got, tiled = tiled_run(mlp, x, dy, num_shards=shards)
-    assert tiled.last_path == "generic"
+    assert tiled.tiling.last_path == "generic"
     assert_runs_close(untiled_run(mlp, x, dy), got)

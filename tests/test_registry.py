@@ -57,16 +57,16 @@ def test_auto_picks_a_claiming_third_party_strategy(recording):
     mlp = seeded(MarkedMLP, 0, HIDDEN, INTER)
     x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
     got, tiled = tiled_run(mlp, x, dy, num_shards=3)
-    assert isinstance(tiled.strategy, RecordingStrategy)
+    assert isinstance(tiled.tiling.last_strategy, RecordingStrategy)
     # Once around the forward's shard loop, once around the backward recompute.
-    assert recording.entered == ["MarkedMLP", "MarkedMLP"]
+    assert recording.entered == ["TiledMarkedMLP", "TiledMarkedMLP"]
     assert_runs_close(untiled_run(mlp, x, dy), got)
 
 
 def test_auto_skips_it_when_it_does_not_claim(recording):
     tiled = TiledMLP(GatedMLP(HIDDEN, INTER), num_shards=2)
     tiled(torch.randn(1, TOKENS, HIDDEN))
-    assert isinstance(tiled.strategy, SingleDeviceStrategy)
+    assert isinstance(tiled.tiling.last_strategy, SingleDeviceStrategy)
     assert recording.entered == []
 
 
@@ -79,7 +79,7 @@ def test_lower_priority_loses_to_the_builtin_backends_but_beats_the_fallback(rec
     try:
         tiled = TiledMLP(MarkedMLP(HIDDEN, INTER), num_shards=2)
         tiled(torch.randn(1, TOKENS, HIDDEN))
-        assert type(tiled.strategy) is RecordingStrategy
+        assert type(tiled.tiling.last_strategy) is RecordingStrategy
     finally:
         unregister_strategy("test_lower")
 
@@ -91,7 +91,7 @@ def test_strategy_by_name_instance_and_class(recording):
     for choice in ("test_recording", RecordingStrategy(), RecordingStrategy):
         recording.entered = []
         got, tiled = tiled_run(mlp, x, dy, num_shards=2, strategy=choice)
-        assert type(tiled.strategy) is RecordingStrategy
+        assert type(tiled.tiling.last_strategy) is RecordingStrategy
         assert len(recording.entered) == 2
         assert_runs_close(want, got)
     assert isinstance(get_strategy("test_recording"), RecordingStrategy)
@@ -106,7 +106,7 @@ def test_unregister(recording):
         TiledMLP(GatedMLP(HIDDEN, INTER), strategy="test_recording")
     tiled = TiledMLP(MarkedMLP(HIDDEN, INTER), num_shards=2)
     tiled(torch.randn(1, TOKENS, HIDDEN))
-    assert isinstance(tiled.strategy, SingleDeviceStrategy)
+    assert isinstance(tiled.tiling.last_strategy, SingleDeviceStrategy)
 
 
 def test_override_replaces_a_registered_name(recording):

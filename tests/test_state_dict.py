@@ -103,7 +103,7 @@ def test_checkpoint_round_trip(builder, tmp_path):
 
 
 @pytest.mark.parametrize("builder", ROUND_TRIP_BUILDERS.values(), ids=ROUND_TRIP_BUILDERS)
-def test_a_wrapper_can_load_its_own_state_dict_and_shares_the_parameters(builder):
+def test_a_tiled_module_loads_its_own_state_dict_and_keeps_its_parameters(builder):
     mlp = builder(HIDDEN, INTER)
     tiled = TiledMLP(mlp)
     state = {k: torch.randn_like(v) for k, v in tiled.state_dict().items()}
@@ -111,4 +111,5 @@ def test_a_wrapper_can_load_its_own_state_dict_and_shares_the_parameters(builder
     assert not result.missing_keys and not result.unexpected_keys
     assert all(torch.equal(state[k], v) for k, v in mlp.state_dict().items())
     assert [id(p) for p in tiled.parameters()] == [id(p) for p in mlp.parameters()]
-    assert [n for n, _ in tiled.named_parameters()] == [f"mlp.{n}" for n, _ in mlp.named_parameters()]
+    assert tiled is mlp  # tiled in place: no wrapper level in any name
+    assert [n for n, _ in tiled.named_parameters()] == [n for n, _ in mlp.named_parameters()]

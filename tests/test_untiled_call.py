@@ -34,6 +34,6 @@ def test_short_and_empty_calls_are_exact_on_either_path(builder, path, tokens, s
     have, tiled = tiled_run(module, x, dy, num_shards="auto", path=path, strategy=strategy)
     assert_runs_close(want, have, context=f"{builder.__name__} {tokens} tokens")
     if isinstance(strategy, TiledOnly):
-        assert (tiled.last_path, tiled.last_num_shards) == (path, 1)
+        assert (tiled.tiling.last_path, tiled.tiling.last_num_shards) == (path, 1)
     else:
-        assert tiled.last_path == "untiled"
+        assert tiled.tiling.last_path == "untiled"

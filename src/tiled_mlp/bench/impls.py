@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import sys
 from typing import Callable, Dict
@@ -22,7 +23,9 @@ def _untiled(mlp, num_shards):
 
 def _ours(path: str, auto: bool = False, use_liger: bool = True):
     def make(mlp, num_shards):
-        return TiledMLP(mlp, num_shards="auto" if auto else num_shards, path=path, use_liger=use_liger)
+        # Tiling is in place; the implementations share one MLP, so each tiles a shallow copy (the
+        # same parameters and submodules, its own class and tiling).
+        return TiledMLP(copy.copy(mlp), num_shards="auto" if auto else num_shards, path=path, use_liger=use_liger)
 
     return make
 

@@ -1,12 +1,12 @@
 """Hugging Face models: tile every MLP block of a model in place with one call, and undo it.
 
-``apply_tiled_mlp`` replaces each MLP block by ``TiledMLP(block)`` in its parent. The parameters stay
-the same objects (an optimizer made before or after keeps working), and ``TiledMLP`` keeps the inner
-module's ``state_dict`` keys, so ``save_pretrained``/``from_pretrained`` and backend checkpoints see the
-untiled layout. Only ``named_parameters()``/``named_modules()`` gain an ``.mlp`` infix inside each block.
+``apply_tiled_mlp`` tiles each MLP block in place (``TiledMLP(block)`` returns the block itself): the
+module tree, every parameter and module name, the parameters themselves (an optimizer made before or
+after keeps working) and ``state_dict`` stay what they were, so ``save_pretrained``/``from_pretrained``,
+PEFT adapters, backend checkpoints and optimizer state see the untiled layout.
 
 Apply it before wrapping the model in FSDP2 or DeepSpeed: the chain of modules above each block is
-recorded (``TiledMLP.set_ancestors``) so the backend is detected at the first forward, from a wrapped
+recorded (``tiling.set_ancestors``) so the backend is detected at the first forward, from a wrapped
 decoder layer or root alike.
 
 The model can also ask for it itself: ``enable_tiled_mlp(config)`` sets ``config.use_tiled_mlp`` (saved in
@@ -22,8 +22,9 @@ from torch import nn
 
 from ..strategies.resolver import StrategyArg
 from ..tiled_core.gated_spec import structural_spec
-from ..tiled_core.module import TiledMLP
+from ..tiled_core.module import TiledMLP, install_tiling, prepare_tiling, untile
 from ..tiled_core.shard_plan import NumShards
+from ..tiled_core.tiling_state import TilingState
 from .matching import Patterns, find_tiled, scan
 from .moe import TiledExperts
 from .report import TiledBlock, TilingReport, expected_path
@@ -54,29 +55,29 @@ def apply_tiled_mlp(
     """
     found = scan(model, include, exclude)
     staged = []
-    cannot_be_fast = []
+    problems = []
     for candidate in found.candidates:
-        wrapper = TiledExperts if candidate.kind == "experts" else TiledMLP
-        tiled = wrapper(candidate.module, strategy=strategy, num_shards=num_shards, path=path,
-                        grad_accum_dtype=grad_accum_dtype)
-        tiled.set_ancestors(candidate.ancestors)
-        # The constructor saw no ancestors; with them, a backend already wrapping the model (FSDP1 is
-        # rejected) is caught now. The strategy is resolved again at the first forward.
-        tiled.strategy.check_supported(candidate.module)
-        tiled.train(candidate.module.training)
-        if path == "fast" and structural_spec(candidate.module)[0] is None:
-            cannot_be_fast.append(f"{candidate.name}: {structural_spec(candidate.module)[1]}")
-        staged.append((candidate, tiled))
-    if cannot_be_fast:
-        raise ValueError("path='fast' cannot apply to these blocks (use path='auto'):\n  " + "\n  ".join(cannot_be_fast))
+        mixin = TiledExperts if candidate.kind == "experts" else TiledMLP
+        # With the ancestors, a backend already wrapping the model (FSDP1 is rejected) is caught now.
+        fixed = prepare_tiling(mixin, candidate.module, strategy, num_shards, path, grad_accum_dtype,
+                               candidate.ancestors)
+        if path == "fast":
+            spec, why_not = structural_spec(candidate.module)
+            if spec is None or mixin is TiledExperts:
+                problems.append(f"{candidate.name}: {why_not or 'fused MoE experts take the generic path'}")
+        staged.append((candidate, mixin, fixed))
+    if problems:
+        raise ValueError("path='fast' cannot apply to these blocks (use path='auto'):\n  " + "\n  ".join(problems))
 
     report = TilingReport(skipped=found.skipped)
-    for candidate, tiled in staged:
-        setattr(candidate.parent, candidate.attr, tiled)
-        report.patched.append(TiledBlock(candidate.name, type(candidate.module).__name__, candidate.kind, tiled,
+    for candidate, mixin, fixed in staged:
+        state = TilingState(num_shards, path, grad_accum_dtype, fixed_strategy=fixed)
+        state.set_ancestors(candidate.ancestors)
+        tiled = install_tiling(mixin, candidate.module, state)
+        report.patched.append(TiledBlock(candidate.name, type(tiled)._tiled_base.__name__, candidate.kind, tiled,
                                          expected_path(tiled)))
     for old in found.already_tiled:
-        report.already_tiled.append(TiledBlock(old.name, type(original_module(old.module)).__name__, "tiled", old.module,
+        report.already_tiled.append(TiledBlock(old.name, type(old.module).__name__, "tiled", old.module,
                                                expected_path(old.module)))
     if not report.blocks:
         logger.warning("tiled-mlp found no MLP block to tile in %s", type(model).__name__)
@@ -85,16 +86,13 @@ def apply_tiled_mlp(
 
 
 def remove_tiled_mlp(model: nn.Module) -> List[str]:
-    """Put every tiled block's original module back in its parent; returns the qualified names."""
+    """Untile every tiled block in place (the same module objects, their original classes); returns
+    the qualified names."""
     restored = []
-    for name, parent, attr, tiled in find_tiled(model):
-        setattr(parent, attr, original_module(tiled))
+    for name, _parent, _attr, tiled in find_tiled(model):
+        untile(tiled)
         restored.append(name)
     return restored
-
-
-def original_module(tiled: TiledMLP) -> nn.Module:
-    return tiled.original if isinstance(tiled, TiledExperts) else tiled.mlp
 
 
 def is_tiled(model: nn.Module) -> bool:

@@ -7,23 +7,23 @@ autograd graph, so router logits that transformers records for the load-balancin
 
 transformers' fused experts modules (Mixtral, Qwen3-MoE and ~60 others) are called as
 ``experts(hidden_states, top_k_index, top_k_weights)``, each row one token, so they are token-wise
-but take three inputs while ``TiledMLP`` passes one. ``TiledExperts`` packs the three into one
-``[tokens, hidden + 2k]`` tensor (in float32 or wider, so expert indices and bf16 values are exact),
-tiles that, and ``PackedExperts`` unpacks each shard. The routing weights' gradient (which reaches
-the router) flows back through the packed tensor. ``state_dict`` keys stay those of the experts.
+but take three inputs while the tiled call shards one. ``TiledExperts`` (tiled in place, like
+``TiledMLP``: same call, same names) packs the three into one ``[tokens, hidden + 2k]`` tensor (in
+float32 or wider, so expert indices and bf16 values are exact), tiles that, and unpacks each shard.
+The routing weights' gradient (which reaches the router) flows back through the packed tensor.
 """
 from __future__ import annotations
 
+import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..tiled_core.module import TiledMLP
-from ..tiled_core.state_dict_keys import hide_child_in_state_dict
 
 FUSED_EXPERTS_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
-_INNER = "experts"
 
 
 def is_fused_experts(module: nn.Module) -> bool:
@@ -34,44 +34,32 @@ def is_fused_experts(module: nn.Module) -> bool:
     return names == FUSED_EXPERTS_INPUTS
 
 
-class PackedExperts(nn.Module):
-    """``experts`` called on one packed tensor ``[..., hidden | top_k_weights | top_k_index]``."""
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where the three inputs sit in a packed row, and the dtypes to unpack them to."""
 
-    def __init__(self, experts: nn.Module):
-        super().__init__()
-        self.experts = experts
-        # The layout of the packed tensor, set by TiledExperts before each call (the backward
-        # recompute of that call reads the same values).
-        self.hidden, self.top_k = 0, 0
-        self.hidden_dtype = self.weights_dtype = torch.float32
-        hide_child_in_state_dict(self, _INNER)
-
-    def forward(self, packed: torch.Tensor) -> torch.Tensor:
-        lead = packed.shape[:-1]
-        packed = packed.reshape(-1, packed.shape[-1])
-        hidden, weights, index = packed.split([self.hidden, self.top_k, self.top_k], dim=-1)
-        # Called directly, not through __call__: backend hooks fire once, around the tiled call.
-        out = self.experts.forward(hidden.to(self.hidden_dtype), index.long(), weights.to(self.weights_dtype))
-        return out.reshape(*lead, out.shape[-1])
+    hidden: int
+    top_k: int
+    hidden_dtype: torch.dtype
+    weights_dtype: torch.dtype
 
 
 class TiledExperts(TiledMLP):
-    """Drop-in for a fused experts module: same call, same parameters and ``state_dict`` keys."""
+    """Tiles a fused experts module in place: same call, same parameters and names."""
 
-    def __init__(self, experts: nn.Module, **tiled_kwargs):
-        super().__init__(PackedExperts(experts), **tiled_kwargs)
+    # The experts' weights are 3-D parameters, not gated Linears: the generic kernel always.
+    _tiled_fast_allowed = False
 
-    @property
-    def original(self) -> nn.Module:
-        return self.mlp.experts
-
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        packed_module = self.mlp
-        packed_module.hidden = hidden_states.shape[-1]
-        packed_module.top_k = top_k_index.shape[-1]
-        packed_module.weights_dtype = top_k_weights.dtype
-        packed_module.hidden_dtype = hidden_states.dtype
+        layout = PackedLayout(hidden_states.shape[-1], top_k_index.shape[-1], hidden_states.dtype, top_k_weights.dtype)
         dtype = torch.promote_types(torch.promote_types(hidden_states.dtype, top_k_weights.dtype), torch.float32)
         packed = torch.cat([hidden_states.to(dtype), top_k_weights.to(dtype), top_k_index.to(dtype)], dim=-1)
-        return super().forward(packed)
+        return self._tiled_call(packed, functools.partial(self._tiled_unpacked_forward, layout), check_hidden=False)
 
+    def _tiled_unpacked_forward(self, layout: PackedLayout, packed: torch.Tensor) -> torch.Tensor:
+        lead = packed.shape[:-1]
+        packed = packed.reshape(-1, packed.shape[-1])
+        hidden, weights, index = packed.split([layout.hidden, layout.top_k, layout.top_k], dim=-1)
+        out = self._tiled_original_forward(hidden.to(layout.hidden_dtype), index.long(), weights.to(layout.weights_dtype))
+        return out.reshape(*lead, out.shape[-1])

@@ -11,11 +11,11 @@ from ..tiled_core.module import TiledMLP
 def expected_path(tiled: TiledMLP) -> str:
     """The path the structure allows, before the first forward settles it (the fast path also needs a
     numerical probe of the real forward, and no autocast)."""
-    if tiled.path == "generic":
+    if tiled.tiling.path == "generic":
         return "generic (requested)"
-    if getattr(tiled, "original", None) is not None:
+    if not tiled._tiled_fast_allowed:
         return "generic (fused MoE experts; the router stays untiled)"
-    spec, why_not = structural_spec(tiled.mlp)
+    spec, why_not = structural_spec(tiled)
     if spec is None:
         return f"generic ({why_not})"
     return "fast (structure fits; confirmed by a probe at the first forward)"
@@ -25,14 +25,14 @@ def expected_path(tiled: TiledMLP) -> str:
 class TiledBlock:
     name: str
     mlp_class: str
-    kind: str  # "gated", "moe", "named", or "tiled" for a block found already tiled
+    kind: str  # "gated", "experts", "named", or "tiled" for a block found already tiled
     tiled: TiledMLP
     expected_path: str
 
     @property
     def last_path(self) -> str:
         """The path the last forward ran: "fast", "generic", "untiled" (too short to pay), or pending."""
-        return self.tiled.last_path or "pending (decided at the first forward)"
+        return self.tiled.tiling.last_path or "pending (decided at the first forward)"
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Pluggable parallel backends for TiledMLP, a registry and a resolver."""
 from .base import Strategy, UnsupportedBackendError
+from .ddp import DDPStrategy
 from .deepspeed_zero import DeepSpeedZeroStrategy
 from .fsdp1 import FSDP1Strategy
 from .fsdp2 import FSDP2Strategy
@@ -13,13 +14,14 @@ from .registry import (
 from .resolver import resolve_strategy, strategy_from_arg
 from .single_device import SingleDeviceStrategy
 
-for _builtin in (SingleDeviceStrategy, FSDP1Strategy, FSDP2Strategy, DeepSpeedZeroStrategy):
+for _builtin in (SingleDeviceStrategy, DDPStrategy, FSDP1Strategy, FSDP2Strategy, DeepSpeedZeroStrategy):
     register_strategy(_builtin)
 
 __all__ = [
     "Strategy",
     "UnsupportedBackendError",
     "SingleDeviceStrategy",
+    "DDPStrategy",
     "FSDP1Strategy",
     "FSDP2Strategy",
     "DeepSpeedZeroStrategy",

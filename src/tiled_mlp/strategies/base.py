@@ -1,10 +1,10 @@
 """The interface between the backend-neutral tiled core and a parallel backend.
 
 A strategy says whether a module is its own (``claims``), rejects configurations it cannot run before
-any work is done (``check_supported``), and says how the module's parameters are made whole for the
-shard loop and the backward recompute (``gathered``). Gradient delivery is not a strategy concern:
-the core returns each parameter's summed gradient through autograd exactly once per backward, and
-every backend's reduction hooks take it from there.
+any work is done (``check_supported``), says how the module's parameters are made whole for the
+shard loop and the backward recompute (``gathered``), and what a trainable parameter the call did
+not use receives (``unused_grads_as_zeros``). The core returns each parameter's summed gradient
+through autograd exactly once per backward, and every backend's reduction hooks take it from there.
 """
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ class Strategy(ABC):
     name: ClassVar[str] = ""
     #: The resolver asks the highest priority first; the single-device fallback has the lowest.
     priority: ClassVar[int] = 0
+    #: A trainable parameter that no shard used gets a zero gradient instead of None. Untiled, autograd
+    #: leaves it None; but here it is an input of the tiled Function, reachable from the output, so a
+    #: backend that waits for a gradient of every reachable parameter (DDP's reducer) needs one.
+    unused_grads_as_zeros: ClassVar[bool] = False
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:

@@ -88,6 +88,9 @@ def _cell_is_set(cell) -> bool:
 class DeepSpeedZeroStrategy(Strategy):
     name = "deepspeed_zero"
     priority = 200
+    # ZeRO reduces in buckets filled by per-parameter hooks on every rank alike: each parameter the
+    # engine saw as reachable must deliver a gradient, whatever this rank's tokens used.
+    unused_grads_as_zeros = True
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:

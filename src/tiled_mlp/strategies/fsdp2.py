@@ -77,6 +77,9 @@ def params_managed_by_fsdp2(module: nn.Module) -> bool:
 class FSDP2Strategy(Strategy):
     name = "fsdp2"
     priority = 100
+    # FSDP2 reduce-scatters the gradients of a whole group in one collective: every rank must bring
+    # one for each parameter, whatever its tokens used.
+    unused_grads_as_zeros = True
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:

@@ -1,5 +1,5 @@
-"""One device, and DDP: parameters are local and whole, gradients arrive once through autograd, so
-DDP's reducer (any shard count, ``no_sync`` included) needs nothing more."""
+"""One device: parameters are local and whole, gradients arrive once through autograd, and a
+parameter the call did not use keeps a None gradient, as untiled (DDP: ``ddp.py``)."""
 from __future__ import annotations
 
 from typing import Sequence

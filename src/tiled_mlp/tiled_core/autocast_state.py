@@ -5,9 +5,15 @@ recomputed activations would not match the ones the output was made from.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled`` for any device type; "meta" (shape-only modelling) has no autocast."""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)
 
 
 @dataclass(frozen=True)
@@ -19,9 +25,13 @@ class AutocastState:
     @classmethod
     def capture(cls, device: torch.device) -> "AutocastState":
         device_type = device.type
-        return cls(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        if not autocast_enabled(device_type):
+            return cls(device_type, False, torch.float32)
+        return cls(device_type, True, torch.get_autocast_dtype(device_type))
 
     def replay(self):
         # Always an explicit autocast context: when the forward ran without autocast, the recompute must
         # not pick up an autocast that is active around the caller's ``backward()``.
+        if self.device_type == "meta":
+            return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)

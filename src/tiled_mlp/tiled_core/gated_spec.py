@@ -1,9 +1,11 @@
 """Recognising a gated MLP (``down(act(gate(x)) * up(x))``) that the fast kernel may compute by hand.
 
-The fast kernel bypasses the module's own forward, so it is used only when nothing could be lost by
-that: the projections are plain ``nn.Linear`` (not LoRA or quantised wrappers), no hooks sit on them,
-the module has no dropout, the activation is one we can differentiate exactly, and a tiny numerical
-probe of the module's real forward agrees with the gated formula. Any doubt means the generic path.
+The fast kernel bypasses the module's own forward, so it is used only when the structure proves that
+nothing could be lost by that: the projections are plain ``nn.Linear`` (not LoRA or quantised
+wrappers) with no hooks, the module owns nothing else (no other parameter, buffer, submodule or
+tensor attribute), it has no dropout, and the activation is one we can differentiate exactly. A probe
+of the module's real forward then checks its data flow (it reads no other tensor and draws no random
+numbers) and its numbers (it computes the formula). Any doubt means the generic path.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from .activations import NativeGatedActivation
+from .tensor_reads import TensorReads, describe
 
 _ACT_ATTRS = ("act_fn", "activation_fn", "act")
 PROBE_TOKENS = 8
@@ -56,16 +59,17 @@ class GatedMLPSpec:
         return out
 
 
-def _activation_name(module: nn.Module) -> Optional[str]:
+def _activation(module: nn.Module) -> Tuple[Optional[object], Optional[str]]:
+    """The activation module (or function) and its name, or (None, None)."""
     for attr in _ACT_ATTRS:
         act = getattr(module, attr, None)
         if act is None:
             continue
         if isinstance(act, nn.GELU):
-            return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+            return act, "gelu_tanh" if act.approximate == "tanh" else "gelu"
         name = _ACTIVATION_BY_CLASS.get(type(act).__name__)
-        return name if name is not None and _activation_matches(act, name) else None
-    return None
+        return (act, name) if name is not None and _activation_matches(act, name) else (None, None)
+    return None, None
 
 
 def _activation_matches(act, name: str) -> bool:
@@ -97,25 +101,28 @@ def _module_hooks(module: nn.Module) -> tuple:
     return tuple(hook for name in names for hook in getattr(module, name, {}).values())
 
 
-def _has_foreign_hooks(module: nn.Module, is_backend_hook=_no_hook_is_backend) -> bool:
-    """Does any submodule below ``module`` carry a hook that the fast kernel would silently skip?
+def foreign_child_hooks(module: nn.Module, is_backend_hook=_no_hook_is_backend) -> List[str]:
+    """The hooks on submodules below ``module`` that a tiled call would not run as untiled, by name.
 
     The fast kernel calls no submodule (not the projections, not ``act_fn``), so any hook on them
-    (a recording or modifying forward hook, a full backward hook) would never fire. A backend's own
-    parameter hooks (ZeRO-3 gather/release) are stood in for by the strategy's ``gathered`` inside the
-    tiled call. Hooks on ``module`` itself fire once around the tiled call, as untiled.
+    would never fire; the generic path would run them once per shard. A backend's own parameter hooks
+    (ZeRO-3 gather/release) are stood in for by the strategy's ``gathered`` inside the tiled call.
+    Hooks on ``module`` itself fire once around the tiled call, as untiled.
     """
+    found = []
     for name, sub in module.named_modules():
         if not name:
             continue
         # A forward replaced on the instance (accelerate's offload/device hooks do this) is a hook too.
-        if "forward" in sub.__dict__ or any(not is_backend_hook(hook) for hook in _module_hooks(sub)):
-            return True
-    return False
+        if "forward" in sub.__dict__:
+            found.append(f"{name}: a replaced forward")
+        found.extend(f"{name}: {getattr(h, '__qualname__', type(h).__name__)}"
+                     for h in _module_hooks(sub) if not is_backend_hook(h))
+    return found
 
 
 def _is_plain_linear(module) -> bool:
-    # Hooks are checked for every submodule by ``_has_foreign_hooks``.
+    # Hooks are checked for every submodule by ``foreign_child_hooks``.
     return type(module) is nn.Linear
 
 
@@ -123,11 +130,37 @@ def _has_dropout(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
 
 
+def _beyond_spec(module: nn.Module, spec: GatedMLPSpec, act_module) -> str:
+    """What the module holds besides the spec's projections and activation ("" when nothing).
+
+    The fast kernel computes from the spec's tensors alone, so anything else the module owns (a
+    learnable gain, a side branch, a buffer) could change the result and would get no gradient:
+    the structure must rule it out; a numerical probe cannot (such extras are often neutral at init).
+    """
+    wanted = {id(p) for p in spec.params}
+    extra = [name for name, p in module.named_parameters() if id(p) not in wanted]
+    if extra:
+        return f"parameters besides the projections' ({', '.join(extra)})"
+    buffers = [name for name, _ in module.named_buffers()]
+    if buffers:
+        return f"buffers ({', '.join(buffers)})"
+    allowed = {id(m) for m in spec.linears} | {id(act_module)}
+    subs = [name for name, m in module.named_modules() if name and id(m) not in allowed]
+    if subs:
+        return f"submodules besides the projections and the activation ({', '.join(subs)})"
+    tensors = [f"{prefix}{'.' if prefix else ''}{key}" for prefix, m in module.named_modules()
+               for key, value in vars(m).items() if isinstance(value, torch.Tensor)]
+    if tensors:
+        return f"tensor attributes outside its parameters ({', '.join(tensors)})"
+    return ""
+
+
 def structural_spec(module: nn.Module, is_backend_hook=_no_hook_is_backend) -> Tuple[Optional[GatedMLPSpec], str]:
     """The spec if the module's structure allows the fast path, else None and the reason why not."""
-    if _has_foreign_hooks(module, is_backend_hook):
-        return None, "a submodule has hooks (forward or backward, or a replaced forward) that the fast kernel would skip"
-    act = _activation_name(module)
+    hooks = foreign_child_hooks(module, is_backend_hook)
+    if hooks:
+        return None, f"submodules have hooks that the fast kernel would skip ({', '.join(hooks)})"
+    act_module, act = _activation(module)
     if act is None:
         return None, "no recognised gated activation (act_fn / activation_fn: silu, gelu, gelu tanh)"
     down = getattr(module, "down_proj", None)
@@ -147,6 +180,12 @@ def structural_spec(module: nn.Module, is_backend_hook=_no_hook_is_backend) -> T
         return None, "the module has dropout"
     if spec.gate_up is not None and spec.gate_up.out_features % 2:
         return None, "gate_up_proj has an odd number of outputs"
+    extra = _beyond_spec(module, spec, act_module)
+    if extra:
+        return None, f"the module has {extra}"
+    dtypes = {p.dtype for p in spec.params}
+    if len(dtypes) > 1:
+        return None, f"the projections' weights have different dtypes ({sorted(map(str, dtypes))})"
     return spec, ""
 
 
@@ -160,14 +199,17 @@ def gated_reference(spec: GatedMLPSpec, x: torch.Tensor) -> torch.Tensor:
     return spec.down(act(g) * u)
 
 
-def forward_matches_formula(module: nn.Module, forward_fn, spec: GatedMLPSpec, like: torch.Tensor) -> bool:
-    """Run the module's real forward on two random tokens and compare with the gated formula.
+def probe_forward(forward_fn, spec: GatedMLPSpec, like: torch.Tensor) -> str:
+    """Why the module's real forward may not be replaced by the gated formula ("" when it may).
 
-    Fake and meta weights (memory modelling, ``tiled-mlp plan``) have no values to probe: there the
-    structural checks alone decide, since no number computed from them is ever used.
+    It runs the forward on eight random tokens and checks two things: the data flow (every tensor it
+    reads is the input, one of the spec's weights, or made inside: no other weight, buffer, closure
+    or attribute tensor, and no random numbers drawn), and the numbers (the output equals the
+    formula). Fake and meta weights (memory modelling, ``tiled-mlp plan``) have no values to probe:
+    there the structural checks alone decide, since no number computed from them is ever used.
     """
     if not (_has_values(spec.down.weight) and _has_values(like)):
-        return True
+        return ""
     generator = torch.Generator(device="cpu").manual_seed(0)
     in_features = spec.linears[0].in_features
     # Eight tokens over a wide range (std 1 up to 8), so that a clamp or a different activation that
@@ -175,13 +217,21 @@ def forward_matches_formula(module: nn.Module, forward_fn, spec: GatedMLPSpec, l
     scale = torch.logspace(0, 3, PROBE_TOKENS, base=2.0).unsqueeze(-1)
     probe = torch.randn((1, PROBE_TOKENS, in_features), generator=generator, dtype=torch.float32) * scale
     probe = probe.to(device=like.device, dtype=spec.down.weight.dtype)
+    reads = TensorReads(known=[probe, *spec.params], grad_only=False)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        got = forward_fn(probe)
+        with reads:
+            got = forward_fn(probe)
         want = gated_reference(spec, probe)
+    if reads.random_calls:
+        return f"its forward draws random numbers ({', '.join(sorted(set(reads.random_calls)))})"
+    if reads.foreign:
+        return f"its forward reads tensors besides its input and the projections' weights: {describe(reads.foreign_tensors())}"
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        return False
+        return "its forward does not return one tensor of the formula's shape"
     # Relative to the output's scale, token by token: a module whose outputs are small cannot pass on
     # an absolute tolerance alone. bf16/fp16 differ by their rounding of the intermediates.
     tol = 1e-5 if probe.dtype in (torch.float32, torch.float64) else 3e-2
     err = (got.float() - want.float()).abs().amax(-1)
-    return bool((err <= tol * want.float().abs().amax(-1).clamp_min(1e-30)).all())
+    if not bool((err <= tol * want.float().abs().amax(-1).clamp_min(1e-30)).all()):
+        return "its forward does not compute down(act(gate(x)) * up(x))"
+    return ""

@@ -64,19 +64,19 @@ class GradAccumulator:
         else:
             buffer.add_(rows.sum(0))
 
-    def results(self) -> List[Optional[torch.Tensor]]:
+    def results(self, zeros_for_unused: bool = False) -> List[Optional[torch.Tensor]]:
         """The summed gradients in each parameter's dtype; None where no gradient is needed.
 
-        A trainable parameter the module did not use gets zeros, not None: it is an input of the tiled
-        Function, so backends that wait for every reachable parameter (DDP with
-        ``find_unused_parameters=True``) must see its gradient arrive, exactly once like the others.
+        A trainable parameter the module did not use gets None, as untiled, unless
+        ``zeros_for_unused``: it is an input of the tiled Function, so a backend that waits for every
+        reachable parameter (DDP's reducer) must see its gradient arrive, exactly once like the others.
         """
         out = []
         for param, buffer, needed in zip(self._params, self._buffers, self.needed):
             if not needed:
                 out.append(None)
             elif buffer is None:
-                out.append(torch.zeros_like(param))
+                out.append(torch.zeros_like(param) if zeros_for_unused else None)
             else:
                 out.append(buffer.to(param.dtype))
         return out

@@ -1,14 +1,26 @@
-"""``TiledMLP``: the thin nn.Module that runs any token-wise MLP shard by shard.
+"""``TiledMLP``: tiles any token-wise MLP *in place*, so that nothing but its memory changes.
 
-It picks the strategy (backend) and the per-shard kernel (gated fast path or generic), makes a shard
-plan, and runs the shared sharded autograd Function inside one hooked call of the wrapped module.
-The wrapped module's ``state_dict`` keys are kept as they were (no ``mlp.`` infix), so checkpoints
-saved from an untiled model load into a tiled one and back.
+``TiledMLP(mlp)`` returns ``mlp`` itself, its class swapped for a generated subclass of both
+``TiledMLP`` and its own class (``TiledLlamaMLP``), as ``fully_shard`` does for FSDP2. Why in place
+and not a wrapper: everything that names parameters (``named_parameters``, PEFT's adapter keys,
+DeepSpeed's consolidated and ``zero_to_fp32`` checkpoints, DCP's optimizer state) walks the module
+tree, not ``state_dict``. A wrapper holding the MLP as a child adds a level to every such name, and
+hiding it in ``state_dict`` by hooks leaves all those paths wrong: adapters were saved without the
+MLP's tensors, checkpoints did not load into the untiled model. In place, the module tree, every
+name, ``state_dict``, attribute reads and writes (``mlp.down_proj = new``), ``isinstance(mlp,
+LlamaMLP)``, ``deepcopy`` and ``pickle`` are those of the untiled module; the tiling lives in one
+attribute, ``mlp.tiling``, and ``untile(mlp)`` puts the original class back.
+
+The generated class's ``forward`` is the tiled call: the module's own hooks (a backend's unshard and
+reshard, ZeRO-3's gather and release) fire once around it, as untiled, and each shard calls the
+original class's forward directly. The call picks the strategy (backend) and the per-shard kernel
+(gated fast path or generic), makes a shard plan and runs the shared sharded autograd Function.
 """
 from __future__ import annotations
 
-import weakref
-from typing import Optional, Sequence
+import contextlib
+import functools
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -17,175 +29,249 @@ from ..strategies.base import Strategy
 from ..strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
 from .activations import gated_activation
 from .auto_shards import MLPSize, auto_num_shards, intermediate_size
-from .gated_spec import forward_matches_formula, structural_spec
-from .hooked_call import call_with_forward
+from .fast_path import decide_fast_path
+from .gated_spec import foreign_child_hooks
 from .kernels import GatedShardKernel, GenericShardKernel
 from .shard_plan import NumShards, check_num_shards, make_shard_plan
 from .sharded_autograd import ShardedRun, sharded_apply
-from .state_dict_keys import hide_child_in_state_dict
+from .tiling_state import STATE_ATTR, TilingState, check_config
 from .validation import check_input
 
-PATHS = ("auto", "fast", "generic")
-_INNER = "mlp"
+_CLASSES: Dict[Tuple[type, type], type] = {}
+
+STATEFUL_ERROR = (
+    "TiledMLP: the forward of {module} updated its buffers ({buffers}) in place, which the tiled call would "
+    "repeat once per shard and again in the backward recompute (BatchNorm running statistics, spectral_norm's "
+    "power iteration). The buffers were put back. Run the module untiled (remove_tiled_mlp / untile), or in "
+    "eval mode, where such forwards keep their buffers."
+)
+
+
+def tiled_class(mixin: type, base: type) -> type:
+    """The class ``mixin`` + ``base`` (cached), which a tiled module's ``__class__`` is set to."""
+    key = (mixin, base)
+    cls = _CLASSES.get(key)
+    if cls is None:
+        name = f"Tiled{base.__name__}"
+        cls = type(name, (mixin, base), {"_tiled_base": base, "_tiled_mixin": mixin, "__module__": mixin.__module__,
+                                         "__qualname__": name})
+        _CLASSES[key] = cls
+    return cls
+
+
+def _rebuild(mixin: type, base: type) -> nn.Module:
+    """pickle/deepcopy: an empty instance of the tiled class; its ``__dict__`` is restored after."""
+    return object.__new__(tiled_class(mixin, base))
+
+
+def _own_names(mixin: type) -> List[str]:
+    """Names a tiled class adds on top of its base (which must not hide one of the base's)."""
+    names = set()
+    for cls in mixin.__mro__:
+        if cls is nn.Module or not issubclass(cls, TiledMLP):
+            continue
+        names.update(n for n in vars(cls) if not (n.startswith("__") and n.endswith("__")))
+    return sorted(names - {"forward", "extra_repr", "_tiled_base", "_tiled_mixin"})
 
 
 class TiledMLP(nn.Module):
-    """Wraps ``mlp`` (``[..., tokens, hidden] -> [..., tokens, out]``, token-wise) and runs it in shards.
+    """Tiles ``mlp`` (``[..., tokens, hidden] -> [..., tokens, out]``, token-wise) in place.
+
+    ``TiledMLP(mlp, ...)`` returns ``mlp`` itself, now also an instance of ``TiledMLP``.
 
     Args:
         mlp: the module to tile.
-        strategy: "auto" (resolved from the runtime at the first forward), a registered name, or a
+        strategy: "auto" (resolved from the runtime at every forward), a registered name, or a
             ``Strategy`` instance.
         num_shards: an int >= 1, or "auto".
         path: "auto" (the gated fast kernel when it provably applies, else generic), "fast", "generic".
         grad_accum_dtype: dtype of the per-parameter gradient sums (default: the parameter's dtype);
             ``torch.float32`` for low-precision parameters.
         use_liger: use Liger-Kernel's Triton activation on CUDA when it is installed.
+
+    What fires how often: hooks on the tiled module itself (a backend's, the user's) fire once per
+    call and once around its backward, as untiled. Hooks on its submodules send the call to the
+    generic path (the fast kernel calls no submodule), where forward (pre-)hooks fire once per shard
+    in the forward and once per shard in the backward recompute, and backward hooks once per shard
+    with that shard's gradients. A hook that keeps a tensor it was given (an activation penalty for
+    the loss) is an error while a graph is built: that tensor would carry no gradient.
     """
 
-    def __init__(
-        self,
-        mlp: nn.Module,
-        strategy: StrategyArg = "auto",
-        num_shards: NumShards = "auto",
-        path: str = "auto",
-        grad_accum_dtype: Optional[torch.dtype] = None,
-        use_liger: bool = True,
-    ):
-        if not isinstance(mlp, nn.Module):
-            raise TypeError(f"TiledMLP wraps an nn.Module, got {type(mlp).__name__}")
-        if isinstance(mlp, TiledMLP):
-            raise TypeError("this module is already a TiledMLP; wrap the inner MLP once")
-        check_num_shards(num_shards)
-        if path not in PATHS:
-            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        if grad_accum_dtype is not None and not (isinstance(grad_accum_dtype, torch.dtype) and grad_accum_dtype.is_floating_point):
-            raise TypeError(f"grad_accum_dtype must be a floating torch.dtype or None, got {grad_accum_dtype!r}")
-        fixed = strategy_from_arg(strategy)
-        super().__init__()
-        self.mlp = mlp
-        self.num_shards = num_shards
-        self.path = path
-        self.grad_accum_dtype = grad_accum_dtype
-        self.use_liger = use_liger
-        self._fixed_strategy: Optional[Strategy] = fixed
-        self._ancestor_refs: tuple = ()
-        # What the last call ran with, for reports and tests.
-        self.last_path: Optional[str] = None
-        self.last_num_shards: Optional[int] = None
-        self._probe_cache: dict = {}
-        hide_child_in_state_dict(self, _INNER)
-        # Reject what is already known to be unsupported (FSDP1, per-Linear FSDP2) now; "auto" is
-        # resolved again at every forward, since the model is usually wrapped after it is tiled.
-        self._strategy().check_supported(mlp)
+    _tiled_base: Optional[type] = None  # set on the generated classes: the module's original class
+    #: Whether the gated fast kernel may ever stand in for this kind of module's forward.
+    _tiled_fast_allowed = True
+
+    def __new__(cls, mlp: nn.Module = None, strategy: StrategyArg = "auto", num_shards: NumShards = "auto",
+                path: str = "auto", grad_accum_dtype: Optional[torch.dtype] = None, use_liger: bool = True):
+        if cls._tiled_base is not None:
+            # A generated class instantiated directly (``type(tiled)(config)``): a new module of the
+            # original class, tiled with the defaults (``__init__`` builds it).
+            return object.__new__(cls)
+        fixed = prepare_tiling(cls, mlp, strategy, num_shards, path, grad_accum_dtype)
+        return install_tiling(cls, mlp, TilingState(num_shards, path, grad_accum_dtype, use_liger, fixed))
+
+    def __init__(self, *args, **kwargs):
+        if STATE_ATTR in self.__dict__:
+            return  # tiled in place by __new__: the module was built long ago
+        type(self)._tiled_base.__init__(self, *args, **kwargs)
+        self.__dict__[STATE_ATTR] = TilingState()
+
+    def __reduce_ex__(self, protocol):
+        cls = type(self)
+        return _rebuild, (cls._tiled_mixin, cls._tiled_base), self.__getstate__()
 
     # -- configuration ------------------------------------------------------------------------------
-    def set_ancestors(self, ancestors: Sequence[nn.Module]) -> None:
-        """Record the modules above this one (outermost first) so that "auto" can see a backend that
-        wraps an ancestor (an FSDP2 decoder layer, say). Weak references: no cycle, no extra state."""
-        self._ancestor_refs = tuple(weakref.ref(m) for m in ancestors)
+    def _tiled_strategy(self) -> Strategy:
+        # Not cached: a forward before `fully_shard`, `deepspeed.initialize`, a DDP or an FSDP1 wrap
+        # must not pin the single-device fallback (FSDP1 would then lose every gradient silently).
+        state: TilingState = self.tiling
+        if state.fixed_strategy is not None:
+            return state.fixed_strategy
+        return resolve_strategy(self, state.ancestors())
 
-    @property
-    def strategy(self) -> Strategy:
-        return self._strategy()
-
-    def _strategy(self) -> Strategy:
-        # Not cached: a forward before `fully_shard`, `deepspeed.initialize` or an FSDP1 wrap must not
-        # pin the single-device fallback (FSDP1 would then lose every gradient silently). Resolving
-        # looks at a few attributes of the MLP's own modules and parameters; it is cheap.
-        if self._fixed_strategy is not None:
-            return self._fixed_strategy
-        ancestors = [m for m in (r() for r in self._ancestor_refs) if m is not None]
-        return resolve_strategy(self.mlp, ancestors)
+    def extra_repr(self) -> str:
+        state: TilingState = self.tiling
+        strategy = state.fixed_strategy.name if state.fixed_strategy else "auto"
+        mine = f"tiled: num_shards={state.num_shards!r}, path={state.path!r}, strategy={strategy!r}"
+        base = super().extra_repr()
+        return f"{base}, {mine}" if base else mine
 
     # -- forward ---------------------------------------------------------------------------------------
     # torch.compile of a surrounding model runs this eagerly: the shard loop, the RNG capture and the
     # fast-path probe are not traceable, and tracing into them only produced a graph break at each.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_input(x, self.mlp)
-        strategy = self._strategy()
-        strategy.check_supported(self.mlp)
-        spec, why_not_fast = structural_spec(self.mlp, strategy.is_backend_hook) if self.path != "generic" else (None, "path='generic'")
-        if self.path == "fast" and spec is None:
-            raise ValueError(f"path='fast' cannot apply to {type(self.mlp).__name__}: {why_not_fast}; use path='auto'")
-        if self.path == "fast" and torch.is_autocast_enabled(x.device.type):
-            raise ValueError("path='fast' cannot run under torch.autocast (it computes in the weights' dtype); "
-                             "use path='auto' or cast the module to the compute dtype")
+        return self._tiled_call(x, self._tiled_original_forward, check_hidden=True)
+
+    def _tiled_original_forward(self, *args: torch.Tensor) -> torch.Tensor:
+        """The module's own forward, without hooks: what one shard runs."""
+        installed = self.tiling.instance_forward
+        return installed(*args) if installed is not None else super(TiledMLP, self).forward(*args)
+
+    def _tiled_call(self, x: torch.Tensor, shard_forward: Callable, check_hidden: bool) -> torch.Tensor:
+        state: TilingState = self.tiling
+        check_num_shards(state.num_shards)
+        check_input(x, self if check_hidden else None)
+        strategy = self._tiled_strategy()
+        strategy.check_supported(self)
+        state.last_strategy = strategy
+        if state.path == "fast" and not self._tiled_fast_allowed:
+            raise ValueError(f"path='fast' cannot apply to {type(self).__name__}; use path='auto'")
         num_tokens = x.numel() // x.shape[-1]
-        num_shards = self.num_shards
+        num_shards = state.num_shards
         if num_shards == "auto":
-            size = MLPSize(x.shape[-1], intermediate_size(self.mlp), strategy.param_bytes(self.mlp), x.element_size())
+            size = MLPSize(x.shape[-1], intermediate_size(self), strategy.param_bytes(self), x.element_size())
             num_shards = auto_num_shards(num_tokens, size)
         if num_tokens == 0 or num_shards is None:
-            if strategy.allows_untiled_call(self.mlp):
+            if strategy.allows_untiled_call(self):
                 # Nothing to split, or too short for tiling to lower the peak: the plain module.
-                self.last_path, self.last_num_shards = "untiled", 1
-                return self.mlp(x)
+                state.last_path, state.last_num_shards = "untiled", 1
+                return shard_forward(x)
             num_shards = 1  # the backend needs every rank on the tiled path (same collectives)
         plan = make_shard_plan(num_tokens, num_shards)
 
-        def tiled_body(original_forward, x_in: torch.Tensor) -> torch.Tensor:
-            with strategy.gathered(self.mlp):
-                kernel = self._kernel(spec, original_forward, strategy, x_in)
-                return sharded_apply(x_in, self._run(kernel, plan, strategy))
+        with strategy.gathered(self):
+            kernel = self._tiled_kernel(strategy, shard_forward, x)
+            run = ShardedRun(
+                kernel=kernel,
+                plan=plan,
+                gathered=lambda: strategy.gathered(self),
+                grad_accum_dtype=state.grad_accum_dtype,
+                # The fast path provably draws no random numbers, so it has none to replay.
+                replay_rng=isinstance(kernel, GenericShardKernel),
+                zeros_for_unused=strategy.unused_grads_as_zeros,
+            )
+            with _buffers_kept(self):
+                out = sharded_apply(x, run)
+        state.last_num_shards = plan.num_shards
+        return out
 
-        self.last_num_shards = plan.num_shards
-        return call_with_forward(self.mlp, tiled_body, x)
-
-    def _run(self, kernel, plan, strategy: Strategy) -> ShardedRun:
-        mlp = self.mlp
-        fast = isinstance(kernel, GatedShardKernel)
-        if fast:
-            def current():
-                spec, why_not = structural_spec(mlp, strategy.is_backend_hook)
-                if spec is None:
-                    raise RuntimeError(
-                        f"TiledMLP: {type(mlp).__name__} no longer suits the fast path it ran forward with ({why_not}); "
-                        "add hooks or wrappers before the forward, or use path='generic'"
-                    )
-                return spec.params
-        else:
-            current = lambda: strategy.trainable_params(mlp)  # noqa: E731
-        return ShardedRun(
-            kernel=kernel,
-            plan=plan,
-            gathered=lambda: strategy.gathered(mlp),
-            current_params=current,
-            grad_accum_dtype=self.grad_accum_dtype,
-            # The fast path has no dropout (checked), so it has no random numbers to replay.
-            replay_rng=not fast,
-        )
-
-    def _kernel(self, spec, original_forward, strategy: Strategy, x: torch.Tensor):
-        autocast_on = torch.is_autocast_enabled(x.device.type)
-        if spec is not None and not autocast_on and self._probe(spec, original_forward, x):
-            self.last_path = "fast"
-            return GatedShardKernel(spec, gated_activation(spec.activation, x.device, self.use_liger))
-        if self.path == "fast":
-            why = "autocast is enabled" if autocast_on else "its forward does not compute down(act(gate(x)) * up(x))"
-            raise ValueError(f"path='fast' cannot apply to {type(self.mlp).__name__}: {why}; use path='auto'")
-        self.last_path = "generic"
+    def _tiled_kernel(self, strategy: Strategy, shard_forward: Callable, x: torch.Tensor):
+        state: TilingState = self.tiling
+        # A forward installed on the instance may do more than compute (move offloaded weights): the
+        # fast kernel, which bypasses it, is not taken.
+        if state.path != "generic" and self._tiled_fast_allowed and state.instance_forward is None:
+            decision = decide_fast_path(self, shard_forward, x, strategy.is_backend_hook, state.fast_decision)
+            state.fast_decision = decision
+            if decision.spec is not None:
+                state.last_path = "fast"
+                return GatedShardKernel(decision.spec, gated_activation(decision.spec.activation, x.device, state.use_liger))
+            if state.path == "fast":
+                raise ValueError(f"path='fast' cannot apply to {type(self).__name__}: {decision.why_not}; use path='auto'")
+        elif state.path == "fast":
+            raise ValueError(f"path='fast' cannot apply to {type(self).__name__}: its forward was replaced on the "
+                             "instance (another library's hooks); use path='auto'")
+        state.last_path = "generic"
         prefix = (1,) * (x.dim() - 2)
-        return GenericShardKernel(original_forward, strategy.trainable_params(self.mlp), prefix)
+        hooks = functools.partial(foreign_child_hooks, self, strategy.is_backend_hook)
+        return GenericShardKernel(shard_forward, self, strategy.trainable_params(self), prefix, hooks)
 
-    def _probe(self, spec, original_forward, x: torch.Tensor) -> bool:
-        """Does the module's real forward compute the gated formula? Cached per set of projections."""
-        key = (tuple(id(m) for m in spec.linears), spec.activation, x.device.type)
-        if key not in self._probe_cache:
-            self._probe_cache = {key: forward_matches_formula(self.mlp, original_forward, spec, x)}
-        return self._probe_cache[key]
 
-    def extra_repr(self) -> str:
-        strategy = self._fixed_strategy.name if self._fixed_strategy else "auto"
-        return f"num_shards={self.num_shards!r}, path={self.path!r}, strategy={strategy!r}"
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Refuse a forward that updates a buffer in place: put the buffers back and raise."""
+    buffers = [(name, b) for name, b in module.named_buffers()]
+    if not buffers:
+        yield
+        return
+    versions = [b._version for _, b in buffers]
+    saved = [b.detach().clone() for _, b in buffers]
+    yield
+    moved = [i for i, (_, b) in enumerate(buffers) if b._version != versions[i]]
+    if moved:
+        with torch.no_grad():
+            for i in moved:
+                buffers[i][1].copy_(saved[i])
+        names = ", ".join(buffers[i][0] for i in moved)
+        raise RuntimeError(STATEFUL_ERROR.format(module=type(module).__name__, buffers=names))
 
-    def __getattr__(self, name: str):
-        # Code that reaches into the MLP (``layer.mlp.gate_proj``, ``mlp.config``) keeps working.
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == _INNER or name.startswith("_"):
-                raise
-            return getattr(super().__getattr__(_INNER), name)
 
+# -- tiling and untiling in place --------------------------------------------------------------------------
+def prepare_tiling(mixin: type, mlp: nn.Module, strategy: StrategyArg, num_shards: NumShards, path: str,
+                   grad_accum_dtype, ancestors: Sequence[nn.Module] = ()) -> Optional[Strategy]:
+    """Every check made before ``mlp`` is changed; returns the fixed strategy (None for "auto")."""
+    if not isinstance(mlp, nn.Module):
+        raise TypeError(f"TiledMLP tiles an nn.Module, got {type(mlp).__name__}")
+    if isinstance(mlp, TiledMLP):
+        raise TypeError(f"this {type(mlp).__name__} is already tiled; untile it first to change its tiling")
+    check_config(num_shards, path, grad_accum_dtype)
+    fixed = strategy_from_arg(strategy)
+    problem = _shadow_problem(mixin, mlp)
+    if problem:
+        raise TypeError(f"cannot tile {type(mlp).__name__} in place: {problem}")
+    # Reject what is already known to be unsupported (FSDP1, per-Linear FSDP2) now; "auto" is
+    # resolved again at every forward, since the model is usually wrapped after it is tiled.
+    (fixed or resolve_strategy(mlp, ancestors)).check_supported(mlp)
+    return fixed
+
+
+def _shadow_problem(mixin: type, mlp: nn.Module) -> str:
+    taken = [n for n in (STATE_ATTR, *_own_names(mixin)) if hasattr(mlp, n) or n in mlp.__dict__]
+    if taken:
+        return f"it already has attributes named {taken}, which tiling would hide"
+    return ""
+
+
+def install_tiling(mixin: type, mlp: nn.Module, state: TilingState) -> nn.Module:
+    """Make ``mlp`` tiled (checks done by ``prepare_tiling``); returns it."""
+    # An instance forward would hide the tiled class's forward: it becomes what each shard runs.
+    state.instance_forward = mlp.__dict__.pop("forward", None)
+    mlp.__class__ = tiled_class(mixin, type(mlp))
+    mlp.__dict__[STATE_ATTR] = state
+    return mlp
+
+
+def untile(module: nn.Module) -> nn.Module:
+    """Put the original class back and drop the tiling: the exact module that was tiled."""
+    base = type(module).__dict__.get("_tiled_base")
+    if base is None:
+        if isinstance(module, TiledMLP):
+            raise TypeError(
+                f"{type(module).__name__} was wrapped again after it was tiled (fully_shard?); "
+                "untile before such wrapping")
+        raise TypeError(f"{type(module).__name__} is not tiled")
+    state = module.__dict__.pop(STATE_ATTR)
+    module.__class__ = base
+    if state.instance_forward is not None:
+        module.__dict__["forward"] = state.instance_forward
+    return module

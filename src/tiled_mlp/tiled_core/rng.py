@@ -12,7 +12,7 @@ import torch
 
 
 def _device_module(device: torch.device):
-    if device.type == "cpu":
+    if device.type in ("cpu", "meta"):  # meta tensors (shape-only modelling) draw no numbers
         return None
     return torch.get_device_module(device.type)
 

@@ -1,19 +1,25 @@
 """The token-sharded autograd Function shared by every per-shard kernel.
 
 Forward: flatten the leading dims into tokens, run the kernel one shard at a time under no_grad into
-one preallocated output, save only the input (plus each shard's RNG state).
-Backward: recompute one shard at a time and sum the parameter gradients over shards.
+one output allocated in the caller's shape, save only the input (plus each shard's RNG state).
+Backward: recompute one shard at a time and sum the gradients over shards.
 
 The parameters are *inputs* of the Function and their summed gradients are returned from
 ``backward``, so autograd accumulates each parameter's gradient exactly once per backward. That
 single delivery is what DDP's reducer, FSDP2's reduce-scatter and ZeRO's gradient hooks expect
 (any shard count, ``no_sync`` included); nothing backend-specific happens in here.
+
+Any other tensor that needs a gradient and that the forward reads (a weight in a plain attribute or
+a closure, a tensor a hook adds, conditioning set from outside) is an input too: the first shard runs
+before the Function under a recorder of the tensors it reads, and what it found is passed in with
+the parameters. A later shard that reads one more such tensor is an error, never a lost gradient;
+so is a tensor made inside a shard that outlives it (a hook that stashes an activation for a loss).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, List, Optional
+from typing import Callable, ContextManager, List, Optional, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -23,6 +29,19 @@ from .grad_accum import GradAccumulator
 from .kernels.base import ShardKernel
 from .rng import capture_rng_state, replay_rng_state
 from .shard_plan import ShardPlan
+from .tensor_reads import TensorReads, describe
+
+KEPT_TENSOR_ERROR = (
+    "TiledMLP: tensors made inside the tiled forward were kept after their shard ({tensors}): a forward hook on a "
+    "submodule, or the forward itself, stored them (an activation stashed for a loss, say). The tiled forward runs "
+    "without autograd, once per shard, so they would carry no gradient and hold one shard's values. Register such "
+    "a hook on the tiled module itself (it then sees the whole output, with autograd, once per call)."
+)
+LATE_TENSOR_ERROR = (
+    "TiledMLP: shard {shard} of the forward read tensors that require grad which the first shard did not: "
+    "{tensors}. The tiled call takes its gradient inputs from the first shard, so their gradients would be "
+    "lost. Register them as parameters of the module, or read them in every call."
+)
 
 
 @dataclass
@@ -33,72 +52,103 @@ class ShardedRun:
     plan: ShardPlan
     # Re-gathers the parameters for the backward recompute (a backend's strategy decides how).
     gathered: Callable[[], ContextManager] = contextlib.nullcontext
-    # Returns the parameters the module would use now; checked against the forward's in backward.
-    current_params: Optional[Callable[[], List[torch.Tensor]]] = None
     grad_accum_dtype: Optional[torch.dtype] = None
     replay_rng: bool = True
+    # Trainable inputs that received no gradient get zeros (a backend that waits for every reachable
+    # parameter, DDP's reducer) instead of None (what the untiled module gives).
+    zeros_for_unused: bool = False
+
+
+@dataclass
+class FirstShard:
+    """The first shard's output and RNG state, computed before the Function (see the module doc)."""
+
+    out: torch.Tensor
+    rng_state: Optional[tuple]
+    watched: Optional[List[torch.Tensor]]  # the tensors later shards may read; None: not watched
+
+
+def _maybe(context: Optional[ContextManager]) -> ContextManager:
+    return context if context is not None else contextlib.nullcontext()
+
+
+def _watch(known: Optional[Sequence[torch.Tensor]]) -> Optional[TensorReads]:
+    return TensorReads(known=known, watch_kept=True) if known is not None else None
+
+
+def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = ()) -> None:
+    kept = reads.kept(expected)
+    if kept:
+        raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=describe(kept)))
 
 
 class ShardedMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, run: ShardedRun, *params: torch.Tensor) -> torch.Tensor:
-        x_flat = x.reshape(-1, x.shape[-1])
-        out = None
-        rng_states = []
-        for shard in run.plan.slices():
+    def forward(ctx, x: torch.Tensor, run: ShardedRun, first: FirstShard, *tensors: torch.Tensor) -> torch.Tensor:
+        # Shards are views of a detached input: a view made under no_grad still reports requires_grad.
+        x_flat = x.detach().reshape(-1, x.shape[-1])
+        slices = list(run.plan.slices())
+        out = first.out.new_empty((*x.shape[:-1], first.out.shape[-1]))
+        out_flat = out.view(-1, out.shape[-1])
+        out_flat[slices[0]].copy_(first.out)
+        rng_states = [first.rng_state]
+        for index, shard in enumerate(slices[1:], start=1):
             rng_states.append(capture_rng_state(x.device) if run.replay_rng else None)
-            if out is None:
-                first = run.kernel.forward_shard(x_flat[shard], None)
-                # Allocate the whole output once (no torch.cat peak of shards + result).
-                out = first.new_empty((x_flat.shape[0], first.shape[-1]))
-                out[shard].copy_(first)
-                del first
-            else:
-                run.kernel.forward_shard(x_flat[shard], out[shard])
+            reads = _watch(first.watched)
+            with _maybe(reads):
+                run.kernel.forward_shard(x_flat[shard], out_flat[shard], tensors)
+            if reads is not None:
+                if reads.foreign:
+                    raise RuntimeError(LATE_TENSOR_ERROR.format(shard=index, tensors=describe(reads.foreign_tensors())))
+                _check_nothing_kept(reads)
         ctx.save_for_backward(x)
         ctx.run = run
         ctx.rng_states = rng_states
         # Plain references, not saved tensors: backends swap parameter storage between forward and
         # backward (ZeRO-3 replaces .data, FSDP2 frees and re-allocates) without it being a mutation.
-        ctx.params = params
+        ctx.tensors = tensors
         ctx.autocast = AutocastState.capture(x.device)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
         run: ShardedRun = ctx.run
-        params = ctx.params
+        tensors = ctx.tensors
         need_dx = ctx.needs_input_grad[0]
-        grads = GradAccumulator(params, ctx.needs_input_grad[2:], run.grad_accum_dtype)
+        grads = GradAccumulator(tensors, ctx.needs_input_grad[3:], run.grad_accum_dtype)
 
-        x_flat = x.reshape(-1, x.shape[-1])
+        x_flat = x.detach().reshape(-1, x.shape[-1])
         dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
         dx_flat = torch.empty_like(x_flat) if need_dx else None
 
-        with run.gathered():
-            if run.current_params is not None:
-                _check_same_params(params, run.current_params())
+        with run.gathered(), run.kernel.using(tensors):
             for shard, rng_state in zip(run.plan.slices(), ctx.rng_states):
                 with replay_rng_state(x.device, rng_state), ctx.autocast.replay():
                     run.kernel.backward_shard(
-                        x_flat[shard], dy_flat[shard], None if dx_flat is None else dx_flat[shard], grads
+                        x_flat[shard], dy_flat[shard], None if dx_flat is None else dx_flat[shard], grads, tensors
                     )
             # Inside the gathered region: zeros for an unused parameter need its whole shape.
-            param_grads = grads.results()
+            tensor_grads = grads.results(run.zeros_for_unused)
         dx = None if dx_flat is None else dx_flat.view_as(x)
-        return (dx, None, *param_grads)
-
-
-def _check_same_params(saved, current) -> None:
-    if len(saved) != len(current) or any(a is not b for a, b in zip(saved, current)):
-        raise RuntimeError(
-            "TiledMLP: the module's trainable parameters in backward are not the tensors it used in forward "
-            "(a backend replaced them in between, or requires_grad changed). Gradients would be lost, so "
-            "backward stops here; keep requires_grad fixed within a step, or report the backend."
-        )
+        return (dx, None, None, *tensor_grads)
 
 
 def sharded_apply(x: torch.Tensor, run: ShardedRun) -> torch.Tensor:
-    return ShardedMLPFunction.apply(x, run, *run.kernel.params)
+    """Run ``run`` over ``x``: the first shard here, the rest inside the Function."""
+    params: Sequence[torch.Tensor] = run.kernel.params
+    # Tensors the forward reads besides x and the parameters matter only when a graph is being built.
+    watch = run.kernel.may_read_other_tensors and torch.is_grad_enabled()
+    x_flat = x.detach().reshape(-1, x.shape[-1])
+    first_slice = next(run.plan.slices())
+    rng_state = capture_rng_state(x.device) if run.replay_rng else None
+    reads = _watch(params if watch else None)
+    with torch.no_grad(), _maybe(reads):
+        first_out = run.kernel.forward_shard(x_flat[first_slice], None, params)
+    others = []
+    if reads is not None:
+        _check_nothing_kept(reads, expected=[first_out])
+        others = reads.foreign_tensors()
+    watched = [*params, *others] if watch else None
+    return ShardedMLPFunction.apply(x, run, FirstShard(first_out, rng_state, watched), *params, *others)

@@ -22,7 +22,8 @@ def expected_hidden_size(module: nn.Module) -> Optional[int]:
     return None
 
 
-def check_input(x, module: nn.Module) -> None:
+def check_input(x, module: Optional[nn.Module]) -> None:
+    """``module``: the module whose input size to check, or None where the input is not its own."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"TiledMLP expects a tensor input, got {type(x).__name__}")
     if x.dim() < 2:
@@ -31,7 +32,7 @@ def check_input(x, module: nn.Module) -> None:
         )
     if not x.is_floating_point():
         raise TypeError(f"TiledMLP expects a floating-point input, got dtype {x.dtype}; cast it first")
-    hidden = expected_hidden_size(module)
+    hidden = expected_hidden_size(module) if module is not None else None
     if hidden is not None and x.shape[-1] != hidden:
         raise ValueError(
             f"TiledMLP input has hidden size {x.shape[-1]} but the wrapped {type(module).__name__} expects {hidden} "

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from typing import List, Optional, Protocol
+import contextlib
+from typing import ContextManager, List, Optional, Protocol, Sequence
 
 import torch
 
@@ -8,13 +9,26 @@ from ..grad_accum import GradAccumulator
 
 
 class ShardKernel(Protocol):
-    """The per-shard computation. Shards are 2-D ``[shard_tokens, features]`` slices."""
+    """The per-shard computation. Shards are 2-D ``[shard_tokens, features]`` slices.
 
-    #: The tensors the autograd Function takes as inputs and returns gradients for, in order.
+    ``tensors`` are the tensors the sharded Function was given (the parameters it returns gradients
+    for, then any other tensor the forward was found to read): forward and backward compute with
+    exactly these, never with what the module holds at backward time (``torch.func.functional_call``
+    swaps the module's parameters only for the duration of its call).
+    """
+
+    #: The parameters the autograd Function takes as inputs and returns gradients for, in order.
     params: List[torch.Tensor]
+    #: Whether the forward may read tensors besides the input and ``params`` (then they are found and
+    #: made inputs of the Function too, so that their gradients are not lost).
+    may_read_other_tensors: bool
 
-    def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
+                      tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Compute the shard's output under no_grad, into ``out_shard`` when one is given."""
+
+    def using(self, tensors: Sequence[torch.Tensor]) -> ContextManager:
+        """Inside: the module computes with ``tensors`` (around the backward recompute)."""
 
     def backward_shard(
         self,
@@ -22,6 +36,11 @@ class ShardKernel(Protocol):
         grad_out_shard: torch.Tensor,
         grad_in_shard: Optional[torch.Tensor],
         grads: GradAccumulator,
+        tensors: Sequence[torch.Tensor],
     ) -> None:
         """Recompute what the shard needs, write its input gradient into ``grad_in_shard`` (when
-        given) and add its parameter gradients to ``grads``."""
+        given) and add the gradients of ``tensors`` to ``grads``."""
+
+
+def no_substitution(tensors: Sequence[torch.Tensor]) -> ContextManager:
+    return contextlib.nullcontext()

@@ -10,49 +10,73 @@ place, so a shard's working set is about four ``[shard_tokens, intermediate]`` b
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..gated_spec import GatedMLPSpec
 from ..grad_accum import GradAccumulator
+from .base import no_substitution
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """Where one projection's weight and bias sit in the Function's tensors."""
+
+    weight: int
+    bias: Optional[int]
+
+    def of(self, tensors: Sequence[torch.Tensor]):
+        return tensors[self.weight], None if self.bias is None else tensors[self.bias]
+
+
+def _slots(spec: GatedMLPSpec) -> dict:
+    index = {id(p): i for i, p in enumerate(spec.params)}
+    roles = {"gate": spec.gate, "up": spec.up, "gate_up": spec.gate_up, "down": spec.down}
+    return {role: _Slots(index[id(linear.weight)], None if linear.bias is None else index[id(linear.bias)])
+            for role, linear in roles.items() if linear is not None}
 
 
 class GatedShardKernel:
+    # The structure and the probe proved that the forward reads nothing but the input and ``params``.
+    may_read_other_tensors = False
+    using = staticmethod(no_substitution)  # computes from the tensors it is given, never the module's
+
     def __init__(self, spec: GatedMLPSpec, activation):
-        self.spec = spec
         self.activation = activation
         self.params = spec.params
-        # Position of each tensor in ``params`` (biases are optional), for the gradient accumulator.
-        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._slots = _slots(spec)
+        self._fused = spec.gate_up is not None
 
     # -- projections -------------------------------------------------------------------------------
-    def _gate_up(self, x: torch.Tensor):
+    def _gate_up(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]):
         """(g, u, gu): gu is the fused [g | u] buffer when the weights are fused, else None."""
-        spec = self.spec
-        if spec.gate_up is not None:
-            gu = F.linear(x, spec.gate_up.weight, spec.gate_up.bias)
+        if self._fused:
+            gu = F.linear(x, *self._slots["gate_up"].of(tensors))
             g, u = gu.chunk(2, dim=-1)
             return g, u, gu
-        return F.linear(x, spec.gate.weight, spec.gate.bias), F.linear(x, spec.up.weight, spec.up.bias), None
+        return F.linear(x, *self._slots["gate"].of(tensors)), F.linear(x, *self._slots["up"].of(tensors)), None
 
-    def _add_weight_grads(self, linear, grad_rows: torch.Tensor, inputs: torch.Tensor, grads: GradAccumulator):
-        grads.add_matmul(self._index[id(linear.weight)], grad_rows.t(), inputs)
-        if linear.bias is not None:
-            grads.add_rowsum(self._index[id(linear.bias)], grad_rows)
+    def _add_weight_grads(self, role: str, grad_rows: torch.Tensor, inputs: torch.Tensor, grads: GradAccumulator):
+        slots = self._slots[role]
+        grads.add_matmul(slots.weight, grad_rows.t(), inputs)
+        if slots.bias is not None:
+            grads.add_rowsum(slots.bias, grad_rows)
 
     # -- kernel interface -------------------------------------------------------------------------
-    def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor]) -> torch.Tensor:
-        g, u, _ = self._gate_up(x_shard)
+    def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
+                      tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        g, u, _ = self._gate_up(x_shard, tensors)
         h = self.activation.forward_mul(g, u)
         del g, u
-        down = self.spec.down
+        down_weight, down_bias = self._slots["down"].of(tensors)
         if out_shard is None:
-            return F.linear(h, down.weight, down.bias)
-        if down.bias is None:
-            return torch.mm(h, down.weight.t(), out=out_shard)
-        return torch.addmm(down.bias, h, down.weight.t(), out=out_shard)
+            return F.linear(h, down_weight, down_bias)
+        if down_bias is None:
+            return torch.mm(h, down_weight.t(), out=out_shard)
+        return torch.addmm(down_bias, h, down_weight.t(), out=out_shard)
 
     def backward_shard(
         self,
@@ -60,14 +84,15 @@ class GatedShardKernel:
         grad_out_shard: torch.Tensor,
         grad_in_shard: Optional[torch.Tensor],
         grads: GradAccumulator,
+        tensors: Sequence[torch.Tensor],
     ) -> None:
-        spec = self.spec
         dy = grad_out_shard
-        g, u, gu = self._gate_up(x_shard)
+        g, u, gu = self._gate_up(x_shard, tensors)
+        down_weight = tensors[self._slots["down"].weight]
 
         h = self.activation.forward_mul(g, u)
-        self._add_weight_grads(spec.down, dy, h, grads)
-        dh = torch.mm(dy, spec.down.weight, out=h)  # h is dead once dWd has it: reuse its buffer
+        self._add_weight_grads("down", dy, h, grads)
+        dh = torch.mm(dy, down_weight, out=h)  # h is dead once dWd has it: reuse its buffer
         del h
 
         dg, du = self.activation.backward_mul(dh, g, u)
@@ -79,13 +104,13 @@ class GatedShardKernel:
                 g.copy_(dg)
             if du.data_ptr() != u.data_ptr():
                 u.copy_(du)
-            self._add_weight_grads(spec.gate_up, gu, x_shard, grads)
+            self._add_weight_grads("gate_up", gu, x_shard, grads)
             if grad_in_shard is not None:
-                torch.mm(gu, spec.gate_up.weight, out=grad_in_shard)
+                torch.mm(gu, tensors[self._slots["gate_up"].weight], out=grad_in_shard)
             return
 
-        self._add_weight_grads(spec.gate, dg, x_shard, grads)
-        self._add_weight_grads(spec.up, du, x_shard, grads)
+        self._add_weight_grads("gate", dg, x_shard, grads)
+        self._add_weight_grads("up", du, x_shard, grads)
         if grad_in_shard is not None:
-            torch.mm(dg, spec.gate.weight, out=grad_in_shard)
-            grad_in_shard.addmm_(du, spec.up.weight)
+            torch.mm(dg, tensors[self._slots["gate"].weight], out=grad_in_shard)
+            grad_in_shard.addmm_(du, tensors[self._slots["up"].weight])

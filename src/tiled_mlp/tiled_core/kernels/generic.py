@@ -1,24 +1,59 @@
 """Generic per-shard kernel: any token-wise module, recomputed with autograd in backward.
 
-Gradients are taken with ``torch.autograd.grad`` for the shard input and for the parameters that
-require grad, so LoRA adapters and partially frozen modules work with no list of weight names.
+Gradients are taken with ``torch.autograd.grad`` for the shard input and for the Function's tensors
+that need one (the trainable parameters, and any other tensor the forward was found to read), so
+LoRA adapters and partially frozen modules work with no list of weight names.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+import contextlib
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from torch import nn
 
 from ..grad_accum import GradAccumulator
+from ..tensor_reads import TensorReads, describe, next_sequence_nr
+
+HOOKS_CHANGED_ERROR = (
+    "TiledMLP: the hooks on submodules of {module} changed between its forward and backward ({hooks}). The "
+    "backward recomputes the forward through the submodules, so it would not compute what the forward did. "
+    "Add or remove hooks before a forward, not between it and its backward."
+)
+EXTERNAL_TENSOR_ERROR = (
+    "TiledMLP: the backward recompute of {module} read tensors that require grad but were not read by its "
+    "forward: {tensors}. Their gradients would be lost. Keep the tensors a forward reads fixed until its "
+    "backward, or register them as parameters of the module."
+)
+
+
+def parameter_slots(module: nn.Module, params: Sequence[torch.Tensor]) -> List[List[Tuple[nn.Module, str]]]:
+    """For each of ``params``, every (owner module, attribute) that holds it (tied weights: several)."""
+    where: dict = {}
+    for owner in module.modules():
+        for attr, p in owner._parameters.items():
+            if p is not None:
+                where.setdefault(id(p), []).append((owner, attr))
+    return [where.get(id(p), []) for p in params]
 
 
 class GenericShardKernel:
-    def __init__(self, forward_fn: Callable, params: List[torch.Tensor], shard_prefix: tuple):
+    # Any forward: it may read tensors besides its parameters, which the sharded Function finds.
+    may_read_other_tensors = True
+
+    def __init__(self, forward_fn: Callable, module: nn.Module, params: List[torch.Tensor], shard_prefix: tuple,
+                 hooks: Callable[[], List[str]]):
         self.forward_fn = forward_fn
+        self.module_name = type(module).__name__
+        # The submodule hooks the forward ran with; the recompute must run the same ones.
+        self._hooks = hooks
+        self._forward_hooks = hooks()
         self.params = params
+        self._slots = parameter_slots(module, params)
         # Leading singleton dims so each shard has the rank of the caller's input: modules that
         # reshape a [batch, seq, hidden] input themselves (MoE blocks) keep working.
         self.shard_prefix = shard_prefix
+        self._reads_checked = False
 
     def _run(self, x_shard: torch.Tensor) -> torch.Tensor:
         y = self.forward_fn(x_shard.view(*self.shard_prefix, *x_shard.shape))
@@ -34,11 +69,33 @@ class GenericShardKernel:
             )
         return y.reshape(x_shard.shape[0], y.shape[-1])
 
-    def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
+                      tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         y = self._run(x_shard)
         if out_shard is None:
             return y
         return out_shard.copy_(y)
+
+    @contextlib.contextmanager
+    def using(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+        """The module's parameter slots hold the Function's tensors for the recompute. Usually they
+        already do (backends refill the same parameter objects); after ``functional_call`` they hold
+        the module's own parameters again, and the recompute must use the call's."""
+        now = self._hooks()
+        if now != self._forward_hooks:
+            changed = sorted(set(now) ^ set(self._forward_hooks))
+            raise RuntimeError(HOOKS_CHANGED_ERROR.format(module=self.module_name, hooks=", ".join(changed)))
+        swapped = []
+        try:
+            for slots, tensor in zip(self._slots, tensors):
+                for owner, attr in slots:
+                    if owner._parameters[attr] is not tensor:
+                        swapped.append((owner, attr, owner._parameters[attr]))
+                        owner._parameters[attr] = tensor
+            yield
+        finally:
+            for owner, attr, original in reversed(swapped):
+                owner._parameters[attr] = original
 
     def backward_shard(
         self,
@@ -46,12 +103,13 @@ class GenericShardKernel:
         grad_out_shard: torch.Tensor,
         grad_in_shard: Optional[torch.Tensor],
         grads: GradAccumulator,
+        tensors: Sequence[torch.Tensor],
     ) -> None:
         wanted = [i for i, need in enumerate(grads.needed) if need]
         with torch.enable_grad():
             x_leaf = x_shard.detach().requires_grad_(grad_in_shard is not None)
-            y = self._run(x_leaf)
-        inputs = ([x_leaf] if grad_in_shard is not None else []) + [self.params[i] for i in wanted]
+            y = self._recompute(x_leaf, tensors)
+        inputs = ([x_leaf] if grad_in_shard is not None else []) + [tensors[i] for i in wanted]
         if not inputs or not y.requires_grad:
             if grad_in_shard is not None:
                 grad_in_shard.zero_()
@@ -65,3 +123,16 @@ class GenericShardKernel:
                 grad_in_shard.copy_(dx)
         for index, grad in zip(wanted, shard_grads):
             grads.add(index, grad)
+
+    def _recompute(self, x_leaf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        if self._reads_checked:
+            return self._run(x_leaf)
+        # Once per call: the recompute must read no tensor needing a gradient that the forward did not
+        # read (those are the Function's inputs); autograd.grad would silently skip it.
+        reads = TensorReads(known=[x_leaf, *tensors], made_since=next_sequence_nr())
+        with reads:
+            y = self._run(x_leaf)
+        self._reads_checked = True
+        if reads.foreign:
+            raise RuntimeError(EXTERNAL_TENSOR_ERROR.format(module=self.module_name, tensors=describe(reads.foreign_tensors())))
+        return y

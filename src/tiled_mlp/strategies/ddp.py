@@ -1,0 +1,45 @@
+"""DDP (``torch.nn.parallel.DistributedDataParallel``): parameters are local and whole, gradients
+arrive once through autograd and DDP's reducer all-reduces them in buckets.
+
+The one difference from a single device is an unused parameter. It is an input of the tiled
+Function, so DDP (with or without ``find_unused_parameters``) finds it reachable from the output and
+waits for its gradient: it gets zeros, delivered once like the others.
+
+Claiming: DDP wraps the root, usually after the model was tiled, so no recorded ancestor shows it.
+While a DDP module runs its forward it is ``DistributedDataParallel._active_ddp_module`` (private,
+set by DDP for torch.compile's DDP optimizer); a recorded DDP ancestor also counts. If that attribute
+moves, the claim falls back to the single-device strategy, whose only difference is the unused
+parameter's None.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import nn
+
+from .base import Strategy
+
+
+def _active_ddp_module():
+    from torch.nn.parallel import DistributedDataParallel
+
+    return getattr(DistributedDataParallel, "_active_ddp_module", None)
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+    priority = 50
+    unused_grads_as_zeros = True
+
+    @classmethod
+    def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return False
+        from torch.nn.parallel import DistributedDataParallel
+
+        if any(isinstance(m, DistributedDataParallel) for m in ancestors):
+            return True
+        active = _active_ddp_module()
+        return active is not None and any(m is module for m in active.module.modules())

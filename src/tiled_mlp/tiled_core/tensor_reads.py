@@ -1,0 +1,122 @@
+"""Which tensors a piece of module code reads that it did not make itself.
+
+A module's forward can read tensors that are neither its input nor its registered parameters: a
+weight in a plain attribute or a closure, a tensor a hook adds, FiLM-style conditioning set from
+outside. Untiled, autograd gives them gradients. The tiled forward runs without autograd, so such a
+tensor must be found and made an input of the sharded Function, or its gradient would be lost
+silently. A ``TorchFunctionMode`` sees every tensor argument of every torch call, which is exactly
+that data flow; the same record proves that the gated fast path, which bypasses the forward, skips
+no tensor the forward reads.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, Iterable, Iterator, List, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# Calls that draw random numbers: a forward that makes them cannot be replaced by the fast kernel.
+RANDOM_CALLS = frozenset({
+    "dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
+    "native_dropout", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+    "bernoulli", "bernoulli_", "multinomial", "normal", "normal_", "uniform_", "exponential_", "random_",
+})
+
+
+def _tensors(args, kwargs) -> Iterator[torch.Tensor]:
+    # One level of lists and tuples covers torch.cat/stack/einsum operands; deeper nesting does not
+    # occur in torch's signatures.
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
+
+
+class TensorReads(TorchFunctionMode):
+    """Records the tensors read by torch calls inside the ``with`` block that are not ``known``.
+
+    Args:
+        known: tensors the caller accounts for (the input, the parameters), compared by identity.
+        grad_only: record only tensors that require grad (what would lose a gradient); else every
+            tensor read (what the fast path would skip), with the tensors made inside excluded.
+        made_since: a tensor whose autograd node was created at or after this sequence number was made
+            inside the block (a recompute under autograd), not read from outside.
+        watch_kept: keep weak references to what the block makes, for ``kept``.
+    """
+
+    def __init__(self, known: Iterable[torch.Tensor], grad_only: bool = True, made_since: Optional[int] = None,
+                 watch_kept: bool = False):
+        super().__init__()
+        self._made_refs: Optional[List[weakref.ref]] = [] if watch_kept else None
+        self._known = {id(t) for t in known}
+        self._grad_only = grad_only
+        self._made_since = made_since
+        # Outputs are kept alive while the block runs, so their ids cannot be reused by a new tensor.
+        self._made: List[torch.Tensor] = []
+        self._made_ids: set = set()
+        self.foreign: Dict[int, torch.Tensor] = {}
+        self.random_calls: List[str] = []
+
+    def _is_foreign(self, t: torch.Tensor) -> bool:
+        if id(t) in self._known or id(t) in self._made_ids or id(t) in self.foreign:
+            return False
+        if self._grad_only and not t.requires_grad:
+            return False
+        if t._base is not None and id(t._base) in self._known:
+            return False  # a view of a known tensor (an expert's slice ``w[e]`` of a 3-D weight)
+        node = t.grad_fn
+        if node is not None and self._made_since is not None and node._sequence_nr() >= self._made_since:
+            return False
+        return True
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in RANDOM_CALLS:
+            self.random_calls.append(name)
+        for t in _tensors(args, kwargs):
+            if self._is_foreign(t):
+                self.foreign[id(t)] = t
+        out = func(*args, **(kwargs or {}))
+        if self._made_refs is not None:
+            self._made_refs.extend(weakref.ref(t) for t in _tensors(out if isinstance(out, (list, tuple)) else (out,), None))
+        if not self._grad_only:
+            for t in _tensors(out if isinstance(out, (list, tuple)) else (out,), None):
+                self._made.append(t)
+                self._made_ids.add(id(t))
+        return out
+
+    def foreign_tensors(self) -> List[torch.Tensor]:
+        return list(self.foreign.values())
+
+    def kept(self, expected: Iterable[torch.Tensor] = ()) -> List[torch.Tensor]:
+        """Tensors made inside the block that are still alive, besides ``expected`` and their views:
+        something (a hook, the forward itself) kept them, e.g. an activation stashed for a loss."""
+        allowed = {id(t) for t in expected}
+        # Views of the weights (an expert's slice ``w[e]``) hold no activation; torch may keep them alive.
+        bases = {id(t._base) for t in expected if t._base is not None} | allowed | self._known
+        alive = {}
+        for ref in self._made_refs or ():
+            t = ref()
+            if t is None or id(t) in allowed or id(t) in bases or (t._base is not None and id(t._base) in bases):
+                continue
+            alive[id(t)] = t
+        return list(alive.values())
+
+
+def next_sequence_nr() -> int:
+    """The sequence number the next autograd node created on this thread will get (or a lower one)."""
+    probe = torch.empty(0, requires_grad=True)
+    with torch.enable_grad():
+        return probe.view(0).grad_fn._sequence_nr() + 1
+
+
+def describe(tensors: Iterable[torch.Tensor]) -> str:
+    parts = []
+    for t in tensors:
+        kind = "a leaf" if t.grad_fn is None else f"made by {type(t.grad_fn).__name__}"
+        parts.append(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} tensor ({kind})")
+    return ", ".join(parts)

@@ -1,0 +1,72 @@
+"""What a tiled module carries besides its own state: the tiling configuration and the last call's
+report. It lives in one instance attribute, ``module.tiling``, so tiling adds one name to the module
+and none to its parameters, buffers or submodules.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .shard_plan import NumShards, check_num_shards
+
+PATHS = ("auto", "fast", "generic")
+STATE_ATTR = "tiling"
+
+
+def check_config(num_shards: NumShards, path: str, grad_accum_dtype: Optional[torch.dtype]) -> None:
+    """Reject a bad configuration before anything is changed."""
+    check_num_shards(num_shards)
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if grad_accum_dtype is not None and not (isinstance(grad_accum_dtype, torch.dtype) and grad_accum_dtype.is_floating_point):
+        raise TypeError(f"grad_accum_dtype must be a floating torch.dtype or None, got {grad_accum_dtype!r}")
+
+
+@dataclass
+class TilingState:
+    """The tiling of one module (``module.tiling``).
+
+    Attributes:
+        num_shards: an int >= 1, or "auto".
+        path: "auto", "fast" or "generic".
+        grad_accum_dtype: dtype of the per-parameter gradient sums (None: the parameter's dtype).
+        use_liger: use Liger-Kernel's Triton activation on CUDA when it is installed.
+        fixed_strategy: a ``Strategy`` instance, or None for "auto" (resolved at every forward).
+        last_path / last_num_shards / last_strategy: what the last call ran ("fast", "generic" or
+            "untiled"; its shard count; the ``Strategy`` it resolved).
+    """
+
+    num_shards: NumShards = "auto"
+    path: str = "auto"
+    grad_accum_dtype: Optional[torch.dtype] = None
+    use_liger: bool = True
+    fixed_strategy: Optional[Any] = None
+    last_path: Optional[str] = None
+    last_num_shards: Optional[int] = None
+    last_strategy: Optional[Any] = None
+    # Weak references to the modules above (outermost first), recorded by apply_tiled_mlp so that
+    # "auto" sees a backend that wraps an ancestor. Weak: no reference cycle, nothing to save.
+    ancestor_refs: tuple = ()
+    # A forward another library installed on the instance before tiling (accelerate's device hooks):
+    # each shard runs it, and untiling puts it back.
+    instance_forward: Optional[Any] = field(default=None, repr=False)
+    # The fast-path decision and what it was made from (see ``fast_path.FastPathDecision``).
+    fast_decision: Optional[Any] = field(default=None, repr=False, compare=False)
+
+    def set_ancestors(self, ancestors: Sequence[nn.Module]) -> None:
+        self.ancestor_refs = tuple(weakref.ref(m) for m in ancestors)
+
+    def ancestors(self) -> List[nn.Module]:
+        return [m for m in (r() for r in self.ancestor_refs) if m is not None]
+
+    def __getstate__(self):
+        # pickle, deepcopy and torch.save(model): weak references cannot be saved, and a copy must not
+        # point at the original's ancestors; the cached decision is re-made on the copy.
+        state = dict(self.__dict__)
+        state["ancestor_refs"] = ()
+        state["fast_decision"] = None
+        return state
