@@ -52,3 +52,43 @@ def test_fast_path_beats_deepspeed_tiled_mlp_in_modelled_memory():
     ours = modeled_peak_bytes("fast", 4096, 12288, 32768, torch.bfloat16, 8)
     theirs = modeled_peak_bytes("deepspeed", 4096, 12288, 32768, torch.bfloat16, 8)
     assert ours < theirs
+
+
+def _seq_mlp(hidden, intermediate):
+    return torch.nn.Sequential(torch.nn.Linear(hidden, intermediate), torch.nn.GELU(), torch.nn.Linear(intermediate, hidden))
+
+
+def _measured_peak(module, x, dy) -> int:
+    from tiled_mlp.bench.memory_tracker import LiveMemoryTracker
+
+    tracker = LiveMemoryTracker()
+    x = x.detach().clone().requires_grad_()
+    tracker.track(x, dy, *module.parameters())
+    with tracker:
+        module(x).backward(dy)
+    return tracker.peak_bytes
+
+
+@pytest.mark.parametrize("builder", ["lora", "plain", "gated", "sequential"])
+def test_auto_never_raises_the_measured_peak_on_either_path(builder):
+    """Exact tracker, real modules: LoRA (generic path; one shard reached 1.07x untiled before one shard
+    meant "run untiled"), a small GELU MLP (1.19x before the generic path's buffers were counted), the
+    gated fast path, and an nn.Sequential whose width is read from its first Linear."""
+    import copy
+
+    from reference import GatedMLP, PlainMLP, lora_gated
+
+    build = {"lora": lora_gated, "plain": PlainMLP, "gated": GatedMLP, "sequential": _seq_mlp}[builder]
+    worse = []
+    for hidden, intermediate in [(16, 40), (64, 176), (256, 704)]:
+        for tokens in [64, 512, 2048, 8192]:
+            torch.manual_seed(0)
+            mlp = build(hidden, intermediate)
+            x, dy = torch.randn(1, tokens, hidden), torch.randn(1, tokens, hidden)
+            untiled = _measured_peak(copy.deepcopy(mlp), x, dy)
+            tiled = TiledMLP(copy.deepcopy(mlp))
+            peak = _measured_peak(tiled, x, dy)
+            if peak > untiled:
+                worse.append((hidden, intermediate, tokens, tiled.tiling.last_path, tiled.tiling.last_num_shards,
+                              round(peak / untiled, 3)))
+    assert not worse, f"auto above the untiled peak (hidden, intermediate, tokens, path, shards, ratio): {worse}"

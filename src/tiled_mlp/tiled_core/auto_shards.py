@@ -16,7 +16,11 @@ Two rules, both cheap enough for every forward:
    only pays when the intermediates it stops keeping are a real share of the step's memory. When the
    whole call's intermediate bytes are under ``MIN_INTERMEDIATE_SHARE`` of the fixed bytes, "auto"
    runs the module untiled: at 2048 tokens of the 4096/12288 model, tiling would save at most 4-9%
-   of the peak for ~20% more time, and with one or two shards it raises the peak.
+   of the peak for ~20% more time, and with one or two shards it raises the peak. So does one shard
+   (it keeps everything), and so does the generic path where its extra buffers (a second copy of
+   the trainable parameters' gradients, a shard's input gradient and output) outweigh what the
+   shards save: a LoRA MLP in one shard reached 1.07x untiled, a small GELU MLP 1.19x (measured
+   with the exact tracker; ``tests/test_auto_policy.py`` sweeps such modules).
 """
 from __future__ import annotations
 
@@ -44,6 +48,10 @@ class MLPSize:
     intermediate: Optional[int]  # None: unknown (the policy falls back to ~hidden tokens per shard)
     weight_bytes: int
     element_bytes: int
+    # The generic path's extra working set: its recompute returns a shard's parameter gradients beside
+    # the running sums (so the trainable bytes once more) and copies a shard's input gradient and
+    # output. None: the fast path, whose buffers the shard-size rule already counts.
+    generic_trainable_bytes: Optional[int] = None
 
 
 def intermediate_size(module: nn.Module) -> Optional[int]:
@@ -54,6 +62,11 @@ def intermediate_size(module: nn.Module) -> Optional[int]:
         out_features = getattr(getattr(module, name, None), "out_features", None)
         if isinstance(out_features, int):
             return out_features
+    # Any other MLP (an nn.Sequential, custom names): its first Linear-like layer's width.
+    for sub in module.modules():
+        if sub is not module and isinstance(getattr(sub, "in_features", None), int):
+            out_features = getattr(sub, "out_features", None)
+            return out_features if isinstance(out_features, int) else None
     return None
 
 
@@ -72,4 +85,14 @@ def auto_num_shards(num_tokens: int, size: MLPSize) -> Optional[int]:
         return None
     buffer_bytes = min(SHARD_INTERMEDIATE_BYTES, WORKING_SET_SHARE * fixed / WORKING_SET_BUFFERS)
     tokens_per_shard = max(MIN_TOKENS_PER_SHARD, int(buffer_bytes // (size.intermediate * size.element_bytes)))
-    return max(1, math.ceil(num_tokens / tokens_per_shard))
+    num_shards = math.ceil(num_tokens / tokens_per_shard)
+    if num_shards <= 1:
+        return None  # one shard keeps every intermediate and adds the tiled call's own buffers
+    if size.generic_trainable_bytes is not None:
+        # Untiled autograd keeps at least one [tokens, intermediate] tensor; tiling keeps 1/num_shards
+        # of it, for the generic path's extra buffers. Tile only where that pays.
+        saved = intermediate_bytes * (1 - 1 / num_shards)
+        extra = size.generic_trainable_bytes + 2 * math.ceil(num_tokens / num_shards) * size.hidden * size.element_bytes
+        if saved <= extra:
+            return None
+    return num_shards

@@ -158,20 +158,16 @@ class TiledMLP(nn.Module):
         if state.path == "fast" and not self._tiled_fast_allowed:
             raise ValueError(f"path='fast' cannot apply to {type(self).__name__}; use path='auto'")
         num_tokens = x.numel() // x.shape[-1]
-        num_shards = state.num_shards
-        if num_shards == "auto":
-            size = MLPSize(x.shape[-1], intermediate_size(self), strategy.param_bytes(self), x.element_size())
-            num_shards = auto_num_shards(num_tokens, size)
-        if num_tokens == 0 or num_shards is None:
-            if strategy.allows_untiled_call(self):
-                # Nothing to split, or too short for tiling to lower the peak: the plain module.
-                state.last_path, state.last_num_shards = "untiled", 1
-                return shard_forward(x)
-            num_shards = 1  # the backend needs every rank on the tiled path (same collectives)
-        plan = make_shard_plan(num_tokens, num_shards)
-
         with strategy.gathered(self):
             kernel = self._tiled_kernel(strategy, shard_forward, x)
+            num_shards = self._tiled_num_shards(strategy, kernel, x, num_tokens)
+            if num_tokens == 0 or num_shards is None:
+                if strategy.allows_untiled_call(self):
+                    # Nothing to split, or too short for tiling to lower the peak: the plain module.
+                    state.last_path, state.last_num_shards = "untiled", 1
+                    return shard_forward(x)
+                num_shards = 1  # the backend needs every rank on the tiled path (same collectives)
+            plan = make_shard_plan(num_tokens, num_shards)
             run = ShardedRun(
                 kernel=kernel,
                 plan=plan,
@@ -183,8 +179,20 @@ class TiledMLP(nn.Module):
             )
             with _buffers_kept(self):
                 out = sharded_apply(x, run)
+        state.last_path = "generic" if isinstance(kernel, GenericShardKernel) else "fast"
         state.last_num_shards = plan.num_shards
         return out
+
+    def _tiled_num_shards(self, strategy: Strategy, kernel, x: torch.Tensor, num_tokens: int) -> Optional[int]:
+        """The configured count, or the auto policy's (None: run untiled)."""
+        num_shards = self.tiling.num_shards
+        if num_shards != "auto":
+            return num_shards
+        generic = None
+        if isinstance(kernel, GenericShardKernel):
+            generic = sum(p.numel() * p.element_size() for p in kernel.params)
+        size = MLPSize(x.shape[-1], intermediate_size(self), strategy.param_bytes(self), x.element_size(), generic)
+        return auto_num_shards(num_tokens, size)
 
     def _tiled_kernel(self, strategy: Strategy, shard_forward: Callable, x: torch.Tensor):
         state: TilingState = self.tiling
@@ -194,14 +202,12 @@ class TiledMLP(nn.Module):
             decision = decide_fast_path(self, shard_forward, x, strategy.is_backend_hook, state.fast_decision)
             state.fast_decision = decision
             if decision.spec is not None:
-                state.last_path = "fast"
                 return GatedShardKernel(decision.spec, gated_activation(decision.spec.activation, x.device, state.use_liger))
             if state.path == "fast":
                 raise ValueError(f"path='fast' cannot apply to {type(self).__name__}: {decision.why_not}; use path='auto'")
         elif state.path == "fast":
             raise ValueError(f"path='fast' cannot apply to {type(self).__name__}: its forward was replaced on the "
                              "instance (another library's hooks); use path='auto'")
-        state.last_path = "generic"
         prefix = (1,) * (x.dim() - 2)
         hooks = functools.partial(foreign_child_hooks, self, strategy.is_backend_hook)
         return GenericShardKernel(shard_forward, self, strategy.trainable_params(self), prefix, hooks)
