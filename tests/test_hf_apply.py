@@ -157,6 +157,16 @@ def test_save_pretrained_round_trip_and_config_flag(tmp_path):
     built = from_config(AutoModelForCausalLM, config, use_tiled_mlp=True, tiled_mlp_num_shards=5)
     assert is_tiled(built) and built.model.layers[1].mlp.tiling.num_shards == 5
 
+    # Values as a JSON or YAML config spells them: "false" must not tile, "4" is a count, 2.7 is refused.
+    config.use_tiled_mlp, config.tiled_mlp_num_shards = "false", "4"
+    assert not is_tiled(from_config(LlamaForCausalLM, copy.deepcopy(config)))
+    config.use_tiled_mlp = "True"
+    built = from_config(LlamaForCausalLM, copy.deepcopy(config))
+    assert is_tiled(built) and built.model.layers[0].mlp.tiling.num_shards == 4
+    assert not is_tiled(from_config(LlamaForCausalLM, copy.deepcopy(untiled.config), use_tiled_mlp="0"))
+    with pytest.raises(ValueError, match="tiled_mlp_num_shards"):
+        from_config(LlamaForCausalLM, copy.deepcopy(untiled.config), use_tiled_mlp="yes", tiled_mlp_num_shards=2.7)
+
 
 @pytest.mark.timeout(30)
 def test_training_script_flags():

@@ -25,6 +25,7 @@ from ..tiled_core.gated_spec import structural_spec
 from ..tiled_core.module import TiledMLP, install_tiling, prepare_tiling, untile
 from ..tiled_core.shard_plan import NumShards
 from ..tiled_core.tiling_state import TilingState
+from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .matching import Patterns, find_tiled, scan
 from .moe import TiledExperts
 from .report import TiledBlock, TilingReport, expected_path
@@ -112,24 +113,36 @@ def enable_tiled_mlp(config: Any, num_shards: NumShards = "auto", path: str = "a
 def maybe_apply_tiled_mlp(model: nn.Module, **kwargs) -> Optional[TilingReport]:
     """Tile ``model`` if its config says ``use_tiled_mlp``; ``kwargs`` go to ``apply_tiled_mlp``."""
     config = getattr(model, "config", None)
-    if not getattr(config, CONFIG_FLAG, False):
+    # A config read from JSON or YAML may say "false" or "4": parsed, never passed to bool() or used raw.
+    flags = read_tiled_mlp_flags({key: getattr(config, key) for key in (CONFIG_FLAG, CONFIG_NUM_SHARDS)
+                                  if getattr(config, key, None) is not None})
+    if not flags.use_tiled_mlp:
         return None
-    kwargs.setdefault("num_shards", getattr(config, CONFIG_NUM_SHARDS, "auto"))
+    kwargs.setdefault("num_shards", flags.num_shards)
     kwargs.setdefault("path", getattr(config, CONFIG_PATH, "auto"))
     return apply_tiled_mlp(model, **kwargs)
 
 
-def _pop_request(kwargs: dict, config: Any) -> None:
-    use = kwargs.pop(CONFIG_FLAG, None)
-    num_shards = kwargs.pop(CONFIG_NUM_SHARDS, None)
-    if use:
-        enable_tiled_mlp(config, num_shards if num_shards is not None else "auto")
+def _pop_request(kwargs: dict) -> Optional[TiledMLPFlags]:
+    """The tiling request among ``from_*`` keyword arguments (removed from them); None if there is none."""
+    given = {key: kwargs.pop(key) for key in (CONFIG_FLAG, CONFIG_NUM_SHARDS) if key in kwargs}
+    return read_tiled_mlp_flags(given) if CONFIG_FLAG in given else None
+
+
+def _apply_request(request: Optional[TiledMLPFlags], config: Any) -> None:
+    """An explicit ``use_tiled_mlp`` decides, either way, over what the config says."""
+    if request is None:
+        return
+    if request.use_tiled_mlp:
+        enable_tiled_mlp(config, request.num_shards)
+    else:
+        setattr(config, CONFIG_FLAG, False)
 
 
 def from_config(model_class, config, **kwargs) -> nn.Module:
     """``model_class.from_config(config)`` (an Auto class or a model class), tiled when the config or
     ``use_tiled_mlp=True``/``tiled_mlp_num_shards=...`` in ``kwargs`` ask for it."""
-    _pop_request(kwargs, config)
+    _apply_request(_pop_request(kwargs), config)
     build = getattr(model_class, "from_config", None) or getattr(model_class, "_from_config", None)
     model = build(config, **kwargs) if build is not None else model_class(config, **kwargs)
     maybe_apply_tiled_mlp(model)
@@ -138,10 +151,8 @@ def from_config(model_class, config, **kwargs) -> nn.Module:
 
 def from_pretrained(model_class, *args, **kwargs) -> nn.Module:
     """``model_class.from_pretrained(...)``, tiled when the saved config or ``use_tiled_mlp=True`` ask."""
-    use = kwargs.pop(CONFIG_FLAG, None)
-    num_shards = kwargs.pop(CONFIG_NUM_SHARDS, None)
+    request = _pop_request(kwargs)
     model = model_class.from_pretrained(*args, **kwargs)
-    if use:
-        enable_tiled_mlp(model.config, num_shards if num_shards is not None else "auto")
+    _apply_request(request, model.config)
     maybe_apply_tiled_mlp(model)
     return model
