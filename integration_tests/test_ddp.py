@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from tiled_mlp import TiledMLP
+
 from .spawn import run_distributed
 from .toy_models import make_toy_model
 
@@ -92,7 +94,34 @@ def ranks_main(rank: int, world_size: int) -> dict:
     model, ddp = _tiled_ddp(rank, 2 + 3 * rank, "auto")
     loss_of(ddp, batch(4, rank, tokens=TOKENS + 4 * rank)).backward()
     out["uneven"] = {"grads": grads_of(ddp), **_tiled_facts(model)}
+
+    out["unused"] = _unused_parameter_steps(rank)
     return out
+
+
+def _with_unused_parameters(model: nn.Module) -> nn.Module:
+    for layer in model.layers:
+        layer.mlp.unused = nn.Parameter(torch.ones(3, dtype=torch.float64))  # never read by forward
+    return model
+
+
+def _unused_parameter_steps(rank: int) -> dict:
+    """DDP(find_unused_parameters=True) around MLPs that own a parameter their forward never reads.
+
+    The tiled Function takes it as an input, so DDP finds it reachable and waits for its gradient: the
+    ddp strategy delivers zeros. With None (the single-device answer) the reducer would never finish
+    and the second step would raise "Expected to have finished reduction in the prior iteration"."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _with_unused_parameters(float64_toy_model(tiled=False))
+    for layer in model.layers:
+        TiledMLP(layer.mlp, num_shards=3)
+    ddp = DDP(model, find_unused_parameters=True)
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        loss_of(ddp, batch(5 + step, rank)).backward()
+    return {"grads": grads_of(ddp), **_tiled_facts(model),
+            "unused": [layer.mlp.unused.grad for layer in model.layers]}
 
 
 # -- the single-process reference -----------------------------------------------------------------
@@ -134,6 +163,19 @@ def test_grads_equal_on_every_rank_and_to_the_untiled_reference(ranks, case):
     assert_ranks_equal(grads, case)
     want = reference_grads([batch(1, rank) for rank in range(WORLD)], lora=CASES[case].get("lora", False))
     assert_grads_close(want, grads[0], case)
+
+
+def test_an_unused_parameter_under_ddp_with_find_unused_parameters_completes(ranks):
+    results = [r["unused"] for r in ranks]
+    assert all(r["strategies"] == ["ddp"] * 2 and r["paths"] == ["generic"] * 2 for r in results)
+    assert all(all(g is not None and not g.any() for g in r["unused"]) for r in results)  # zeros, delivered
+    grads = [{n: g for n, g in r["grads"].items() if not n.endswith(".unused")} for r in results]
+    assert_ranks_equal(grads, "unused")
+    model = _with_unused_parameters(float64_toy_model(tiled=False))
+    (sum(loss_of(model, batch(6, rank)) for rank in range(WORLD)) / WORLD).backward()
+    want = grads_of(model)
+    assert all(layer.mlp.unused.grad is None for layer in model.layers)  # untiled: None
+    assert_grads_close(want, grads[0], "unused")
 
 
 def test_no_sync_leaves_grads_local_then_a_synced_backward_averages_the_accumulated_grads(ranks):
