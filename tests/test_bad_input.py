@@ -94,15 +94,26 @@ def test_unknown_strategy_name_lists_the_available_ones():
     assert "single_device" in str(info.value)
 
 
+class _Claiming(Strategy):
+    """``claims`` is the one abstract method: every case below except ``NoClaims`` defines it."""
+
+    @classmethod
+    def claims(cls, module, ancestors=()):
+        return False
+
+
 def test_register_strategy_rejects_bad_classes():
     class NotAStrategy:
         name = "not_a_strategy"
 
-    class Nameless(Strategy):
+    class Nameless(_Claiming):
         pass
 
-    class Duplicate(Strategy):
+    class Duplicate(_Claiming):
         name = "single_device"
+
+    class NoClaims(Strategy):
+        name = "no_claims"
 
     with pytest.raises(TypeError, match="subclass of tiled_mlp.Strategy"):
         register_strategy(NotAStrategy)
@@ -112,20 +123,22 @@ def test_register_strategy_rejects_bad_classes():
         register_strategy(Nameless)
     with pytest.raises(ValueError, match="override=True"):
         register_strategy(Duplicate)
+    with pytest.raises(TypeError, match="must define claims"):
+        register_strategy(NoClaims)
 
-    class WrongArity(Strategy):
+    class WrongArity(_Claiming):
         name = "wrong_arity"
 
         def gathered(self):  # the core calls gathered(module)
             return None
 
-    class InstanceClaims(Strategy):
+    class InstanceClaims(_Claiming):
         name = "instance_claims"
 
         def claims(self, module, ancestors=()):
             return True
 
-    class ClaimsIsNotAMethod(Strategy):
+    class ClaimsIsNotAMethod(_Claiming):
         name = "claims_flag"
         claims = True
 
@@ -135,7 +148,7 @@ def test_register_strategy_rejects_bad_classes():
         register_strategy(InstanceClaims)
     with pytest.raises(TypeError, match="claims is not a method"):
         register_strategy(ClaimsIsNotAMethod)
-    assert not {"wrong_arity", "instance_claims", "claims_flag"} & set(available_strategies())
+    assert not {"wrong_arity", "instance_claims", "claims_flag", "no_claims"} & set(available_strategies())
     assert "not_a_strategy" not in available_strategies()
     from tiled_mlp.strategies.registry import get_strategy_class
     from tiled_mlp.strategies import SingleDeviceStrategy

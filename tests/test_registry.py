@@ -125,6 +125,10 @@ def test_register_works_as_a_decorator():
     class Decorated(Strategy):
         name = "test_decorated"
 
+        @classmethod
+        def claims(cls, module, ancestors=()):
+            return False
+
     try:
         assert type(get_strategy("test_decorated")) is Decorated
     finally:

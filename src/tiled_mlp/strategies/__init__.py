@@ -1,5 +1,5 @@
 """Pluggable parallel backends for TiledMLP, a registry and a resolver."""
-from .base import Strategy, UnsupportedBackendError
+from .base import Strategy, UnsupportedBackendError, WaitsForEveryParameter
 from .ddp import DDPStrategy
 from .deepspeed_zero import DeepSpeedZeroStrategy
 from .fsdp1 import FSDP1Strategy
@@ -20,6 +20,7 @@ for _builtin in (SingleDeviceStrategy, DDPStrategy, FSDP1Strategy, FSDP2Strategy
 __all__ = [
     "Strategy",
     "UnsupportedBackendError",
+    "WaitsForEveryParameter",
     "SingleDeviceStrategy",
     "DDPStrategy",
     "FSDP1Strategy",

@@ -1,16 +1,35 @@
-"""The interface between the backend-neutral tiled core and a parallel backend.
+"""The contract between the backend-neutral tiled core and a parallel backend.
 
-A strategy says whether a module is its own (``claims``), rejects configurations it cannot run before
-any work is done (``check_supported``), says how the module's parameters are made whole for the
-shard loop and the backward recompute (``gathered``), and what a trainable parameter the call did
-not use receives (``unused_grads_as_zeros``). The core returns each parameter's summed gradient
-through autograd exactly once per backward, and every backend's reduction hooks take it from there.
+A strategy answers, in the order the core asks:
+
+1. **Claiming** (abstract: every backend must answer): ``claims(module, ancestors)``, is the tiled
+   module run by this backend? The resolver asks the registered classes, highest priority first.
+2. **Refusing**: ``check_supported(module)`` raises a clear error, before any work, for a
+   configuration the backend cannot tile.
+3. **Parameters around the tiled call and its recompute**: ``gathered(module)`` makes them whole for
+   the shard loop and again for the backward recompute (a no-op where the backend's own module hooks,
+   which fire once around the tiled call, already did it); ``is_backend_hook`` names the backend's
+   own hooks that ``gathered`` stands in for; ``allows_untiled_call`` says whether a call may run
+   the plain module instead (only where that issues the same collectives); ``param_bytes`` sizes the
+   whole parameters for the auto shard policy.
+4. **Gradient semantics**:
+   - which tensors receive gradients: ``trainable_params(module)``, honoured by both kernels (a
+     parameter left out gets no gradient from the tiled call, fast path or generic);
+   - what a trainable parameter that no shard used receives: ``unused_grads_as_zeros`` (None, as
+     untiled, unless the backend waits for every reachable parameter: ``WaitsForEveryParameter``);
+   - how the summed gradients reach the backend: ``deliver_grads(params, grads)``, called once per
+     backward of a tiled call, inside ``gathered``, with each parameter's gradient summed over all
+     shards. By default they are returned through autograd, which accumulates each into ``.grad``
+     **exactly once per parameter per backward**, whatever the shard count. Every backend relies on
+     that single delivery: DDP's reducer hooks, FSDP2's post-backward reduce-scatter and ZeRO's
+     per-parameter hooks each fire once, as for the untiled module. A backend that reduces gradients
+     itself (no wrapper doing it) overrides ``deliver_grads``.
 """
 from __future__ import annotations
 
 import contextlib
-from abc import ABC
-from typing import ClassVar, ContextManager, List, Sequence
+from abc import ABC, abstractmethod
+from typing import ClassVar, ContextManager, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,27 +46,30 @@ class Strategy(ABC):
     priority: ClassVar[int] = 0
     #: A trainable parameter that no shard used gets a zero gradient instead of None. Untiled, autograd
     #: leaves it None; but here it is an input of the tiled Function, reachable from the output, so a
-    #: backend that waits for a gradient of every reachable parameter (DDP's reducer) needs one.
+    #: backend that waits for a gradient of every reachable parameter needs one.
     unused_grads_as_zeros: ClassVar[bool] = False
 
+    # -- 1. claiming ------------------------------------------------------------------------------
     @classmethod
+    @abstractmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        """Is ``module`` (the wrapped MLP, at its first forward) run by this backend? ``ancestors`` are
-        the modules above it, outermost first, where known (``apply_tiled_mlp`` records them)."""
-        return False
+        """Is ``module`` (the tiled MLP, at a forward) run by this backend? ``ancestors`` are the
+        modules above it, outermost first, where known (``apply_tiled_mlp`` records them)."""
 
+    # -- 2. refusing ------------------------------------------------------------------------------
     def check_supported(self, module: nn.Module) -> None:
         """Raise a clear error for a configuration this backend cannot tile; called before any work."""
 
+    # -- 3. parameters around the tiled call ----------------------------------------------------------
     def gathered(self, module: nn.Module) -> ContextManager:
         """Inside: the module's parameters are whole tensors usable by its forward. The default is a
         no-op: the backend's own module hooks (which fire once around the tiled call) did it."""
         return contextlib.nullcontext()
 
     def is_backend_hook(self, hook) -> bool:
-        """Is this forward (pre-)hook on a submodule of the wrapped MLP the backend's own parameter
-        handling, which ``gathered`` stands in for inside the tiled call? Then the fast kernel, which
-        bypasses the submodules' ``__call__``, loses nothing by skipping it. Default: no."""
+        """Is this hook on a submodule of the tiled MLP the backend's own parameter handling, which
+        ``gathered`` stands in for inside the tiled call? Then the fast kernel, which bypasses the
+        submodules' ``__call__``, loses nothing by skipping it. Default: no."""
         return False
 
     def allows_untiled_call(self, module: nn.Module) -> bool:
@@ -60,23 +82,24 @@ class Strategy(ABC):
         """Bytes of the module's whole (gathered) parameters, for the auto shard policy."""
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
+    # -- 4. gradient semantics ----------------------------------------------------------------------
     def trainable_params(self, module: nn.Module) -> List[torch.Tensor]:
-        """The tensors whose gradients the tiled Function returns."""
+        """The parameters that receive gradients from the tiled call (both kernels honour it)."""
         return [p for p in module.parameters() if p.requires_grad]
+
+    def deliver_grads(self, params: Sequence[torch.Tensor],
+                      grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        """What autograd accumulates into each of ``params``: by default the summed gradients
+        themselves, once per backward (see the module docstring)."""
+        return grads
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
-# The calls the core and the resolver make, by method: the arguments each must accept. ``claims`` is
-# called on the class (a classmethod or staticmethod), the others on an instance.
-INTERFACE = {
-    "claims": ("module", "ancestors"),
-    "check_supported": ("module",),
-    "gathered": ("module",),
-    "allows_untiled_call": ("module",),
-    "param_bytes": ("module",),
-    "trainable_params": ("module",),
-    "is_backend_hook": ("hook",),
-}
-CLASS_LEVEL = ("claims",)
+class WaitsForEveryParameter:
+    """Mixin for a backend whose reducer waits for a gradient of every parameter reachable from the
+    output (DDP's reducer, FSDP2's group reduce-scatter, ZeRO's buckets): an unused one gets zeros,
+    delivered once like the others, so that every rank brings one."""
+
+    unused_grads_as_zeros: ClassVar[bool] = True

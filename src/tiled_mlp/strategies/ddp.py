@@ -17,7 +17,7 @@ from typing import Sequence
 
 from torch import nn
 
-from .base import Strategy
+from .base import Strategy, WaitsForEveryParameter
 
 
 def _active_ddp_module():
@@ -26,10 +26,9 @@ def _active_ddp_module():
     return getattr(DistributedDataParallel, "_active_ddp_module", None)
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(WaitsForEveryParameter, Strategy):
     name = "ddp"
     priority = 50
-    unused_grads_as_zeros = True
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:

@@ -39,7 +39,7 @@ from typing import ContextManager, Dict, Iterator, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from .base import Strategy
+from .base import Strategy, WaitsForEveryParameter
 
 _ZERO3_HOOK_OWNER = "DeepSpeedZeRoOffload."  # qualname prefix of the hooks ZeRO-3 puts on every module
 _ENGINE_CLASS = ("deepspeed.runtime.engine", "DeepSpeedEngine")
@@ -85,12 +85,12 @@ def _cell_is_set(cell) -> bool:
     return True
 
 
-class DeepSpeedZeroStrategy(Strategy):
+class DeepSpeedZeroStrategy(WaitsForEveryParameter, Strategy):
+    """ZeRO reduces in buckets filled by per-parameter hooks on every rank alike: each parameter the
+    engine saw as reachable must deliver a gradient, whatever this rank's tokens used."""
+
     name = "deepspeed_zero"
     priority = 200
-    # ZeRO reduces in buckets filled by per-parameter hooks on every rank alike: each parameter the
-    # engine saw as reachable must deliver a gradient, whatever this rank's tokens used.
-    unused_grads_as_zeros = True
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:

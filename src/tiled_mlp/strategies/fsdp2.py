@@ -25,7 +25,7 @@ from typing import Iterator, List, Sequence
 
 from torch import nn
 
-from .base import Strategy, UnsupportedBackendError
+from .base import Strategy, UnsupportedBackendError, WaitsForEveryParameter
 
 PER_LINEAR_ERROR = (
     "TiledMLP cannot tile a module whose submodules are FSDP2 units of their own ({units}): each "
@@ -74,12 +74,12 @@ def params_managed_by_fsdp2(module: nn.Module) -> bool:
     return False
 
 
-class FSDP2Strategy(Strategy):
+class FSDP2Strategy(WaitsForEveryParameter, Strategy):
+    """FSDP2 reduce-scatters the gradients of a whole group in one collective: every rank must bring
+    one for each parameter, whatever its tokens used (hence ``WaitsForEveryParameter``)."""
+
     name = "fsdp2"
     priority = 100
-    # FSDP2 reduce-scatters the gradients of a whole group in one collective: every rank must bring
-    # one for each parameter, whatever its tokens used.
-    unused_grads_as_zeros = True
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:

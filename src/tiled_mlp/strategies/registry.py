@@ -4,7 +4,7 @@ from __future__ import annotations
 import inspect
 from typing import Dict, List, Type
 
-from .base import CLASS_LEVEL, INTERFACE, Strategy
+from .base import Strategy
 
 _REGISTRY: Dict[str, Type[Strategy]] = {}
 
@@ -15,7 +15,10 @@ def register_strategy(cls: Type[Strategy], override: bool = False) -> Type[Strat
         raise TypeError(f"register_strategy expects a subclass of tiled_mlp.Strategy, got {cls!r}")
     if not isinstance(cls.name, str) or not cls.name:
         raise TypeError(f"{cls.__name__} must set a non-empty class attribute `name` to be registered")
-    problems = [p for p in (_interface_problem(cls, m, args) for m, args in INTERFACE.items()) if p]
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise TypeError(f"{cls.__name__} does not implement the Strategy interface: it must define {missing}")
+    problems = [p for p in (_interface_problem(cls, m, args) for m, args in _interface().items()) if p]
     if problems:
         raise TypeError(f"{cls.__name__} does not implement the Strategy interface: {'; '.join(problems)}")
     if not isinstance(cls.priority, int):
@@ -29,13 +32,25 @@ def register_strategy(cls: Type[Strategy], override: bool = False) -> Type[Strat
     return cls
 
 
+def _interface() -> Dict[str, tuple]:
+    """The base class's methods and the arguments the core passes them (besides self/cls): a
+    subclass that overrides one must still accept that call."""
+    out = {}
+    for method, value in vars(Strategy).items():
+        if method.startswith("_") or not isinstance(value, (classmethod, staticmethod)) and not inspect.isfunction(value):
+            continue
+        params = list(inspect.signature(getattr(Strategy, method)).parameters)
+        out[method] = tuple(params if isinstance(value, staticmethod) else params[1:] if inspect.isfunction(value) else params)
+    return out
+
+
 def _interface_problem(cls: Type[Strategy], method: str, args: tuple) -> str:
     """Why ``cls.<method>`` cannot take the call the core makes, or "" when it can."""
     static = inspect.getattr_static(cls, method, None)
     if not callable(getattr(cls, method, None)):
         return f"{method} is not a method"
     on_class = isinstance(static, (classmethod, staticmethod))
-    if method in CLASS_LEVEL and not on_class:
+    if isinstance(inspect.getattr_static(Strategy, method), classmethod) and not on_class:
         return f"{method} must be a classmethod (the resolver asks the class before making an instance)"
     # Plain functions are called on an instance: bind ``self`` too.
     bound_args = (object(),) * len(args) if on_class else (None,) + (object(),) * len(args)

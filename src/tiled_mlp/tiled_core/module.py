@@ -159,7 +159,8 @@ class TiledMLP(nn.Module):
             raise ValueError(f"path='fast' cannot apply to {type(self).__name__}; use path='auto'")
         num_tokens = x.numel() // x.shape[-1]
         with strategy.gathered(self):
-            kernel = self._tiled_kernel(strategy, shard_forward, x)
+            trainable = strategy.trainable_params(self)
+            kernel = self._tiled_kernel(strategy, shard_forward, x, trainable)
             num_shards = self._tiled_num_shards(strategy, kernel, x, num_tokens)
             if num_tokens == 0 or num_shards is None:
                 if strategy.allows_untiled_call(self):
@@ -175,7 +176,9 @@ class TiledMLP(nn.Module):
                 grad_accum_dtype=state.grad_accum_dtype,
                 # The fast path provably draws no random numbers, so it has none to replay.
                 replay_rng=isinstance(kernel, GenericShardKernel),
+                param_mask=_membership(kernel.params, trainable),
                 zeros_for_unused=strategy.unused_grads_as_zeros,
+                deliver_grads=strategy.deliver_grads,
             )
             with _buffers_kept(self):
                 out = sharded_apply(x, run)
@@ -194,7 +197,8 @@ class TiledMLP(nn.Module):
         size = MLPSize(x.shape[-1], intermediate_size(self), strategy.param_bytes(self), x.element_size(), generic)
         return auto_num_shards(num_tokens, size)
 
-    def _tiled_kernel(self, strategy: Strategy, shard_forward: Callable, x: torch.Tensor):
+    def _tiled_kernel(self, strategy: Strategy, shard_forward: Callable, x: torch.Tensor,
+                      trainable: List[torch.Tensor]):
         state: TilingState = self.tiling
         # A forward installed on the instance may do more than compute (move offloaded weights): the
         # fast kernel, which bypasses it, is not taken.
@@ -210,24 +214,36 @@ class TiledMLP(nn.Module):
                              "instance (another library's hooks); use path='auto'")
         prefix = (1,) * (x.dim() - 2)
         hooks = functools.partial(foreign_child_hooks, self, strategy.is_backend_hook)
-        return GenericShardKernel(shard_forward, self, strategy.trainable_params(self), prefix, hooks)
+        return GenericShardKernel(shard_forward, self, trainable, prefix, hooks)
+
+
+def _membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor]) -> List[bool]:
+    ids = {id(t) for t in chosen}
+    return [id(t) in ids for t in tensors]
 
 
 @contextlib.contextmanager
 def _buffers_kept(module: nn.Module) -> Iterator[None]:
-    """Refuse a forward that updates a buffer in place: put the buffers back and raise."""
-    buffers = [(name, b) for name, b in module.named_buffers()]
+    """Refuse a forward that updates a buffer: put the buffers back and raise, also when the forward
+    failed for another reason. Compared by value as well as by version counter: BatchNorm's kernels
+    update ``running_mean``/``running_var`` without bumping the version."""
+    buffers = list(module.named_buffers())
     if not buffers:
         yield
         return
     versions = [b._version for _, b in buffers]
     saved = [b.detach().clone() for _, b in buffers]
-    yield
-    moved = [i for i, (_, b) in enumerate(buffers) if b._version != versions[i]]
+    moved: List[int] = []
+    try:
+        yield
+    finally:
+        moved = [i for i, (_, b) in enumerate(buffers)
+                 if b._version != versions[i] or not torch.equal(b.detach(), saved[i])]
+        if moved:
+            with torch.no_grad():
+                for i in moved:
+                    buffers[i][1].copy_(saved[i])
     if moved:
-        with torch.no_grad():
-            for i in moved:
-                buffers[i][1].copy_(saved[i])
         names = ", ".join(buffers[i][0] for i in moved)
         raise RuntimeError(STATEFUL_ERROR.format(module=type(module).__name__, buffers=names))
 

@@ -54,9 +54,15 @@ class ShardedRun:
     gathered: Callable[[], ContextManager] = contextlib.nullcontext
     grad_accum_dtype: Optional[torch.dtype] = None
     replay_rng: bool = True
+    # Which of ``kernel.params`` receive gradients (the strategy's ``trainable_params``; the fast
+    # kernel takes all the projections' tensors, trained or not). None: all of them.
+    param_mask: Optional[Sequence[bool]] = None
     # Trainable inputs that received no gradient get zeros (a backend that waits for every reachable
     # parameter, DDP's reducer) instead of None (what the untiled module gives).
     zeros_for_unused: bool = False
+    # The strategy's ``deliver_grads``: what autograd accumulates into each parameter, given the
+    # gradients summed over the shards. Called once per backward, inside ``gathered``.
+    deliver_grads: Optional[Callable[[Sequence[torch.Tensor], List[Optional[torch.Tensor]]], List[Optional[torch.Tensor]]]] = None
 
 
 @dataclass
@@ -117,7 +123,11 @@ class ShardedMLPFunction(torch.autograd.Function):
         run: ShardedRun = ctx.run
         tensors = ctx.tensors
         need_dx = ctx.needs_input_grad[0]
-        grads = GradAccumulator(tensors, ctx.needs_input_grad[3:], run.grad_accum_dtype)
+        num_params = len(run.kernel.params)
+        mask = run.param_mask
+        # Tensors after the parameters were found reading the forward: they always get their gradient.
+        needed = [need and (mask is None or i >= num_params or mask[i]) for i, need in enumerate(ctx.needs_input_grad[3:])]
+        grads = GradAccumulator(tensors, needed, run.grad_accum_dtype)
 
         x_flat = x.detach().reshape(-1, x.shape[-1])
         dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
@@ -131,6 +141,8 @@ class ShardedMLPFunction(torch.autograd.Function):
                     )
             # Inside the gathered region: zeros for an unused parameter need its whole shape.
             tensor_grads = grads.results(run.zeros_for_unused)
+            if run.deliver_grads is not None:
+                tensor_grads[:num_params] = run.deliver_grads(tensors[:num_params], tensor_grads[:num_params])
         dx = None if dx_flat is None else dx_flat.view_as(x)
         return (dx, None, None, *tensor_grads)
 

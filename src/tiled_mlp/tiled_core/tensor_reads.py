@@ -77,16 +77,19 @@ class TensorReads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in RANDOM_CALLS:
             self.random_calls.append(name)
-        for t in _tensors(args, kwargs):
+        inputs = list(_tensors(args, kwargs))
+        for t in inputs:
             if self._is_foreign(t):
                 self.foreign[id(t)] = t
         out = func(*args, **(kwargs or {}))
+        # An in-place op returns its own input (a buffer's ``add_``): that tensor was not made here.
+        input_ids = {id(t) for t in inputs}
+        made = [t for t in _tensors(out if isinstance(out, (list, tuple)) else (out,), None) if id(t) not in input_ids]
         if self._made_refs is not None:
-            self._made_refs.extend(weakref.ref(t) for t in _tensors(out if isinstance(out, (list, tuple)) else (out,), None))
+            self._made_refs.extend(weakref.ref(t) for t in made)
         if not self._grad_only:
-            for t in _tensors(out if isinstance(out, (list, tuple)) else (out,), None):
-                self._made.append(t)
-                self._made_ids.add(id(t))
+            self._made.extend(made)
+            self._made_ids.update(id(t) for t in made)
         return out
 
     def foreign_tensors(self) -> List[torch.Tensor]:
