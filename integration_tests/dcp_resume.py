@@ -115,7 +115,7 @@ def save_runs(rank: int, world_size: int, ckpt_root: str) -> dict:
 def resume_runs(rank: int, world_size: int, ckpt_root: str) -> dict:
     """``{saved_kind: record}``: each checkpoint resumed into the other kind."""
     out = {}
-    for saved, kind in zip(KINDS, reversed(KINDS)):
+    for saved, kind in zip(KINDS, reversed(KINDS), strict=True):
         # Another seed and another lr: the checkpoint must bring every tensor and the param_groups.
         model, optimizer = build(kind, seed=1, world_size=world_size, lr=10 * LR)
         # get_optimizer_state_dict gives AdamW its state tensors (a zero-grad step) so there is

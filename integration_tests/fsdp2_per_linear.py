@@ -21,7 +21,7 @@ LINEARS = ("gate_proj", "up_proj", "down_proj")
 def _shard_per_linear(model: nn.Module, mlps, mesh) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    for layer, mlp in zip(model.layers, mlps):
+    for layer, mlp in zip(model.layers, mlps, strict=True):
         for name in LINEARS:
             fully_shard(getattr(mlp, name), mesh=mesh)
         fully_shard(layer, mesh=mesh)

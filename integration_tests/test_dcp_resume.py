@@ -68,7 +68,7 @@ def test_resume_across_tiling(saved):
     """Untiled checkpoint -> tiled run, and tiled -> untiled: the run goes on as if never stopped."""
     root, saved_ranks = saved
     resumed_ranks = run_distributed(resume_runs, WORLD, root, str(root / "ckpt"), timeout=SPAWN_TIMEOUT)
-    for rank, (before, after) in enumerate(zip(saved_ranks, resumed_ranks)):
+    for rank, (before, after) in enumerate(zip(saved_ranks, resumed_ranks, strict=True)):
         for kind in KINDS:
             ref, run = before[kind], after[kind]
             what = f"rank {rank}: {kind} checkpoint resumed {'un' if kind == 'tiled' else ''}tiled"

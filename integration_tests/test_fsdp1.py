@@ -38,7 +38,7 @@ def ranks_main(rank: int, world_size: int) -> dict:
         model = make_toy_model(seed=0, tiled=True, num_shards=3)
         wrapped = FSDP(model, device_id=cpu, use_orig_params=orig)
         grads_before = [p.grad for p in wrapped.parameters()]
-        out[f"forward orig={orig}"] = _error_of(lambda: wrapped(torch.randn(2, 5, 16)))
+        out[f"forward orig={orig}"] = _error_of(lambda w=wrapped: w(torch.randn(2, 5, 16)))
         out[f"forward orig={orig} grads untouched"] = all(
             g is None for g in grads_before + [p.grad for p in wrapped.parameters()])
 
@@ -47,22 +47,22 @@ def ranks_main(rank: int, world_size: int) -> dict:
         model = make_toy_model(seed=0, tiled=True, num_shards=3)
         model(torch.randn(2, 5, 16))
         wrapped = FSDP(model, device_id=cpu, use_orig_params=orig)
-        out[f"forward after warm-up orig={orig}"] = _error_of(lambda: wrapped(torch.randn(2, 5, 16)))
+        out[f"forward after warm-up orig={orig}"] = _error_of(lambda w=wrapped: w(torch.randn(2, 5, 16)))
 
         # Tiled per block, each block its own FSDP unit (the usual auto-wrap layout).
         model = make_toy_model(seed=0, tiled=True, num_shards=3)
         for index, layer in enumerate(model.layers):
             model.layers[index] = FSDP(layer, device_id=cpu, use_orig_params=orig)
         wrapped = FSDP(model, device_id=cpu, use_orig_params=orig)
-        out[f"per-block forward orig={orig}"] = _error_of(lambda: wrapped(torch.randn(2, 5, 16)))
+        out[f"per-block forward orig={orig}"] = _error_of(lambda w=wrapped: w(torch.randn(2, 5, 16)))
 
         # Already under FSDP1, then tiled: caught at construction.
         model = make_toy_model(seed=0)
         mlp_unit = FSDP(model.layers[0].mlp, device_id=cpu, use_orig_params=orig)
-        out[f"construct on FSDP1 mlp orig={orig}"] = _error_of(lambda: TiledMLP(mlp_unit))
+        out[f"construct on FSDP1 mlp orig={orig}"] = _error_of(lambda m=mlp_unit: TiledMLP(m))
         model = make_toy_model(seed=0)
         FSDP(model, device_id=cpu, use_orig_params=orig)
-        out[f"construct inside FSDP1 model orig={orig}"] = _error_of(lambda: TiledMLP(model.layers[1].mlp, num_shards=2))
+        out[f"construct inside FSDP1 model orig={orig}"] = _error_of(lambda m=model: TiledMLP(m.layers[1].mlp, num_shards=2))
     return out
 
 

@@ -19,8 +19,8 @@ def _train(rank: int, world_size: int, tiled: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from integration_tests.tiny_models import VOCAB, tiny_model
     from tiled_mlp.integrations import apply_tiled_mlp
-    from tiled_mlp.integrations.tiny_models import VOCAB, tiny_model
 
     model = tiny_model("llama", seed=0, dtype=torch.float64)
     blocks = apply_tiled_mlp(model, num_shards=SHARDS).patched if tiled else []
@@ -58,7 +58,7 @@ def test_llama_fsdp2_tiled_equals_untiled_after_two_steps(tmp_path):
         assert [p[1] for p in got["paths"]] == ["fast", "fast"], got["paths"]
         assert {p[2] for p in got["paths"]} == {"FSDP2Strategy"}, got["paths"]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-10, atol=0)
-        for step, (want_grads, got_grads) in enumerate(zip(want["grads"], got["grads"])):
+        for step, (want_grads, got_grads) in enumerate(zip(want["grads"], got["grads"], strict=True)):
             assert want_grads.keys() == got_grads.keys() and len(want_grads) == len(want["params"])
             for key, want_grad in want_grads.items():
                 assert want_grad.abs().max() > 0, f"step {step} {key}: zero gradient"

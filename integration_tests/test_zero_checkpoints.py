@@ -128,7 +128,7 @@ def test_trainer_zero3_save_model_loads_untiled(tmp_path):
         for key, value in loaded[kind].items():
             torch.testing.assert_close(value, trained[key], rtol=0, atol=0, msg=f"{kind}: {key}")
 
-    from tiled_mlp.integrations.tiny_models import tiny_model
+    from integration_tests.tiny_models import tiny_model
 
     initial = tiny_model("llama", seed=0, dtype=torch.float32).state_dict()
     for key, want in loaded["untiled"].items():

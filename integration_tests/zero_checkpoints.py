@@ -96,7 +96,7 @@ def trainer_ds_config() -> dict:
 
 
 def token_dataset(n: int = 8, length: int = 12):
-    from tiled_mlp.integrations.tiny_models import VOCAB
+    from integration_tests.tiny_models import VOCAB
 
     g = torch.Generator().manual_seed(7)
     rows = [torch.randint(0, VOCAB, (length,), generator=g) for _ in range(n)]
@@ -106,7 +106,7 @@ def token_dataset(n: int = 8, length: int = 12):
 def trainer_run(rank: int, tiled: bool, save_dir: str) -> Dict:
     from transformers import Trainer, TrainingArguments
 
-    from tiled_mlp.integrations.tiny_models import tiny_model
+    from integration_tests.tiny_models import tiny_model
 
     model = tiny_model("llama", seed=0, dtype=torch.float32)
     report = apply_tiled_mlp(model, num_shards=TRAINER_SHARDS) if tiled else None

@@ -11,9 +11,9 @@ import torch
 from tiled_mlp import TiledMLP
 
 from .toy_models import make_toy_model
+from .training_record import new_record, note_tiled_calls
 from .zero_cases import HIDDEN, LR, STEPS, ZeroCase, ds_config
 from .zero_peer import use_deepspeed_tiled_mlp
-from .training_record import new_record, note_tiled_calls
 
 KINDS = ("untiled", "tiled", "peer")
 

@@ -57,7 +57,7 @@ class Strategy(ABC):
         modules above it, outermost first, where known (``apply_tiled_mlp`` records them)."""
 
     # -- 2. refusing ------------------------------------------------------------------------------
-    def check_supported(self, module: nn.Module) -> None:
+    def check_supported(self, module: nn.Module) -> None:  # noqa: B027 - optional: most backends refuse nothing
         """Raise a clear error for a configuration this backend cannot tile; called before any work."""
 
     # -- 3. parameters around the tiled call ----------------------------------------------------------

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import ContextManager, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -79,7 +79,7 @@ def _wrapped_functions(fn, depth: int = 3):
 
 def _cell_is_set(cell) -> bool:
     try:
-        cell.cell_contents
+        cell.cell_contents  # noqa: B018 - reading an empty cell raises; that read is the test
     except ValueError:  # an empty cell
         return False
     return True
@@ -127,7 +127,7 @@ def _zero3_gathered(module: nn.Module) -> Iterator[None]:
     in_backward = torch._C._current_graph_task_id() != -1
     if not in_backward:
         _register_descendant_params_as_external(module)
-    params = [p for p in module.parameters() if is_zero3_param(p)]
+    params: List[Any] = [p for p in module.parameters() if is_zero3_param(p)]  # with DeepSpeed's ds_* attributes
     inflight = [p.ds_id for p in params if p.ds_status == ZeroParamStatus.INFLIGHT]
     if inflight:
         raise RuntimeError(
@@ -163,7 +163,7 @@ def _register_descendant_params_as_external(module: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _descendant_hooks_suspended(module: nn.Module) -> Iterator[None]:
-    removed: List[Tuple[dict, List[Tuple[int, object]], Dict[int, object]]] = []
+    removed: List[Tuple[dict, List[Tuple[int, Any]], Dict[int, Any]]] = []
     try:
         for sub in module.modules():
             if sub is module:

@@ -21,7 +21,7 @@ pre-forward hook.
 """
 from __future__ import annotations
 
-from typing import Iterator, List, Sequence
+from typing import Any, Iterator, List, Sequence
 
 from torch import nn
 
@@ -47,7 +47,7 @@ def inner_fsdp_units(module: nn.Module) -> List[str]:
     return [name for name, m in module.named_modules() if name and isinstance(m, fsdp_module)]
 
 
-def _fsdp2_states() -> Iterator[object]:
+def _fsdp2_states() -> Iterator[Any]:
     from torch.distributed._composable_state import _module_state_mapping
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 

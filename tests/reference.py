@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiled_core.shard_plan import make_shard_plan
 from tiled_mlp import TiledMLP
-from tiled_mlp.tiled_core.shard_plan import make_shard_plan
 
 ACTS = ("silu", "gelu", "gelu_tanh")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from reference import FusedGatedMLP, GatedMLP, fresh_inputs, run_errors, seeded, tiled_run, untiled_run
 
 pytestmark = pytest.mark.timeout(120)

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from tiled_mlp.bench.model_memory import modeled_peak_bytes
+from tiled_core import TiledMLP
+from tiled_core.auto_shards import MLPSize, auto_num_shards
 from tiled_mlp.bench.mlp import SwiGLUMLP
+from tiled_mlp.bench.model_memory import modeled_peak_bytes
 from tiled_mlp.cli.plan_cmd import floor_bytes, make_plan
-from tiled_mlp.tiled_core import TiledMLP
-from tiled_mlp.tiled_core.auto_shards import MLPSize, auto_num_shards
 
 pytestmark = pytest.mark.timeout(180)
 

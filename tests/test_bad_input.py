@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from reference import GatedMLP, PlainMLP, fresh_inputs, seeded, untiled_run, untiled_shardwise_run
+
+from strategies.registry import available_strategies
+from tiled_core import untile
 from tiled_mlp import Strategy, TiledMLP, register_strategy
-from tiled_mlp.tiled_core import untile
-from tiled_mlp.strategies.registry import available_strategies
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -150,8 +149,8 @@ def test_register_strategy_rejects_bad_classes():
         register_strategy(ClaimsIsNotAMethod)
     assert not {"wrong_arity", "instance_claims", "claims_flag", "no_claims"} & set(available_strategies())
     assert "not_a_strategy" not in available_strategies()
-    from tiled_mlp.strategies.registry import get_strategy_class
-    from tiled_mlp.strategies import SingleDeviceStrategy
+    from strategies import SingleDeviceStrategy
+    from strategies.registry import get_strategy_class
 
     assert get_strategy_class("single_device") is SingleDeviceStrategy
 
@@ -184,7 +183,7 @@ def test_error_in_backward_recompute_propagates_and_leaves_nothing_behind(preexi
     with pytest.raises(RuntimeError, match="boom from inside the wrapped module"):
         out.backward(dy)
     assert torch.equal(rng_before, torch.get_rng_state()), "the shard's replayed RNG state leaked out"
-    for p, g in zip(mlp.parameters(), grads_before):
+    for p, g in zip(mlp.parameters(), grads_before, strict=True):
         assert (p.grad is None) if g is None else torch.equal(p.grad, g), "a half-written .grad"
     assert x.grad is None
     assert "forward" not in mlp.__dict__

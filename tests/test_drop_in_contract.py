@@ -14,9 +14,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.func import functional_call
-
 from reference import (
     GatedMLP,
     PlainMLP,
@@ -27,8 +24,11 @@ from reference import (
     untiled_run,
     untiled_shardwise_run,
 )
+from torch import nn
+from torch.func import functional_call
+
+from tiled_core.shard_plan import make_shard_plan
 from tiled_mlp import TiledMLP
-from tiled_mlp.tiled_core.shard_plan import make_shard_plan
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,7 +77,7 @@ def compare_with_external(build: Build, num_shards: int = 3, path: str = "auto",
     assert tiled.tiling.last_path == expect_path
     assert_runs_close(want, got, tol=TOL)
     assert ref_ext, "the build gave no external tensor to check"
-    for i, (a, b) in enumerate(zip(ref_ext, ext)):
+    for i, (a, b) in enumerate(zip(ref_ext, ext, strict=True)):
         assert a.grad is not None and bool(a.grad.abs().sum() > 0), "the reference gradient is zero: nothing to compare"
         assert_close(a.grad, b.grad, f"external tensor {i}")
     return tiled
@@ -383,7 +383,7 @@ def test_film_conditioning_from_outside_sends_its_gradient_upstream():
         torch.testing.assert_close(outs[1][1], outs[0][1], rtol=TOL, atol=TOL)
     assert float(ref_embed.weight.grad.abs().sum()) > 0
     assert_close(ref_embed.weight.grad, embed.weight.grad, "embed.weight")
-    for (name, p), q in zip(tiled.named_parameters(), ref.parameters()):
+    for (name, p), q in zip(tiled.named_parameters(), ref.parameters(), strict=True):
         assert_close(q.grad, p.grad, name)
 
 
@@ -411,7 +411,7 @@ def test_hook_that_stashes_an_activation_for_a_loss_is_an_error_under_grad():
     torch.testing.assert_close(out, want, rtol=TOL, atol=TOL)
     assert len(acts) == num_shards
     flat = want.reshape(-1, HIDDEN)
-    for got, shard in zip(acts, make_shard_plan(flat.shape[0], num_shards).slices()):
+    for got, shard in zip(acts, make_shard_plan(flat.shape[0], num_shards).slices(), strict=True):
         torch.testing.assert_close(got, flat[shard].pow(2).mean(), rtol=TOL, atol=TOL)
 
 
@@ -637,7 +637,7 @@ def test_gradcheck_through_functional_call(builder, expect):
     x = torch.randn(1, tokens, hidden, dtype=torch.float64, requires_grad=True)
 
     def f(inp, *ws):
-        return functional_call(tiled, dict(zip(names, ws)), (inp,))
+        return functional_call(tiled, dict(zip(names, ws, strict=True)), (inp,))
 
     assert torch.autograd.gradcheck(f, (x, *weights), eps=1e-6, atol=1e-7, rtol=1e-5)
     assert tiled.tiling.last_path == expect and tiled.tiling.last_num_shards == 2

@@ -13,14 +13,14 @@ import pickle
 
 import pytest
 import torch
+from reference import GatedMLP, max_rel_error
 from torch import nn
 
-from reference import GatedMLP, max_rel_error
 from tiled_mlp import TiledMLP, apply_tiled_mlp, remove_tiled_mlp
 
 pytest.importorskip("transformers")
 
-from tiled_mlp.integrations.tiny_models import VOCAB, tiny_model  # noqa: E402
+from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,8 +5,6 @@ import types
 
 import pytest
 import torch
-from torch import nn
-
 from reference import (
     ACTS,
     FusedGatedMLP,
@@ -20,6 +18,8 @@ from reference import (
     tiled_run,
     untiled_run,
 )
+from torch import nn
+
 from tiled_mlp import TiledMLP
 
 pytestmark = pytest.mark.timeout(60)

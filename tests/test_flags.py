@@ -4,8 +4,8 @@ import argparse
 
 import pytest
 
+from tiled_core import shard_plan
 from tiled_mlp.integrations.args import add_tiled_mlp_args, read_tiled_mlp_flags
-from tiled_mlp.tiled_core import shard_plan
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -25,7 +25,7 @@ def _argparse_error(capsys, argv) -> str:
 
 
 # -- use_tiled_mlp -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("true_text, false_text", list(zip(TRUE_SPELLINGS, FALSE_SPELLINGS)))
+@pytest.mark.parametrize("true_text, false_text", list(zip(TRUE_SPELLINGS, FALSE_SPELLINGS, strict=True)))
 def test_dict_string_spellings_both_ways(true_text, false_text):
     # bool("false") is True: a YAML/JSON config saying "false" must not turn tiling on.
     assert read_tiled_mlp_flags({"use_tiled_mlp": true_text}).use_tiled_mlp is True

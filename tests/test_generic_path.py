@@ -5,7 +5,6 @@ import copy
 
 import pytest
 import torch
-
 from reference import (
     GatedMLP,
     PlainMLP,
@@ -165,7 +164,7 @@ def test_called_twice_in_one_graph():
     x_ref = x.detach().clone().requires_grad_()
     mlp(mlp(x_ref)).backward(dy)
     torch.testing.assert_close(x_in.grad, x_ref.grad, rtol=1e-10, atol=1e-12)
-    for (name, p), q in zip(tiled.named_parameters(), mlp.parameters()):
+    for (name, p), q in zip(tiled.named_parameters(), mlp.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
-
 from reference import FusedGatedMLP, GatedMLP, PlainMLP, fresh_inputs, lora_gated, seeded
+
 from tiled_mlp import TiledMLP
 
 pytestmark = pytest.mark.timeout(60)

@@ -80,7 +80,7 @@ def test_unknown_architecture_matched_by_structure_and_skips_reported():
     model(x).square().sum().backward()
     reference(x_ref).square().sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-12)
-    for (name, p), (_, q) in zip(model.state_dict(keep_vars=True).items(), reference.state_dict(keep_vars=True).items()):
+    for (name, p), (_, q) in zip(model.state_dict(keep_vars=True).items(), reference.state_dict(keep_vars=True).items(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
     assert report.paths() == {"blocks.0.ffn": "generic", "blocks.1.ffn": "generic"}  # relu: not a fast activation
 
@@ -97,8 +97,8 @@ def test_include_selects_custom_blocks_and_exclude_wins():
 
 @pytest.mark.timeout(30)
 def test_state_dict_keys_parameter_identity_twice_and_remove():
-    transformers = pytest.importorskip("transformers")
-    from tiled_mlp.integrations.tiny_models import tiny_model
+    pytest.importorskip("transformers")
+    from integration_tests.tiny_models import tiny_model
 
     model = tiny_model("qwen3_moe", dtype=torch.float32)
     keys = list(model.state_dict())
@@ -125,7 +125,6 @@ def test_state_dict_keys_parameter_identity_twice_and_remove():
             assert module is originals[name]
             assert "forward" not in module.__dict__  # the original forward, not a leftover patch
     assert list(model.state_dict()) == keys
-    assert isinstance(transformers.PreTrainedModel, type)
 
 
 @pytest.mark.timeout(60)
@@ -133,7 +132,7 @@ def test_save_pretrained_round_trip_and_config_flag(tmp_path):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from tiled_mlp.integrations.tiny_models import tiny_model
+    from integration_tests.tiny_models import tiny_model
 
     model = tiny_model("llama", dtype=torch.float32)
     enable_tiled_mlp(model.config, num_shards=3)

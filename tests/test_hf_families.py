@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from integration_tests.tiny_models import FAMILIES, VOCAB, grads_by_key, tiny_model  # noqa: E402
 from tiled_mlp import TiledMLP  # noqa: E402
 from tiled_mlp.integrations import apply_tiled_mlp  # noqa: E402
-from tiled_mlp.integrations.tiny_models import FAMILIES, VOCAB, grads_by_key, tiny_model  # noqa: E402
 
 # float64 end to end: only summation order differs between tiled and untiled.
 RTOL, ATOL = 1e-9, 1e-12

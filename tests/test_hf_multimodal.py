@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("transformers")
 
+from integration_tests.tiny_models import grads_by_key, tiny_qwen2_5_vl  # noqa: E402
 from tiled_mlp.integrations import apply_tiled_mlp  # noqa: E402
-from tiled_mlp.integrations.tiny_models import grads_by_key, tiny_qwen2_5_vl  # noqa: E402
 
 
 @pytest.mark.timeout(60)

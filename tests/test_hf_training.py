@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from integration_tests.tiny_models import VOCAB, grads_by_key, tiny_model  # noqa: E402
 from tiled_mlp import TiledMLP  # noqa: E402
 from tiled_mlp.integrations import apply_tiled_mlp  # noqa: E402
-from tiled_mlp.integrations.tiny_models import VOCAB, grads_by_key, tiny_model  # noqa: E402
 
 SHARDS = 3
 

@@ -6,8 +6,17 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from reference import ACTS, FusedGatedMLP, GatedMLP, PlainMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
+from reference import (
+    ACTS,
+    FusedGatedMLP,
+    GatedMLP,
+    PlainMLP,
+    assert_runs_close,
+    fresh_inputs,
+    seeded,
+    tiled_run,
+    untiled_run,
+)
 
 LAYOUTS = {"separate": GatedMLP, "fused": FusedGatedMLP}
 

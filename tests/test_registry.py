@@ -5,10 +5,10 @@ import contextlib
 
 import pytest
 import torch
-
 from reference import GatedMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
+
+from strategies import SingleDeviceStrategy
 from tiled_mlp import Strategy, TiledMLP, available_strategies, get_strategy, register_strategy, unregister_strategy
-from tiled_mlp.strategies import SingleDeviceStrategy
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -133,3 +133,29 @@ def test_register_works_as_a_decorator():
         assert type(get_strategy("test_decorated")) is Decorated
     finally:
         unregister_strategy("test_decorated")
+
+
+class GateOnly(Strategy):
+    """Says only gate_proj.weight receives gradients: both kernels must honour it (the fast kernel
+    computes every projection, and once delivered all three)."""
+
+    name = "test_gate_only"
+
+    @classmethod
+    def claims(cls, module, ancestors=()):
+        return False
+
+    def trainable_params(self, module):
+        return [module.gate_proj.weight]
+
+
+@pytest.mark.parametrize("path", ["fast", "generic"])
+def test_trainable_params_decides_which_parameters_get_gradients_on_both_paths(path):
+    mlp = seeded(GatedMLP, 2, HIDDEN, INTER)
+    x, dy = fresh_inputs((1, TOKENS, HIDDEN), HIDDEN)
+    want = untiled_run(mlp, x, dy)
+    got, tiled = tiled_run(mlp, x, dy, num_shards=3, path=path, strategy=GateOnly())
+    assert tiled.tiling.last_path == path
+    assert [name for name, g in got.grads.items() if g is not None] == ["gate_proj.weight"]
+    torch.testing.assert_close(got.grads["gate_proj.weight"], want.grads["gate_proj.weight"], rtol=1e-10, atol=0)
+    torch.testing.assert_close(got.dx, want.dx, rtol=1e-10, atol=0)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import FusedGatedMLP, GatedMLP, lora_gated
 from torch import nn
 
-from reference import FusedGatedMLP, GatedMLP, lora_gated
 from tiled_mlp import TiledMLP
 
 pytestmark = pytest.mark.timeout(30)

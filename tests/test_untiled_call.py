@@ -6,11 +6,9 @@ untiled beside one that tiles would issue other collectives; then the call tiles
 empty shard) and must still be exact. The ZeRO-3 multi-process case is in integration_tests.
 """
 import pytest
-import torch
-
-from tiled_mlp.strategies import SingleDeviceStrategy
-
 from reference import GatedMLP, PlainMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
+
+from strategies import SingleDeviceStrategy
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -82,7 +82,7 @@ class LigerGatedActivation:
         return dg, du
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 

@@ -55,9 +55,9 @@ class MLPSize:
 
 
 def intermediate_size(module: nn.Module) -> Optional[int]:
-    fused = getattr(module, "gate_up_proj", None)
-    if isinstance(getattr(fused, "out_features", None), int):
-        return fused.out_features // 2
+    fused_features = getattr(getattr(module, "gate_up_proj", None), "out_features", None)
+    if isinstance(fused_features, int):
+        return fused_features // 2
     for name in INPUT_PROJECTIONS:
         out_features = getattr(getattr(module, name, None), "out_features", None)
         if isinstance(out_features, int):

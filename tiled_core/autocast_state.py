@@ -23,7 +23,7 @@ class AutocastState:
     dtype: torch.dtype
 
     @classmethod
-    def capture(cls, device: torch.device) -> "AutocastState":
+    def capture(cls, device: torch.device) -> AutocastState:
         device_type = device.type
         if not autocast_enabled(device_type):
             return cls(device_type, False, torch.float32)

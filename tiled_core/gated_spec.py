@@ -47,7 +47,7 @@ class GatedMLPSpec:
     @property
     def linears(self) -> List[nn.Linear]:
         first = [self.gate_up] if self.gate_up is not None else [self.gate, self.up]
-        return first + [self.down]
+        return [linear for linear in (*first, self.down) if linear is not None]
 
     @property
     def params(self) -> List[torch.Tensor]:
@@ -192,10 +192,10 @@ def structural_spec(module: nn.Module, is_backend_hook=_no_hook_is_backend) -> T
 def gated_reference(spec: GatedMLPSpec, x: torch.Tensor) -> torch.Tensor:
     """The formula the fast kernel implements, in plain torch (used for the probe)."""
     act = NativeGatedActivation(spec.activation).act
-    if spec.gate_up is not None:
-        g, u = spec.gate_up(x).chunk(2, dim=-1)
+    if len(spec.linears) == 2:  # fused [gate; up]
+        g, u = spec.linears[0](x).chunk(2, dim=-1)
     else:
-        g, u = spec.gate(x), spec.up(x)
+        g, u = spec.linears[0](x), spec.linears[1](x)
     return spec.down(act(g) * u)
 
 

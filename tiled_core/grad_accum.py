@@ -71,8 +71,8 @@ class GradAccumulator:
         ``zeros_for_unused``: it is an input of the tiled Function, so a backend that waits for every
         reachable parameter (DDP's reducer) must see its gradient arrive, exactly once like the others.
         """
-        out = []
-        for param, buffer, needed in zip(self._params, self._buffers, self.needed):
+        out: List[Optional[torch.Tensor]] = []
+        for param, buffer, needed in zip(self._params, self._buffers, self.needed, strict=True):
             if not needed:
                 out.append(None)
             elif buffer is None:

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ..strategies.base import Strategy
-from ..strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
+from strategies.base import Strategy
+from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
+
 from .activations import gated_activation
 from .auto_shards import MLPSize, auto_num_shards, intermediate_size
 from .fast_path import decide_fast_path
@@ -66,7 +67,7 @@ def _rebuild(mixin: type, base: type) -> nn.Module:
 
 def _own_names(mixin: type) -> List[str]:
     """Names a tiled class adds on top of its base (which must not hide one of the base's)."""
-    names = set()
+    names: set = set()
     for cls in mixin.__mro__:
         if cls is nn.Module or not issubclass(cls, TiledMLP):
             continue
@@ -97,23 +98,29 @@ class TiledMLP(nn.Module):
     the loss) is an error while a graph is built: that tensor would carry no gradient.
     """
 
+    # Annotation only (no class attribute, so it hides nothing of the tiled module's): the tiling state,
+    # set in the instance's __dict__ when it is tiled.
+    tiling: TilingState
     _tiled_base: Optional[type] = None  # set on the generated classes: the module's original class
+    _tiled_mixin: type  # set on the generated classes: TiledMLP or a subclass of it
     #: Whether the gated fast kernel may ever stand in for this kind of module's forward.
     _tiled_fast_allowed = True
 
-    def __new__(cls, mlp: nn.Module = None, strategy: StrategyArg = "auto", num_shards: NumShards = "auto",
+    def __new__(cls, mlp: Optional[nn.Module] = None, strategy: StrategyArg = "auto", num_shards: NumShards = "auto",
                 path: str = "auto", grad_accum_dtype: Optional[torch.dtype] = None, use_liger: bool = True):
         if cls._tiled_base is not None:
             # A generated class instantiated directly (``type(tiled)(config)``): a new module of the
             # original class, tiled with the defaults (``__init__`` builds it).
             return object.__new__(cls)
         fixed = prepare_tiling(cls, mlp, strategy, num_shards, path, grad_accum_dtype)
+        assert mlp is not None  # prepare_tiling refused anything but a module
         return install_tiling(cls, mlp, TilingState(num_shards, path, grad_accum_dtype, use_liger, fixed))
 
     def __init__(self, *args, **kwargs):
         if STATE_ATTR in self.__dict__:
             return  # tiled in place by __new__: the module was built long ago
-        type(self)._tiled_base.__init__(self, *args, **kwargs)
+        base: Any = type(self)._tiled_base  # set on every generated class
+        base.__init__(self, *args, **kwargs)
         self.__dict__[STATE_ATTR] = TilingState()
 
     def __reduce_ex__(self, protocol):
@@ -146,7 +153,7 @@ class TiledMLP(nn.Module):
     def _tiled_original_forward(self, *args: torch.Tensor) -> torch.Tensor:
         """The module's own forward, without hooks: what one shard runs."""
         installed = self.tiling.instance_forward
-        return installed(*args) if installed is not None else super(TiledMLP, self).forward(*args)
+        return installed(*args) if installed is not None else super().forward(*args)
 
     def _tiled_call(self, x: torch.Tensor, shard_forward: Callable, check_hidden: bool) -> torch.Tensor:
         state: TilingState = self.tiling
@@ -155,8 +162,6 @@ class TiledMLP(nn.Module):
         strategy = self._tiled_strategy()
         strategy.check_supported(self)
         state.last_strategy = strategy
-        if state.path == "fast" and not self._tiled_fast_allowed:
-            raise ValueError(f"path='fast' cannot apply to {type(self).__name__}; use path='auto'")
         num_tokens = x.numel() // x.shape[-1]
         with strategy.gathered(self):
             trainable = strategy.trainable_params(self)
@@ -189,7 +194,7 @@ class TiledMLP(nn.Module):
     def _tiled_num_shards(self, strategy: Strategy, kernel, x: torch.Tensor, num_tokens: int) -> Optional[int]:
         """The configured count, or the auto policy's (None: run untiled)."""
         num_shards = self.tiling.num_shards
-        if num_shards != "auto":
+        if isinstance(num_shards, int):
             return num_shards
         generic = None
         if isinstance(kernel, GenericShardKernel):
@@ -200,21 +205,28 @@ class TiledMLP(nn.Module):
     def _tiled_kernel(self, strategy: Strategy, shard_forward: Callable, x: torch.Tensor,
                       trainable: List[torch.Tensor]):
         state: TilingState = self.tiling
-        # A forward installed on the instance may do more than compute (move offloaded weights): the
-        # fast kernel, which bypasses it, is not taken.
-        if state.path != "generic" and self._tiled_fast_allowed and state.instance_forward is None:
-            decision = decide_fast_path(self, shard_forward, x, strategy.is_backend_hook, state.fast_decision)
-            state.fast_decision = decision
-            if decision.spec is not None:
-                return GatedShardKernel(decision.spec, gated_activation(decision.spec.activation, x.device, state.use_liger))
-            if state.path == "fast":
-                raise ValueError(f"path='fast' cannot apply to {type(self).__name__}: {decision.why_not}; use path='auto'")
-        elif state.path == "fast":
-            raise ValueError(f"path='fast' cannot apply to {type(self).__name__}: its forward was replaced on the "
-                             "instance (another library's hooks); use path='auto'")
+        spec, why_not = self._tiled_fast_spec(strategy, shard_forward, x)
+        if spec is not None:
+            return GatedShardKernel(spec, gated_activation(spec.activation, x.device, state.use_liger))
+        if state.path == "fast":
+            raise ValueError(f"path='fast' cannot apply to {type(self).__name__}: {why_not}; use path='auto'")
         prefix = (1,) * (x.dim() - 2)
         hooks = functools.partial(foreign_child_hooks, self, strategy.is_backend_hook)
         return GenericShardKernel(shard_forward, self, trainable, prefix, hooks)
+
+    def _tiled_fast_spec(self, strategy: Strategy, shard_forward: Callable, x: torch.Tensor):
+        """(the gated spec, "") when the fast kernel provably computes this call, else (None, why not)."""
+        state: TilingState = self.tiling
+        if state.path == "generic":
+            return None, "path='generic' was asked for"
+        if not self._tiled_fast_allowed:
+            return None, "its weights are not gated nn.Linear projections (fused MoE experts)"
+        if state.instance_forward is not None:
+            # It may do more than compute (move offloaded weights); the fast kernel would bypass it.
+            return None, "its forward was replaced on the instance (another library's hooks)"
+        decision = decide_fast_path(self, shard_forward, x, strategy.is_backend_hook, state.fast_decision)
+        state.fast_decision = decision
+        return decision.spec, decision.why_not
 
 
 def _membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor]) -> List[bool]:
@@ -249,7 +261,7 @@ def _buffers_kept(module: nn.Module) -> Iterator[None]:
 
 
 # -- tiling and untiling in place --------------------------------------------------------------------------
-def prepare_tiling(mixin: type, mlp: nn.Module, strategy: StrategyArg, num_shards: NumShards, path: str,
+def prepare_tiling(mixin: type, mlp: Optional[nn.Module], strategy: StrategyArg, num_shards: NumShards, path: str,
                    grad_accum_dtype, ancestors: Sequence[nn.Module] = ()) -> Optional[Strategy]:
     """Every check made before ``mlp`` is changed; returns the fixed strategy (None for "auto")."""
     if not isinstance(mlp, nn.Module):
@@ -274,12 +286,13 @@ def _shadow_problem(mixin: type, mlp: nn.Module) -> str:
     return ""
 
 
-def install_tiling(mixin: type, mlp: nn.Module, state: TilingState) -> nn.Module:
+def install_tiling(mixin: type, mlp: nn.Module, state: TilingState) -> TiledMLP:
     """Make ``mlp`` tiled (checks done by ``prepare_tiling``); returns it."""
     # An instance forward would hide the tiled class's forward: it becomes what each shard runs.
     state.instance_forward = mlp.__dict__.pop("forward", None)
     mlp.__class__ = tiled_class(mixin, type(mlp))
     mlp.__dict__[STATE_ATTR] = state
+    assert isinstance(mlp, TiledMLP)
     return mlp
 
 

@@ -36,7 +36,7 @@ class ShardPlan:
         return tuple(starts)
 
     def slices(self):
-        for start, size in zip(self.offsets, self.shard_sizes):
+        for start, size in zip(self.offsets, self.shard_sizes, strict=True):
             yield slice(start, start + size)
 
 

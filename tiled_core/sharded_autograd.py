@@ -134,7 +134,7 @@ class ShardedMLPFunction(torch.autograd.Function):
         dx_flat = torch.empty_like(x_flat) if need_dx else None
 
         with run.gathered(), run.kernel.using(tensors):
-            for shard, rng_state in zip(run.plan.slices(), ctx.rng_states):
+            for shard, rng_state in zip(run.plan.slices(), ctx.rng_states, strict=True):
                 with replay_rng_state(x.device, rng_state), ctx.autocast.replay():
                     run.kernel.backward_shard(
                         x_flat[shard], dy_flat[shard], None if dx_flat is None else dx_flat[shard], grads, tensors
@@ -155,12 +155,12 @@ def sharded_apply(x: torch.Tensor, run: ShardedRun) -> torch.Tensor:
     x_flat = x.detach().reshape(-1, x.shape[-1])
     first_slice = next(run.plan.slices())
     rng_state = capture_rng_state(x.device) if run.replay_rng else None
-    reads = _watch(params if watch else None)
+    reads = _watch([*params, *run.kernel.owned_params] if watch else None)
     with torch.no_grad(), _maybe(reads):
         first_out = run.kernel.forward_shard(x_flat[first_slice], None, params)
     others = []
     if reads is not None:
         _check_nothing_kept(reads, expected=[first_out])
         others = reads.foreign_tensors()
-    watched = [*params, *others] if watch else None
+    watched = [*params, *run.kernel.owned_params, *others] if watch else None
     return ShardedMLPFunction.apply(x, run, FirstShard(first_out, rng_state, watched), *params, *others)

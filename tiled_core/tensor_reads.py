@@ -114,7 +114,9 @@ def next_sequence_nr() -> int:
     """The sequence number the next autograd node created on this thread will get (or a lower one)."""
     probe = torch.empty(0, requires_grad=True)
     with torch.enable_grad():
-        return probe.view(0).grad_fn._sequence_nr() + 1
+        node = probe.view(0).grad_fn
+    assert node is not None, "a view of a leaf that requires grad has an autograd node"
+    return node._sequence_nr() + 1
 
 
 def describe(tensors: Iterable[torch.Tensor]) -> str:

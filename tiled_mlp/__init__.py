@@ -1,5 +1,5 @@
 """tiled-mlp: token-sharded MLPs for long-sequence training, correct under DDP, FSDP2 and ZeRO."""
-from .strategies import (
+from strategies import (
     Strategy,
     UnsupportedBackendError,
     available_strategies,
@@ -7,7 +7,8 @@ from .strategies import (
     register_strategy,
     unregister_strategy,
 )
-from .tiled_core import TiledMLP
+from tiled_core import TiledMLP
+
 from .integrations import (
     TilingReport,
     add_tiled_mlp_args,

@@ -19,6 +19,9 @@ class ShardKernel(Protocol):
 
     #: The parameters the autograd Function takes as inputs and returns gradients for, in order.
     params: List[torch.Tensor]
+    #: Every parameter the module owns, trained or not: never mistaken for another tensor the forward
+    #: reads (a parameter the strategy leaves out of ``params`` gets no gradient from the tiled call).
+    owned_params: List[torch.Tensor]
     #: Whether the forward may read tensors besides the input and ``params`` (then they are found and
     #: made inputs of the Function too, so that their gradients are not lost).
     may_read_other_tensors: bool

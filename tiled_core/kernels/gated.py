@@ -47,6 +47,7 @@ class GatedShardKernel:
     def __init__(self, spec: GatedMLPSpec, activation):
         self.activation = activation
         self.params = spec.params
+        self.owned_params = spec.params  # the structure proved the module owns nothing else
         self._slots = _slots(spec)
         self._fused = spec.gate_up is not None
 

@@ -49,6 +49,7 @@ class GenericShardKernel:
         self._hooks = hooks
         self._forward_hooks = hooks()
         self.params = params
+        self.owned_params = list(module.parameters())
         self._slots = parameter_slots(module, params)
         # Leading singleton dims so each shard has the rank of the caller's input: modules that
         # reshape a [batch, seq, hidden] input themselves (MoE blocks) keep working.
@@ -87,11 +88,13 @@ class GenericShardKernel:
             raise RuntimeError(HOOKS_CHANGED_ERROR.format(module=self.module_name, hooks=", ".join(changed)))
         swapped = []
         try:
-            for slots, tensor in zip(self._slots, tensors):
+            # The tensors after the parameters (found reading the forward) have no slot: shorter on purpose.
+            for slots, tensor in zip(self._slots, tensors, strict=False):
                 for owner, attr in slots:
                     if owner._parameters[attr] is not tensor:
                         swapped.append((owner, attr, owner._parameters[attr]))
-                        owner._parameters[attr] = tensor
+                        # functional_call's tensors need not be Parameters: the slot holds them anyway.
+                        owner._parameters[attr] = tensor  # type: ignore[assignment]
             yield
         finally:
             for owner, attr, original in reversed(swapped):
@@ -121,7 +124,7 @@ class GenericShardKernel:
                 grad_in_shard.zero_()
             else:
                 grad_in_shard.copy_(dx)
-        for index, grad in zip(wanted, shard_grads):
+        for index, grad in zip(wanted, shard_grads, strict=True):
             grads.add(index, grad)
 
     def _recompute(self, x_leaf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -129,7 +132,7 @@ class GenericShardKernel:
             return self._run(x_leaf)
         # Once per call: the recompute must read no tensor needing a gradient that the forward did not
         # read (those are the Function's inputs); autograd.grad would silently skip it.
-        reads = TensorReads(known=[x_leaf, *tensors], made_since=next_sequence_nr())
+        reads = TensorReads(known=[x_leaf, *tensors, *self.owned_params], made_since=next_sequence_nr())
         with reads:
             y = self._run(x_leaf)
         self._reads_checked = True

@@ -17,7 +17,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def keep_freed_memory_in_process() -> bool:
     """Once per process; True when the setting took effect."""
     name = ctypes.util.find_library("c")

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Hashable, List, Mapping, Optional, TypeVar
 
 import torch
 from torch import nn
 
 from .cpu_allocator import keep_freed_memory_in_process
 from .memory_tracker import LiveMemoryTracker
+
+Key = TypeVar("Key", bound=Hashable)  # an implementation's name, or a policy sweep's target
 
 
 def one_step(step_fn: Callable, mlp: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
@@ -49,8 +51,8 @@ def peak_bytes(step_fn: Callable, mlp: nn.Module, x: torch.Tensor, grad_out: tor
     return tracker.peak_bytes
 
 
-def step_seconds(step_fns: Dict[str, Callable], mlp: nn.Module, x, grad_out, repeats: int = 3,
-                 warmup: int = 3, on_round: Optional[Callable[[int], None]] = None) -> Dict[str, float]:
+def step_seconds(step_fns: Mapping[Key, Callable], mlp: nn.Module, x, grad_out, repeats: int = 3,
+                 warmup: int = 3, on_round: Optional[Callable[[int], None]] = None) -> Dict[Key, float]:
     """Median seconds of one step for each implementation, timed round-robin: step r of every
     implementation runs before step r+1 of any, so a slow spell of the machine (shared CPUs drift by
     20% over minutes) lands on all of them alike instead of on whichever ran then."""
@@ -59,7 +61,7 @@ def step_seconds(step_fns: Dict[str, Callable], mlp: nn.Module, x, grad_out, rep
     for step_fn in step_fns.values():
         for _ in range(warmup):
             one_step(step_fn, mlp, x, grad_out)
-    times: Dict[str, List[float]] = {name: [] for name in step_fns}
+    times: Dict[Key, List[float]] = {name: [] for name in step_fns}
     for round_index in range(repeats):
         for name, step_fn in step_fns.items():
             _synchronize(x.device)
@@ -75,13 +77,15 @@ def step_seconds(step_fns: Dict[str, Callable], mlp: nn.Module, x, grad_out, rep
 def step_outputs(step_fn: Callable, mlp: nn.Module, x, grad_out) -> List[torch.Tensor]:
     """Output, input grad and every weight grad of one step (to compare implementations)."""
     y = one_step(step_fn, mlp, x, grad_out)
-    return [y, x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
+    grads = [x.grad, *(p.grad for p in mlp.parameters())]
+    assert all(g is not None for g in grads), "every input and weight of a benchmarked MLP gets a gradient"
+    return [y] + [g.clone() for g in grads if g is not None]
 
 
 def max_relative_error(got: List[torch.Tensor], want: List[torch.Tensor]) -> float:
     """max over tensors of ||got - want|| / ||want|| (in float64)."""
     worst = 0.0
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         a, b = a.double(), b.double()
         worst = max(worst, ((a - b).norm() / b.norm().clamp_min(1e-30)).item())
     return worst
@@ -89,10 +93,11 @@ def max_relative_error(got: List[torch.Tensor], want: List[torch.Tensor]) -> flo
 
 def shards_used(step_fn, requested) -> int:
     """The shard count the last step ran with (1 for a pass-through), else what was asked for."""
-    return getattr(step_fn, "last_num_shards", None) or requested
+    # Ours records what its last call ran in ``tiling``; the others ran what was asked.
+    return getattr(getattr(step_fn, "tiling", None), "last_num_shards", None) or requested
 
 
-def make_inputs(seq: int, hidden: int, dtype, device, batch: int = 1, seed: Optional[int] = 0):
+def make_inputs(seq: int, hidden: int, dtype, device, batch: int = 1, seed: int = 0):
     generator = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(batch, seq, hidden, generator=generator).to(device=device, dtype=dtype).requires_grad_(True)
     grad_out = torch.randn(batch, seq, hidden, generator=generator).to(device=device, dtype=dtype)

@@ -9,6 +9,7 @@ every shard size timed interleaved with the untiled step.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable, Dict
 
 import torch
 
@@ -41,7 +42,7 @@ def main() -> None:
     mlp = SwiGLUMLP(hidden, inter)
     x, dy = make_inputs(seq, hidden, torch.float32, "cpu")
     counts = {target: shards_for_target(seq, inter, 4, target) for target in TARGETS_MIB}
-    step_fns = {"untiled": mlp, **{target: IMPLS["fast"](mlp, n) for target, n in counts.items()}}
+    step_fns: Dict[Any, Callable] = {"untiled": mlp, **{target: IMPLS["fast"](mlp, n) for target, n in counts.items()}}
     seconds = step_seconds(step_fns, mlp, x, dy, repeats=repeats,
                            on_round=lambda r: progress.step(f"timed round {r + 1}/{repeats}"))
     times = {target: (n, seconds[target] / seconds["untiled"]) for target, n in counts.items()}

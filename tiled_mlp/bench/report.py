@@ -57,11 +57,11 @@ def plot(rows: List[dict], path: str, title: str) -> None:
     fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(11 if timed else 6, 4), squeeze=False)
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     panels = [("peak_mb", "peak memory (MiB)")] + ([("ms", "fwd+bwd time (ms)")] if timed else [])
-    for ax, (key, label) in zip(axes[0], panels):
+    for ax, (key, label) in zip(axes[0], panels, strict=True):
         for impl in impls:
             pts = [(r["seq"], r[key]) for r in rows if r["impl"] == impl and r[key] is not None]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=impl)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=impl)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length (tokens)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Any, Callable, Dict, List, Union
 
 import torch
 
@@ -49,7 +49,8 @@ def _measure_real(cfg: BenchConfig, seq: int, impls: List[str], progress: Progre
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
     x, grad_out = make_inputs(seq, cfg.hidden, cfg.dtype, device, cfg.batch, cfg.seed)
     reference = step_outputs(IMPLS["untiled"](mlp, 1), mlp, x, grad_out)
-    rows, step_fns = [], {}
+    rows: List[Dict[str, Any]] = []
+    step_fns: Dict[str, Callable] = {}
     for impl in impls:
         shards = shards_for(impl, cfg, seq)
         step_fn = step_fns[impl] = IMPLS[impl](mlp, shards)

@@ -22,9 +22,11 @@ def tiny_llama(args):
 
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=max(args.seq, 2048), attn_implementation="sdpa")
+                         max_position_embeddings=max(args.seq, 2048))
     torch.manual_seed(args.seed)
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    model.set_attn_implementation("sdpa")
+    return model
 
 
 def synthetic_batches(args, rank: int):
@@ -44,11 +46,11 @@ def _wrap(model, args):
         with contextlib.redirect_stdout(sys.stderr):
             engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
 
-        def step(loss):
+        def engine_step(loss):
             engine.backward(loss)
             engine.step()
 
-        return engine, step
+        return engine, engine_step
     if args.strategy == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -96,9 +98,9 @@ def report(args, rank: int) -> None:
           f"batch={args.batch} ({where}, CPU, float32); peak = live tensor memory during the step")
     print("| step | untiled loss | tiled loss | |diff| | untiled peak MiB | tiled peak MiB |")
     print("|---|---|---|---|---|---|")
-    for i, (lu, pu, lt, pt) in enumerate(zip(*untiled, *tiled)):
+    for i, (lu, pu, lt, pt) in enumerate(zip(*untiled, *tiled, strict=True)):
         print(f"| {i} | {lu:.6f} | {lt:.6f} | {abs(lu - lt):.1e} | {pu:.1f} | {pt:.1f} |")
-    worst = max(abs(a - b) for a, b in zip(untiled[0], tiled[0]))
+    worst = max(abs(a - b) for a, b in zip(untiled[0], tiled[0], strict=True))
     print(f"largest loss difference: {worst:.2e}")
 
 

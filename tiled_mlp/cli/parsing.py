@@ -8,7 +8,7 @@ from typing import List
 
 import torch
 
-from ..tiled_core.shard_plan import NumShards, parse_num_shards
+from tiled_core.shard_plan import NumShards, parse_num_shards
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -107,7 +107,7 @@ def available_devices() -> List[str]:
             continue
         module = getattr(torch, kind, None)
         try:
-            count = module.device_count() if hasattr(module, "device_count") else 1
+            count = getattr(module, "device_count", lambda: 1)()
         except Exception:
             count = 1
         names.append(kind)

@@ -6,11 +6,13 @@ so nothing is allocated and the seed's sizes plan in seconds on any machine.
 from __future__ import annotations
 
 import json
+from typing import Any, Dict
 
 import torch
 
+from tiled_core.auto_shards import MLPSize, auto_num_shards, fixed_bytes
+
 from ..bench.model_memory import modeled_peak_bytes
-from ..tiled_core.auto_shards import MLPSize, auto_num_shards, fixed_bytes
 from . import parsing
 
 GiB = 2**30
@@ -43,7 +45,7 @@ def make_plan(hidden: int, intermediate: int, seq: int, dtype: torch.dtype, batc
     model = lambda impl, n: modeled_peak_bytes(impl, hidden, intermediate, seq, dtype, n, batch)  # noqa: E731
     untiled = model("untiled", 1)
     auto = auto_num_shards(tokens, swiglu_size(hidden, intermediate, dtype))
-    plan = dict(hidden=hidden, intermediate=intermediate, seq=seq, batch=batch, dtype=str(dtype).replace("torch.", ""),
+    plan: Dict[str, Any] = dict(hidden=hidden, intermediate=intermediate, seq=seq, batch=batch, dtype=str(dtype).replace("torch.", ""),
                 untiled_peak_bytes=untiled, auto_num_shards=auto or 1, auto_runs_untiled=auto is None,
                 auto_peak_bytes=untiled if auto is None else model("fast", auto),
                 floor_bytes=floor_bytes(hidden, intermediate, tokens, dtype))

@@ -20,11 +20,12 @@ from typing import Any, List, Optional
 
 from torch import nn
 
-from ..strategies.resolver import StrategyArg
-from ..tiled_core.gated_spec import structural_spec
-from ..tiled_core.module import TiledMLP, install_tiling, prepare_tiling, untile
-from ..tiled_core.shard_plan import NumShards
-from ..tiled_core.tiling_state import TilingState
+from strategies.resolver import StrategyArg
+from tiled_core.gated_spec import structural_spec
+from tiled_core.module import TiledMLP, install_tiling, prepare_tiling, untile
+from tiled_core.shard_plan import NumShards
+from tiled_core.tiling_state import TilingState
+
 from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .matching import Patterns, find_tiled, scan
 from .moe import TiledExperts
@@ -75,7 +76,7 @@ def apply_tiled_mlp(
         state = TilingState(num_shards, path, grad_accum_dtype, fixed_strategy=fixed)
         state.set_ancestors(candidate.ancestors)
         tiled = install_tiling(mixin, candidate.module, state)
-        report.patched.append(TiledBlock(candidate.name, type(tiled)._tiled_base.__name__, candidate.kind, tiled,
+        report.patched.append(TiledBlock(candidate.name, type(candidate.module).__name__, candidate.kind, tiled,
                                          expected_path(tiled)))
     for old in found.already_tiled:
         report.already_tiled.append(TiledBlock(old.name, type(old.module).__name__, "tiled", old.module,

@@ -17,11 +17,12 @@ import fnmatch
 import inspect
 import typing
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
-from ..tiled_core.module import TiledMLP
+from tiled_core.module import TiledMLP
+
 from .moe import is_fused_experts
 
 GATED_LAYOUTS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"))
@@ -34,7 +35,7 @@ class Candidate:
     """A module to tile, where it sits, and the chain of modules above it (root first)."""
 
     name: str
-    module: nn.Module
+    module: Any  # an nn.Module; a TiledMLP for the blocks found already tiled
     parent: nn.Module
     attr: str
     ancestors: List[nn.Module] = field(default_factory=list)
@@ -142,7 +143,7 @@ def scan(model: nn.Module, include: Patterns = None, exclude: Patterns = None) -
             if chosen:
                 problem = "" if kind == "experts" else call_problem(child)
                 if not problem:
-                    result.candidates.append(Candidate(name, child, parent, attr, chain, kind))
+                    result.candidates.append(Candidate(name, child, parent, attr, chain, kind or "named"))
                     continue
                 result.skipped.append((name, problem))
             visit(child, name + ".", chain)

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from ..tiled_core.gated_spec import structural_spec
-from ..tiled_core.module import TiledMLP
+from tiled_core.gated_spec import structural_spec
+from tiled_core.module import TiledMLP
 
 
 def expected_path(tiled: TiledMLP) -> str:
