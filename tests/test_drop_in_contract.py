@@ -146,6 +146,21 @@ def test_zero_initialised_side_branch_takes_generic_and_gets_its_gradient():
     assert_runs_close(want, got, tol=TOL)
 
 
+def assert_generic_and_exact_before_and_after(mlp: nn.Module, change, seed: int) -> None:
+    """Generic path and exact at a first call, and again after ``change`` (applied in place to the
+    untiled and the tiled copy alike) altered a tensor the forward reads."""
+    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=seed)
+    tiled = TiledMLP(copy.deepcopy(mlp), num_shards=3)
+    for changed in (False, True):
+        if changed:
+            with torch.no_grad():
+                change(mlp)
+                change(tiled)
+        got = step(tiled, x, dy)
+        assert tiled.tiling.last_path == "generic"
+        assert_runs_close(untiled_run(mlp, x, dy), got, tol=TOL)
+
+
 class BufferGatedMLP(GatedMLP):
     """A gated MLP whose output is scaled by a registered buffer (ones at init)."""
 
@@ -162,18 +177,7 @@ def test_buffer_read_by_the_forward_takes_generic_and_follows_in_place_updates()
     init the buffer is neutral, so only structure can tell; after an in-place update (same tensor, so
     a cached decision would be reused) the tiled output must follow it exactly as untiled."""
     mlp = seeded(BufferGatedMLP, 2, HIDDEN, INTER)
-    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=3)
-    tiled = TiledMLP(copy.deepcopy(mlp), num_shards=3)
-    got = step(tiled, x, dy)
-    assert tiled.tiling.last_path == "generic"
-    assert_runs_close(untiled_run(mlp, x, dy), got, tol=TOL)
-
-    with torch.no_grad():
-        mlp.scale.fill_(3.0)
-        tiled.scale.fill_(3.0)
-    got = step(tiled, x, dy)
-    assert tiled.tiling.last_path == "generic"
-    assert_runs_close(untiled_run(mlp, x, dy), got, tol=TOL)
+    assert_generic_and_exact_before_and_after(mlp, lambda m: m.scale.fill_(3.0), seed=3)
 
 
 class FunctionalDropoutGatedMLP(GatedMLP):
@@ -251,17 +255,7 @@ def test_plain_tensor_attribute_takes_generic_and_follows_in_place_updates():
     must rule out the fast kernel on structure: neutral at the first call, then changed in place, the
     tiled output must follow it as untiled."""
     mlp = seeded(AttributeScaleGatedMLP, 5, HIDDEN, INTER)
-    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=6)
-    tiled = TiledMLP(copy.deepcopy(mlp), num_shards=3)
-    got = step(tiled, x, dy)
-    assert tiled.tiling.last_path == "generic"
-    assert_runs_close(untiled_run(mlp, x, dy), got, tol=TOL)
-
-    mlp.scale.mul_(3.0)
-    tiled.scale.mul_(3.0)
-    got = step(tiled, x, dy)
-    assert tiled.tiling.last_path == "generic"
-    assert_runs_close(untiled_run(mlp, x, dy), got, tol=TOL)
+    assert_generic_and_exact_before_and_after(mlp, lambda m: m.scale.mul_(3.0), seed=6)
 
 
 # -- tensors from outside the module's parameters ---------------------------------------------------

@@ -9,21 +9,7 @@ import subprocess
 import sys
 
 from . import parsing
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--seq", type=parsing.positive_int, default=4096)
-    p.add_argument("--batch", type=parsing.positive_int, default=1)
-    p.add_argument("--steps", type=parsing.positive_int, default=3)
-    p.add_argument("--hidden", type=parsing.positive_int, default=128)
-    p.add_argument("--intermediate", type=parsing.positive_int, default=2048)
-    p.add_argument("--layers", type=parsing.positive_int, default=2)
-    p.add_argument("--vocab", type=parsing.positive_int, default=256)
-    p.add_argument("--num-shards", type=parsing.shards, default="auto")
-    p.add_argument("--lr", type=parsing.positive_float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--strategy", choices=["fsdp2", "deepspeed"], default=None,
-                   help="distributed backend (needs --nproc >= 2)")
+from .demo_train import add_arguments
 
 
 def add_parser(subparsers) -> None:

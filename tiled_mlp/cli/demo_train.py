@@ -13,6 +13,7 @@ import sys
 import torch
 
 from ..bench.memory_tracker import LiveMemoryTracker
+from . import parsing
 
 MiB = 2**20
 
@@ -104,10 +105,23 @@ def report(args, rank: int) -> None:
     print(f"largest loss difference: {worst:.2e}")
 
 
+def add_arguments(p) -> None:
+    p.add_argument("--seq", type=parsing.positive_int, default=4096)
+    p.add_argument("--batch", type=parsing.positive_int, default=1)
+    p.add_argument("--steps", type=parsing.positive_int, default=3)
+    p.add_argument("--hidden", type=parsing.positive_int, default=128)
+    p.add_argument("--intermediate", type=parsing.positive_int, default=2048)
+    p.add_argument("--layers", type=parsing.positive_int, default=2)
+    p.add_argument("--vocab", type=parsing.positive_int, default=256)
+    p.add_argument("--num-shards", type=parsing.shards, default="auto")
+    p.add_argument("--lr", type=parsing.positive_float, default=1e-2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--strategy", choices=["fsdp2", "deepspeed"], default=None,
+                   help="distributed backend (needs --nproc >= 2)")
+
+
 def worker_main(argv=None) -> None:
     """Entry point of each torchrun rank."""
-    from .demo_cmd import add_arguments
-
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(argv)

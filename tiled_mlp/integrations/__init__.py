@@ -1,7 +1,8 @@
 """Integrations with model libraries. Nothing here imports transformers, peft or accelerate at import
 time; the helpers that build models import transformers when called."""
-from .args import TiledMLPFlags, add_tiled_mlp_args, apply_from_flags, read_tiled_mlp_flags
+from .args import TiledMLPFlags, add_tiled_mlp_args, read_tiled_mlp_flags
 from .hf import (
+    apply_from_flags,
     apply_tiled_mlp,
     enable_tiled_mlp,
     from_config,

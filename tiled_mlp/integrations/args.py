@@ -7,14 +7,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
-
-from torch import nn
+from typing import Any, Mapping, Union
 
 from tiled_core.shard_plan import NumShards, parse_num_shards
-
-if TYPE_CHECKING:  # hf.py imports this module: the report type is named for the checker only
-    from .report import TilingReport
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -91,12 +86,3 @@ def read_tiled_mlp_flags(source: Union[argparse.Namespace, Mapping[str, Any], No
         raise ValueError(f"tiled_mlp_num_shards: {error}") from None
     return TiledMLPFlags(use, num_shards)
 
-
-def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[TilingReport]:
-    """``apply_tiled_mlp(model, num_shards=...)`` when ``--use_tiled_mlp`` is set, else None."""
-    flags = read_tiled_mlp_flags(source)
-    if not flags.use_tiled_mlp:
-        return None
-    from .hf import apply_tiled_mlp
-
-    return apply_tiled_mlp(model, num_shards=flags.num_shards, **kwargs)

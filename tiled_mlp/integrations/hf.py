@@ -87,6 +87,15 @@ def apply_tiled_mlp(
     return report
 
 
+def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[TilingReport]:
+    """``apply_tiled_mlp(model, num_shards=...)`` when ``--use_tiled_mlp`` is set (parsed arguments or a
+    dict from a training config), else None."""
+    flags = read_tiled_mlp_flags(source)
+    if not flags.use_tiled_mlp:
+        return None
+    return apply_tiled_mlp(model, num_shards=flags.num_shards, **kwargs)
+
+
 def remove_tiled_mlp(model: nn.Module) -> List[str]:
     """Untile every tiled block in place (the same module objects, their original classes); returns
     the qualified names."""
