@@ -71,9 +71,9 @@ def _measured_peak(module, x, dy) -> int:
 
 @pytest.mark.parametrize("builder", ["lora", "plain", "gated", "sequential"])
 def test_auto_never_raises_the_measured_peak_on_either_path(builder):
-    """Exact tracker, real modules: LoRA (generic path; one shard reached 1.07x untiled before one shard
-    meant "run untiled"), a small GELU MLP (1.19x before the generic path's buffers were counted), the
-    gated fast path, and an nn.Sequential whose width is read from its first Linear."""
+    """Exact tracker, real modules: LoRA (generic path; one shard reached 1.07x untiled before the
+    generic path's buffers were counted), a small GELU MLP (1.19x), the gated fast path (where even
+    one shard lowers the peak), and an nn.Sequential whose width is read from its first Linear."""
     import copy
 
     from reference import GatedMLP, PlainMLP, lora_gated

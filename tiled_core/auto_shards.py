@@ -16,11 +16,11 @@ Two rules, both cheap enough for every forward:
    only pays when the intermediates it stops keeping are a real share of the step's memory. When the
    whole call's intermediate bytes are under ``MIN_INTERMEDIATE_SHARE`` of the fixed bytes, "auto"
    runs the module untiled: at 2048 tokens of the 4096/12288 model, tiling would save at most 4-9%
-   of the peak for ~20% more time, and with one or two shards it raises the peak. So does one shard
-   (it keeps everything), and so does the generic path where its extra buffers (a second copy of
-   the trainable parameters' gradients, a shard's input gradient and output) outweigh what the
-   shards save: a LoRA MLP in one shard reached 1.07x untiled, a small GELU MLP 1.19x (measured
-   with the exact tracker; ``tests/test_auto_policy.py`` sweeps such modules).
+   of the peak for ~20% more time, and with one or two shards it raises the peak. So does the
+   generic path where its extra buffers (a second copy of the trainable parameters' gradients, a
+   shard's input gradient and output) outweigh what the shards save, one shard always: a LoRA MLP
+   in one shard reached 1.07x untiled, a small GELU MLP 1.19x (measured with the exact tracker;
+   ``tests/test_auto_policy.py`` sweeps such modules).
 """
 from __future__ import annotations
 
@@ -86,11 +86,10 @@ def auto_num_shards(num_tokens: int, size: MLPSize) -> Optional[int]:
     buffer_bytes = min(SHARD_INTERMEDIATE_BYTES, WORKING_SET_SHARE * fixed / WORKING_SET_BUFFERS)
     tokens_per_shard = max(MIN_TOKENS_PER_SHARD, int(buffer_bytes // (size.intermediate * size.element_bytes)))
     num_shards = math.ceil(num_tokens / tokens_per_shard)
-    if num_shards <= 1:
-        return None  # one shard keeps every intermediate and adds the tiled call's own buffers
     if size.generic_trainable_bytes is not None:
-        # Untiled autograd keeps at least one [tokens, intermediate] tensor; tiling keeps 1/num_shards
-        # of it, for the generic path's extra buffers. Tile only where that pays.
+        # Untiled autograd keeps at least one [tokens, intermediate] tensor; the generic recompute keeps
+        # a shard's worth of them (so one shard saves nothing), for its extra buffers. Tile only where
+        # that pays. (The fast path saves no intermediate at all, so even one shard lowers its peak.)
         saved = intermediate_bytes * (1 - 1 / num_shards)
         extra = size.generic_trainable_bytes + 2 * math.ceil(num_tokens / num_shards) * size.hidden * size.element_bytes
         if saved <= extra:
