@@ -34,7 +34,7 @@ class DDPStrategy(WaitsForEveryParameter, Strategy):
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         import torch.distributed as dist
 
-        if not dist.is_available():
+        if not (dist.is_available() and dist.is_initialized()):
             return False
         from torch.nn.parallel import DistributedDataParallel
 

@@ -94,6 +94,10 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, Strategy):
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):  # DeepSpeed initialises one first
+            return False
         if any(is_zero3_param(p) or is_zero12_param(p) for p in module.parameters()):
             return True
         return any(_is_deepspeed_engine(m) for m in ancestors)

@@ -51,7 +51,7 @@ class FSDP1Strategy(Strategy):
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         import torch.distributed as dist
 
-        return dist.is_available() and is_under_fsdp1(module, ancestors)
+        return dist.is_available() and dist.is_initialized() and is_under_fsdp1(module, ancestors)
 
     def check_supported(self, module: nn.Module) -> None:
         raise UnsupportedBackendError(FSDP1_ERROR)

@@ -85,7 +85,7 @@ class FSDP2Strategy(WaitsForEveryParameter, Strategy):
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         import torch.distributed as dist
 
-        if not dist.is_available():
+        if not (dist.is_available() and dist.is_initialized()):  # fully_shard needs a process group
             return False
         fsdp_module = _fsdp_module_class()
         if any(isinstance(m, fsdp_module) for m in (*ancestors, *module.modules())):

@@ -7,6 +7,12 @@ from typing import Dict, List, Type
 from .base import Strategy
 
 _REGISTRY: Dict[str, Type[Strategy]] = {}
+# The resolver's order, kept sorted as classes come and go (it is read at every tiled call).
+_BY_PRIORITY: List[Type[Strategy]] = []
+
+
+def _reorder() -> None:
+    _BY_PRIORITY[:] = sorted(_REGISTRY.values(), key=lambda cls: -cls.priority)
 
 
 def register_strategy(cls: Type[Strategy], override: bool = False) -> Type[Strategy]:
@@ -29,6 +35,7 @@ def register_strategy(cls: Type[Strategy], override: bool = False) -> Type[Strat
             "pass override=True to replace it"
         )
     _REGISTRY[cls.name] = cls
+    _reorder()
     return cls
 
 
@@ -64,6 +71,7 @@ def _interface_problem(cls: Type[Strategy], method: str, args: tuple) -> str:
 def unregister_strategy(name: str) -> None:
     get_strategy_class(name)
     del _REGISTRY[name]
+    _reorder()
 
 
 def available_strategies() -> List[str]:
@@ -84,4 +92,4 @@ def get_strategy(name: str) -> Strategy:
 
 
 def strategies_by_priority() -> List[Type[Strategy]]:
-    return sorted(_REGISTRY.values(), key=lambda cls: -cls.priority)
+    return _BY_PRIORITY

@@ -87,10 +87,12 @@ def _count_inner_calls(model):
 def test_gradient_checkpointing_grads_equal_and_forward_counts(reentrant):
     """Two layers, 3 shards, generic path (the fast path never calls the inner forward per shard).
 
-    Per step and per layer, measured: without checkpointing, 1 TiledMLP call and 6 inner calls
-    (3 shards forward + 3 shard recomputes in backward); with HF checkpointing, 2 TiledMLP calls (the
-    layer's forward, then its recompute in backward) and 9 inner calls (3 + 3 in the recompute + 3 in
-    the tiled backward), whether the checkpoint is reentrant or not."""
+    Per step and per layer: without checkpointing, 1 TiledMLP call and 6 inner calls (3 shards forward
+    + 3 shard recomputes in backward). With HF checkpointing the layer's forward is called twice (the
+    forward, then the checkpoint's recompute). Non-reentrant: the recompute stops once the tiled call's
+    input is saved, before its shard loop (the MLP is the last thing in a Llama layer that saves a
+    tensor), so 6 inner calls: 2 MLP forwards per step, as without checkpointing. Reentrant (no early
+    stop): 9 inner calls, the checkpoint's recompute running the shard loop too."""
     reference = tiny_model("llama")
     tiled = copy.deepcopy(reference)
     apply_tiled_mlp(tiled, num_shards=SHARDS, path="generic")
@@ -106,7 +108,49 @@ def test_gradient_checkpointing_grads_equal_and_forward_counts(reentrant):
     plain(input_ids=ids, labels=ids).loss.backward()
     layers = 2
     assert plain_counts == {"tiled": 1 * layers, "inner": 2 * SHARDS * layers}
-    assert counts == {"tiled": 2 * layers, "inner": 3 * SHARDS * layers}
+    mlp_forwards = 3 if reentrant else 2
+    assert counts == {"tiled": 2 * layers, "inner": mlp_forwards * SHARDS * layers}
+    _assert_grads_equal(reference, tiled, rtol=1e-9, atol=1e-12, require=lambda key: True)
+
+
+def _count_fast_shard_forwards(monkeypatch) -> dict:
+    """Counts the fast kernel's shard forwards (the backward recomputes only gate and up, in
+    backward_shard, so these are the full MLP forwards)."""
+    from tiled_core.kernels.gated import GatedShardKernel
+
+    counts = {"forward_shard": 0}
+    original = GatedShardKernel.forward_shard
+
+    def counted(self, *args, **kwargs):
+        counts["forward_shard"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GatedShardKernel, "forward_shard", counted)
+    return counts
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("family, reentrant, full_forwards", [
+    ("llama", False, 1),   # MLP then residual add: the recompute stops before the shard loop
+    ("qwen2", False, 1),
+    ("mistral", False, 1),
+    ("llama", True, 2),    # reentrant: no early stop, the recompute runs the shard loop
+    ("gemma2", False, 2),  # post_feedforward_layernorm saves the MLP's output: the recompute needs it
+])
+def test_fast_path_forwards_under_checkpointing_and_grads_exact(monkeypatch, family, reentrant, full_forwards):
+    reference = tiny_model(family)
+    tiled = copy.deepcopy(reference)
+    report = apply_tiled_mlp(tiled, num_shards=SHARDS)
+    for model in (reference, tiled):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+    ids = _ids(4)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    counts = _count_fast_shard_forwards(monkeypatch)
+    tiled(input_ids=ids, labels=ids).loss.backward()
+    assert set(report.paths().values()) == {"fast"}
+    layers = 2
+    assert counts["forward_shard"] == full_forwards * SHARDS * layers
     _assert_grads_equal(reference, tiled, rtol=1e-9, atol=1e-12, require=lambda key: True)
 
 

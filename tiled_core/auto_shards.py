@@ -37,6 +37,10 @@ WORKING_SET_SHARE = 1 / 8
 WORKING_SET_BUFFERS = 4
 MIN_TOKENS_PER_SHARD = 1024
 MIN_INTERMEDIATE_SHARE = 0.1
+# The fewest [tokens, intermediate] tensors untiled autograd keeps for an MLP with an activation
+# between its projections. A lower bound, so the generic path never tiles where it cannot pay; with
+# one (an earlier version) a SwiGLU at 4096 tokens ran untiled, where 4 shards take 0.59x the memory.
+GENERIC_SAVED_INTERMEDIATES = 2
 
 
 
@@ -87,10 +91,11 @@ def auto_num_shards(num_tokens: int, size: MLPSize) -> Optional[int]:
     tokens_per_shard = max(MIN_TOKENS_PER_SHARD, int(buffer_bytes // (size.intermediate * size.element_bytes)))
     num_shards = math.ceil(num_tokens / tokens_per_shard)
     if size.generic_trainable_bytes is not None:
-        # Untiled autograd keeps at least one [tokens, intermediate] tensor; the generic recompute keeps
-        # a shard's worth of them (so one shard saves nothing), for its extra buffers. Tile only where
-        # that pays. (The fast path saves no intermediate at all, so even one shard lowers its peak.)
-        saved = intermediate_bytes * (1 - 1 / num_shards)
+        # Untiled autograd keeps at least two [tokens, intermediate] tensors (the pre-activation and the
+        # activation's output; SwiGLU keeps four); the generic recompute keeps a shard's worth of them
+        # (so one shard saves nothing), for its extra buffers. Tile only where that pays. (The fast path
+        # saves no intermediate at all, so even one shard lowers its peak.)
+        saved = GENERIC_SAVED_INTERMEDIATES * intermediate_bytes * (1 - 1 / num_shards)
         extra = size.generic_trainable_bytes + 2 * math.ceil(num_tokens / num_shards) * size.hidden * size.element_bytes
         if saved <= extra:
             return None

@@ -1,13 +1,13 @@
-"""Whether a call may take the gated fast kernel, decided again whenever what it rests on changes.
+"""Whether a call may take the gated fast kernel, and the key of what that (and every other answer a
+call caches, ``call_plan.py``) rests on.
 
 The decision rests on the module's structure (its parameters, buffers, submodules and hooks), its
 training mode (a forward may drop out only in training), the weights' and the input's dtype and
 device, the plain settings on the module (a ``self.scale = 2.0`` the forward reads), and autocast.
-All of that is the cache key; a probe of the real forward runs only when the key changes.
+All of that is the key; a probe of the real forward runs only when the key changes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -24,7 +24,7 @@ def _hook_ids(module: nn.Module) -> tuple:
     return tuple(id(h) for name in names for h in getattr(module, name, {}).values())
 
 
-def decision_key(module: nn.Module, x: torch.Tensor) -> Tuple[tuple, tuple]:
+def module_key(module: nn.Module, x: torch.Tensor) -> Tuple[tuple, tuple]:
     """(key, keep_alive): the key compares identities, so the objects it names are kept alive with it
     (a freed object's id could be taken by a new one)."""
     objects = []
@@ -36,31 +36,20 @@ def decision_key(module: nn.Module, x: torch.Tensor) -> Tuple[tuple, tuple]:
         settings = tuple((k, v) for k, v in vars(sub).items() if not k.startswith("_") and k != "tiling"
                          and isinstance(v, _SETTING_TYPES))
         parts.append((name, id(sub), sub.training, "forward" in sub.__dict__, _hook_ids(sub), settings,
-                      tuple((k, id(t), t.dtype, t.device) if t is not None else (k, None) for k, t in
-                            (*sub._parameters.items(), *sub._buffers.items()))))
+                      tuple((k, id(t), t.dtype, t.device, t.requires_grad) if t is not None else (k, None)
+                            for k, t in (*sub._parameters.items(), *sub._buffers.items()))))
     return (tuple(parts), x.dtype, x.device, autocast_enabled(x.device.type)), tuple(objects)
 
 
-@dataclass
-class FastPathDecision:
-    key: tuple
-    keep_alive: tuple
-    spec: Optional[GatedMLPSpec]
-    why_not: str
-
-
-def decide_fast_path(module: nn.Module, forward_fn: Callable, x: torch.Tensor, is_backend_hook,
-                     cached: Optional[FastPathDecision]) -> FastPathDecision:
-    """The spec when the fast kernel computes exactly what ``forward_fn`` computes on ``x``, else None
-    and why not; ``cached`` is reused when nothing it rests on has changed."""
-    key, keep_alive = decision_key(module, x)
-    if cached is not None and cached.key == key:
-        return cached
+def decide_fast_path(module: nn.Module, forward_fn: Callable, x: torch.Tensor,
+                     is_backend_hook) -> Tuple[Optional[GatedMLPSpec], str]:
+    """(the spec, "") when the fast kernel computes exactly what ``forward_fn`` computes on ``x``,
+    else (None, why not)."""
     spec, why_not = structural_spec(module, is_backend_hook)
     if spec is not None:
         why_not = _call_problem(spec, x) or probe_forward(forward_fn, spec, x)
         spec = None if why_not else spec
-    return FastPathDecision(key, keep_alive, spec, why_not)
+    return spec, why_not
 
 
 def _call_problem(spec: GatedMLPSpec, x: torch.Tensor) -> str:

@@ -30,6 +30,7 @@ from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
 
 from .activations import gated_activation
 from .auto_shards import MLPSize, auto_num_shards, intermediate_size
+from .call_plan import CallPlan, current_key
 from .fast_path import decide_fast_path
 from .gated_spec import foreign_child_hooks
 from .kernels import GatedShardKernel, GenericShardKernel
@@ -163,56 +164,75 @@ class TiledMLP(nn.Module):
         strategy.check_supported(self)
         state.last_strategy = strategy
         num_tokens = x.numel() // x.shape[-1]
+        plan = self._tiled_plan(strategy, x)
+        # Too short to pay even on the fast path (the generic path only needs more): run the module
+        # itself, before deciding the path (which probes the forward the first time).
+        num_shards = self._tiled_num_shards(plan, x, num_tokens, generic=False)
+        if (num_tokens == 0 or num_shards is None) and strategy.allows_untiled_call(self):
+            state.last_path, state.last_num_shards = "untiled", 1
+            return shard_forward(x)
         with strategy.gathered(self):
-            trainable = strategy.trainable_params(self)
-            kernel = self._tiled_kernel(strategy, shard_forward, x, trainable)
-            num_shards = self._tiled_num_shards(strategy, kernel, x, num_tokens)
+            kernel = self._tiled_kernel(strategy, plan, shard_forward, x)
+            if isinstance(kernel, GenericShardKernel) and num_shards is not None:
+                num_shards = self._tiled_num_shards(plan, x, num_tokens, generic=True)
             if num_tokens == 0 or num_shards is None:
                 if strategy.allows_untiled_call(self):
                     # Nothing to split, or too short for tiling to lower the peak: the plain module.
                     state.last_path, state.last_num_shards = "untiled", 1
                     return shard_forward(x)
                 num_shards = 1  # the backend needs every rank on the tiled path (same collectives)
-            plan = make_shard_plan(num_tokens, num_shards)
+            shard_plan = make_shard_plan(num_tokens, num_shards)
             run = ShardedRun(
                 kernel=kernel,
-                plan=plan,
+                plan=shard_plan,
                 gathered=lambda: strategy.gathered(self),
                 grad_accum_dtype=state.grad_accum_dtype,
                 # The fast path provably draws no random numbers, so it has none to replay.
                 replay_rng=isinstance(kernel, GenericShardKernel),
-                param_mask=_membership(kernel.params, trainable),
+                param_mask=_membership(kernel.params, plan.trainable),  # the generic kernel's: all
                 zeros_for_unused=strategy.unused_grads_as_zeros,
                 deliver_grads=strategy.deliver_grads,
             )
             with _buffers_kept(self):
                 out = sharded_apply(x, run)
         state.last_path = "generic" if isinstance(kernel, GenericShardKernel) else "fast"
-        state.last_num_shards = plan.num_shards
+        state.last_num_shards = shard_plan.num_shards
         return out
 
-    def _tiled_num_shards(self, strategy: Strategy, kernel, x: torch.Tensor, num_tokens: int) -> Optional[int]:
+    def _tiled_num_shards(self, plan: CallPlan, x: torch.Tensor, num_tokens: int, generic: bool) -> Optional[int]:
         """The configured count, or the auto policy's (None: run untiled)."""
         num_shards = self.tiling.num_shards
         if isinstance(num_shards, int):
             return num_shards
-        generic = None
-        if isinstance(kernel, GenericShardKernel):
-            generic = sum(p.numel() * p.element_size() for p in kernel.params)
-        size = MLPSize(x.shape[-1], intermediate_size(self), strategy.param_bytes(self), x.element_size(), generic)
+        trainable_bytes = sum(p.numel() * p.element_size() for p in plan.trainable) if generic else None
+        size = MLPSize(x.shape[-1], plan.intermediate, plan.param_bytes, x.element_size(), trainable_bytes)
         return auto_num_shards(num_tokens, size)
 
-    def _tiled_kernel(self, strategy: Strategy, shard_forward: Callable, x: torch.Tensor,
-                      trainable: List[torch.Tensor]):
+    def _tiled_plan(self, strategy: Strategy, x: torch.Tensor) -> CallPlan:
+        """The cached plan while its key holds, else a new one (see ``call_plan.py``)."""
         state: TilingState = self.tiling
-        spec, why_not = self._tiled_fast_spec(strategy, shard_forward, x)
+        key, keep_alive = current_key(self, strategy, x)
+        plan = state.call_plan
+        if plan is None or plan.key != key:
+            plan = CallPlan(key, keep_alive, strategy.trainable_params(self), intermediate_size(self),
+                            strategy.param_bytes(self))
+            state.call_plan = plan
+        return plan
+
+    def _tiled_kernel(self, strategy: Strategy, plan: CallPlan, shard_forward: Callable, x: torch.Tensor):
+        state: TilingState = self.tiling
+        if plan.fast is None:
+            plan.fast = self._tiled_fast_spec(strategy, shard_forward, x)
+        spec, why_not = plan.fast
         if spec is not None:
-            return GatedShardKernel(spec, gated_activation(spec.activation, x.device, state.use_liger))
+            if plan.fast_kernel is None:  # stateless: one per plan
+                plan.fast_kernel = GatedShardKernel(spec, gated_activation(spec.activation, x.device, state.use_liger))
+            return plan.fast_kernel
         if state.path == "fast":
             raise ValueError(f"path='fast' cannot apply to {type(self).__name__}: {why_not}; use path='auto'")
         prefix = (1,) * (x.dim() - 2)
         hooks = functools.partial(foreign_child_hooks, self, strategy.is_backend_hook)
-        return GenericShardKernel(shard_forward, self, trainable, prefix, hooks)
+        return GenericShardKernel(shard_forward, self, plan.trainable, prefix, hooks)
 
     def _tiled_fast_spec(self, strategy: Strategy, shard_forward: Callable, x: torch.Tensor):
         """(the gated spec, "") when the fast kernel provably computes this call, else (None, why not)."""
@@ -224,9 +244,7 @@ class TiledMLP(nn.Module):
         if state.instance_forward is not None:
             # It may do more than compute (move offloaded weights); the fast kernel would bypass it.
             return None, "its forward was replaced on the instance (another library's hooks)"
-        decision = decide_fast_path(self, shard_forward, x, strategy.is_backend_hook, state.fast_decision)
-        state.fast_decision = decision
-        return decision.spec, decision.why_not
+        return decide_fast_path(self, shard_forward, x, strategy.is_backend_hook)
 
 
 def _membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor]) -> List[bool]:

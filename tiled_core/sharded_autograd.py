@@ -1,7 +1,8 @@
 """The token-sharded autograd Function shared by every per-shard kernel.
 
 Forward: flatten the leading dims into tokens, run the kernel one shard at a time under no_grad into
-one output allocated in the caller's shape, save only the input (plus each shard's RNG state).
+one output allocated in the caller's shape, keep only the input (saved before the loop by a node of
+its own, see ``saved_input``) and each shard's RNG state.
 Backward: recompute one shard at a time and sum the gradients over shards.
 
 The parameters are *inputs* of the Function and their summed gradients are returned from
@@ -28,6 +29,7 @@ from .autocast_state import AutocastState
 from .grad_accum import GradAccumulator
 from .kernels.base import ShardKernel
 from .rng import capture_rng_state, replay_rng_state
+from .saved_input import InputHolder, save_input
 from .shard_plan import ShardPlan
 from .tensor_reads import TensorReads, describe
 
@@ -72,6 +74,8 @@ class FirstShard:
     out: torch.Tensor
     rng_state: Optional[tuple]
     watched: Optional[List[torch.Tensor]]  # the tensors later shards may read; None: not watched
+    input_holder: Optional[InputHolder]  # where the input was saved; None: the Function saves it
+    input_requires_grad: bool  # the caller's input (the Function's own input may be its saved view)
 
 
 def _maybe(context: Optional[ContextManager]) -> ContextManager:
@@ -107,7 +111,10 @@ class ShardedMLPFunction(torch.autograd.Function):
                 if reads.foreign:
                     raise RuntimeError(LATE_TENSOR_ERROR.format(shard=index, tensors=describe(reads.foreign_tensors())))
                 _check_nothing_kept(reads)
-        ctx.save_for_backward(x)
+        if first.input_holder is None:
+            ctx.save_for_backward(x)
+        ctx.input_holder = first.input_holder
+        ctx.input_requires_grad = first.input_requires_grad
         ctx.run = run
         ctx.rng_states = rng_states
         # Plain references, not saved tensors: backends swap parameter storage between forward and
@@ -119,10 +126,11 @@ class ShardedMLPFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
-        (x,) = ctx.saved_tensors
+        # Under non-reentrant checkpointing, reading the saved input recomputes the region up to it.
+        (x,) = ctx.saved_tensors if ctx.input_holder is None else (ctx.input_holder.tensor(),)
         run: ShardedRun = ctx.run
         tensors = ctx.tensors
-        need_dx = ctx.needs_input_grad[0]
+        need_dx = ctx.needs_input_grad[0] and ctx.input_requires_grad
         num_params = len(run.kernel.params)
         mask = run.param_mask
         # Tensors after the parameters were found reading the forward: they always get their gradient.
@@ -148,8 +156,9 @@ class ShardedMLPFunction(torch.autograd.Function):
 
 
 def sharded_apply(x: torch.Tensor, run: ShardedRun) -> torch.Tensor:
-    """Run ``run`` over ``x``: the first shard here, the rest inside the Function."""
+    """Run ``run`` over ``x``: the input saved first, then the first shard, the rest inside the Function."""
     params: Sequence[torch.Tensor] = run.kernel.params
+    x_in, holder = save_input(x, params)
     # Tensors the forward reads besides x and the parameters matter only when a graph is being built.
     watch = run.kernel.may_read_other_tensors and torch.is_grad_enabled()
     x_flat = x.detach().reshape(-1, x.shape[-1])
@@ -163,4 +172,5 @@ def sharded_apply(x: torch.Tensor, run: ShardedRun) -> torch.Tensor:
         _check_nothing_kept(reads, expected=[first_out])
         others = reads.foreign_tensors()
     watched = [*params, *run.kernel.owned_params, *others] if watch else None
-    return ShardedMLPFunction.apply(x, run, FirstShard(first_out, rng_state, watched), *params, *others)
+    first = FirstShard(first_out, rng_state, watched, holder, x.requires_grad)
+    return ShardedMLPFunction.apply(x_in, run, first, *params, *others)

@@ -54,8 +54,8 @@ class TilingState:
     # A forward another library installed on the instance before tiling (accelerate's device hooks):
     # each shard runs it, and untiling puts it back.
     instance_forward: Optional[Any] = field(default=None, repr=False)
-    # The fast-path decision and what it was made from (see ``fast_path.FastPathDecision``).
-    fast_decision: Optional[Any] = field(default=None, repr=False, compare=False)
+    # What the last call decided before touching a tensor, and what that rests on (``call_plan.py``).
+    call_plan: Optional[Any] = field(default=None, repr=False, compare=False)
 
     def set_ancestors(self, ancestors: Sequence[nn.Module]) -> None:
         self.ancestor_refs = tuple(weakref.ref(m) for m in ancestors)
@@ -68,5 +68,5 @@ class TilingState:
         # point at the original's ancestors; the cached decision is re-made on the copy.
         state = dict(self.__dict__)
         state["ancestor_refs"] = ()
-        state["fast_decision"] = None
+        state["call_plan"] = None
         return state
