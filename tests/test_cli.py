@@ -165,3 +165,28 @@ def test_demo_learning_rate_must_be_a_positive_finite_number(capsys, monkeypatch
     monkeypatch.setattr(demo_train, "report", lambda *a, **k: pytest.fail("the demo trained before the error"))
     err = _error(capsys, ["demo", "--lr", lr])
     assert "argument --lr: expected a positive number" in err and repr(lr) in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="the DeepSpeed peer needs deepspeed")
+def test_bench_checkpointed_counts_mlp_forwards_per_step(capsys, tmp_path):
+    """One checkpointed MLP half, tiny: untiled runs the MLP forward twice (forward, checkpoint
+    recompute), DeepSpeed's TiledMLP three times, ours twice (the recompute stops before it)."""
+    code = main(["bench-checkpointed", "--regions", "mlp-half", "--hidden", "32", "--intermediate", "64",
+                 "--seq", "2048", "--num-shards", "4", "--repeats", "1", "--plot", str(tmp_path / "c.png")])
+    out = capsys.readouterr().out
+    assert code == 0 and (tmp_path / "c.png").exists()
+    rows = {line.split("|")[2].strip(): line.split("|")[4].strip() for line in out.splitlines()
+            if line.startswith("| mlp-half")}
+    assert rows == {"untiled": "2", "ours": "2", "deepspeed": "3"}, out
+
+
+def test_bench_checkpointed_names_bad_regions_and_needs_untiled(capsys):
+    assert "unknown or empty" in _error(capsys, ["bench-checkpointed", "--regions", "attention"])
+    assert "must include untiled" in _error(capsys, ["bench-checkpointed", "--impls", "ours"])
+
+
+def test_bench_overhead_reports_every_measurement(capsys):
+    assert main(["bench-overhead", "--calls", "3"]) == 0
+    out = capsys.readouterr().out
+    for name in ("pass-through overhead", "tiled overhead over kernel work", "kernel work forward+backward"):
+        assert f"| {name}" in out, out

@@ -520,8 +520,11 @@ def test_batch_norm_in_train_mode_is_refused_and_its_statistics_are_put_back(kin
 def test_batch_norm_in_eval_mode_matches_untiled(kind):
     """Guards: in eval mode BatchNorm is token-wise and keeps its buffers: the tiled call runs it
     (generic) and matches untiled exactly, statistics untouched."""
-    mlp = _running_norm_mlp(kind).eval()
-    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=13)
+    _assert_eval_mode_exact_and_buffers_kept(_running_norm_mlp(kind).eval(), seed=13)
+
+
+def _assert_eval_mode_exact_and_buffers_kept(mlp: nn.Module, seed: int) -> None:
+    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=seed)
     tiled = TiledMLP(copy.deepcopy(mlp), num_shards=2)
     before = _buffers(tiled)
     got = step(tiled, x, dy)
@@ -549,14 +552,7 @@ def test_spectral_norm_in_train_mode_is_refused_and_its_buffers_are_put_back(gra
 
 def test_spectral_norm_in_eval_mode_matches_untiled():
     """Guards: in eval mode spectral_norm reuses its buffers without updating them: tiled matches untiled."""
-    mlp = _spectral_norm_mlp().eval()
-    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=14)
-    tiled = TiledMLP(copy.deepcopy(mlp), num_shards=2)
-    before = _buffers(tiled)
-    got = step(tiled, x, dy)
-    assert tiled.tiling.last_path == "generic"
-    _assert_buffers_equal(tiled, before)
-    assert_runs_close(untiled_run(mlp, x, dy), got, tol=TOL)
+    _assert_eval_mode_exact_and_buffers_kept(_spectral_norm_mlp().eval(), seed=14)
 
 
 class UnusedParamMLP(PlainMLP):

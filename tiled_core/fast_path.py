@@ -16,28 +16,33 @@ from torch import nn
 from .autocast_state import autocast_enabled
 from .gated_spec import GatedMLPSpec, probe_forward, structural_spec
 
-_SETTING_TYPES = (bool, int, float, str, type(None))
+# Plain settings a forward may read (``self.scale = 2.0``, ``GELU.approximate``); the tiling state
+# and every tensor, module or dict are none of these types.
+_SETTING_TYPES = frozenset({bool, int, float, str, type(None)})
 
 
-def _hook_ids(module: nn.Module) -> tuple:
-    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return tuple(id(h) for name in names for h in getattr(module, name, {}).values())
+def _entries(registry: dict) -> tuple:
+    return tuple((k, id(t), t.dtype, t.device, t.requires_grad) if t is not None else (k, None)
+                 for k, t in registry.items())
 
 
 def module_key(module: nn.Module, x: torch.Tensor) -> Tuple[tuple, tuple]:
     """(key, keep_alive): the key compares identities, so the objects it names are kept alive with it
-    (a freed object's id could be taken by a new one)."""
-    objects = []
+    (a freed object's id could be taken by a new one). Hooks are keyed by their handle ids, which are
+    never reused. It runs at every call: plain loops over each submodule's own dicts, nothing more."""
+    objects: list = []
     parts = []
     for name, sub in module.named_modules(remove_duplicate=False):
-        own = (*sub._parameters.values(), *sub._buffers.values())
+        d = sub.__dict__
+        params, buffers = d["_parameters"], d["_buffers"]
         objects.append(sub)
-        objects.extend(t for t in own if t is not None)
-        settings = tuple((k, v) for k, v in vars(sub).items() if not k.startswith("_") and k != "tiling"
-                         and isinstance(v, _SETTING_TYPES))
-        parts.append((name, id(sub), sub.training, "forward" in sub.__dict__, _hook_ids(sub), settings,
-                      tuple((k, id(t), t.dtype, t.device, t.requires_grad) if t is not None else (k, None)
-                            for k, t in (*sub._parameters.items(), *sub._buffers.items()))))
+        objects.extend(params.values())
+        objects.extend(buffers.values())
+        parts.append((name, id(sub), "forward" in d,
+                      tuple(d["_forward_hooks"]), tuple(d["_forward_pre_hooks"]),
+                      tuple(d["_backward_hooks"]), tuple(d["_backward_pre_hooks"]),
+                      tuple((k, v) for k, v in d.items() if type(v) in _SETTING_TYPES),
+                      _entries(params), _entries(buffers)))
     return (tuple(parts), x.dtype, x.device, autocast_enabled(x.device.type)), tuple(objects)
 
 

@@ -141,9 +141,11 @@ class ShardedMLPFunction(torch.autograd.Function):
         dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
         dx_flat = torch.empty_like(x_flat) if need_dx else None
 
-        with run.gathered(), run.kernel.using(tensors):
+        # One autocast context around the loop (the forward's state, whatever surrounds this backward);
+        # an RNG context only where a shard drew random numbers to replay.
+        with run.gathered(), run.kernel.using(tensors), ctx.autocast.replay():
             for shard, rng_state in zip(run.plan.slices(), ctx.rng_states, strict=True):
-                with replay_rng_state(x.device, rng_state), ctx.autocast.replay():
+                with _maybe(replay_rng_state(x.device, rng_state) if rng_state is not None else None):
                     run.kernel.backward_shard(
                         x_flat[shard], dy_flat[shard], None if dx_flat is None else dx_flat[shard], grads, tensors
                     )

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from tiled_mlp import TiledMLP
@@ -99,21 +99,26 @@ def build(region: str, impl: str, hidden: int, intermediate: int, dtype: torch.d
     return Checkpointed(inner)
 
 
-class GatePasses(TorchFunctionMode):
-    """Counts the tokens the gate projection sees (forward calls only: autograd's backward of a
-    linear is no such call), so tokens / seq = MLP forwards per step."""
+class GatePasses(TorchDispatchMode):
+    """Counts the tokens the gate projection's forward sees. At the dispatch level, which (unlike a
+    torch-function mode) also sees what runs inside backward: the checkpoint's recompute, and
+    DeepSpeed's and our backward recompute. A matmul reading the gate weight that makes a
+    ``[tokens, intermediate]`` result is a forward pass of the gate; the input gradient's matmul,
+    which reads it too, makes ``[tokens, hidden]``."""
 
     def __init__(self, gate_weight: torch.Tensor):
         super().__init__()
         self._storage = gate_weight.untyped_storage().data_ptr()
+        self._intermediate = gate_weight.shape[0]
         self.tokens = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.nn.functional.linear, torch.mm, torch.addmm, torch.matmul) and len(args) >= 2:
-            for weight in args[1:]:
-                if isinstance(weight, torch.Tensor) and weight.untyped_storage().data_ptr() == self._storage:
-                    self.tokens += args[0].numel() // args[0].shape[-1] if func is not torch.addmm else args[1].shape[0]
-        return func(*args, **(kwargs or {}))
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default) \
+                and isinstance(out, torch.Tensor) and out.shape[-1] == self._intermediate:
+            if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self._storage for a in args):
+                self.tokens += out.numel() // self._intermediate
+        return out
 
 
 def mlp_forwards(module: Checkpointed, x: torch.Tensor, dy: torch.Tensor) -> float:

@@ -26,16 +26,21 @@ from .mlp import SwiGLUMLP
 TOKENS, HIDDEN, INTERMEDIATE, SHARDS = 16, 64, 176, 4
 
 
-def per_call_us(fn: Callable[[], object], calls: int, blocks: int = 7) -> float:
-    for _ in range(max(10, calls // 10)):
-        fn()
-    times = []
-    for _ in range(blocks):
-        start = time.perf_counter()
-        for _ in range(calls):
+def per_call_us(fns: Dict[str, Callable[[], object]], calls: int, blocks: int = 9) -> Dict[str, float]:
+    """Median microseconds per call of each function, over ``blocks`` blocks of ``calls`` calls, the
+    functions' blocks interleaved: this machine drifts by tens of percent over seconds, and
+    interleaving puts a slow spell on every function alike (as ``tiled-mlp bench`` does)."""
+    for fn in fns.values():
+        for _ in range(max(10, calls // 10)):
             fn()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times) * 1e6
+    times: Dict[str, list] = {name: [] for name in fns}
+    for _ in range(blocks):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def measure(calls: int = 500) -> Dict[str, float]:
@@ -74,14 +79,14 @@ def measure(calls: int = 500) -> Dict[str, float]:
                 kernel.backward_shard(x_flat[shard], dy_flat[shard], dx[shard], grads, params)
             grads.results()
 
-    results = {
-        "plain forward": per_call_us(lambda: mlp(x), calls),
-        "pass-through forward": per_call_us(lambda: passthrough(x), calls),
-        "plain forward+backward": per_call_us(fwd_bwd(mlp), calls),
-        "tiled forward (4 shards)": per_call_us(lambda: tiled(x), calls),
-        "tiled forward+backward (4 shards)": per_call_us(fwd_bwd(tiled), calls),
-        "kernel work forward+backward (4 shards)": per_call_us(kernel_work, calls),
-    }
+    results = per_call_us({
+        "plain forward": lambda: mlp(x),
+        "pass-through forward": lambda: passthrough(x),
+        "plain forward+backward": fwd_bwd(mlp),
+        "tiled forward (4 shards)": lambda: tiled(x),
+        "tiled forward+backward (4 shards)": fwd_bwd(tiled),
+        "kernel work forward+backward (4 shards)": kernel_work,
+    }, calls)
     results["pass-through overhead"] = results["pass-through forward"] - results["plain forward"]
     results["tiled overhead over kernel work"] = (results["tiled forward+backward (4 shards)"]
                                                  - results["kernel work forward+backward (4 shards)"])
