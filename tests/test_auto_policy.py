@@ -23,8 +23,8 @@ def test_short_sequences_pass_through_untiled_with_identical_results():
 def test_long_sequences_tile_with_the_shard_size_target():
     size = MLPSize(hidden=4096, intermediate=12288, weight_bytes=3 * 4096 * 12288 * 2, element_bytes=2)
     assert auto_num_shards(2048, size) is None  # too short: runs untiled
-    tokens_per_shard = 64 * 2**20 // (12288 * 2)
-    assert auto_num_shards(131072, size) == -(-131072 // tokens_per_shard) == 49
+    tokens_per_shard = 32 * 2**20 // (12288 * 2)
+    assert auto_num_shards(131072, size) == -(-131072 // tokens_per_shard) == 97
     # An MLP whose intermediate size cannot be read falls back to ~hidden tokens per shard.
     assert auto_num_shards(10_000, MLPSize(1000, None, 0, 4)) == 10
 
@@ -37,14 +37,14 @@ def test_auto_is_never_worse_than_untiled_at_the_seed_size(seq):
         assert plan["auto_runs_untiled"]
 
 
-def test_auto_at_131072_tokens_reaches_within_6_percent_of_the_floor():
-    """The issue's 0.20-of-untiled target is below what any tiling can reach here: input, output, their
-    gradients, weights and weight gradients alone are 0.213 of the untiled peak. Auto must stay close."""
+def test_auto_at_131072_tokens_reaches_within_3_percent_of_the_floor():
+    """Input, output, their gradients, weights and weight gradients alone are 0.213 of the untiled peak
+    (no tiling goes below); auto with 32 MiB shard buffers (97 shards) reaches 0.2192, 2.7% above it."""
     plan = make_plan(4096, 12288, 131072, torch.bfloat16)
     floor = floor_bytes(4096, 12288, 131072, torch.bfloat16)
     assert floor / plan["untiled_peak_bytes"] > 0.2
-    assert plan["auto_peak_bytes"] <= 1.06 * floor
-    assert plan["auto_peak_bytes"] / plan["untiled_peak_bytes"] <= 0.23
+    assert plan["auto_peak_bytes"] <= 1.03 * floor
+    assert plan["auto_peak_bytes"] / plan["untiled_peak_bytes"] < 0.2195
 
 
 def test_fast_path_beats_deepspeed_tiled_mlp_in_modelled_memory():

@@ -5,10 +5,12 @@ Two rules, both cheap enough for every forward:
 1. **Shard size**: what no tiling removes (weights and their grads, input, output and both of their
    grads: the *fixed bytes*) sets the scale. A shard's working set is about four ``[tokens,
    intermediate]`` buffers; keeping it under ``WORKING_SET_SHARE`` (1/8) of the fixed bytes puts the
-   peak within ~12% of that floor. Shards are capped at ``SHARD_INTERMEDIATE_BYTES`` (64 MiB) per
-   buffer, where the modelled peak has flattened out (131072 tokens, hidden 4096, intermediate 12288,
-   bf16: 49 shards, 0.225 of untiled, against 0.216 for 193 shards) and a shard (~2700 tokens) still
-   keeps a GPU's matrix units busy, and floored at ``MIN_TOKENS_PER_SHARD`` (1024) so smaller MLPs
+   peak within ~12% of that floor. Shards are capped at ``SHARD_INTERMEDIATE_BYTES`` (32 MiB) per
+   buffer: at 131072 tokens, hidden 4096, intermediate 12288, bf16 that is 97 shards of ~1365 tokens,
+   0.219 of untiled, within 3% of the floor (0.213: input, output, their gradients, weights and
+   theirs), where 64 MiB gave 0.225 and 193 shards 0.216; ~1.4K tokens still keep a GPU's matrix
+   units busy. (Fused MoE experts see only shard x top-k / experts tokens each and take the
+   hidden-size rule below, so their shards stay large.) Shards are floored at ``MIN_TOKENS_PER_SHARD`` (1024) so smaller MLPs
    are not cut into slivers that only add time: hidden 1024, intermediate 2816, 8192 tokens, CPU fp32,
    the fast path took 1.23x the untiled step with 4 shards of 2048 tokens, 1.25x with 8 of 1024 and
    1.36x with 15 of 546 (README, "Auto policy").
@@ -32,7 +34,7 @@ from torch import nn
 
 from .validation import INPUT_PROJECTIONS
 
-SHARD_INTERMEDIATE_BYTES = 64 * 2**20
+SHARD_INTERMEDIATE_BYTES = 32 * 2**20
 WORKING_SET_SHARE = 1 / 8
 WORKING_SET_BUFFERS = 4
 MIN_TOKENS_PER_SHARD = 1024
