@@ -219,3 +219,19 @@ def test_path_fast_on_an_unsuitable_module_raises_before_any_work(builder):
         # Structure alone rules these out: the module is never called. (Only a numerical probe of the
         # real forward can tell "not the formula", so that one runs the module once, under no_grad.)
         assert calls == [1]
+
+
+def test_changing_the_path_after_a_fast_call_is_honoured():
+    """The cached decision is keyed on the tiling's own configuration too: asking for the generic path
+    after a fast call must run the generic path (and the result stays exact)."""
+    mlp = seeded(GatedMLP, 6, HIDDEN, INTER, "silu")
+    x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
+    want = untiled_run(mlp, x, dy)
+    tiled = TiledMLP(mlp, num_shards=3)
+    tiled(x.detach())
+    assert tiled.tiling.last_path == "fast"
+    tiled.tiling.path = "generic"
+    x_in = x.detach().clone().requires_grad_()
+    tiled(x_in).backward(dy)
+    assert tiled.tiling.last_path == "generic"
+    torch.testing.assert_close(x_in.grad, want.dx, rtol=1e-10, atol=0)
