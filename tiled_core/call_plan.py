@@ -35,7 +35,7 @@ class CallPlan:
 
 def current_key(module: nn.Module, strategy: Any, x: torch.Tensor) -> Tuple[tuple, tuple]:
     key, keep_alive = module_key(module, x)
-    tiling = module.tiling  # the path asked for and the kernels allowed decide the fast path too
+    tiling: Any = module.tiling  # the path asked for and the kernels allowed decide the fast path too
     config = (tiling.path, tiling.use_liger, tiling.instance_forward is not None)
     # The strategy answers trainable_params and param_bytes: another backend, another plan. (Its type:
     # "auto" makes a new instance at every call.)
