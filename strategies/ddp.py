@@ -40,5 +40,7 @@ class DDPStrategy(WaitsForEveryParameter, Strategy):
 
         if any(isinstance(m, DistributedDataParallel) for m in ancestors):
             return True
-        active = _active_ddp_module()
-        return active is not None and any(m is module for m in active.module.modules())
+        # A DDP forward running on this thread is what called this module (no walk of the model: this
+        # runs at every tiled call). A module called inside it but not wrapped by it (a frozen
+        # teacher) would get zeros for unused trainable parameters instead of None, nothing else.
+        return _active_ddp_module() is not None
