@@ -35,6 +35,14 @@ import torch
 from torch import nn
 
 
+def process_group_ready() -> bool:
+    """Every distributed backend (DDP, FSDP1/2, DeepSpeed) runs on an initialised process group: where
+    there is none, their ``claims`` answer "not mine" at once (this runs at every tiled call)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 class UnsupportedBackendError(RuntimeError):
     """The module runs under a backend (or a backend configuration) that TiledMLP cannot tile."""
 

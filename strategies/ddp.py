@@ -17,7 +17,7 @@ from typing import Sequence
 
 from torch import nn
 
-from .base import Strategy, WaitsForEveryParameter
+from .base import Strategy, WaitsForEveryParameter, process_group_ready
 
 
 def _active_ddp_module():
@@ -32,9 +32,7 @@ class DDPStrategy(WaitsForEveryParameter, Strategy):
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
+        if not process_group_ready():
             return False
         from torch.nn.parallel import DistributedDataParallel
 

@@ -39,7 +39,7 @@ from typing import Any, ContextManager, Dict, Iterator, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from .base import Strategy, WaitsForEveryParameter
+from .base import Strategy, WaitsForEveryParameter, process_group_ready
 
 _ZERO3_HOOK_OWNER = "DeepSpeedZeRoOffload."  # qualname prefix of the hooks ZeRO-3 puts on every module
 _ENGINE_CLASS = ("deepspeed.runtime.engine", "DeepSpeedEngine")
@@ -94,9 +94,7 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, Strategy):
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):  # DeepSpeed initialises one first
+        if not process_group_ready():
             return False
         if any(is_zero3_param(p) or is_zero12_param(p) for p in module.parameters()):
             return True

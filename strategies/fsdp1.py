@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .base import Strategy, UnsupportedBackendError
+from .base import Strategy, UnsupportedBackendError, process_group_ready
 
 FSDP1_ERROR = (
     "TiledMLP does not support FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel): it flattens "
@@ -49,9 +49,7 @@ class FSDP1Strategy(Strategy):
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        import torch.distributed as dist
-
-        return dist.is_available() and dist.is_initialized() and is_under_fsdp1(module, ancestors)
+        return process_group_ready() and is_under_fsdp1(module, ancestors)
 
     def check_supported(self, module: nn.Module) -> None:
         raise UnsupportedBackendError(FSDP1_ERROR)

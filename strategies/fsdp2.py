@@ -25,7 +25,7 @@ from typing import Any, Iterator, List, Sequence
 
 from torch import nn
 
-from .base import Strategy, UnsupportedBackendError, WaitsForEveryParameter
+from .base import Strategy, UnsupportedBackendError, WaitsForEveryParameter, process_group_ready
 
 PER_LINEAR_ERROR = (
     "TiledMLP cannot tile a module whose submodules are FSDP2 units of their own ({units}): each "
@@ -83,9 +83,7 @@ class FSDP2Strategy(WaitsForEveryParameter, Strategy):
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):  # fully_shard needs a process group
+        if not process_group_ready():
             return False
         fsdp_module = _fsdp_module_class()
         if any(isinstance(m, fsdp_module) for m in (*ancestors, *module.modules())):

@@ -31,6 +31,8 @@ class CallPlan:
     # context, where the probe can read the weights) and kept with the plan.
     fast: Optional[Tuple[Optional[GatedMLPSpec], str]] = None
     fast_kernel: Optional[Any] = field(default=None, repr=False)
+    # The generic kernel's view of the module's structure (``kernels.generic.GenericLayout``).
+    generic_layout: Optional[Any] = field(default=None, repr=False)
 
 
 def current_key(module: nn.Module, strategy: Any, x: torch.Tensor) -> Tuple[tuple, tuple]:

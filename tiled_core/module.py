@@ -34,6 +34,7 @@ from .call_plan import CallPlan, current_key
 from .fast_path import decide_fast_path
 from .gated_spec import foreign_child_hooks
 from .kernels import GatedShardKernel, GenericShardKernel
+from .kernels.generic import generic_layout
 from .shard_plan import NumShards, check_num_shards, make_shard_plan
 from .sharded_autograd import ShardedRun, sharded_apply
 from .tiling_state import STATE_ATTR, TilingState, check_config
@@ -165,21 +166,31 @@ class TiledMLP(nn.Module):
         state.last_strategy = strategy
         num_tokens = x.numel() // x.shape[-1]
         plan = self._tiled_plan(strategy, x)
-        # Too short to pay even on the fast path (the generic path only needs more): run the module
-        # itself, before deciding the path (which probes the forward the first time).
-        num_shards = self._tiled_num_shards(plan, x, num_tokens, generic=False)
-        if (num_tokens == 0 or num_shards is None) and strategy.allows_untiled_call(self):
+
+        def untiled_call() -> Optional[torch.Tensor]:
+            """Nothing to split, or too short for tiling to lower the peak: the plain module, where the
+            backend allows it (the same collectives as a tiled call)."""
+            if not strategy.allows_untiled_call(self):
+                return None
             state.last_path, state.last_num_shards = "untiled", 1
             return shard_forward(x)
+
+        # Too short to pay even on the fast path (the generic path only needs more): decided before the
+        # path is (which probes the forward the first time).
+        num_shards = self._tiled_num_shards(plan, x, num_tokens, generic=False)
+        if num_tokens == 0 or num_shards is None:
+            out = untiled_call()
+            if out is not None:
+                return out
         with strategy.gathered(self):
             kernel = self._tiled_kernel(strategy, plan, shard_forward, x)
             if isinstance(kernel, GenericShardKernel) and num_shards is not None:
                 num_shards = self._tiled_num_shards(plan, x, num_tokens, generic=True)
+                if num_shards is None:
+                    out = untiled_call()
+                    if out is not None:
+                        return out
             if num_tokens == 0 or num_shards is None:
-                if strategy.allows_untiled_call(self):
-                    # Nothing to split, or too short for tiling to lower the peak: the plain module.
-                    state.last_path, state.last_num_shards = "untiled", 1
-                    return shard_forward(x)
                 num_shards = 1  # the backend needs every rank on the tiled path (same collectives)
             shard_plan = make_shard_plan(num_tokens, num_shards)
             run = ShardedRun(
@@ -230,9 +241,11 @@ class TiledMLP(nn.Module):
             return plan.fast_kernel
         if state.path == "fast":
             raise ValueError(f"path='fast' cannot apply to {type(self).__name__}: {why_not}; use path='auto'")
-        prefix = (1,) * (x.dim() - 2)
         hooks = functools.partial(foreign_child_hooks, self, strategy.is_backend_hook)
-        return GenericShardKernel(shard_forward, self, plan.trainable, prefix, hooks)
+        if plan.generic_layout is None:
+            plan.generic_layout = generic_layout(self, plan.trainable, hooks())
+        prefix = (1,) * (x.dim() - 2)
+        return GenericShardKernel(shard_forward, type(self).__name__, plan.trainable, prefix, plan.generic_layout, hooks)
 
     def _tiled_fast_spec(self, strategy: Strategy, shard_forward: Callable, x: torch.Tensor):
         """(the gated spec, "") when the fast kernel provably computes this call, else (None, why not)."""

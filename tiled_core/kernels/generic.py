@@ -7,6 +7,7 @@ LoRA adapters and partially frozen modules work with no list of weight names.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,30 +28,41 @@ EXTERNAL_TENSOR_ERROR = (
 )
 
 
-def parameter_slots(module: nn.Module, params: Sequence[torch.Tensor]) -> List[List[Tuple[nn.Module, str]]]:
-    """For each of ``params``, every (owner module, attribute) that holds it (tied weights: several)."""
+@dataclass(frozen=True)
+class GenericLayout:
+    """What the generic kernel reads of the module's structure. Built once per call plan, whose key
+    covers every submodule's parameters and hooks (``call_plan.py``), not at every call."""
+
+    # For each parameter the Function takes, every (owner module, attribute) that holds it (tied
+    # weights: several).
+    slots: List[List[Tuple[nn.Module, str]]]
+    # Every parameter the module owns, trained or not: never mistaken for another tensor it reads.
+    owned_params: List[torch.Tensor]
+    # The submodule hooks the forward runs with; the recompute must run the same ones.
+    hooks: List[str]
+
+
+def generic_layout(module: nn.Module, params: Sequence[torch.Tensor], hooks: List[str]) -> GenericLayout:
     where: dict = {}
     for owner in module.modules():
         for attr, p in owner._parameters.items():
             if p is not None:
                 where.setdefault(id(p), []).append((owner, attr))
-    return [where.get(id(p), []) for p in params]
+    return GenericLayout([where.get(id(p), []) for p in params], list(module.parameters()), hooks)
 
 
 class GenericShardKernel:
     # Any forward: it may read tensors besides its parameters, which the sharded Function finds.
     may_read_other_tensors = True
 
-    def __init__(self, forward_fn: Callable, module: nn.Module, params: List[torch.Tensor], shard_prefix: tuple,
-                 hooks: Callable[[], List[str]]):
+    def __init__(self, forward_fn: Callable, module_name: str, params: List[torch.Tensor], shard_prefix: tuple,
+                 layout: GenericLayout, current_hooks: Callable[[], List[str]]):
         self.forward_fn = forward_fn
-        self.module_name = type(module).__name__
-        # The submodule hooks the forward ran with; the recompute must run the same ones.
-        self._hooks = hooks
-        self._forward_hooks = hooks()
+        self.module_name = module_name
         self.params = params
-        self.owned_params = list(module.parameters())
-        self._slots = parameter_slots(module, params)
+        self.owned_params = layout.owned_params
+        self._layout = layout
+        self._current_hooks = current_hooks  # read again in backward, against the forward's
         # Leading singleton dims so each shard has the rank of the caller's input: modules that
         # reshape a [batch, seq, hidden] input themselves (MoE blocks) keep working.
         self.shard_prefix = shard_prefix
@@ -82,14 +94,14 @@ class GenericShardKernel:
         """The module's parameter slots hold the Function's tensors for the recompute. Usually they
         already do (backends refill the same parameter objects); after ``functional_call`` they hold
         the module's own parameters again, and the recompute must use the call's."""
-        now = self._hooks()
-        if now != self._forward_hooks:
-            changed = sorted(set(now) ^ set(self._forward_hooks))
+        now = self._current_hooks()
+        if now != self._layout.hooks:
+            changed = sorted(set(now) ^ set(self._layout.hooks))
             raise RuntimeError(HOOKS_CHANGED_ERROR.format(module=self.module_name, hooks=", ".join(changed)))
         swapped = []
         try:
             # The tensors after the parameters (found reading the forward) have no slot: shorter on purpose.
-            for slots, tensor in zip(self._slots, tensors, strict=False):
+            for slots, tensor in zip(self._layout.slots, tensors, strict=False):
                 for owner, attr in slots:
                     if owner._parameters[attr] is not tensor:
                         swapped.append((owner, attr, owner._parameters[attr]))
