@@ -32,15 +32,16 @@ from abc import ABC, abstractmethod
 from typing import ClassVar, ContextManager, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+_DISTRIBUTED_BUILT = dist.is_available()
 
 
 def process_group_ready() -> bool:
     """Every distributed backend (DDP, FSDP1/2, DeepSpeed) runs on an initialised process group: where
     there is none, their ``claims`` answer "not mine" at once (this runs at every tiled call)."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
+    return _DISTRIBUTED_BUILT and dist.is_initialized()
 
 
 class UnsupportedBackendError(RuntimeError):

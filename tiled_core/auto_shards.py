@@ -46,7 +46,7 @@ GENERIC_SAVED_INTERMEDIATES = 2
 
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MLPSize:
     """What the policy needs to know about a module, read without running it."""
 

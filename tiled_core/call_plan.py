@@ -7,6 +7,14 @@ the input's dtype and device) and, with the strategy, picks the cached plan or m
 strategy itself is resolved at every call (a model is usually wrapped by its backend after it was
 tiled, and a warm-up forward must not pin the single-device fallback); without a process group that
 costs a few attribute reads.
+
+Short calls pass through (run the module untiled) before any walk: whether a call is too short to
+tile is a memory heuristic (``auto_shards``), never a question of the result, which is the module's
+own forward either way. It is answered from the sizes the last plan read, while a shallow key (the
+strategy's type, the input's dtype and device, the module's own parameters and children by identity)
+still matches, so that a pass-through call costs a few microseconds, not a walk. What the shallow key
+misses (a child's weight swapped in place for one of another size) can only move that heuristic, and
+only until the next tiled call, which walks the module and re-decides with fresh sizes.
 """
 from __future__ import annotations
 
@@ -24,15 +32,30 @@ from .gated_spec import GatedMLPSpec
 class CallPlan:
     key: tuple
     keep_alive: tuple  # the objects the key names by id, so that no id is reused while it is cached
+    shallow: tuple  # ``shallow_key``: what the pass-through decision reuses the plan's sizes on
     trainable: List[torch.Tensor]
     intermediate: Optional[int]
     param_bytes: int
+    named_buffers: List[Tuple[str, torch.Tensor]]  # the key names each buffer: the same ones while it holds
     # The fast-path decision, made at the first call that needs it (inside the strategy's gathered
     # context, where the probe can read the weights) and kept with the plan.
     fast: Optional[Tuple[Optional[GatedMLPSpec], str]] = None
     fast_kernel: Optional[Any] = field(default=None, repr=False)
     # The generic kernel's view of the module's structure (``kernels.generic.GenericLayout``).
     generic_layout: Optional[Any] = field(default=None, repr=False)
+
+    @property
+    def generic(self) -> bool:
+        """Whether the fast kernel was ruled out (the auto policy's generic rule applies)."""
+        return self.fast is not None and self.fast[0] is None
+
+
+def shallow_key(module: nn.Module, strategy: Any, x: torch.Tensor) -> tuple:
+    """The strategy's type, the input's dtype and device, and the module's own parameters and children
+    by identity: read without a walk (the objects are kept alive by the plan's ``keep_alive``)."""
+    d = module.__dict__
+    return (type(strategy), x.dtype, x.device, tuple(map(id, d["_parameters"].values())),
+            tuple(map(id, d["_modules"].values())))
 
 
 def current_key(module: nn.Module, strategy: Any, x: torch.Tensor) -> Tuple[tuple, tuple]:

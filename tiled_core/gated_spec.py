@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch.nn.modules import module as _module_globals
 
 from .activations import NativeGatedActivation
 from .tensor_reads import TensorReads, describe
@@ -95,6 +96,16 @@ def _no_hook_is_backend(hook) -> bool:
     return False
 
 
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                      "_global_backward_pre_hooks")
+
+
+def global_module_hooks() -> List[dict]:
+    """The hooks registered for every module's calls (``register_module_forward_hook``, ...), by
+    handle id: they fire at each submodule call, and the fast kernel makes none."""
+    return [getattr(_module_globals, name, {}) for name in _GLOBAL_HOOK_DICTS]
+
+
 def _module_hooks(module: nn.Module) -> tuple:
     """Forward, forward-pre and (full) backward hooks registered on this one module."""
     names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -109,7 +120,8 @@ def foreign_child_hooks(module: nn.Module, is_backend_hook=_no_hook_is_backend) 
     (ZeRO-3 gather/release) are stood in for by the strategy's ``gathered`` inside the tiled call.
     Hooks on ``module`` itself fire once around the tiled call, as untiled.
     """
-    found = []
+    found = [f"every module: {getattr(h, '__qualname__', type(h).__name__)}"
+             for hooks in global_module_hooks() for h in hooks.values() if not is_backend_hook(h)]
     for name, sub in module.named_modules():
         if not name:
             continue

@@ -78,5 +78,5 @@ class GradAccumulator:
             elif buffer is None:
                 out.append(torch.zeros_like(param) if zeros_for_unused else None)
             else:
-                out.append(buffer.to(param.dtype))
+                out.append(buffer if buffer.dtype == param.dtype else buffer.to(param.dtype))
         return out

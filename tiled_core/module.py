@@ -30,7 +30,7 @@ from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
 
 from .activations import gated_activation
 from .auto_shards import MLPSize, auto_num_shards, intermediate_size
-from .call_plan import CallPlan, current_key
+from .call_plan import CallPlan, current_key, shallow_key
 from .fast_path import decide_fast_path
 from .gated_spec import foreign_child_hooks
 from .kernels import GatedShardKernel, GenericShardKernel
@@ -165,7 +165,6 @@ class TiledMLP(nn.Module):
         strategy.check_supported(self)
         state.last_strategy = strategy
         num_tokens = x.numel() // x.shape[-1]
-        plan = self._tiled_plan(strategy, x)
 
         def untiled_call() -> Optional[torch.Tensor]:
             """Nothing to split, or too short for tiling to lower the peak: the plain module, where the
@@ -174,6 +173,15 @@ class TiledMLP(nn.Module):
                 return None
             state.last_path, state.last_num_shards = "untiled", 1
             return shard_forward(x)
+
+        # Too short to tile, by the last plan's sizes: no walk of the module (``call_plan.py``).
+        last = state.call_plan
+        if (last is not None and last.shallow == shallow_key(self, strategy, x)
+                and self._tiled_num_shards(last, x, num_tokens, generic=last.generic) is None):
+            out = untiled_call()
+            if out is not None:
+                return out
+        plan = self._tiled_plan(strategy, x)
 
         # Too short to pay even on the fast path (the generic path only needs more): decided before the
         # path is (which probes the forward the first time).
@@ -204,7 +212,7 @@ class TiledMLP(nn.Module):
                 zeros_for_unused=strategy.unused_grads_as_zeros,
                 deliver_grads=strategy.deliver_grads,
             )
-            with _buffers_kept(self):
+            with _buffers_kept(self, plan.named_buffers):
                 out = sharded_apply(x, run)
         state.last_path = "generic" if isinstance(kernel, GenericShardKernel) else "fast"
         state.last_num_shards = shard_plan.num_shards
@@ -225,8 +233,8 @@ class TiledMLP(nn.Module):
         key, keep_alive = current_key(self, strategy, x)
         plan = state.call_plan
         if plan is None or plan.key != key:
-            plan = CallPlan(key, keep_alive, strategy.trainable_params(self), intermediate_size(self),
-                            strategy.param_bytes(self))
+            plan = CallPlan(key, keep_alive, shallow_key(self, strategy, x), strategy.trainable_params(self),
+                            intermediate_size(self), strategy.param_bytes(self), list(self.named_buffers()))
             state.call_plan = plan
         return plan
 
@@ -266,11 +274,10 @@ def _membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor])
 
 
 @contextlib.contextmanager
-def _buffers_kept(module: nn.Module) -> Iterator[None]:
-    """Refuse a forward that updates a buffer: put the buffers back and raise, also when the forward
-    failed for another reason. Compared by value as well as by version counter: BatchNorm's kernels
-    update ``running_mean``/``running_var`` without bumping the version."""
-    buffers = list(module.named_buffers())
+def _buffers_kept(module: nn.Module, buffers: Sequence[Tuple[str, torch.Tensor]]) -> Iterator[None]:
+    """Refuse a forward that updates one of its ``buffers`` (the module's, named): put them back and
+    raise, also when the forward failed for another reason. Compared by value as well as by version
+    counter: BatchNorm's kernels update ``running_mean``/``running_var`` without bumping the version."""
     if not buffers:
         yield
         return

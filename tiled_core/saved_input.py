@@ -13,12 +13,26 @@ recompute runs on through the MLP, as it must.
 
 The sharded Function reads the input from this node (``InputHolder.tensor``): unpacking it is what
 makes a checkpoint recompute the region up to here.
+
+The node exists for saved-tensor hooks, which is how every non-reentrant checkpoint (and activation
+offload such as ``save_on_cpu``) sees a saved tensor; where none is active while the forward runs,
+nothing can stop early, and the sharded Function saves its input itself: one autograd node fewer
+(about 20 us per forward+backward on CPU, ``tiled-mlp bench-overhead``).
 """
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
 import torch
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether a saved-tensor hook (a non-reentrant checkpoint's) would see what is saved now. True
+    where this torch cannot tell: the saving node is always right, only slower."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    except (AttributeError, TypeError, RuntimeError):
+        return True
 
 
 class InputHolder:
@@ -55,8 +69,11 @@ def save_input(x: torch.Tensor, anchors: Sequence[torch.Tensor]):
     """(the tensor the sharded Function should take as its input, the holder or None).
 
     None when no backward will need ``x`` through this node (no graph is built, or nothing that
-    would record the node requires grad): the sharded Function then saves ``x`` itself."""
-    if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in anchors)):
+    would record the node requires grad) or when no saved-tensor hook is active (no checkpoint to
+    stop early): the sharded Function then saves ``x`` itself."""
+    if not torch.is_grad_enabled() or not saved_tensor_hooks_active():
+        return x, None
+    if not (x.requires_grad or any(t.requires_grad for t in anchors)):
         return x, None
     holder = InputHolder()
     return SaveInput.apply(holder, x, *anchors), holder

@@ -6,7 +6,10 @@ in Python is +12% on that layer. Measured, one thread, median of repeated blocks
 - pass-through: ``TiledMLP`` with ``num_shards="auto"`` on too few tokens to tile runs the module
   itself; its forward against the plain module's forward;
 - tiled: the fast path at 4 shards, forward+backward, against the kernel's own work (the same four
-  shards' forward and backward computed by calling the kernel directly, no autograd, no module).
+  shards' forward and backward computed by calling the kernel directly, no autograd, no module);
+- and the floor under that: the same kernel work inside one bare autograd Function (save the input,
+  loop the shards, return the input and weight gradients), i.e. what autograd itself costs for a
+  custom Function with this many inputs, which no tiled call can go below.
 """
 from __future__ import annotations
 
@@ -79,6 +82,24 @@ def measure(calls: int = 500) -> Dict[str, float]:
                 kernel.backward_shard(x_flat[shard], dy_flat[shard], dx[shard], grads, params)
             grads.results()
 
+    class BareFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inp, *weights):
+            ctx.save_for_backward(inp)
+            out = torch.empty(TOKENS, HIDDEN)
+            for shard in plan.slices():
+                kernel.forward_shard(x_flat[shard], out[shard], weights)
+            return out.view_as(inp)
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            (inp,) = ctx.saved_tensors
+            dx = torch.empty(TOKENS, HIDDEN)
+            grads = GradAccumulator(params, [True] * len(params))
+            for shard in plan.slices():
+                kernel.backward_shard(x_flat[shard], grad_out.reshape(TOKENS, HIDDEN)[shard], dx[shard], grads, params)
+            return (dx.view_as(inp), *grads.results())
+
     results = per_call_us({
         "plain forward": lambda: mlp(x),
         "pass-through forward": lambda: passthrough(x),
@@ -86,8 +107,13 @@ def measure(calls: int = 500) -> Dict[str, float]:
         "tiled forward (4 shards)": lambda: tiled(x),
         "tiled forward+backward (4 shards)": fwd_bwd(tiled),
         "kernel work forward+backward (4 shards)": kernel_work,
+        "bare Function forward+backward (4 shards)": lambda: BareFunction.apply(x, *params).backward(dy),
     }, calls)
     results["pass-through overhead"] = results["pass-through forward"] - results["plain forward"]
     results["tiled overhead over kernel work"] = (results["tiled forward+backward (4 shards)"]
                                                  - results["kernel work forward+backward (4 shards)"])
+    results["bare Function over kernel work (autograd's floor)"] = (
+        results["bare Function forward+backward (4 shards)"] - results["kernel work forward+backward (4 shards)"])
+    results["tiled overhead over the bare Function"] = (results["tiled forward+backward (4 shards)"]
+                                                       - results["bare Function forward+backward (4 shards)"])
     return results

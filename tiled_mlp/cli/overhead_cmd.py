@@ -8,7 +8,7 @@ from . import parsing
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench-overhead", help="Python overhead per TiledMLP call on tiny shapes",
                               description=__doc__)
-    p.add_argument("--calls", type=parsing.positive_int, default=500, help="calls per timed block (median of 7)")
+    p.add_argument("--calls", type=parsing.positive_int, default=500, help="calls per timed block (median of 9)")
     p.set_defaults(run=run_command)
 
 

@@ -1,0 +1,151 @@
+"""What a tiled call caches (``tiled_core/call_plan.py``) is re-decided when what it rests on changes.
+
+Each test makes a first call (which caches the fast decision), changes one thing the fast kernel
+would not see, and checks that the next call follows the change: the fast path is left where it no
+longer computes the module, and the result is the untiled module's. A cache keyed on too little fails
+them by reusing the stale fast decision.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from reference import GatedMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
+from torch import nn
+
+from tiled_core import untile
+from tiled_mlp import TiledMLP
+
+pytestmark = pytest.mark.timeout(60)
+
+HIDDEN, INTER, TOKENS = 8, 12, 7
+
+
+def _tiled_after_a_fast_call(seed: int = 11):
+    mlp = seeded(GatedMLP, seed, HIDDEN, INTER, "silu")
+    tiled = TiledMLP(mlp, num_shards=3)
+    x, _ = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
+    tiled(x)
+    assert tiled.tiling.last_path == "fast"
+    return tiled
+
+
+def _run(module, x, dy):
+    x_in = x.detach().clone().requires_grad_()
+    out = module(x_in)
+    out.backward(dy)
+    return out.detach(), x_in.grad
+
+
+def _assert_matches_untiled(tiled, expect_path: str):
+    x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
+    got = _run(tiled, x, dy)
+    assert tiled.tiling.last_path == expect_path
+    want = _run(untile(copy.deepcopy(tiled)), x, dy)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=0)
+
+
+def test_a_global_module_hook_sends_the_call_to_generic_and_fires_for_each_projection():
+    """``register_module_forward_hook`` fires at every submodule call; the fast kernel makes none."""
+    tiled = _tiled_after_a_fast_call()
+    seen = []
+
+    def record(module, args, out):
+        seen.append(type(module).__name__)
+
+    handle = nn.modules.module.register_module_forward_hook(record)
+    try:
+        x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
+        _run(tiled, x, dy)
+        assert tiled.tiling.last_path == "generic"
+        # 3 shards in the forward and again in the recompute: gate, up, act, down each time, then the MLP.
+        assert seen.count("Linear") == 3 * 3 * 2 and seen.count("SiLU") == 3 * 2
+    finally:
+        handle.remove()
+    _assert_matches_untiled(tiled, "fast")  # the hook gone: fast again
+
+
+def test_a_global_hook_registered_before_tiling_rules_out_the_fast_path_from_the_start():
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda m, a: None)
+    try:
+        mlp = seeded(GatedMLP, 3, HIDDEN, INTER, "silu")
+        x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
+        want = untiled_run(mlp, x, dy)
+        got, tiled = tiled_run(mlp, x, dy, num_shards=3)
+        assert tiled.tiling.last_path == "generic"
+        assert_runs_close(want, got)
+    finally:
+        handle.remove()
+
+
+class ScaledSiLU(nn.SiLU):
+    """An activation whose forward reads a plain setting."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def test_a_setting_rebound_after_a_fast_call_is_seen():
+    mlp = seeded(GatedMLP, 4, HIDDEN, INTER, "silu")
+    mlp.act_fn = ScaledSiLU()
+    tiled = TiledMLP(mlp, num_shards=3)
+    x, _ = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
+    tiled(x)
+    first = tiled.tiling.last_path
+    tiled.act_fn.scale = 3.0  # the fast kernel's SiLU has no scale: only the generic path is right now
+    _assert_matches_untiled(tiled, "generic")
+    assert first in ("fast", "generic")
+
+
+def test_a_tensor_attribute_added_after_a_fast_call_is_seen():
+    class Offset(GatedMLP):
+        def forward(self, x):
+            out = super().forward(x)
+            offset = self.__dict__.get("offset")
+            return out if offset is None else out + offset
+
+    mlp = seeded(Offset, 5, HIDDEN, INTER, "silu")
+    tiled = TiledMLP(mlp, num_shards=3)
+    x, _ = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
+    tiled(x)
+    assert tiled.tiling.last_path == "fast"
+    tiled.offset = torch.full((HIDDEN,), 0.5, dtype=torch.float64)
+    _assert_matches_untiled(tiled, "generic")
+
+
+def test_a_child_swapped_after_a_fast_call_is_seen():
+    tiled = _tiled_after_a_fast_call(6)
+    tiled.act_fn = nn.GELU()  # a real activation change: the fast kernel must now compute GELU or step aside
+    _assert_matches_untiled(tiled, "fast")
+    assert tiled.tiling.call_plan.fast[0].activation == "gelu"
+
+
+def test_train_eval_toggle_keeps_exact_results():
+    tiled = _tiled_after_a_fast_call(7)
+    tiled.eval()
+    _assert_matches_untiled(tiled, "fast")
+    tiled.train()
+    _assert_matches_untiled(tiled, "fast")
+
+
+def test_pass_through_reuses_the_last_sizes_and_a_long_call_still_tiles():
+    """num_shards="auto": a short call passes through on the last plan's sizes without a walk; a long
+    call after it still tiles, and both match the untiled module."""
+    mlp = seeded(GatedMLP, 8, 64, 1024, "silu", dtype=torch.float32)
+    tiled = TiledMLP(mlp)
+    short = torch.randn(1, 8, 64)
+    tiled(short)
+    assert tiled.tiling.last_path == "untiled"
+    plan = tiled.tiling.call_plan
+    tiled(short)
+    assert tiled.tiling.last_path == "untiled" and tiled.tiling.call_plan is plan
+    long = torch.randn(1, 8192, 64, requires_grad=True)
+    out = tiled(long)
+    assert tiled.tiling.last_path == "fast" and tiled.tiling.last_num_shards > 1
+    out.sum().backward()
