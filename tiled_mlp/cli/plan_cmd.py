@@ -13,21 +13,24 @@ import torch
 from tiled_core.auto_shards import MLPSize, auto_num_shards, fixed_bytes
 
 from ..bench.model_memory import modeled_peak_bytes
-from . import parsing
+from . import parsing, plan_model
 
 GiB = 2**30
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="shard count and predicted peak memory for one MLP step", description=__doc__)
-    p.add_argument("--hidden", type=parsing.positive_int, required=True)
-    p.add_argument("--intermediate", type=parsing.positive_int, required=True)
-    p.add_argument("--seq", type=parsing.positive_int, required=True, help="tokens per sequence")
+    p = subparsers.add_parser("plan", help="peak memory of one MLP step (--hidden ...) or a whole model's (--model ...)",
+                              description=__doc__ + "\n" + (plan_model.__doc__ or ""))
+    p.add_argument("--hidden", type=parsing.positive_int, default=None, help="one MLP: its hidden size")
+    p.add_argument("--intermediate", type=parsing.positive_int, default=None, help="one MLP: its intermediate size")
+    p.add_argument("--seq", type=parsing.seq_list, default=None,
+                   help="tokens per sequence (--model: comma-separated lengths, default 8192,32768,65536,131072)")
     p.add_argument("--batch", type=parsing.positive_int, default=1)
     p.add_argument("--dtype", type=parsing.dtype, default=torch.bfloat16)
     p.add_argument("--budget", type=parsing.byte_size, default=None,
-                   help="memory budget for the MLP step, e.g. 8GiB: plan the fewest shards that fit")
+                   help="memory budget, e.g. 80GiB: one MLP: the fewest shards that fit; --model: per rank, the longest sequence")
     p.add_argument("--json", action="store_true")
+    plan_model.add_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -79,6 +82,13 @@ def _fit_budget(budget, untiled, tokens, floor, peak_at) -> dict:
 
 
 def run(args, parser_error) -> int:
+    if args.model is not None:
+        return plan_model.run(args, parser_error)
+    if args.hidden is None or args.intermediate is None or args.seq is None:
+        parser_error("give --model CONFIG (a whole model), or --hidden, --intermediate and --seq (one MLP)")
+    if len(args.seq) != 1:
+        parser_error(f"one MLP is planned at one --seq, got {len(args.seq)} lengths (several need --model)")
+    args.seq = args.seq[0]
     try:
         plan = make_plan(args.hidden, args.intermediate, args.seq, args.dtype, args.batch, args.budget)
     except ValueError as error:
