@@ -2,8 +2,11 @@
 with and without checkpointing, and the longest sequence each setting fits into ``--budget``."""
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Dict, List, Optional
+
+import torch
 
 from tiled_core.shard_plan import NumShards
 
@@ -41,7 +44,7 @@ def _settings(args, parser_error) -> List[Setting]:
     if args.tiled != "none":
         try:
             tiled.append(shards(args.tiled))
-        except Exception as error:  # argparse's type error, worded by the one shard-count parser
+        except argparse.ArgumentTypeError as error:  # worded by the one shard-count parser
             parser_error(f"--tiled {args.tiled}: {error}")
     return [Setting(tiled=n is not None, checkpointing=c, num_shards="auto" if n is None else n)
             for c in ckpt for n in tiled]
@@ -119,7 +122,7 @@ def _print(args, config, sizes, backend, points, max_seq, optimizer_counts) -> N
     if any(p.dominant == LOGITS for p in points):
         print(f"note: the logits and the loss dominate where marked; the knob that removes them is {LOGITS_KNOB}.")
     print("analytic, not modelled: the optimizer state (Adam, float32 moments"
-          + ("" if args.dtype.is_floating_point and str(args.dtype) == "torch.float32" else " and master weights")
+          + ("" if args.dtype == torch.float32 else " and master weights")
           + (", on the host" if not optimizer_counts else "") + ")"
           + ("" if backend.name == "single" else f", and {backend.name}'s division of weights and gradients and its "
              f"'{IN_FLIGHT}' buffers (tiled_mlp/planner/backends.py)") + ".")
