@@ -11,7 +11,8 @@ A strategy answers, in the order the core asks:
    which fire once around the tiled call, already did it); ``is_backend_hook`` names the backend's
    own hooks that ``gathered`` stands in for; ``allows_untiled_call`` says whether a call may run
    the plain module instead (only where that issues the same collectives); ``param_bytes`` sizes the
-   whole parameters for the auto shard policy.
+   whole parameters for the auto shard policy; ``swaps_param_storage`` exempts a backend that
+   re-gathers or re-allocates them between forward and backward from the in-place check.
 4. **Gradient semantics**:
    - which tensors receive gradients: ``trainable_params(module)``, honoured by both kernels (a
      parameter left out gets no gradient from the tiled call, fast path or generic);
@@ -86,6 +87,13 @@ class Strategy(ABC):
         to pay)? Only when both issue the same collectives. Default: yes (the backend's hooks sit
         around the call, not inside it)."""
         return True
+
+    def swaps_param_storage(self, module: nn.Module) -> bool:
+        """Does the backend replace the parameters' storage between the tiled forward and its backward
+        (a re-gather, a re-allocation)? Then the core does not compare their version counters, as it
+        does everywhere else to refuse a parameter modified in place in between (autograd's check).
+        Default: no."""
+        return False
 
     def param_bytes(self, module: nn.Module) -> int:
         """Bytes of the module's whole (gathered) parameters, for the auto shard policy."""

@@ -110,6 +110,11 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, Strategy):
         with num_shards="auto") would issue other collectives and deadlock. It tiles in one shard."""
         return not any(is_zero3_param(p) for p in module.parameters())
 
+    def swaps_param_storage(self, module: nn.Module) -> bool:
+        """ZeRO-3 releases each parameter after forward (``.data`` emptied) and re-gathers it before
+        backward; stages 1 and 2 keep them as they are."""
+        return any(is_zero3_param(p) for p in module.parameters())
+
     def gathered(self, module: nn.Module) -> ContextManager:
         if not any(is_zero3_param(p) for p in module.parameters()):
             return contextlib.nullcontext()  # stages 1 and 2: parameters are whole

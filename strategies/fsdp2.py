@@ -90,6 +90,11 @@ class FSDP2Strategy(WaitsForEveryParameter, Strategy):
             return True
         return params_managed_by_fsdp2(module)
 
+    def swaps_param_storage(self, module: nn.Module) -> bool:
+        """FSDP2 frees the unsharded parameters after forward and all-gathers them into new storage
+        before backward."""
+        return True
+
     def check_supported(self, module: nn.Module) -> None:
         units = inner_fsdp_units(module)
         if units:

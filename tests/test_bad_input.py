@@ -35,14 +35,14 @@ def test_bad_num_shards_at_construction(bad, error, match):
         TiledMLP(mlp, num_shards=bad)
 
 
-def test_bad_num_shards_set_later_fails_before_any_work():
+def test_bad_num_shards_set_later_is_refused_at_once():
     mlp = seeded(GatedMLP, 0, HIDDEN, INTER)
     tiled = TiledMLP(mlp, num_shards=2)
-    tiled.tiling.num_shards = 0
     before = snapshot(mlp)
-    x = torch.randn(1, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
     with pytest.raises(ValueError, match="num_shards"):
-        tiled(x)
+        tiled.tiling.num_shards = 0
+    assert tiled.tiling.num_shards == 2
+    x = torch.randn(1, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
     assert_untouched(mlp, before, x)
 
 

@@ -114,7 +114,9 @@ def test_a_tensor_attribute_added_after_a_fast_call_is_seen():
     tiled = TiledMLP(mlp, num_shards=3)
     x, _ = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
     tiled(x)
-    assert tiled.tiling.last_path == "fast"
+    # Its forward is not a known gated body (it reads ``__dict__``): never the fast path, so nothing
+    # added later can be skipped.
+    assert tiled.tiling.last_path == "generic"
     tiled.offset = torch.full((HIDDEN,), 0.5, dtype=torch.float64)
     _assert_matches_untiled(tiled, "generic")
 

@@ -159,3 +159,38 @@ def test_trainable_params_decides_which_parameters_get_gradients_on_both_paths(p
     assert [name for name, g in got.grads.items() if g is not None] == ["gate_proj.weight"]
     torch.testing.assert_close(got.grads["gate_proj.weight"], want.grads["gate_proj.weight"], rtol=1e-10, atol=0)
     torch.testing.assert_close(got.dx, want.dx, rtol=1e-10, atol=0)
+
+
+class WhileRunningStrategy(Strategy):
+    """Claims only while a flag is up, as DDP is seen only while its forward runs."""
+
+    name = "test_while_running"
+    priority = 900
+    running = False
+
+    @classmethod
+    def claims(cls, module, ancestors=()):
+        return cls.running
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpoint_recompute_inside_backward_keeps_the_forwards_strategy(reentrant):
+    """The recompute runs inside the backward, where the backend's context is gone: it must use the
+    backend the forward resolved (under DDP it reported, and behaved as, single_device)."""
+    from torch.utils.checkpoint import checkpoint
+
+    register_strategy(WhileRunningStrategy)
+    try:
+        mlp = TiledMLP(GatedMLP(HIDDEN, INTER).double(), num_shards=2, path="generic")
+        x = torch.randn(1, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
+        WhileRunningStrategy.running = True
+        out = checkpoint(mlp, x, use_reentrant=reentrant, preserve_rng_state=False)
+        WhileRunningStrategy.running = False
+        assert type(mlp.tiling.last_strategy) is WhileRunningStrategy
+        mlp.tiling.last_strategy = None
+        out.sum().backward()
+        if reentrant:  # the recompute called the module again, inside the backward
+            assert type(mlp.tiling.last_strategy) is WhileRunningStrategy
+    finally:
+        WhileRunningStrategy.running = False
+        unregister_strategy(WhileRunningStrategy.name)

@@ -61,7 +61,9 @@ def shallow_key(module: nn.Module, strategy: Any, x: torch.Tensor) -> tuple:
 def current_key(module: nn.Module, strategy: Any, x: torch.Tensor) -> Tuple[tuple, tuple]:
     key, keep_alive = module_key(module, x)
     tiling: Any = module.tiling  # the path asked for and the kernels allowed decide the fast path too
-    config = (tiling.path, tiling.use_liger, tiling.instance_forward is not None)
+    # What the forward is now (patched on the class, or installed on the instance) decides the fast path.
+    forward = module._tiled_forward_function()  # type: ignore[operator]
+    config = (tiling.path, tiling.use_liger, id(forward), id(getattr(forward, "__func__", forward)))
     # The strategy answers trainable_params and param_bytes: another backend, another plan. (Its type:
     # "auto" makes a new instance at every call.)
-    return (key, config, type(strategy)), keep_alive
+    return (key, config, type(strategy)), (*keep_alive, forward)

@@ -1,11 +1,12 @@
 """Whether a call may take the gated fast kernel, and the key of what that (and every other answer a
 call caches, ``call_plan.py``) rests on.
 
-The decision rests on the module's structure (its parameters, buffers, submodules and hooks, and the
-hooks registered for every module), its training mode (a forward may drop out only in training), the
-weights' and the input's dtype and device, every other attribute a forward may read (a
-``self.scale = 2.0``, a tensor attribute), and autocast. All of that is the key; a probe of the real
-forward runs only when the key changes.
+The decision rests on what the forward is (its function object, proven to compute the gated formula
+by ``gated_forms``), the module's structure (its parameters, buffers, submodules, their classes and
+their classes' forwards, and hooks, and the hooks registered for every module), its training mode,
+the weights' and the input's dtype and device, every other attribute (a ``self.scale = 2.0``, a
+tensor attribute), and autocast. All of that is the key. Nothing is decided by running the forward:
+a forward the fast kernel is not proven to compute takes the generic path, which runs it.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 from torch import nn
 
 from .autocast_state import autocast_enabled
-from .gated_spec import GatedMLPSpec, global_module_hooks, probe_forward, structural_spec
+from .gated_forms import known_form
+from .gated_spec import GatedMLPSpec, global_module_hooks, structural_spec
 
 
 def _tensor_entries(registry: dict) -> list:
@@ -40,11 +42,13 @@ def module_key(module: nn.Module, x: torch.Tensor) -> Tuple[tuple, tuple]:
         name, sub = stack.pop()
         d = sub.__dict__
         params, buffers, children = d["_parameters"], d["_buffers"], d["_modules"]
-        objects.append(sub)
+        cls = type(sub)
+        objects += (sub, cls, cls.forward)
         objects.extend(d.values())
         objects.extend(params.values())
         objects.extend(buffers.values())
-        parts += (name, id(sub), tuple(d), tuple(map(id, d.values())),
+        # The class and its forward by identity: ``act_fn.__class__ = ...`` or a forward patched on the class.
+        parts += (name, id(sub), id(cls), id(cls.forward), tuple(d), tuple(map(id, d.values())),
                   tuple(d["_forward_hooks"]), tuple(d["_forward_pre_hooks"]),
                   tuple(d["_backward_hooks"]), tuple(d["_backward_pre_hooks"]),
                   _tensor_entries(params), _tensor_entries(buffers))
@@ -57,11 +61,26 @@ def decide_fast_path(module: nn.Module, forward_fn: Callable, x: torch.Tensor,
                      is_backend_hook) -> Tuple[Optional[GatedMLPSpec], str]:
     """(the spec, "") when the fast kernel computes exactly what ``forward_fn`` computes on ``x``,
     else (None, why not)."""
-    spec, why_not = structural_spec(module, is_backend_hook)
+    spec, why_not = structural_decision(module, forward_fn, is_backend_hook)
     if spec is not None:
-        why_not = _call_problem(spec, x) or probe_forward(forward_fn, spec, x)
+        why_not = _call_problem(spec, x)
         spec = None if why_not else spec
     return spec, why_not
+
+
+def structural_decision(module: nn.Module, forward_fn: Callable,
+                        is_backend_hook=None) -> Tuple[Optional[GatedMLPSpec], str]:
+    """What the forward and the structure decide, before any call: (the spec, "") or (None, why not)."""
+    form = known_form(forward_fn)
+    if form is None:
+        return None, UNKNOWN_FORWARD
+    if is_backend_hook is None:
+        return structural_spec(module, form)
+    return structural_spec(module, form, is_backend_hook)
+
+
+UNKNOWN_FORWARD = ("its forward is not one the fast kernel is known to compute (a known library body, or a class "
+                   "declared with tiled_mlp.register_gated_mlp)")
 
 
 def _call_problem(spec: GatedMLPSpec, x: torch.Tensor) -> str:

@@ -1,11 +1,11 @@
-"""Recognising a gated MLP (``down(act(gate(x)) * up(x))``) that the fast kernel may compute by hand.
+"""The parts of a gated MLP (``down(act(gate(x)) * up(x))``) that the fast kernel computes with.
 
-The fast kernel bypasses the module's own forward, so it is used only when the structure proves that
-nothing could be lost by that: the projections are plain ``nn.Linear`` (not LoRA or quantised
-wrappers) with no hooks, the module owns nothing else (no other parameter, buffer, submodule or
-tensor attribute), it has no dropout, and the activation is one we can differentiate exactly. A probe
-of the module's real forward then checks its data flow (it reads no other tensor and draws no random
-numbers) and its numbers (it computes the formula). Any doubt means the generic path.
+The fast kernel bypasses the module's own forward, so it is used only when two things are proven:
+the forward computes the gated formula from children it names (``gated_forms``: by the forward's
+code or a registration, never by running it), and the structure leaves nothing out. The structure
+check is this file: the projections are plain ``nn.Linear`` (not LoRA or quantised wrappers) with no
+hooks, the module owns nothing else (no other parameter, buffer, submodule or tensor attribute), it
+has no dropout, and the activation is one we differentiate exactly. Any doubt means the generic path.
 """
 from __future__ import annotations
 
@@ -13,26 +13,12 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.nn.modules import module as _module_globals
 
-from .activations import NativeGatedActivation
-from .tensor_reads import TensorReads, describe
-
-_ACT_ATTRS = ("act_fn", "activation_fn", "act")
-PROBE_TOKENS = 8
-
-# Activation classes by name, so the core never imports transformers; the probe below confirms the math.
-_ACTIVATION_BY_CLASS = {
-    "SiLU": "silu",
-    "SiLUActivation": "silu",
-    "GELUActivation": "gelu",
-    "GELUTanh": "gelu_tanh",
-    "PytorchGELUTanh": "gelu_tanh",
-    "NewGELUActivation": "gelu_tanh",
-    "GELUPytorchTanh": "gelu_tanh",
-}
+from .code_forms import CodeForm, matches
+from .gated_forms import GatedForm, activation_name, check_attributes, resolve_scale
 
 
 @dataclass
@@ -44,6 +30,11 @@ class GatedMLPSpec:
     gate: Optional[nn.Linear] = None
     up: Optional[nn.Linear] = None
     gate_up: Optional[nn.Linear] = None
+    # The forward's fixed factors: gate(x) and up(x) are multiplied before the activation's product,
+    # down's output after it (FalconH1's multipliers; 1.0 in every other known form).
+    gate_scale: float = 1.0
+    up_scale: float = 1.0
+    down_scale: float = 1.0
 
     @property
     def linears(self) -> List[nn.Linear]:
@@ -58,38 +49,6 @@ class GatedMLPSpec:
             if linear.bias is not None:
                 out.append(linear.bias)
         return out
-
-
-def _activation(module: nn.Module) -> Tuple[Optional[object], Optional[str]]:
-    """The activation module (or function) and its name, or (None, None)."""
-    for attr in _ACT_ATTRS:
-        act = getattr(module, attr, None)
-        if act is None:
-            continue
-        if isinstance(act, nn.GELU):
-            return act, "gelu_tanh" if act.approximate == "tanh" else "gelu"
-        name = _ACTIVATION_BY_CLASS.get(type(act).__name__)
-        return (act, name) if name is not None and _activation_matches(act, name) else (None, None)
-    return None, None
-
-
-def _activation_matches(act, name: str) -> bool:
-    # Activations hold no weights, so the probe runs on real numbers even inside FakeTensorMode.
-    with unset_fake_temporarily():
-        probe = torch.linspace(-6.0, 6.0, 49, dtype=torch.float64)
-        try:
-            with torch.no_grad():
-                # ``forward``, not ``__call__``: a backend's hooks on the activation module must not
-                # see this probe (other hooks have already ruled the fast path out).
-                got = act.forward(probe) if isinstance(act, nn.Module) else act(probe)
-        except Exception:
-            return False
-        want = NativeGatedActivation(name).act(probe)
-        return torch.allclose(got.to(torch.float64), want, rtol=1e-6, atol=1e-9)
-
-
-def _has_values(t: torch.Tensor) -> bool:
-    return not (t.is_meta or is_fake(t))
 
 
 def _no_hook_is_backend(hook) -> bool:
@@ -133,9 +92,13 @@ def foreign_child_hooks(module: nn.Module, is_backend_hook=_no_hook_is_backend) 
     return found
 
 
+_LINEAR = CodeForm("return F.linear({x}, self.weight, self.bias)", {"F": F})
+
+
 def _is_plain_linear(module) -> bool:
-    # Hooks are checked for every submodule by ``foreign_child_hooks``.
-    return type(module) is nn.Linear
+    # Hooks are checked for every submodule by ``foreign_child_hooks``; the code of the class's forward
+    # here (the fast kernel computes ``F.linear`` with the same tensors).
+    return type(module) is nn.Linear and "forward" not in module.__dict__ and matches(nn.Linear.forward, _LINEAR)
 
 
 def _has_dropout(module: nn.Module) -> bool:
@@ -167,25 +130,29 @@ def _beyond_spec(module: nn.Module, spec: GatedMLPSpec, act_module) -> str:
     return ""
 
 
-def structural_spec(module: nn.Module, is_backend_hook=_no_hook_is_backend) -> Tuple[Optional[GatedMLPSpec], str]:
-    """The spec if the module's structure allows the fast path, else None and the reason why not."""
+def structural_spec(module: nn.Module, form: GatedForm,
+                    is_backend_hook=_no_hook_is_backend) -> Tuple[Optional[GatedMLPSpec], str]:
+    """The spec if the module's structure lets the fast kernel compute ``form``, else None and why not."""
     hooks = foreign_child_hooks(module, is_backend_hook)
     if hooks:
         return None, f"submodules have hooks that the fast kernel would skip ({', '.join(hooks)})"
-    act_module, act = _activation(module)
+    problem = check_attributes(module, form)
+    if problem:
+        return None, problem
+    parts = module._modules
+    act_module = parts[form.activation]
+    act = activation_name(act_module)
     if act is None:
-        return None, "no recognised gated activation (act_fn / activation_fn: silu, gelu, gelu tanh)"
-    down = getattr(module, "down_proj", None)
-    if down is None:
-        return None, "no down_proj"
-    gate_up = getattr(module, "gate_up_proj", None)
-    if gate_up is not None:
-        spec = GatedMLPSpec(activation=act, down=down, gate_up=gate_up)
-    else:
-        spec = GatedMLPSpec(activation=act, down=down, gate=getattr(module, "gate_proj", None),
-                            up=getattr(module, "up_proj", None))
-        if spec.gate is None or spec.up is None:
-            return None, "no gate_proj/up_proj or gate_up_proj"
+        return None, f"{form.activation} ({type(act_module).__name__}) is not a recognised activation (silu, gelu, gelu tanh)"
+    scales = [resolve_scale(module, s) for s in (form.gate_scale, form.up_scale, form.down_scale)]
+    if None in scales:
+        return None, f"a scale it multiplies by ({', '.join(form.scale_names)}) is not a plain number"
+    gate_scale, up_scale, down_scale = (float(s) for s in scales if s is not None)
+    spec = GatedMLPSpec(activation=act, down=parts[form.down],  # type: ignore[arg-type]
+                        gate=None if form.gate is None else parts[form.gate],  # type: ignore[arg-type]
+                        up=None if form.up is None else parts[form.up],  # type: ignore[arg-type]
+                        gate_up=None if form.gate_up is None else parts[form.gate_up],  # type: ignore[arg-type]
+                        gate_scale=gate_scale, up_scale=up_scale, down_scale=down_scale)
     if not all(_is_plain_linear(m) for m in spec.linears):
         return None, "projections are not plain nn.Linear (LoRA or quantised wrappers)"
     if _has_dropout(module):
@@ -199,51 +166,3 @@ def structural_spec(module: nn.Module, is_backend_hook=_no_hook_is_backend) -> T
     if len(dtypes) > 1:
         return None, f"the projections' weights have different dtypes ({sorted(map(str, dtypes))})"
     return spec, ""
-
-
-def gated_reference(spec: GatedMLPSpec, x: torch.Tensor) -> torch.Tensor:
-    """The formula the fast kernel implements, in plain torch (used for the probe)."""
-    act = NativeGatedActivation(spec.activation).act
-    if len(spec.linears) == 2:  # fused [gate; up]
-        g, u = spec.linears[0](x).chunk(2, dim=-1)
-    else:
-        g, u = spec.linears[0](x), spec.linears[1](x)
-    return spec.down(act(g) * u)
-
-
-def probe_forward(forward_fn, spec: GatedMLPSpec, like: torch.Tensor) -> str:
-    """Why the module's real forward may not be replaced by the gated formula ("" when it may).
-
-    It runs the forward on eight random tokens and checks two things: the data flow (every tensor it
-    reads is the input, one of the spec's weights, or made inside: no other weight, buffer, closure
-    or attribute tensor, and no random numbers drawn), and the numbers (the output equals the
-    formula). Fake and meta weights (memory modelling, ``tiled-mlp plan``) have no values to probe:
-    there the structural checks alone decide, since no number computed from them is ever used.
-    """
-    if not (_has_values(spec.down.weight) and _has_values(like)):
-        return ""
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    in_features = spec.linears[0].in_features
-    # Eight tokens over a wide range (std 1 up to 8), so that a clamp or a different activation that
-    # agrees near zero still shows.
-    scale = torch.logspace(0, 3, PROBE_TOKENS, base=2.0).unsqueeze(-1)
-    probe = torch.randn((1, PROBE_TOKENS, in_features), generator=generator, dtype=torch.float32) * scale
-    probe = probe.to(device=like.device, dtype=spec.down.weight.dtype)
-    reads = TensorReads(known=[probe, *spec.params], grad_only=False)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        with reads:
-            got = forward_fn(probe)
-        want = gated_reference(spec, probe)
-    if reads.random_calls:
-        return f"its forward draws random numbers ({', '.join(sorted(set(reads.random_calls)))})"
-    if reads.foreign:
-        return f"its forward reads tensors besides its input and the projections' weights: {describe(reads.foreign_tensors())}"
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        return "its forward does not return one tensor of the formula's shape"
-    # Relative to the output's scale, token by token: a module whose outputs are small cannot pass on
-    # an absolute tolerance alone. bf16/fp16 differ by their rounding of the intermediates.
-    tol = 1e-5 if probe.dtype in (torch.float32, torch.float64) else 3e-2
-    err = (got.float() - want.float()).abs().amax(-1)
-    if not bool((err <= tol * want.float().abs().amax(-1).clamp_min(1e-30)).all()):
-        return "its forward does not compute down(act(gate(x)) * up(x))"
-    return ""

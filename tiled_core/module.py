@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -31,7 +33,8 @@ from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
 from .activations import gated_activation
 from .auto_shards import MLPSize, auto_num_shards, intermediate_size
 from .call_plan import CallPlan, current_key, shallow_key
-from .fast_path import decide_fast_path
+from .fast_path import decide_fast_path, structural_decision
+from .gated_forms import check_attributes, known_form
 from .gated_spec import foreign_child_hooks
 from .kernels import GatedShardKernel, GenericShardKernel
 from .kernels.generic import generic_layout
@@ -57,9 +60,48 @@ def tiled_class(mixin: type, base: type) -> type:
     if cls is None:
         name = f"Tiled{base.__name__}"
         cls = type(name, (mixin, base), {"_tiled_base": base, "_tiled_mixin": mixin, "__module__": mixin.__module__,
-                                         "__qualname__": name})
+                                         "__qualname__": name, "forward": TiledForward(_forward_signature(base))})
         _CLASSES[key] = cls
     return cls
+
+
+def _forward_signature(base: type) -> Optional[inspect.Signature]:
+    """The original forward's signature without ``self``: what the tiled forward accepts and shows."""
+    try:
+        signature = inspect.signature(base.forward)  # type: ignore[attr-defined]  # an nn.Module subclass
+    except (TypeError, ValueError):
+        return None
+    params = list(signature.parameters.values())[1:]
+    return signature.replace(parameters=params)
+
+
+class TiledForward:
+    """A tiled class's ``forward``. A *data* descriptor, so the tiled call runs even where another
+    library binds a forward on the instance after tiling: ``module.forward = f`` goes to ``__set__``
+    and ``f`` becomes what each shard runs; Liger-Kernel writes ``module.__dict__["forward"]``, which a
+    data descriptor outranks, and the call adopts it (``TiledMLP._tiled_forward``). Reading it gives
+    a method with the original forward's signature (``mlp(hidden_states=h)`` keeps working)."""
+
+    def __init__(self, signature: Optional[inspect.Signature]):
+        @torch.compiler.disable
+        def forward(module, *args, **kwargs):
+            return module._tiled_forward(*args, **kwargs)
+
+        if signature is not None:
+            forward.__signature__ = signature.replace(
+                parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                            *signature.parameters.values()])
+        self.function = forward
+        self.signature = signature
+
+    def __get__(self, module, owner=None):
+        return self.function if module is None else types.MethodType(self.function, module)
+
+    def __set__(self, module, value) -> None:
+        module.tiling.instance_forward = value
+
+    def __delete__(self, module) -> None:
+        module.tiling.instance_forward = None
 
 
 def _rebuild(mixin: type, base: type) -> nn.Module:
@@ -136,7 +178,15 @@ class TiledMLP(nn.Module):
         state: TilingState = self.tiling
         if state.fixed_strategy is not None:
             return state.fixed_strategy
-        return resolve_strategy(self, state.ancestors())
+        in_backward = _inside_backward()
+        if in_backward and state.forward_strategy is not None:
+            # A call inside a backward is a checkpoint recomputing a forward made outside it, where the
+            # backend's context was visible (DDP is seen only while its forward runs): the same backend.
+            return state.forward_strategy
+        strategy = resolve_strategy(self, state.ancestors())
+        if not in_backward:
+            state.forward_strategy = strategy
+        return strategy
 
     def extra_repr(self) -> str:
         state: TilingState = self.tiling
@@ -146,16 +196,43 @@ class TiledMLP(nn.Module):
         return f"{base}, {mine}" if base else mine
 
     # -- forward ---------------------------------------------------------------------------------------
-    # torch.compile of a surrounding model runs this eagerly: the shard loop, the RNG capture and the
-    # fast-path probe are not traceable, and tracing into them only produced a graph break at each.
-    @torch.compiler.disable
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    # The generated class's ``forward`` (``TiledForward``) calls this; torch.compile of a surrounding
+    # model runs it eagerly (the shard loop and the RNG capture are not traceable, and tracing into
+    # them only produced a graph break at each).
+    def _tiled_forward(self, *args, **kwargs) -> torch.Tensor:
+        self._tiled_adopt_instance_forward()
+        x = args[0] if len(args) == 1 and not kwargs else self._tiled_input(args, kwargs)
         return self._tiled_call(x, self._tiled_original_forward, check_hidden=True)
+
+    def _tiled_adopt_instance_forward(self) -> None:
+        # A forward written into the instance's __dict__ after tiling (Liger's _bind_method_to_module):
+        # it is what the module computes now, so each shard runs it; untiling puts it back.
+        installed = self.__dict__.pop("forward", None)
+        if installed is not None:
+            self.tiling.instance_forward = installed
+
+    def _tiled_input(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The hidden states, passed by position or by the original forward's name for them."""
+        installed = self.tiling.instance_forward
+        signature = inspect.signature(installed) if installed is not None else type(self).__dict__["forward"].signature
+        if signature is None:
+            raise TypeError(f"{type(self).__name__}: pass the hidden states as the one positional argument")
+        bound = signature.bind(*args, **kwargs)  # the TypeError untiled would raise, for a wrong call
+        (name, x), *rest = bound.arguments.items()
+        if rest:
+            raise TypeError(
+                f"{type(self).__name__}.forward was given {', '.join(n for n, _ in rest)} besides {name}: the tiled call "
+                "passes the hidden states alone to each shard. Call it with the hidden states only, or untile it")
+        return x
 
     def _tiled_original_forward(self, *args: torch.Tensor) -> torch.Tensor:
         """The module's own forward, without hooks: what one shard runs."""
         installed = self.tiling.instance_forward
-        return installed(*args) if installed is not None else super().forward(*args)
+        return installed(*args) if installed is not None else self._tiled_base_forward()(self, *args)
+
+    def _tiled_base_forward(self) -> Callable:
+        """The original class's forward function, looked up now (a forward patched on the class counts)."""
+        return type(self)._tiled_base.forward  # type: ignore[union-attr]
 
     def _tiled_call(self, x: torch.Tensor, shard_forward: Callable, check_hidden: bool) -> torch.Tensor:
         state: TilingState = self.tiling
@@ -211,6 +288,7 @@ class TiledMLP(nn.Module):
                 param_mask=_membership(kernel.params, plan.trainable),  # the generic kernel's: all
                 zeros_for_unused=strategy.unused_grads_as_zeros,
                 deliver_grads=strategy.deliver_grads,
+                params_swap_storage=strategy.swaps_param_storage(self),
             )
             with _buffers_kept(self, plan.named_buffers):
                 out = sharded_apply(x, run)
@@ -240,12 +318,16 @@ class TiledMLP(nn.Module):
 
     def _tiled_kernel(self, strategy: Strategy, plan: CallPlan, shard_forward: Callable, x: torch.Tensor):
         state: TilingState = self.tiling
-        if plan.fast is None:
+        if plan.fast is None or (plan.fast[0] is not None and _class_shadows(self)):
+            # The key names objects by identity; a class attribute added since (``MyMLP.up_proj =
+            # property(...)``) changes what the forward reads without changing any of them.
             plan.fast = self._tiled_fast_spec(strategy, shard_forward, x)
+            plan.fast_kernel = None
         spec, why_not = plan.fast
         if spec is not None:
             if plan.fast_kernel is None:  # stateless: one per plan
-                plan.fast_kernel = GatedShardKernel(spec, gated_activation(spec.activation, x.device, state.use_liger))
+                plan.fast_kernel = GatedShardKernel(spec, gated_activation(spec.activation, x.device, state.use_liger),
+                                                    type(self).__name__)
             return plan.fast_kernel
         if state.path == "fast":
             raise ValueError(f"path='fast' cannot apply to {type(self).__name__}: {why_not}; use path='auto'")
@@ -253,7 +335,8 @@ class TiledMLP(nn.Module):
         if plan.generic_layout is None:
             plan.generic_layout = generic_layout(self, plan.trainable, hooks())
         prefix = (1,) * (x.dim() - 2)
-        return GenericShardKernel(shard_forward, type(self).__name__, plan.trainable, prefix, plan.generic_layout, hooks)
+        return GenericShardKernel(shard_forward, type(self).__name__, plan.trainable, prefix, plan.generic_layout, hooks,
+                                  grad_mode=torch.is_grad_enabled())
 
     def _tiled_fast_spec(self, strategy: Strategy, shard_forward: Callable, x: torch.Tensor):
         """(the gated spec, "") when the fast kernel provably computes this call, else (None, why not)."""
@@ -262,10 +345,17 @@ class TiledMLP(nn.Module):
             return None, "path='generic' was asked for"
         if not self._tiled_fast_allowed:
             return None, "its weights are not gated nn.Linear projections (fused MoE experts)"
-        if state.instance_forward is not None:
-            # It may do more than compute (move offloaded weights); the fast kernel would bypass it.
-            return None, "its forward was replaced on the instance (another library's hooks)"
-        return decide_fast_path(self, shard_forward, x, strategy.is_backend_hook)
+        return decide_fast_path(self, self._tiled_forward_function(), x, strategy.is_backend_hook)
+
+    def _tiled_forward_function(self) -> Callable:
+        """What the module's forward is now: a forward installed on the instance, else the class's."""
+        installed = self.tiling.instance_forward
+        return installed if installed is not None else self._tiled_base_forward()
+
+
+def _class_shadows(module: TiledMLP) -> bool:
+    form = known_form(module._tiled_forward_function())
+    return form is None or bool(check_attributes(module, form))
 
 
 def _membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor]) -> List[bool]:
@@ -313,8 +403,25 @@ def prepare_tiling(mixin: type, mlp: Optional[nn.Module], strategy: StrategyArg,
         raise TypeError(f"cannot tile {type(mlp).__name__} in place: {problem}")
     # Reject what is already known to be unsupported (FSDP1, per-Linear FSDP2) now; "auto" is
     # resolved again at every forward, since the model is usually wrapped after it is tiled.
-    (fixed or resolve_strategy(mlp, ancestors)).check_supported(mlp)
+    resolved = fixed or resolve_strategy(mlp, ancestors)
+    resolved.check_supported(mlp)
+    if path == "fast":
+        why_not = fast_path_problem(mixin, mlp, resolved.is_backend_hook)
+        if why_not:
+            raise ValueError(f"path='fast' cannot apply to {type(mlp).__name__}: {why_not}; use path='auto'")
     return fixed
+
+
+def fast_path_problem(mixin: type, mlp: nn.Module, is_backend_hook=None) -> str:
+    """Why the fast kernel could never run ``mlp`` (tiled or not), whatever the call ("" when it may)."""
+    if not getattr(mixin, "_tiled_fast_allowed", True):
+        return "its weights are not gated nn.Linear projections (fused MoE experts)"
+    if isinstance(mlp, TiledMLP):
+        forward = mlp._tiled_forward_function()
+    else:
+        forward = mlp.__dict__.get("forward") or type(mlp).forward
+    hooks = {} if is_backend_hook is None else {"is_backend_hook": is_backend_hook}
+    return structural_decision(mlp, forward, **hooks)[1]
 
 
 def _shadow_problem(mixin: type, mlp: nn.Module) -> str:
@@ -322,6 +429,12 @@ def _shadow_problem(mixin: type, mlp: nn.Module) -> str:
     if taken:
         return f"it already has attributes named {taken}, which tiling would hide"
     return ""
+
+
+def _inside_backward() -> bool:
+    """Whether this thread is running an autograd backward (a checkpoint's recompute runs inside one)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
 
 
 def install_tiling(mixin: type, mlp: nn.Module, state: TilingState) -> TiledMLP:

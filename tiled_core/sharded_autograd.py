@@ -15,6 +15,11 @@ a closure, a tensor a hook adds, conditioning set from outside) is an input too:
 before the Function under a recorder of the tensors it reads, and what it found is passed in with
 the parameters. A later shard that reads one more such tensor is an error, never a lost gradient;
 so is a tensor made inside a shard that outlives it (a hook that stashes an activation for a loss).
+
+Backward trusts nothing autograd would check (``checks.py``): the version of every tensor the call
+computed with (the input, the parameters, every other tensor the forward read, with or without a
+gradient) is compared, and so is which tensors the recompute reads; a backward that builds a graph
+(``create_graph=True``: a Hessian, a gradient penalty) is refused rather than answered with zeros.
 """
 from __future__ import annotations
 
@@ -23,9 +28,9 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager, List, Optional, Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .autocast_state import AutocastState
+from .checks import DOUBLE_BACKWARD_ERROR, INPUT_EDITED_ERROR, TensorVersions
 from .grad_accum import GradAccumulator
 from .kernels.base import ShardKernel
 from .rng import capture_rng_state, replay_rng_state
@@ -65,6 +70,9 @@ class ShardedRun:
     # The strategy's ``deliver_grads``: what autograd accumulates into each parameter, given the
     # gradients summed over the shards. Called once per backward, inside ``gathered``.
     deliver_grads: Optional[Callable[[Sequence[torch.Tensor], List[Optional[torch.Tensor]]], List[Optional[torch.Tensor]]]] = None
+    # The backend legitimately replaces the parameters' storage between forward and backward (ZeRO-3
+    # re-gathers into ``.data``, FSDP2 frees and re-allocates): their versions are not compared.
+    params_swap_storage: bool = False
 
 
 @dataclass
@@ -76,14 +84,15 @@ class FirstShard:
     watched: Optional[List[torch.Tensor]]  # the tensors later shards may read; None: not watched
     input_holder: Optional[InputHolder]  # where the input was saved; None: the Function saves it
     input_requires_grad: bool  # the caller's input (the Function's own input may be its saved view)
+    input_version: int  # the input's version before the first shard: a forward must not edit it
 
 
 def _maybe(context: Optional[ContextManager]) -> ContextManager:
     return context if context is not None else contextlib.nullcontext()
 
 
-def _watch(known: Optional[Sequence[torch.Tensor]]) -> Optional[TensorReads]:
-    return TensorReads(known=known, watch_kept=True) if known is not None else None
+def _watch(known: Optional[Sequence[torch.Tensor]], grad_only: bool = True) -> Optional[TensorReads]:
+    return TensorReads(known=known, watch_kept=True, grad_only=grad_only) if known is not None else None
 
 
 def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = ()) -> None:
@@ -111,6 +120,8 @@ class ShardedMLPFunction(torch.autograd.Function):
                 if reads.foreign:
                     raise RuntimeError(LATE_TENSOR_ERROR.format(shard=index, tensors=describe(reads.foreign_tensors())))
                 _check_nothing_kept(reads)
+        if x._version != first.input_version:
+            raise RuntimeError(INPUT_EDITED_ERROR.format(module=run.kernel.module_name))
         if first.input_holder is None:
             ctx.save_for_backward(x)
         ctx.input_holder = first.input_holder
@@ -119,16 +130,22 @@ class ShardedMLPFunction(torch.autograd.Function):
         ctx.rng_states = rng_states
         # Plain references, not saved tensors: backends swap parameter storage between forward and
         # backward (ZeRO-3 replaces .data, FSDP2 frees and re-allocates) without it being a mutation.
+        # Their versions are compared in backward instead, where the backend allows it.
         ctx.tensors = tensors
+        skipped = len(run.kernel.params) if run.params_swap_storage else 0
+        ctx.versions = TensorVersions(tensors[skipped:])
         ctx.autocast = AutocastState.capture(x.device)
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
+        # Autograd runs a backward with grad mode on exactly when it builds a graph (create_graph=True).
+        if torch.is_grad_enabled():
+            raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+        run: ShardedRun = ctx.run
+        ctx.versions.check(run.kernel.module_name)
         # Under non-reentrant checkpointing, reading the saved input recomputes the region up to it.
         (x,) = ctx.saved_tensors if ctx.input_holder is None else (ctx.input_holder.tensor(),)
-        run: ShardedRun = ctx.run
         tensors = ctx.tensors
         need_dx = ctx.needs_input_grad[0] and ctx.input_requires_grad
         num_params = len(run.kernel.params)
@@ -160,19 +177,25 @@ class ShardedMLPFunction(torch.autograd.Function):
 def sharded_apply(x: torch.Tensor, run: ShardedRun) -> torch.Tensor:
     """Run ``run`` over ``x``: the input saved first, then the first shard, the rest inside the Function."""
     params: Sequence[torch.Tensor] = run.kernel.params
+    input_version = x._version
     x_in, holder = save_input(x, params)
     # Tensors the forward reads besides x and the parameters matter only when a graph is being built.
     watch = run.kernel.may_read_other_tensors and torch.is_grad_enabled()
-    x_flat = x.detach().reshape(-1, x.shape[-1])
+    x_root = x.detach()
+    x_flat = x_root.reshape(-1, x.shape[-1])
     first_slice = next(run.plan.slices())
     rng_state = capture_rng_state(x.device) if run.replay_rng else None
-    reads = _watch([*params, *run.kernel.owned_params] if watch else None)
+    # Every tensor the first shard reads from outside, with or without a gradient: the ones needing a
+    # gradient become inputs of the Function, the others are held to what the backward recompute reads.
+    reads = _watch([x_root, x_flat, *params, *run.kernel.owned_params] if watch else None, grad_only=False)
     with torch.no_grad(), _maybe(reads):
         first_out = run.kernel.forward_shard(x_flat[first_slice], None, params)
     others = []
     if reads is not None:
         _check_nothing_kept(reads, expected=[first_out])
-        others = reads.foreign_tensors()
+        foreign = reads.foreign_tensors()
+        others = [t for t in foreign if t.requires_grad]
+        run.kernel.remember_reads([t for t in foreign if not t.requires_grad])
     watched = [*params, *run.kernel.owned_params, *others] if watch else None
-    first = FirstShard(first_out, rng_state, watched, holder, x.requires_grad)
+    first = FirstShard(first_out, rng_state, watched, holder, x.requires_grad, input_version)
     return ShardedMLPFunction.apply(x_in, run, first, *params, *others)

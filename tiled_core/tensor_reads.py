@@ -87,9 +87,13 @@ class TensorReads(TorchFunctionMode):
         made = [t for t in _tensors(out if isinstance(out, (list, tuple)) else (out,), None) if id(t) not in input_ids]
         if self._made_refs is not None:
             self._made_refs.extend(weakref.ref(t) for t in made)
-        if not self._grad_only:
+        # Kept alive so that no id is reused, unless the block watches for kept tensors (then each must
+        # be free to die); a tensor that existed before the block never shares an id with one made inside
+        # it while both live, so a stale id can only be another one made inside. (Made tensors need a
+        # gradient too where the block runs with grad mode on: the generic forward in training.)
+        if self._made_refs is None:
             self._made.extend(made)
-            self._made_ids.update(id(t) for t in made)
+        self._made_ids.update(id(t) for t in made)
         return out
 
     def foreign_tensors(self) -> List[torch.Tensor]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ def check_config(num_shards: NumShards, path: str, grad_accum_dtype: Optional[to
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if grad_accum_dtype is not None and not (isinstance(grad_accum_dtype, torch.dtype) and grad_accum_dtype.is_floating_point):
         raise TypeError(f"grad_accum_dtype must be a floating torch.dtype or None, got {grad_accum_dtype!r}")
+
+
+_CHECKED = ("num_shards", "path", "grad_accum_dtype")
 
 
 @dataclass
@@ -48,6 +51,11 @@ class TilingState:
     last_path: Optional[str] = None
     last_num_shards: Optional[int] = None
     last_strategy: Optional[Any] = None
+    # Why the last call ran as it did, in words (the auto policy's decision, or the path's reason).
+    last_reason: Optional[str] = None
+    # The strategy the last call outside a backward resolved: a checkpoint's recompute inside the
+    # backward, where the backend's context (DDP's running forward) is gone, uses it again.
+    forward_strategy: Optional[Any] = field(default=None, repr=False, compare=False)
     # Weak references to the modules above (outermost first), recorded by apply_tiled_mlp so that
     # "auto" sees a backend that wraps an ancestor. Weak: no reference cycle, nothing to save.
     ancestor_refs: tuple = ()
@@ -56,6 +64,14 @@ class TilingState:
     instance_forward: Optional[Any] = field(default=None, repr=False)
     # What the last call decided before touching a tensor, and what that rests on (``call_plan.py``).
     call_plan: Optional[Any] = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # ``mlp.tiling.path = "bogus"`` is refused, not run as if it were another path.
+        if name in _CHECKED:
+            config: Dict[str, Any] = {key: getattr(self, key) for key in _CHECKED}
+            config[name] = value
+            check_config(config["num_shards"], config["path"], config["grad_accum_dtype"])
+        object.__setattr__(self, name, value)
 
     def set_ancestors(self, ancestors: Sequence[nn.Module]) -> None:
         self.ancestor_refs = tuple(weakref.ref(m) for m in ancestors)
@@ -69,4 +85,8 @@ class TilingState:
         state = dict(self.__dict__)
         state["ancestor_refs"] = ()
         state["call_plan"] = None
+        state["forward_strategy"] = None
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)

@@ -7,7 +7,7 @@ from strategies import (
     register_strategy,
     unregister_strategy,
 )
-from tiled_core import TiledMLP
+from tiled_core import TiledMLP, register_gated_mlp, unregister_gated_mlp
 
 from .integrations import (
     TilingReport,
@@ -21,6 +21,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TiledMLP",
+    "register_gated_mlp",
+    "unregister_gated_mlp",
     "apply_tiled_mlp",
     "remove_tiled_mlp",
     "TilingReport",

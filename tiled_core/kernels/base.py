@@ -25,10 +25,16 @@ class ShardKernel(Protocol):
     #: Whether the forward may read tensors besides the input and ``params`` (then they are found and
     #: made inputs of the Function too, so that their gradients are not lost).
     may_read_other_tensors: bool
+    #: The module's class name, for error messages.
+    module_name: str
 
     def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
                       tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Compute the shard's output under no_grad, into ``out_shard`` when one is given."""
+
+    def remember_reads(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The tensors without a gradient that the forward read (called only where
+        ``may_read_other_tensors``): the backward recompute must read these same ones, unchanged."""
 
     def using(self, tensors: Sequence[torch.Tensor]) -> ContextManager:
         """Inside: the module computes with ``tensors`` (around the backward recompute)."""

@@ -7,6 +7,10 @@ Backward recomputes only gate and up (2 matmul units) and never down_proj's forw
 so a step costs 11 matmul units against 9 untiled, where a full recompute costs 12.
 Weight gradients go straight into one buffer per weight (``addmm_``) and elementwise work is done in
 place, so a shard's working set is about four ``[shard_tokens, intermediate]`` buffers at its peak.
+
+A form with fixed factors (FalconH1: ``down(up(x) * act(gate(x) * gs)) * ds``) scales g and u in place
+after their projections and the output after down; backward scales dy by ``ds`` and dg, du by
+``gs``, ``us`` (the chain rule through each product with a constant).
 """
 from __future__ import annotations
 
@@ -44,12 +48,14 @@ class GatedShardKernel:
     may_read_other_tensors = False
     using = staticmethod(no_substitution)  # computes from the tensors it is given, never the module's
 
-    def __init__(self, spec: GatedMLPSpec, activation):
+    def __init__(self, spec: GatedMLPSpec, activation, module_name: str = "the gated MLP"):
+        self.module_name = module_name
         self.activation = activation
         self.params = spec.params
         self.owned_params = spec.params  # the structure proved the module owns nothing else
         self._slots = _slots(spec)
         self._fused = spec.gate_up is not None
+        self._gate_scale, self._up_scale, self._down_scale = spec.gate_scale, spec.up_scale, spec.down_scale
 
     # -- projections -------------------------------------------------------------------------------
     def _gate_up(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]):
@@ -57,8 +63,13 @@ class GatedShardKernel:
         if self._fused:
             gu = F.linear(x, *self._slots["gate_up"].of(tensors))
             g, u = gu.chunk(2, dim=-1)
-            return g, u, gu
-        return F.linear(x, *self._slots["gate"].of(tensors)), F.linear(x, *self._slots["up"].of(tensors)), None
+        else:
+            g, u, gu = F.linear(x, *self._slots["gate"].of(tensors)), F.linear(x, *self._slots["up"].of(tensors)), None
+        if self._gate_scale != 1.0:
+            g.mul_(self._gate_scale)
+        if self._up_scale != 1.0:
+            u.mul_(self._up_scale)
+        return g, u, gu
 
     def _add_weight_grads(self, role: str, grad_rows: torch.Tensor, inputs: torch.Tensor, grads: GradAccumulator):
         slots = self._slots[role]
@@ -74,10 +85,12 @@ class GatedShardKernel:
         del g, u
         down_weight, down_bias = self._slots["down"].of(tensors)
         if out_shard is None:
-            return F.linear(h, down_weight, down_bias)
-        if down_bias is None:
-            return torch.mm(h, down_weight.t(), out=out_shard)
-        return torch.addmm(down_bias, h, down_weight.t(), out=out_shard)
+            out = F.linear(h, down_weight, down_bias)
+        elif down_bias is None:
+            out = torch.mm(h, down_weight.t(), out=out_shard)
+        else:
+            out = torch.addmm(down_bias, h, down_weight.t(), out=out_shard)
+        return out.mul_(self._down_scale) if self._down_scale != 1.0 else out
 
     def backward_shard(
         self,
@@ -87,7 +100,7 @@ class GatedShardKernel:
         grads: GradAccumulator,
         tensors: Sequence[torch.Tensor],
     ) -> None:
-        dy = grad_out_shard
+        dy = grad_out_shard * self._down_scale if self._down_scale != 1.0 else grad_out_shard
         g, u, gu = self._gate_up(x_shard, tensors)
         down_weight = tensors[self._slots["down"].weight]
 
@@ -98,6 +111,10 @@ class GatedShardKernel:
 
         dg, du = self.activation.backward_mul(dh, g, u)
         del dh
+        if self._gate_scale != 1.0:
+            dg.mul_(self._gate_scale)
+        if self._up_scale != 1.0:
+            du.mul_(self._up_scale)
 
         if gu is not None:
             # Fused weights: the input projection's gradient is [dg | du] in one buffer.

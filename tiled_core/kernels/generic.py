@@ -13,6 +13,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..checks import CHANGED_READ_ERROR, TensorVersions
 from ..grad_accum import GradAccumulator
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
 
@@ -51,13 +52,33 @@ def generic_layout(module: nn.Module, params: Sequence[torch.Tensor], hooks: Lis
     return GenericLayout([where.get(id(p), []) for p in params], list(module.parameters()), hooks)
 
 
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    # Not the tensor itself: an op that saves its own output (tanh, relu) would then hold it through its
+    # own graph, a reference cycle that outlives the shard until the garbage collector runs.
+    return tensor.detach()
+
+
+def _same(packed: torch.Tensor) -> torch.Tensor:
+    return packed
+
+
+def _kept_as_they_are():
+    """Saved tensors packed as plain aliases: no outer hook sees the transient graph of a forward shard,
+    which never runs backward."""
+    return torch.autograd.graph.saved_tensors_hooks(_detached, _same)
+
+
 class GenericShardKernel:
     # Any forward: it may read tensors besides its parameters, which the sharded Function finds.
     may_read_other_tensors = True
 
     def __init__(self, forward_fn: Callable, module_name: str, params: List[torch.Tensor], shard_prefix: tuple,
-                 layout: GenericLayout, current_hooks: Callable[[], List[str]]):
+                 layout: GenericLayout, current_hooks: Callable[[], List[str]], grad_mode: bool = True):
         self.forward_fn = forward_fn
+        # The forward shards run in the caller's grad mode, as the module would untiled: a forward that
+        # branches on ``torch.is_grad_enabled()`` must compute in the forward what its recompute does.
+        self.grad_mode = grad_mode
+        self._forward_reads: Optional[TensorVersions] = None
         self.module_name = module_name
         self.params = params
         self.owned_params = layout.owned_params
@@ -84,10 +105,19 @@ class GenericShardKernel:
 
     def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
                       tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        y = self._run(x_shard)
+        # With grad mode on, the shard builds a graph that dies with ``y`` when this returns: one shard's
+        # activations at a time, as in the backward recompute. Its saved tensors stay its own: an outer
+        # saved-tensor hook must not see them (a non-reentrant checkpoint would count them and lose its
+        # early stop before the shard loop; an offload hook would copy them for nothing).
+        with torch.set_grad_enabled(self.grad_mode), _kept_as_they_are():
+            y = self._run(x_shard)
+        y = y.detach()
         if out_shard is None:
             return y
         return out_shard.copy_(y)
+
+    def remember_reads(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._forward_reads = TensorVersions(tensors)
 
     @contextlib.contextmanager
     def using(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
@@ -143,11 +173,30 @@ class GenericShardKernel:
         if self._reads_checked:
             return self._run(x_leaf)
         # Once per call: the recompute must read no tensor needing a gradient that the forward did not
-        # read (those are the Function's inputs); autograd.grad would silently skip it.
-        reads = TensorReads(known=[x_leaf, *tensors, *self.owned_params], made_since=next_sequence_nr())
+        # read (those are the Function's inputs; autograd.grad would silently skip it), and the same
+        # tensors without one as the forward, unchanged (else it computes with other values).
+        reads = TensorReads(known=[x_leaf, *tensors, *self.owned_params], made_since=next_sequence_nr(),
+                            grad_only=False, watch_kept=True)
         with reads:
             y = self._run(x_leaf)
         self._reads_checked = True
-        if reads.foreign:
-            raise RuntimeError(EXTERNAL_TENSOR_ERROR.format(module=self.module_name, tensors=describe(reads.foreign_tensors())))
+        foreign = reads.foreign_tensors()
+        needing = [t for t in foreign if t.requires_grad]
+        if needing:
+            raise RuntimeError(EXTERNAL_TENSOR_ERROR.format(module=self.module_name, tensors=describe(needing)))
+        self._check_same_reads([t for t in foreign if not t.requires_grad])
         return y
+
+    def _check_same_reads(self, now: List[torch.Tensor]) -> None:
+        then = self._forward_reads
+        if then is None:
+            return  # the forward ran without a graph being built: nothing was recorded to compare
+        then_ids, now_ids = {id(t) for t in then.tensors}, {id(t) for t in now}
+        if then_ids != now_ids:
+            swapped = [t for t in now if id(t) not in then_ids] or [t for t in then.tensors if id(t) not in now_ids]
+            raise RuntimeError(CHANGED_READ_ERROR.format(module=self.module_name, what="another tensor is read now",
+                                                         tensors=describe(swapped)))
+        changed = then.changed()
+        if changed:
+            raise RuntimeError(CHANGED_READ_ERROR.format(module=self.module_name, what="modified in place",
+                                                         tensors=describe([then.tensors[i] for i in changed])))

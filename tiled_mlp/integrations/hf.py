@@ -21,7 +21,6 @@ from typing import Any, List, Optional
 from torch import nn
 
 from strategies.resolver import StrategyArg
-from tiled_core.gated_spec import structural_spec
 from tiled_core.module import TiledMLP, install_tiling, prepare_tiling, untile
 from tiled_core.shard_plan import NumShards
 from tiled_core.tiling_state import TilingState
@@ -58,26 +57,41 @@ def apply_tiled_mlp(
     found = scan(model, include, exclude)
     staged = []
     problems = []
+    seen = set()
     for candidate in found.candidates:
+        # One block reached from two parents (a shared MLP) is one module: tiled once.
+        if id(candidate.module) in seen:
+            continue
+        seen.add(id(candidate.module))
         mixin = TiledExperts if candidate.kind == "experts" else TiledMLP
-        # With the ancestors, a backend already wrapping the model (FSDP1 is rejected) is caught now.
-        fixed = prepare_tiling(mixin, candidate.module, strategy, num_shards, path, grad_accum_dtype,
-                               candidate.ancestors)
-        if path == "fast":
-            spec, why_not = structural_spec(candidate.module)
-            if spec is None or mixin is TiledExperts:
-                problems.append(f"{candidate.name}: {why_not or 'fused MoE experts take the generic path'}")
+        # With the ancestors, a backend already wrapping the model (FSDP1 is rejected) is caught now;
+        # so is path='fast' on a block whose forward or structure cannot take it.
+        try:
+            fixed = prepare_tiling(mixin, candidate.module, strategy, num_shards, path, grad_accum_dtype,
+                                   candidate.ancestors)
+        except ValueError as error:
+            if path != "fast":
+                raise
+            problems.append(f"{candidate.name}: {error}")
+            continue
         staged.append((candidate, mixin, fixed))
     if problems:
         raise ValueError("path='fast' cannot apply to these blocks (use path='auto'):\n  " + "\n  ".join(problems))
 
     report = TilingReport(skipped=found.skipped)
-    for candidate, mixin, fixed in staged:
-        state = TilingState(num_shards, path, grad_accum_dtype, fixed_strategy=fixed)
-        state.set_ancestors(candidate.ancestors)
-        tiled = install_tiling(mixin, candidate.module, state)
-        report.patched.append(TiledBlock(candidate.name, type(candidate.module).__name__, candidate.kind, tiled,
-                                         expected_path(tiled)))
+    installed: List[TiledMLP] = []
+    try:
+        for candidate, mixin, fixed in staged:
+            state = TilingState(num_shards, path, grad_accum_dtype, fixed_strategy=fixed)
+            state.set_ancestors(candidate.ancestors)
+            tiled = install_tiling(mixin, candidate.module, state)
+            installed.append(tiled)
+            report.patched.append(TiledBlock(candidate.name, type(candidate.module).__name__, candidate.kind, tiled,
+                                             expected_path(tiled)))
+    except BaseException:
+        for tiled in installed:  # an error leaves the model as it was
+            untile(tiled)
+        raise
     for old in found.already_tiled:
         report.already_tiled.append(TiledBlock(old.name, type(old.module).__name__, "tiled", old.module,
                                                expected_path(old.module)))
@@ -101,8 +115,9 @@ def remove_tiled_mlp(model: nn.Module) -> List[str]:
     the qualified names."""
     restored = []
     for name, _parent, _attr, tiled in find_tiled(model):
-        untile(tiled)
-        restored.append(name)
+        if isinstance(tiled, TiledMLP):  # a block shared by two parents is found twice, untiled once
+            untile(tiled)
+            restored.append(name)
     return restored
 
 
@@ -144,7 +159,8 @@ def _apply_request(request: Optional[TiledMLPFlags], config: Any) -> None:
     if request is None:
         return
     if request.use_tiled_mlp:
-        enable_tiled_mlp(config, request.num_shards)
+        # The path saved with the model (``enable_tiled_mlp(config, path="generic")``) stays.
+        enable_tiled_mlp(config, request.num_shards, path=getattr(config, CONFIG_PATH, "auto"))
     else:
         setattr(config, CONFIG_FLAG, False)
 

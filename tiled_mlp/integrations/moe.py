@@ -50,8 +50,8 @@ class TiledExperts(TiledMLP):
     # The experts' weights are 3-D parameters, not gated Linears: the generic kernel always.
     _tiled_fast_allowed = False
 
-    @torch.compiler.disable
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def _tiled_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        self._tiled_adopt_instance_forward()
         layout = PackedLayout(hidden_states.shape[-1], top_k_index.shape[-1], hidden_states.dtype, top_k_weights.dtype)
         dtype = torch.promote_types(torch.promote_types(hidden_states.dtype, top_k_weights.dtype), torch.float32)
         packed = torch.cat([hidden_states.to(dtype), top_k_weights.to(dtype), top_k_index.to(dtype)], dim=-1)

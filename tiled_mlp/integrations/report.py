@@ -4,21 +4,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from tiled_core.gated_spec import structural_spec
-from tiled_core.module import TiledMLP
+from tiled_core.module import TiledMLP, fast_path_problem
 
 
 def expected_path(tiled: TiledMLP) -> str:
-    """The path the structure allows, before the first forward settles it (the fast path also needs a
-    numerical probe of the real forward, and no autocast)."""
+    """The path the forward and the structure allow, before the first forward settles it (the fast path
+    also needs the input in the weights' dtype and no autocast)."""
     if tiled.tiling.path == "generic":
         return "generic (requested)"
     if not tiled._tiled_fast_allowed:
         return "generic (fused MoE experts; the router stays untiled)"
-    spec, why_not = structural_spec(tiled)
-    if spec is None:
+    why_not = fast_path_problem(type(tiled)._tiled_mixin, tiled)
+    if why_not:
         return f"generic ({why_not})"
-    return "fast (structure fits; confirmed by a probe at the first forward)"
+    return "fast (a known gated forward, and the structure fits)"
 
 
 @dataclass

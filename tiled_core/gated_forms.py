@@ -1,0 +1,185 @@
+"""Which forwards compute ``down(act(gate(x) * gs) * (up(x) * us)) * ds``, and under which names.
+
+The fast kernel may stand in for a module's forward only when that forward is known to compute the
+gated formula from the module's children, by what the forward *is*:
+- **the bodies the libraries write** (``KNOWN_BODIES``): the Llama body shared by ~140 Hugging Face
+  MLP classes, Phi-3's fused one, Llama 4's, RecurrentGemma's and FalconH1's with its two
+  multipliers. A forward qualifies when its bytecode equals one of them (``code_forms``): exact for
+  the installed library, whatever its version, and never for a patched or edited forward.
+- **a registration** (``register_gated_mlp``): a user names the attributes of their own class; the
+  class's forward function object at registration is what qualifies (one patched later does not).
+
+Everything else (a clamp, a branch, a factor, an in-place edit, a forward read from a mutable
+config) takes the generic path, which runs the module's own forward and is exact. The activation is
+recognised the same way (``activation_name``): by its exact class and the code of its forward.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch.nn.functional as F
+from torch import nn
+
+from .code_forms import CodeForm, matches
+
+Scale = Union[float, str]  # a fixed factor, or the name of a float attribute the forward multiplies by
+
+
+@dataclass(frozen=True)
+class GatedForm:
+    """Where a gated MLP keeps its parts (attribute names) and which fixed factors its forward applies."""
+
+    down: str = "down_proj"
+    gate: Optional[str] = "gate_proj"
+    up: Optional[str] = "up_proj"
+    gate_up: Optional[str] = None  # a fused [gate; up] projection instead of gate and up
+    activation: str = "act_fn"
+    gate_scale: Scale = 1.0  # multiplies gate(x) before the activation
+    up_scale: Scale = 1.0  # multiplies up(x)
+    down_scale: Scale = 1.0  # multiplies down's output
+
+    @property
+    def module_names(self) -> Tuple[str, ...]:
+        names = (self.gate_up,) if self.gate_up is not None else (self.gate, self.up)
+        return tuple(n for n in (*names, self.down, self.activation) if n is not None)
+
+    @property
+    def scale_names(self) -> Tuple[str, ...]:
+        return tuple(s for s in (self.gate_scale, self.up_scale, self.down_scale) if isinstance(s, str))
+
+
+_LLAMA = GatedForm()
+_FUSED = GatedForm(gate=None, up=None, gate_up="gate_up_proj", activation="activation_fn")
+
+KNOWN_BODIES: List[Tuple[CodeForm, GatedForm]] = [
+    (CodeForm("down_proj = self.down_proj(self.act_fn(self.gate_proj({x})) * self.up_proj({x}))\nreturn down_proj"), _LLAMA),
+    (CodeForm("return self.down_proj(self.act_fn(self.gate_proj({x})) * self.up_proj({x}))"), _LLAMA),
+    (CodeForm("gate = self.act_fn(self.gate_proj({x}))\nreturn self.down_proj(gate * self.up_proj({x}))"), _LLAMA),
+    (CodeForm("down_proj = self.activation_fn(self.gate_proj({x})) * self.up_proj({x})\nreturn self.down_proj(down_proj)"),
+     GatedForm(activation="activation_fn")),
+    (CodeForm("up_states = self.gate_up_proj({x})\ngate, up_states = up_states.chunk(2, dim=-1)\n"
+              "up_states = up_states * self.activation_fn(gate)\nreturn self.down_proj(up_states)"), _FUSED),
+    (CodeForm("y = self.up_proj({x}) * self.act_fn(self.gate_proj({x}) * self.gate_multiplier)\n"
+              "y = self.down_proj(y) * self.down_multiplier\nreturn y"),
+     GatedForm(gate_scale="gate_multiplier", down_scale="down_multiplier")),
+]
+
+# Registered by users: the forward function object -> its form. Kept alive, so no id is reused.
+_REGISTERED: Dict[Any, GatedForm] = {}
+
+
+def register_gated_mlp(cls: type, *, gate: Optional[str] = "gate_proj", up: Optional[str] = "up_proj",
+                       down: str = "down_proj", gate_up: Optional[str] = None, activation: str = "act_fn",
+                       gate_scale: Scale = 1.0, up_scale: Scale = 1.0, down_scale: Scale = 1.0) -> GatedForm:
+    """Declare that ``cls.forward`` computes ``down(act(gate(x) * gate_scale) * (up(x) * up_scale)) *
+    down_scale`` (``gate_up``: one fused projection whose output is ``[gate | up]``), so that tiled
+    instances of ``cls`` may take the gated fast kernel. The declaration is yours: it holds for the
+    forward function ``cls`` has now, and a forward patched on the class later is not covered.
+
+    A scale is a number or the name of a float attribute of the module (read at every call). The
+    parts must be children named as given: plain ``nn.Linear`` projections and a recognised
+    activation (``activation_name``), or the call takes the generic path."""
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise TypeError(f"register_gated_mlp takes an nn.Module subclass, got {cls!r}")
+    if (gate_up is None) == (gate is None or up is None):
+        raise ValueError("name either gate and up, or gate_up (a fused [gate; up] projection), not both")
+    for scale in (gate_scale, up_scale, down_scale):
+        if not isinstance(scale, (int, float, str)) or isinstance(scale, bool):
+            raise TypeError(f"a scale is a number or an attribute name, got {scale!r}")
+    form = GatedForm(down=down, gate=None if gate_up else gate, up=None if gate_up else up, gate_up=gate_up,
+                     activation=activation, gate_scale=gate_scale, up_scale=up_scale, down_scale=down_scale)
+    _REGISTERED[cls.forward] = form
+    return form
+
+
+def unregister_gated_mlp(cls: type) -> None:
+    _REGISTERED.pop(cls.forward, None)  # type: ignore[attr-defined]
+
+
+def known_form(forward: Any) -> Optional[GatedForm]:
+    """The form ``forward`` (a function, or a method bound to the module) is known to compute, or None."""
+    fn = getattr(forward, "__func__", forward)
+    registered = _REGISTERED.get(fn)
+    if registered is not None:
+        return registered
+    for body, form in KNOWN_BODIES:
+        if matches(fn, body):
+            return form
+    return None
+
+
+# -- the activation -----------------------------------------------------------------------------------
+_TORCH_ACTIVATIONS = {
+    nn.SiLU: CodeForm("return F.silu({x}, inplace=self.inplace)", {"F": F}),
+    nn.GELU: CodeForm("return F.gelu({x}, approximate=self.approximate)", {"F": F}),
+}
+# Hugging Face's activation modules (transformers.activations), recognised by their code, not imported.
+_CALLS_ITS_FUNCTION = CodeForm("return self.act({x})")
+_HF_SILU = CodeForm("return nn.functional.silu({x})", {"nn": nn})
+
+
+def _function_name(fn: Any) -> Optional[str]:
+    """The activation a plain function attribute computes: torch's own functions, by identity."""
+    if fn is F.silu:
+        return "silu"
+    if fn is F.gelu:
+        return "gelu"
+    if (isinstance(fn, functools.partial) and fn.func is F.gelu and not fn.args
+            and fn.keywords == {"approximate": "tanh"}):
+        return "gelu_tanh"
+    return None
+
+
+def activation_name(act: Any) -> Optional[str]:
+    """"silu", "gelu" or "gelu_tanh" when ``act`` provably computes it, else None."""
+    if not isinstance(act, nn.Module) or "forward" in act.__dict__:
+        return None
+    cls = type(act)
+    forward = cls.forward
+    torch_form = _TORCH_ACTIVATIONS.get(cls)
+    if torch_form is not None:
+        if not matches(forward, torch_form) or _shadowed(act, ("inplace", "approximate")):
+            return None
+        if cls is nn.SiLU:
+            return "silu"
+        approximate = act.__dict__.get("approximate")
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate) if isinstance(approximate, str) else None
+    if matches(forward, _HF_SILU):
+        return "silu"
+    if matches(forward, _CALLS_ITS_FUNCTION) and not _shadowed(act, ("act",)):
+        return _function_name(act.__dict__.get("act"))
+    return None
+
+
+def _shadowed(module: nn.Module, names: Tuple[str, ...]) -> bool:
+    """Whether reading one of ``names`` on ``module`` could find something other than what it holds
+    itself (a class attribute or property of that name, or a custom attribute lookup)."""
+    cls = type(module)
+    if cls.__getattribute__ is not object.__getattribute__ or getattr(cls, "__getattr__", None) is not nn.Module.__getattr__:
+        return True
+    return any(name in vars(klass) for klass in cls.__mro__ for name in names)
+
+
+def resolve_scale(module: nn.Module, scale: Scale) -> Optional[float]:
+    """The factor's value, or None when the named attribute is not a plain number."""
+    if not isinstance(scale, str):
+        return float(scale)
+    if _shadowed(module, (scale,)):
+        return None
+    value = module.__dict__.get(scale)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def check_attributes(module: nn.Module, form: GatedForm) -> str:
+    """Why ``module``'s attributes may not be what the form's forward reads ("" when they are)."""
+    if _shadowed(module, form.module_names + form.scale_names):
+        return "its class defines an attribute the forward reads, or a custom attribute lookup"
+    missing = [name for name in form.module_names if not isinstance(module._modules.get(name), nn.Module)]
+    if missing:
+        return f"no submodule {', '.join(missing)}"
+    return ""
+
