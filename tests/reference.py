@@ -113,6 +113,16 @@ def _collect(module: nn.Module, out, x) -> Run:
     return Run(out.detach(), None if x.grad is None else x.grad.detach().clone(), grads)
 
 
+def step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Run:
+    """One forward+backward of ``module`` as it is (tiled or not), from fresh grads, on a leaf copy of ``x``."""
+    for p in module.parameters():
+        p.grad = None
+    x_in = x.detach().clone().requires_grad_()
+    out = module(x_in)
+    out.backward(dy)
+    return _collect(module, out, x_in)
+
+
 def fresh_inputs(shape, hidden_out: int, dtype=torch.float64, seed: int = 1234, requires_grad: bool = True):
     """A random input and a random output gradient (not ones: ones would hide a transposed gradient)."""
     generator = torch.Generator().manual_seed(seed)

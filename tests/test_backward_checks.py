@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from reference import Run, assert_runs_close, fresh_inputs
+from reference import assert_runs_close, fresh_inputs, step
 from torch import nn
 
 from tiled_mlp import TiledMLP
@@ -35,19 +35,6 @@ def llama_mlp() -> nn.Module:
     from integration_tests.tiny_models import tiny_model
 
     return copy.deepcopy(tiny_model("llama").model.layers[0].mlp)
-
-
-def grads(module: nn.Module) -> dict:
-    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in module.named_parameters()}
-
-
-def step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Run:
-    for p in module.parameters():
-        p.grad = None
-    x_in = x.detach().clone().requires_grad_()
-    out = module(x_in)
-    out.backward(dy)
-    return Run(out.detach(), x_in.grad.detach().clone(), grads(module))
 
 
 # -- 1. weights and input modified in place between forward and backward ------------------------------

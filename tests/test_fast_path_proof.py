@@ -18,7 +18,7 @@ import types
 
 import pytest
 import torch
-from reference import Run, assert_runs_close, fresh_inputs
+from reference import assert_runs_close, fresh_inputs, step
 from torch import nn
 
 import tiled_core.fast_path
@@ -54,17 +54,6 @@ class PlainMLP(GatedLooking):
 def build(cls, seed: int = 0, dtype=torch.float64, **kwargs) -> nn.Module:
     torch.manual_seed(seed)
     return cls(**kwargs).to(dtype)
-
-
-def step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Run:
-    """One forward+backward of ``module`` (tiled or not) from fresh grads, on a leaf copy of ``x``."""
-    for p in module.parameters():
-        p.grad = None
-    x_in = x.detach().clone().requires_grad_()
-    out = module(x_in)
-    out.backward(dy)
-    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in module.named_parameters()}
-    return Run(out.detach(), None if x_in.grad is None else x_in.grad.detach().clone(), grads)
 
 
 def tiled_copy(mlp: nn.Module, num_shards: int = 4, path: str = "auto") -> nn.Module:
