@@ -197,3 +197,55 @@ def test_a_gradient_penalty_raises(path, expect_path):
     with pytest.raises(RuntimeError, match=DOUBLE):
         (g,) = torch.autograd.grad(tiled(x).sum(), x, create_graph=True)
         g.pow(2).sum().backward()
+
+
+# -- found by an independent review ---------------------------------------------------------------------
+def test_a_frozen_weight_modified_in_place_before_backward_raises_as_untiled():
+    """A frozen parameter (a LoRA base weight) is not an input of the tiled Function, but the backward
+    recomputes from it all the same."""
+    mlp = llama_mlp()
+    mlp.up_proj.weight.requires_grad_(False)
+    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=5)
+    for module in (copy.deepcopy(mlp), TiledMLP(copy.deepcopy(mlp), num_shards=3, path="generic")):
+        y = module(x.detach().clone().requires_grad_())
+        with torch.no_grad():
+            module.up_proj.weight.mul_(2.0)
+        with pytest.raises(RuntimeError, match=INPLACE):
+            y.backward(dy)
+
+
+def test_a_conditioning_edited_between_two_backwards_of_a_retained_graph_raises():
+    tiled = TiledMLP(film(), num_shards=3)
+    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=6)
+    y = tiled(x.detach().clone().requires_grad_())
+    y.backward(dy, retain_graph=True)
+    tiled.cond.mul_(3)
+    with pytest.raises(RuntimeError, match=CHANGED):
+        y.backward(dy)
+
+
+def test_an_equal_conditioning_rebuilt_by_a_checkpoint_recompute_is_accepted():
+    """A parent that sets per-call conditioning (no gradient) before calling the MLP rebuilds an equal
+    tensor in a non-reentrant checkpoint's recompute: the same values, so the same gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, x, t):
+            self.mlp.cond = torch.cos(t * torch.arange(INTER, dtype=torch.float64)) + 2
+            return x + self.mlp(x)
+
+    block = Block(film())
+    untiled = copy.deepcopy(block)
+    TiledMLP(block.mlp, num_shards=3)
+    t = torch.tensor(0.3, dtype=torch.float64)
+    x, _ = fresh_inputs(SHAPE, HIDDEN, seed=7)
+    grads = []
+    for module in (untiled, block):
+        x_in = x.detach().clone().requires_grad_()
+        checkpoint(module, x_in, t, use_reentrant=False).pow(2).sum().backward()
+        grads.append(x_in.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-12)

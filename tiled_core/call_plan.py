@@ -1,7 +1,7 @@
 """What a tiled call decides before it touches a tensor, kept while nothing it rests on changes.
 
 Every forward used to re-walk the module for the trainable parameters, its sizes, its hooks and the
-fast-path decision (a probe of the real forward). One walk of the module now builds one key
+fast-path decision (what the forward is, ``gated_forms``). One walk of the module now builds one key
 (``fast_path.module_key``: its parameters, buffers, submodules, hooks, training modes, settings, and
 the input's dtype and device) and, with the strategy, picks the cached plan or makes a new one. The
 strategy itself is resolved at every call (a model is usually wrapped by its backend after it was
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .fast_path import module_key
+from .gated_forms import registry_generation
 from .gated_spec import GatedMLPSpec
 
 
@@ -38,7 +39,7 @@ class CallPlan:
     param_bytes: int
     named_buffers: List[Tuple[str, torch.Tensor]]  # the key names each buffer: the same ones while it holds
     # The fast-path decision, made at the first call that needs it (inside the strategy's gathered
-    # context, where the probe can read the weights) and kept with the plan.
+    # context) and kept with the plan.
     fast: Optional[Tuple[Optional[GatedMLPSpec], str]] = None
     fast_kernel: Optional[Any] = field(default=None, repr=False)
     # The generic kernel's view of the module's structure (``kernels.generic.GenericLayout``).
@@ -58,12 +59,13 @@ def shallow_key(module: nn.Module, strategy: Any, x: torch.Tensor) -> tuple:
             tuple(map(id, d["_modules"].values())))
 
 
-def current_key(module: nn.Module, strategy: Any, x: torch.Tensor) -> Tuple[tuple, tuple]:
+def current_key(module: nn.Module, strategy: Any, x: torch.Tensor, forward: Any) -> Tuple[tuple, tuple]:
+    """The key of a plan for ``module`` called on ``x`` under ``strategy``; ``forward`` is what the
+    module's forward is now (the instance forward, else the class's: patched on the class or not)."""
     key, keep_alive = module_key(module, x)
     tiling: Any = module.tiling  # the path asked for and the kernels allowed decide the fast path too
-    # What the forward is now (patched on the class, or installed on the instance) decides the fast path.
-    forward = module._tiled_forward_function()  # type: ignore[operator]
-    config = (tiling.path, tiling.use_liger, id(forward), id(getattr(forward, "__func__", forward)))
+    code = getattr(getattr(forward, "__func__", forward), "__code__", None)  # ``__code__`` swapped in place
+    config = (tiling.path, tiling.use_liger, id(forward), id(code), registry_generation())
     # The strategy answers trainable_params and param_bytes: another backend, another plan. (Its type:
     # "auto" makes a new instance at every call.)
-    return (key, config, type(strategy)), (*keep_alive, forward)
+    return (key, config, type(strategy)), (*keep_alive, forward, code)

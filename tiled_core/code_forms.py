@@ -15,21 +15,25 @@ edited forward is a different function with other code. What the code reads thro
 """
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 _COMPARED = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_posonlyargcount",
              "co_kwonlyargcount", "co_freevars", "co_cellvars")
-# The flags of what kind of code it is (optimized, generator, varargs, ...); the ``__future__`` bits above
-# them say how the module was compiled (``from __future__ import annotations``), not what the body does.
-_KIND_FLAGS = 0xFFFF
+# The flags of what kind of code it is (optimized, generator, varargs, ...). Not compared: the
+# ``__future__`` bits above them (how the module was compiled: ``from __future__ import annotations``)
+# and CO_NESTED (a class defined inside a function), which say where the code was written, not what
+# the body does.
+_KIND_FLAGS = 0xFFFF & ~inspect.CO_NESTED
 
 
 @dataclass(frozen=True)
 class CodeForm:
-    """A method body, ``{x}`` standing for its one argument besides ``self``; ``globals`` names each
-    module-level name the body loads and the object it must be in the function's module."""
+    """A method body, ``{x}`` standing for its one argument besides ``self``; ``globals`` maps each
+    module-level name the body loads, and each attribute it calls on one (``"F.silu"``), to the object
+    it must be: a module is the same object while one of its functions is monkeypatched."""
 
     body: str
     globals: Mapping[str, Any] = field(default_factory=dict)
@@ -38,7 +42,7 @@ class CodeForm:
 def _compiled(form: CodeForm, arg: str, doc: Optional[str]) -> types.CodeType:
     # Each global is declared as an import, as the libraries bind them: CPython compiles a call on an
     # imported name (``F.silu(...)``) with other instructions than a call on any other global.
-    lines = [f"import {name}" for name in form.globals]
+    lines = [f"import {name}" for name in dict.fromkeys(path.split(".")[0] for path in form.globals)]
     lines.append(f"def forward(self, {arg}):")
     if doc is not None:
         lines.append(f"    {doc!r}")
@@ -48,31 +52,50 @@ def _compiled(form: CodeForm, arg: str, doc: Optional[str]) -> types.CodeType:
     return code
 
 
-_CACHE: Dict[Tuple[int, int], Tuple[Any, CodeForm, bool]] = {}
+# (code, form) -> whether the code is the form's. Keyed on the code object, which is immutable: a
+# forward whose ``__code__`` is replaced (IPython's autoreload does it) is checked again. Both are kept
+# alive by the entry, so their ids cannot be reused; the table is cleared past a bound.
+_CACHE: Dict[Tuple[int, int], Tuple[types.CodeType, CodeForm, bool]] = {}
+_CACHE_LIMIT = 4096
+_MISSING = object()
 
 
 def matches(fn: Any, form: CodeForm) -> bool:
     """Whether ``fn`` is a plain two-argument function whose code is exactly ``form``'s body."""
     if not isinstance(fn, types.FunctionType) or fn.__closure__ is not None:
         return False
-    key = (id(fn), id(form))
-    cached = _CACHE.get(key)
-    if cached is not None and cached[0] is fn and cached[1] is form:
-        return cached[2] and _globals_hold(fn, form)
     code = fn.__code__
-    found = False
-    if code.co_argcount == 2 and not code.co_kwonlyargcount:
-        try:
-            want = _compiled(form, code.co_varnames[1], fn.__doc__)
-        except SyntaxError:  # an argument name the template cannot take
-            want = None
-        found = (want is not None and all(getattr(code, name) == getattr(want, name) for name in _COMPARED)
-                 and code.co_flags & _KIND_FLAGS == want.co_flags & _KIND_FLAGS)
-    # The function and the form are kept alive by the cache, so their ids cannot be reused.
-    _CACHE[key] = (fn, form, found)
-    return found and _globals_hold(fn, form)
+    key = (id(code), id(form))
+    cached = _CACHE.get(key)
+    if cached is None or cached[0] is not code or cached[1] is not form:
+        if len(_CACHE) >= _CACHE_LIMIT:
+            _CACHE.clear()
+        cached = (code, form, _same_code(code, form, fn.__doc__))
+        _CACHE[key] = cached
+    return cached[2] and _globals_hold(fn, form)
+
+
+def _same_code(code: types.CodeType, form: CodeForm, doc: Optional[str]) -> bool:
+    if code.co_argcount != 2 or code.co_kwonlyargcount:
+        return False
+    try:
+        want = _compiled(form, code.co_varnames[1], doc)
+    except SyntaxError:  # an argument name the template cannot take
+        return False
+    return (all(getattr(code, name) == getattr(want, name) for name in _COMPARED)
+            # By type as well as value: 1 == 1.0 == True and 0.0 == -0.0 for ``==``, not for ``repr``.
+            and repr(code.co_consts) == repr(want.co_consts)
+            and code.co_flags & _KIND_FLAGS == want.co_flags & _KIND_FLAGS)
 
 
 def _globals_hold(fn: types.FunctionType, form: CodeForm) -> bool:
-    # Read at every call: a module's globals can be rebound after the code was checked.
-    return all(fn.__globals__.get(name) is obj for name, obj in form.globals.items())
+    # Read at every call: a module's globals, or a function of a module, can be rebound after the code
+    # was checked.
+    for path, obj in form.globals.items():
+        head, *attrs = path.split(".")
+        value = fn.__globals__.get(head, _MISSING)
+        for attr in attrs:
+            value = getattr(value, attr, _MISSING)
+        if value is not obj:
+            return False
+    return True

@@ -17,7 +17,7 @@ from torch import nn
 
 from .autocast_state import autocast_enabled
 from .gated_forms import known_form
-from .gated_spec import GatedMLPSpec, global_module_hooks, structural_spec
+from .gated_spec import GatedMLPSpec, global_module_hooks, no_hook_is_backend, structural_spec
 
 
 def _tensor_entries(registry: dict) -> list:
@@ -57,7 +57,7 @@ def module_key(module: nn.Module, x: torch.Tensor) -> Tuple[tuple, tuple]:
     return tuple(parts), tuple(objects)
 
 
-def decide_fast_path(module: nn.Module, forward_fn: Callable, x: torch.Tensor,
+def decide_fast_path(module: nn.Module, forward_fn: Optional[Callable], x: torch.Tensor,
                      is_backend_hook) -> Tuple[Optional[GatedMLPSpec], str]:
     """(the spec, "") when the fast kernel computes exactly what ``forward_fn`` computes on ``x``,
     else (None, why not)."""
@@ -68,17 +68,17 @@ def decide_fast_path(module: nn.Module, forward_fn: Callable, x: torch.Tensor,
     return spec, why_not
 
 
-def structural_decision(module: nn.Module, forward_fn: Callable,
-                        is_backend_hook=None) -> Tuple[Optional[GatedMLPSpec], str]:
-    """What the forward and the structure decide, before any call: (the spec, "") or (None, why not)."""
+def structural_decision(module: nn.Module, forward_fn: Optional[Callable],
+                        is_backend_hook: Callable = no_hook_is_backend) -> Tuple[Optional[GatedMLPSpec], str]:
+    """What the forward (the plain function it runs, None when it is not a function of this module) and
+    the structure decide, before any call: (the spec, "") or (None, why not)."""
     form = known_form(forward_fn)
     if form is None:
         return None, UNKNOWN_FORWARD
-    if is_backend_hook is None:
-        return structural_spec(module, form)
     return structural_spec(module, form, is_backend_hook)
 
 
+FUSED_EXPERTS = "its weights are not gated nn.Linear projections (fused MoE experts)"
 UNKNOWN_FORWARD = ("its forward is not one the fast kernel is known to compute (a known library body, or a class "
                    "declared with tiled_mlp.register_gated_mlp)")
 

@@ -66,8 +66,15 @@ KNOWN_BODIES: List[Tuple[CodeForm, GatedForm]] = [
      GatedForm(gate_scale="gate_multiplier", down_scale="down_multiplier")),
 ]
 
-# Registered by users: the forward function object -> its form. Kept alive, so no id is reused.
+# Registered by users: the forward function object -> its form (kept alive, so no id is reused), and
+# each class's registered function. ``registry_generation`` counts changes: cached decisions key on it.
 _REGISTERED: Dict[Any, GatedForm] = {}
+_REGISTERED_BY_CLASS: Dict[type, Any] = {}
+_GENERATION = [0]
+
+
+def registry_generation() -> int:
+    return _GENERATION[0]
 
 
 def register_gated_mlp(cls: type, *, gate: Optional[str] = "gate_proj", up: Optional[str] = "up_proj",
@@ -90,17 +97,24 @@ def register_gated_mlp(cls: type, *, gate: Optional[str] = "gate_proj", up: Opti
             raise TypeError(f"a scale is a number or an attribute name, got {scale!r}")
     form = GatedForm(down=down, gate=None if gate_up else gate, up=None if gate_up else up, gate_up=gate_up,
                      activation=activation, gate_scale=gate_scale, up_scale=up_scale, down_scale=down_scale)
-    _REGISTERED[cls.forward] = form
+    unregister_gated_mlp(cls)
+    forward = cls.forward
+    _REGISTERED[forward] = form
+    _REGISTERED_BY_CLASS[cls] = forward
     return form
 
 
 def unregister_gated_mlp(cls: type) -> None:
-    _REGISTERED.pop(cls.forward, None)  # type: ignore[attr-defined]
+    """Withdraw ``register_gated_mlp(cls, ...)`` (whatever ``cls.forward`` is now)."""
+    _REGISTERED.pop(_REGISTERED_BY_CLASS.pop(cls, None), None)
+    _GENERATION[0] += 1
 
 
-def known_form(forward: Any) -> Optional[GatedForm]:
-    """The form ``forward`` (a function, or a method bound to the module) is known to compute, or None."""
-    fn = getattr(forward, "__func__", forward)
+def known_form(fn: Any) -> Optional[GatedForm]:
+    """The form the plain function ``fn`` (a class's forward, or the function of a method bound to the
+    module itself) is known to compute, or None."""
+    if fn is None:
+        return None
     registered = _REGISTERED.get(fn)
     if registered is not None:
         return registered
@@ -111,22 +125,33 @@ def known_form(forward: Any) -> Optional[GatedForm]:
 
 
 # -- the activation -----------------------------------------------------------------------------------
+# torch's functions as this process first saw them: a monkeypatched ``F.silu`` is not the activation
+# the fast kernel differentiates (its backward is aten's), so a form calling it does not qualify.
+F_SILU, F_GELU, F_LINEAR = F.silu, F.gelu, F.linear
+
+
+def torch_functions_intact() -> bool:
+    """Whether the torch functions the accepted forms call are still torch's own (checked at every call
+    that reuses a cached fast decision: patching one changes no key)."""
+    return F.silu is F_SILU and F.gelu is F_GELU and F.linear is F_LINEAR
+
+
 _TORCH_ACTIVATIONS = {
-    nn.SiLU: CodeForm("return F.silu({x}, inplace=self.inplace)", {"F": F}),
-    nn.GELU: CodeForm("return F.gelu({x}, approximate=self.approximate)", {"F": F}),
+    nn.SiLU: CodeForm("return F.silu({x}, inplace=self.inplace)", {"F": F, "F.silu": F_SILU}),
+    nn.GELU: CodeForm("return F.gelu({x}, approximate=self.approximate)", {"F": F, "F.gelu": F_GELU}),
 }
 # Hugging Face's activation modules (transformers.activations), recognised by their code, not imported.
 _CALLS_ITS_FUNCTION = CodeForm("return self.act({x})")
-_HF_SILU = CodeForm("return nn.functional.silu({x})", {"nn": nn})
+_HF_SILU = CodeForm("return nn.functional.silu({x})", {"nn": nn, "nn.functional.silu": F_SILU})
 
 
 def _function_name(fn: Any) -> Optional[str]:
     """The activation a plain function attribute computes: torch's own functions, by identity."""
-    if fn is F.silu:
+    if fn is F_SILU:
         return "silu"
-    if fn is F.gelu:
+    if fn is F_GELU:
         return "gelu"
-    if (isinstance(fn, functools.partial) and fn.func is F.gelu and not fn.args
+    if (isinstance(fn, functools.partial) and fn.func is F_GELU and not fn.args
             and fn.keywords == {"approximate": "tanh"}):
         return "gelu_tanh"
     return None
@@ -178,6 +203,11 @@ def check_attributes(module: nn.Module, form: GatedForm) -> str:
     """Why ``module``'s attributes may not be what the form's forward reads ("" when they are)."""
     if _shadowed(module, form.module_names + form.scale_names):
         return "its class defines an attribute the forward reads, or a custom attribute lookup"
+    # An instance attribute of a child's name is found before the child (nn.Module keeps children in
+    # ``_modules``, read only when normal lookup fails).
+    hidden = [name for name in form.module_names if name in module.__dict__]
+    if hidden:
+        return f"an instance attribute hides the submodule {', '.join(hidden)}"
     missing = [name for name in form.module_names if not isinstance(module._modules.get(name), nn.Module)]
     if missing:
         return f"no submodule {', '.join(missing)}"

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.modules import module as _module_globals
 
 from .code_forms import CodeForm, matches
-from .gated_forms import GatedForm, activation_name, check_attributes, resolve_scale
+from .gated_forms import F_LINEAR, GatedForm, activation_name, check_attributes, resolve_scale
 
 
 @dataclass
@@ -35,6 +35,7 @@ class GatedMLPSpec:
     gate_scale: float = 1.0
     up_scale: float = 1.0
     down_scale: float = 1.0
+    form: GatedForm = GatedForm()  # the names the forward reads them by
 
     @property
     def linears(self) -> List[nn.Linear]:
@@ -51,7 +52,7 @@ class GatedMLPSpec:
         return out
 
 
-def _no_hook_is_backend(hook) -> bool:
+def no_hook_is_backend(hook) -> bool:
     return False
 
 
@@ -71,7 +72,7 @@ def _module_hooks(module: nn.Module) -> tuple:
     return tuple(hook for name in names for hook in getattr(module, name, {}).values())
 
 
-def foreign_child_hooks(module: nn.Module, is_backend_hook=_no_hook_is_backend) -> List[str]:
+def foreign_child_hooks(module: nn.Module, is_backend_hook=no_hook_is_backend) -> List[str]:
     """The hooks on submodules below ``module`` that a tiled call would not run as untiled, by name.
 
     The fast kernel calls no submodule (not the projections, not ``act_fn``), so any hook on them
@@ -92,7 +93,7 @@ def foreign_child_hooks(module: nn.Module, is_backend_hook=_no_hook_is_backend) 
     return found
 
 
-_LINEAR = CodeForm("return F.linear({x}, self.weight, self.bias)", {"F": F})
+_LINEAR = CodeForm("return F.linear({x}, self.weight, self.bias)", {"F": F, "F.linear": F_LINEAR})
 
 
 def _is_plain_linear(module) -> bool:
@@ -131,7 +132,7 @@ def _beyond_spec(module: nn.Module, spec: GatedMLPSpec, act_module) -> str:
 
 
 def structural_spec(module: nn.Module, form: GatedForm,
-                    is_backend_hook=_no_hook_is_backend) -> Tuple[Optional[GatedMLPSpec], str]:
+                    is_backend_hook=no_hook_is_backend) -> Tuple[Optional[GatedMLPSpec], str]:
     """The spec if the module's structure lets the fast kernel compute ``form``, else None and why not."""
     hooks = foreign_child_hooks(module, is_backend_hook)
     if hooks:
@@ -152,7 +153,7 @@ def structural_spec(module: nn.Module, form: GatedForm,
                         gate=None if form.gate is None else parts[form.gate],  # type: ignore[arg-type]
                         up=None if form.up is None else parts[form.up],  # type: ignore[arg-type]
                         gate_up=None if form.gate_up is None else parts[form.gate_up],  # type: ignore[arg-type]
-                        gate_scale=gate_scale, up_scale=up_scale, down_scale=down_scale)
+                        gate_scale=gate_scale, up_scale=up_scale, down_scale=down_scale, form=form)
     if not all(_is_plain_linear(m) for m in spec.linears):
         return None, "projections are not plain nn.Linear (LoRA or quantised wrappers)"
     if _has_dropout(module):

@@ -33,9 +33,9 @@ from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
 from .activations import gated_activation
 from .auto_shards import MLPSize, auto_num_shards, intermediate_size
 from .call_plan import CallPlan, current_key, shallow_key
-from .fast_path import decide_fast_path, structural_decision
-from .gated_forms import check_attributes, known_form
-from .gated_spec import foreign_child_hooks
+from .fast_path import FUSED_EXPERTS, decide_fast_path, structural_decision
+from .gated_forms import check_attributes, torch_functions_intact
+from .gated_spec import foreign_child_hooks, no_hook_is_backend
 from .kernels import GatedShardKernel, GenericShardKernel
 from .kernels.generic import generic_layout
 from .shard_plan import NumShards, check_num_shards, make_shard_plan
@@ -59,8 +59,10 @@ def tiled_class(mixin: type, base: type) -> type:
     cls = _CLASSES.get(key)
     if cls is None:
         name = f"Tiled{base.__name__}"
+        signature = _forward_signature(base)
         cls = type(name, (mixin, base), {"_tiled_base": base, "_tiled_mixin": mixin, "__module__": mixin.__module__,
-                                         "__qualname__": name, "forward": TiledForward(_forward_signature(base))})
+                                         "__qualname__": name, "_tiled_signature": signature,
+                                         "forward": TiledForward(signature)})
         _CLASSES[key] = cls
     return cls
 
@@ -92,13 +94,15 @@ class TiledForward:
                 parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
                             *signature.parameters.values()])
         self.function = forward
-        self.signature = signature
 
     def __get__(self, module, owner=None):
         return self.function if module is None else types.MethodType(self.function, module)
 
     def __set__(self, module, value) -> None:
-        module.tiling.instance_forward = value
+        # ``module.forward = module._old_forward`` (accelerate removing its hook; unpickling a bound
+        # method) puts the tiled forward itself back: that is no instance forward at all.
+        own = isinstance(value, types.MethodType) and value.__self__ is module and value.__func__ is self.function
+        module.tiling.instance_forward = None if own else value
 
     def __delete__(self, module) -> None:
         module.tiling.instance_forward = None
@@ -147,6 +151,7 @@ class TiledMLP(nn.Module):
     tiling: TilingState
     _tiled_base: Optional[type] = None  # set on the generated classes: the module's original class
     _tiled_mixin: type  # set on the generated classes: TiledMLP or a subclass of it
+    _tiled_signature: Optional[inspect.Signature] = None  # set on the generated classes: the original forward's
     #: Whether the gated fast kernel may ever stand in for this kind of module's forward.
     _tiled_fast_allowed = True
 
@@ -200,6 +205,11 @@ class TiledMLP(nn.Module):
     # model runs it eagerly (the shard loop and the RNG capture are not traceable, and tracing into
     # them only produced a graph break at each).
     def _tiled_forward(self, *args, **kwargs) -> torch.Tensor:
+        if self.tiling.shard_depth:
+            # Called from inside one of its own shards: an instance forward wrapping the tiled forward
+            # (accelerate's hooks: ``old = m.forward; m.forward = wrapper(old)``) reaches here; the
+            # shard computes the module's own forward.
+            return self._tiled_base_forward()(self, *args, **kwargs)
         self._tiled_adopt_instance_forward()
         x = args[0] if len(args) == 1 and not kwargs else self._tiled_input(args, kwargs)
         return self._tiled_call(x, self._tiled_original_forward, check_hidden=True)
@@ -207,14 +217,18 @@ class TiledMLP(nn.Module):
     def _tiled_adopt_instance_forward(self) -> None:
         # A forward written into the instance's __dict__ after tiling (Liger's _bind_method_to_module):
         # it is what the module computes now, so each shard runs it; untiling puts it back.
+        # An instance forward that is the tiled forward itself (unpickled ``getattr(module, "forward")``)
+        # is dropped by the same rule.
         installed = self.__dict__.pop("forward", None)
+        if installed is None:
+            installed = self.tiling.instance_forward
         if installed is not None:
-            self.tiling.instance_forward = installed
+            _tiled_forward_descriptor(type(self)).__set__(self, installed)
 
     def _tiled_input(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """The hidden states, passed by position or by the original forward's name for them."""
         installed = self.tiling.instance_forward
-        signature = inspect.signature(installed) if installed is not None else type(self).__dict__["forward"].signature
+        signature = inspect.signature(installed) if installed is not None else type(self)._tiled_signature
         if signature is None:
             raise TypeError(f"{type(self).__name__}: pass the hidden states as the one positional argument")
         bound = signature.bind(*args, **kwargs)  # the TypeError untiled would raise, for a wrong call
@@ -227,8 +241,15 @@ class TiledMLP(nn.Module):
 
     def _tiled_original_forward(self, *args: torch.Tensor) -> torch.Tensor:
         """The module's own forward, without hooks: what one shard runs."""
-        installed = self.tiling.instance_forward
-        return installed(*args) if installed is not None else self._tiled_base_forward()(self, *args)
+        state: TilingState = self.tiling
+        installed = state.instance_forward
+        if installed is None:
+            return self._tiled_base_forward()(self, *args)
+        state.shard_depth += 1
+        try:
+            return installed(*args)
+        finally:
+            state.shard_depth -= 1
 
     def _tiled_base_forward(self) -> Callable:
         """The original class's forward function, looked up now (a forward patched on the class counts)."""
@@ -261,7 +282,7 @@ class TiledMLP(nn.Module):
         plan = self._tiled_plan(strategy, x)
 
         # Too short to pay even on the fast path (the generic path only needs more): decided before the
-        # path is (which probes the forward the first time).
+        # path is.
         num_shards = self._tiled_num_shards(plan, x, num_tokens, generic=False)
         if num_tokens == 0 or num_shards is None:
             out = untiled_call()
@@ -308,7 +329,8 @@ class TiledMLP(nn.Module):
     def _tiled_plan(self, strategy: Strategy, x: torch.Tensor) -> CallPlan:
         """The cached plan while its key holds, else a new one (see ``call_plan.py``)."""
         state: TilingState = self.tiling
-        key, keep_alive = current_key(self, strategy, x)
+        forward = state.instance_forward if state.instance_forward is not None else self._tiled_base_forward()
+        key, keep_alive = current_key(self, strategy, x, forward)
         plan = state.call_plan
         if plan is None or plan.key != key:
             plan = CallPlan(key, keep_alive, shallow_key(self, strategy, x), strategy.trainable_params(self),
@@ -318,10 +340,8 @@ class TiledMLP(nn.Module):
 
     def _tiled_kernel(self, strategy: Strategy, plan: CallPlan, shard_forward: Callable, x: torch.Tensor):
         state: TilingState = self.tiling
-        if plan.fast is None or (plan.fast[0] is not None and _class_shadows(self)):
-            # The key names objects by identity; a class attribute added since (``MyMLP.up_proj =
-            # property(...)``) changes what the forward reads without changing any of them.
-            plan.fast = self._tiled_fast_spec(strategy, shard_forward, x)
+        if plan.fast is None or _fast_decision_stale(self, plan):
+            plan.fast = self._tiled_fast_spec(strategy, x)
             plan.fast_kernel = None
         spec, why_not = plan.fast
         if spec is not None:
@@ -330,7 +350,7 @@ class TiledMLP(nn.Module):
                                                     type(self).__name__)
             return plan.fast_kernel
         if state.path == "fast":
-            raise ValueError(f"path='fast' cannot apply to {type(self).__name__}: {why_not}; use path='auto'")
+            raise _fast_refused(self, why_not)
         hooks = functools.partial(foreign_child_hooks, self, strategy.is_backend_hook)
         if plan.generic_layout is None:
             plan.generic_layout = generic_layout(self, plan.trainable, hooks())
@@ -338,24 +358,38 @@ class TiledMLP(nn.Module):
         return GenericShardKernel(shard_forward, type(self).__name__, plan.trainable, prefix, plan.generic_layout, hooks,
                                   grad_mode=torch.is_grad_enabled())
 
-    def _tiled_fast_spec(self, strategy: Strategy, shard_forward: Callable, x: torch.Tensor):
+    def _tiled_fast_spec(self, strategy: Strategy, x: torch.Tensor):
         """(the gated spec, "") when the fast kernel provably computes this call, else (None, why not)."""
-        state: TilingState = self.tiling
-        if state.path == "generic":
+        if self.tiling.path == "generic":
             return None, "path='generic' was asked for"
         if not self._tiled_fast_allowed:
-            return None, "its weights are not gated nn.Linear projections (fused MoE experts)"
+            return None, FUSED_EXPERTS
         return decide_fast_path(self, self._tiled_forward_function(), x, strategy.is_backend_hook)
 
-    def _tiled_forward_function(self) -> Callable:
-        """What the module's forward is now: a forward installed on the instance, else the class's."""
+    def _tiled_forward_function(self) -> Optional[Callable]:
+        """The plain function the module's forward runs now, where it is a function *of this module*:
+        the class's forward, or an instance forward bound to this very module. None for anything else
+        (a method of another module, a wrapper, a plain function): no form can be proven for it."""
         installed = self.tiling.instance_forward
-        return installed if installed is not None else self._tiled_base_forward()
+        if installed is None:
+            return self._tiled_base_forward()
+        if isinstance(installed, types.MethodType) and installed.__self__ is self:
+            return installed.__func__
+        return None
 
 
-def _class_shadows(module: TiledMLP) -> bool:
-    form = known_form(module._tiled_forward_function())
-    return form is None or bool(check_attributes(module, form))
+def _fast_decision_stale(module: TiledMLP, plan: CallPlan) -> bool:
+    """Whether a cached fast decision may no longer hold. The key names objects by identity, the forward's
+    code included; a class attribute added since (``MyMLP.up_proj = property(...)``) changes what the
+    forward reads without changing any of them."""
+    spec = plan.fast[0] if plan.fast is not None else None
+    if spec is None:
+        return False
+    return not torch_functions_intact() or bool(check_attributes(module, spec.form))
+
+
+def _fast_refused(module: nn.Module, why_not: str) -> ValueError:
+    return ValueError(f"path='fast' cannot apply to {type(module).__name__}: {why_not}; use path='auto'")
 
 
 def _membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor]) -> List[bool]:
@@ -408,20 +442,19 @@ def prepare_tiling(mixin: type, mlp: Optional[nn.Module], strategy: StrategyArg,
     if path == "fast":
         why_not = fast_path_problem(mixin, mlp, resolved.is_backend_hook)
         if why_not:
-            raise ValueError(f"path='fast' cannot apply to {type(mlp).__name__}: {why_not}; use path='auto'")
+            raise _fast_refused(mlp, why_not)
     return fixed
 
 
-def fast_path_problem(mixin: type, mlp: nn.Module, is_backend_hook=None) -> str:
+def fast_path_problem(mixin: type, mlp: nn.Module, is_backend_hook: Callable = no_hook_is_backend) -> str:
     """Why the fast kernel could never run ``mlp`` (tiled or not), whatever the call ("" when it may)."""
     if not getattr(mixin, "_tiled_fast_allowed", True):
-        return "its weights are not gated nn.Linear projections (fused MoE experts)"
+        return FUSED_EXPERTS
     if isinstance(mlp, TiledMLP):
         forward = mlp._tiled_forward_function()
-    else:
-        forward = mlp.__dict__.get("forward") or type(mlp).forward
-    hooks = {} if is_backend_hook is None else {"is_backend_hook": is_backend_hook}
-    return structural_decision(mlp, forward, **hooks)[1]
+    else:  # not tiled yet: an instance forward here is another library's (accelerate's hooks)
+        forward = None if "forward" in mlp.__dict__ else type(mlp).forward
+    return structural_decision(mlp, forward, is_backend_hook)[1]
 
 
 def _shadow_problem(mixin: type, mlp: nn.Module) -> str:
@@ -429,6 +462,14 @@ def _shadow_problem(mixin: type, mlp: nn.Module) -> str:
     if taken:
         return f"it already has attributes named {taken}, which tiling would hide"
     return ""
+
+
+def _tiled_forward_descriptor(cls: type) -> TiledForward:
+    for klass in cls.__mro__:
+        found = vars(klass).get("forward")
+        if isinstance(found, TiledForward):
+            return found
+    raise TypeError(f"{cls.__name__} has no tiled forward")
 
 
 def _inside_backward() -> bool:

@@ -1,7 +1,8 @@
 """The token-sharded autograd Function shared by every per-shard kernel.
 
-Forward: flatten the leading dims into tokens, run the kernel one shard at a time under no_grad into
-one output allocated in the caller's shape, keep only the input (saved before the loop by a node of
+Forward: flatten the leading dims into tokens, run the kernel one shard at a time into one output
+allocated in the caller's shape (no graph is kept: the generic kernel runs the module in the caller's
+grad mode and drops each shard's transient graph), keep only the input (saved before the loop by a node of
 its own, see ``saved_input``) and each shard's RNG state.
 Backward: recompute one shard at a time and sum the gradients over shards.
 
@@ -24,6 +25,7 @@ gradient) is compared, and so is which tensors the recompute reads; a backward t
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 from typing import Callable, ContextManager, List, Optional, Sequence
 
@@ -41,8 +43,10 @@ from .tensor_reads import TensorReads, describe
 KEPT_TENSOR_ERROR = (
     "TiledMLP: tensors made inside the tiled forward were kept after their shard ({tensors}): a forward hook on a "
     "submodule, or the forward itself, stored them (an activation stashed for a loss, say). The tiled forward runs "
-    "without autograd, once per shard, so they would carry no gradient and hold one shard's values. Register such "
-    "a hook on the tiled module itself (it then sees the whole output, with autograd, once per call)."
+    "with no graph kept, once per shard, so they would carry no gradient and hold one shard's values. Register such "
+    "a hook on the tiled module itself (it then sees the whole output, with autograd, once per call). A custom "
+    "autograd Function that keeps its output on ctx (not through save_for_backward) does this too: its graph is a "
+    "reference cycle the collector cannot free (it leaks untiled as well); save it with ctx.save_for_backward."
 )
 LATE_TENSOR_ERROR = (
     "TiledMLP: shard {shard} of the forward read tensors that require grad which the first shard did not: "
@@ -84,7 +88,9 @@ class FirstShard:
     watched: Optional[List[torch.Tensor]]  # the tensors later shards may read; None: not watched
     input_holder: Optional[InputHolder]  # where the input was saved; None: the Function saves it
     input_requires_grad: bool  # the caller's input (the Function's own input may be its saved view)
-    input_version: int  # the input's version before the first shard: a forward must not edit it
+    # The input's version before the first shard (a forward must not edit it); None where no graph is
+    # built (nothing will be recomputed; inference tensors have no version counter).
+    input_version: Optional[int]
 
 
 def _maybe(context: Optional[ContextManager]) -> ContextManager:
@@ -97,6 +103,11 @@ def _watch(known: Optional[Sequence[torch.Tensor]], grad_only: bool = True) -> O
 
 def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = ()) -> None:
     kept = reads.kept(expected)
+    if kept:
+        # A reference cycle (a custom Function that stores its output on ctx, in a shard's transient
+        # graph) keeps a tensor only until the collector runs: collect once before refusing.
+        gc.collect()
+        kept = reads.kept(expected)
     if kept:
         raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=describe(kept)))
 
@@ -120,7 +131,7 @@ class ShardedMLPFunction(torch.autograd.Function):
                 if reads.foreign:
                     raise RuntimeError(LATE_TENSOR_ERROR.format(shard=index, tensors=describe(reads.foreign_tensors())))
                 _check_nothing_kept(reads)
-        if x._version != first.input_version:
+        if first.input_version is not None and x._version != first.input_version:
             raise RuntimeError(INPUT_EDITED_ERROR.format(module=run.kernel.module_name))
         if first.input_holder is None:
             ctx.save_for_backward(x)
@@ -132,8 +143,7 @@ class ShardedMLPFunction(torch.autograd.Function):
         # backward (ZeRO-3 replaces .data, FSDP2 frees and re-allocates) without it being a mutation.
         # Their versions are compared in backward instead, where the backend allows it.
         ctx.tensors = tensors
-        skipped = len(run.kernel.params) if run.params_swap_storage else 0
-        ctx.versions = TensorVersions(tensors[skipped:])
+        ctx.versions = _versions_to_check(run, tensors) if first.input_version is not None else None
         ctx.autocast = AutocastState.capture(x.device)
         return out
 
@@ -143,7 +153,8 @@ class ShardedMLPFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError(DOUBLE_BACKWARD_ERROR)
         run: ShardedRun = ctx.run
-        ctx.versions.check(run.kernel.module_name)
+        if ctx.versions is not None:
+            ctx.versions.check(run.kernel.module_name)
         # Under non-reentrant checkpointing, reading the saved input recomputes the region up to it.
         (x,) = ctx.saved_tensors if ctx.input_holder is None else (ctx.input_holder.tensor(),)
         tensors = ctx.tensors
@@ -174,10 +185,20 @@ class ShardedMLPFunction(torch.autograd.Function):
         return (dx, None, None, *tensor_grads)
 
 
+def _versions_to_check(run: ShardedRun, tensors: Sequence[torch.Tensor]) -> TensorVersions:
+    """The tensors the backward recomputes from, whose versions it checks: the Function's tensors and the
+    module's frozen parameters (a LoRA base weight), less the parameters of a backend that re-gathers
+    their storage between forward and backward."""
+    if run.params_swap_storage:
+        return TensorVersions(tensors[len(run.kernel.params):])
+    taken = {id(t) for t in tensors}
+    return TensorVersions([*tensors, *(p for p in run.kernel.owned_params if id(p) not in taken)])
+
+
 def sharded_apply(x: torch.Tensor, run: ShardedRun) -> torch.Tensor:
     """Run ``run`` over ``x``: the input saved first, then the first shard, the rest inside the Function."""
     params: Sequence[torch.Tensor] = run.kernel.params
-    input_version = x._version
+    input_version = x._version if torch.is_grad_enabled() and not x.is_inference() else None
     x_in, holder = save_input(x, params)
     # Tensors the forward reads besides x and the parameters matter only when a graph is being built.
     watch = run.kernel.may_read_other_tensors and torch.is_grad_enabled()

@@ -2,11 +2,10 @@
 
 A module's forward can read tensors that are neither its input nor its registered parameters: a
 weight in a plain attribute or a closure, a tensor a hook adds, FiLM-style conditioning set from
-outside. Untiled, autograd gives them gradients. The tiled forward runs without autograd, so such a
-tensor must be found and made an input of the sharded Function, or its gradient would be lost
-silently. A ``TorchFunctionMode`` sees every tensor argument of every torch call, which is exactly
-that data flow; the same record proves that the gated fast path, which bypasses the forward, skips
-no tensor the forward reads.
+outside. Untiled, autograd gives them gradients. The tiled forward keeps no graph, so such a tensor
+must be found and made an input of the sharded Function, or its gradient would be lost silently; one
+without a gradient must still be the same, unchanged, when the backward recomputes. A
+``TorchFunctionMode`` sees every tensor argument of every torch call, which is exactly that data flow.
 """
 from __future__ import annotations
 
@@ -15,13 +14,6 @@ from typing import Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-# Calls that draw random numbers: a forward that makes them cannot be replaced by the fast kernel.
-RANDOM_CALLS = frozenset({
-    "dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
-    "native_dropout", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
-    "bernoulli", "bernoulli_", "multinomial", "normal", "normal_", "uniform_", "exponential_", "random_",
-})
 
 
 def _tensors(args, kwargs) -> Iterator[torch.Tensor]:
@@ -59,7 +51,6 @@ class TensorReads(TorchFunctionMode):
         self._made: List[torch.Tensor] = []
         self._made_ids: set = set()
         self.foreign: Dict[int, torch.Tensor] = {}
-        self.random_calls: List[str] = []
 
     def _is_foreign(self, t: torch.Tensor) -> bool:
         if id(t) in self._known or id(t) in self._made_ids or id(t) in self.foreign:
@@ -74,9 +65,6 @@ class TensorReads(TorchFunctionMode):
         return True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in RANDOM_CALLS:
-            self.random_calls.append(name)
         inputs = list(_tensors(args, kwargs))
         for t in inputs:
             if self._is_foreign(t):

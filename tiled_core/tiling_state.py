@@ -56,6 +56,9 @@ class TilingState:
     # The strategy the last call outside a backward resolved: a checkpoint's recompute inside the
     # backward, where the backend's context (DDP's running forward) is gone, uses it again.
     forward_strategy: Optional[Any] = field(default=None, repr=False, compare=False)
+    # How deep this module is inside one of its own shards' instance forwards (see
+    # ``TiledMLP._tiled_forward``): a wrapper of the tiled forward called from there runs the plain one.
+    shard_depth: int = field(default=0, repr=False, compare=False)
     # Weak references to the modules above (outermost first), recorded by apply_tiled_mlp so that
     # "auto" sees a backend that wraps an ancestor. Weak: no reference cycle, nothing to save.
     ancestor_refs: tuple = ()
@@ -86,6 +89,7 @@ class TilingState:
         state["ancestor_refs"] = ()
         state["call_plan"] = None
         state["forward_strategy"] = None
+        state["shard_depth"] = 0
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -30,7 +30,7 @@ class ShardKernel(Protocol):
 
     def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
                       tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Compute the shard's output under no_grad, into ``out_shard`` when one is given."""
+        """Compute the shard's output, with no graph kept, into ``out_shard`` when one is given."""
 
     def remember_reads(self, tensors: Sequence[torch.Tensor]) -> None:
         """The tensors without a gradient that the forward read (called only where

@@ -44,7 +44,7 @@ def _slots(spec: GatedMLPSpec) -> dict:
 
 
 class GatedShardKernel:
-    # The structure and the probe proved that the forward reads nothing but the input and ``params``.
+    # The forward's code and the structure proved that it reads nothing but the input and ``params``.
     may_read_other_tensors = False
     using = staticmethod(no_substitution)  # computes from the tensors it is given, never the module's
 
@@ -56,6 +56,9 @@ class GatedShardKernel:
         self._slots = _slots(spec)
         self._fused = spec.gate_up is not None
         self._gate_scale, self._up_scale, self._down_scale = spec.gate_scale, spec.up_scale, spec.down_scale
+
+    def remember_reads(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Never called: the fast kernel reads nothing but the input and ``params``."""
 
     # -- projections -------------------------------------------------------------------------------
     def _gate_up(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]):

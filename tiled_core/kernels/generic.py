@@ -68,6 +68,10 @@ def _kept_as_they_are():
     return torch.autograd.graph.saved_tensors_hooks(_detached, _same)
 
 
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+
+
 class GenericShardKernel:
     # Any forward: it may read tensors besides its parameters, which the sharded Function finds.
     may_read_other_tensors = True
@@ -128,6 +132,7 @@ class GenericShardKernel:
         if now != self._layout.hooks:
             changed = sorted(set(now) ^ set(self._layout.hooks))
             raise RuntimeError(HOOKS_CHANGED_ERROR.format(module=self.module_name, hooks=", ".join(changed)))
+        self._reads_checked = False  # once per backward (a retained graph runs several)
         swapped = []
         try:
             # The tensors after the parameters (found reading the forward) have no slot: shorter on purpose.
@@ -192,10 +197,15 @@ class GenericShardKernel:
         if then is None:
             return  # the forward ran without a graph being built: nothing was recorded to compare
         then_ids, now_ids = {id(t) for t in then.tensors}, {id(t) for t in now}
-        if then_ids != now_ids:
-            swapped = [t for t in now if id(t) not in then_ids] or [t for t in then.tensors if id(t) not in now_ids]
-            raise RuntimeError(CHANGED_READ_ERROR.format(module=self.module_name, what="another tensor is read now",
-                                                         tensors=describe(swapped)))
+        # A tensor read now that the forward did not read is fine where it equals, exactly, one the forward
+        # read and no longer does (a parent that rebuilds the same conditioning in a checkpoint's recompute).
+        unmatched = [t for t in then.tensors if id(t) not in now_ids]
+        for tensor in (t for t in now if id(t) not in then_ids):
+            twin = next((u for u in unmatched if _equal(u, tensor)), None)
+            if twin is None:
+                raise RuntimeError(CHANGED_READ_ERROR.format(module=self.module_name, what="another tensor is read now",
+                                                             tensors=describe([tensor])))
+            unmatched.remove(twin)
         changed = then.changed()
         if changed:
             raise RuntimeError(CHANGED_READ_ERROR.format(module=self.module_name, what="modified in place",

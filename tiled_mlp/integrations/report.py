@@ -12,8 +12,6 @@ def expected_path(tiled: TiledMLP) -> str:
     also needs the input in the weights' dtype and no autocast)."""
     if tiled.tiling.path == "generic":
         return "generic (requested)"
-    if not tiled._tiled_fast_allowed:
-        return "generic (fused MoE experts; the router stays untiled)"
     why_not = fast_path_problem(type(tiled)._tiled_mixin, tiled)
     if why_not:
         return f"generic ({why_not})"
