@@ -37,7 +37,7 @@ def test_budget_too_small_even_at_one_token_per_shard(capsys):
 
 
 def test_malformed_budget_and_unknown_impl(capsys):
-    assert "expected a size like 8GiB" in _error(
+    assert "expected a size: 80 (GiB), 80GiB" in _error(
         capsys, ["plan", "--hidden", "64", "--intermediate", "128", "--seq", "64", "--budget", "lots"])
     assert "unknown or unavailable implementation(s) nope" in _error(capsys, ["bench", "--impls", "untiled,nope"])
 
@@ -94,6 +94,39 @@ def no_bench_work(monkeypatch):
 
     monkeypatch.setattr(bench_cmd, "run_bench", refuse)
     monkeypatch.setattr(bench_cmd, "plot", refuse)
+
+
+@pytest.mark.parametrize("hidden, expect", [
+    ("100000000", "one untiled step needs 21,457.7 GiB (modelled), more than this machine's memory"),
+    ("1e8", "argument --hidden: expected a positive integer, got '1e8'"),
+])
+def test_bench_sizes_no_machine_holds_are_refused_before_the_run(capsys, no_bench_work, hidden, expect):
+    err = _error(capsys, ["bench", "--hidden", hidden])
+    assert expect in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("hidden, expect", [("130", "--hidden 130 is not a multiple of the demo's attention heads (4)"),
+                                            ("132", "heads of 33 features, and rotary position embeddings need an even")])
+def test_demo_hidden_must_split_into_its_heads(capsys, monkeypatch, hidden, expect):
+    pytest.importorskip("transformers")
+    from tiled_mlp.cli import demo_train
+
+    monkeypatch.setattr(demo_train, "report", lambda *a, **k: pytest.fail("the demo trained before the error"))
+    err = _error(capsys, ["demo", "--hidden", hidden])
+    assert expect in err and "use a multiple of 8, e.g. 128" in err
+
+
+def test_bench_checkpointed_heads_must_split_hidden(capsys, monkeypatch):
+    from tiled_mlp.cli import checkpointed_cmd
+
+    monkeypatch.setattr(checkpointed_cmd, "run", lambda *a, **k: pytest.fail("the benchmark ran before the error"))
+    err = _error(capsys, ["bench-checkpointed", "--hidden", "100", "--heads", "8"])
+    assert "the llama-layer region: --hidden 100 is not a multiple of --heads (8)" in err
+    assert "llama-layer" in _error(capsys, ["bench-checkpointed", "--hidden", "24", "--heads", "8"])
+    # The MLP-only region has no heads to split.
+    monkeypatch.setattr(checkpointed_cmd, "run", lambda *a, **k: [])
+    monkeypatch.setattr(checkpointed_cmd, "format_rows", lambda rows: "")
+    assert main(["bench-checkpointed", "--regions", "mlp-half", "--hidden", "100", "--heads", "8", "--repeats", "1"]) == 0
 
 
 @pytest.mark.parametrize("impls", [",", "", " , ,"])

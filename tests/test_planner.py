@@ -1,5 +1,6 @@
 """The whole-model planner (``tiled-mlp plan --model``): its prediction against the measured peak of
-the real step, its depth model, its bisection, its output, and its errors before any work."""
+the real step, its search, its output, and its errors before any work. Full depth, layer kinds and
+monotonicity on every preset: ``test_planner_depth.py``; the search alone: ``test_planner_search.py``."""
 from __future__ import annotations
 
 import json
@@ -34,31 +35,20 @@ def tiny_llama(layers: int = 3) -> LlamaConfig:
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_prediction_matches_the_measured_real_step_within_5_percent(name):
-    """Predicted: the meta-device step at 1 and 2 layers, extrapolated to 3. Measured: the real 3-layer
-    step on the CPU (fp32, random weights and tokens), with the same exact live-storage tracker."""
+def test_prediction_matches_the_measured_real_step_within_2_percent(name):
+    """Predicted: the meta-device step at full depth. Measured: the real 3-layer step on the CPU (fp32,
+    random weights and tokens), with the same exact live-storage tracker."""
     setting, config, seq = SETTINGS[name], tiny_llama(3), 1024
     planner = Planner(Request(config, [seq], [setting], Backend("single", 1), dtype=torch.float32))
     predicted = planner.point(setting, seq).peak_bytes
     real = build_model(config, 3, torch.float32, "cpu", setting)
     measured, _ = step_timeline(real, seq, 1).peak()
-    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
     if setting.tiled:
         assert all(m.tiling.last_num_shards == 4 for m in real.modules() if hasattr(m, "tiling"))
 
 
-@pytest.mark.parametrize("name", ["untiled", "tiled+ckpt"])
-def test_the_step_is_affine_in_depth(name):
-    """What lets two shallow builds stand for the full depth: each extra layer adds the same bytes."""
-    config = tiny_llama()
-    peaks = [step_timeline(build_model(config, depth, torch.float32, "meta", SETTINGS[name]), 2048, 1).peak()[0]
-             for depth in (1, 2, 3, 4, 6)]
-    steps = [peaks[i + 1] - peaks[i] for i in range(3)]
-    assert steps[0] > 0 and steps.count(steps[0]) == 3
-    assert peaks[4] == peaks[0] + 5 * steps[0]
-
-
-def test_bisection_is_monotone_and_agrees_with_the_table():
+def test_the_search_is_certified_and_agrees_with_the_table():
     config = tiny_llama(4)
     settings = list(SETTINGS.values())
     budget = 24 * 2**20
@@ -78,47 +68,147 @@ def test_bisection_is_monotone_and_agrees_with_the_table():
     assert longest["tiled"] >= longest["untiled"] and longest["untiled+ckpt"] >= longest["untiled"]
 
 
-def test_sharding_divides_weights_gradients_and_optimizer_but_not_activations():
+def test_the_cap_is_not_reported_as_the_answer():
+    config = tiny_llama(2)
+    setting = SETTINGS["untiled+ckpt"]
+    planner = Planner(Request(config, [], [setting], Backend("single", 1), dtype=torch.float32, budget=2**40,
+                              seq_step=1024, seq_cap=4096))
+    found = planner.longest(setting)
+    assert found.seq == 4096 and found.at_cap
+
+
+def test_sharding_divides_weights_gradients_and_optimizer_and_the_peak_may_move():
+    """Under FSDP2 over 8 ranks the rank's share of the gradients shrinks, so the step's peak moves from
+    the end of the backward (every gradient alive) to the loss (the most activations): the timeline
+    is re-read with the shares, not the single rank's peak divided."""
     config = load_config("llama-3.1-8b")
     setting = Setting(tiled=True, checkpointing=True)
     one = Planner(Request(config, [8192], [setting], Backend("single", 1))).point(setting, 8192)
     eight = Planner(Request(config, [8192], [setting], Backend("fsdp2", 8))).point(setting, 8192)
     assert eight.optimizer_bytes == pytest.approx(one.optimizer_bytes / 8)
     assert eight.parts["weights"] == pytest.approx(one.parts["weights"] / 8)
-    assert eight.parts["activations"] == pytest.approx(one.parts["activations"])
+    assert one.parts["gradients"] > 0.9 * one.parts["weights"], "one rank: near the end of the backward"
+    assert eight.parts["gradients"] < eight.parts["weights"], "eight ranks: a moment with fewer gradients"
+    moved = eight.parts["activations"] + eight.parts["logits and loss"]
+    assert moved > one.parts["activations"] + one.parts["logits and loss"]
     assert eight.parts["backend in flight"] > 0
 
 
 def test_json_records_and_the_longest_sequence(capsys):
     assert main(["plan", "--model", "llama-3.1-8b", "--seq", "4096,8192", "--world-size", "8", "--backend", "fsdp2",
-                 "--budget", "80GiB", "--json"]) == 0
+                 "--budget", "80GiB", "--checkpointing", "none", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
+    assert records[0] == {"budget_bytes": 80 * 2**30, "budget_from": "--budget"}
     points = [r for r in records if "seq" in r]
-    assert {r["setting"] for r in points} == {"untiled", "tiled", "untiled+ckpt", "tiled+ckpt"}
-    assert len(points) == 8
+    assert {r["setting"] for r in points} == {"untiled", "tiled"} and len(points) == 4
     for r in points:
-        assert {"seq", "setting", "peak_bytes", "optimizer_bytes", "fits"} <= set(r)
+        assert r["held_bytes"] == r["peak_bytes"] + r["optimizer_bytes"] and r["optimizer_on_device"]
+        assert r["fits"] == (r["held_bytes"] <= 80 * 2**30)
+        assert sum(r["parts"].values()) == pytest.approx(r["held_bytes"], abs=8)
     longest = {r["setting"]: r["max_seq"] for r in records if "max_seq" in r}
-    assert set(longest) == {"untiled", "tiled", "untiled+ckpt", "tiled+ckpt"}
+    assert set(longest) == {"untiled", "tiled"}
     for r in points:
         assert r["fits"] == (r["seq"] <= longest[r["setting"]])
 
 
-def test_the_table_names_the_logits_and_their_knob(capsys):
-    assert main(["plan", "--model", "qwen2.5-7b", "--seq", "65536", "--checkpointing", "layer", "--world-size", "8"]) == 0
+def test_the_table_shows_the_total_fits_judges_and_names_the_logits_knob(capsys):
+    assert main(["plan", "--model", "qwen2.5-7b", "--seq", "65536", "--checkpointing", "layer", "--tiled", "none",
+                 "--world-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "logits and loss" in out and "fused_linear_cross_entropy" in out and "analytic" in out
+    assert "| step peak | optimizer | held | fits |" in out and "'held' is what 'fits' judges" in out
+    assert "budget 80.00 GiB (default: " in out
 
 
+def test_when_nothing_fits_the_plan_says_what_to_change(capsys):
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--budget", "80GiB", "--checkpointing", "layer", "--tiled", "none",
+                 "--seq", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "none (not even 1024 tokens)" in out and "nothing fits 80.00 GiB per rank" in out
+    assert "--offload-optimizer" in out, "the optimizer is on the device: offloading it is a knob"
+    assert "--world-size 8 --backend fsdp2" in out, "the fewest ranks that fit, by the plan's own model"
+    assert "the dominant term, optimizer" in out
+
+
+def test_the_default_budget_is_the_gpu_else_a_stated_80_gib(monkeypatch):
+    from tiled_mlp.cli import plan_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert plan_model.default_budget() == (80 * 2**30, "default: no CUDA device here, so 80 GiB (an H100's); set --budget")
+
+    class H200:
+        total_memory, name = 150_000_000_000, "NVIDIA H200"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: H200)
+    budget, source = plan_model.default_budget()
+    assert budget == 150_000_000_000 and "cuda:0" in source and "H200" in source
+
+
+@pytest.mark.parametrize("text, expect", [("80", 80 * 2**30), ("80GiB", 80 * 2**30), ("80gib", 80 * 2**30),
+                                          ("80GB", 80 * 10**9), ("1.5TB", 1.5 * 10**12), ("512MiB", 2**29),
+                                          ("4096B", 4096)])
+def test_budget_sizes_read_like_accelerates_max_memory(text, expect):
+    """GiB powers of 2, GB powers of 10 (accelerate.utils.convert_file_size_to_int); a bare number is GiB."""
+    from tiled_mlp.cli.main import build_parser
+
+    assert build_parser().parse_args(["plan", "--budget", text]).budget == expect
+
+
+@pytest.mark.parametrize("text, expect", [("80G", "could mean GB or GiB"), ("80Gb", "reads a lowercase b as bits"),
+                                          ("80gb", "write 80GB or 80GiB"), ("lots", "80GiB (80 x 2^30 bytes)"),
+                                          ("0", "must be positive")])
+def test_other_budget_forms_are_refused_with_the_accepted_ones(capsys, text, expect):
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama-3.1-8b", "--budget", text])
+    err = capsys.readouterr().err
+    assert "argument --budget" in err and expect in err
+
+
+def test_lengths_past_max_position_embeddings_are_warned(capsys, tmp_path):
+    tiny_llama(2).save_pretrained(tmp_path)  # max_position_embeddings 4096
+    assert main(["plan", "--model", str(tmp_path), "--seq", "2048,8192", "--dtype", "fp32", "--tiled", "none",
+                 "--budget", "64MiB", "--json"]) == 0
+    err = capsys.readouterr().err
+    (line,) = err.splitlines()
+    assert line.startswith("warning: ") and "8,192" in line and "2,048" not in line
+    assert "past the model's max_position_embeddings (4,096)" in line
+
+
+def test_a_dip_in_the_modelled_total_is_warned():
+    from tiled_mlp.planner.plan import Point
+    from tiled_mlp.planner.report import dips
+
+    points = [Point(seq, "tiled", held, 0.0, {}) for seq, held in ((2048, 30 * 2**30), (3072, 28 * 2**30),
+                                                                       (4096, 29 * 2**30))]
+    (line,) = dips(points)
+    assert "tiled holds less at 3072 tokens (28.00 GiB) than at 2048 (30.00 GiB)" in line and "--tiled N" in line
+
+
+def test_the_longest_lines_never_present_the_cap_as_the_answer():
+    from tiled_mlp.planner.report import longest_lines
+    from tiled_mlp.planner.search import Longest
+
+    lines = longest_lines({"a": Longest(2**20, True), "b": Longest(8192, False), "c": Longest(0, False)}, 2**30)
+    assert "at least 1,048,576 tokens (where the search stops)" in lines[1]
+    assert lines[2].split()[1] == "8,192" and "none (not even 1024 tokens)" in lines[3]
+
+
+# -- errors before any step is modelled -------------------------------------------------------------------
 def _error(capsys, argv, monkeypatch) -> str:
+    from tiled_mlp.planner import check
+
     def no_work(*args, **kwargs):
         raise AssertionError("a step was modelled before the arguments were checked")
 
     monkeypatch.setattr(plan_module, "step_timeline", no_work)
+    monkeypatch.setattr(check, "step_timeline", no_work)
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    return capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
 
 
 def test_a_missing_config_path_is_named(capsys, monkeypatch, tmp_path):
@@ -152,8 +242,51 @@ def test_bad_backend_arguments_are_named(capsys, monkeypatch, argv, expect):
     assert expect in err
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_moe_experts_outside_bfloat16_are_refused(capsys, monkeypatch, dtype):
+    err = _error(capsys, ["plan", "--model", "qwen3-30b-a3b", "--dtype", dtype], monkeypatch)
+    assert f"--dtype {dtype}" in err and "grouped_mm" in err and "use --dtype bfloat16" in err
+
+
+def _saved(tmp_path, config) -> str:
+    config.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: __import__("transformers").T5Config(d_model=64, num_layers=2, d_ff=128, num_heads=4, d_kv=16, vocab_size=512),
+    lambda: __import__("transformers").BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                  intermediate_size=128, vocab_size=512),
+], ids=["t5", "bert"])
+def test_encoders_and_encoder_decoders_are_refused(capsys, monkeypatch, tmp_path, make):
+    err = _error(capsys, ["plan", "--model", _saved(tmp_path, make())], monkeypatch)
+    assert "is not a decoder-only language model" in err and "llama" in err
+
+
+@pytest.mark.parametrize("change, expect", [
+    ({"hidden_size": 100, "num_attention_heads": 8}, "cannot exist: The hidden size (100) is not a multiple"),
+    ({"num_key_value_heads": 3}, "num_attention_heads = 4 is not a multiple of num_key_value_heads = 3"),
+    ({"intermediate_size": 0}, "intermediate_size = 0; every size must be 1 or more"),
+])
+def test_impossible_shapes_are_refused(capsys, monkeypatch, tmp_path, change, expect):
+    values = {**tiny_llama(2).to_dict(), **change}
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    err = _error(capsys, ["plan", "--model", str(tmp_path)], monkeypatch)
+    assert expect in err
+
+
+def test_learned_positions_cap_the_length(capsys, monkeypatch, tmp_path):
+    from transformers import GPT2Config
+
+    path = _saved(tmp_path, GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=1024,
+                                       bos_token_id=0, eos_token_id=0))
+    err = _error(capsys, ["plan", "--model", path, "--seq", "2048", "--dtype", "fp32"], monkeypatch)
+    assert "learned position embeddings for 1024 tokens" in err and "--seq up to 1024" in err
+
+
 def test_local_config_file_is_read(capsys, tmp_path):
     tiny_llama(2).save_pretrained(tmp_path)
-    assert main(["plan", "--model", str(tmp_path), "--seq", "1024", "--dtype", "fp32", "--json"]) == 0
+    assert main(["plan", "--model", str(tmp_path), "--seq", "1024", "--dtype", "fp32", "--tiled", "none",
+                 "--budget", "64MiB", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
-    assert len(records) == 4 and all(r["fits"] is None for r in records)
+    assert len(records) == 5 and all(r["fits"] for r in records if "seq" in r)

@@ -4,11 +4,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from typing import Optional
 
 import torch
 
 from ..bench.impls import available_impls
-from ..bench.model_memory import modeled_step
+from ..bench.model_memory import modeled_peak_bytes, modeled_step
 from ..bench.report import format_table, plot, to_json
 from ..bench.runner import BenchConfig, run_bench
 from . import parsing
@@ -79,6 +80,34 @@ def _check_fake_device(args, dtype, impls, parser_error) -> None:
                          "use --device cpu")
 
 
+def _device_memory(device: torch.device) -> Optional[int]:
+    """All the memory ``device`` has (the host's physical memory for the CPU); None where unknown."""
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    return None
+
+
+def _check_memory(args, device: torch.device, dtype: torch.dtype, parser_error) -> None:
+    """A real run whose untiled step at the longest length cannot fit the device even in principle
+    (modelled with fake tensors: a lower bound of what the run allocates) is refused before it starts."""
+    have = _device_memory(device)
+    if have is None:
+        return
+    seq = max(args.seq)
+    need = modeled_peak_bytes("untiled", args.hidden, args.intermediate, seq, dtype, 1, args.batch)
+    if need > have:
+        gib = 2**30
+        where = "this machine's memory" if device.type == "cpu" else f"{device}'s memory"
+        parser_error(f"--hidden {args.hidden} --intermediate {args.intermediate} at {seq} tokens: one untiled step needs "
+                     f"{need / gib:,.1f} GiB (modelled), more than {where} ({have / gib:,.1f} GiB); use smaller "
+                     "sizes, or --model-memory to model them without allocating")
+
+
 def run(args, parser_error) -> int:
     # Every argument is checked before the benchmark starts: a mistake must not cost a run.
     try:
@@ -91,6 +120,8 @@ def run(args, parser_error) -> int:
         _check_plot(args.plot, parser_error)
     if args.model_memory and device.type != "cpu":
         _check_fake_device(args, dtype, ["untiled"] + impls, parser_error)
+    if not args.model_memory:
+        _check_memory(args, device, dtype, parser_error)
     cfg = BenchConfig(hidden=args.hidden, intermediate=args.intermediate, seqs=args.seq, dtype=dtype,
                       device=args.device, num_shards=args.num_shards, impls=impls,
                       repeats=args.repeats, batch=args.batch, model_memory=args.model_memory)

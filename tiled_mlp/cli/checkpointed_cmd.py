@@ -42,6 +42,10 @@ def run_command(args, parser_error) -> int:
         parser_error("the deepspeed implementation needs deepspeed: pip install 'tiled-mlp[deepspeed]'")
     if "llama-layer" in regions and importlib.util.find_spec("transformers") is None:
         parser_error("the llama-layer region needs transformers: pip install 'tiled-mlp[hf]'")
+    if "llama-layer" in regions:
+        shape_error = parsing.attention_shape_error(args.hidden, args.heads, "--heads")
+        if shape_error:
+            parser_error(f"the llama-layer region: {shape_error}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         parser_error("--plot needs matplotlib: pip install 'tiled-mlp[bench]'")
     progress = Progress(len(regions) * (len(impls) + args.repeats), "bench-checkpointed")

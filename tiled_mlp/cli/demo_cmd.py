@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from . import parsing
-from .demo_train import add_arguments
+from .demo_train import HEADS, add_arguments
 
 
 def add_parser(subparsers) -> None:
@@ -32,6 +32,9 @@ def _passthrough(args) -> list:
 def run(args, parser_error) -> int:
     if importlib.util.find_spec("transformers") is None:
         parser_error("the demo needs transformers: pip install 'tiled-mlp[hf]'")
+    shape_error = parsing.attention_shape_error(args.hidden, HEADS, "the demo's attention heads")
+    if shape_error:
+        parser_error(shape_error)
     if args.strategy and args.nproc < 2:
         parser_error(f"--strategy {args.strategy} needs --nproc 2 or more")
     if args.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:

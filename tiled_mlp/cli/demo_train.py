@@ -16,13 +16,14 @@ from ..bench.memory_tracker import LiveMemoryTracker
 from . import parsing
 
 MiB = 2**20
+HEADS = 4  # the tiny Llama's attention heads (and key/value heads)
 
 
 def tiny_llama(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
+                         num_hidden_layers=args.layers, num_attention_heads=HEADS, num_key_value_heads=HEADS,
                          max_position_embeddings=max(args.seq, 2048))
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(config)

@@ -16,7 +16,13 @@ DTYPES = {
     "float16": torch.float16, "fp16": torch.float16,
     "float64": torch.float64, "fp64": torch.float64,
 }
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+# accelerate's ``max_memory`` units (``accelerate.utils.convert_file_size_to_int``): KiB, MiB, GiB are
+# powers of 2, KB, MB, GB powers of 10, any case. A bare number is GiB here (accelerate reads an int as
+# bytes, which no one means by a budget). What accelerate reads as bits ("80Gb") or refuses ("80G")
+# is refused, with the accepted forms.
+_UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+BYTE_SIZE_FORMS = "80 (GiB), 80GiB (80 x 2^30 bytes), 80GB (80 x 10^9 bytes), 512MiB, 512MB, 1TiB, 1TB or 4096B"
 
 
 def positive_int(text: str) -> int:
@@ -72,15 +78,32 @@ def shards(text: str) -> NumShards:
 
 
 def byte_size(text: str) -> int:
-    """'8GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    """A size in accelerate's ``max_memory`` forms, or a bare number of GiB -> bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size like 8GiB, 512MiB or 2GB, got {text!r}")
-    value = float(match.group(1)) * _UNITS[unit]
-    if value <= 0:
+    unit = match.group(2) if match else ""
+    if match is None or unit.lower() not in _UNITS:
+        why = "; 'G' alone could mean GB or GiB, 7% apart" if unit.lower() in ("k", "m", "g", "t") else ""
+        raise argparse.ArgumentTypeError(f"expected a size: {BYTE_SIZE_FORMS}; got {text!r}{why}")
+    if len(unit) > 1 and unit.endswith("b") and not unit.lower().endswith("ib"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: accelerate reads a lowercase b as bits; write {match.group(1)}{unit[:-1].upper()}B "
+            f"or {match.group(1)}{unit[:-1].upper()}iB ({BYTE_SIZE_FORMS})")
+    value = float(match.group(1)) * _UNITS[unit.lower()]
+    if value < 1:
         raise argparse.ArgumentTypeError(f"the budget must be positive, got {text!r}")
     return int(value)
+
+
+def attention_shape_error(hidden: int, heads: int, heads_from: str) -> str:
+    """Why ``hidden`` features cannot be split over ``heads`` rotary attention heads ('' when they can)."""
+    if hidden % heads:
+        return (f"--hidden {hidden} is not a multiple of {heads_from} ({heads}): each head takes hidden / heads "
+                f"features; use a multiple of {2 * heads}, e.g. {max(1, round(hidden / (2 * heads))) * 2 * heads}")
+    if (hidden // heads) % 2:
+        return (f"--hidden {hidden} over {heads_from} ({heads}) gives heads of {hidden // heads} features, and rotary "
+                f"position embeddings need an even head size; use a multiple of {2 * heads}, "
+                f"e.g. {max(1, round(hidden / (2 * heads))) * 2 * heads}")
+    return ""
 
 
 # -- devices: checked before any work, naming what this machine has ------------------------------------

@@ -28,7 +28,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch", type=parsing.positive_int, default=1)
     p.add_argument("--dtype", type=parsing.dtype, default=torch.bfloat16)
     p.add_argument("--budget", type=parsing.byte_size, default=None,
-                   help="memory budget, e.g. 80GiB: one MLP: the fewest shards that fit; --model: per rank, the longest sequence")
+                   help="memory budget: " + parsing.BYTE_SIZE_FORMS + " (accelerate's max_memory forms; a bare number "
+                        "is GiB). One MLP: the fewest shards that fit (default: none). --model: per rank, the longest "
+                        "sequence (default: the total memory of cuda:0, else 80 GiB)")
     p.add_argument("--json", action="store_true")
     plan_model.add_arguments(p)
     p.set_defaults(run=run)

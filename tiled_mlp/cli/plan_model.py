@@ -1,30 +1,39 @@
-"""``tiled-mlp plan --model CONFIG``: a whole decoder model's training step, per rank, untiled vs tiled,
-with and without checkpointing, and the longest sequence each setting fits into ``--budget``."""
+"""``tiled-mlp plan --model CONFIG``: a whole decoder model's training step at its full depth, per rank,
+untiled vs tiled, with and without checkpointing, the total each holds with the optimizer state, and
+the longest sequence each setting fits into the budget (``--budget``, default: this machine's GPU
+memory, else 80 GiB)."""
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Dict, List, Optional
+import sys
+from typing import Dict, List, NoReturn, Optional, Tuple
 
 import torch
 
 from tiled_core.shard_plan import NumShards
 
 from ..bench.progress import Progress
+from ..planner import check, report
+from ..planner.advice import what_to_change
 from ..planner.backends import BACKENDS, Backend
-from ..planner.plan import IN_FLIGHT, LOGITS_KNOB, Planner, Point, Request
-from ..planner.presets import load_config
+from ..planner.plan import Planner, Point, Request
+from ..planner.presets import PRESETS, load_config
+from ..planner.search import Longest
 from ..planner.step import Setting
-from ..planner.timeline import LOGITS
 
 GiB = 2**30
 DEFAULT_SEQS = [8192, 32768, 65536, 131072]
+DEFAULT_BUDGET = 80 * GiB
+# Progress slots per setting for the search; it usually needs two or three steps, and the bar is
+# advanced to the end of a setting's slots when its search is done, so that it ends at 100%.
+SEARCH_SLOTS = 6
 
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("whole model (--model)")
     g.add_argument("--model", default=None, metavar="CONFIG",
-                   help="a preset (llama-3.1-8b, qwen2.5-7b, qwen3-30b-a3b, gemma-2-9b) or a local config.json / folder")
+                   help=f"a preset ({', '.join(PRESETS)}) or a local config.json / folder")
     g.add_argument("--checkpointing", choices=("none", "layer", "both"), default="both",
                    help="non-reentrant checkpointing of every decoder layer: off, on, or both settings (default)")
     g.add_argument("--tiled", default="auto", help="none (untiled settings only), auto, or a shard count (default auto)")
@@ -33,7 +42,15 @@ def add_arguments(p) -> None:
                    help="how ranks divide weights, gradients and optimizer state (default: single, or fsdp2 with --world-size > 1)")
     g.add_argument("--offload-optimizer", action="store_true",
                    help="the optimizer state lives on the host: reported, not counted against --budget")
-    g.add_argument("--plot", default=None, metavar="PNG", help="peak against sequence length, budget and max lengths")
+    g.add_argument("--plot", default=None, metavar="PNG", help="held memory against sequence length, budget and max lengths")
+
+
+def default_budget() -> Tuple[int, str]:
+    """The local accelerator's memory, else a stated 80 GiB; and where the number came from."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return int(props.total_memory), f"default: the total memory of cuda:0, {props.name}"
+    return DEFAULT_BUDGET, "default: no CUDA device here, so 80 GiB (an H100's); set --budget"
 
 
 def _settings(args, parser_error) -> List[Setting]:
@@ -51,7 +68,7 @@ def _settings(args, parser_error) -> List[Setting]:
 
 
 def run(args, parser_error) -> int:
-    # Everything checked before the first modelled step.
+    # Everything is checked before the first modelled step: a mistake must not cost a plan.
     if args.world_size < 1:
         parser_error(f"--world-size must be 1 or more, got {args.world_size}")
     backend_name = args.backend or ("single" if args.world_size == 1 else "fsdp2")
@@ -61,68 +78,110 @@ def run(args, parser_error) -> int:
         from .bench_cmd import _check_plot
 
         _check_plot(args.plot, parser_error)
+    settings = _settings(args, parser_error)
+    seqs = list(dict.fromkeys(args.seq or DEFAULT_SEQS))
+    budget, budget_from = (args.budget, "--budget") if args.budget is not None else default_budget()
+    # Shown before transformers is imported (seconds): the bar is there at once.
+    progress = Progress(2 + len(seqs) * len(settings) + SEARCH_SLOTS * len(settings), "plan", enabled=not args.json)
+
+    def fail(message: str) -> NoReturn:
+        progress.close()
+        parser_error(message)
+        raise AssertionError("parser_error exits")
+
     try:
         config = load_config(args.model)
+        check.check_config(config)
     except ValueError as error:
-        parser_error(str(error))
-    settings = _settings(args, parser_error)
-    backend = Backend(backend_name, args.world_size)
-    budget = args.budget
-    optimizer_counts = not args.offload_optimizer
-    request = Request(config, args.seq or DEFAULT_SEQS, settings, backend, args.batch, args.dtype, budget,
-                      optimizer_on_device=optimizer_counts)
-    estimate = len(request.seqs) * len(settings) + (16 * len(settings) if budget else 0)
-    progress = Progress(estimate, "plan", enabled=not args.json)
-    planner = Planner(request, on_point=progress.step)
-    sizes = planner.param_sizes()
-    weights = backend.weight_bytes(sizes, args.dtype)
-    if budget is not None and weights > budget:
-        progress.close()
-        parser_error(f"--budget {budget / GiB:.2f} GiB is smaller than the weights alone on each rank "
-                     f"({weights / GiB:.2f} GiB: {sizes.total / 1e9:.2f}B parameters in {args.dtype}, "
-                     f"{backend.name} over {args.world_size}); raise the budget or shard over more ranks")
-    points: List[Point] = [planner.point(s, seq) for seq in request.seqs for s in settings]
-    max_seq: Dict[str, int] = {}
-    if budget is not None:
-        for s in settings:
-            max_seq[s.name] = planner.max_seq(s)
+        fail(str(error))
+    progress.step("config")
+    request = Request(config, seqs, settings, Backend(backend_name, args.world_size), args.batch, args.dtype, budget,
+                      optimizer_on_device=not args.offload_optimizer)
+    planner = Planner(request)
+    problem = _check_model(args, planner, budget_from)
+    if problem:
+        fail(problem)
+    progress.step("full-depth probe")
+    points, longest, advice = _plan(planner, progress)
     progress.close()
-    if args.json:
-        records = [p.record() for p in points] + [dict(setting=k, max_seq=v) for k, v in max_seq.items()]
-        print(json.dumps(records, indent=2))
-    else:
-        _print(args, config, sizes, backend, points, max_seq, optimizer_counts)
-    if args.plot:
-        from ..planner.plot import plot_plan
-
-        every = planner.modelled()
-        title = f"{args.model}, {str(args.dtype).replace('torch.', '')}, {backend.name} x{backend.world_size}, batch {args.batch}"
-        plot_plan(every, max_seq, budget, args.plot, title)
-        print(f"plot: {args.plot}")
+    _output(args, planner, points, longest, advice, budget_from)
     return 0
 
 
-def _print(args, config, sizes, backend, points, max_seq, optimizer_counts) -> None:
-    text = config.get_text_config()
-    print(f"{args.model}: {sizes.total / 1e9:.2f}B parameters, {text.num_hidden_layers} layers, vocabulary {text.vocab_size}; "
-          f"{str(args.dtype).replace('torch.', '')}, batch {args.batch} per rank, {backend.name} x{backend.world_size}")
-    print("peak per rank in GiB (weights, gradients, activations of one step; modelled on the meta device)")
-    print("| seq | setting | peak | optimizer | fits | dominant term |")
-    print("|---|---|---|---|---|---|")
-    for p in points:
-        fits = "-" if p.fits is None else ("yes" if p.fits else "no")
-        share = p.parts[p.dominant] / p.peak_bytes
-        print(f"| {p.seq} | {p.setting} | {p.peak_bytes / GiB:.2f} | {p.optimizer_bytes / GiB:.2f} | {fits} | "
-              f"{p.dominant} ({share:.0%}) |")
-    if max_seq:
-        print(f"longest sequence within {args.budget / GiB:.0f} GiB per rank (bisection on the modelled step, "
-              f"multiples of 1024):")
-        for setting, seq in max_seq.items():
-            print(f"  {setting:13s} {seq:>9,} tokens" if seq else f"  {setting:13s} none (not even 1024 tokens)")
-    if any(p.dominant == LOGITS for p in points):
-        print(f"note: the logits and the loss dominate where marked; the knob that removes them is {LOGITS_KNOB}.")
-    print("analytic, not modelled: the optimizer state (Adam, float32 moments"
-          + ("" if args.dtype == torch.float32 else " and master weights")
-          + (", on the host" if not optimizer_counts else "") + ")"
-          + ("" if backend.name == "single" else f", and {backend.name}'s division of weights and gradients and its "
-             f"'{IN_FLIGHT}' buffers (tiled_mlp/planner/backends.py)") + ".")
+def _check_model(args, planner: Planner, budget_from: str) -> str:
+    """Why the model cannot be planned as asked ('' when it can), from its full-depth meta build and,
+    last, one short step."""
+    request, config = planner.request, planner.request.config
+    try:
+        model = check.build(config, args.dtype, lambda: planner.model(Setting(tiled=False, checkpointing=False)))
+        sizes = planner.param_sizes()
+    except ValueError as error:
+        return f"--model {args.model}: {error}"
+    limit = check.position_limit(model, config)
+    if limit is not None:
+        if max(request.seqs) > limit:
+            return (f"--seq {max(request.seqs)}: {config.model_type} has learned position embeddings for {limit} "
+                    f"tokens and cannot run longer sequences; give --seq up to {limit}")
+        request.seq_cap = min(request.seq_cap, limit)
+    backend, budget = request.backend, request.budget
+    weights = backend.weight_bytes(sizes, args.dtype)
+    if budget is not None and weights > budget:
+        return (f"the budget, {budget / GiB:.2f} GiB ({budget_from}), is smaller than the weights alone on each rank "
+                f"({weights / GiB:.2f} GiB: {sizes.total / 1e9:.2f}B parameters in {args.dtype}, "
+                f"{backend.name} over {backend.world_size}); raise the budget or shard over more ranks")
+    try:
+        check.probe(model, config)
+    except ValueError as error:
+        return f"--model {args.model}: {error}"
+    return ""
+
+
+def _plan(planner: Planner, progress: Progress) -> Tuple[List[Point], Dict[str, Longest], List[str]]:
+    """The table's points, each setting's longest sequence, and what to change when nothing fits."""
+    request = planner.request
+    planner.on_point = progress.step
+    points = [planner.point(s, seq) for seq in request.seqs for s in request.settings]
+    longest: Dict[str, Longest] = {}
+    for setting in request.settings:
+        used = [0]
+
+        def counted(label: str, used=used) -> None:
+            used[0] += 1
+            if used[0] <= SEARCH_SLOTS:
+                progress.step(label)
+
+        planner.on_point = counted
+        longest[setting.name] = planner.longest(setting)
+        for _ in range(SEARCH_SLOTS - min(used[0], SEARCH_SLOTS)):
+            progress.step(f"{setting.name}: longest found")
+    planner.on_point = lambda label: None
+    advice: List[str] = []
+    if all(found.seq == 0 for found in longest.values()):
+        best = min(request.settings, key=lambda s: planner.point(s, request.seq_step).held_bytes)
+        advice = what_to_change(planner, best)
+    return points, longest, advice
+
+
+def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Longest], advice: List[str],
+            budget_from: str) -> None:
+    request = planner.request
+    budget, backend = request.budget, request.backend
+    assert budget is not None, "the CLI always plans against a budget"
+    for warning in report.position_warnings(request.config, request.seqs, longest) + report.dips(planner.modelled()):
+        print(f"warning: {warning}", file=sys.stderr)
+    if args.json:
+        records = ([dict(budget_bytes=int(budget), budget_from=budget_from)] + [p.record() for p in points]
+                   + [dict(setting=k, max_seq=v.seq, at_cap=v.at_cap) for k, v in longest.items()])
+        print(json.dumps(records, indent=2))
+    else:
+        header = report.header(args.model, request.config, planner.param_sizes(), planner.layer_kinds(), args.dtype,
+                               args.batch, backend)
+        print("\n".join([header, *report.table(points, budget, budget_from), *report.longest_lines(longest, budget),
+                         *advice, *report.notes(points, args.dtype, backend, request.optimizer_on_device)]))
+    if args.plot:
+        from ..planner.plot import plot_plan
+
+        title = (f"{args.model}, {str(args.dtype).replace('torch.', '')}, {backend.name} x{backend.world_size}, "
+                 f"batch {args.batch}")
+        plot_plan(planner.modelled(), {k: v.seq for k, v in longest.items()}, budget, args.plot, title)
+        print(f"plot: {args.plot}")

@@ -10,6 +10,7 @@ backend's defaults, so that anyone can check them:
   the world size; in flight, the root's parameters unsharded for the whole step (embeddings, final
   norm, LM head: the root does not reshard after forward), two decoder layers unsharded (the one
   computing and the one prefetched) and one layer's unsharded gradients before its reduce-scatter.
+  Where layers differ (MoE and dense), each of the three is taken as the largest layer: a bound.
 - ``zero3``: weights and gradients divided by the world size; in flight, the largest single module's
   parameters gathered (ZeRO-3 gathers per module), the prefetch bucket (5e7 elements) and the
   gradient reduce bucket (5e8 elements), DeepSpeed's defaults.
@@ -30,10 +31,10 @@ ZERO3_REDUCE_BUCKET_ELEMENTS = 5e8
 
 @dataclass(frozen=True)
 class ParamSizes:
-    """Parameter counts of the full-depth model, read from meta-device builds."""
+    """Parameter counts of the full-depth model, read from its meta-device build (``layers.py``)."""
 
     total: int  # all parameters
-    per_layer: int  # one decoder layer
+    largest_layer: int  # the decoder layer with the most parameters
     root: int  # outside the decoder layers (embeddings, final norm, LM head)
     largest_module: int  # the most parameters any single module owns directly
 
@@ -57,7 +58,7 @@ class Backend:
         if self.name == "ddp":
             return sizes.total * element
         if self.name == "fsdp2":
-            return (sizes.root + 3 * sizes.per_layer) * element
+            return (sizes.root + 3 * sizes.largest_layer) * element
         if self.name == "zero3":
             return (sizes.largest_module + ZERO3_PREFETCH_ELEMENTS + ZERO3_REDUCE_BUCKET_ELEMENTS) * element
         return 0.0

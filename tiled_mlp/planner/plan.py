@@ -1,25 +1,28 @@
-"""The plan: peak memory per rank of one training step for each setting and sequence length, and the
-longest sequence that fits a budget, found by bisection on the modelled step.
+"""The plan: what one rank holds in one training step for each setting and sequence length, and the
+longest sequence that fits a budget.
 
-Depth: the decoder layers of a model are identical, so a step's memory is affine in their number
-(each layer adds its weights, gradients and saved activations; the peak falls at the same point of
-the step). The planner models the step at 1 and 2 layers and takes the difference as one layer: a
-million-token step of a 32-layer model then costs three layers of modelling, not 32. Tests check the
-affinity against deeper builds and against the real full-depth step (``tests/test_planner.py``).
+Depth: the step is modelled at the model's real depth, every decoder layer as it is built (MoE and
+dense layers, ``first_k_dense_replace``, ``mlp_only_layers``), on the meta device. Extrapolating from
+one and two layers is wrong twice over: the step's peak is the largest of several moments (the loss,
+the end of the backward with every gradient alive) whose ranking changes with depth, and layers that
+differ are not copies of the first. A full-depth step costs about a second (more with many tiled
+shards), and the search (``search.py``) models only a few beyond the table's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .backends import Backend, ParamSizes
+from .layers import decoder_layers, describe_kinds, param_sizes
+from .search import Longest, longest_fitting
 from .step import Setting, build_model, step_timeline
-from .timeline import ACTIVATIONS, GRADS, LOGITS, WEIGHTS
+from .timeline import ACTIVATIONS, GRADS, LOGITS, WEIGHTS, Timeline
 
-DEPTHS = (1, 2)
 IN_FLIGHT = "backend in flight"
+OPTIMIZER = "optimizer"
 LOGITS_KNOB = ("a loss computed in chunks that never holds the logits (Liger-Kernel's fused linear "
                "cross-entropy, liger_kernel.transformers.apply_liger_kernel_to_<model>(fused_linear_cross_entropy=True))")
 
@@ -38,8 +41,14 @@ class Point:
 
     @property
     def held_bytes(self) -> float:
-        """What the rank's device holds at the peak: the step's peak and the optimizer state on it."""
+        """What the rank's device holds at the peak, the total ``fits`` judges: the step's peak and the
+        optimizer state when it is on the device."""
         return self.peak_bytes + (self.optimizer_bytes if self.optimizer_on_device else 0)
+
+    @property
+    def held_parts(self) -> Dict[str, float]:
+        """``held_bytes`` by kind."""
+        return {**self.parts, **({OPTIMIZER: self.optimizer_bytes} if self.optimizer_on_device else {})}
 
     @property
     def fits(self) -> Optional[bool]:
@@ -47,12 +56,14 @@ class Point:
 
     @property
     def dominant(self) -> str:
-        return max(self.parts, key=lambda kind: self.parts[kind])
+        parts = self.held_parts
+        return max(parts, key=lambda kind: parts[kind])
 
     def record(self) -> dict:
         return dict(seq=self.seq, setting=self.setting, peak_bytes=int(self.peak_bytes),
-                    optimizer_bytes=int(self.optimizer_bytes), fits=self.fits, dominant=self.dominant,
-                    parts={k: int(v) for k, v in self.parts.items()})
+                    optimizer_bytes=int(self.optimizer_bytes), optimizer_on_device=self.optimizer_on_device,
+                    held_bytes=int(self.held_bytes), fits=self.fits, dominant=self.dominant,
+                    parts={k: int(v) for k, v in self.held_parts.items()})
 
 
 @dataclass
@@ -66,14 +77,16 @@ class Request:
     budget: Optional[float] = None
     optimizer_on_device: bool = True
     seq_step: int = 1024
-    seq_cap: int = 2**24
+    # The search stops at a million tokens: a tiled step there is thousands of shards to model, and
+    # the answer is then "at least" this, said so.
+    seq_cap: int = 2**20
 
 
 @dataclass
 class Planner:
     request: Request
     on_point: Callable[[str], None] = lambda label: None
-    _models: Dict[Tuple[Setting, int], torch.nn.Module] = field(default_factory=dict)
+    _models: Dict[Setting, torch.nn.Module] = field(default_factory=dict)
     _points: Dict[Tuple[Setting, int], Point] = field(default_factory=dict)
     _sizes: Optional[ParamSizes] = None
 
@@ -81,71 +94,63 @@ class Planner:
     def layers(self) -> int:
         return self.request.config.get_text_config().num_hidden_layers
 
-    def _model(self, setting: Setting, depth: int) -> torch.nn.Module:
-        key = (setting, depth)
-        if key not in self._models:
-            self._models[key] = build_model(self.request.config, depth, self.request.dtype, "meta", setting)
-        return self._models[key]
+    def model(self, setting: Setting) -> torch.nn.Module:
+        """The full-depth model under ``setting``, built once on the meta device."""
+        if setting not in self._models:
+            self._models[setting] = build_model(self.request.config, None, self.request.dtype, "meta", setting)
+        return self._models[setting]
 
-    def _extrapolate(self, at_depths: Sequence[float]) -> float:
-        one, two = at_depths
-        return one + (self.layers - 1) * (two - one)
+    def _plain(self) -> torch.nn.Module:
+        return self.model(Setting(tiled=False, checkpointing=False))
 
     def param_sizes(self) -> ParamSizes:
         if self._sizes is None:
-            plain = Setting(tiled=False, checkpointing=False)
-            counts = [sum(p.numel() for p in self._model(plain, d).parameters()) for d in DEPTHS]
-            per_layer = counts[1] - counts[0]
-            largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in self._model(plain, 1).modules())
-            self._sizes = ParamSizes(total=int(self._extrapolate(counts)), per_layer=per_layer,
-                                     root=counts[0] - per_layer, largest_module=largest)
+            model = self._plain()
+            self._sizes = param_sizes(model, decoder_layers(model, self.layers))
         return self._sizes
+
+    def layer_kinds(self) -> str:
+        """'' when the decoder layers are alike, else how many of each kind (``layers.py``)."""
+        return describe_kinds(decoder_layers(self._plain(), self.layers))
+
+    def timeline(self, setting: Setting, seq: int) -> Timeline:
+        """The full-depth step's timeline (not cached: the points are)."""
+        return step_timeline(self.model(setting), seq, self.request.batch)
 
     def point(self, setting: Setting, seq: int) -> Point:
         key = (setting, seq)
         if key not in self._points:
-            self._points[key] = self._model_point(setting, seq)
+            self._points[key] = self.point_of(setting, seq, self.timeline(setting, seq), self.request.backend)
             self.on_point(f"{setting.name} @ {seq}")
         return self._points[key]
 
-    def _model_point(self, setting: Setting, seq: int) -> Point:
+    def point_of(self, setting: Setting, seq: int, timeline: Timeline, backend: Backend) -> Point:
+        """The point a rank of ``backend`` holds for a modelled step: its share of the weights and
+        gradients at the moment that share makes the peak, the backend's buffers, the optimizer."""
         req = self.request
-        scale = req.backend.weight_scale()
-        peaks, parts = [], []
-        for depth in DEPTHS:
-            peak, (w, g, lg, a) = step_timeline(self._model(setting, depth), seq, req.batch).peak(scale, scale)
-            peaks.append(peak)
-            parts.append({WEIGHTS: w, GRADS: g, LOGITS: lg, ACTIVATIONS: a})
+        scale = backend.weight_scale()
+        peak, (w, g, lg, a) = timeline.peak(scale, scale)
         sizes = self.param_sizes()
-        in_flight = req.backend.in_flight_bytes(sizes, req.dtype)
-        at_depth = {kind: self._extrapolate([parts[0][kind], parts[1][kind]]) for kind in parts[0]}
-        at_depth[IN_FLIGHT] = in_flight
-        return Point(seq, setting.name, self._extrapolate(peaks) + in_flight,
-                     req.backend.optimizer_bytes(sizes, req.dtype), at_depth, req.budget, req.optimizer_on_device)
+        in_flight = backend.in_flight_bytes(sizes, req.dtype)
+        parts = {WEIGHTS: w, GRADS: g, LOGITS: lg, ACTIVATIONS: a, IN_FLIGHT: in_flight}
+        return Point(seq, setting.name, peak + in_flight, backend.optimizer_bytes(sizes, req.dtype), parts,
+                     req.budget, req.optimizer_on_device)
 
     def modelled(self) -> List[Point]:
-        """Every point modelled so far (the table's and the bisection's)."""
+        """Every point modelled so far (the table's and the search's)."""
         return list(self._points.values())
 
     def fits(self, setting: Setting, seq: int) -> bool:
         return bool(self.point(setting, seq).fits)
 
+    def longest(self, setting: Setting) -> Longest:
+        """The longest multiple of ``seq_step`` up to ``seq_cap`` that fits the budget."""
+        req = self.request
+        if req.budget is None:
+            raise ValueError("the longest sequence needs a budget")
+        known = {seq: p.held_bytes for (s, seq), p in self._points.items() if s == setting}
+        return longest_fitting(lambda seq: self.point(setting, seq).held_bytes, req.budget, req.seq_step,
+                               req.seq_cap, known)
+
     def max_seq(self, setting: Setting) -> int:
-        """The longest multiple of ``seq_step`` that fits the budget (0: not even one step), by
-        doubling until a length does not fit, then bisection between the last two."""
-        step, cap = self.request.seq_step, self.request.seq_cap
-        if not self.fits(setting, step):
-            return 0
-        low = step
-        while low * 2 <= cap and self.fits(setting, low * 2):
-            low *= 2
-        high = low * 2
-        if high > cap:
-            return low
-        while high - low > step:
-            middle = (low + high) // 2 // step * step
-            if self.fits(setting, middle):
-                low = middle
-            else:
-                high = middle
-        return low
+        return self.longest(setting).seq

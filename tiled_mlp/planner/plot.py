@@ -1,5 +1,5 @@
-"""Peak memory per rank against sequence length, one line per setting, with the budget and each
-setting's longest sequence marked."""
+"""What a rank holds against sequence length (the total ``fits`` judges), one line per setting, with
+the budget and each setting's longest sequence marked."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -29,7 +29,7 @@ def plot_plan(points: List[Point], max_seq: Dict[str, int], budget: Optional[flo
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("peak per rank, with the optimizer state on the device (GiB)")
+    ax.set_ylabel("held per rank: step peak + optimizer on the device (GiB)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")

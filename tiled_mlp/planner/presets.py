@@ -6,7 +6,7 @@ one), read by transformers' ``AutoConfig``.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Tuple, Type
 
 PRESETS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "llama-3.1-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -25,6 +25,16 @@ PRESETS: Dict[str, Tuple[str, Dict[str, Any]]] = {
 }
 
 
+def _validation_errors() -> Tuple[Type[BaseException], ...]:
+    """What transformers >= 5 raises for a config whose sizes no model can have (hidden size not a
+    multiple of the heads): huggingface_hub's strict-dataclass error, no ValueError."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
 def load_config(spec: str):
     """A transformers config from a preset name or a local path; a clear error for anything else."""
     from transformers import AutoConfig
@@ -41,6 +51,9 @@ def load_config(spec: str):
             return AutoConfig.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError) as error:
             raise ValueError(f"--model {spec}: cannot read a transformers config from {path}: {error}") from error
+        except _validation_errors() as error:
+            reason = str(error.__cause__ or error).strip().splitlines()[-1].strip()
+            raise ValueError(f"--model {spec}: {path} describes a model that cannot exist: {reason}") from error
     looks_like_path = os.sep in spec or spec.endswith(".json")
     if looks_like_path:
         raise ValueError(f"--model {spec}: no such file or directory (a config.json, or a directory holding one)")

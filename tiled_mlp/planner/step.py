@@ -1,15 +1,16 @@
 """One training step of a decoder model (forward, loss, backward), built from its config and measured.
 
-On the meta device nothing is allocated and an 8B model's step at a million tokens takes a fraction
-of a second; on the CPU with real tensors the same code is the measured step the planner is checked
-against (``tests/test_planner.py``). The memory is the live-storage tracker's, split by kind
-(``timeline.py``): weights, gradients, the logits and the loss, other activations.
+On the meta device nothing is allocated: a 32-layer 8B model's step takes about a second to model
+(more when its MLPs are tiled into many shards); on the CPU with real tensors the same code is the
+measured step the planner is checked against (``tests/test_planner_depth.py``). The memory is the
+live-storage tracker's, split by kind (``timeline.py``): weights, gradients, the logits and the loss,
+other activations.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -31,7 +32,9 @@ class Setting:
 
 
 def with_depth(config, depth: int):
-    """``config`` with ``depth`` decoder layers (and per-layer lists cut to match)."""
+    """``config`` with its first ``depth`` decoder layers (per-layer lists cut to match); layer kinds
+    chosen by index (``decoder_sparse_step``, ``mlp_only_layers``, ``first_k_dense_replace``) stay
+    what they are in the full model."""
     config = copy.deepcopy(config)
     config.num_hidden_layers = depth
     layer_types = getattr(config, "layer_types", None)
@@ -41,16 +44,27 @@ def with_depth(config, depth: int):
     return config
 
 
-def build_model(config, depth: int, dtype: torch.dtype, device: Union[str, torch.device], setting: Setting,
+def _dtype_kwargs(dtype: torch.dtype) -> dict:
+    """transformers >= 4.56 takes ``dtype`` and warns on ``torch_dtype``; older releases know only the latter."""
+    import transformers
+    from packaging.version import Version
+
+    return {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": dtype}
+
+
+def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[str, torch.device], setting: Setting,
                 seed: int = 0):
+    """The causal LM of ``config`` with ``depth`` decoder layers (None: all of them), under ``setting``."""
     from transformers import AutoModelForCausalLM
 
     from ..integrations import apply_tiled_mlp
 
     name = attention.register()
+    depth = config.get_text_config().num_hidden_layers if depth is None else depth
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(with_depth(config, depth), attn_implementation=name, torch_dtype=dtype)
+        model = AutoModelForCausalLM.from_config(with_depth(config, depth), attn_implementation=name,
+                                                 **_dtype_kwargs(dtype))
     model.train()
     if setting.tiled:
         apply_tiled_mlp(model, num_shards=setting.num_shards)

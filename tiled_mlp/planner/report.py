@@ -1,0 +1,92 @@
+"""The plan as text: the model, the table of what each rank holds, the longest sequences, and what is
+analytic rather than modelled."""
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import Dict, List
+
+import torch
+
+from .backends import Backend, ParamSizes
+from .plan import IN_FLIGHT, LOGITS_KNOB, Point
+from .search import Longest
+from .timeline import LOGITS
+
+GiB = 2**30
+
+
+def header(name: str, config, sizes: ParamSizes, kinds: str, dtype: torch.dtype, batch: int, backend: Backend) -> str:
+    text = config.get_text_config()
+    layers = f"{text.num_hidden_layers} layers" + (f" ({kinds})" if kinds else "")
+    return (f"{name}: {sizes.total / 1e9:.2f}B parameters, {layers}, vocabulary {text.vocab_size}; "
+            f"{str(dtype).replace('torch.', '')}, batch {batch} per rank, {backend.name} x{backend.world_size}; "
+            "every layer modelled (full depth, meta device)")
+
+
+def table(points: List[Point], budget: float, budget_from: str) -> List[str]:
+    lines = [f"per rank, GiB; budget {budget / GiB:.2f} GiB ({budget_from}). 'held' is what 'fits' judges: the "
+             "step's peak (weights, gradients, activations, backend buffers) plus the optimizer state on the device",
+             "| seq | setting | step peak | optimizer | held | fits | dominant term of held |",
+             "|---|---|---|---|---|---|---|"]
+    for p in points:
+        fits = "-" if p.fits is None else ("yes" if p.fits else "no")
+        optimizer = f"{p.optimizer_bytes / GiB:.2f}" + ("" if p.optimizer_on_device else " (host)")
+        share = p.held_parts[p.dominant] / p.held_bytes
+        lines.append(f"| {p.seq} | {p.setting} | {p.peak_bytes / GiB:.2f} | {optimizer} | {p.held_bytes / GiB:.2f} | "
+                     f"{fits} | {p.dominant} ({share:.0%}) |")
+    return lines
+
+
+def longest_lines(longest: Dict[str, Longest], budget: float) -> List[str]:
+    lines = [f"longest sequence held within {budget / GiB:.2f} GiB per rank (multiples of 1024; each answer fits "
+             "and 1024 tokens more does not, both modelled):"]
+    for setting, found in longest.items():
+        if found.at_cap:
+            lines.append(f"  {setting:13s} at least {found.seq:,} tokens (where the search stops)")
+        elif found.seq:
+            lines.append(f"  {setting:13s} {found.seq:>9,} tokens")
+        else:
+            lines.append(f"  {setting:13s} none (not even 1024 tokens)")
+    return lines
+
+
+def notes(points: List[Point], dtype: torch.dtype, backend: Backend, optimizer_on_device: bool) -> List[str]:
+    lines = []
+    if any(p.dominant == LOGITS for p in points):
+        lines.append(f"note: the logits and the loss dominate where marked; the knob that removes them is {LOGITS_KNOB}.")
+    lines.append("analytic, not modelled: the optimizer state (Adam, float32 moments"
+                 + ("" if dtype == torch.float32 else " and master weights")
+                 + ("" if optimizer_on_device else ", on the host") + ")"
+                 + ("" if backend.name == "single" else f", and {backend.name}'s division of weights and gradients and "
+                    f"its '{IN_FLIGHT}' buffers (tiled_mlp/planner/backends.py)") + ".")
+    return lines
+
+
+def position_warnings(config, seqs: List[int], longest: Dict[str, Longest]) -> List[str]:
+    """Lengths past ``max_position_embeddings``: the memory is modelled, the model was not trained there."""
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return []
+    past = sorted({seq for seq in seqs if seq > limit} | {f.seq for f in longest.values() if f.seq > limit})
+    if not past:
+        return []
+    return [f"{', '.join(f'{seq:,}' for seq in past)} tokens: past the model's max_position_embeddings ({limit:,}); "
+            "the memory is modelled all the same, but the model needs position scaling (RoPE scaling such as YaRN) "
+            "to train there"]
+
+
+def dips(points: List[Point]) -> List[str]:
+    """Where a setting holds less at a longer length than at a shorter one. Tiled with ``auto``, this is
+    the policy's pass-through: where tiling one MLP saves little of that MLP's memory, auto runs it
+    untiled, and without checkpointing every layer then keeps its intermediates."""
+    lines = []
+    for setting in dict.fromkeys(p.setting for p in points):
+        mine = sorted((p for p in points if p.setting == setting), key=lambda p: p.seq)
+        for shorter, longer in pairwise(mine):
+            if longer.held_bytes < shorter.held_bytes:
+                why = (" (auto runs an MLP untiled where tiling saves little of that MLP's memory, and every layer then "
+                       "keeps its intermediates; a fixed --tiled N does not)" if setting.startswith("tiled") else "")
+                lines.append(f"{setting} holds less at {longer.seq} tokens ({longer.held_bytes / GiB:.2f} GiB) than at "
+                             f"{shorter.seq} ({shorter.held_bytes / GiB:.2f} GiB){why}; the longest length found "
+                             "assumes the total grows with the length")
+    return lines
