@@ -53,6 +53,18 @@ def train(case: ZeroCase, kind: str, rank: int) -> Dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
+    from tiled_core import auto_shards
+
+    floor = auto_shards.MIN_SAVED_BYTES
+    if case.min_saved_bytes is not None:
+        auto_shards.MIN_SAVED_BYTES = case.min_saved_bytes
+    try:
+        return _train(case, kind, rank, deepspeed, safe_get_full_grad)
+    finally:
+        auto_shards.MIN_SAVED_BYTES = floor
+
+
+def _train(case: ZeroCase, kind: str, rank: int, deepspeed, safe_get_full_grad) -> Dict:
     model = build_model(case, kind, rank)
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=LR), config=ds_config(case))

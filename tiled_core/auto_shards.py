@@ -1,6 +1,6 @@
 """The "auto" shard policy, derived from the fake-tensor memory model (see README, "Auto policy").
 
-Two rules, both cheap enough for every forward:
+Three rules, all cheap enough for every forward:
 
 1. **Shard size**: what no tiling removes (weights and their grads, input, output and both of their
    grads: the *fixed bytes*) sets the scale. A shard's working set is about four ``[tokens,
@@ -14,15 +14,39 @@ Two rules, both cheap enough for every forward:
    are not cut into slivers that only add time: hidden 1024, intermediate 2816, 8192 tokens, CPU fp32,
    the fast path took 1.23x the untiled step with 4 shards of 2048 tokens, 1.25x with 8 of 1024 and
    1.36x with 15 of 546 (README, "Auto policy").
-2. **Pass-through**: tiling costs recompute (11 matmul units against 9) and some fixed buffers, so it
-   only pays when the intermediates it stops keeping are a real share of the step's memory. When the
-   whole call's intermediate bytes are under ``MIN_INTERMEDIATE_SHARE`` of the fixed bytes, "auto"
-   runs the module untiled: at 2048 tokens of the 4096/12288 model, tiling would save at most 4-9%
-   of the peak for ~20% more time, and with one or two shards it raises the peak. So does the
-   generic path where its extra buffers (a second copy of the trainable parameters' gradients, a
-   shard's input gradient and output) outweigh what the shards save, one shard always: a LoRA MLP
-   in one shard reached 1.07x untiled, a small GELU MLP 1.19x (measured with the exact tracker;
-   ``tests/test_auto_policy.py`` sweeps such modules).
+2. **Pass-through on share**: tiling costs recompute (11 matmul units against 9) and some fixed
+   buffers, so it only pays when the intermediates it stops keeping are a real share of the step's
+   memory. When the whole call's intermediate bytes are under ``MIN_INTERMEDIATE_SHARE`` of the fixed
+   bytes, "auto" runs the module untiled: at 2048 tokens of the 4096/12288 model, tiling would save
+   at most 4-9% of the peak for ~20% more time, and with one or two shards it raises the peak.
+3. **Pass-through on size**: a share says nothing about scale. A tiny MLP's intermediates are a large
+   share of its own few MB, yet those MB never decide whether a step fits, while the time is paid at
+   every call: on this CPU (fp32, fast path, the shards rule 1 picks, 15 rounds interleaved with the
+   untiled step, ``python -m tiled_mlp.bench.policy_sweep --table pass-through``) hidden 512 /
+   intermediate 1408 took 1.216x the untiled step at 1024 tokens (1 shard, 9 MiB saved), 1.222x at
+   2048 (2 shards, 34.5 MiB) and 1.213x at 4096 (4 shards, 96.5 MiB); hidden 1024 / intermediate 2816
+   1.217x at 1024 (7 MiB) and 1.227x at 2048 (58 MiB); interquartile ranges within 0.03. The cost is
+   a fixed +21-23% of the MLP's time that does not shrink with the saving, so the saving needs a
+   scale of its own: the bytes the shards stop holding, net of their own buffers
+   (``estimated_saved_bytes``), must reach ``MIN_SAVED_BYTES``, 64 MiB. That is 0.4% of a 16 GiB
+   accelerator (the smallest one trains on) and 0.08% of an 80 GiB one, the size of what the memory
+   system itself rounds and keeps aside: the CUDA caching allocator rounds every large block up to
+   2 MiB and serves 1-10 MiB requests from 20 MiB segments, and cuBLAS keeps a workspace per handle.
+   The estimate errs low where activations dominate (it counts four saved intermediates; the model
+   shows 5.1-5.6), so wherever "auto" tiles the modelled peak drops by at least the floor, and where
+   the floor alone sends a call untiled it forgoes under twice the floor (81 MiB at most over hidden
+   256-4096 in fp32 and bf16, ``tests/test_auto_policy.py``). On the default bench 1024 and 2048
+   tokens run untiled (0 and 22 MiB estimated, 9 and 34.5 modelled) and 4096 tiles (66; 96.5); the
+   seed size tiles from 4096 tokens (4 shards, 288 MiB estimated), so 8192 and longer are unchanged.
+   The saving is per call: with activation checkpointing (the setting tiling is for) one layer's
+   intermediates are alive at a time; a model trained without it keeps every layer's, and there a
+   pass-through forgoes the saving once per layer.
+   The same estimate covers the generic path, where extra buffers (a second copy of the trainable
+   parameters' gradients, a shard's input gradient and output) can outweigh what the shards save, one
+   shard always: a LoRA MLP in one shard reached 1.07x untiled, a small GELU MLP 1.19x (measured with
+   the exact tracker; ``tests/test_auto_policy.py`` sweeps such modules).
+
+``auto_decision`` returns the count with a sentence saying why; ``auto_num_shards`` only the count.
 """
 from __future__ import annotations
 
@@ -39,11 +63,19 @@ WORKING_SET_SHARE = 1 / 8
 WORKING_SET_BUFFERS = 4
 MIN_TOKENS_PER_SHARD = 1024
 MIN_INTERMEDIATE_SHARE = 0.1
+# Rule 3 (see above): a net saving under this is noise on any accelerator, and tiling's time is not.
+MIN_SAVED_BYTES = 64 * 2**20
+# What untiled autograd keeps of a gated MLP (the fast path's only kind): gate(x), up(x), the
+# activation's output and the product, four [tokens, intermediate] tensors. The modelled untiled peak
+# sits 5.1-5.6 such buffers above the fixed bytes once activations dominate (the gradients in
+# backward add to them), so estimating with four keeps the saving on the low side there.
+FAST_SAVED_INTERMEDIATES = 4
 # The fewest [tokens, intermediate] tensors untiled autograd keeps for an MLP with an activation
 # between its projections. A lower bound, so the generic path never tiles where it cannot pay; with
 # one (an earlier version) a SwiGLU at 4096 tokens ran untiled, where 4 shards take 0.59x the memory.
 GENERIC_SAVED_INTERMEDIATES = 2
 
+MiB = 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,24 +113,75 @@ def fixed_bytes(size: MLPSize, num_tokens: int) -> int:
     return 2 * size.weight_bytes + 4 * num_tokens * size.hidden * size.element_bytes
 
 
-def auto_num_shards(num_tokens: int, size: MLPSize) -> Optional[int]:
-    """The shard count for ``num_tokens`` tokens, or None to run the module untiled."""
+@dataclass(frozen=True, slots=True)
+class AutoDecision:
+    """What "auto" chose for one call, and why in one sentence (stored as ``module.tiling.last_reason``)."""
+
+    num_shards: Optional[int]  # None: run the module untiled
+    reason: str
+
+
+def shard_count(num_tokens: int, size: MLPSize) -> int:
+    """Rule 1: shards whose ``[tokens, intermediate]`` buffer stays near the floor's scale (needs the
+    intermediate size)."""
+    assert size.intermediate is not None, "the shard-size rule needs the intermediate size"
+    fixed = fixed_bytes(size, num_tokens)
+    buffer_bytes = min(SHARD_INTERMEDIATE_BYTES, WORKING_SET_SHARE * fixed / WORKING_SET_BUFFERS)
+    tokens_per_shard = max(MIN_TOKENS_PER_SHARD, int(buffer_bytes // (size.intermediate * size.element_bytes)))
+    return max(1, math.ceil(num_tokens / tokens_per_shard))
+
+
+def estimated_saved_bytes(num_tokens: int, size: MLPSize, num_shards: int) -> float:
+    """The bytes ``num_shards`` shards stop holding, net of their own working set (negative: tiling
+    would raise the peak). Needs the intermediate size."""
+    assert size.intermediate is not None, "the saving is estimated from the intermediate size"
+    intermediate_bytes = num_tokens * size.intermediate * size.element_bytes
+    if size.generic_trainable_bytes is None:
+        # The fast path keeps about WORKING_SET_BUFFERS shard-sized buffers, and only while a shard runs.
+        return FAST_SAVED_INTERMEDIATES * intermediate_bytes - WORKING_SET_BUFFERS * intermediate_bytes / num_shards
+    # Untiled autograd keeps at least two [tokens, intermediate] tensors (the pre-activation and the
+    # activation's output; SwiGLU keeps four); the generic recompute keeps a shard's worth of them (so
+    # one shard saves nothing), beside its extra buffers. (The fast path saves no intermediate at all
+    # between forward and backward, so even one shard lowers its peak.)
+    saved = GENERIC_SAVED_INTERMEDIATES * intermediate_bytes * (1 - 1 / num_shards)
+    extra = size.generic_trainable_bytes + 2 * math.ceil(num_tokens / num_shards) * size.hidden * size.element_bytes
+    return saved - extra
+
+
+def auto_decision(num_tokens: int, size: MLPSize) -> AutoDecision:
+    """The shard count for ``num_tokens`` tokens (None: run the module untiled), and why."""
     if size.intermediate is None:
-        return max(1, math.ceil(num_tokens / max(1, size.hidden)))
+        num_shards = max(1, math.ceil(num_tokens / max(1, size.hidden)))
+        return AutoDecision(num_shards, f"tiled ({_shards(num_shards)} of ~{math.ceil(num_tokens / num_shards)} "
+                                        "tokens): the intermediate size is unknown, so ~hidden tokens a shard")
     intermediate_bytes = num_tokens * size.intermediate * size.element_bytes
     fixed = fixed_bytes(size, num_tokens)
     if intermediate_bytes < MIN_INTERMEDIATE_SHARE * fixed:
-        return None
-    buffer_bytes = min(SHARD_INTERMEDIATE_BYTES, WORKING_SET_SHARE * fixed / WORKING_SET_BUFFERS)
-    tokens_per_shard = max(MIN_TOKENS_PER_SHARD, int(buffer_bytes // (size.intermediate * size.element_bytes)))
-    num_shards = math.ceil(num_tokens / tokens_per_shard)
-    if size.generic_trainable_bytes is not None:
-        # Untiled autograd keeps at least two [tokens, intermediate] tensors (the pre-activation and the
-        # activation's output; SwiGLU keeps four); the generic recompute keeps a shard's worth of them
-        # (so one shard saves nothing), for its extra buffers. Tile only where that pays. (The fast path
-        # saves no intermediate at all, so even one shard lowers its peak.)
-        saved = GENERIC_SAVED_INTERMEDIATES * intermediate_bytes * (1 - 1 / num_shards)
-        extra = size.generic_trainable_bytes + 2 * math.ceil(num_tokens / num_shards) * size.hidden * size.element_bytes
-        if saved <= extra:
-            return None
-    return num_shards
+        return AutoDecision(None, f"untiled: a [tokens, intermediate] buffer ({_size(intermediate_bytes)}) is "
+                                  f"under {MIN_INTERMEDIATE_SHARE:.0%} of the {_size(fixed)} no tiling removes")
+    num_shards = shard_count(num_tokens, size)
+    saved = estimated_saved_bytes(num_tokens, size, num_shards)
+    shards = ("generic path, " if size.generic_trainable_bytes is not None else "") + _shards(num_shards)
+    if saved <= 0:
+        return AutoDecision(None, f"untiled: tiling ({shards}) would free no more than its own buffers take")
+    if saved < MIN_SAVED_BYTES:
+        return AutoDecision(None, f"untiled: tiling ({shards}) would save {_size(saved)}, "
+                                  f"under the {MIN_SAVED_BYTES / MiB:.0f} MiB floor")
+    return AutoDecision(num_shards, f"tiled ({shards} of ~{math.ceil(num_tokens / num_shards)} tokens): "
+                                    f"saves ~{_size(saved)}")
+
+
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes / 2**10:.1f} KiB"
+
+
+def _shards(num_shards: int) -> str:
+    return f"{num_shards} shard{'s' if num_shards != 1 else ''}"
+
+
+def auto_num_shards(num_tokens: int, size: MLPSize) -> Optional[int]:
+    """The shard count for ``num_tokens`` tokens, or None to run the module untiled."""
+    return auto_decision(num_tokens, size).num_shards

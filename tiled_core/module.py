@@ -31,7 +31,7 @@ from strategies.base import Strategy
 from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
 
 from .activations import gated_activation
-from .auto_shards import MLPSize, auto_num_shards, intermediate_size
+from .auto_shards import AutoDecision, MLPSize, auto_decision, intermediate_size
 from .call_plan import CallPlan, current_key, shallow_key
 from .fast_path import FUSED_EXPERTS, decide_fast_path, structural_decision
 from .gated_forms import check_attributes, torch_functions_intact
@@ -264,40 +264,46 @@ class TiledMLP(nn.Module):
         state.last_strategy = strategy
         num_tokens = x.numel() // x.shape[-1]
 
-        def untiled_call() -> Optional[torch.Tensor]:
+        def untiled_call(reason: str) -> Optional[torch.Tensor]:
             """Nothing to split, or too short for tiling to lower the peak: the plain module, where the
             backend allows it (the same collectives as a tiled call)."""
             if not strategy.allows_untiled_call(self):
                 return None
-            state.last_path, state.last_num_shards = "untiled", 1
+            state.last_path, state.last_num_shards, state.last_reason = "untiled", 1, reason
             return shard_forward(x)
 
         # Too short to tile, by the last plan's sizes: no walk of the module (``call_plan.py``).
         last = state.call_plan
-        if (last is not None and last.shallow == shallow_key(self, strategy, x)
-                and self._tiled_num_shards(last, x, num_tokens, generic=last.generic) is None):
-            out = untiled_call()
-            if out is not None:
-                return out
+        if last is not None and last.shallow == shallow_key(self, strategy, x):
+            decision = self._tiled_shards(last, x, num_tokens, generic=last.generic)
+            if decision.num_shards is None:
+                out = untiled_call(decision.reason)
+                if out is not None:
+                    return out
         plan = self._tiled_plan(strategy, x)
 
         # Too short to pay even on the fast path (the generic path only needs more): decided before the
         # path is.
-        num_shards = self._tiled_num_shards(plan, x, num_tokens, generic=False)
-        if num_tokens == 0 or num_shards is None:
-            out = untiled_call()
+        decision = self._tiled_shards(plan, x, num_tokens, generic=False)
+        if num_tokens == 0 or decision.num_shards is None:
+            out = untiled_call(decision.reason if num_tokens else "untiled: no tokens")
             if out is not None:
                 return out
         with strategy.gathered(self):
             kernel = self._tiled_kernel(strategy, plan, shard_forward, x)
-            if isinstance(kernel, GenericShardKernel) and num_shards is not None:
-                num_shards = self._tiled_num_shards(plan, x, num_tokens, generic=True)
-                if num_shards is None:
-                    out = untiled_call()
+            if isinstance(kernel, GenericShardKernel) and decision.num_shards is not None:
+                decision = self._tiled_shards(plan, x, num_tokens, generic=True)
+                if decision.num_shards is None:
+                    out = untiled_call(decision.reason)
                     if out is not None:
                         return out
+            reason = decision.reason
+            num_shards = decision.num_shards
             if num_tokens == 0 or num_shards is None:
                 num_shards = 1  # the backend needs every rank on the tiled path (same collectives)
+                reason += f"; run as one shard: {strategy.name} needs every rank on the tiled path"
+            if isinstance(kernel, GenericShardKernel):
+                reason += f"; generic path: {plan.fast[1] if plan.fast else 'path=generic'}"
             shard_plan = make_shard_plan(num_tokens, num_shards)
             run = ShardedRun(
                 kernel=kernel,
@@ -315,16 +321,17 @@ class TiledMLP(nn.Module):
                 out = sharded_apply(x, run)
         state.last_path = "generic" if isinstance(kernel, GenericShardKernel) else "fast"
         state.last_num_shards = shard_plan.num_shards
+        state.last_reason = reason
         return out
 
-    def _tiled_num_shards(self, plan: CallPlan, x: torch.Tensor, num_tokens: int, generic: bool) -> Optional[int]:
-        """The configured count, or the auto policy's (None: run untiled)."""
+    def _tiled_shards(self, plan: CallPlan, x: torch.Tensor, num_tokens: int, generic: bool) -> AutoDecision:
+        """The configured count, or the auto policy's (``num_shards`` None: run untiled), and why."""
         num_shards = self.tiling.num_shards
         if isinstance(num_shards, int):
-            return num_shards
+            return AutoDecision(num_shards, f"tiled: num_shards={num_shards} as configured")
         trainable_bytes = sum(p.numel() * p.element_size() for p in plan.trainable) if generic else None
         size = MLPSize(x.shape[-1], plan.intermediate, plan.param_bytes, x.element_size(), trainable_bytes)
-        return auto_num_shards(num_tokens, size)
+        return auto_decision(num_tokens, size)
 
     def _tiled_plan(self, strategy: Strategy, x: torch.Tensor) -> CallPlan:
         """The cached plan while its key holds, else a new one (see ``call_plan.py``)."""

@@ -10,7 +10,7 @@ from typing import Any, Dict
 
 import torch
 
-from tiled_core.auto_shards import MLPSize, auto_num_shards, fixed_bytes
+from tiled_core.auto_shards import MLPSize, auto_decision, fixed_bytes
 
 from ..bench.model_memory import modeled_peak_bytes
 from . import parsing, plan_model
@@ -49,9 +49,10 @@ def make_plan(hidden: int, intermediate: int, seq: int, dtype: torch.dtype, batc
     tokens = seq * batch
     model = lambda impl, n: modeled_peak_bytes(impl, hidden, intermediate, seq, dtype, n, batch)  # noqa: E731
     untiled = model("untiled", 1)
-    auto = auto_num_shards(tokens, swiglu_size(hidden, intermediate, dtype))
+    decision = auto_decision(tokens, swiglu_size(hidden, intermediate, dtype))
+    auto = decision.num_shards
     plan: Dict[str, Any] = dict(hidden=hidden, intermediate=intermediate, seq=seq, batch=batch, dtype=str(dtype).replace("torch.", ""),
-                untiled_peak_bytes=untiled, auto_num_shards=auto or 1, auto_runs_untiled=auto is None,
+                untiled_peak_bytes=untiled, auto_num_shards=auto or 1, auto_runs_untiled=auto is None, auto_reason=decision.reason,
                 auto_peak_bytes=untiled if auto is None else model("fast", auto),
                 floor_bytes=floor_bytes(hidden, intermediate, tokens, dtype))
     plan["tiling_helps"] = plan["auto_peak_bytes"] < untiled
@@ -102,7 +103,7 @@ def run(args, parser_error) -> int:
     print(f"SwiGLU hidden={args.hidden} intermediate={args.intermediate} seq={args.seq} batch={args.batch} {plan['dtype']}")
     print(f"  untiled peak:        {g(plan['untiled_peak_bytes'])}")
     if plan["auto_runs_untiled"]:
-        print("  auto:                runs untiled (tiling cannot lower the peak enough at this length)")
+        print(f"  auto:                runs {plan['auto_reason']}")
     else:
         ratio = plan["auto_peak_bytes"] / plan["untiled_peak_bytes"]
         print(f"  auto:                {plan['auto_num_shards']} shards, peak {g(plan['auto_peak_bytes'])} ({ratio:.3f} of untiled)")
