@@ -136,3 +136,26 @@ def test_an_unbound_function_as_instance_forward_fails_as_untiled():
         module.forward = types.FunctionType(LlamaLike.forward.__code__, LlamaLike.forward.__globals__)
         with pytest.raises(TypeError):
             module(torch.randn(SHAPE, dtype=torch.float64))
+
+
+def test_a_linear_replaced_by_something_else_is_not_fast_but_deepspeeds_own_is(monkeypatch):
+    """DeepSpeed ZeRO-3 replaces F.linear process-wide with its own linear (still x @ W.T + b); any
+    other replacement is not proven to be a linear."""
+    import sys
+
+    mlp, untiled = _pair()
+    tiled = TiledMLP(mlp, num_shards=3)
+    original = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: original(x, w, b) * 2)
+    _compare(untiled, tiled, "generic")
+
+    def zero3_linear_wrap(input, weight, bias=None):
+        return original(input, weight, bias)
+
+    zero3_linear_wrap.__module__ = "deepspeed.runtime.zero.linear"
+    monkeypatch.setitem(sys.modules, "deepspeed.runtime.zero.linear",
+                        types.SimpleNamespace(zero3_linear_wrap=zero3_linear_wrap))
+    monkeypatch.setattr(F, "linear", zero3_linear_wrap)
+    # A fresh module: a generic decision is cached while nothing in its key changes (safe: generic is exact).
+    mlp, untiled = _pair()
+    _compare(untiled, TiledMLP(mlp, num_shards=3), "fast")

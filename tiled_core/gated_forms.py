@@ -16,6 +16,7 @@ recognised the same way (``activation_name``): by its exact class and the code o
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -130,10 +131,27 @@ def known_form(fn: Any) -> Optional[GatedForm]:
 F_SILU, F_GELU, F_LINEAR = F.silu, F.gelu, F.linear
 
 
+# Functions that replace ``F.linear`` process-wide and still compute ``x @ W.T + b``, by module and
+# name; accepted only when they are that module's own function object (looked up, never imported).
+# DeepSpeed ZeRO-3 installs its memory-efficient linear at initialisation "and this will persist unless
+# manually reset" (deepspeed.runtime.zero.partition_parameters).
+_EQUIVALENT_LINEARS = {("deepspeed.runtime.zero.linear", "zero3_linear_wrap")}
+
+
+def linear_is_a_linear(fn: Any) -> bool:
+    """Whether ``fn`` (what ``F.linear`` is now) computes torch's linear."""
+    if fn is F_LINEAR:
+        return True
+    module_name, name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
+    if (module_name, name) not in _EQUIVALENT_LINEARS:
+        return False
+    return getattr(sys.modules.get(module_name or ""), name or "", None) is fn
+
+
 def torch_functions_intact() -> bool:
-    """Whether the torch functions the accepted forms call are still torch's own (checked at every call
-    that reuses a cached fast decision: patching one changes no key)."""
-    return F.silu is F_SILU and F.gelu is F_GELU and F.linear is F_LINEAR
+    """Whether the torch functions the accepted forms call are still what they were proven to be
+    (checked at every call that reuses a cached fast decision: patching one changes no key)."""
+    return F.silu is F_SILU and F.gelu is F_GELU and linear_is_a_linear(F.linear)
 
 
 _TORCH_ACTIVATIONS = {

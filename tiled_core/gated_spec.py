@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.modules import module as _module_globals
 
 from .code_forms import CodeForm, matches
-from .gated_forms import F_LINEAR, GatedForm, activation_name, check_attributes, resolve_scale
+from .gated_forms import GatedForm, activation_name, check_attributes, linear_is_a_linear, resolve_scale
 
 
 @dataclass
@@ -93,13 +93,14 @@ def foreign_child_hooks(module: nn.Module, is_backend_hook=no_hook_is_backend) -
     return found
 
 
-_LINEAR = CodeForm("return F.linear({x}, self.weight, self.bias)", {"F": F, "F.linear": F_LINEAR})
+_LINEAR = CodeForm("return F.linear({x}, self.weight, self.bias)", {"F": F})
 
 
 def _is_plain_linear(module) -> bool:
     # Hooks are checked for every submodule by ``foreign_child_hooks``; the code of the class's forward
     # here (the fast kernel computes ``F.linear`` with the same tensors).
-    return type(module) is nn.Linear and "forward" not in module.__dict__ and matches(nn.Linear.forward, _LINEAR)
+    return (type(module) is nn.Linear and "forward" not in module.__dict__ and matches(nn.Linear.forward, _LINEAR)
+            and linear_is_a_linear(F.linear))
 
 
 def _has_dropout(module: nn.Module) -> bool:
