@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from reference import assert_runs_close, fresh_inputs, step
+from reference import GatedMLP, assert_runs_close, fresh_inputs, step
 from torch import nn
 
 from tiled_mlp import TiledMLP
@@ -75,15 +75,11 @@ def test_the_input_modified_in_place_before_backward_raises_as_untiled(path, exp
 
 
 # -- 2. a tensor attribute the generic forward reads, changed before backward -------------------------
-class FiLMMLP(nn.Module):
+class FiLMMLP(GatedMLP):
     """A gated MLP scaled by a conditioning tensor set from outside (a plain attribute, no gradient)."""
 
     def __init__(self):
-        super().__init__()
-        self.gate_proj = nn.Linear(HIDDEN, INTER, bias=False)
-        self.up_proj = nn.Linear(HIDDEN, INTER, bias=False)
-        self.down_proj = nn.Linear(INTER, HIDDEN, bias=False)
-        self.act_fn = nn.SiLU()
+        super().__init__(HIDDEN, INTER)
         self.cond = torch.rand(INTER, dtype=torch.float64) + 0.5
 
     def forward(self, x):

@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 import torch
-from reference import assert_runs_close, fresh_inputs, tiled_run, untiled_run
+from reference import GatedMLP, assert_runs_close, fresh_inputs, tiled_run, untiled_run
 from torch import nn
 
 import tiled_core.code_forms as code_forms
@@ -41,16 +41,9 @@ def test_every_known_body_compiles_and_is_distinct():
     assert len({(c.co_code, c.co_names, c.co_consts) for c in forms}) == len(KNOWN_BODIES)
 
 
-class Swiglu(nn.Module):
+class Swiglu(GatedMLP):
     def __init__(self):
-        super().__init__()
-        self.gate_proj = nn.Linear(HIDDEN, INTER, bias=False)
-        self.up_proj = nn.Linear(HIDDEN, INTER, bias=False)
-        self.down_proj = nn.Linear(INTER, HIDDEN, bias=False)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(HIDDEN, INTER)
 
 
 def test_a_forward_that_differs_by_one_constant_is_not_known():

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import assert_runs_close, fresh_inputs, step
+from reference import GatedMLP, assert_runs_close, fresh_inputs, step
 from torch import nn
 
 from tiled_mlp import TiledMLP
@@ -20,13 +20,11 @@ pytestmark = pytest.mark.timeout(60)
 HIDDEN, INTER, SHAPE = 8, 16, (2, 12, 8)
 
 
-class LlamaLike(nn.Module):
+class LlamaLike(GatedMLP):
+    """Llama's own body (a local, then its return), not reference.GatedMLP's one-line form."""
+
     def __init__(self):
-        super().__init__()
-        self.gate_proj = nn.Linear(HIDDEN, INTER, bias=False)
-        self.up_proj = nn.Linear(HIDDEN, INTER, bias=False)
-        self.down_proj = nn.Linear(INTER, HIDDEN, bias=False)
-        self.act_fn = nn.SiLU()
+        super().__init__(HIDDEN, INTER)
 
     def forward(self, x):
         down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
