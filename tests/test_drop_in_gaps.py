@@ -262,3 +262,11 @@ def test_from_config_with_a_shard_count_keeps_the_configured_path():
     built = from_config(LlamaForCausalLM, config, use_tiled_mlp=True, tiled_mlp_num_shards=5)
     tilings = [layer.mlp.tiling for layer in built.model.layers]
     assert [(t.path, t.num_shards) for t in tilings] == [("generic", 5)] * len(tilings)
+
+
+def test_a_bad_setting_with_path_fast_is_reported_as_itself():
+    """apply_tiled_mlp lists the blocks path='fast' cannot take; a bad shard count is another error."""
+    model = tiny("llama")
+    with pytest.raises(ValueError, match=r"^num_shards must be >= 1"):
+        apply_tiled_mlp(model, num_shards=0, path="fast")
+    assert not any(isinstance(m, TiledMLP) for m in model.modules())

@@ -395,8 +395,12 @@ def _fast_decision_stale(module: TiledMLP, plan: CallPlan) -> bool:
     return not torch_functions_intact() or bool(check_attributes(module, spec.form))
 
 
-def _fast_refused(module: nn.Module, why_not: str) -> ValueError:
-    return ValueError(f"path='fast' cannot apply to {type(module).__name__}: {why_not}; use path='auto'")
+class FastPathRefused(ValueError):
+    """``path="fast"`` asked of a module the fast kernel cannot run (a ValueError, as any bad setting)."""
+
+
+def _fast_refused(module: nn.Module, why_not: str) -> FastPathRefused:
+    return FastPathRefused(f"path='fast' cannot apply to {type(module).__name__}: {why_not}; use path='auto'")
 
 
 def _membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor]) -> List[bool]:

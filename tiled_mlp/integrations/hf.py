@@ -21,7 +21,7 @@ from typing import Any, List, Optional
 from torch import nn
 
 from strategies.resolver import StrategyArg
-from tiled_core.module import TiledMLP, install_tiling, prepare_tiling, untile
+from tiled_core.module import FastPathRefused, TiledMLP, install_tiling, prepare_tiling, untile
 from tiled_core.shard_plan import NumShards
 from tiled_core.tiling_state import TilingState
 
@@ -69,14 +69,12 @@ def apply_tiled_mlp(
         try:
             fixed = prepare_tiling(mixin, candidate.module, strategy, num_shards, path, grad_accum_dtype,
                                    candidate.ancestors)
-        except ValueError as error:
-            if path != "fast":
-                raise
+        except FastPathRefused as error:  # every such block is listed, then refused together
             problems.append(f"{candidate.name}: {error}")
             continue
         staged.append((candidate, mixin, fixed))
     if problems:
-        raise ValueError("path='fast' cannot apply to these blocks (use path='auto'):\n  " + "\n  ".join(problems))
+        raise FastPathRefused("path='fast' cannot apply to these blocks (use path='auto'):\n  " + "\n  ".join(problems))
 
     report = TilingReport(skipped=found.skipped)
     installed: List[TiledMLP] = []
