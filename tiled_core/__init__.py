@@ -1,4 +1,5 @@
-"""Backend-neutral tiled MLP: shard plan, sharded autograd, per-shard kernels, the TiledMLP module.
+"""Backend-neutral tiled MLP and tiled loss: shard plan, sharded autograd (a token-wise map and a
+reduction), per-shard kernels, the TiledMLP module and the tiled cross-entropy.
 
 Imports torch only; backends are reached through the ``Strategy`` interface. The one optional import
 is Liger-Kernel's Triton activation (``activations.py``), a kernel library, not a backend: imported
@@ -8,5 +9,8 @@ from .gated_forms import GatedForm, register_gated_mlp, unregister_gated_mlp
 from .module import TiledMLP, untile
 from .shard_plan import ShardPlan, make_shard_plan
 from .sharded_autograd import ShardedMLPFunction, ShardedRun, sharded_apply
+from .sharded_reduce import ShardedReduceFunction, sharded_reduce
+from .tiled_loss import TiledCrossEntropy, tiled_cross_entropy
 
-__all__ = ["TiledMLP", "untile", "GatedForm", "register_gated_mlp", "unregister_gated_mlp", "ShardPlan", "make_shard_plan", "ShardedMLPFunction", "ShardedRun", "sharded_apply"]
+__all__ = ["TiledMLP", "untile", "GatedForm", "register_gated_mlp", "unregister_gated_mlp", "ShardPlan", "make_shard_plan", "ShardedMLPFunction", "ShardedRun", "sharded_apply",
+           "ShardedReduceFunction", "sharded_reduce", "tiled_cross_entropy", "TiledCrossEntropy"]

@@ -27,14 +27,15 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import dataclass
-from typing import Callable, ContextManager, List, Optional, Sequence
+from typing import Callable, ContextManager, Generic, List, Optional, Sequence, TypeVar
 
 import torch
 
 from .autocast_state import AutocastState
 from .checks import DOUBLE_BACKWARD_ERROR, INPUT_EDITED_ERROR, TensorVersions
 from .grad_accum import GradAccumulator
-from .kernels.base import ShardKernel
+from .grad_delivery import delivered_grads, needed_grads
+from .kernels.base import ReduceKernel, ShardKernel
 from .rng import capture_rng_state, replay_rng_state
 from .saved_input import InputHolder, save_input
 from .shard_plan import ShardPlan
@@ -55,11 +56,15 @@ LATE_TENSOR_ERROR = (
 )
 
 
-@dataclass
-class ShardedRun:
-    """Everything one tiled call needs besides its tensors."""
+KernelT = TypeVar("KernelT", ShardKernel, ReduceKernel)
 
-    kernel: ShardKernel
+
+@dataclass
+class ShardedRun(Generic[KernelT]):
+    """Everything one tiled call needs besides its tensors, for either autograd shape: the token-wise
+    map (``sharded_apply``, a ``ShardKernel``) or the reduction (``sharded_reduce``, a ``ReduceKernel``)."""
+
+    kernel: KernelT
     plan: ShardPlan
     # Re-gathers the parameters for the backward recompute (a backend's strategy decides how).
     gathered: Callable[[], ContextManager] = contextlib.nullcontext
@@ -114,7 +119,7 @@ def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = (
 
 class ShardedMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, run: ShardedRun, first: FirstShard, *tensors: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, run: ShardedRun[ShardKernel], first: FirstShard, *tensors: torch.Tensor) -> torch.Tensor:
         # Shards are views of a detached input: a view made under no_grad still reports requires_grad.
         x_flat = x.detach().reshape(-1, x.shape[-1])
         slices = list(run.plan.slices())
@@ -152,7 +157,7 @@ class ShardedMLPFunction(torch.autograd.Function):
         # Autograd runs a backward with grad mode on exactly when it builds a graph (create_graph=True).
         if torch.is_grad_enabled():
             raise RuntimeError(DOUBLE_BACKWARD_ERROR)
-        run: ShardedRun = ctx.run
+        run: ShardedRun[ShardKernel] = ctx.run
         if ctx.versions is not None:
             ctx.versions.check(run.kernel.module_name)
         # Under non-reentrant checkpointing, reading the saved input recomputes the region up to it.
@@ -160,10 +165,7 @@ class ShardedMLPFunction(torch.autograd.Function):
         tensors = ctx.tensors
         need_dx = ctx.needs_input_grad[0] and ctx.input_requires_grad
         num_params = len(run.kernel.params)
-        mask = run.param_mask
-        # Tensors after the parameters were found reading the forward: they always get their gradient.
-        needed = [need and (mask is None or i >= num_params or mask[i]) for i, need in enumerate(ctx.needs_input_grad[3:])]
-        grads = GradAccumulator(tensors, needed, run.grad_accum_dtype)
+        grads = GradAccumulator(tensors, needed_grads(run, ctx.needs_input_grad[3:], num_params), run.grad_accum_dtype)
 
         x_flat = x.detach().reshape(-1, x.shape[-1])
         dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
@@ -177,15 +179,12 @@ class ShardedMLPFunction(torch.autograd.Function):
                     run.kernel.backward_shard(
                         x_flat[shard], dy_flat[shard], None if dx_flat is None else dx_flat[shard], grads, tensors
                     )
-            # Inside the gathered region: zeros for an unused parameter need its whole shape.
-            tensor_grads = grads.results(run.zeros_for_unused)
-            if run.deliver_grads is not None:
-                tensor_grads[:num_params] = run.deliver_grads(tensors[:num_params], tensor_grads[:num_params])
+            tensor_grads = delivered_grads(run, grads, tensors, num_params)  # inside the gathered region
         dx = None if dx_flat is None else dx_flat.view_as(x)
         return (dx, None, None, *tensor_grads)
 
 
-def _versions_to_check(run: ShardedRun, tensors: Sequence[torch.Tensor]) -> TensorVersions:
+def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Tensor]) -> TensorVersions:
     """The tensors the backward recomputes from, whose versions it checks: the Function's tensors and the
     module's frozen parameters (a LoRA base weight), less the parameters of a backend that re-gathers
     their storage between forward and backward."""
@@ -195,7 +194,7 @@ def _versions_to_check(run: ShardedRun, tensors: Sequence[torch.Tensor]) -> Tens
     return TensorVersions([*tensors, *(p for p in run.kernel.owned_params if id(p) not in taken)])
 
 
-def sharded_apply(x: torch.Tensor, run: ShardedRun) -> torch.Tensor:
+def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor:
     """Run ``run`` over ``x``: the input saved first, then the first shard, the rest inside the Function."""
     params: Sequence[torch.Tensor] = run.kernel.params
     input_version = x._version if torch.is_grad_enabled() and not x.is_inference() else None

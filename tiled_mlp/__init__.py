@@ -1,4 +1,4 @@
-"""tiled-mlp: token-sharded MLPs for long-sequence training, correct under DDP, FSDP2 and ZeRO."""
+"""tiled-mlp: token-sharded MLPs and losses for long-sequence training, correct under DDP, FSDP2 and ZeRO."""
 from strategies import (
     Strategy,
     UnsupportedBackendError,
@@ -7,7 +7,7 @@ from strategies import (
     register_strategy,
     unregister_strategy,
 )
-from tiled_core import TiledMLP, register_gated_mlp, unregister_gated_mlp
+from tiled_core import TiledCrossEntropy, TiledMLP, register_gated_mlp, tiled_cross_entropy, unregister_gated_mlp
 
 from .integrations import (
     TilingReport,
@@ -21,6 +21,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TiledMLP",
+    "tiled_cross_entropy",
+    "TiledCrossEntropy",
     "register_gated_mlp",
     "unregister_gated_mlp",
     "apply_tiled_mlp",

@@ -53,3 +53,17 @@ class ShardKernel(Protocol):
 
 def no_substitution(tensors: Sequence[torch.Tensor]) -> ContextManager:
     return contextlib.nullcontext()
+
+
+class ReduceKernel(Protocol):
+    """The per-shard computation of the reduction shape (a loss): one shard's contribution to a sum,
+    with its gradients formed at once (``sharded_reduce``)."""
+
+    #: The parameters the autograd Function takes as inputs and returns gradients for, in order.
+    params: List[torch.Tensor]
+    module_name: str
+
+    def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
+              grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The shard's loss times ``scale`` (0-dim); its input gradient into ``dx`` and its parameters'
+        into ``grads`` where given (each for the scaled loss)."""

@@ -1,0 +1,81 @@
+"""Cross-entropy of one shard of logits, and its gradient, in place in one buffer.
+
+Per valid token i (``target_i != ignore_index``), with ``z = c * tanh(l / c)`` under soft-capping
+(Gemma 2's ``final_logit_softcapping``) and ``z = l`` otherwise, ``lse_i = logsumexp(z_i)``:
+
+    loss_i = (1 - eps) * (lse_i - z_i[t_i])        negative log-likelihood
+           + eps * (lse_i - mean_j z_ij)            label smoothing, as ``F.cross_entropy``'s
+           + lam * lse_i ** 2                       z-loss (PaLM)
+
+    dloss_i/dz_i = (1 + 2 lam lse_i) softmax(z_i) - (1 - eps) onehot(t_i) - eps / V
+    dloss_i/dl_i = dloss_i/dz_i * (1 - (z_i / c) ** 2)    (soft-capping's chain rule)
+
+Ignored tokens contribute 0 to the sum and 0 to the gradient (a shard with no valid token adds exact
+zeros, never NaN: nothing is divided per shard). The caller scales by ``1 / denominator`` once, as a
+factor on the gradient here and on the summed loss (``scale``), so the sum over shards is exactly the
+normalised loss and the gradient of the normalised loss.
+
+The logits buffer becomes the gradient in place (``exp`` and the corrections overwrite it), so a
+shard's working set is that one buffer, plus a second one for the ``tanh`` values when soft-capping.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class CrossEntropyOptions:
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    logit_softcap: Optional[float] = None
+    z_loss: float = 0.0
+
+
+def cross_entropy_shard(logits: torch.Tensor, targets: torch.Tensor, options: CrossEntropyOptions,
+                        scale: torch.Tensor, with_grad: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(the shard's summed loss times ``scale``, 0-dim in ``logits.dtype``; its gradient with respect
+    to ``logits`` when ``with_grad``, else None). ``logits`` (``[tokens, vocab]``, in the loss dtype) is
+    owned by the caller and overwritten: the gradient is written into its buffer (soft-capping's into a
+    second one)."""
+    valid = targets != options.ignore_index
+    safe_targets = torch.where(valid, targets, 0).unsqueeze(1)
+    cap = options.logit_softcap
+    capped: Optional[torch.Tensor] = None
+    if cap is not None:
+        capped = logits.div_(cap).tanh_()  # t = tanh(l / c), kept for the chain rule
+        z = capped.mul(cap) if with_grad else capped.mul_(cap)
+    else:
+        z = logits
+    eps, lam, vocab = options.label_smoothing, options.z_loss, z.shape[-1]
+    target_z = z.gather(1, safe_targets).squeeze(1)
+    mean_z = z.mean(dim=1) if eps else None
+    row_max = z.amax(dim=1, keepdim=True)
+    # exp(z - max) in place: z becomes the unnormalised softmax.
+    exp = z.sub_(row_max).exp_()
+    sum_exp = exp.sum(dim=1)
+    lse = sum_exp.log() + row_max.squeeze(1)
+    token_loss = (1 - eps) * (lse - target_z)
+    if eps:
+        assert mean_z is not None
+        token_loss = token_loss + eps * (lse - mean_z)
+    if lam:
+        token_loss = token_loss + lam * lse.square()
+    weight = valid.to(z.dtype) * scale
+    loss = (token_loss * weight).sum()
+    if not with_grad:
+        return loss, None
+    # softmax * (1 + 2 lam lse) * weight, then the target and smoothing terms, all per row.
+    row_factor = weight / sum_exp
+    if lam:
+        row_factor = row_factor * (1 + 2 * lam * lse)
+    grad = exp.mul_(row_factor.unsqueeze(1))
+    grad.scatter_add_(1, safe_targets, (-(1 - eps) * weight).unsqueeze(1))
+    if eps:
+        grad.sub_((eps / vocab) * weight.unsqueeze(1))
+    if capped is not None:
+        # dl = dz * (1 - t^2); ``grad`` lives in ``z``'s buffer, ``t`` in ``logits``' (``capped``).
+        grad.mul_(capped.square_().neg_().add_(1))
+    return loss, grad

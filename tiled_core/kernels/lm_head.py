@@ -1,0 +1,113 @@
+"""Per-shard kernels of the tiled loss: an output head (``hidden -> vocab`` logits), then the
+cross-entropy of ``cross_entropy.py``, with the gradients of the shard's loss formed at once.
+
+Two kernels, chosen by what the head *is* (never by a probe):
+
+- ``LinearHeadKernel``: the head is a plain ``nn.Linear`` (its class's forward is ``nn.Linear.forward``,
+  no instance forward): the weight and bias are read and the shard's matmuls written out, so the only
+  ``[tokens, vocab]`` buffers alive are the shard's logits (in the weight's dtype, then upcast) and their
+  gradient.
+- ``ModuleHeadKernel``: anything else (PEFT's LoRA ``lm_head``, its ``modules_to_save`` wrapper, a head
+  with a scale): the head's forward runs on the shard with a graph, and autograd takes the gradient of
+  the logits back to the shard's input and the head's trainable tensors.
+
+Both compute the logits in the head's dtype and the loss in float32 or wider (``ForCausalLMLoss``'s
+``logits.float()``), and cast the logits' gradient back to the head's dtype for the matmuls, as
+autograd through ``logits.float()`` does.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..grad_accum import GradAccumulator
+from ..tensor_reads import TensorReads, describe, next_sequence_nr
+from .cross_entropy import CrossEntropyOptions, cross_entropy_shard
+
+HEAD_READ_ERROR = (
+    "tiled loss: the head {head} read tensors that require grad besides its parameters ({tensors}); their "
+    "gradients would be lost. Register them as parameters of the head."
+)
+
+
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for low-precision logits, the logits' own dtype when wider (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def is_plain_linear(head: nn.Module) -> bool:
+    return isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward and "forward" not in head.__dict__
+
+
+class LinearHeadKernel:
+    def __init__(self, head: nn.Linear, options: CrossEntropyOptions):
+        self.module_name = type(head).__name__
+        self.params: List[torch.Tensor] = [head.weight] if head.bias is None else [head.weight, head.bias]
+        self.options = options
+
+    def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
+              grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        weight = tensors[0]
+        bias = tensors[1] if len(tensors) > 1 else None
+        logits = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+        wide = logits.to(loss_dtype(logits.dtype), copy=True) if logits.dtype != loss_dtype(logits.dtype) else logits
+        del logits
+        with_grad = dx is not None or (grads is not None and any(grads.needed))
+        loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad)
+        if grad is None:
+            return loss
+        grad = grad.to(weight.dtype)
+        if dx is not None:
+            torch.mm(grad, weight, out=dx) if dx.dtype == grad.dtype else dx.copy_(grad @ weight)
+        if grads is not None:
+            grads.add_matmul(0, grad.t(), x)
+            if bias is not None:
+                grads.add_rowsum(1, grad)
+        return loss
+
+
+class ModuleHeadKernel:
+    def __init__(self, head: nn.Module, trainable: Sequence[torch.Tensor], options: CrossEntropyOptions):
+        self.module_name = type(head).__name__
+        self.head = head
+        self.params = list(trainable)
+        self.options = options
+        self._reads_checked = False  # the first shard's reads are checked (later shards run the same code)
+
+    def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
+              grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        wanted = [t for t, need in zip(tensors, grads.needed if grads is not None else [False] * len(tensors),
+                                       strict=True) if need]
+        with_grad = dx is not None or bool(wanted)
+        with torch.enable_grad() if with_grad else torch.no_grad():
+            x_in = x.detach().requires_grad_(dx is not None)
+            reads = None
+            if with_grad and not self._reads_checked:
+                reads = TensorReads(known=[x_in, *tensors, *self.head.parameters()], grad_only=True,
+                                    made_since=next_sequence_nr())
+                self._reads_checked = True
+            if reads is not None:
+                with reads:
+                    logits = self.head.forward(x_in)
+                if reads.foreign:
+                    raise RuntimeError(HEAD_READ_ERROR.format(head=self.module_name,
+                                                              tensors=describe(reads.foreign_tensors())))
+            else:
+                logits = self.head.forward(x_in)
+        wide = logits.detach().to(loss_dtype(logits.dtype), copy=True)
+        loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad)
+        if grad is None:
+            return loss
+        inputs = ([x_in] if dx is not None else []) + wanted
+        found = torch.autograd.grad(logits, inputs, grad.to(logits.dtype), allow_unused=True)
+        if dx is not None:
+            dx.copy_(found[0])
+            found = found[1:]
+        if grads is not None:
+            it = iter(found)
+            for index, need in enumerate(grads.needed):
+                if need:
+                    grads.add(index, next(it))
+        return loss

@@ -1,0 +1,26 @@
+"""How many token shards the tiled loss uses: a shard's float32 logits stay near a fixed size.
+
+A shard holds its logits in the loss dtype (float32) and their gradient in the same buffer, plus a
+second buffer under soft-capping and one in the head's dtype while the logits are upcast: about two
+float32 ``[shard, vocab]`` buffers at the peak. ``LOSS_SHARD_BYTES`` (256 MiB) keeps that pair at
+512 MiB, under torch's own chunked ``F.linear_cross_entropy`` (measured by ``tiled-mlp bench-loss``),
+while a shard is still thousands of tokens at a 32K vocabulary (matmuls large enough to run at full
+speed: 2048 tokens x 32000).
+"""
+from __future__ import annotations
+
+import math
+
+from .shard_plan import AUTO, NumShards, check_num_shards
+
+LOSS_SHARD_BYTES = 256 * 2**20
+LOSS_ELEMENT_BYTES = 4  # float32 loss math
+
+
+def loss_num_shards(num_tokens: int, vocab: int, num_shards: NumShards = AUTO) -> int:
+    """The configured count, or enough shards that one shard's float32 logits fit ``LOSS_SHARD_BYTES``."""
+    check_num_shards(num_shards)
+    if num_shards != AUTO:
+        return int(num_shards)
+    shard_tokens = max(1, LOSS_SHARD_BYTES // (max(1, vocab) * LOSS_ELEMENT_BYTES))
+    return max(1, math.ceil(num_tokens / shard_tokens))

@@ -1,0 +1,77 @@
+"""The reduction shape of the sharded autograd: a sum over token shards (a loss), one scalar out.
+
+Forward runs the kernel one shard at a time and, where a gradient is wanted, forms the shard's
+gradients at once: the input's into one ``[tokens, hidden]`` buffer, the parameters' summed over
+shards (``GradAccumulator``). No ``[tokens, vocab]`` tensor outlives its shard, nothing is recomputed,
+and the parameters are read only inside the one ``gathered`` region around the call (ZeRO-3 gathers a
+partitioned ``lm_head`` once per call, never per shard).
+
+Backward scales every precomputed gradient by the gradient that arrives (the output is a scalar, so
+``d(c * loss) = c * d(loss)`` exactly: ``loss * c`` and ``loss / N`` are exact for the input *and* the
+parameters, where DeepSpeed's ``TiledFusedLogitsLoss`` scales only the input's) and delivers them
+through ``grad_delivery``, the map shape's own delivery: once per parameter per backward.
+
+The gradients are formed for the loss as it was computed in forward, so a tensor edited in place
+between forward and backward does not matter: nothing is read again. What is refused, as by the map
+shape: a backward that builds a graph (double backward), and a second backward through the same call
+(the precomputed gradients were handed over by the first).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .checks import DOUBLE_BACKWARD_ERROR
+from .grad_accum import GradAccumulator
+from .grad_delivery import delivered_grads, needed_grads
+from .kernels.base import ReduceKernel
+from .sharded_autograd import ShardedRun
+
+SECOND_BACKWARD_ERROR = (
+    "tiled loss: backward was run a second time through the same call (retain_graph=True). Its gradients were "
+    "formed in forward and handed over by the first backward; compute the loss again for another backward."
+)
+
+
+class ShardedReduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, run: ShardedRun[ReduceKernel], building_graph: bool,
+                *params: torch.Tensor) -> torch.Tensor:
+        # ``needs_input_grad`` says what requires grad, also under no_grad: ``building_graph`` is the
+        # caller's grad mode (no gradient is formed for a loss computed without a graph).
+        num_params = len(params)
+        needs = [building_graph and need for need in ctx.needs_input_grad]
+        needed = needed_grads(run, needs[5:], num_params)
+        grads = GradAccumulator(params, needed, run.grad_accum_dtype) if any(needed) else None
+        x_flat = x.detach().reshape(-1, x.shape[-1])
+        target_flat = targets.reshape(-1)
+        dx_flat = torch.empty_like(x_flat) if needs[0] else None
+        total: Optional[torch.Tensor] = None
+        for shard in run.plan.slices():
+            loss = run.kernel.shard(x_flat[shard], target_flat[shard], scale, None if dx_flat is None else dx_flat[shard],
+                                    grads, params)
+            total = loss if total is None else total.add_(loss)
+        assert total is not None  # a plan has at least one shard
+        ctx.dx = None if dx_flat is None else dx_flat.view_as(x)
+        ctx.param_grads = delivered_grads(run, grads, params, num_params) if grads is not None else [None] * num_params
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+        if ctx.param_grads is None:
+            raise RuntimeError(SECOND_BACKWARD_ERROR)
+        # Handed over to autograd: no second reference keeps them alive after this backward.
+        dx, param_grads = ctx.dx, ctx.param_grads
+        ctx.dx = ctx.param_grads = None
+        scaled = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in (dx, *param_grads)]
+        return (scaled[0], None, None, None, None, *scaled[1:])
+
+
+def sharded_reduce(x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, run: ShardedRun[ReduceKernel],
+                   params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum over shards of ``run.kernel``'s shard losses (each times ``scale``). Call it inside the
+    strategy's gathered region: autograd records the parameters' shapes here, whole."""
+    return ShardedReduceFunction.apply(x, targets, scale, run, torch.is_grad_enabled(), *params)

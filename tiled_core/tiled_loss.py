@@ -1,0 +1,215 @@
+"""The tiled causal-LM loss: output head + cross-entropy over token shards, never holding the logits.
+
+``tiled_cross_entropy(hidden, lm_head, labels)`` equals Hugging Face's ``ForCausalLMLoss`` on
+``lm_head(hidden)`` (labels shifted the same way, ``ignore_index``, the mean over valid tokens or the sum
+over ``num_items_in_batch``, float32 loss math from low-precision weights), and adds what that loss
+leaves to the model: ``logit_softcap`` (Gemma 2), ``label_smoothing`` (as ``F.cross_entropy``'s) and
+``z_loss``. No ``[tokens, vocab]`` tensor outlives one shard, and no logits are returned.
+
+It is the second caller of the sharded core (``sharded_reduce``, beside the MLP's token-wise map): the
+strategy of the head's backend is resolved as for a tiled MLP; its ``gathered`` region surrounds the
+call (ZeRO-3 gathers a partitioned ``lm_head`` once, not per shard), and the gradients reach the backend
+through the same single delivery.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
+
+from .kernels.base import ReduceKernel
+from .kernels.cross_entropy import CrossEntropyOptions
+from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear, loss_dtype
+from .loss_shards import loss_num_shards
+from .shard_plan import AUTO, NumShards, make_shard_plan
+from .sharded_autograd import ShardedRun
+from .sharded_reduce import sharded_reduce
+
+REDUCTIONS = ("mean", "sum")
+SHARDED_WEIGHT_ERROR = (
+    "tiled loss: {head}'s parameters are sharded DTensors here (FSDP2 outside the forward of the unit that owns "
+    "them). Compute the loss inside that unit's forward, as apply_tiled_mlp(model, loss=True) does, or keep "
+    "lm_head in a unit whose forward surrounds the loss."
+)
+
+
+def tiled_cross_entropy(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    shift_labels: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: Optional[Union[int, torch.Tensor]] = None,
+    label_smoothing: float = 0.0,
+    logit_softcap: Optional[float] = None,
+    z_loss: float = 0.0,
+    num_shards: NumShards = AUTO,
+    strategy: StrategyArg = "auto",
+    grad_accum_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """The causal-LM loss of ``lm_head(hidden)`` against ``labels``, computed a token shard at a time.
+
+    Args:
+        hidden: ``[..., tokens, hidden]``, the final hidden states (after the last norm).
+        lm_head: the output head (``nn.Linear``, tied to the embeddings or not, with or without a bias;
+            or any module mapping hidden states to logits, such as PEFT's LoRA ``lm_head``).
+        labels: ``[..., tokens]`` token ids, shifted here as ``ForCausalLMLoss`` shifts them (position t
+            predicts label t + 1). Or give ``shift_labels`` already shifted (sequence parallelism splits
+            the sequence after shifting); exactly one of the two.
+        ignore_index: labels to skip (-100).
+        reduction: "mean" over the valid tokens, or "sum". ``num_items_in_batch`` (the Trainer's
+            gradient-accumulation count) overrides it: the sum divided by that count, as Hugging Face.
+        label_smoothing: as ``F.cross_entropy``'s.
+        logit_softcap: ``c``: logits ``c * tanh(logits / c)`` (Gemma 2's ``final_logit_softcapping``).
+        z_loss: ``lam``: adds ``lam * logsumexp(logits) ** 2`` per valid token (PaLM's z-loss).
+        num_shards: an int >= 1, or "auto" (a shard's float32 logits near 256 MiB).
+        strategy: "auto" (the head's backend, resolved now), a registered name or a ``Strategy``.
+        grad_accum_dtype: dtype of the head's gradient sums over shards (default: the parameter's).
+
+    Returns: a 0-dim tensor in float32 (float64 for a float64 head). Every gradient, the head's included,
+    is scaled by the gradient that reaches it.
+    """
+    options = CrossEntropyOptions(ignore_index, float(label_smoothing), _softcap(logit_softcap), float(z_loss))
+    targets = _shifted_targets(hidden, labels, shift_labels, ignore_index)
+    _check_call(hidden, lm_head, targets, options, reduction)
+    fixed = strategy_from_arg(strategy)
+    backend = fixed if fixed is not None else resolve_strategy(lm_head)
+    backend.check_supported(lm_head)
+    if any(_is_dtensor(p) for p in lm_head.parameters()):
+        raise RuntimeError(SHARDED_WEIGHT_ERROR.format(head=type(lm_head).__name__))
+    num_tokens = targets.numel()
+    with backend.gathered(lm_head):
+        trainable = backend.trainable_params(lm_head)
+        if is_plain_linear(lm_head):
+            kernel: Union[LinearHeadKernel, ModuleHeadKernel] = LinearHeadKernel(lm_head, options)  # type: ignore[arg-type]
+            mask = [any(p is t for t in trainable) for p in kernel.params]
+        else:
+            kernel = ModuleHeadKernel(lm_head, trainable, options)
+            mask = None
+        params = kernel.params
+        dtype = loss_dtype(params[0].dtype if params else hidden.dtype)
+        _check_targets(targets, _vocab_size(lm_head), ignore_index)
+        scale = _scale(targets, reduction, num_items_in_batch, ignore_index, dtype)
+        run: ShardedRun[ReduceKernel] = ShardedRun(
+            kernel=kernel,
+            plan=make_shard_plan(num_tokens, loss_num_shards(num_tokens, _vocab_size(lm_head) or 1, num_shards)),
+            grad_accum_dtype=grad_accum_dtype,
+            param_mask=mask,
+            zeros_for_unused=backend.unused_grads_as_zeros,
+            deliver_grads=backend.deliver_grads,
+        )
+        return sharded_reduce(hidden, targets, scale, run, params)
+
+
+class TiledCrossEntropy(nn.Module):
+    """The module form of ``tiled_cross_entropy``: the options here, the tensors at the call
+    (``loss_fn(hidden, lm_head, labels)``), as ``nn.CrossEntropyLoss``. It holds no parameters."""
+
+    def __init__(self, *, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 logit_softcap: Optional[float] = None, z_loss: float = 0.0, num_shards: NumShards = AUTO,
+                 strategy: StrategyArg = "auto", grad_accum_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        CrossEntropyOptions(ignore_index, float(label_smoothing), _softcap(logit_softcap), float(z_loss))
+        _check_reduction(reduction)
+        loss_num_shards(0, 1, num_shards)  # validates num_shards now
+        strategy_from_arg(strategy)
+        self.options: Dict[str, Any] = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                            logit_softcap=logit_softcap, z_loss=z_loss, num_shards=num_shards, strategy=strategy,
+                            grad_accum_dtype=grad_accum_dtype)
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module, labels: Optional[torch.Tensor] = None, *,
+                shift_labels: Optional[torch.Tensor] = None,
+                num_items_in_batch: Optional[Union[int, torch.Tensor]] = None) -> torch.Tensor:
+        return tiled_cross_entropy(hidden, lm_head, labels, shift_labels=shift_labels,
+                                   num_items_in_batch=num_items_in_batch, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+
+
+# -- checks, all made before any work --------------------------------------------------------------------
+def _softcap(value: Optional[float]) -> Optional[float]:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"logit_softcap must be a number > 0 or None, got {value!r}")
+    return float(value)
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r} (the tiled loss returns no per-token "
+                         "losses: that would be a [tokens] tensor computed from the logits it never holds)")
+
+
+def _shifted_targets(hidden, labels, shift_labels, ignore_index: int) -> torch.Tensor:
+    if (labels is None) == (shift_labels is None):
+        raise ValueError("tiled loss: pass exactly one of labels (shifted here, as ForCausalLMLoss) and shift_labels "
+                         "(already shifted)")
+    given = labels if labels is not None else shift_labels
+    if not isinstance(given, torch.Tensor) or given.is_floating_point() or given.is_complex() or given.dtype == torch.bool:
+        raise TypeError(f"tiled loss: labels must be an integer tensor, got {getattr(given, 'dtype', type(given).__name__)}")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or not hidden.is_floating_point():
+        raise ValueError("tiled loss: hidden must be a floating-point tensor of shape [..., tokens, hidden], got "
+                         f"{getattr(hidden, 'shape', type(hidden).__name__)}")
+    if tuple(given.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"tiled loss: labels of shape {tuple(given.shape)} do not match hidden states of shape "
+                         f"{tuple(hidden.shape)}; labels are [..., tokens]")
+    if shift_labels is not None:
+        return shift_labels.to(hidden.device, torch.long)
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(hidden.device, torch.long)
+
+
+def _check_call(hidden, lm_head, targets, options: CrossEntropyOptions, reduction: str) -> None:
+    if not isinstance(lm_head, nn.Module):
+        raise TypeError(f"tiled loss: lm_head must be an nn.Module (the output head), got {type(lm_head).__name__}")
+    _check_reduction(reduction)
+    if not 0.0 <= options.label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {options.label_smoothing}")
+    if options.z_loss < 0:
+        raise ValueError(f"z_loss must be >= 0, got {options.z_loss}")
+    in_features = getattr(lm_head, "in_features", None)
+    if isinstance(in_features, int) and hidden.shape[-1] != in_features:
+        raise ValueError(f"tiled loss: hidden size {hidden.shape[-1]} does not match {type(lm_head).__name__}'s "
+                         f"in_features {in_features}")
+
+
+def _vocab_size(lm_head: nn.Module) -> Optional[int]:
+    out = getattr(lm_head, "out_features", None)
+    if isinstance(out, int):
+        return out
+    weight = getattr(lm_head, "weight", None)
+    return weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
+def _check_targets(targets: torch.Tensor, vocab: Optional[int], ignore_index: int) -> None:
+    """Labels out of range would read a wrong logit (gather) where cross_entropy raises: refuse them."""
+    if vocab is None or targets.numel() == 0:
+        return
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        values = sorted(set(targets[bad].tolist()))[:5]
+        raise ValueError(f"tiled loss: labels {values} are outside the vocabulary [0, {vocab}) and are not "
+                         f"ignore_index ({ignore_index})")
+
+
+def _scale(targets: torch.Tensor, reduction: str, num_items_in_batch, ignore_index: int,
+           dtype: torch.dtype) -> torch.Tensor:
+    """1 / the denominator, as a tensor (no host sync): Hugging Face's rules."""
+    if num_items_in_batch is not None:
+        denominator = torch.as_tensor(num_items_in_batch, device=targets.device).to(dtype)
+    elif reduction == "mean":
+        denominator = (targets != ignore_index).sum().to(dtype)  # 0 valid tokens: NaN, as F.cross_entropy
+    else:
+        denominator = torch.ones((), dtype=dtype, device=targets.device)
+    return denominator.reciprocal()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
