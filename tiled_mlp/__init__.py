@@ -12,8 +12,10 @@ from tiled_core import TiledCrossEntropy, TiledMLP, register_gated_mlp, tiled_cr
 from .integrations import (
     TilingReport,
     add_tiled_mlp_args,
+    apply_tiled_loss,
     apply_tiled_mlp,
     enable_tiled_mlp,
+    remove_tiled_loss,
     remove_tiled_mlp,
 )
 
@@ -27,6 +29,8 @@ __all__ = [
     "unregister_gated_mlp",
     "apply_tiled_mlp",
     "remove_tiled_mlp",
+    "apply_tiled_loss",
+    "remove_tiled_loss",
     "TilingReport",
     "enable_tiled_mlp",
     "add_tiled_mlp_args",

@@ -1,8 +1,10 @@
 """Integrations with model libraries. Nothing here imports transformers, peft or accelerate at import
 time; the helpers that build models import transformers when called."""
 from .args import TiledMLPFlags, add_tiled_mlp_args, read_tiled_mlp_flags
+from .causal_lm_loss import is_tiled_loss, remove_tiled_loss
 from .hf import (
     apply_from_flags,
+    apply_tiled_loss,
     apply_tiled_mlp,
     enable_tiled_mlp,
     from_config,
@@ -16,6 +18,9 @@ from .report import TiledBlock, TilingReport
 __all__ = [
     "apply_tiled_mlp",
     "remove_tiled_mlp",
+    "apply_tiled_loss",
+    "remove_tiled_loss",
+    "is_tiled_loss",
     "is_tiled",
     "enable_tiled_mlp",
     "maybe_apply_tiled_mlp",

@@ -1,4 +1,5 @@
-"""Training-script flags: ``--use_tiled_mlp`` and ``--tiled_mlp_num_shards`` (argparse or a dict).
+"""Training-script flags: ``--use_tiled_mlp``, ``--tiled_mlp_num_shards`` and ``--use_tiled_loss``
+(argparse or a dict).
 
 ``--use_tiled_mlp`` takes an optional boolean, so both ``--use_tiled_mlp`` and ms-swift's
 ``--use_tiled_mlp true`` work; a dict (a YAML/JSON training config) may spell it as a bool or a string.
@@ -58,6 +59,9 @@ def add_tiled_mlp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "bare or with true/false, 1/0, yes/no, on/off (default: off)")
     group.add_argument("--tiled_mlp_num_shards", type=num_shards_arg, default="auto",
                        help="shards per MLP call: an integer, or 'auto' (sized from the sequence length)")
+    group.add_argument("--use_tiled_loss", type=_bool_arg, nargs="?", const=True, default=False, metavar="BOOL",
+                       help="compute a causal LM's loss (LM head + cross-entropy) in token shards, never holding "
+                            "the logits; with labels the model returns no logits (default: off)")
     return parser
 
 
@@ -65,6 +69,7 @@ def add_tiled_mlp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 class TiledMLPFlags:
     use_tiled_mlp: bool = False
     num_shards: NumShards = "auto"
+    use_tiled_loss: bool = False
 
 
 def read_tiled_mlp_flags(source: Union[argparse.Namespace, Mapping[str, Any], None]) -> TiledMLPFlags:
@@ -84,5 +89,7 @@ def read_tiled_mlp_flags(source: Union[argparse.Namespace, Mapping[str, Any], No
         num_shards = "auto" if num_shards is None else parse_num_shards(num_shards)
     except (ValueError, TypeError) as error:
         raise ValueError(f"tiled_mlp_num_shards: {error}") from None
-    return TiledMLPFlags(use, num_shards)
+    use_loss = values.get("use_tiled_loss")
+    use_loss = False if use_loss is None else parse_bool(use_loss, "use_tiled_loss")
+    return TiledMLPFlags(use, num_shards, use_loss)
 

@@ -26,6 +26,7 @@ from tiled_core.shard_plan import NumShards
 from tiled_core.tiling_state import TilingState
 
 from .args import TiledMLPFlags, read_tiled_mlp_flags
+from .causal_lm_loss import check_tiled_loss, install_tiled_loss, remove_tiled_loss
 from .matching import Patterns, find_tiled, scan
 from .moe import TiledExperts
 from .report import TiledBlock, TilingReport, expected_path
@@ -45,8 +46,13 @@ def apply_tiled_mlp(
     include: Patterns = None,
     exclude: Patterns = None,
     grad_accum_dtype=None,
+    loss: bool = False,
+    loss_num_shards: NumShards = "auto",
 ) -> TilingReport:
     """Tile the MLP blocks of ``model`` in place; returns (and logs) what was tiled and skipped.
+
+    ``loss=True`` also puts the tiled loss on the causal LM's loss path (``apply_tiled_loss``), with
+    ``loss_num_shards`` shards per loss call: checked before any block is tiled.
 
     ``include``/``exclude`` are glob patterns on qualified module names (``"model.layers.*.mlp"``);
     ``include`` may also name a custom token-wise block that no structural rule recognises. Blocks that
@@ -54,6 +60,8 @@ def apply_tiled_mlp(
     and checked before any is installed: an error (an unsupported backend, ``path="fast"`` on a block
     that cannot take it) leaves the model unchanged.
     """
+    if loss:
+        check_tiled_loss(model)  # refused before any block is tiled
     found = scan(model, include, exclude)
     staged = []
     problems = []
@@ -86,6 +94,8 @@ def apply_tiled_mlp(
             installed.append(tiled)
             report.patched.append(TiledBlock(candidate.name, type(candidate.module).__name__, candidate.kind, tiled,
                                              expected_path(tiled)))
+        if loss:
+            report.tiled_loss = type(install_tiled_loss(model, loss_num_shards, grad_accum_dtype)).__name__
     except BaseException:
         for tiled in installed:  # an error leaves the model as it was
             untile(tiled)
@@ -93,24 +103,37 @@ def apply_tiled_mlp(
     for old in found.already_tiled:
         report.already_tiled.append(TiledBlock(old.name, type(old.module).__name__, "tiled", old.module,
                                                expected_path(old.module)))
-    if not report.blocks:
+    if not report.blocks and not loss:
         logger.warning("tiled-mlp found no MLP block to tile in %s", type(model).__name__)
+    logger.info("%s", report)
+    return report
+
+
+def apply_tiled_loss(model: nn.Module, num_shards: NumShards = "auto", grad_accum_dtype=None) -> TilingReport:
+    """Only the tiled loss (no MLP block tiled): the causal LM in ``model`` computes its loss without
+    holding the logits. Reversible with ``remove_tiled_loss`` (or ``remove_tiled_mlp``)."""
+    causal_lm = install_tiled_loss(model, num_shards, grad_accum_dtype)
+    report = TilingReport(tiled_loss=type(causal_lm).__name__)
     logger.info("%s", report)
     return report
 
 
 def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[TilingReport]:
     """``apply_tiled_mlp(model, num_shards=...)`` when ``--use_tiled_mlp`` is set (parsed arguments or a
-    dict from a training config), else None."""
+    dict from a training config), with the tiled loss when ``--use_tiled_loss`` is set; the tiled loss
+    alone when only that is; else None."""
     flags = read_tiled_mlp_flags(source)
-    if not flags.use_tiled_mlp:
-        return None
-    return apply_tiled_mlp(model, num_shards=flags.num_shards, **kwargs)
+    if flags.use_tiled_mlp:
+        return apply_tiled_mlp(model, num_shards=flags.num_shards, loss=flags.use_tiled_loss, **kwargs)
+    if flags.use_tiled_loss:
+        return apply_tiled_loss(model, grad_accum_dtype=kwargs.get("grad_accum_dtype"))
+    return None
 
 
 def remove_tiled_mlp(model: nn.Module) -> List[str]:
-    """Untile every tiled block in place (the same module objects, their original classes); returns
-    the qualified names."""
+    """Untile every tiled block in place (the same module objects, their original classes) and remove
+    the tiled loss if it was put on; returns the qualified names of the blocks."""
+    remove_tiled_loss(model)
     restored = []
     for name, _parent, _attr, tiled in find_tiled(model):
         if isinstance(tiled, TiledMLP):  # a block shared by two parents is found twice, untiled once

@@ -37,6 +37,8 @@ class TilingReport:
     patched: List[TiledBlock] = field(default_factory=list)
     already_tiled: List[TiledBlock] = field(default_factory=list)
     skipped: List[Tuple[str, str]] = field(default_factory=list)
+    # The causal LM whose loss now runs through the tiled loss (``loss=True``), by class name; "" if none.
+    tiled_loss: str = ""
 
     @property
     def blocks(self) -> List[TiledBlock]:
@@ -56,4 +58,6 @@ class TilingReport:
             lines.append(f"  kept    {block.name} ({block.mlp_class}): already tiled")
         for name, why in self.skipped:
             lines.append(f"  skipped {name}: {why}")
+        if self.tiled_loss:
+            lines.append(f"  loss    {self.tiled_loss}: tiled LM head + cross-entropy (no logits returned with labels)")
         return "\n".join(lines)
