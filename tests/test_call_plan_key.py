@@ -144,10 +144,29 @@ def test_pass_through_reuses_the_last_sizes_and_a_long_call_still_tiles():
     short = torch.randn(1, 8, 64)
     tiled(short)
     assert tiled.tiling.last_path == "untiled"
-    plan = tiled.tiling.call_plan
+    sizes = tiled.tiling.call_sizes
+    assert tiled.tiling.call_plan is None  # a pass-through keeps the sizes only (nothing that holds a tensor)
     tiled(short)
-    assert tiled.tiling.last_path == "untiled" and tiled.tiling.call_plan is plan
+    assert tiled.tiling.last_path == "untiled" and tiled.tiling.call_sizes is sizes
     long = torch.randn(1, 8192, 64, requires_grad=True)
     out = tiled(long)
     assert tiled.tiling.last_path == "fast" and tiled.tiling.last_num_shards > 1
     out.sum().backward()
+
+
+def test_replaced_parameters_are_not_kept_alive_by_short_calls():
+    """load_state_dict(assign=True) replaces the parameter objects; a module that then only runs short
+    (passed-through) calls must not keep the old ones alive through its cached plan."""
+    import gc
+    import weakref
+
+    mlp = seeded(GatedMLP, 8, 64, 1024, "silu", dtype=torch.float32)
+    tiled = TiledMLP(mlp)
+    tiled(torch.randn(1, 8192, 64))  # a tiled call: a full plan is cached
+    assert tiled.tiling.last_path == "fast" and tiled.tiling.call_plan is not None
+    old = [weakref.ref(p) for p in tiled.parameters()]
+    tiled.load_state_dict({k: v.clone() for k, v in tiled.state_dict().items()}, assign=True)
+    tiled(torch.randn(1, 8, 64))
+    assert tiled.tiling.last_path == "untiled"
+    gc.collect()
+    assert all(ref() is None for ref in old)

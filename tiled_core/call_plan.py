@@ -8,7 +8,8 @@ strategy itself is resolved at every call (a model is usually wrapped by its bac
 tiled, and a warm-up forward must not pin the single-device fallback); without a process group that
 costs a few attribute reads.
 
-Short calls pass through (run the module untiled) before any walk: whether a call is too short to
+Short calls pass through (run the module untiled) before any walk (and drop the plan, keeping only its
+sizes, ``PlanSizes``): whether a call is too short to
 tile is a memory heuristic (``auto_shards``), never a question of the result, which is the module's
 own forward either way. It is answered from the sizes the last plan read, while a shallow key (the
 strategy's type, the input's dtype and device, the module's own parameters and children by identity)
@@ -49,6 +50,24 @@ class CallPlan:
     def generic(self) -> bool:
         """Whether the fast kernel was ruled out (the auto policy's generic rule applies)."""
         return self.fast is not None and self.fast[0] is None
+
+    def sizes(self) -> PlanSizes:
+        return PlanSizes(self.shallow, self.intermediate, self.param_bytes,
+                         sum(p.numel() * p.element_size() for p in self.trainable), self.generic)
+
+
+@dataclass(frozen=True)
+class PlanSizes:
+    """What the auto policy reads of a plan: numbers and ids only. A call that passes through keeps
+    these and drops the plan itself, so that no parameter the module has since replaced
+    (``load_state_dict(..., assign=True)``) is kept alive by the cache of a module that only runs short
+    calls; the next tiled call walks the module again."""
+
+    shallow: tuple
+    intermediate: Optional[int]
+    param_bytes: int
+    trainable_bytes: int
+    generic: bool
 
 
 def shallow_key(module: nn.Module, strategy: Any, x: torch.Tensor) -> tuple:

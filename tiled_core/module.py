@@ -32,7 +32,7 @@ from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
 
 from .activations import gated_activation
 from .auto_shards import AutoDecision, MLPSize, auto_decision, intermediate_size
-from .call_plan import CallPlan, current_key, shallow_key
+from .call_plan import CallPlan, PlanSizes, current_key, shallow_key
 from .fast_path import FUSED_EXPERTS, decide_fast_path, structural_decision
 from .gated_forms import check_attributes, torch_functions_intact
 from .gated_spec import foreign_child_hooks, no_hook_is_backend
@@ -266,14 +266,16 @@ class TiledMLP(nn.Module):
 
         def untiled_call(reason: str) -> Optional[torch.Tensor]:
             """Nothing to split, or too short for tiling to lower the peak: the plain module, where the
-            backend allows it (the same collectives as a tiled call)."""
+            backend allows it (the same collectives as a tiled call). Only the plan's sizes are kept."""
             if not strategy.allows_untiled_call(self):
                 return None
             state.last_path, state.last_num_shards, state.last_reason = "untiled", 1, reason
+            if state.call_plan is not None:
+                state.call_sizes, state.call_plan = state.call_plan.sizes(), None
             return shard_forward(x)
 
         # Too short to tile, by the last plan's sizes: no walk of the module (``call_plan.py``).
-        last = state.call_plan
+        last = state.call_sizes
         if last is not None and last.shallow == shallow_key(self, strategy, x):
             decision = self._tiled_shards(last, x, num_tokens, generic=last.generic)
             if decision.num_shards is None:
@@ -284,7 +286,7 @@ class TiledMLP(nn.Module):
 
         # Too short to pay even on the fast path (the generic path only needs more): decided before the
         # path is.
-        decision = self._tiled_shards(plan, x, num_tokens, generic=False)
+        decision = self._tiled_shards(plan.sizes(), x, num_tokens, generic=False)
         if num_tokens == 0 or decision.num_shards is None:
             out = untiled_call(decision.reason if num_tokens else "untiled: no tokens")
             if out is not None:
@@ -292,7 +294,7 @@ class TiledMLP(nn.Module):
         with strategy.gathered(self):
             kernel = self._tiled_kernel(strategy, plan, shard_forward, x)
             if isinstance(kernel, GenericShardKernel) and decision.num_shards is not None:
-                decision = self._tiled_shards(plan, x, num_tokens, generic=True)
+                decision = self._tiled_shards(plan.sizes(), x, num_tokens, generic=True)
                 if decision.num_shards is None:
                     out = untiled_call(decision.reason)
                     if out is not None:
@@ -319,18 +321,19 @@ class TiledMLP(nn.Module):
             )
             with _buffers_kept(self, plan.named_buffers):
                 out = sharded_apply(x, run)
+        state.call_sizes = plan.sizes()
         state.last_path = "generic" if isinstance(kernel, GenericShardKernel) else "fast"
         state.last_num_shards = shard_plan.num_shards
         state.last_reason = reason
         return out
 
-    def _tiled_shards(self, plan: CallPlan, x: torch.Tensor, num_tokens: int, generic: bool) -> AutoDecision:
+    def _tiled_shards(self, sizes: PlanSizes, x: torch.Tensor, num_tokens: int, generic: bool) -> AutoDecision:
         """The configured count, or the auto policy's (``num_shards`` None: run untiled), and why."""
         num_shards = self.tiling.num_shards
         if isinstance(num_shards, int):
             return AutoDecision(num_shards, f"tiled: num_shards={num_shards} as configured")
-        trainable_bytes = sum(p.numel() * p.element_size() for p in plan.trainable) if generic else None
-        size = MLPSize(x.shape[-1], plan.intermediate, plan.param_bytes, x.element_size(), trainable_bytes)
+        trainable_bytes = sizes.trainable_bytes if generic else None
+        size = MLPSize(x.shape[-1], sizes.intermediate, sizes.param_bytes, x.element_size(), trainable_bytes)
         return auto_decision(num_tokens, size)
 
     def _tiled_plan(self, strategy: Strategy, x: torch.Tensor) -> CallPlan:

@@ -67,6 +67,8 @@ class TilingState:
     instance_forward: Optional[Any] = field(default=None, repr=False)
     # What the last call decided before touching a tensor, and what that rests on (``call_plan.py``).
     call_plan: Optional[Any] = field(default=None, repr=False, compare=False)
+    # The sizes the last plan read (``call_plan.PlanSizes``): all a pass-through decision needs.
+    call_sizes: Optional[Any] = field(default=None, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # ``mlp.tiling.path = "bogus"`` is refused, not run as if it were another path.
@@ -88,6 +90,7 @@ class TilingState:
         state = dict(self.__dict__)
         state["ancestor_refs"] = ()
         state["call_plan"] = None
+        state["call_sizes"] = None
         state["forward_strategy"] = None
         state["shard_depth"] = 0
         return state
