@@ -255,10 +255,15 @@ class TiledMLP(nn.Module):
         """The original class's forward function, looked up now (a forward patched on the class counts)."""
         return type(self)._tiled_base.forward  # type: ignore[union-attr]
 
-    def _tiled_call(self, x: torch.Tensor, shard_forward: Callable, check_hidden: bool) -> torch.Tensor:
+    def _tiled_call(self, x: torch.Tensor, shard_forward: Callable, check_hidden: bool,
+                    riders: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """The tiled call of ``shard_forward`` over ``x``; ``riders`` are other token-wise inputs of any
+        dtype (``[..., tokens, ...]``, the leading dims of ``x``), sliced like it and passed after it to
+        each shard (the generic kernel only)."""
         state: TilingState = self.tiling
         check_num_shards(state.num_shards)
         check_input(x, self if check_hidden else None)
+        flat_riders = _flat_riders(x, riders)
         strategy = self._tiled_strategy()
         strategy.check_supported(self)
         state.last_strategy = strategy
@@ -272,7 +277,7 @@ class TiledMLP(nn.Module):
             state.last_path, state.last_num_shards, state.last_reason = "untiled", 1, reason
             if state.call_plan is not None:
                 state.call_sizes, state.call_plan = state.call_plan.sizes(), None
-            return shard_forward(x)
+            return shard_forward(x, *riders)
 
         # Too short to tile, by the last plan's sizes: no walk of the module (``call_plan.py``).
         last = state.call_sizes
@@ -292,7 +297,7 @@ class TiledMLP(nn.Module):
             if out is not None:
                 return out
         with strategy.gathered(self):
-            kernel = self._tiled_kernel(strategy, plan, shard_forward, x)
+            kernel = self._tiled_kernel(strategy, plan, shard_forward, x, flat_riders)
             if isinstance(kernel, GenericShardKernel) and decision.num_shards is not None:
                 decision = self._tiled_shards(plan.sizes(), x, num_tokens, generic=True)
                 if decision.num_shards is None:
@@ -348,13 +353,15 @@ class TiledMLP(nn.Module):
             state.call_plan = plan
         return plan
 
-    def _tiled_kernel(self, strategy: Strategy, plan: CallPlan, shard_forward: Callable, x: torch.Tensor):
+    def _tiled_kernel(self, strategy: Strategy, plan: CallPlan, shard_forward: Callable, x: torch.Tensor,
+                      riders: Sequence[torch.Tensor] = ()):
         state: TilingState = self.tiling
         if plan.fast is None or _fast_decision_stale(self, plan):
             plan.fast = self._tiled_fast_spec(strategy, x)
             plan.fast_kernel = None
         spec, why_not = plan.fast
         if spec is not None:
+            assert not riders, "the gated fast kernel takes no other sharded input"
             if plan.fast_kernel is None:  # stateless: one per plan
                 plan.fast_kernel = GatedShardKernel(spec, gated_activation(spec.activation, x.device, state.use_liger),
                                                     type(self).__name__)
@@ -366,7 +373,7 @@ class TiledMLP(nn.Module):
             plan.generic_layout = generic_layout(self, plan.trainable, hooks())
         prefix = (1,) * (x.dim() - 2)
         return GenericShardKernel(shard_forward, type(self).__name__, plan.trainable, prefix, plan.generic_layout, hooks,
-                                  grad_mode=torch.is_grad_enabled())
+                                  grad_mode=torch.is_grad_enabled(), riders=riders)
 
     def _tiled_fast_spec(self, strategy: Strategy, x: torch.Tensor):
         """(the gated spec, "") when the fast kernel provably computes this call, else (None, why not)."""
@@ -404,6 +411,18 @@ class FastPathRefused(ValueError):
 
 def _fast_refused(module: nn.Module, why_not: str) -> FastPathRefused:
     return FastPathRefused(f"path='fast' cannot apply to {type(module).__name__}: {why_not}; use path='auto'")
+
+
+def _flat_riders(x: torch.Tensor, riders: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each rider as ``[tokens, ...]`` (a view where its layout allows), checked against ``x``'s tokens."""
+    lead = x.shape[:-1]
+    flat = []
+    for rider in riders:
+        if tuple(rider.shape[:len(lead)]) != tuple(lead):
+            raise ValueError(f"a sharded input of shape {tuple(rider.shape)} does not share the leading (token) dims "
+                             f"{tuple(lead)} of the hidden states {tuple(x.shape)}")
+        flat.append(rider.reshape(-1, *rider.shape[len(lead):]))
+    return flat
 
 
 def _membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor]) -> List[bool]:

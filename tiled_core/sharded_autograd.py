@@ -131,7 +131,7 @@ class ShardedMLPFunction(torch.autograd.Function):
             rng_states.append(capture_rng_state(x.device) if run.replay_rng else None)
             reads = _watch(first.watched)
             with _maybe(reads):
-                run.kernel.forward_shard(x_flat[shard], out_flat[shard], tensors)
+                run.kernel.forward_shard(x_flat[shard], out_flat[shard], tensors, shard)
             if reads is not None:
                 if reads.foreign:
                     raise RuntimeError(LATE_TENSOR_ERROR.format(shard=index, tensors=describe(reads.foreign_tensors())))
@@ -177,7 +177,7 @@ class ShardedMLPFunction(torch.autograd.Function):
             for shard, rng_state in zip(run.plan.slices(), ctx.rng_states, strict=True):
                 with _maybe(replay_rng_state(x.device, rng_state) if rng_state is not None else None):
                     run.kernel.backward_shard(
-                        x_flat[shard], dy_flat[shard], None if dx_flat is None else dx_flat[shard], grads, tensors
+                        x_flat[shard], dy_flat[shard], None if dx_flat is None else dx_flat[shard], grads, tensors, shard
                     )
             tensor_grads = delivered_grads(run, grads, tensors, num_params)  # inside the gathered region
         dx = None if dx_flat is None else dx_flat.view_as(x)
@@ -209,7 +209,7 @@ def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor
     # gradient become inputs of the Function, the others are held to what the backward recompute reads.
     reads = _watch([x_root, x_flat, *params, *run.kernel.owned_params] if watch else None, grad_only=False)
     with torch.no_grad(), _maybe(reads):
-        first_out = run.kernel.forward_shard(x_flat[first_slice], None, params)
+        first_out = run.kernel.forward_shard(x_flat[first_slice], None, params, first_slice)
     others = []
     if reads is not None:
         _check_nothing_kept(reads, expected=[first_out])

@@ -29,8 +29,10 @@ class ShardKernel(Protocol):
     module_name: str
 
     def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
-                      tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Compute the shard's output, with no graph kept, into ``out_shard`` when one is given."""
+                      tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> torch.Tensor:
+        """Compute the shard's output, with no graph kept, into ``out_shard`` when one is given.
+        ``shard``: which tokens of the call ``x_shard`` holds (a kernel with other sharded inputs, the
+        generic kernel's ``riders``, slices them the same way)."""
 
     def remember_reads(self, tensors: Sequence[torch.Tensor]) -> None:
         """The tensors without a gradient that the forward read (called only where
@@ -46,6 +48,7 @@ class ShardKernel(Protocol):
         grad_in_shard: Optional[torch.Tensor],
         grads: GradAccumulator,
         tensors: Sequence[torch.Tensor],
+        shard: Optional[slice] = None,
     ) -> None:
         """Recompute what the shard needs, write its input gradient into ``grad_in_shard`` (when
         given) and add the gradients of ``tensors`` to ``grads``."""

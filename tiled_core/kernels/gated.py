@@ -82,7 +82,7 @@ class GatedShardKernel:
 
     # -- kernel interface -------------------------------------------------------------------------
     def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
-                      tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+                      tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> torch.Tensor:
         g, u, _ = self._gate_up(x_shard, tensors)
         h = self.activation.forward_mul(g, u)
         del g, u
@@ -102,6 +102,7 @@ class GatedShardKernel:
         grad_in_shard: Optional[torch.Tensor],
         grads: GradAccumulator,
         tensors: Sequence[torch.Tensor],
+        shard: Optional[slice] = None,  # no other sharded input: the MLP's only input is x
     ) -> None:
         dy = grad_out_shard * self._down_scale if self._down_scale != 1.0 else grad_out_shard
         g, u, gu = self._gate_up(x_shard, tensors)

@@ -77,8 +77,14 @@ class GenericShardKernel:
     may_read_other_tensors = True
 
     def __init__(self, forward_fn: Callable, module_name: str, params: List[torch.Tensor], shard_prefix: tuple,
-                 layout: GenericLayout, current_hooks: Callable[[], List[str]], grad_mode: bool = True):
+                 layout: GenericLayout, current_hooks: Callable[[], List[str]], grad_mode: bool = True,
+                 riders: Sequence[torch.Tensor] = ()):
         self.forward_fn = forward_fn
+        # Other sharded inputs, any dtype (a MoE block's expert indices and routing weights), each
+        # ``[tokens, ...]``: sliced like x and passed after it. Read from outside the shard, they are found
+        # by the sharded Function as any other tensor the forward reads: one that needs a gradient
+        # becomes an input of the Function (its gradient flows back), the others are held unchanged.
+        self.riders = tuple(riders)
         # The forward shards run in the caller's grad mode, as the module would untiled: a forward that
         # branches on ``torch.is_grad_enabled()`` must compute in the forward what its recompute does.
         self.grad_mode = grad_mode
@@ -93,8 +99,12 @@ class GenericShardKernel:
         self.shard_prefix = shard_prefix
         self._reads_checked = False
 
-    def _run(self, x_shard: torch.Tensor) -> torch.Tensor:
-        y = self.forward_fn(x_shard.view(*self.shard_prefix, *x_shard.shape))
+    def _run(self, x_shard: torch.Tensor, shard: Optional[slice]) -> torch.Tensor:
+        riders = ()
+        if self.riders:
+            assert shard is not None, "a kernel with riders needs each shard's token slice"
+            riders = tuple(r[shard].view(*self.shard_prefix, -1, *r.shape[1:]) for r in self.riders)
+        y = self.forward_fn(x_shard.view(*self.shard_prefix, *x_shard.shape), *riders)
         if not isinstance(y, torch.Tensor):
             raise TypeError(
                 f"TiledMLP's generic path needs a module that returns one tensor, got {type(y).__name__}; "
@@ -108,13 +118,13 @@ class GenericShardKernel:
         return y.reshape(x_shard.shape[0], y.shape[-1])
 
     def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
-                      tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+                      tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> torch.Tensor:
         # With grad mode on, the shard builds a graph that dies with ``y`` when this returns: one shard's
         # activations at a time, as in the backward recompute. Its saved tensors stay its own: an outer
         # saved-tensor hook must not see them (a non-reentrant checkpoint would count them and lose its
         # early stop before the shard loop; an offload hook would copy them for nothing).
         with torch.set_grad_enabled(self.grad_mode), _kept_as_they_are():
-            y = self._run(x_shard)
+            y = self._run(x_shard, shard)
         y = y.detach()
         if out_shard is None:
             return y
@@ -154,11 +164,12 @@ class GenericShardKernel:
         grad_in_shard: Optional[torch.Tensor],
         grads: GradAccumulator,
         tensors: Sequence[torch.Tensor],
+        shard: Optional[slice] = None,
     ) -> None:
         wanted = [i for i, need in enumerate(grads.needed) if need]
         with torch.enable_grad():
             x_leaf = x_shard.detach().requires_grad_(grad_in_shard is not None)
-            y = self._recompute(x_leaf, tensors)
+            y = self._recompute(x_leaf, tensors, shard)
         inputs = ([x_leaf] if grad_in_shard is not None else []) + [tensors[i] for i in wanted]
         if not inputs or not y.requires_grad:
             if grad_in_shard is not None:
@@ -174,16 +185,16 @@ class GenericShardKernel:
         for index, grad in zip(wanted, shard_grads, strict=True):
             grads.add(index, grad)
 
-    def _recompute(self, x_leaf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _recompute(self, x_leaf: torch.Tensor, tensors: Sequence[torch.Tensor], shard: Optional[slice]) -> torch.Tensor:
         if self._reads_checked:
-            return self._run(x_leaf)
+            return self._run(x_leaf, shard)
         # Once per call: the recompute must read no tensor needing a gradient that the forward did not
         # read (those are the Function's inputs; autograd.grad would silently skip it), and the same
         # tensors without one as the forward, unchanged (else it computes with other values).
         reads = TensorReads(known=[x_leaf, *tensors, *self.owned_params], made_since=next_sequence_nr(),
                             grad_only=False, watch_kept=True)
         with reads:
-            y = self._run(x_leaf)
+            y = self._run(x_leaf, shard)
         self._reads_checked = True
         foreign = reads.foreign_tensors()
         needing = [t for t in foreign if t.requires_grad]
