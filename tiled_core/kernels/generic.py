@@ -100,7 +100,7 @@ class GenericShardKernel:
         self._reads_checked = False
 
     def _run(self, x_shard: torch.Tensor, shard: Optional[slice]) -> torch.Tensor:
-        riders = ()
+        riders: Tuple[torch.Tensor, ...] = ()
         if self.riders:
             assert shard is not None, "a kernel with riders needs each shard's token slice"
             riders = tuple(r[shard].view(*self.shard_prefix, -1, *r.shape[1:]) for r in self.riders)
