@@ -6,11 +6,14 @@ is Liger-Kernel's Triton activation (``activations.py``), a kernel library, not 
 lazily, on CUDA, only when it is installed.
 """
 from .gated_forms import GatedForm, register_gated_mlp, unregister_gated_mlp
-from .module import TiledMLP, untile
+from .module import FastPathRefused, TiledMLP, fast_path_problem, install_tiling, prepare_tiling, untile
 from .shard_plan import ShardPlan, make_shard_plan
 from .sharded_autograd import ShardedMLPFunction, ShardedRun, sharded_apply
 from .sharded_reduce import ShardedReduceFunction, sharded_reduce
 from .tiled_loss import TiledCrossEntropy, tiled_cross_entropy
+from .tiling_state import TilingState
 
-__all__ = ["TiledMLP", "untile", "GatedForm", "register_gated_mlp", "unregister_gated_mlp", "ShardPlan", "make_shard_plan", "ShardedMLPFunction", "ShardedRun", "sharded_apply",
+# Tiling in place in two steps (every check, then the change), for callers that tile many blocks at
+# once and roll back together (``apply_tiled_mlp``): ``prepare_tiling``, ``install_tiling``, ``TilingState``.
+__all__ = ["TiledMLP", "untile", "prepare_tiling", "install_tiling", "TilingState", "FastPathRefused", "fast_path_problem", "GatedForm", "register_gated_mlp", "unregister_gated_mlp", "ShardPlan", "make_shard_plan", "ShardedMLPFunction", "ShardedRun", "sharded_apply",
            "ShardedReduceFunction", "sharded_reduce", "tiled_cross_entropy", "TiledCrossEntropy"]

@@ -31,8 +31,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from tiled_core import tiled_cross_entropy
 from tiled_core.shard_plan import NumShards
-from tiled_core.tiled_loss import tiled_cross_entropy
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,8 @@ from typing import Any, List, Optional
 from torch import nn
 
 from strategies.resolver import StrategyArg
-from tiled_core.module import FastPathRefused, TiledMLP, install_tiling, prepare_tiling, untile
+from tiled_core import FastPathRefused, TiledMLP, TilingState, install_tiling, prepare_tiling, untile
 from tiled_core.shard_plan import NumShards
-from tiled_core.tiling_state import TilingState
 
 from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .causal_lm_loss import check_tiled_loss, install_tiled_loss, remove_tiled_loss

@@ -20,7 +20,7 @@ import inspect
 import torch
 from torch import nn
 
-from tiled_core.module import TiledMLP
+from tiled_core import TiledMLP
 
 FUSED_EXPERTS_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 
