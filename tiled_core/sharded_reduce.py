@@ -22,12 +22,16 @@ from typing import Optional, Sequence
 
 import torch
 
-from .checks import DOUBLE_BACKWARD_ERROR
 from .grad_accum import GradAccumulator
 from .grad_delivery import delivered_grads, needed_grads
 from .kernels.base import ReduceKernel
 from .sharded_autograd import ShardedRun
 
+LOSS_DOUBLE_BACKWARD_ERROR = (
+    "the tiled loss does not support double backward: a backward with create_graph=True reached it (a Hessian, "
+    "a gradient penalty). Its gradients were formed in forward without a graph, so every second-order term "
+    "through it would be zero. Compute this loss untiled for second-order gradients (remove_tiled_loss(model))."
+)
 SECOND_BACKWARD_ERROR = (
     "tiled loss: backward was run a second time through the same call (retain_graph=True). Its gradients were "
     "formed in forward and handed over by the first backward; compute the loss again for another backward."
@@ -60,13 +64,15 @@ class ShardedReduceFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         if torch.is_grad_enabled():
-            raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+            raise RuntimeError(LOSS_DOUBLE_BACKWARD_ERROR)
         if ctx.param_grads is None:
             raise RuntimeError(SECOND_BACKWARD_ERROR)
         # Handed over to autograd: no second reference keeps them alive after this backward.
         dx, param_grads = ctx.dx, ctx.param_grads
         ctx.dx = ctx.param_grads = None
-        scaled = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in (dx, *param_grads)]
+        # A 0-dim factor: the product is taken at the wider precision and rounded once (a bf16 gradient
+        # is not multiplied by a bf16-rounded ``1 / N``).
+        scaled = [None if g is None else g.mul_(grad_loss) for g in (dx, *param_grads)]
         return (scaled[0], None, None, None, None, *scaled[1:])
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
 
 from .kernels.base import ReduceKernel
-from .kernels.cross_entropy import CrossEntropyOptions
+from .kernels.cross_entropy import CrossEntropyOptions, check_targets
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear, loss_dtype
 from .loss_shards import loss_num_shards
 from .shard_plan import AUTO, NumShards, make_shard_plan
@@ -75,7 +75,7 @@ def tiled_cross_entropy(
     Returns: a 0-dim tensor in float32 (float64 for a float64 head). Every gradient, the head's included,
     is scaled by the gradient that reaches it.
     """
-    options = CrossEntropyOptions(ignore_index, float(label_smoothing), _softcap(logit_softcap), float(z_loss))
+    options = CrossEntropyOptions(ignore_index, float(label_smoothing), logit_softcap, float(z_loss))
     targets = _shifted_targets(hidden, labels, shift_labels, ignore_index)
     _check_call(hidden, lm_head, targets, options, reduction)
     fixed = strategy_from_arg(strategy)
@@ -94,7 +94,9 @@ def tiled_cross_entropy(
             mask = None
         params = kernel.params
         dtype = loss_dtype(params[0].dtype if params else hidden.dtype)
-        _check_targets(targets, _vocab_size(lm_head), ignore_index)
+        vocab = _vocab_size(lm_head)
+        if vocab is not None:  # else the module kernel checks each shard once its logits show the vocabulary
+            check_targets(targets, vocab, ignore_index)
         scale = _scale(targets, reduction, num_items_in_batch, ignore_index, dtype)
         run: ShardedRun[ReduceKernel] = ShardedRun(
             kernel=kernel,
@@ -115,7 +117,7 @@ class TiledCrossEntropy(nn.Module):
                  logit_softcap: Optional[float] = None, z_loss: float = 0.0, num_shards: NumShards = AUTO,
                  strategy: StrategyArg = "auto", grad_accum_dtype: Optional[torch.dtype] = None):
         super().__init__()
-        CrossEntropyOptions(ignore_index, float(label_smoothing), _softcap(logit_softcap), float(z_loss))
+        CrossEntropyOptions(ignore_index, float(label_smoothing), logit_softcap, float(z_loss))  # validates them
         _check_reduction(reduction)
         loss_num_shards(0, 1, num_shards)  # validates num_shards now
         strategy_from_arg(strategy)
@@ -134,14 +136,6 @@ class TiledCrossEntropy(nn.Module):
 
 
 # -- checks, all made before any work --------------------------------------------------------------------
-def _softcap(value: Optional[float]) -> Optional[float]:
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"logit_softcap must be a number > 0 or None, got {value!r}")
-    return float(value)
-
-
 def _check_reduction(reduction: str) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r} (the tiled loss returns no per-token "
@@ -170,10 +164,6 @@ def _check_call(hidden, lm_head, targets, options: CrossEntropyOptions, reductio
     if not isinstance(lm_head, nn.Module):
         raise TypeError(f"tiled loss: lm_head must be an nn.Module (the output head), got {type(lm_head).__name__}")
     _check_reduction(reduction)
-    if not 0.0 <= options.label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {options.label_smoothing}")
-    if options.z_loss < 0:
-        raise ValueError(f"z_loss must be >= 0, got {options.z_loss}")
     in_features = getattr(lm_head, "in_features", None)
     if isinstance(in_features, int) and hidden.shape[-1] != in_features:
         raise ValueError(f"tiled loss: hidden size {hidden.shape[-1]} does not match {type(lm_head).__name__}'s "
@@ -186,17 +176,6 @@ def _vocab_size(lm_head: nn.Module) -> Optional[int]:
         return out
     weight = getattr(lm_head, "weight", None)
     return weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
-
-
-def _check_targets(targets: torch.Tensor, vocab: Optional[int], ignore_index: int) -> None:
-    """Labels out of range would read a wrong logit (gather) where cross_entropy raises: refuse them."""
-    if vocab is None or targets.numel() == 0:
-        return
-    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
-    if bool(bad.any()):
-        values = sorted(set(targets[bad].tolist()))[:5]
-        raise ValueError(f"tiled loss: labels {values} are outside the vocabulary [0, {vocab}) and are not "
-                         f"ignore_index ({ignore_index})")
 
 
 def _scale(targets: torch.Tensor, reduction: str, num_items_in_batch, ignore_index: int,

@@ -33,6 +33,26 @@ class CrossEntropyOptions:
     logit_softcap: Optional[float] = None
     z_loss: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
+        if not self.z_loss >= 0:
+            raise ValueError(f"z_loss must be >= 0, got {self.z_loss}")
+        cap = self.logit_softcap
+        if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or not cap > 0):
+            raise ValueError(f"logit_softcap must be a number > 0 or None, got {cap!r}")
+
+
+def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Labels out of range would read a wrong logit (``gather``) where cross_entropy raises: refuse them."""
+    if targets.numel() == 0:
+        return
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        values = sorted(set(targets[bad].tolist()))[:5]
+        raise ValueError(f"tiled loss: labels {values} are outside the vocabulary [0, {vocab}) and are not "
+                         f"ignore_index ({ignore_index})")
+
 
 def cross_entropy_shard(logits: torch.Tensor, targets: torch.Tensor, options: CrossEntropyOptions,
                         scale: torch.Tensor, with_grad: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

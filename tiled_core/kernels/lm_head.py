@@ -17,14 +17,14 @@ autograd through ``logits.float()`` does.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..grad_accum import GradAccumulator
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
-from .cross_entropy import CrossEntropyOptions, cross_entropy_shard
+from .cross_entropy import CrossEntropyOptions, check_targets, cross_entropy_shard
 
 HEAD_READ_ERROR = (
     "tiled loss: the head {head} read tensors that require grad besides its parameters ({tensors}); their "
@@ -46,26 +46,48 @@ class LinearHeadKernel:
         self.module_name = type(head).__name__
         self.params: List[torch.Tensor] = [head.weight] if head.bias is None else [head.weight, head.bias]
         self.options = options
+        self._cast: Optional[Tuple[torch.Tensor, ...]] = None  # (the call's tensors, cast once to the compute dtype)
+
+    def _compute_tensors(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Tuple[torch.Tensor, ...]:
+        """The weight (and bias) in the compute dtype: cast once per call, not once per shard."""
+        if self._cast is None or self._cast[0] is not tensors[0]:
+            self._cast = (tensors[0], *(t.to(dtype) for t in tensors))
+        return self._cast[1:]
 
     def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
               grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        weight = tensors[0]
-        bias = tensors[1] if len(tensors) > 1 else None
-        logits = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
-        wide = logits.to(loss_dtype(logits.dtype), copy=True) if logits.dtype != loss_dtype(logits.dtype) else logits
-        del logits
-        with_grad = dx is not None or (grads is not None and any(grads.needed))
-        loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad)
-        if grad is None:
-            return loss
-        grad = grad.to(weight.dtype)
-        if dx is not None:
-            torch.mm(grad, weight, out=dx) if dx.dtype == grad.dtype else dx.copy_(grad @ weight)
-        if grads is not None:
-            grads.add_matmul(0, grad.t(), x)
-            if bias is not None:
-                grads.add_rowsum(1, grad)
+        # Under autocast the head's matmuls run in autocast's dtype, as ``lm_head(hidden)`` would (and its
+        # backward: the logits' gradient in that dtype, the weight's cast back by the accumulator); every
+        # matmul here is then made explicitly in that one dtype, with autocast off.
+        dtype = _compute_dtype(x, tensors[0])
+        weight, *rest = self._compute_tensors(tensors, dtype)
+        bias = rest[0] if rest else None
+        with torch.autocast(x.device.type, enabled=False):
+            x = x.to(dtype)
+            logits = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+            wide = logits.to(loss_dtype(logits.dtype), copy=True) if logits.dtype != loss_dtype(logits.dtype) else logits
+            del logits
+            with_grad = dx is not None or (grads is not None and any(grads.needed))
+            loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad)
+            if grad is None:
+                return loss
+            grad = grad.to(dtype)
+            if dx is not None:
+                torch.mm(grad, weight, out=dx) if dx.dtype == dtype else dx.copy_(grad @ weight)
+            if grads is not None:
+                grads.add_matmul(0, grad.t(), x)
+                if bias is not None:
+                    grads.add_rowsum(1, grad)
         return loss
+
+
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """autocast's dtype where autocast is on for the device and the weight is a float type it casts;
+    else the weight's (an input of another dtype is cast to it, as ``F.linear`` requires they agree)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and weight.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
 
 
 class ModuleHeadKernel:
@@ -97,6 +119,7 @@ class ModuleHeadKernel:
             else:
                 logits = self.head.forward(x_in)
         wide = logits.detach().to(loss_dtype(logits.dtype), copy=True)
+        check_targets(targets, wide.shape[-1], self.options.ignore_index)  # the vocabulary shows only now
         loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad)
         if grad is None:
             return loss
