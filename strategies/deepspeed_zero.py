@@ -132,6 +132,16 @@ def _zero3_gathered(module: nn.Module) -> Iterator[None]:
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
 
     in_backward = torch._C._current_graph_task_id() != -1
+    running = _running_forward_module()
+    if not in_backward and running is not None and running is not module:
+        # ``module`` is read inside another module's forward, not called (a tiled loss reading lm_head
+        # in the model's forward): its parameters become that module's, as ZeRO-3's own parameter getter
+        # does, so its hooks release them after its forward and gather them again before its backward,
+        # where autograd accumulates their gradients into the whole tensors.
+        with _descendant_hooks_suspended(module):
+            _borrow_params(module, running)
+            yield
+        return
     if not in_backward:
         _register_descendant_params_as_external(module)
     params: List[Any] = [p for p in module.parameters() if is_zero3_param(p)]  # with DeepSpeed's ds_* attributes
@@ -144,6 +154,15 @@ def _zero3_gathered(module: nn.Module) -> Iterator[None]:
     # What is still partitioned: only at the first call, before the registration above took effect.
     # Every rank holds the same statuses at the same point, so this all-gather matches across ranks.
     missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if missing and running is None and torch.is_grad_enabled():
+        # Read outside every module's forward: gathered here, released on exit, and gathered by nobody for
+        # the backward, where autograd would accumulate whole gradients into the empty partitions.
+        raise RuntimeError(
+            f"ZeRO-3: the partitioned parameters of {type(module).__name__} are read outside any module's forward "
+            "(a tiled loss called after the model's forward returned?), so ZeRO-3 would not gather them for the "
+            "backward. Compute the loss inside the model's forward: apply_tiled_loss(model) does, or call "
+            "tiled_cross_entropy from your model's forward."
+        )
     if missing and in_backward:
         # Gathering here would release the parameters on exit, before autograd accumulates the
         # gradients the recompute returns, into the full-size buffers it needs.
@@ -153,6 +172,28 @@ def _zero3_gathered(module: nn.Module) -> Iterator[None]:
         )
     with GatheredParameters(missing, modifier_rank=None), _descendant_hooks_suspended(module):
         yield
+
+
+def _running_forward_module():
+    """The module whose forward ZeRO-3 is running now (its own stack of them), or None outside any."""
+    from deepspeed.runtime.zero import parameter_offload
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    return stack[-1] if stack else None
+
+
+def _borrow_params(module: nn.Module, running: nn.Module) -> None:
+    """Gather ``module``'s partitioned parameters as parameters of ``running`` (registered as its
+    external parameters): released by ``running``'s hooks, not on leaving the tiled call."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
+
+    registered = getattr(running, "_external_params", {})
+    params: List[Any] = [p for p in module.parameters() if is_zero3_param(p)]  # with DeepSpeed's ds_* attributes
+    for p in params:
+        if id(p) not in registered:
+            register_external_parameter(running, p)
+        if p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+            p.all_gather()
 
 
 def _register_descendant_params_as_external(module: nn.Module) -> None:

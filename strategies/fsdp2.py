@@ -67,8 +67,12 @@ def params_managed_by_fsdp2(module: nn.Module) -> bool:
     try:
         for state in _fsdp2_states():
             for group in state._fsdp_param_groups:
-                if any(id(fp._module_info.module) in owners for fp in group.fsdp_params):
-                    return True
+                for fp in group.fsdp_params:
+                    info = fp._module_info
+                    # A shared parameter (tied embeddings) is recorded on its first owner, with the
+                    # other owners (lm_head) as ``shared_modules``.
+                    if any(id(m) in owners for m in (info.module, *getattr(info, "shared_modules", ()))):
+                        return True
     except (ImportError, AttributeError):  # FSDP2's internals moved: see the module docstring
         return False
     return False

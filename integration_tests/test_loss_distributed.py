@@ -1,0 +1,238 @@
+"""``tiled_cross_entropy`` under DDP, FSDP2 and DeepSpeed ZeRO 1, 2 and 3: two gloo processes on CPU.
+
+The loss is computed inside a tiny LM's forward (``loss_cases.TinyLM``), tied and untied, with 9 and 23
+tokens on the two ranks, uneven ignore masks, ``num_items_in_batch`` = the global count of valid labels
+(all-reduced), and in one variant a rank with no valid label at all (its loss must be exactly 0, not
+NaN, and the ranks must not hang; the ranks also run 3 and 5 shards there). Each rank back-propagates
+``world * loss``: the backends average gradients over ranks, so the averaged gradient is the global
+loss's (see ``loss_cases``). Two SGD steps per case.
+
+Against a single-process, untiled float64 reference on the same data (every backend runs the float64
+model on CPU), within ``BOUND`` = 1e-12 under DDP and FSDP2, ``ZERO_BOUND`` = 5e-7 under DeepSpeed (its
+optimizers keep float32 master copies, see below) (max |diff| / max |reference| per tensor):
+- the loss: the sum over ranks of each rank's loss, every step;
+- every parameter's full gradient after the backend's reduction (the head's, the embedding's, tied or
+  not, the MLP's and the norm's), every step, on both ranks;
+- every parameter after every SGD step.
+Also: each forward made one tiled call over all the rank's tokens in the case's shard count, resolved
+to the backend's strategy; under ZeRO-3 the head's partitioned weight was gathered at most once per
+forward (exactly once when it was partitioned at the call), never per shard. An untiled case per
+backend runs the same harness around the plain loss and is held to the same bound.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Dict, List
+
+import pytest
+import torch
+
+from .loss_cases import DTYPE, STEPS, TOKENS, LossCase, cases_for, global_count, reference_run
+from .spawn import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+# float64 throughout (DDP, FSDP2): the tiled and untiled runs sum the same products in another order
+# (shards, the all-reduce of two ranks), a few float64 ulps (measured worst 8.4e-16).
+BOUND = 1e-12
+# DeepSpeed: the float64 model computes in float64, but ZeRO's optimizers keep float32 master partitions
+# (``.float()``): the full gradients come back in float32 (step 0: within 7.9e-8 of the float64
+# reference, one or two float32 roundings), the SGD steps are taken in float32, and the second step's
+# gradients inherit the first update's float32 rounding. Measured worst 1.3e-7 (a step-1 gradient; the
+# untiled ZeRO-3 run shows the same). A wrong gradient (a shard dropped or delivered twice, a gradient
+# not scaled by the incoming one, a rank's share missing) is off by 1e-2 or more.
+ZERO_BOUND = 5e-7
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="deepspeed is not installed (an optional extra)")
+
+GROUPS = {
+    "ddp": cases_for("ddp"),
+    "fsdp2": cases_for("fsdp2"),
+    "zero1": cases_for("zero1", untiled_harness=False),
+    "zero2": cases_for("zero2", untiled_harness=False),
+    # ZeRO-3 in two runs, tied and untied: one failing case stops its run (an exception in a rank).
+    "zero3-tied": cases_for("zero3", tied=(True,)),
+    "zero3-untied": cases_for("zero3", tied=(False,)),
+}
+# (pytest timeout, run_distributed timeout) in seconds. Measured on 2 busy cores: DDP/FSDP2 runs 10-35 s,
+# DeepSpeed runs 25-45 s (import, one engine per case; its shared-memory op is built once per test run,
+# ~40 s, in the TORCH_EXTENSIONS_DIR that conftest.py shares).
+TIMEOUTS = {"torch": (180, 150), "deepspeed": (300, 240)}
+
+
+def _rel(want: torch.Tensor, have: torch.Tensor) -> float:
+    if want.shape != have.shape:
+        return float("inf")
+    return float((have - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def result_dtype(case: LossCase) -> torch.dtype:
+    """DeepSpeed's ZeRO optimizers keep fp32 master partitions whatever the model's dtype: the full
+    gradients and parameters they hand back are float32 (the float64 model computes and reduces in
+    float64, then the gradient is rounded to float32 and the step is taken in float32)."""
+    return torch.float32 if case.zero_stage else DTYPE
+
+
+def bound(case: LossCase, what: str, step: int) -> float:
+    if case.zero_stage is None or (what == "loss" and step == 0):
+        # float64 end to end; under DeepSpeed the first loss too (float64 forward on the initial
+        # weights, which are float32 values, so DeepSpeed's float32 master copy holds them exactly).
+        return BOUND
+    return ZERO_BOUND
+
+
+def errors(case: LossCase, ref: Dict, ranks: List[Dict]) -> Dict[str, tuple]:
+    """``{what: (relative error, bound)}`` for everything compared."""
+    out = {}
+    for step in range(STEPS):
+        out[f"step {step} loss"] = (_rel(ref["losses"][step], sum(r["losses"][step] for r in ranks)),
+                                    bound(case, "loss", step))
+        for what in ("grads", "params"):
+            for rank, r in enumerate(ranks):
+                want, have = ref[what][step], r[what][step]
+                assert want.keys() == have.keys(), (case.name, what, sorted(want), sorted(have))
+                for name, w in want.items():
+                    assert have[name].dtype == result_dtype(case), (case.name, step, rank, what, name, have[name].dtype)
+                    out[f"step {step} rank {rank} {what[:-1]} {name}"] = (_rel(w, have[name].to(w.dtype)),
+                                                                         bound(case, what, step))
+    return out
+
+
+def check_calls(case: LossCase, rank: int, record: Dict, strategy: bool = True) -> List[str]:
+    """Each forward made exactly one tiled call (none untiled), over all this rank's tokens in the
+    case's shard count, resolved to the backend's strategy (checked where ``strategy``)."""
+    keys = ("strategy", "tokens", "shards") if strategy else ("tokens", "shards")
+    want = [{"strategy": case.expected_strategy, "tokens": TOKENS[rank], "shards": case.shards(rank)}] if case.tiled else []
+    want = [{k: c[k] for k in keys} for c in want]
+    return [f"{case.name}: rank {rank} step {step}: tiled calls {calls}, expected {want}"
+            for step, calls in enumerate(record["calls"]) if [{k: c.get(k) for k in keys} for c in calls] != want]
+
+
+def check_zero3_gathers(case: LossCase, rank: int, record: Dict) -> List[str]:
+    """In forward, the head's weight, partitioned by ZeRO-3, is gathered by one all-gather where it was
+    partitioned when the call entered the strategy's region (none where it was whole): never one per
+    shard. The strategy registers it as a parameter of the module whose forward is running (the model),
+    as ZeRO-3's own parameter getter does, so from the second step that module's hooks gather it before
+    the forward, and again before its backward (at most one all-gather there), where autograd
+    accumulates its whole gradient. No GatheredParameters region is needed."""
+    out = []
+    for step, gathers in enumerate(record["gathers"]):
+        forward, backward = gathers["forward"], gathers["backward"]
+        partitioned = forward["status_at_call"] == ["NOT_AVAILABLE"]
+        want = 1 if partitioned else 0
+        ok = len(forward["status_at_call"]) == 1 and forward["all_gathers"] == want and forward["regions"] <= 1
+        ok = ok and backward["all_gathers"] <= 1 and backward["regions"] <= 1
+        if not ok:
+            out.append(f"{case.name}: rank {rank} step {step}: gathers of the head's weight {gathers}")
+    return out
+
+
+def check_not_vacuous(case: LossCase, ref: Dict) -> None:
+    for step in range(STEPS):
+        assert ref["losses"][step] > 0 and torch.isfinite(ref["losses"][step]), case.name
+        assert all(g.abs().max() > 0 for g in ref["grads"][step].values()), case.name
+    assert case.tied == ("lm_head.weight" not in ref["grads"][0]), case.name  # tied: one parameter
+
+
+def check_group(group: str, results: List[Dict[str, Dict]], strategy: bool = True) -> List[str]:
+    failures, worst = [], []
+    for case in GROUPS[group]:
+        ranks = [per_rank[case.name] for per_rank in results]
+        ref = reference_run(case, WORLD)
+        check_not_vacuous(case, ref)
+        for rank, record in enumerate(ranks):
+            assert record["counts"] == ref["counts"] == [global_count(case, s, WORLD) for s in range(STEPS)]
+            assert all(torch.equal(record["initial"][n], p) for n, p in make_initial(case).items()), case.name
+            failures += check_calls(case, rank, record, strategy)
+            if case.zero_stage == 3 and case.tiled:
+                failures += check_zero3_gathers(case, rank, record)
+        if case.empty_rank:
+            # No valid label on rank 0: its share of the loss is exactly 0 (not NaN), every step.
+            if not all(loss.item() == 0.0 for loss in ranks[0]["losses"]):
+                failures.append(f"{case.name}: the empty rank's losses are {ranks[0]['losses']}, not 0")
+        errs = errors(case, ref, ranks)
+        failures += [f"{case.name}: {what}: relative error {err:.3g} > {limit:g}"
+                     for what, (err, limit) in errs.items() if not err <= limit]
+        worst.append(f"{case.name} {max(err for err, _ in errs.values()):.2e}")
+    print(f"{group}: worst relative error per case: " + ", ".join(worst))
+    if group.startswith("zero3"):
+        for case in GROUPS[group]:
+            print(f"{case.name}: gathers of the head's weight per step, rank 0: {results[0][case.name]['gathers']}")
+    return failures
+
+
+def make_initial(case: LossCase) -> Dict[str, torch.Tensor]:
+    from .loss_cases import make_model
+
+    return {n: p.detach() for n, p in make_model(case.tied).named_parameters()}
+
+
+def run_group(group: str, tmp_path) -> List[Dict[str, Dict]]:
+    from .loss_cases import run_cases
+
+    timeout = TIMEOUTS["deepspeed" if group.startswith("zero") else "torch"][1]
+    return run_distributed(run_cases, WORLD, tmp_path, list(GROUPS[group]), timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_results(tmp_path_factory):
+    return run_group("fsdp2", tmp_path_factory.mktemp("fsdp2-loss"))
+
+
+@pytest.mark.timeout(TIMEOUTS["torch"][0])
+def test_tiled_loss_under_ddp(tmp_path):
+    failures = check_group("ddp", run_group("ddp", tmp_path))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(TIMEOUTS["torch"][0])
+def test_tiled_loss_under_fsdp2(fsdp2_results):
+    """fully_shard(model.layer), then fully_shard(model): the head (and the embedding) in the root's
+    group, the loss computed inside the root's forward. The strategy's name is checked below."""
+    failures = check_group("fsdp2", fsdp2_results, strategy=False)
+    for rank, per_case in enumerate(fsdp2_results):
+        for case in GROUPS["fsdp2"]:
+            message = per_case[case.name]["outside_forward"]
+            # Outside the root unit's forward the head's parameters are sharded DTensors: refused.
+            if not (message is not None and "sharded DTensors" in message and "FSDP2" in message):
+                failures.append(f"{case.name}: rank {rank}: outside the root's forward: {message!r}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(TIMEOUTS["torch"][0])
+def test_the_head_resolves_the_fsdp2_strategy_tied_or_not(fsdp2_results):
+    """The head's parameters are managed by the root's FSDP2 group whether or not the weight is shared
+    with the embedding: the call must resolve the fsdp2 strategy in both cases."""
+    failures = []
+    for case in GROUPS["fsdp2"]:
+        for rank, per_case in enumerate(fsdp2_results):
+            record = per_case[case.name]
+            failures += check_calls(case, rank, record)
+    assert not failures, "\n".join(failures)
+
+
+@needs_deepspeed
+@pytest.mark.timeout(TIMEOUTS["deepspeed"][0])
+@pytest.mark.parametrize("group", ["zero1", "zero2", "zero3-tied", "zero3-untied"])
+def test_tiled_loss_under_deepspeed_zero(group, tmp_path):
+    failures = check_group(group, run_group(group, tmp_path))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(60)
+def test_the_reference_is_hugging_faces_causal_lm_loss():
+    """The float64 reference (``loss_cases.reference_loss``) is ``ForCausalLMLoss`` with
+    ``num_items_in_batch``, up to ForCausalLMLoss's float32 upcast (``logits.float()``)."""
+    transformers_loss = pytest.importorskip("transformers.loss.loss_utils")
+    from .loss_cases import VOCAB, batch, reference_loss
+
+    case = LossCase("reference", "ddp", tied=False)
+    count = global_count(case, 0, WORLD)
+    for rank in range(WORLD):
+        ids, labels = batch(case, 0, rank)
+        logits = torch.randn(*ids.shape, VOCAB, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+        want = transformers_loss.ForCausalLMLoss(logits, labels, VOCAB, num_items_in_batch=torch.tensor(count))
+        have = reference_loss(logits, labels, torch.tensor(count))
+        assert want.dtype == torch.float32 and have.dtype == torch.float64
+        assert abs(have.item() - want.item()) <= 1e-6 * abs(want.item())
