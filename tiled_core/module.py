@@ -22,6 +22,7 @@ import contextlib
 import functools
 import inspect
 import types
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -267,58 +268,27 @@ class TiledMLP(nn.Module):
         strategy = self._tiled_strategy()
         strategy.check_supported(self)
         state.last_strategy = strategy
-        num_tokens = x.numel() // x.shape[-1]
-
-        def untiled_call(reason: str) -> Optional[torch.Tensor]:
-            """Nothing to split, or too short for tiling to lower the peak: the plain module, where the
-            backend allows it (the same collectives as a tiled call). Only the plan's sizes are kept."""
-            if not strategy.allows_untiled_call(self):
-                return None
-            state.last_path, state.last_num_shards, state.last_reason = "untiled", 1, reason
-            if state.call_plan is not None:
-                state.call_sizes, state.call_plan = state.call_plan.sizes(), None
-            return shard_forward(x, *riders)
-
-        # Too short to tile, by the last plan's sizes: no walk of the module (``call_plan.py``).
-        last = state.call_sizes
-        if last is not None and last.shallow == shallow_key(self, strategy, x):
-            decision = self._tiled_shards(last, x, num_tokens, generic=last.generic)
-            if decision.num_shards is None:
-                out = untiled_call(decision.reason)
-                if out is not None:
-                    return out
-        plan = self._tiled_plan(strategy, x)
-
-        # Too short to pay even on the fast path (the generic path only needs more): decided before the
-        # path is.
-        decision = self._tiled_shards(plan.sizes(), x, num_tokens, generic=False)
-        if num_tokens == 0 or decision.num_shards is None:
-            out = untiled_call(decision.reason if num_tokens else "untiled: no tokens")
-            if out is not None:
-                return out
         with strategy.gathered(self):
-            kernel = self._tiled_kernel(strategy, plan, shard_forward, x, flat_riders)
-            if isinstance(kernel, GenericShardKernel) and decision.num_shards is not None:
-                decision = self._tiled_shards(plan.sizes(), x, num_tokens, generic=True)
-                if decision.num_shards is None:
-                    out = untiled_call(decision.reason)
-                    if out is not None:
-                        return out
-            reason = decision.reason
-            num_shards = decision.num_shards
-            if num_tokens == 0 or num_shards is None:
-                num_shards = 1  # the backend needs every rank on the tiled path (same collectives)
-                reason += f"; run as one shard: {strategy.name} needs every rank on the tiled path"
-            if isinstance(kernel, GenericShardKernel):
-                reason += f"; generic path: {plan.fast[1] if plan.fast else 'path=generic'}"
-            shard_plan = make_shard_plan(num_tokens, num_shards)
+            call = self._tiled_decision(strategy, x, shard_forward, flat_riders)
+            if call.kernel is None:
+                # Nothing to split, or too short for tiling to lower the peak: the plain module (only where
+                # the backend allows it: the same collectives as a tiled call). Only the plan's sizes are
+                # kept (``PlanSizes``): no tensor of the module is held by the cache of its short calls.
+                if state.call_plan is not None:
+                    state.call_sizes, state.call_plan = state.call_plan.sizes(), None
+                state.last_path, state.last_num_shards, state.last_reason = "untiled", 1, call.reason
+                return shard_forward(x, *riders)
+            plan, kernel = call.plan, call.kernel
+            assert plan is not None and call.num_shards is not None
+            generic = isinstance(kernel, GenericShardKernel)
+            shard_plan = make_shard_plan(x.numel() // x.shape[-1], call.num_shards)
             run = ShardedRun(
                 kernel=kernel,
                 plan=shard_plan,
                 gathered=lambda: strategy.gathered(self),
                 grad_accum_dtype=state.grad_accum_dtype,
                 # The fast path provably draws no random numbers, so it has none to replay.
-                replay_rng=isinstance(kernel, GenericShardKernel),
+                replay_rng=generic,
                 param_mask=_membership(kernel.params, plan.trainable),  # the generic kernel's: all
                 zeros_for_unused=strategy.unused_grads_as_zeros,
                 deliver_grads=strategy.deliver_grads,
@@ -327,10 +297,46 @@ class TiledMLP(nn.Module):
             with _buffers_kept(self, plan.named_buffers):
                 out = sharded_apply(x, run)
         state.call_sizes = plan.sizes()
-        state.last_path = "generic" if isinstance(kernel, GenericShardKernel) else "fast"
+        state.last_path = "generic" if generic else "fast"
         state.last_num_shards = shard_plan.num_shards
-        state.last_reason = reason
+        state.last_reason = call.reason
         return out
+
+    def _tiled_decision(self, strategy: Strategy, x: torch.Tensor, shard_forward: Callable,
+                        riders: Sequence[torch.Tensor]) -> CallDecision:
+        """What this call runs, decided once (inside the strategy's gathered region, where the fast-path
+        decision can read the parameters): untiled with a reason, or a kernel and a shard count.
+
+        The auto policy's answer is sought from the cheapest evidence first, each step needed only when
+        the one before did not settle it: the last plan's sizes while a shallow key holds (no walk of the
+        module, ``call_plan.py``); this plan's sizes under the fast path's rule (the generic path only
+        needs more tokens, so a call too short for the fast path is too short for both, and no kernel is
+        chosen for it); then the chosen kernel's rule."""
+        state: TilingState = self.tiling
+        num_tokens = x.numel() // x.shape[-1]
+        may_pass = strategy.allows_untiled_call(self)
+        last = state.call_sizes
+        if may_pass and last is not None and last.shallow == shallow_key(self, strategy, x):
+            decision = self._tiled_shards(last, x, num_tokens, generic=last.generic)
+            if decision.num_shards is None:
+                return CallDecision(decision.reason)
+        plan = self._tiled_plan(strategy, x)
+        if may_pass:
+            decision = self._tiled_shards(plan.sizes(), x, num_tokens, generic=False)
+            if num_tokens == 0 or decision.num_shards is None:
+                return CallDecision(decision.reason if num_tokens else "untiled: no tokens")
+        kernel = self._tiled_kernel(strategy, plan, shard_forward, x, riders)
+        generic = isinstance(kernel, GenericShardKernel)
+        decision = self._tiled_shards(plan.sizes(), x, num_tokens, generic)
+        reason, num_shards = decision.reason, decision.num_shards
+        if may_pass and num_shards is None:
+            return CallDecision(reason)
+        if num_tokens == 0 or num_shards is None:
+            num_shards = 1  # the backend needs every rank on the tiled path (same collectives)
+            reason += f"; run as one shard: {strategy.name} needs every rank on the tiled path"
+        if generic:
+            reason += f"; generic path: {plan.fast[1] if plan.fast else 'path=generic'}"
+        return CallDecision(reason, plan, kernel, num_shards)
 
     def _tiled_shards(self, sizes: PlanSizes, x: torch.Tensor, num_tokens: int, generic: bool) -> AutoDecision:
         """The configured count, or the auto policy's (``num_shards`` None: run untiled), and why."""
@@ -393,6 +399,16 @@ class TiledMLP(nn.Module):
         if isinstance(installed, types.MethodType) and installed.__self__ is self:
             return installed.__func__
         return None
+
+
+@dataclass(frozen=True)
+class CallDecision:
+    """One call's decision, made once (``TiledMLP._tiled_decision``): no kernel means run untiled."""
+
+    reason: str
+    plan: Optional[CallPlan] = None
+    kernel: Optional[Any] = None  # a ``GatedShardKernel`` or ``GenericShardKernel``
+    num_shards: Optional[int] = None
 
 
 def _fast_decision_stale(module: TiledMLP, plan: CallPlan) -> bool:
