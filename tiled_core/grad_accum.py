@@ -26,6 +26,10 @@ class GradAccumulator:
         self._accum_dtype = accum_dtype
         self._buffers: List[Optional[torch.Tensor]] = [None] * len(self._params)
 
+    def dtype_for(self, index: int) -> torch.dtype:
+        """The dtype gradient ``index`` is summed in."""
+        return self._dtype_for(index)
+
     def _dtype_for(self, index: int) -> torch.dtype:
         own = self._params[index].dtype
         # grad_accum_dtype raises precision (bf16 -> fp32); it never lowers it (fp64 stays fp64).

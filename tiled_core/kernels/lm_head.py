@@ -17,11 +17,13 @@ autograd through ``logits.float()`` does.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from ..autocast_state import autocast_enabled
 from ..grad_accum import GradAccumulator
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
 from .cross_entropy import CrossEntropyOptions, check_targets, cross_entropy_shard
@@ -62,7 +64,9 @@ class LinearHeadKernel:
         dtype = _compute_dtype(x, tensors[0])
         weight, *rest = self._compute_tensors(tensors, dtype)
         bias = rest[0] if rest else None
-        with torch.autocast(x.device.type, enabled=False):
+        # "meta" (the planner's shape-only step) has no autocast to turn off, and torch.autocast refuses it.
+        off = torch.autocast(x.device.type, enabled=False) if autocast_enabled(x.device.type) else contextlib.nullcontext()
+        with off:
             x = x.to(dtype)
             logits = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
             wide = logits.to(loss_dtype(logits.dtype), copy=True) if logits.dtype != loss_dtype(logits.dtype) else logits
@@ -71,13 +75,19 @@ class LinearHeadKernel:
             loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad)
             if grad is None:
                 return loss
-            grad = grad.to(dtype)
+            low = grad.to(dtype)  # the logits' gradient in the matmuls' dtype (``grad`` itself when equal)
             if dx is not None:
-                torch.mm(grad, weight, out=dx) if dx.dtype == dtype else dx.copy_(grad @ weight)
+                torch.mm(low, weight, out=dx) if dx.dtype == dtype else dx.copy_(low @ weight)
             if grads is not None:
-                grads.add_matmul(0, grad.t(), x)
+                # Summed in a wider dtype than the matmuls' (grad_accum_dtype=float32 for a bf16 head): the
+                # shard's product is taken from the float32 gradient and a float32 copy of the shard's
+                # input, straight into the sum, never through a [vocab, hidden] temporary in the low dtype.
+                wide_sum = grads.dtype_for(0) == grad.dtype != dtype
+                rows, inputs = (grad, x.to(grad.dtype)) if wide_sum else (low, x)
+                del low
+                grads.add_matmul(0, rows.t(), inputs)
                 if bias is not None:
-                    grads.add_rowsum(1, grad)
+                    grads.add_rowsum(1, rows)
         return loss
 
 
@@ -85,7 +95,7 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """autocast's dtype where autocast is on for the device and the weight is a float type it casts;
     else the weight's (an input of another dtype is cast to it, as ``F.linear`` requires they agree)."""
     device = x.device.type
-    if torch.is_autocast_enabled(device) and weight.dtype in (torch.float32, torch.float16, torch.bfloat16):
+    if autocast_enabled(device) and weight.dtype in (torch.float32, torch.float16, torch.bfloat16):
         return torch.get_autocast_dtype(device)
     return weight.dtype
 
