@@ -1,7 +1,7 @@
 """``tiled-mlp plan --model CONFIG``: a whole decoder model's training step at its full depth, per rank,
-untiled vs tiled, with and without checkpointing, the total each holds with the optimizer state, and
-the longest sequence each setting fits into the budget (``--budget``, default: this machine's GPU
-memory, else 80 GiB)."""
+MLPs untiled vs tiled, the model's own loss vs the tiled loss, with and without checkpointing, the
+total each holds with the optimizer state, and the longest sequence each setting fits into the budget
+(``--budget``, default: this machine's GPU memory, else 80 GiB)."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +37,10 @@ def add_arguments(p) -> None:
     g.add_argument("--checkpointing", choices=("none", "layer", "both"), default="both",
                    help="non-reentrant checkpointing of every decoder layer: off, on, or both settings (default)")
     g.add_argument("--tiled", default="auto", help="none (untiled settings only), auto, or a shard count (default auto)")
+    g.add_argument("--tiled-loss", default=None, metavar="SHARDS",
+                   help="the tiled loss (LM head + cross-entropy by token shards, never the logits) beside the model's "
+                        "own: none (own loss only), auto, or a shard count (default: auto where the integration knows "
+                        "the model's loss path, else none, said so)")
     g.add_argument("--world-size", type=int, default=1, help="ranks; each runs --batch sequences (default 1)")
     g.add_argument("--backend", choices=BACKENDS, default=None,
                    help="how ranks divide weights, gradients and optimizer state (default: single, or fsdp2 with --world-size > 1)")
@@ -56,15 +60,22 @@ def default_budget() -> Tuple[int, str]:
 def _settings(args, parser_error) -> List[Setting]:
     from .parsing import shards
 
-    ckpt = {"none": [False], "layer": [True], "both": [False, True]}[args.checkpointing]
-    tiled: List[Optional[NumShards]] = [None]
-    if args.tiled != "none":
+    def off_and_on(flag: str, value: str) -> List[Optional[NumShards]]:
+        """[None] for 'none', else [None, the shard count]: each knob's setting beside its absence."""
+        if value == "none":
+            return [None]
         try:
-            tiled.append(shards(args.tiled))
+            return [None, shards(value)]
         except argparse.ArgumentTypeError as error:  # worded by the one shard-count parser
-            parser_error(f"--tiled {args.tiled}: {error}")
-    return [Setting(tiled=n is not None, checkpointing=c, num_shards="auto" if n is None else n)
-            for c in ckpt for n in tiled]
+            parser_error(f"{flag} {value}: {error}")
+            raise AssertionError("parser_error exits") from error
+
+    ckpt = {"none": [False], "layer": [True], "both": [False, True]}[args.checkpointing]
+    tiled = off_and_on("--tiled", args.tiled)
+    losses = off_and_on("--tiled-loss", args.tiled_loss or "auto")
+    return [Setting(tiled=n is not None, checkpointing=c, num_shards="auto" if n is None else n,
+                    tiled_loss=loss is not None, loss_num_shards="auto" if loss is None else loss)
+            for c in ckpt for loss in losses for n in tiled]
 
 
 def run(args, parser_error) -> int:
@@ -98,19 +109,33 @@ def run(args, parser_error) -> int:
     request = Request(config, seqs, settings, Backend(backend_name, args.world_size), args.batch, args.dtype, budget,
                       optimizer_on_device=not args.offload_optimizer)
     planner = Planner(request)
-    problem = _check_model(args, planner, budget_from)
+    warnings: List[str] = []
+    problem = _check_model(args, planner, budget_from, warnings)
     if problem:
         fail(problem)
+    for _ in range((len(seqs) + SEARCH_SLOTS) * (len(settings) - len(request.settings))):
+        progress.step("tiled loss: left out")  # the left-out settings' slots, so that the bar ends at 100%
     progress.step("full-depth probe")
     points, longest, advice = _plan(planner, progress)
     progress.close()
-    _output(args, planner, points, longest, advice, budget_from)
+    _output(args, planner, points, longest, advice, budget_from, warnings)
     return 0
 
 
-def _check_model(args, planner: Planner, budget_from: str) -> str:
+def _leave_out_tiled_loss(args, planner: Planner, why: str, warnings: List[str]) -> str:
+    """The tiled loss cannot be modelled for this model (``why``): by default its settings are left out,
+    said in ``warnings`` (the rows without it are still worth having); asked for by --tiled-loss, that
+    is the problem returned."""
+    if args.tiled_loss is not None:
+        return f"--tiled-loss {args.tiled_loss}: {why}; give --tiled-loss none"
+    planner.request.settings = [s for s in planner.request.settings if not s.tiled_loss]
+    warnings.append(f"the tiled-loss settings are left out: {why}")
+    return ""
+
+
+def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) -> str:
     """Why the model cannot be planned as asked ('' when it can), from its full-depth meta build and,
-    last, one short step."""
+    last, one short step; what is left out of the plan is said in ``warnings``."""
     request, config = planner.request, planner.request.config
     try:
         model = check.build(config, args.dtype, lambda: planner.model(Setting(tiled=False, checkpointing=False)))
@@ -129,10 +154,23 @@ def _check_model(args, planner: Planner, budget_from: str) -> str:
         return (f"the budget, {budget / GiB:.2f} GiB ({budget_from}), is smaller than the weights alone on each rank "
                 f"({weights / GiB:.2f} GiB: {sizes.total / 1e9:.2f}B parameters in {args.dtype}, "
                 f"{backend.name} over {backend.world_size}); raise the budget or shard over more ranks")
+    with_loss = next((s for s in request.settings if s.tiled_loss), None)
+    refusal = check.tiled_loss_refusal(model) if with_loss is not None else ""
+    if refusal:  # a family the integration does not know: said before any step
+        problem = _leave_out_tiled_loss(args, planner, refusal, warnings)
+        if problem:
+            return problem
+        with_loss = None
     try:
         check.probe(model, config)
     except ValueError as error:
         return f"--model {args.model}: {error}"
+    if with_loss is None:
+        return ""
+    try:  # the tiled loss is code of its own on the loss path: probed on a setting the plan models
+        check.probe(check.build(config, args.dtype, lambda: planner.model(with_loss)), config)
+    except ValueError as error:
+        return _leave_out_tiled_loss(args, planner, f"with the tiled loss, {error}", warnings)
     return ""
 
 
@@ -163,11 +201,12 @@ def _plan(planner: Planner, progress: Progress) -> Tuple[List[Point], Dict[str, 
 
 
 def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Longest], advice: List[str],
-            budget_from: str) -> None:
+            budget_from: str, warnings: List[str]) -> None:
     request = planner.request
     budget, backend = request.budget, request.backend
     assert budget is not None, "the CLI always plans against a budget"
-    for warning in report.position_warnings(request.config, request.seqs, longest) + report.dips(planner.modelled()):
+    for warning in (warnings + report.position_warnings(request.config, request.seqs, longest)
+                    + report.dips(planner.modelled())):
         print(f"warning: {warning}", file=sys.stderr)
     if args.json:
         records = ([dict(budget_bytes=int(budget), budget_from=budget_from)] + [p.record() for p in points]

@@ -68,7 +68,7 @@ def _knob(kind: str, planner: Planner) -> str:
     if kind == OPTIMIZER:
         return "offload it (above), or shard it over more ranks"
     if kind == LOGITS:
-        return LOGITS_KNOB
+        return LOGITS_KNOB + ("" if any(s.tiled_loss for s in settings) else "; try --tiled-loss auto")
     if kind == ACTIVATIONS:
         missing = [flag for flag, on in (("--checkpointing layer", any(s.checkpointing for s in settings)),
                                          ("--tiled auto", any(s.tiled for s in settings))) if not on]

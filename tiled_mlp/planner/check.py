@@ -1,7 +1,8 @@
 """What makes a config unplannable, each said with what to do instead, before any step is modelled:
 not a decoder-only language model, sizes no model can have, fused MoE experts in a dtype the meta
-device cannot run, lengths past learned position embeddings. A last probe then runs one 16-token
-step at full depth, so that whatever else breaks the model breaks there, in a clear error.
+device cannot run, lengths past learned position embeddings, a tiled loss on a family whose loss path
+the integration does not know. A last probe then runs one 16-token step at full depth, so that
+whatever else breaks the model breaks there, in a clear error.
 """
 from __future__ import annotations
 
@@ -87,6 +88,18 @@ def probe(model: nn.Module, config) -> None:
     except Exception as error:  # the same, for the step
         raise ValueError(f"{config.model_type}: a {PROBE_TOKENS}-token training step of this model fails on the "
                          f"meta device: {_reason(error)}") from error
+
+
+def tiled_loss_refusal(model: nn.Module) -> str:
+    """Why the tiled loss cannot be put on ``model`` ('' when it can): the integration knows the loss
+    path of the families it names, and refuses the others rather than change their loss silently."""
+    from ..integrations.causal_lm_loss import check_tiled_loss
+
+    try:
+        check_tiled_loss(model)
+    except TypeError as error:
+        return str(error)
+    return ""
 
 
 def _reason(error: BaseException) -> str:

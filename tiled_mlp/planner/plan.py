@@ -23,8 +23,10 @@ from .timeline import ACTIVATIONS, GRADS, LOGITS, WEIGHTS, Timeline
 
 IN_FLIGHT = "backend in flight"
 OPTIMIZER = "optimizer"
-LOGITS_KNOB = ("a loss computed in chunks that never holds the logits (Liger-Kernel's fused linear "
-               "cross-entropy, liger_kernel.transformers.apply_liger_kernel_to_<model>(fused_linear_cross_entropy=True))")
+# The knob is this library's own tiled loss, modelled as a setting (``step.py``), so the plan can show
+# what it leaves rather than only name it.
+LOGITS_KNOB = ("the tiled loss, which never holds the logits (the 'tiled-loss' settings, --tiled-loss; in training "
+               "apply_tiled_mlp(model, loss=True) or apply_tiled_loss(model))")
 
 
 @dataclass

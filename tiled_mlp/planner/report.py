@@ -23,9 +23,14 @@ def header(name: str, config, sizes: ParamSizes, kinds: str, dtype: torch.dtype,
             "every layer modelled (full depth, meta device)")
 
 
+SETTING_LEGEND = ("settings: 'tiled' tiles the MLPs, 'tiled-loss' computes the LM head and cross-entropy a token shard "
+                  "at a time (never the [tokens, vocab] logits), 'ckpt' checkpoints every decoder layer")
+
+
 def table(points: List[Point], budget: float, budget_from: str) -> List[str]:
     lines = [f"per rank, GiB; budget {budget / GiB:.2f} GiB ({budget_from}). 'held' is what 'fits' judges: the "
              "step's peak (weights, gradients, activations, backend buffers) plus the optimizer state on the device",
+             SETTING_LEGEND,
              "| seq | setting | step peak | optimizer | held | fits | dominant term of held |",
              "|---|---|---|---|---|---|---|"]
     for p in points:
@@ -40,13 +45,14 @@ def table(points: List[Point], budget: float, budget_from: str) -> List[str]:
 def longest_lines(longest: Dict[str, Longest], budget: float) -> List[str]:
     lines = [f"longest sequence held within {budget / GiB:.2f} GiB per rank (multiples of 1024; each answer fits "
              "and 1024 tokens more does not, both modelled):"]
+    width = max((len(setting) for setting in longest), default=0)
     for setting, found in longest.items():
         if found.at_cap:
-            lines.append(f"  {setting:13s} at least {found.seq:,} tokens (where the search stops)")
+            lines.append(f"  {setting:{width}s} at least {found.seq:,} tokens (where the search stops)")
         elif found.seq:
-            lines.append(f"  {setting:13s} {found.seq:>9,} tokens")
+            lines.append(f"  {setting:{width}s} {found.seq:>9,} tokens")
         else:
-            lines.append(f"  {setting:13s} none (not even 1024 tokens)")
+            lines.append(f"  {setting:{width}s} none (not even 1024 tokens)")
     return lines
 
 
@@ -84,8 +90,9 @@ def dips(points: List[Point]) -> List[str]:
         mine = sorted((p for p in points if p.setting == setting), key=lambda p: p.seq)
         for shorter, longer in pairwise(mine):
             if longer.held_bytes < shorter.held_bytes:
+                # 'tiled' among the name's parts: the MLPs are tiled ('tiled-loss' alone tiles only the loss).
                 why = (" (auto runs an MLP untiled where tiling saves little of that MLP's memory, and every layer then "
-                       "keeps its intermediates; a fixed --tiled N does not)" if setting.startswith("tiled") else "")
+                       "keeps its intermediates; a fixed --tiled N does not)" if "tiled" in setting.split("+") else "")
                 lines.append(f"{setting} holds less at {longer.seq} tokens ({longer.held_bytes / GiB:.2f} GiB) than at "
                              f"{shorter.seq} ({shorter.held_bytes / GiB:.2f} GiB){why}; the longest length found "
                              "assumes the total grows with the length")

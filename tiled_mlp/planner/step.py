@@ -2,9 +2,12 @@
 
 On the meta device nothing is allocated: a 32-layer 8B model's step takes about a second to model
 (more when its MLPs are tiled into many shards); on the CPU with real tensors the same code is the
-measured step the planner is checked against (``tests/test_planner_depth.py``). The memory is the
-live-storage tracker's, split by kind (``timeline.py``): weights, gradients, the logits and the loss,
-other activations.
+measured step the planner is checked against (``tests/test_planner_depth.py``,
+``tests/test_planner_loss.py``). The memory is the live-storage tracker's, split by kind
+(``timeline.py``): weights, gradients, the logits and the loss, other activations.
+
+What a setting tiles is put on by the library's own integration (``apply_tiled_mlp``, with
+``loss=True`` for the tiled loss), so the step modelled is the step a user of that call runs.
 """
 from __future__ import annotations
 
@@ -20,15 +23,23 @@ from .timeline import Timeline, TimelineTracker
 
 @dataclass(frozen=True)
 class Setting:
-    """How the step runs: tiled MLPs or not, layers checkpointed or not."""
+    """How the step runs: tiled MLPs or not, the tiled loss (LM head and cross-entropy a token shard
+    at a time, never holding the logits) or the model's own, layers checkpointed or not."""
 
     tiled: bool
     checkpointing: bool
     num_shards: Union[int, str] = "auto"
+    tiled_loss: bool = False
+    loss_num_shards: Union[int, str] = "auto"
 
     @property
     def name(self) -> str:
-        return ("tiled" if self.tiled else "untiled") + ("+ckpt" if self.checkpointing else "")
+        """'untiled', 'tiled' (MLPs), 'tiled-loss', 'tiled+tiled-loss', each with '+ckpt' or not: the
+        names the plan had before the tiled loss are kept."""
+        parts = ["tiled"] if self.tiled else ([] if self.tiled_loss else ["untiled"])
+        parts += ["tiled-loss"] if self.tiled_loss else []
+        parts += ["ckpt"] if self.checkpointing else []
+        return "+".join(parts)
 
 
 def with_depth(config, depth: int):
@@ -57,7 +68,7 @@ def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[
     """The causal LM of ``config`` with ``depth`` decoder layers (None: all of them), under ``setting``."""
     from transformers import AutoModelForCausalLM
 
-    from ..integrations import apply_tiled_mlp
+    from ..integrations import apply_tiled_loss, apply_tiled_mlp
 
     name = attention.register()
     depth = config.get_text_config().num_hidden_layers if depth is None else depth
@@ -67,7 +78,10 @@ def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[
                                                  **_dtype_kwargs(dtype))
     model.train()
     if setting.tiled:
-        apply_tiled_mlp(model, num_shards=setting.num_shards)
+        apply_tiled_mlp(model, num_shards=setting.num_shards, loss=setting.tiled_loss,
+                        loss_num_shards=setting.loss_num_shards)
+    elif setting.tiled_loss:
+        apply_tiled_loss(model, num_shards=setting.loss_num_shards)
     if setting.checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)

@@ -13,8 +13,15 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Tuple
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..bench.memory_tracker import LiveMemoryTracker
+from .meta_outputs import MetaOutputs
+from .meta_values import is_meta_read, zero_read
+
+# Shared by every step of the process: the planner's steps repeat each other's shapes (the settings at
+# one length, the layers of one step).
+_META_OUTPUTS = MetaOutputs()
 
 WEIGHTS, GRADS, LOGITS, ACTIVATIONS = "weights", "gradients", "logits and loss", "activations"
 
@@ -64,6 +71,17 @@ class TimelineTracker(LiveMemoryTracker):
         nbytes = tensor.untyped_storage().nbytes()
         self._log.append((self._serial, nbytes, kind))
         super()._add(tensor)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # The base tracker's, with the op's outputs remembered on the meta device (``meta_outputs.py``)
+        # and a value read there answered (``meta_values.py``).
+        if is_meta_read(func, args):
+            return zero_read(args[0])
+        out = _META_OUTPUTS.call(func, args, kwargs or {})
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._add(leaf)
+        return out
 
     def _free(self, key) -> None:
         serial = self._serial_of.pop(key, None)

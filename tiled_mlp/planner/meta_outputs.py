@@ -1,0 +1,122 @@
+"""The outputs of a meta-device op, remembered by what they depend on, so that a full-depth step is not
+a hundred thousand Python shape computations.
+
+Most meta kernels are written in Python (``torch._refs``, ``torch._decomp``, ``_meta_registrations``)
+and cost 100 to 1000 us an op; a tiled 8B step at 131072 tokens is some 100,000 ops, nearly all
+repeats (32 layers, each of tens of MLP and loss shards of one shape). On the meta device an op's
+outputs depend only on the op, its tensors' shapes, strides and dtypes and its other arguments, never
+on values. So the first call of each kind is made and what it returned is kept: each output either
+one of the inputs (an in-place op, ``out=``) or a new storage of its own of a given shape, stride and
+dtype; later calls get that input back, or an empty tensor of exactly that metadata. A call is made as
+it is, every time, when its outputs are anything else (a view, an output sharing a storage, a size
+``empty_strided`` would not give), when it changes an input's shape, stride or storage, or when any
+argument is not a plain meta-device value. The measured CPU step never takes this path; that the meta
+step still equals it to the byte is what ``tests/test_planner.py`` and ``tests/test_planner_loss.py``
+check.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Hashable, List, Optional, Tuple
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+# Per output leaf: ("in", index among the inputs' leaves), ("new", shape, stride, dtype) or ("value", v).
+_Spec = Optional[Tuple[Any, List[tuple]]]
+MAX_KEPT = 200_000  # distinct calls remembered; a plan makes a few thousand
+
+
+class _NotMeta(Exception):
+    """An argument the key cannot describe as a meta-device value: the call is made as it is."""
+
+
+def _key_of(value: Any) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor or value.device.type != "meta" or value.layout != torch.strided:
+            raise _NotMeta
+        return ("T", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_key_of(v) for v in value))
+    if isinstance(value, dict):
+        return ("D", tuple(sorted((k, _key_of(v)) for k, v in value.items())))
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                           torch.memory_format)):
+        return (type(value).__name__, value)
+    raise _NotMeta  # a generator, a symbolic size, anything whose effect on the outputs is not plain
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage()._cdata, t.untyped_storage().nbytes()
+
+
+class MetaOutputs:
+    def __init__(self) -> None:
+        self._kept: Dict[Hashable, _Spec] = {}
+
+    def call(self, func, args: tuple, kwargs: dict) -> Any:
+        """``func(*args, **kwargs)``, or what it returned the first time (see the module doc)."""
+        key = self._key(func, args, kwargs)
+        if key is None:
+            return func(*args, **kwargs)
+        if key not in self._kept:
+            inputs = tree_flatten((args, kwargs))[0]
+            before = [_layout(t) if isinstance(t, torch.Tensor) else None for t in inputs]
+            out = func(*args, **kwargs)
+            if len(self._kept) >= MAX_KEPT:
+                self._kept.clear()
+            self._kept[key] = _spec_of(out, inputs, before)
+            return out
+        spec = self._kept[key]
+        if spec is None:
+            return func(*args, **kwargs)
+        tree, leaves = spec
+        inputs = tree_flatten((args, kwargs))[0] if any(leaf[0] == "in" for leaf in leaves) else []
+        return tree_unflatten([_remade(leaf, inputs) for leaf in leaves], tree)
+
+    @staticmethod
+    def _key(func, args: tuple, kwargs: dict) -> Optional[Hashable]:
+        if not isinstance(func, torch._ops.OpOverload):
+            return None
+        try:
+            return (func, _key_of(args), _key_of(kwargs))
+        except _NotMeta:
+            return None
+
+
+def _remade(leaf: tuple, inputs: list) -> Any:
+    if leaf[0] == "in":
+        return inputs[leaf[1]]
+    if leaf[0] == "new":
+        return torch.empty_strided(leaf[1], leaf[2], dtype=leaf[3], device="meta")
+    return leaf[1]
+
+
+def _spec_of(out: Any, inputs: list, before: list) -> _Spec:
+    """What the call returned, as leaves to remake; None when remade outputs could differ in any byte
+    the tracker counts, or the call changed an input's layout (``resize_``, ``set_``)."""
+    if any(b is not None and _layout(t) != b for t, b in zip(inputs, before, strict=True)):
+        return None
+    storages = {b[3] for b in before if b is not None}
+    leaves, tree = tree_flatten(out)
+    kept: List[tuple] = []
+    seen = set()
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            if not isinstance(leaf, (bool, int, float, type(None))):
+                return None
+            kept.append(("value", leaf))
+            continue
+        same = next((i for i, t in enumerate(inputs) if t is leaf), None)
+        if same is not None:
+            kept.append(("in", same))
+            continue
+        if type(leaf) is not torch.Tensor or leaf.device.type != "meta" or leaf.layout != torch.strided:
+            return None
+        storage = leaf.untyped_storage()
+        fresh = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device="meta")
+        if (storage._cdata in storages or storage._cdata in seen or leaf.storage_offset() != 0
+                or storage.nbytes() != fresh.untyped_storage().nbytes()):
+            return None
+        seen.add(storage._cdata)
+        kept.append(("new", tuple(leaf.shape), leaf.stride(), leaf.dtype))
+    return tree, kept
