@@ -45,15 +45,21 @@ class CallPlan:
     fast_kernel: Optional[Any] = field(default=None, repr=False)
     # The generic kernel's view of the module's structure (``kernels.generic.GenericLayout``).
     generic_layout: Optional[Any] = field(default=None, repr=False)
+    _trainable_bytes: Optional[int] = field(default=None, repr=False)
 
     @property
     def generic(self) -> bool:
         """Whether the fast kernel was ruled out (the auto policy's generic rule applies)."""
         return self.fast is not None and self.fast[0] is None
 
+    @property
+    def trainable_bytes(self) -> int:
+        if self._trainable_bytes is None:
+            self._trainable_bytes = sum(p.numel() * p.element_size() for p in self.trainable)
+        return self._trainable_bytes
+
     def sizes(self) -> PlanSizes:
-        return PlanSizes(self.shallow, self.intermediate, self.param_bytes,
-                         sum(p.numel() * p.element_size() for p in self.trainable), self.generic)
+        return PlanSizes(self.shallow, self.intermediate, self.param_bytes, self.trainable_bytes, self.generic)
 
 
 @dataclass(frozen=True)

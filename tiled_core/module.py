@@ -23,7 +23,7 @@ import functools
 import inspect
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -264,7 +264,7 @@ class TiledMLP(nn.Module):
         state: TilingState = self.tiling
         check_num_shards(state.num_shards)
         check_input(x, self if check_hidden else None)
-        flat_riders = _flat_riders(x, riders)
+        flat_riders = _flat_riders(x, riders) if riders else ()
         strategy = self._tiled_strategy()
         strategy.check_supported(self)
         state.last_strategy = strategy
@@ -322,12 +322,12 @@ class TiledMLP(nn.Module):
                 return CallDecision(decision.reason)
         plan = self._tiled_plan(strategy, x)
         if may_pass:
-            decision = self._tiled_shards(plan.sizes(), x, num_tokens, generic=False)
+            decision = self._tiled_shards(plan, x, num_tokens, generic=False)
             if num_tokens == 0 or decision.num_shards is None:
                 return CallDecision(decision.reason if num_tokens else "untiled: no tokens")
         kernel = self._tiled_kernel(strategy, plan, shard_forward, x, riders)
         generic = isinstance(kernel, GenericShardKernel)
-        decision = self._tiled_shards(plan.sizes(), x, num_tokens, generic)
+        decision = self._tiled_shards(plan, x, num_tokens, generic)
         reason, num_shards = decision.reason, decision.num_shards
         if may_pass and num_shards is None:
             return CallDecision(reason)
@@ -338,8 +338,10 @@ class TiledMLP(nn.Module):
             reason += f"; generic path: {plan.fast[1] if plan.fast else 'path=generic'}"
         return CallDecision(reason, plan, kernel, num_shards)
 
-    def _tiled_shards(self, sizes: PlanSizes, x: torch.Tensor, num_tokens: int, generic: bool) -> AutoDecision:
-        """The configured count, or the auto policy's (``num_shards`` None: run untiled), and why."""
+    def _tiled_shards(self, sizes: Union[PlanSizes, CallPlan], x: torch.Tensor, num_tokens: int,
+                      generic: bool) -> AutoDecision:
+        """The configured count, or the auto policy's (``num_shards`` None: run untiled), and why, from a
+        plan's sizes (the plan itself, or the sizes a passed-through call kept)."""
         num_shards = self.tiling.num_shards
         if isinstance(num_shards, int):
             return AutoDecision(num_shards, f"tiled: num_shards={num_shards} as configured")
