@@ -1,0 +1,45 @@
+"""Checkpoint offload on a model: find its checkpointed layers and put their inputs in host memory.
+
+The layers are those whose forward runs the checkpoint while their module hooks stay outside it (so
+the offload's hooks see the checkpoint's saved inputs, ``tiled_core.checkpoint_offload``): torch's
+``checkpoint_wrapper`` modules, or else Hugging Face's ``GradientCheckpointingLayer``s with
+checkpointing on (``model.gradient_checkpointing_enable()``, which checkpoints ``forward``, not
+``__call__``). Found by class, never guessed from names.
+"""
+from __future__ import annotations
+
+from typing import List
+
+from torch import nn
+
+from tiled_core.checkpoint_offload import CheckpointOffload
+
+NO_LAYERS_ERROR = (
+    "checkpoint offload: {model} has no checkpointed layer. Turn layer checkpointing on first "
+    "(model.gradient_checkpointing_enable(), or torch's checkpoint_wrapper around each decoder layer): the "
+    "offload moves each checkpointed layer's saved input to host memory, and without checkpointing there is none."
+)
+
+
+def checkpointed_layers(model: nn.Module) -> List[nn.Module]:
+    """The modules that run a checkpoint inside their forward, in module order (the call order of a
+    decoder's layers)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    wrappers = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
+    if wrappers:
+        return wrappers
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+
+
+def apply_checkpoint_offload(model: nn.Module) -> CheckpointOffload:
+    """Offload the input of every checkpointed layer of ``model`` but the last; returns the handle
+    (``.host_bytes`` says what host memory it holds, ``.remove()`` undoes it)."""
+    layers = checkpointed_layers(model)
+    if not layers:
+        raise ValueError(NO_LAYERS_ERROR.format(model=type(model).__name__))
+    return CheckpointOffload(layers)
