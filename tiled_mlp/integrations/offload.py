@@ -26,7 +26,7 @@ def checkpointed_layers(model: nn.Module) -> List[nn.Module]:
     decoder's layers)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    wrappers = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
+    wrappers: List[nn.Module] = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
     if wrappers:
         return wrappers
     try:
