@@ -130,3 +130,15 @@ def test_a_layer_called_twice_offloads_each_call():
     reference(reference(x_ref)).sum().backward()
     assert offload.host_bytes.peak == 2 * TOKENS * HIDDEN * 8
     assert torch.equal(x.grad, x_ref.grad)
+
+
+def test_bench_offload_command_runs_and_refuses_one_layer(capsys):
+    pytest.importorskip("transformers")
+    from tiled_mlp.cli.main import main
+
+    assert main(["bench-offload", "--layers", "2", "--seq", "64", "--hidden", "32", "--intermediate", "64",
+                 "--heads", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| with offload |" in out and f"host memory held: {64 * 32 * 4:,} bytes" in out  # layer 1's input
+    with pytest.raises(SystemExit):
+        main(["bench-offload", "--layers", "1"])
