@@ -136,8 +136,11 @@ def _zero3_gathered(module: nn.Module) -> Iterator[None]:
     if not in_backward and running is not None and running is not module:
         # ``module`` is read inside another module's forward, not called (a tiled loss reading lm_head
         # in the model's forward): its parameters become that module's, as ZeRO-3's own parameter getter
-        # does, so its hooks release them after its forward and gather them again before its backward,
-        # where autograd accumulates their gradients into the whole tensors.
+        # does, so its hooks gather them again before its backward, where autograd accumulates their
+        # gradients into the whole tensors. The cost: from then on that module's hooks fetch them for its
+        # whole forward and backward (for the model's root: lm_head's weight held through the step).
+        # DeepSpeed keeps the engine's root on its stack outside any forward too, so a loss computed after
+        # the model's forward returned takes this path as well.
         with _descendant_hooks_suspended(module):
             _borrow_params(module, running)
             yield
@@ -154,15 +157,6 @@ def _zero3_gathered(module: nn.Module) -> Iterator[None]:
     # What is still partitioned: only at the first call, before the registration above took effect.
     # Every rank holds the same statuses at the same point, so this all-gather matches across ranks.
     missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-    if missing and running is None and torch.is_grad_enabled():
-        # Read outside every module's forward: gathered here, released on exit, and gathered by nobody for
-        # the backward, where autograd would accumulate whole gradients into the empty partitions.
-        raise RuntimeError(
-            f"ZeRO-3: the partitioned parameters of {type(module).__name__} are read outside any module's forward "
-            "(a tiled loss called after the model's forward returned?), so ZeRO-3 would not gather them for the "
-            "backward. Compute the loss inside the model's forward: apply_tiled_loss(model) does, or call "
-            "tiled_cross_entropy from your model's forward."
-        )
     if missing and in_backward:
         # Gathering here would release the parameters on exit, before autograd accumulates the
         # gradients the recompute returns, into the full-size buffers it needs.

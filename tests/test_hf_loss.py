@@ -250,3 +250,26 @@ def test_refusals_leave_the_model_untouched():
     ids, labels = _batch()
     with pytest.raises(ValueError, match="logits_to_keep"):
         model(input_ids=ids, labels=labels, logits_to_keep=1)
+
+
+@pytest.mark.timeout(60)
+def test_evaluation_without_a_graph_returns_the_models_own_output_with_logits():
+    """Trainer.evaluate with metrics reads the logits; without a graph nothing is held for a backward."""
+    reference, tiled = tiny_model("llama"), tiny_model("llama")
+    apply_tiled_loss(tiled, num_shards=SHARDS)
+    ids, labels = _batch()
+    with torch.no_grad():
+        want, got = reference(input_ids=ids, labels=labels), tiled(input_ids=ids, labels=labels)
+    assert got.logits is not None and torch.equal(got.logits, want.logits) and got.loss.item() == want.loss.item()
+
+
+@pytest.mark.timeout(60)
+def test_labels_and_shift_labels_together_use_shift_labels():
+    """The Trainer passes both under context and DeepSpeed sequence parallelism, as ForCausalLMLoss takes them."""
+    model = tiny_model("llama")
+    apply_tiled_loss(model, num_shards=SHARDS)
+    ids, labels = _batch()
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    both = model(input_ids=ids, labels=labels, shift_labels=shifted).loss
+    assert both.item() == model(input_ids=ids, shift_labels=shifted).loss.item()
+    assert both.item() == model(input_ids=ids, labels=labels).loss.item()

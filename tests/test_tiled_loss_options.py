@@ -300,3 +300,13 @@ def test_under_autocast_as_hf(hidden_dtype):
         for name, g in [("dx", have.dx), *have.grads.items()]:
             ref = want.dx if name == "dx" else want.grads[name]
             assert g.dtype == ref.dtype and max_abs_diff(ref, g) <= 2**-6 * ref.abs().max(), (num_shards, name)
+
+
+def test_both_labels_and_shift_labels_use_shift_labels_as_hugging_face():
+    """The Trainer passes both under context and sequence parallelism; ForCausalLMLoss uses shift_labels."""
+    lm_head = HEADS["linear-bias"]()
+    hidden, labels = batch(seed=60)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].roll(1, dims=-1)  # not labels' shift
+    want = run(tiled(None, shift_labels=shifted, num_shards=3), hidden, lm_head)
+    have = run(tiled(labels, shift_labels=shifted, num_shards=3), hidden, lm_head)
+    assert_same_run(want, have, atol=0)

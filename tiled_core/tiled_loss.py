@@ -30,6 +30,10 @@ from .sharded_autograd import ShardedRun
 from .sharded_reduce import sharded_reduce
 
 REDUCTIONS = ("mean", "sum")
+# A head whose vocabulary cannot be read before it runs (a module without ``out_features`` or a 2-D
+# ``weight``): "auto" sizes its shards for a vocabulary this large (Llama 3's is 128256), so that a
+# shard's logits stay within the budget for any common head, smaller ones only shard finer than needed.
+UNKNOWN_VOCAB = 2**17
 SHARDED_WEIGHT_ERROR = (
     "tiled loss: {head}'s parameters are sharded DTensors here (FSDP2 outside the forward of the unit that owns "
     "them). Compute the loss inside that unit's forward, as apply_tiled_mlp(model, loss=True) does, or keep "
@@ -61,7 +65,7 @@ def tiled_cross_entropy(
             or any module mapping hidden states to logits, such as PEFT's LoRA ``lm_head``).
         labels: ``[..., tokens]`` token ids, shifted here as ``ForCausalLMLoss`` shifts them (position t
             predicts label t + 1). Or give ``shift_labels`` already shifted (sequence parallelism splits
-            the sequence after shifting); exactly one of the two.
+            the sequence after shifting); given both, ``shift_labels`` is used, as Hugging Face does.
         ignore_index: labels to skip (-100).
         reduction: "mean" over the valid tokens, or "sum". ``num_items_in_batch`` (the Trainer's
             gradient-accumulation count) overrides it: the sum divided by that count, as Hugging Face.
@@ -100,7 +104,8 @@ def tiled_cross_entropy(
         scale = _scale(targets, reduction, num_items_in_batch, ignore_index, dtype)
         run: ShardedRun[ReduceKernel] = ShardedRun(
             kernel=kernel,
-            plan=make_shard_plan(num_tokens, loss_num_shards(num_tokens, _vocab_size(lm_head) or 1, num_shards)),
+            plan=make_shard_plan(num_tokens, loss_num_shards(num_tokens, _vocab_size(lm_head) or UNKNOWN_VOCAB,
+                                                             num_shards)),
             grad_accum_dtype=grad_accum_dtype,
             param_mask=mask,
             zeros_for_unused=backend.unused_grads_as_zeros,
@@ -143,10 +148,11 @@ def _check_reduction(reduction: str) -> None:
 
 
 def _shifted_targets(hidden, labels, shift_labels, ignore_index: int) -> torch.Tensor:
-    if (labels is None) == (shift_labels is None):
-        raise ValueError("tiled loss: pass exactly one of labels (shifted here, as ForCausalLMLoss) and shift_labels "
-                         "(already shifted)")
-    given = labels if labels is not None else shift_labels
+    if labels is None and shift_labels is None:
+        raise ValueError("tiled loss: pass labels (shifted here, as ForCausalLMLoss) or shift_labels (already shifted)")
+    # Both given: shift_labels wins, as in ForCausalLMLoss (the Trainer passes both under context and
+    # sequence parallelism).
+    given = shift_labels if shift_labels is not None else labels
     if not isinstance(given, torch.Tensor) or given.is_floating_point() or given.is_complex() or given.dtype == torch.bool:
         raise TypeError(f"tiled loss: labels must be an integer tensor, got {getattr(given, 'dtype', type(given).__name__)}")
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or not hidden.is_floating_point():

@@ -14,7 +14,8 @@ model *instance* (``model.forward``; no class is swapped, no module added, so ev
    (plus ``router_aux_loss_coef * aux_loss`` for the MoE families, as their forward adds it) and no
    ``logits``.
 
-Without labels the model's forward runs unchanged (generation, evaluation of logits).
+Without labels, or without a graph being built (evaluation: ``Trainer.evaluate`` with metrics reads the
+logits), the model's forward runs unchanged, logits included.
 
 Which models: the families whose forward is known to compute exactly ``lm_head`` -> (soft-capping) ->
 ``loss_function`` (``KNOWN_FORMS``), decided by what the model *is*: its class and that class's forward
@@ -108,7 +109,9 @@ class TiledLossForward:
         arguments = inspect.signature(inner).bind(*args, **kwargs).arguments
         extra = dict(arguments.pop("kwargs", {}))
         labels = arguments.get("labels")
-        if labels is None and extra.get("shift_labels") is None:
+        if (labels is None and extra.get("shift_labels") is None) or not torch.is_grad_enabled():
+            # No labels, or no graph (evaluation: a Trainer's metrics read the logits, and no backward
+            # will hold them): the model's own forward, logits included.
             return inner(*args, **kwargs)
         keep = arguments.get("logits_to_keep", 0)
         if not (isinstance(keep, int) and keep == 0):
