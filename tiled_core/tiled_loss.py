@@ -25,7 +25,7 @@ from .kernels.base import ReduceKernel
 from .kernels.cross_entropy import CrossEntropyOptions, check_targets
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear, loss_dtype
 from .loss_shards import loss_num_shards
-from .shard_plan import AUTO, NumShards, make_shard_plan
+from .shard_plan import AUTO, NumShards, check_num_shards, make_shard_plan
 from .sharded_autograd import ShardedRun
 from .sharded_reduce import sharded_reduce
 
@@ -82,6 +82,7 @@ def tiled_cross_entropy(
     options = CrossEntropyOptions(ignore_index, float(label_smoothing), logit_softcap, float(z_loss))
     targets = _shifted_targets(hidden, labels, shift_labels, ignore_index)
     _check_call(hidden, lm_head, targets, options, reduction)
+    check_num_shards(num_shards)
     fixed = strategy_from_arg(strategy)
     backend = fixed if fixed is not None else resolve_strategy(lm_head)
     backend.check_supported(lm_head)
@@ -104,8 +105,7 @@ def tiled_cross_entropy(
         scale = _scale(targets, reduction, num_items_in_batch, ignore_index, dtype)
         run: ShardedRun[ReduceKernel] = ShardedRun(
             kernel=kernel,
-            plan=make_shard_plan(num_tokens, loss_num_shards(num_tokens, _vocab_size(lm_head) or UNKNOWN_VOCAB,
-                                                             num_shards)),
+            plan=make_shard_plan(num_tokens, loss_num_shards(num_tokens, vocab or UNKNOWN_VOCAB, num_shards)),
             grad_accum_dtype=grad_accum_dtype,
             param_mask=mask,
             zeros_for_unused=backend.unused_grads_as_zeros,
