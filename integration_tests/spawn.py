@@ -7,6 +7,7 @@ back to the test; an exception in any rank fails the test with that rank's trace
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -37,6 +38,12 @@ def _worker(rank: int, world_size: int, fn: Callable, workdir: str, args: tuple)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # The result is saved: leave without running C++ static destructors. A gloo process aborted at exit
+    # now and then ("terminate called without an active exception", SIGABRT, about 1 run in 8 of
+    # test_third_party_strategy, at this commit and before it), after its work and its result were done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable, world_size: int, tmp_path, *args: Any, timeout: float = 120.0) -> List[Any]:
