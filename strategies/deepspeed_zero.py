@@ -179,13 +179,11 @@ def _running_forward_module():
 def _borrow_params(module: nn.Module, running: nn.Module) -> None:
     """Gather ``module``'s partitioned parameters as parameters of ``running`` (registered as its
     external parameters): released by ``running``'s hooks, not on leaving the tiled call."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    registered = getattr(running, "_external_params", {})
     params: List[Any] = [p for p in module.parameters() if is_zero3_param(p)]  # with DeepSpeed's ds_* attributes
+    _register_external(running, params)
     for p in params:
-        if id(p) not in registered:
-            register_external_parameter(running, p)
         if p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
             p.all_gather()
 
@@ -194,13 +192,19 @@ def _register_descendant_params_as_external(module: nn.Module) -> None:
     """Make ZeRO-3 fetch the children's parameters with the MLP's own hooks: before its forward, again
     before its backward (so the recompute has them), and release them after each, after autograd has
     accumulated their gradients."""
+    own = {id(p) for p in module.parameters(recurse=False)}
+    _register_external(module, [p for p in module.parameters() if is_zero3_param(p) and id(p) not in own])
+
+
+def _register_external(owner: nn.Module, params: Sequence[Any]) -> None:
+    """Register ``params`` as ZeRO-3 external parameters of ``owner`` (fetched and released by its hooks),
+    each once (DeepSpeed keys them by ``id``)."""
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
-    own = {id(p) for p in module.parameters(recurse=False)}
-    registered = getattr(module, "_external_params", {})
-    for p in module.parameters():
-        if is_zero3_param(p) and id(p) not in own and id(p) not in registered:
-            register_external_parameter(module, p)
+    registered = getattr(owner, "_external_params", {})
+    for p in params:
+        if id(p) not in registered:
+            register_external_parameter(owner, p)
 
 
 @contextlib.contextmanager

@@ -28,9 +28,6 @@ class GradAccumulator:
 
     def dtype_for(self, index: int) -> torch.dtype:
         """The dtype gradient ``index`` is summed in."""
-        return self._dtype_for(index)
-
-    def _dtype_for(self, index: int) -> torch.dtype:
         own = self._params[index].dtype
         # grad_accum_dtype raises precision (bf16 -> fp32); it never lowers it (fp64 stays fp64).
         return own if self._accum_dtype is None else torch.promote_types(self._accum_dtype, own)
@@ -42,7 +39,7 @@ class GradAccumulator:
         buffer = self._buffers[index]
         if buffer is None:
             # Take ownership of the shard's gradient instead of copying it into a new buffer.
-            self._buffers[index] = grad if grad.dtype == self._dtype_for(index) else grad.to(self._dtype_for(index))
+            self._buffers[index] = grad if grad.dtype == self.dtype_for(index) else grad.to(self.dtype_for(index))
         else:
             buffer.add_(grad)
 
@@ -51,7 +48,7 @@ class GradAccumulator:
         if not self.needed[index]:
             return
         buffer = self._buffers[index]
-        if self._dtype_for(index) != a.dtype:
+        if self.dtype_for(index) != a.dtype:
             self.add(index, torch.mm(a, b))
         elif buffer is None:
             self._buffers[index] = torch.mm(a, b)
@@ -63,8 +60,8 @@ class GradAccumulator:
         if not self.needed[index]:
             return
         buffer = self._buffers[index]
-        if buffer is None or self._dtype_for(index) != rows.dtype:
-            self.add(index, rows.sum(0, dtype=self._dtype_for(index)))
+        if buffer is None or self.dtype_for(index) != rows.dtype:
+            self.add(index, rows.sum(0, dtype=self.dtype_for(index)))
         else:
             buffer.add_(rows.sum(0))
 

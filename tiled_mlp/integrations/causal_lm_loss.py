@@ -58,29 +58,31 @@ KNOWN_FORMS: Dict[Tuple[str, str], LossForm] = {
     ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeForCausalLM"): _MOE,
     ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeForCausalLM"): _MOE,
 }
-LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+
+def _family_class(module: nn.Module) -> Optional[type]:
+    """The class in ``module``'s MRO that ``KNOWN_FORMS`` names (a subclass, FSDP2's wrapper class), if any."""
+    return next((k for k in type(module).__mro__ if (k.__module__, k.__qualname__) in KNOWN_FORMS), None)
 
 
 def known_form(model: nn.Module) -> Tuple[Optional[LossForm], str]:
     """(the family's form, "") when ``model`` is a known causal LM with its library forward, else (None, why)."""
-    for klass in type(model).__mro__:
-        form = KNOWN_FORMS.get((klass.__module__, klass.__qualname__))
-        if form is None:
-            continue
-        library = getattr(importlib.import_module(klass.__module__), klass.__qualname__, None)
-        if library is not klass:
-            return None, f"{klass.__qualname__} is not the class transformers defines"
-        forward = type(model).forward
-        own = (getattr(forward, "__module__", None) == klass.__module__
-               and getattr(forward, "__qualname__", None) == f"{klass.__qualname__}.forward")
-        if not own:  # a forward put on the class since (Liger's loss patch): not the one this form describes
-            return None, (f"{type(model).__name__}.forward is not {klass.__qualname__}'s own (another library patched "
-                          "it); its loss could change silently")
-        if "_loss_function" in vars(model):
-            return None, "it sets its own loss_function, which the tiled loss would replace"
-        return form, ""
-    names = ", ".join(sorted(name for _, name in KNOWN_FORMS))
-    return None, f"{type(model).__name__} is not one of the causal LMs whose loss path is known ({names})"
+    klass = _family_class(model)
+    if klass is None:
+        names = ", ".join(sorted(name for _, name in KNOWN_FORMS))
+        return None, f"{type(model).__name__} is not one of the causal LMs whose loss path is known ({names})"
+    name = klass.__qualname__
+    if getattr(importlib.import_module(klass.__module__), name, None) is not klass:
+        return None, f"{name} is not the class transformers defines"
+    forward = type(model).forward
+    own = (getattr(forward, "__module__", None) == klass.__module__
+           and getattr(forward, "__qualname__", None) == f"{name}.forward")
+    if not own:  # a forward put on the class since (Liger's loss patch): not the one this form describes
+        return None, (f"{type(model).__name__}.forward is not {name}'s own (another library patched it); its loss "
+                      "could change silently")
+    if "_loss_function" in vars(model):
+        return None, "it sets its own loss_function, which the tiled loss would replace"
+    return KNOWN_FORMS[(klass.__module__, name)], ""
 
 
 class TiledLossForward:
@@ -141,10 +143,7 @@ class TiledLossForward:
 def find_causal_lm(model: nn.Module) -> Optional[nn.Module]:
     """The causal LM inside ``model`` (itself, or under a PEFT or other wrapper): the first module whose
     class is of a known family."""
-    for module in model.modules():
-        if any((k.__module__, k.__qualname__) in KNOWN_FORMS for k in type(module).__mro__):
-            return module
-    return None
+    return next((module for module in model.modules() if _family_class(module) is not None), None)
 
 
 def check_tiled_loss(model: nn.Module) -> Tuple[nn.Module, LossForm]:
