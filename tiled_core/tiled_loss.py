@@ -25,6 +25,7 @@ from .kernels.base import ReduceKernel
 from .kernels.cross_entropy import CrossEntropyOptions, check_targets
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear, loss_dtype
 from .loss_shards import loss_num_shards
+from .sequence_group import check_group, group_count, sum_over_group
 from .shard_plan import AUTO, NumShards, check_num_shards, make_shard_plan
 from .sharded_autograd import ShardedRun
 from .sharded_reduce import sharded_reduce
@@ -56,6 +57,7 @@ def tiled_cross_entropy(
     num_shards: NumShards = AUTO,
     strategy: StrategyArg = "auto",
     grad_accum_dtype: Optional[torch.dtype] = None,
+    sequence_group: Optional[Any] = None,
 ) -> torch.Tensor:
     """The causal-LM loss of ``lm_head(hidden)`` against ``labels``, computed a token shard at a time.
 
@@ -75,6 +77,11 @@ def tiled_cross_entropy(
         num_shards: an int >= 1, or "auto" (a shard's float32 logits near 256 MiB).
         strategy: "auto" (the head's backend, resolved now), a registered name or a ``Strategy``.
         grad_accum_dtype: dtype of the head's gradient sums over shards (default: the parameter's).
+        sequence_group: the process group a sequence is split across (sequence parallelism: this rank
+            holds a slice of the tokens, its labels already shifted). The loss is summed per rank and
+            divided once, by the valid tokens of the whole group (or ``num_items_in_batch``, the count of
+            everything one optimizer step sums over), and every rank returns the whole sequence's loss
+            (``sequence_group.py``; its backward suits backends that average over their ranks).
 
     Returns: a 0-dim tensor in float32 (float64 for a float64 head). Every gradient, the head's included,
     is scaled by the gradient that reaches it.
@@ -83,6 +90,8 @@ def tiled_cross_entropy(
     targets = _shifted_targets(hidden, labels, shift_labels, ignore_index)
     _check_call(hidden, lm_head, targets, options, reduction)
     check_num_shards(num_shards)
+    if sequence_group is not None:
+        check_group(sequence_group)
     fixed = strategy_from_arg(strategy)
     backend = fixed if fixed is not None else resolve_strategy(lm_head)
     backend.check_supported(lm_head)
@@ -102,7 +111,7 @@ def tiled_cross_entropy(
         vocab = _vocab_size(lm_head)
         if vocab is not None:  # else the module kernel checks each shard once its logits show the vocabulary
             check_targets(targets, vocab, ignore_index)
-        scale = _scale(targets, reduction, num_items_in_batch, ignore_index, dtype)
+        scale = _scale(targets, reduction, num_items_in_batch, ignore_index, dtype, sequence_group)
         run: ShardedRun[ReduceKernel] = ShardedRun(
             kernel=kernel,
             plan=make_shard_plan(num_tokens, loss_num_shards(num_tokens, vocab or UNKNOWN_VOCAB, num_shards)),
@@ -111,7 +120,7 @@ def tiled_cross_entropy(
             zeros_for_unused=backend.unused_grads_as_zeros,
             deliver_grads=backend.deliver_grads,
         )
-        return sharded_reduce(hidden, targets, scale, run, params)
+        return sum_over_group(sharded_reduce(hidden, targets, scale, run, params), sequence_group)
 
 
 class TiledCrossEntropy(nn.Module):
@@ -120,7 +129,8 @@ class TiledCrossEntropy(nn.Module):
 
     def __init__(self, *, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  logit_softcap: Optional[float] = None, z_loss: float = 0.0, num_shards: NumShards = AUTO,
-                 strategy: StrategyArg = "auto", grad_accum_dtype: Optional[torch.dtype] = None):
+                 strategy: StrategyArg = "auto", grad_accum_dtype: Optional[torch.dtype] = None,
+                 sequence_group: Optional[Any] = None):
         super().__init__()
         CrossEntropyOptions(ignore_index, float(label_smoothing), logit_softcap, float(z_loss))  # validates them
         _check_reduction(reduction)
@@ -128,7 +138,7 @@ class TiledCrossEntropy(nn.Module):
         strategy_from_arg(strategy)
         self.options: Dict[str, Any] = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                             logit_softcap=logit_softcap, z_loss=z_loss, num_shards=num_shards, strategy=strategy,
-                            grad_accum_dtype=grad_accum_dtype)
+                            grad_accum_dtype=grad_accum_dtype, sequence_group=sequence_group)
 
     def forward(self, hidden: torch.Tensor, lm_head: nn.Module, labels: Optional[torch.Tensor] = None, *,
                 shift_labels: Optional[torch.Tensor] = None,
@@ -185,10 +195,13 @@ def _vocab_size(lm_head: nn.Module) -> Optional[int]:
 
 
 def _scale(targets: torch.Tensor, reduction: str, num_items_in_batch, ignore_index: int,
-           dtype: torch.dtype) -> torch.Tensor:
-    """1 / the denominator, as a tensor (no host sync): Hugging Face's rules."""
+           dtype: torch.dtype, group: Optional[Any]) -> torch.Tensor:
+    """1 / the denominator, as a tensor (no host sync): Hugging Face's rules; under sequence parallelism
+    the mean's count is the whole group's."""
     if num_items_in_batch is not None:
         denominator = torch.as_tensor(num_items_in_batch, device=targets.device).to(dtype)
+    elif reduction == "mean" and group is not None:
+        denominator = group_count(targets, ignore_index, group, dtype)
     elif reduction == "mean":
         denominator = (targets != ignore_index).sum().to(dtype)  # 0 valid tokens: NaN, as F.cross_entropy
     else:

@@ -24,6 +24,7 @@ library's loss patch) or that set its own ``loss_function`` is refused: its loss
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -87,7 +88,10 @@ def known_form(model: nn.Module) -> Tuple[Optional[LossForm], str]:
 
 class TiledLossForward:
     """The forward installed on a causal LM instance (see the module docstring). Picklable and
-    deep-copyable with the model (it holds the model and its settings, nothing else)."""
+    deep-copyable with the model (it holds the model and its settings, nothing else). Under sequence
+    parallelism (``ulysses.py``) it also holds the group its loss is divided over: a deep copy shares
+    that group (a process-wide handle), and pickling refuses it (a group cannot leave its process).
+    """
 
     def __init__(self, model: nn.Module, form: LossForm, previous: Optional[Callable], num_shards: NumShards,
                  grad_accum_dtype: Optional[torch.dtype]):
@@ -96,6 +100,23 @@ class TiledLossForward:
         self.previous = previous  # an instance forward the model had before (None: its class's)
         self.num_shards = num_shards
         self.grad_accum_dtype = grad_accum_dtype
+        self.sequence_group: Any = None  # set by apply_sequence_parallel
+
+    def __deepcopy__(self, memo: dict) -> TiledLossForward:
+        group, self.sequence_group = self.sequence_group, None
+        try:
+            copied = copy.deepcopy(vars(self), memo)
+        finally:
+            self.sequence_group = group
+        clone = object.__new__(type(self))
+        clone.__dict__.update(copied, sequence_group=group)
+        return clone
+
+    def __getstate__(self) -> dict:
+        if self.sequence_group is not None:
+            raise TypeError("tiled loss: a model under sequence parallelism cannot be pickled (its process group "
+                            "cannot leave this process); remove sequence parallelism first (.remove())")
+        return dict(vars(self))
 
     def _inner(self) -> Callable:
         return self.previous if self.previous is not None else type(self.model).forward.__get__(self.model)
@@ -132,7 +153,8 @@ class TiledLossForward:
         loss = tiled_cross_entropy(
             hidden["h"], self.model.get_output_embeddings(), labels, shift_labels=extra.get("shift_labels"),
             ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
-            logit_softcap=softcap, num_shards=self.num_shards, grad_accum_dtype=self.grad_accum_dtype)
+            logit_softcap=softcap, num_shards=self.num_shards, grad_accum_dtype=self.grad_accum_dtype,
+            sequence_group=self.sequence_group)
         if self.form.router_aux_loss and getattr(out, "aux_loss", None) is not None:
             loss = loss + self.model.router_aux_loss_coef * out.aux_loss.to(loss.device)
         fields: Dict[str, Any] = {k: v for k, v in out.items() if k not in ("loss", "logits")}
@@ -171,9 +193,15 @@ def install_tiled_loss(model: nn.Module, num_shards: NumShards = "auto",
     return causal_lm
 
 
-def is_tiled_loss(model: nn.Module) -> bool:
+def tiled_loss_forward(model: nn.Module) -> Optional[TiledLossForward]:
+    """The tiled loss installed on the causal LM in ``model``, if any."""
     causal_lm = find_causal_lm(model)
-    return causal_lm is not None and isinstance(vars(causal_lm).get("forward"), TiledLossForward)
+    installed = vars(causal_lm).get("forward") if causal_lm is not None else None
+    return installed if isinstance(installed, TiledLossForward) else None
+
+
+def is_tiled_loss(model: nn.Module) -> bool:
+    return tiled_loss_forward(model) is not None
 
 
 def remove_tiled_loss(model: nn.Module) -> bool:

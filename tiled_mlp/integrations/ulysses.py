@@ -1,0 +1,156 @@
+"""Ulysses sequence parallelism on a Hugging Face model, beside the tiled MLP and the tiled loss.
+
+The engine is DeepSpeed's (``deepspeed.runtime.sequence_parallel.ulysses_sp``), not one of ours:
+``UlyssesSPAttentionHF`` takes the place of the model's attention function (an all-to-all turns each
+rank's [its tokens, all heads] into [all tokens, its heads], the attention runs, and an all-to-all turns
+it back) and ``UlyssesSPDataLoaderAdapter`` gives each rank its slice of every sample, labels shifted
+before the split. What this module adds is the composition:
+
+- each rank's tiled MLPs tile that rank's tokens (shard counts are per rank, from the local length:
+  nothing to do, the MLP only ever sees the local slice);
+- the tiled loss sums over the rank's slice and divides once, by the valid tokens of the whole group
+  (``tiled_core.sequence_group``), so every rank returns the whole sequence's loss, with gradients
+  that the backend's averaging over ranks turns into the whole sequence's gradient.
+
+Sequence parallelism is not a parameter strategy: which backend owns the weights (DDP, FSDP2, ZeRO) is
+still resolved per tiled call, and SP composes beside it (``strategies`` never sees it).
+
+The model's own loss must not run under SP (a per-rank mean over a slice is the wrong loss when the
+ranks' masks differ), so the tiled loss must be on the model first. Hugging Face's Trainer, with
+accelerate's ``ParallelismConfig(sp_backend="deepspeed")``, does the same composition itself: it
+re-weights each rank's mean by its valid tokens, which the tiled loss also survives unchanged (its
+per-rank mean is a mean); this module is for loops that do not use the Trainer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NO_TILED_LOSS_ERROR = (
+    "sequence parallelism: {model} has no tiled loss. Under SP each rank holds a slice of the sequence, and the "
+    "model's own loss would be a mean over that slice (wrong whenever the ranks' valid tokens differ). Put the "
+    "tiled loss on first: apply_tiled_mlp(model, loss=True) or apply_tiled_loss(model)."
+)
+
+
+@dataclass
+class SequenceParallel:
+    """Ulysses SP installed on a model: its group, how to feed it, and how to take it off."""
+
+    model: nn.Module
+    group: Any  # torch.distributed.ProcessGroup of the ranks that share each sequence
+    mpu: Any  # DeepSpeed's SP state (``parallel_state_sp``): pass as ``deepspeed.initialize(mpu=...)``
+    core_attention: str
+    _attention_before: Optional[Callable] = field(default=None, repr=False)
+
+    @property
+    def size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group)
+
+    def shard(self, batch: Mapping[str, Any]) -> Dict[str, Any]:
+        """This rank's slice of a batch every rank of the group holds whole (``[batch, tokens]`` tensors).
+
+        As DeepSpeed's data-loader adapter does for each sample: ``labels`` become ``shift_labels`` (shifted
+        over the whole sequence, before the split: the last token of one slice predicts the first of the
+        next), ``position_ids`` default to ``arange`` (what the model would use), and every tensor is cut
+        along the tokens. The length must be a multiple of the SP size.
+        """
+        batch = dict(batch)
+        ids = batch.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError("sequence parallelism: shard() needs input_ids of shape [batch, tokens]")
+        tokens = ids.shape[1]
+        if tokens % self.size:
+            raise ValueError(f"sequence parallelism: {tokens} tokens do not split across {self.size} ranks; pad the "
+                             f"sequence to a multiple of {self.size} (labels -100 on the padding)")
+        if "position_ids" not in batch:
+            batch["position_ids"] = torch.arange(tokens, device=ids.device).expand_as(ids)
+        labels = batch.pop("labels", None)
+        if labels is not None:
+            batch["shift_labels"] = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        chunk = tokens // self.size
+        cut = slice(chunk * self.rank, chunk * (self.rank + 1))
+        return {k: (v[:, cut] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    def data_loader(self, loader: Iterable, device: Optional[torch.device] = None) -> Any:
+        """DeepSpeed's ``UlyssesSPDataLoaderAdapter`` around ``loader`` (each rank's loader yields its own
+        samples; each sample is split across the group in turn)."""
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+        device = device if device is not None else next(self.model.parameters()).device
+        return UlyssesSPDataLoaderAdapter(loader, sp_rank=self.rank, sp_group=self.group, sp_world_size=self.size,
+                                          device=device)
+
+    def remove(self) -> None:
+        """The model's attention and loss as before; DeepSpeed's SP groups released."""
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from .causal_lm_loss import tiled_loss_forward
+
+        if self._attention_before is not None:
+            ALL_ATTENTION_FUNCTIONS[self.core_attention] = self._attention_before
+            self._attention_before = None
+        installed = tiled_loss_forward(self.model)
+        if installed is not None:
+            installed.sequence_group = None
+        parallel_state_sp._release_sequence_parallel_groups()
+
+
+def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: int = 1) -> SequenceParallel:
+    """Ulysses SP of ``size`` ranks on ``model`` (a causal LM with the tiled loss on it), on the process
+    group already initialized; consecutive ranks share a sequence (DeepSpeed's layout: with 4 ranks and
+    ``size=2``, ranks 0-1 and 2-3). Every rank calls it. Returns the handle; ``.remove()`` undoes it.
+
+    The attention implementation stays the model's (``sdpa``, a flash-attention kernel, flex): DeepSpeed
+    wraps it. ``eager`` is refused by DeepSpeed (it needs a [tokens, tokens] mask).
+    """
+    import torch.distributed as dist
+
+    from .causal_lm_loss import tiled_loss_forward
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("sequence parallelism: initialize torch.distributed first (every rank calls this)")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+        raise ValueError(f"sequence parallelism: size must be an int >= 2, got {size!r}")
+    world = dist.get_world_size()
+    if world % size:
+        raise ValueError(f"sequence parallelism: the world of {world} ranks does not divide into groups of {size}")
+    installed = tiled_loss_forward(model)
+    if installed is None:
+        raise ValueError(NO_TILED_LOSS_ERROR.format(model=type(model).__name__))
+    config = installed.model.config.get_text_config()
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % size or (kv_heads % size and size % kv_heads):
+        raise ValueError(f"sequence parallelism: {size} ranks must divide the {heads} query heads, and divide or be a "
+                         f"multiple of the {kv_heads} key/value heads (each rank attends over whole heads)")
+    core = installed.model.config._attn_implementation
+
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
+        raise RuntimeError("sequence parallelism: DeepSpeed's SP groups already exist in this process (an earlier "
+                           "apply_sequence_parallel not removed, or accelerate's ParallelismConfig); remove them first")
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    before = ALL_ATTENTION_FUNCTIONS[core] if core in ALL_ATTENTION_FUNCTIONS else None
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        installed.model, core_attn_implementation=core, sequence_parallel_size=size,
+        micro_batch_size=micro_batch_size, seq_length_is_variable=True)
+    group = mpu.get_sequence_parallel_group()
+    installed.sequence_group = group
+    return SequenceParallel(model, group, mpu, core, before)
