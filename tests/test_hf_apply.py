@@ -182,7 +182,7 @@ def test_training_script_flags():
         read_tiled_mlp_flags({"tiled_mlp_num_shards": "many"})
     model = Net()
     assert apply_from_flags(model, {"use_tiled_mlp": False}) is None and not is_tiled(model)
-    assert len(apply_from_flags(model, args).patched) == 2
+    assert len(apply_from_flags(model, args).report.patched) == 2
     assert model.blocks[0]["ffn"].tiling.num_shards == 4
 
 

@@ -22,7 +22,7 @@ def add_parser(subparsers) -> None:
 
 def _passthrough(args) -> list:
     out = []
-    for name in ("seq", "batch", "steps", "hidden", "intermediate", "layers", "vocab", "num_shards", "lr", "seed"):
+    for name in ("seq", "batch", "steps", "hidden", "intermediate", "layers", "vocab", "num_shards", "lr", "seed", "sp"):
         out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.strategy:
         out += ["--strategy", args.strategy]
@@ -39,6 +39,13 @@ def run(args, parser_error) -> int:
         parser_error(f"--strategy {args.strategy} needs --nproc 2 or more")
     if args.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         parser_error("--strategy deepspeed needs deepspeed: pip install 'tiled-mlp[deepspeed]'")
+    if args.sp > 1:
+        if args.nproc % args.sp:
+            parser_error(f"--sp {args.sp} needs --nproc a multiple of it (got --nproc {args.nproc})")
+        if HEADS % args.sp or args.seq % args.sp:
+            parser_error(f"--sp {args.sp} must divide the demo's {HEADS} attention heads and --seq {args.seq}")
+        if importlib.util.find_spec("deepspeed") is None:
+            parser_error("--sp needs deepspeed (its Ulysses attention): pip install 'tiled-mlp[deepspeed]'")
     if args.nproc == 1:
         from .demo_train import report
 

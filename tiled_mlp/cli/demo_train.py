@@ -1,7 +1,10 @@
 """The demo's training loop: a tiny Llama (random init from a config, no downloads) trained on
 synthetic long sequences, untiled then tiled from the same seed, with loss and peak memory per step.
 
-Runs in one process, or as a torchrun worker (``--strategy fsdp2|deepspeed``) on CPU with gloo.
+Runs in one process, or as a torchrun worker (``--strategy fsdp2|deepspeed``) on CPU with gloo. With
+``--sp N`` the ranks train the whole long-sequence stack (``apply_long_context``: tiled MLP, tiled loss,
+checkpoint offload, Ulysses SP over N ranks) on the same sequences, and rank 0 also trains the plain model
+in one process: the losses must be equal.
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ def synthetic_batches(args, rank: int):
 
 
 def _wrap(model, args):
-    """The model under the chosen backend, and a function doing one optimizer step."""
+    """The model under the chosen backend (DDP when sequence parallelism has none), and a function doing
+    one optimizer step."""
     if args.strategy == "deepspeed":
         import deepspeed
 
@@ -61,6 +65,10 @@ def _wrap(model, args):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    elif args.sp > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 
     def step(loss):
@@ -90,7 +98,63 @@ def train(args, tiled: bool, rank: int):
     return losses, peaks
 
 
+def train_stack(args) -> tuple:
+    """Every rank: the stack with SP over ``args.sp`` ranks, on the same sequences (rank 0's); the
+    losses, and the host memory the offload held at most."""
+    import torch.distributed as dist
+
+    from ..integrations.stack import apply_long_context
+
+    model = tiny_llama(args)
+    stack = apply_long_context(model, sequence_parallel=args.sp, num_shards=args.num_shards, micro_batch_size=args.batch)
+    sp, offload = stack.sequence_parallel, stack.offload
+    assert sp is not None and offload is not None  # both asked for above
+    model, step = _wrap(model, args)
+    losses = []
+    for input_ids in synthetic_batches(args, rank=dist.get_rank() // args.sp):
+        loss = model(**sp.shard({"input_ids": input_ids, "labels": input_ids})).loss
+        step(loss)
+        losses.append(loss.item())
+    host = offload.host_bytes.peak / MiB
+    stack.remove()
+    return losses, host
+
+
+def train_plain(args) -> list:
+    """One process, the whole sequence: the plain model, untiled, nothing offloaded."""
+    model = tiny_llama(args)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    losses = []
+    for input_ids in synthetic_batches(args, rank=0):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def report_stack(args, rank: int) -> None:
+    stacked, host = train_stack(args)
+    if rank != 0:
+        return
+    plain = train_plain(args)
+    print(f"tiny Llama hidden={args.hidden} intermediate={args.intermediate} layers={args.layers} seq={args.seq} "
+          f"batch={args.batch}, CPU, float32: tiled MLP + tiled loss + checkpoint offload + Ulysses SP={args.sp} "
+          f"({args.strategy or 'ddp'} x{os.environ.get('WORLD_SIZE', 1)}, {args.seq // args.sp} tokens per rank) "
+          "against the plain model in one process")
+    print("| step | one process | SP stack | |diff| |")
+    print("|---|---|---|---|")
+    for i, (one, many) in enumerate(zip(plain, stacked, strict=True)):
+        print(f"| {i} | {one:.6f} | {many:.6f} | {abs(one - many):.1e} |")
+    worst = max(abs(a - b) for a, b in zip(plain, stacked, strict=True))
+    print(f"largest loss difference: {worst:.2e}; host memory held by the offload (rank 0, at most): {host:.2f} MiB")
+
+
 def report(args, rank: int) -> None:
+    if args.sp > 1:
+        report_stack(args, rank)
+        return
     untiled = train(args, tiled=False, rank=rank)
     tiled = train(args, tiled=True, rank=rank)
     if rank != 0:
@@ -119,6 +183,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strategy", choices=["fsdp2", "deepspeed"], default=None,
                    help="distributed backend (needs --nproc >= 2)")
+    p.add_argument("--sp", type=parsing.positive_int, default=1,
+                   help="Ulysses sequence parallelism over this many ranks, with the tiled loss and checkpoint "
+                        "offload, against the plain model in one process (needs --nproc a multiple of it)")
 
 
 def worker_main(argv=None) -> None:
@@ -129,7 +196,7 @@ def worker_main(argv=None) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    if args.strategy == "deepspeed":
+    if args.strategy == "deepspeed" or args.sp > 1:
         import deepspeed
 
         with contextlib.redirect_stdout(sys.stderr):

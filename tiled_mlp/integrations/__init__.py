@@ -13,9 +13,17 @@ from .hf import (
     maybe_apply_tiled_mlp,
     remove_tiled_mlp,
 )
+from .offload import apply_checkpoint_offload
 from .report import TiledBlock, TilingReport
+from .stack import LongContextStack, apply_long_context
+from .ulysses import SequenceParallel, apply_sequence_parallel
 
 __all__ = [
+    "apply_long_context",
+    "LongContextStack",
+    "apply_checkpoint_offload",
+    "apply_sequence_parallel",
+    "SequenceParallel",
     "apply_tiled_mlp",
     "remove_tiled_mlp",
     "apply_tiled_loss",

@@ -1,5 +1,6 @@
-"""Training-script flags: ``--use_tiled_mlp``, ``--tiled_mlp_num_shards`` and ``--use_tiled_loss``
-(argparse or a dict).
+"""Training-script flags (argparse or a dict), one per piece of the long-sequence stack:
+``--use_tiled_mlp``, ``--tiled_mlp_num_shards``, ``--use_tiled_loss``, ``--use_checkpoint_offload`` and
+``--sequence_parallel_size`` (ms-swift's spelling).
 
 ``--use_tiled_mlp`` takes an optional boolean, so both ``--use_tiled_mlp`` and ms-swift's
 ``--use_tiled_mlp true`` work; a dict (a YAML/JSON training config) may spell it as a bool or a string.
@@ -62,7 +63,29 @@ def add_tiled_mlp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--use_tiled_loss", type=_bool_arg, nargs="?", const=True, default=False, metavar="BOOL",
                        help="compute a causal LM's loss (LM head + cross-entropy) in token shards, never holding "
                             "the logits; with labels the model returns no logits (default: off)")
+    group.add_argument("--use_checkpoint_offload", type=_bool_arg, nargs="?", const=True, default=False,
+                       metavar="BOOL", help="keep each checkpointed layer's input (all but the last) in host memory "
+                                            "until its backward; turns on non-reentrant layer checkpointing if off")
+    group.add_argument("--sequence_parallel_size", type=_sp_size_arg, default=1, metavar="N",
+                       help="Ulysses sequence parallelism (DeepSpeed's): N ranks share each sequence; needs the "
+                            "tiled loss (default: 1, off)")
     return parser
+
+
+def parse_sp_size(value: Any, name: str = "sequence_parallel_size") -> int:
+    """An SP size: an int >= 1 (1 is off), or its decimal text."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (1: no sequence parallelism), got {value!r}")
+    return value
+
+
+def _sp_size_arg(text: str) -> int:
+    try:
+        return parse_sp_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -70,6 +93,12 @@ class TiledMLPFlags:
     use_tiled_mlp: bool = False
     num_shards: NumShards = "auto"
     use_tiled_loss: bool = False
+    use_checkpoint_offload: bool = False
+    sequence_parallel_size: int = 1
+
+    @property
+    def any(self) -> bool:
+        return self.use_tiled_mlp or self.use_tiled_loss or self.use_checkpoint_offload or self.sequence_parallel_size > 1
 
 
 def read_tiled_mlp_flags(source: Union[argparse.Namespace, Mapping[str, Any], None]) -> TiledMLPFlags:
@@ -91,5 +120,9 @@ def read_tiled_mlp_flags(source: Union[argparse.Namespace, Mapping[str, Any], No
         raise ValueError(f"tiled_mlp_num_shards: {error}") from None
     use_loss = values.get("use_tiled_loss")
     use_loss = False if use_loss is None else parse_bool(use_loss, "use_tiled_loss")
-    return TiledMLPFlags(use, num_shards, use_loss)
+    offload = values.get("use_checkpoint_offload")
+    offload = False if offload is None else parse_bool(offload, "use_checkpoint_offload")
+    sp = values.get("sequence_parallel_size")
+    sp = 1 if sp is None else parse_sp_size(sp)
+    return TiledMLPFlags(use, num_shards, use_loss, offload, sp)
 

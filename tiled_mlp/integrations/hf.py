@@ -117,16 +117,20 @@ def apply_tiled_loss(model: nn.Module, num_shards: NumShards = "auto", grad_accu
     return report
 
 
-def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[TilingReport]:
-    """``apply_tiled_mlp(model, num_shards=...)`` when ``--use_tiled_mlp`` is set (parsed arguments or a
-    dict from a training config), with the tiled loss when ``--use_tiled_loss`` is set; the tiled loss
-    alone when only that is; else None."""
+def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[Any]:
+    """The long-sequence stack as the flags (parsed arguments or a dict from a training config) ask:
+    ``apply_long_context`` with ``--use_tiled_mlp`` (and ``--tiled_mlp_num_shards``), ``--use_tiled_loss``,
+    ``--use_checkpoint_offload`` and ``--sequence_parallel_size``; returns its handle (``.report`` says what
+    was tiled, ``.remove()`` undoes it all), or None when no flag asks for anything. ``kwargs`` go to
+    ``apply_long_context``."""
+    from .stack import apply_long_context
+
     flags = read_tiled_mlp_flags(source)
-    if flags.use_tiled_mlp:
-        return apply_tiled_mlp(model, num_shards=flags.num_shards, loss=flags.use_tiled_loss, **kwargs)
-    if flags.use_tiled_loss:
-        return apply_tiled_loss(model, grad_accum_dtype=kwargs.get("grad_accum_dtype"))
-    return None
+    if not flags.any:
+        return None
+    return apply_long_context(model, tiled_mlp=flags.use_tiled_mlp, tiled_loss=flags.use_tiled_loss,
+                              checkpoint_offload=flags.use_checkpoint_offload,
+                              sequence_parallel=flags.sequence_parallel_size, num_shards=flags.num_shards, **kwargs)
 
 
 def remove_tiled_mlp(model: nn.Module) -> List[str]:

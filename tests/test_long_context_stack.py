@@ -1,0 +1,141 @@
+"""``apply_long_context``: the tiled MLP, the tiled loss, checkpointing and checkpoint offload (and SP,
+proven across processes in ``integration_tests/test_sequence_parallel.py``) in one call, exact against
+the plain model in float64, undone in one call, and refused before any change where it cannot apply.
+The training-script flags that drive it."""
+from __future__ import annotations
+
+import argparse
+import copy
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
+from tiled_mlp.integrations import (  # noqa: E402
+    add_tiled_mlp_args,
+    apply_from_flags,
+    apply_long_context,
+    is_tiled,
+    is_tiled_loss,
+    read_tiled_mlp_flags,
+)
+from tiled_mlp.integrations.offload import checkpointed_layers  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _data(seed=0):
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    return ids, labels
+
+
+def _plain_loss(model, ids, labels):
+    """The model's own loss path in float64 (``ForCausalLMLoss``'s ``.float()`` kept float64)."""
+    with mock.patch.object(torch.Tensor, "float", lambda self: self):
+        return model(input_ids=ids, labels=labels).loss
+
+
+def _grads(model):
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_stack_is_exact_and_comes_off_in_one_call(family):
+    reference = tiny_model(family)
+    model = copy.deepcopy(reference)
+    names = [name for name, _ in model.named_parameters()]
+    stack = apply_long_context(model, num_shards=3, loss_num_shards=2)
+    assert is_tiled(model) and is_tiled_loss(model) and stack.checkpointing_turned_on
+    assert len(checkpointed_layers(model)) == model.config.num_hidden_layers
+    model.train()
+    reference.train()
+    ids, labels = _data()
+    want = _plain_loss(reference, ids, labels)
+    want.backward()
+    loss = model(input_ids=ids, labels=labels).loss
+    hidden = model.config.hidden_size
+    assert stack.offload.host_bytes.current == (model.config.num_hidden_layers - 1) * ids.numel() * hidden * 8
+    loss.backward()
+    torch.testing.assert_close(loss, want, rtol=0, atol=1e-12)
+    for name, g in _grads(reference).items():
+        torch.testing.assert_close(_grads(model)[name], g, rtol=0, atol=1e-12, msg=name)
+    assert [name for name, _ in model.named_parameters()] == names
+
+    stack.remove()
+    assert not is_tiled(model) and not is_tiled_loss(model) and not checkpointed_layers(model)
+    assert all(not layer._forward_pre_hooks for layer in model.model.layers)
+    model.zero_grad()
+    reference.zero_grad()
+    again = model(input_ids=ids, labels=labels)
+    assert again.logits is not None  # the model's own forward again
+    torch.testing.assert_close(_plain_loss(model, ids, labels), _plain_loss(reference, ids, labels), rtol=0, atol=1e-12)
+
+
+def test_checkpointing_already_on_is_kept_on_after_remove():
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    stack = apply_long_context(model)
+    assert not stack.checkpointing_turned_on
+    stack.remove()
+    assert len(checkpointed_layers(model)) == model.config.num_hidden_layers
+
+
+def test_each_piece_can_be_left_out():
+    model = tiny_model("llama")
+    stack = apply_long_context(model, tiled_mlp=False, checkpoint_offload=False)
+    assert is_tiled_loss(model) and not is_tiled(model) and stack.offload is None and not checkpointed_layers(model)
+    stack.remove()
+    assert not is_tiled_loss(model)
+
+
+def test_sequence_parallel_without_the_tiled_loss_is_refused_before_any_change():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="needs tiled_loss=True"):
+        apply_long_context(model, tiled_loss=False, sequence_parallel=2)
+    assert not is_tiled(model) and not checkpointed_layers(model)
+
+
+def test_a_failing_step_undoes_the_steps_before_it():
+    """SP without a process group fails last: the tiling, the loss, checkpointing and the offload are undone."""
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError, match="initialize torch.distributed"):
+        apply_long_context(model, sequence_parallel=2)
+    assert not is_tiled(model) and not is_tiled_loss(model) and not checkpointed_layers(model)
+    assert all(not layer._forward_pre_hooks for layer in model.model.layers)
+
+
+def test_flags_for_each_piece():
+    parser = add_tiled_mlp_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--use_tiled_mlp", "--use_tiled_loss", "true", "--use_checkpoint_offload",
+                              "--sequence_parallel_size", "1"])
+    flags = read_tiled_mlp_flags(args)
+    assert (flags.use_tiled_mlp, flags.use_tiled_loss, flags.use_checkpoint_offload, flags.sequence_parallel_size) == (
+        True, True, True, 1)
+    assert read_tiled_mlp_flags({"use_checkpoint_offload": "off", "sequence_parallel_size": "4"}).sequence_parallel_size == 4
+    for bad in ("0", "two", "1.5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--sequence_parallel_size", bad])
+    with pytest.raises(ValueError, match="sequence_parallel_size"):
+        read_tiled_mlp_flags({"sequence_parallel_size": 0})
+    with pytest.raises(ValueError, match="use_checkpoint_offload"):
+        read_tiled_mlp_flags({"use_checkpoint_offload": "maybe"})
+
+    model = tiny_model("llama")
+    stack = apply_from_flags(model, args)
+    assert is_tiled(model) and is_tiled_loss(model) and stack.offload is not None
+    stack.remove()
+    assert apply_from_flags(model, {"use_tiled_mlp": False}) is None
+
+
+def test_sequence_parallel_loss_needs_an_initialized_group():
+    from tiled_core import tiled_cross_entropy
+
+    head = torch.nn.Linear(4, 8, dtype=torch.float64)
+    hidden = torch.randn(1, 6, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        tiled_cross_entropy(hidden, head, torch.zeros(1, 6, dtype=torch.long), sequence_group=object())

@@ -1,0 +1,118 @@
+"""The long-sequence stack on a Hugging Face causal LM in one call, and off again in one.
+
+``apply_long_context(model)`` composes the library's pieces, each also callable alone:
+
+1. the tiled MLP and the tiled loss (``apply_tiled_mlp(model, loss=True)``): no MLP intermediate and no
+   logits held at full length;
+2. layer checkpointing (Hugging Face's, non-reentrant), turned on if the model has none, and checkpoint
+   offload (``apply_checkpoint_offload``): each checkpointed layer's input, but the last's, waits for its
+   backward in host memory;
+3. Ulysses sequence parallelism (``apply_sequence_parallel``) when ``sequence_parallel > 1``: every
+   rank holds ``1 / sequence_parallel`` of each sequence.
+
+The order matters once: SP needs the tiled loss on the model (its per-rank sums are divided once by the
+group's count), so the loss goes first. An error at any step undoes the steps before it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+import torch
+from torch import nn
+
+from tiled_core.checkpoint_offload import CheckpointOffload
+from tiled_core.shard_plan import NumShards
+
+from .hf import apply_tiled_loss, apply_tiled_mlp, remove_tiled_mlp
+from .offload import apply_checkpoint_offload, checkpointed_layers
+from .report import TilingReport
+from .ulysses import SequenceParallel, apply_sequence_parallel
+
+
+@dataclass
+class LongContextStack:
+    """What ``apply_long_context`` put on a model; ``remove()`` takes it all off, last piece first."""
+
+    model: nn.Module
+    report: Optional[TilingReport] = None
+    offload: Optional[CheckpointOffload] = None
+    sequence_parallel: Optional[SequenceParallel] = None
+    checkpointing_turned_on: bool = False  # by this call (so ``remove`` turns it off again)
+
+    def remove(self) -> None:
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.remove()
+            self.sequence_parallel = None
+        if self.offload is not None:
+            self.offload.remove()
+            self.offload = None
+        if self.checkpointing_turned_on:
+            _checkpointing_off(self.model)
+            self.checkpointing_turned_on = False
+        if self.report is not None:
+            remove_tiled_mlp(self.model)  # the tiled loss too
+            self.report = None
+
+
+def apply_long_context(
+    model: nn.Module,
+    *,
+    tiled_mlp: bool = True,
+    tiled_loss: bool = True,
+    checkpoint_offload: bool = True,
+    sequence_parallel: int = 1,
+    num_shards: NumShards = "auto",
+    loss_num_shards: NumShards = "auto",
+    micro_batch_size: int = 1,
+    grad_accum_dtype: Optional[torch.dtype] = None,
+) -> LongContextStack:
+    """Turn the long-sequence stack on for ``model`` (see the module docstring); returns the handle.
+
+    Under sequence parallelism every rank calls this, after ``torch.distributed`` is initialized; feed
+    each rank ``handle.sequence_parallel.shard(batch)`` or ``handle.sequence_parallel.data_loader(loader)``.
+    """
+    if sequence_parallel != 1 and not tiled_loss:
+        raise ValueError("apply_long_context: sequence_parallel > 1 needs tiled_loss=True (the loss of a sequence "
+                         "split across ranks is summed per rank and divided once by the group's valid tokens)")
+    stack = LongContextStack(model)
+    undo: List[Callable[[], Any]] = []
+    try:
+        if tiled_mlp:
+            stack.report = apply_tiled_mlp(model, num_shards=num_shards, loss=tiled_loss,
+                                           loss_num_shards=loss_num_shards, grad_accum_dtype=grad_accum_dtype)
+        elif tiled_loss:
+            stack.report = apply_tiled_loss(model, num_shards=loss_num_shards, grad_accum_dtype=grad_accum_dtype)
+        if stack.report is not None:
+            undo.append(lambda: remove_tiled_mlp(model))
+        if checkpoint_offload:
+            if not checkpointed_layers(model):
+                _checkpointing_on(model)
+                stack.checkpointing_turned_on = True
+                undo.append(lambda: _checkpointing_off(model))
+            stack.offload = apply_checkpoint_offload(model)
+            undo.append(stack.offload.remove)
+        if sequence_parallel != 1:
+            stack.sequence_parallel = apply_sequence_parallel(model, sequence_parallel,
+                                                              micro_batch_size=micro_batch_size)
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
+    return stack
+
+
+def _checkpointing_on(model: nn.Module) -> None:
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+    else:
+        raise ValueError(f"checkpoint offload: {type(model).__name__} has no checkpointed layer and no "
+                         "gradient_checkpointing_enable(); wrap its layers in torch's checkpoint_wrapper first")
+
+
+def _checkpointing_off(model: nn.Module) -> None:
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    disable()  # type: ignore[operator]
