@@ -111,6 +111,20 @@ def test_no_valid_token_at_all_gives_nan_as_hf():
 
 
 @pytest.mark.parametrize("head", HEADS)
+def test_no_valid_token_masked_out_gives_zero_gradients_as_hf(head):
+    """The NaN mean masked away (``torch.where``, as the Trainer's SP loss does for a rank without labels):
+    every gradient is exactly 0, as F.cross_entropy's, never 0 * (1/0) = NaN."""
+    lm_head = HEADS[head]()
+    hidden, labels = batch(seed=8, ignored=0)
+    labels.fill_(-100)
+    want = run(lambda h, m: torch.where(torch.tensor(False), hf_loss(m(h), labels), 0.0), hidden, lm_head)
+    have = run(lambda h, m: torch.where(torch.tensor(False), tiled_cross_entropy(h, m, labels, num_shards=3), 0.0),
+               hidden, lm_head)
+    assert (have.dx == 0).all() and all((g == 0).all() for g in have.grads.values() if g is not None)
+    assert_same_run(want, have)
+
+
+@pytest.mark.parametrize("head", HEADS)
 def test_frozen_head_only_hidden_gets_a_grad(head):
     lm_head = HEADS[head]().requires_grad_(False)
     hidden, labels = batch(seed=9)

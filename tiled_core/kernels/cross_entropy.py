@@ -87,6 +87,10 @@ def cross_entropy_shard(logits: torch.Tensor, targets: torch.Tensor, options: Cr
     loss = (token_loss * weight).sum()
     if not with_grad:
         return loss, None
+    # A call with no valid token has scale 1/0: its loss is NaN, as F.cross_entropy's mean, but an ignored
+    # token's gradient is exactly 0 there too (0 * inf would make it NaN, and a caller that masks the NaN
+    # loss away, as the Trainer's SP loss does for a rank without labels, would get NaN gradients).
+    weight = torch.where(valid, weight, 0)
     # softmax * (1 + 2 lam lse) * weight, then the target and smoothing terms, all per row.
     row_factor = weight / sum_exp
     if lam:
