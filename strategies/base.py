@@ -110,6 +110,14 @@ class Strategy(ABC):
         themselves, once per backward (see the module docstring)."""
         return grads
 
+    def averages_over_sequence_ranks(self, module: nn.Module) -> bool:
+        """Does the backend's gradient reduction for ``module``'s parameters divide by the ranks of a
+        sequence-parallel group (ranks holding slices of one sequence), as it divides by the data-parallel
+        ones? Then a loss split across them hands each rank the group's size as its gradient, so that the
+        average comes out as the whole sequence's (``tiled_core/sequence_group.py``); if the backend sums
+        over them, one. Default: yes (DDP, FSDP2 and one device average, or reduce nothing, over the world)."""
+        return True
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

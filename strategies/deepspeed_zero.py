@@ -120,6 +120,17 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, Strategy):
             return contextlib.nullcontext()  # stages 1 and 2: parameters are whole
         return _zero3_gathered(module)
 
+    def averages_over_sequence_ranks(self, module: nn.Module) -> bool:
+        """Not under ZeRO-1/2 with DeepSpeed's own SP groups: they divide by ``world / sp`` (the DP ranks)
+        and so sum over the SP ranks (``stage_1_and_2.py``); ZeRO-3's reduce-scatter averages over every
+        rank. (ZeRO-3 with ``reduce_scatter: false`` sums over the SP ranks too, and cannot be told from
+        its parameters: written down as unsupported under SP in the README.)"""
+        if not any(is_zero12_param(p) for p in module.parameters()):
+            return True
+        from deepspeed.utils import groups
+
+        return groups._get_sequence_parallel_world_size() <= 1
+
     @staticmethod
     def is_backend_hook(hook) -> bool:
         """ZeRO-3's own hooks are replaced by ``gathered`` inside the tiled call, so a child Linear

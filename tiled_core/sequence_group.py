@@ -13,9 +13,14 @@ Two collectives, both on the group, both of one scalar:
 - ``sum_over_group``: the per-rank partial losses summed, differentiably. Every rank returns the loss
   of the whole sequence, and its backward sums the incoming gradients over the group too. So when each
   rank runs ``loss.backward()``, a rank's partial loss receives the group size: the gradient backends
-  produce after averaging over their ranks (DDP, FSDP2 and ZeRO average over the world, the SP ranks
-  among them) is the whole sequence's, exactly as if one rank had run it. This is the convention of
-  Hugging Face's DeepSpeed-SP loss (a differentiable all-gather, weighted), in one all-reduce.
+  produce after averaging over their ranks (DDP, FSDP2 and DeepSpeed ZeRO-3 average over the world, the
+  SP ranks among them) is the whole sequence's, exactly as if one rank had run it. This is the
+  convention of Hugging Face's DeepSpeed-SP loss (a differentiable all-gather, weighted), in one
+  all-reduce. DeepSpeed ZeRO-1 and ZeRO-2 under DeepSpeed's SP groups divide by the DP size only,
+  summing over the SP ranks: the backend's strategy says so (``Strategy.averages_over_sequence_ranks``)
+  and the backward then hands each rank 1 instead. ZeRO-3 with ``reduce_scatter: false`` sums too but
+  cannot be recognised from its parameters: there the gradient is ``group size`` times the whole
+  sequence's (unsupported, in the README); ``integration_tests/test_sequence_parallel.py`` pins it down.
 
 torch.distributed only: no backend module is imported.
 """
@@ -44,11 +49,12 @@ def group_count(targets: torch.Tensor, ignore_index: int, group: Any, dtype: tor
 
 
 class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) forward and backward: the backward of a sum that every rank computes."""
+    """All-reduce (sum) forward and backward: the backward of a sum that every rank computes (divided by
+    the group's size where the backend sums, rather than averages, the gradients over the group)."""
 
     @staticmethod
-    def forward(ctx, partial: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, partial: torch.Tensor, group: Any, backend_averages: bool) -> torch.Tensor:
+        ctx.group, ctx.backend_averages = group, backend_averages
         total = partial.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         return total
@@ -57,9 +63,12 @@ class _SumOverGroup(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         summed = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=ctx.group)
-        return summed, None
+        if not ctx.backend_averages:
+            summed.div_(dist.get_world_size(ctx.group))
+        return summed, None, None
 
 
-def sum_over_group(partial: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
-    """``partial`` summed over ``group``, differentiably (see the module docstring)."""
-    return partial if group is None else _SumOverGroup.apply(partial, group)
+def sum_over_group(partial: torch.Tensor, group: Optional[Any], backend_averages: bool = True) -> torch.Tensor:
+    """``partial`` summed over ``group``, differentiably (see the module docstring). ``backend_averages``:
+    the backend divides the gradients by the group's ranks (``Strategy.averages_over_sequence_ranks``)."""
+    return partial if group is None else _SumOverGroup.apply(partial, group, backend_averages)

@@ -120,7 +120,8 @@ def tiled_cross_entropy(
             zeros_for_unused=backend.unused_grads_as_zeros,
             deliver_grads=backend.deliver_grads,
         )
-        return sum_over_group(sharded_reduce(hidden, targets, scale, run, params), sequence_group)
+        averages = sequence_group is None or backend.averages_over_sequence_ranks(lm_head)
+        return sum_over_group(sharded_reduce(hidden, targets, scale, run, params), sequence_group, averages)
 
 
 class TiledCrossEntropy(nn.Module):

@@ -10,7 +10,9 @@ before the split. What this module adds is the composition:
   nothing to do, the MLP only ever sees the local slice);
 - the tiled loss sums over the rank's slice and divides once, by the valid tokens of the whole group
   (``tiled_core.sequence_group``), so every rank returns the whole sequence's loss, with gradients
-  that the backend's averaging over ranks turns into the whole sequence's gradient.
+  that the backend's averaging over ranks turns into the whole sequence's gradient (DDP, FSDP2, ZeRO-3;
+  DeepSpeed's ZeRO-1/2, and ZeRO-3 with ``reduce_scatter: false``, sum over the SP ranks instead: see
+  ``tiled_core/sequence_group.py``).
 
 Sequence parallelism is not a parameter strategy: which backend owns the weights (DDP, FSDP2, ZeRO) is
 still resolved per tiled call, and SP composes beside it (``strategies`` never sees it).
@@ -45,7 +47,7 @@ class SequenceParallel:
     group: Any  # torch.distributed.ProcessGroup of the ranks that share each sequence
     mpu: Any  # DeepSpeed's SP state (``parallel_state_sp``): pass as ``deepspeed.initialize(mpu=...)``
     core_attention: str
-    _attention_before: Optional[Callable] = field(default=None, repr=False)
+    _undo: Optional[Callable[[], None]] = field(default=None, repr=False)  # attention and modules as before
 
     @property
     def size(self) -> int:
@@ -96,13 +98,12 @@ class SequenceParallel:
     def remove(self) -> None:
         """The model's attention and loss as before; DeepSpeed's SP groups released."""
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         from .causal_lm_loss import tiled_loss_forward
 
-        if self._attention_before is not None:
-            ALL_ATTENTION_FUNCTIONS[self.core_attention] = self._attention_before
-            self._attention_before = None
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
         installed = tiled_loss_forward(self.model)
         if installed is not None:
             installed.sequence_group = None
@@ -147,10 +148,40 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
         raise RuntimeError("sequence parallelism: DeepSpeed's SP groups already exist in this process (an earlier "
                            "apply_sequence_parallel not removed, or accelerate's ParallelismConfig); remove them first")
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-    before = ALL_ATTENTION_FUNCTIONS[core] if core in ALL_ATTENTION_FUNCTIONS else None
-    mpu = UlyssesSPAttentionHF.register_with_transformers(
-        installed.model, core_attn_implementation=core, sequence_parallel_size=size,
-        micro_batch_size=micro_batch_size, seq_length_is_variable=True)
+    undo = _undo_attention(installed.model, core, ALL_ATTENTION_FUNCTIONS)
+    try:
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            installed.model, core_attn_implementation=core, sequence_parallel_size=size,
+            micro_batch_size=micro_batch_size, seq_length_is_variable=True)
+    except BaseException:
+        # DeepSpeed creates its SP groups before its own checks (eager refused, a config mismatch): a
+        # refused call must leave nothing behind, or the next apply finds the groups "already exist".
+        undo()
+        parallel_state_sp._release_sequence_parallel_groups()
+        raise
     group = mpu.get_sequence_parallel_group()
     installed.sequence_group = group
-    return SequenceParallel(model, group, mpu, core, before)
+    return SequenceParallel(model, group, mpu, core, undo)
+
+
+def _undo_attention(model: nn.Module, core: str, functions: Any) -> Callable[[], None]:
+    """What puts back what DeepSpeed's SP changes outside its groups: the attention function under
+    ``core`` (``ALL_ATTENTION_FUNCTIONS`` keeps a per-instance override over the library-wide mapping;
+    DeepSpeed writes the override, so where there was none before, the override is deleted rather than
+    set to the old function, which would hide a later ``AttentionInterface.register``), and every
+    attention module's ``num_key_value_groups`` (DeepSpeed sets it to 1 in the forward when SP
+    replicates the key/value heads; left so, a forward without SP would not repeat them)."""
+    local = getattr(functions, "_local_mapping", None)
+    had_override = local is not None and core in local
+    before = functions[core] if core in functions else None
+    groups = {m: m.num_key_value_groups for m in model.modules() if isinstance(getattr(m, "num_key_value_groups", None), int)}
+
+    def undo() -> None:
+        if local is not None and not had_override:
+            local.pop(core, None)
+        elif before is not None:
+            functions[core] = before
+        for module, value in groups.items():
+            module.num_key_value_groups = value
+
+    return undo
