@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -47,7 +47,10 @@ class _Offloaded:
         self.device = tensor.device
         self.requires_grad = tensor.requires_grad
         pinned = tensor.is_cuda
-        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
+        # A meta tensor's host copy is a meta tensor too: the planner's modelled step, where nothing is
+        # allocated anywhere.
+        host = "meta" if tensor.is_meta else "cpu"
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, device=host, pin_memory=pinned)
         self.event = None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(tensor.device))
@@ -64,7 +67,9 @@ class _Offloaded:
     def back(self) -> torch.Tensor:
         if self.event is not None:
             self.event.synchronize()
-        return self.host.to(self.device, non_blocking=self.host.is_pinned())
+        # A copy even where host and device are one memory (CPU, meta): the recompute gets a tensor of its
+        # own on the device, as on a GPU, so a CPU step holds what a GPU step holds (the planner's checks).
+        return self.host.to(self.device, non_blocking=self.host.is_pinned(), copy=True)
 
 
 @dataclass
@@ -83,6 +88,9 @@ class CheckpointOffload:
 
     layers: Sequence[nn.Module]
     host_bytes: HostBytes = field(default_factory=HostBytes)
+    # Called with each host copy as it is made: a memory tracker counts it as host memory, apart from the
+    # device's (on a CPU step both are the same memory; ``tiled_mlp/planner/timeline.py``).
+    on_host_copy: Optional[Callable[[torch.Tensor], None]] = None
     _handles: List[Any] = field(default_factory=list)
     _calls: Dict[int, List[_LayerCall]] = field(default_factory=dict)
     _stream: Optional[Any] = None
@@ -114,14 +122,19 @@ class CheckpointOffload:
         if call.context is not None:
             call.context.__exit__(None, None, None)
         # Autograd keeps the pack hook (and so ``call``) with each tensor it saved: the input must not be
-        # held from here, or offloading would free nothing.
-        call.tensor = None
+        # held from here, or offloading would free nothing. The context holds the pack hook, which holds
+        # ``call``: a reference cycle that kept the host copy alive after the backward, until Python's cyclic
+        # collector ran (step after step piled up with gc off). Broken here: the saved tensor alone holds the
+        # copy from now on, and it is freed with the graph.
+        call.tensor = call.offloaded = call.context = None
 
     def _pack(self, call: _LayerCall, tensor: torch.Tensor) -> Any:
-        if tensor is not call.tensor:
+        if not _same_memory(tensor, call.tensor):
             return tensor  # any other saved tensor (an uncheckpointed layer's activations) stays as it is
         if call.offloaded is None:
             call.offloaded = _Offloaded(tensor, self.host_bytes, self._side_stream(tensor))
+            if self.on_host_copy is not None:
+                self.on_host_copy(call.offloaded.host)
         return call.offloaded
 
     def _side_stream(self, tensor: torch.Tensor) -> Optional[Any]:
@@ -130,6 +143,21 @@ class CheckpointOffload:
         if self._stream is None:
             self._stream = torch.cuda.Stream(tensor.device)
         return self._stream
+
+
+def _same_memory(tensor: torch.Tensor, layer_input: Optional[torch.Tensor]) -> bool:
+    """``tensor`` is the layer's input, or an alias of it over the same memory (same values): a forward
+    pre-hook registered after the offload's may replace the input so, and the checkpoint saves that alias
+    (ZeRO-3's, when ``deepspeed.initialize`` comes after the offload: ``input.detach()`` through its
+    post-backward function). Plain tensors with memory only (a wrapper subclass has no data pointer, a
+    meta tensor's says nothing)."""
+    if tensor is layer_input:
+        return True
+    if type(tensor) is not torch.Tensor or type(layer_input) is not torch.Tensor or tensor.is_meta:
+        return False
+    return (tensor.data_ptr() == layer_input.data_ptr() and tensor.shape == layer_input.shape
+            and tensor.stride() == layer_input.stride() and tensor.dtype == layer_input.dtype
+            and tensor.device == layer_input.device)
 
 
 def _unpack(packed: Any) -> torch.Tensor:
