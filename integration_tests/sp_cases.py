@@ -403,6 +403,8 @@ def error_paths(rank: int, world: int) -> Dict:
     ids, labels = sample(SPCase("remove"), 0, 0)
     out["odd_length"] = _raised(lambda: sp.shard({"input_ids": ids[:, :15], "labels": labels[:, :15]}))
     out["no_input_ids"] = _raised(lambda: sp.shard({"labels": labels}))
+    with torch.no_grad():  # evaluation under SP: the whole sequence's loss on every rank, not a slice's
+        out["eval_loss"] = model(**sp.shard({"input_ids": ids, "labels": labels})).loss
     model(**sp.shard({"input_ids": ids, "labels": labels})).loss.backward()
     out["under_sp"] = state(model)
     sp.remove()

@@ -320,6 +320,7 @@ def test_remove_restores_attention_and_loss(error_outcomes):
                     "loss_group": False, "kv_groups": [2, 2]}
         assert out["after_remove"] == restored, rank
         assert out["after_second_remove"] == restored, rank
+        assert out["eval_loss"] is not None and _rel(ref["loss"], out["eval_loss"]) <= BOUND, (rank, out["eval_loss"])
         plain = out["plain_after_remove"]
         errs = {"loss": _rel(ref["loss"], plain["loss"]),
                 **{n: _rel(g, plain["grads"][n]) for n, g in ref["grads"].items()}}

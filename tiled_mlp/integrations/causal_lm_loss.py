@@ -132,9 +132,12 @@ class TiledLossForward:
         arguments = inspect.signature(inner).bind(*args, **kwargs).arguments
         extra = dict(arguments.pop("kwargs", {}))
         labels = arguments.get("labels")
-        if (labels is None and extra.get("shift_labels") is None) or not torch.is_grad_enabled():
+        if (labels is None and extra.get("shift_labels") is None) or (
+                not torch.is_grad_enabled() and self.sequence_group is None):
             # No labels, or no graph (evaluation: a Trainer's metrics read the logits, and no backward
-            # will hold them): the model's own forward, logits included.
+            # will hold them): the model's own forward, logits included. Not under sequence parallelism:
+            # there a rank's logits are a slice and the model's loss a slice's mean, so evaluation takes
+            # the tiled loss too, divided once over the group.
             return inner(*args, **kwargs)
         keep = arguments.get("logits_to_keep", 0)
         if not (isinstance(keep, int) and keep == 0):
