@@ -398,9 +398,21 @@ def error_paths(rank: int, world: int) -> Dict:
     out["eager"] = _raised(lambda: apply_sequence_parallel(model, 2))
     out["after_eager"] = state(model)
     model.set_attn_implementation("sdpa")
-    sp = apply_sequence_parallel(model, 2)  # the refused calls left nothing in the way
-    out["twice"] = _raised(lambda: apply_sequence_parallel(model, 2))
+    moe = tiny_model("mixtral", seed=0, dtype=DTYPE)
+    moe.set_attn_implementation("sdpa")
+    apply_tiled_mlp(moe, loss=True)
+    out["moe"] = _raised(lambda: apply_sequence_parallel(moe, 2))
+    other = tiny_model("llama", seed=1, dtype=DTYPE)  # another model in the process, not under SP
+    other.set_attn_implementation("sdpa")
     ids, labels = sample(SPCase("remove"), 0, 0)
+    with torch.no_grad():
+        other_before = other(input_ids=ids).logits
+    sp = apply_sequence_parallel(model, 2)  # the refused calls left nothing in the way
+    with torch.no_grad():
+        out["other_model_diff"] = float((other(input_ids=ids).logits - other_before).abs().max())
+    out["twice"] = _raised(lambda: apply_sequence_parallel(model, 2))
+    out["odd_tensor"] = _raised(lambda: sp.shard({"input_ids": ids, "labels": labels,
+                                                  "attention_mask": torch.ones(1, 1, 16, 16)}))
     out["odd_length"] = _raised(lambda: sp.shard({"input_ids": ids[:, :15], "labels": labels[:, :15]}))
     out["no_input_ids"] = _raised(lambda: sp.shard({"labels": labels}))
     with torch.no_grad():  # evaluation under SP: the whole sequence's loss on every rank, not a slice's
@@ -498,3 +510,20 @@ GROUPS: Dict[str, Tuple[SPCase, ...]] = {
         SPCase("ddp-dp2-llama-empty-rank-num-items", backend="ddp", dp=2, masks="empty", num_items=True),
     ),
 }
+
+
+def frozen_head_grads(rank: int, world: int, backend: str) -> Dict:
+    """One step's full gradients under DeepSpeed ``backend`` ("zero1", "zero2") with a frozen ``lm_head``
+    (the usual LoRA setup): how DeepSpeed reduces over the SP ranks must be read from DeepSpeed, not from
+    the head, whose frozen parameters carry no ZeRO attribute."""
+    case = SPCase("frozen-head", backend=backend, masks="uneven")
+    model, sp, _ = sp_model(case, rank)
+    model.lm_head.requires_grad_(False)
+    module, _optimizer, engine, full_grad, _full_param, _reduce = _wrap(case, model, sp, world)
+    ids, labels = sample(case, 0, 0)
+    loss = module(**sp.shard({"input_ids": ids, "labels": labels})).loss
+    engine.backward(loss)
+    grads = {n: full_grad(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    engine.destroy()
+    sp.remove()
+    return grads

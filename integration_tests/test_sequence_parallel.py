@@ -239,6 +239,21 @@ def test_data_loader_gives_the_batches_and_losses_of_shard(tmp_path):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["zero1", "zero2"])
+def test_deepspeed_sum_over_sp_is_read_from_deepspeed_not_the_head(tmp_path, backend):
+    """A frozen lm_head carries no ZeRO attribute: ZeRO-1/2 still sum over the
+    SP ranks there, and the loss must hand each rank 1, not the group size (it gave 2x before)."""
+    from .sp_cases import frozen_head_grads
+
+    case = SPCase("frozen-head", backend=backend, masks="uneven")
+    ref = reference_run(case)["grads"][0]
+    for rank, grads in enumerate(run_distributed(frozen_head_grads, 2, tmp_path, backend, timeout=150)):
+        assert grads and "lm_head.weight" not in grads
+        errs = {n: _rel(ref[n], g) for n, g in grads.items()}
+        assert max(errs.values()) <= ZERO_BOUND, (rank, {k: v for k, v in errs.items() if v > ZERO_BOUND})
+
+
 # -- 8: the HF Trainer's loss under ParallelismConfig(sp_backend="deepspeed") ---------------------------
 @pytest.fixture(scope="module")
 def trainer_results(tmp_path_factory):
@@ -286,14 +301,18 @@ def test_refusals(error_outcomes):
             "kv_heads": ("ValueError", "multiple of the 3 key/value heads"),
             "size_3": ("ValueError", "does not divide into groups of 3"),
             "size_1": ("ValueError", "size must be an int >= 2"),
-            "eager": ("ValueError", "eager attn_implementation isn't currently supported"),  # DeepSpeed's words
+            "eager": ("ValueError", "eager attention needs a [tokens, tokens] mask"),
             "twice": ("RuntimeError", "SP groups already exist"),
             "odd_length": ("ValueError", "15 tokens do not split across 2 ranks"),
             "no_input_ids": ("ValueError", "needs input_ids"),
+            "moe": ("ValueError", "router auxiliary loss"),
+            "odd_tensor": ("ValueError", "['attention_mask'] do not have 16"),
         }
         for what, (kind, words) in expected.items():
             got_kind, message = out[what]
             assert got_kind == kind and words in message, (rank, what, out[what])
+        # DeepSpeed's wrapper is scoped to the SP model's attention: another sdpa model is unchanged.
+        assert out["other_model_diff"] == 0.0, (rank, out["other_model_diff"])
 
 
 @pytest.mark.timeout(120)

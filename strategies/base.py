@@ -110,13 +110,16 @@ class Strategy(ABC):
         themselves, once per backward (see the module docstring)."""
         return grads
 
-    def averages_over_sequence_ranks(self, module: nn.Module) -> bool:
-        """Does the backend's gradient reduction for ``module``'s parameters divide by the ranks of a
-        sequence-parallel group (ranks holding slices of one sequence), as it divides by the data-parallel
-        ones? Then a loss split across them hands each rank the group's size as its gradient, so that the
-        average comes out as the whole sequence's (``tiled_core/sequence_group.py``); if the backend sums
-        over them, one. Default: yes (DDP, FSDP2 and one device average, or reduce nothing, over the world)."""
-        return True
+    @classmethod
+    def sums_over_sequence_ranks(cls, module: nn.Module) -> bool:
+        """Is this backend, as the process has it set up, reducing the model's gradients (``module`` is one
+        of its modules) by *summing* over the ranks of a sequence-parallel group (ranks holding slices of
+        one sequence) while averaging over the data-parallel ones? Then a loss split across them hands each
+        rank 1 as its gradient, else the group's size, so that the reduction comes out as the whole
+        sequence's (``tiled_core/sequence_group.py``). Asked of every registered strategy, not only the
+        one that claims ``module`` (a frozen ``lm_head`` is claimed by none): answer from the backend's
+        own state. Default: no (DDP, FSDP2 and one device average over their ranks, or reduce nothing)."""
+        return False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

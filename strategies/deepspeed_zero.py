@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from typing import Any, ContextManager, Dict, Iterator, List, Sequence, Tuple
 
 import torch
@@ -120,16 +121,25 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, Strategy):
             return contextlib.nullcontext()  # stages 1 and 2: parameters are whole
         return _zero3_gathered(module)
 
-    def averages_over_sequence_ranks(self, module: nn.Module) -> bool:
-        """Not under ZeRO-1/2 with DeepSpeed's own SP groups: they divide by ``world / sp`` (the DP ranks)
-        and so sum over the SP ranks (``stage_1_and_2.py``); ZeRO-3's reduce-scatter averages over every
-        rank. (ZeRO-3 with ``reduce_scatter: false`` sums over the SP ranks too, and cannot be told from
-        its parameters: written down as unsupported under SP in the README.)"""
+    @classmethod
+    def sums_over_sequence_ranks(cls, module: nn.Module) -> bool:
+        """Yes for a model trained by ZeRO-1/2 (its trained parameters linked to their master fragments)
+        whose engine was given DeepSpeed's SP groups (``deepspeed.initialize(mpu=...)``): those stages divide
+        by ``world / sp`` (the DP ranks) and so sum over the SP ranks (``stage_1_and_2.py``). ``module`` is
+        the whole model where the caller has it (a frozen ``lm_head`` carries no ZeRO attribute), and the
+        groups must be alive (``groups.mpu`` outlives a destroyed engine). ZeRO-3's reduce-scatter averages
+        over every rank. Not recognised, written down as unsupported under SP in the README: ZeRO-3 with
+        ``reduce_scatter: false`` and a float32 stage 0, which sum too but carry no mark."""
+        if "deepspeed" not in sys.modules or not process_group_ready():
+            return False
         if not any(is_zero12_param(p) for p in module.parameters()):
-            return True
+            return False
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
         from deepspeed.utils import groups
 
-        return groups._get_sequence_parallel_world_size() <= 1
+        if groups.mpu is None or (groups.mpu is parallel_state_sp and parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None):
+            return False
+        return groups._get_sequence_parallel_world_size() > 1
 
     @staticmethod
     def is_backend_hook(hook) -> bool:

@@ -18,6 +18,12 @@ def resolve_strategy(module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> 
     raise RuntimeError("no registered strategy claims the module (the single_device fallback was unregistered?)")
 
 
+def sums_over_sequence_ranks(module: nn.Module) -> bool:
+    """Does any registered backend, as set up in this process, sum ``module``'s model's gradients over a
+    sequence-parallel group's ranks (``Strategy.sums_over_sequence_ranks``)?"""
+    return any(cls.sums_over_sequence_ranks(module) for cls in strategies_by_priority())
+
+
 def strategy_from_arg(strategy: StrategyArg) -> Union[Strategy, None]:
     """A fixed strategy, or None for "auto" (resolved at the first forward, once the backend wrapped it)."""
     if isinstance(strategy, Strategy):

@@ -17,7 +17,7 @@ Two collectives, both on the group, both of one scalar:
   SP ranks among them) is the whole sequence's, exactly as if one rank had run it. This is the
   convention of Hugging Face's DeepSpeed-SP loss (a differentiable all-gather, weighted), in one
   all-reduce. DeepSpeed ZeRO-1 and ZeRO-2 under DeepSpeed's SP groups divide by the DP size only,
-  summing over the SP ranks: the backend's strategy says so (``Strategy.averages_over_sequence_ranks``)
+  summing over the SP ranks: the backend's strategy says so (``Strategy.sums_over_sequence_ranks``)
   and the backward then hands each rank 1 instead. ZeRO-3 with ``reduce_scatter: false`` sums too but
   cannot be recognised from its parameters: there the gradient is ``group size`` times the whole
   sequence's (unsupported, in the README); ``integration_tests/test_sequence_parallel.py`` pins it down.
@@ -70,5 +70,5 @@ class _SumOverGroup(torch.autograd.Function):
 
 def sum_over_group(partial: torch.Tensor, group: Optional[Any], backend_averages: bool = True) -> torch.Tensor:
     """``partial`` summed over ``group``, differentiably (see the module docstring). ``backend_averages``:
-    the backend divides the gradients by the group's ranks (``Strategy.averages_over_sequence_ranks``)."""
+    the backend divides the gradients by the group's ranks (not ``Strategy.sums_over_sequence_ranks``)."""
     return partial if group is None else _SumOverGroup.apply(partial, group, backend_averages)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
+from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg, sums_over_sequence_ranks
 
 from .kernels.base import ReduceKernel
 from .kernels.cross_entropy import CrossEntropyOptions, check_targets
@@ -58,6 +58,7 @@ def tiled_cross_entropy(
     strategy: StrategyArg = "auto",
     grad_accum_dtype: Optional[torch.dtype] = None,
     sequence_group: Optional[Any] = None,
+    model: Optional[nn.Module] = None,
 ) -> torch.Tensor:
     """The causal-LM loss of ``lm_head(hidden)`` against ``labels``, computed a token shard at a time.
 
@@ -81,7 +82,10 @@ def tiled_cross_entropy(
             holds a slice of the tokens, its labels already shifted). The loss is summed per rank and
             divided once, by the valid tokens of the whole group (or ``num_items_in_batch``, the count of
             everything one optimizer step sums over), and every rank returns the whole sequence's loss
-            (``sequence_group.py``; its backward suits backends that average over their ranks).
+            (``sequence_group.py``; its backward hands each rank what the backend's reduction over the
+            ranks turns into the whole sequence's gradient: ``Strategy.sums_over_sequence_ranks``).
+        model: the model ``lm_head`` belongs to, whose backend that question is asked of (default:
+            ``lm_head`` alone, which cannot answer for a frozen head under ZeRO-1/2).
 
     Returns: a 0-dim tensor in float32 (float64 for a float64 head). Every gradient, the head's included,
     is scaled by the gradient that reaches it.
@@ -92,6 +96,10 @@ def tiled_cross_entropy(
     check_num_shards(num_shards)
     if sequence_group is not None:
         check_group(sequence_group)
+        if shift_labels is None:  # a slice's labels shifted within the slice would lose each slice's last target
+            raise ValueError("tiled loss: under sequence parallelism give shift_labels, shifted over the whole sequence "
+                             "before it was split (SequenceParallel.shard and DeepSpeed's data-loader adapter make "
+                             "them); labels would be shifted within this rank's slice")
     fixed = strategy_from_arg(strategy)
     backend = fixed if fixed is not None else resolve_strategy(lm_head)
     backend.check_supported(lm_head)
@@ -120,7 +128,7 @@ def tiled_cross_entropy(
             zeros_for_unused=backend.unused_grads_as_zeros,
             deliver_grads=backend.deliver_grads,
         )
-        averages = sequence_group is None or backend.averages_over_sequence_ranks(lm_head)
+        averages = sequence_group is None or not sums_over_sequence_ranks(model if model is not None else lm_head)
         return sum_over_group(sharded_reduce(hidden, targets, scale, run, params), sequence_group, averages)
 
 

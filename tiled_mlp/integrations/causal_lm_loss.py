@@ -103,12 +103,13 @@ class TiledLossForward:
         self.sequence_group: Any = None  # set by apply_sequence_parallel
 
     def __deepcopy__(self, memo: dict) -> TiledLossForward:
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone  # the model's copy refers back to this forward's copy, not to a second one
         group, self.sequence_group = self.sequence_group, None
         try:
             copied = copy.deepcopy(vars(self), memo)
         finally:
             self.sequence_group = group
-        clone = object.__new__(type(self))
         clone.__dict__.update(copied, sequence_group=group)
         return clone
 
@@ -157,7 +158,7 @@ class TiledLossForward:
             hidden["h"], self.model.get_output_embeddings(), labels, shift_labels=extra.get("shift_labels"),
             ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
             logit_softcap=softcap, num_shards=self.num_shards, grad_accum_dtype=self.grad_accum_dtype,
-            sequence_group=self.sequence_group)
+            sequence_group=self.sequence_group, model=self.model)
         if self.form.router_aux_loss and getattr(out, "aux_loss", None) is not None:
             loss = loss + self.model.router_aux_loss_coef * out.aux_loss.to(loss.device)
         fields: Dict[str, Any] = {k: v for k, v in out.items() if k not in ("loss", "logits")}
