@@ -47,6 +47,13 @@ def test_demo_strategy_needs_several_processes(capsys):
     assert "needs --nproc 2 or more" in _error(capsys, ["demo", "--strategy", "fsdp2"])
 
 
+def test_demo_sequence_parallelism_shares_one_sequence(capsys):
+    """The one-process run the SP demo is compared with trains one sequence a step: --nproc must equal --sp."""
+    pytest.importorskip("transformers")
+    assert "needs --nproc 2" in _error(capsys, ["demo", "--sp", "2", "--nproc", "4"])
+    assert "must divide the demo's 4 attention heads" in _error(capsys, ["demo", "--sp", "3", "--nproc", "3"])
+
+
 def test_bench_json_parses_and_reports_matching_gradients(capsys, tmp_path):
     plot = tmp_path / "bench.png"
     argv = ["bench", "--hidden", "32", "--intermediate", "96", "--seq", "64,256", "--impls", "untiled,fast,generic",

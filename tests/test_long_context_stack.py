@@ -112,16 +112,16 @@ def test_a_failing_step_undoes_the_steps_before_it():
 def test_flags_for_each_piece():
     parser = add_tiled_mlp_args(argparse.ArgumentParser())
     args = parser.parse_args(["--use_tiled_mlp", "--use_tiled_loss", "true", "--use_checkpoint_offload",
-                              "--sequence_parallel_size", "1"])
+                              "--ulysses_sp_size", "1"])
     flags = read_tiled_mlp_flags(args)
-    assert (flags.use_tiled_mlp, flags.use_tiled_loss, flags.use_checkpoint_offload, flags.sequence_parallel_size) == (
+    assert (flags.use_tiled_mlp, flags.use_tiled_loss, flags.use_checkpoint_offload, flags.ulysses_sp_size) == (
         True, True, True, 1)
-    assert read_tiled_mlp_flags({"use_checkpoint_offload": "off", "sequence_parallel_size": "4"}).sequence_parallel_size == 4
+    assert read_tiled_mlp_flags({"use_checkpoint_offload": "off", "ulysses_sp_size": "4"}).ulysses_sp_size == 4
     for bad in ("0", "two", "1.5"):
         with pytest.raises(SystemExit):
-            parser.parse_args(["--sequence_parallel_size", bad])
-    with pytest.raises(ValueError, match="sequence_parallel_size"):
-        read_tiled_mlp_flags({"sequence_parallel_size": 0})
+            parser.parse_args(["--ulysses_sp_size", bad])
+    with pytest.raises(ValueError, match="ulysses_sp_size"):
+        read_tiled_mlp_flags({"ulysses_sp_size": 0})
     with pytest.raises(ValueError, match="use_checkpoint_offload"):
         read_tiled_mlp_flags({"use_checkpoint_offload": "maybe"})
 
@@ -139,3 +139,24 @@ def test_sequence_parallel_loss_needs_an_initialized_group():
     hidden = torch.randn(1, 6, 4, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="not initialized"):
         tiled_cross_entropy(hidden, head, torch.zeros(1, 6, dtype=torch.long), sequence_group=object())
+
+
+def test_a_model_that_already_has_a_piece_is_refused_and_kept():
+    """remove() could not tell the caller's own tiling from the call's: refused, the caller's tiling kept."""
+    from tiled_mlp.integrations import apply_tiled_mlp
+
+    model = tiny_model("llama")
+    apply_tiled_mlp(model, num_shards=4, loss=True)
+    with pytest.raises(ValueError, match="already has tiled MLPs or the tiled loss"):
+        apply_long_context(model)
+    assert is_tiled(model) and is_tiled_loss(model) and not checkpointed_layers(model)
+
+
+def test_deep_copy_keeps_the_model_and_its_forward_together():
+    """The copied model's forward is the copied forward (one object, as before the stack existed)."""
+    model = tiny_model("llama")
+    apply_long_context(model, checkpoint_offload=False)
+    clone = copy.deepcopy(model)
+    assert vars(clone)["forward"].model is clone and vars(clone)["forward"] is not vars(model)["forward"]
+    forward = copy.deepcopy(model.forward)
+    assert vars(forward.model)["forward"] is forward

@@ -40,8 +40,8 @@ def run(args, parser_error) -> int:
     if args.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         parser_error("--strategy deepspeed needs deepspeed: pip install 'tiled-mlp[deepspeed]'")
     if args.sp > 1:
-        if args.nproc % args.sp:
-            parser_error(f"--sp {args.sp} needs --nproc a multiple of it (got --nproc {args.nproc})")
+        if args.nproc != args.sp:  # the one-process run it is compared with trains one sequence a step
+            parser_error(f"--sp {args.sp} needs --nproc {args.sp} (one sequence shared by every rank; got --nproc {args.nproc})")
         if HEADS % args.sp or args.seq % args.sp:
             parser_error(f"--sp {args.sp} must divide the demo's {HEADS} attention heads and --seq {args.seq}")
         if importlib.util.find_spec("deepspeed") is None:

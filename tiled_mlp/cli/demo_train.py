@@ -185,7 +185,7 @@ def add_arguments(p) -> None:
                    help="distributed backend (needs --nproc >= 2)")
     p.add_argument("--sp", type=parsing.positive_int, default=1,
                    help="Ulysses sequence parallelism over this many ranks, with the tiled loss and checkpoint "
-                        "offload, against the plain model in one process (needs --nproc a multiple of it)")
+                        "offload, against the plain model in one process (needs --nproc equal to it)")
 
 
 def worker_main(argv=None) -> None:

@@ -1,6 +1,7 @@
 """Training-script flags (argparse or a dict), one per piece of the long-sequence stack:
 ``--use_tiled_mlp``, ``--tiled_mlp_num_shards``, ``--use_tiled_loss``, ``--use_checkpoint_offload`` and
-``--sequence_parallel_size`` (ms-swift's spelling).
+``--ulysses_sp_size`` (not ms-swift's ``--sequence_parallel_size``, which turns on ms-swift's own SP:
+read from the same arguments, both would split the sequence twice).
 
 ``--use_tiled_mlp`` takes an optional boolean, so both ``--use_tiled_mlp`` and ms-swift's
 ``--use_tiled_mlp true`` work; a dict (a YAML/JSON training config) may spell it as a bool or a string.
@@ -66,13 +67,13 @@ def add_tiled_mlp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--use_checkpoint_offload", type=_bool_arg, nargs="?", const=True, default=False,
                        metavar="BOOL", help="keep each checkpointed layer's input (all but the last) in host memory "
                                             "until its backward; turns on non-reentrant layer checkpointing if off")
-    group.add_argument("--sequence_parallel_size", type=_sp_size_arg, default=1, metavar="N",
+    group.add_argument("--ulysses_sp_size", type=_sp_size_arg, default=1, metavar="N",
                        help="Ulysses sequence parallelism (DeepSpeed's): N ranks share each sequence; needs the "
                             "tiled loss (default: 1, off)")
     return parser
 
 
-def parse_sp_size(value: Any, name: str = "sequence_parallel_size") -> int:
+def parse_sp_size(value: Any, name: str = "ulysses_sp_size") -> int:
     """An SP size: an int >= 1 (1 is off), or its decimal text."""
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
@@ -94,11 +95,11 @@ class TiledMLPFlags:
     num_shards: NumShards = "auto"
     use_tiled_loss: bool = False
     use_checkpoint_offload: bool = False
-    sequence_parallel_size: int = 1
+    ulysses_sp_size: int = 1
 
     @property
-    def any(self) -> bool:
-        return self.use_tiled_mlp or self.use_tiled_loss or self.use_checkpoint_offload or self.sequence_parallel_size > 1
+    def asks_for_anything(self) -> bool:
+        return self.use_tiled_mlp or self.use_tiled_loss or self.use_checkpoint_offload or self.ulysses_sp_size > 1
 
 
 def read_tiled_mlp_flags(source: Union[argparse.Namespace, Mapping[str, Any], None]) -> TiledMLPFlags:
@@ -122,7 +123,7 @@ def read_tiled_mlp_flags(source: Union[argparse.Namespace, Mapping[str, Any], No
     use_loss = False if use_loss is None else parse_bool(use_loss, "use_tiled_loss")
     offload = values.get("use_checkpoint_offload")
     offload = False if offload is None else parse_bool(offload, "use_checkpoint_offload")
-    sp = values.get("sequence_parallel_size")
+    sp = values.get("ulysses_sp_size")
     sp = 1 if sp is None else parse_sp_size(sp)
     return TiledMLPFlags(use, num_shards, use_loss, offload, sp)
 

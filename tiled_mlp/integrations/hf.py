@@ -16,7 +16,7 @@ transformers is imported lazily and only by those helpers; the matching itself i
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from torch import nn
 
@@ -29,6 +29,9 @@ from .causal_lm_loss import check_tiled_loss, install_tiled_loss, remove_tiled_l
 from .matching import Patterns, find_tiled, scan
 from .moe import TiledExperts
 from .report import TiledBlock, TilingReport, expected_path
+
+if TYPE_CHECKING:
+    from .stack import LongContextStack
 
 logger = logging.getLogger(__name__)
 
@@ -117,20 +120,21 @@ def apply_tiled_loss(model: nn.Module, num_shards: NumShards = "auto", grad_accu
     return report
 
 
-def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[Any]:
+def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[LongContextStack]:
     """The long-sequence stack as the flags (parsed arguments or a dict from a training config) ask:
     ``apply_long_context`` with ``--use_tiled_mlp`` (and ``--tiled_mlp_num_shards``), ``--use_tiled_loss``,
-    ``--use_checkpoint_offload`` and ``--sequence_parallel_size``; returns its handle (``.report`` says what
+    ``--use_checkpoint_offload`` and ``--ulysses_sp_size``; returns its handle (``.report`` says what
     was tiled, ``.remove()`` undoes it all), or None when no flag asks for anything. ``kwargs`` go to
-    ``apply_long_context``."""
+    ``apply_long_context`` (``apply_tiled_mlp``'s options among them). Before the stack existed this
+    returned the ``TilingReport``, now ``.report``."""
     from .stack import apply_long_context
 
     flags = read_tiled_mlp_flags(source)
-    if not flags.any:
+    if not flags.asks_for_anything:
         return None
     return apply_long_context(model, tiled_mlp=flags.use_tiled_mlp, tiled_loss=flags.use_tiled_loss,
                               checkpoint_offload=flags.use_checkpoint_offload,
-                              sequence_parallel=flags.sequence_parallel_size, num_shards=flags.num_shards, **kwargs)
+                              sequence_parallel=flags.ulysses_sp_size, num_shards=flags.num_shards, **kwargs)
 
 
 def remove_tiled_mlp(model: nn.Module) -> List[str]:

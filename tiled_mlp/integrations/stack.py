@@ -11,7 +11,9 @@
    rank holds ``1 / sequence_parallel`` of each sequence.
 
 The order matters once: SP needs the tiled loss on the model (its per-rank sums are divided once by the
-group's count), so the loss goes first. An error at any step undoes the steps before it.
+group's count), so the loss goes first. Everything SP can refuse without a change is asked before the
+first step, and an error at any later step undoes the steps before it. A model that already carries a
+piece (tiled before, its own offload) is refused: ``remove()`` could not tell its pieces from the call's.
 """
 from __future__ import annotations
 
@@ -24,10 +26,11 @@ from torch import nn
 from tiled_core.checkpoint_offload import CheckpointOffload
 from tiled_core.shard_plan import NumShards
 
-from .hf import apply_tiled_loss, apply_tiled_mlp, remove_tiled_mlp
+from .causal_lm_loss import is_tiled_loss
+from .hf import apply_tiled_loss, apply_tiled_mlp, is_tiled, remove_tiled_mlp
 from .offload import apply_checkpoint_offload, checkpointed_layers
 from .report import TilingReport
-from .ulysses import SequenceParallel, apply_sequence_parallel
+from .ulysses import SequenceParallel, apply_sequence_parallel, check_sequence_parallel
 
 
 @dataclass
@@ -66,8 +69,10 @@ def apply_long_context(
     loss_num_shards: NumShards = "auto",
     micro_batch_size: int = 1,
     grad_accum_dtype: Optional[torch.dtype] = None,
+    **tiling: Any,
 ) -> LongContextStack:
     """Turn the long-sequence stack on for ``model`` (see the module docstring); returns the handle.
+    ``tiling``: more options of ``apply_tiled_mlp`` (``strategy``, ``path``, ``include``, ``exclude``).
 
     Under sequence parallelism every rank calls this, after ``torch.distributed`` is initialized; feed
     each rank ``handle.sequence_parallel.shard(batch)`` or ``handle.sequence_parallel.data_loader(loader)``.
@@ -75,12 +80,21 @@ def apply_long_context(
     if sequence_parallel != 1 and not tiled_loss:
         raise ValueError("apply_long_context: sequence_parallel > 1 needs tiled_loss=True (the loss of a sequence "
                          "split across ranks is summed per rank and divided once by the group's valid tokens)")
+    if is_tiled(model) or is_tiled_loss(model):
+        raise ValueError("apply_long_context: the model already has tiled MLPs or the tiled loss on it; take them off "
+                         "first (remove_tiled_mlp), or compose the pieces one by one (apply_tiled_mlp, "
+                         "apply_checkpoint_offload, apply_sequence_parallel)")
+    if checkpoint_offload and any(layer._forward_pre_hooks for layer in checkpointed_layers(model)):
+        raise ValueError("apply_long_context: the model's checkpointed layers already carry forward pre-hooks (an "
+                         "offload applied before?); remove it first, or compose the pieces one by one")
+    if sequence_parallel != 1:
+        check_sequence_parallel(model, sequence_parallel)
     stack = LongContextStack(model)
     undo: List[Callable[[], Any]] = []
     try:
         if tiled_mlp:
             stack.report = apply_tiled_mlp(model, num_shards=num_shards, loss=tiled_loss,
-                                           loss_num_shards=loss_num_shards, grad_accum_dtype=grad_accum_dtype)
+                                           loss_num_shards=loss_num_shards, grad_accum_dtype=grad_accum_dtype, **tiling)
         elif tiled_loss:
             stack.report = apply_tiled_loss(model, num_shards=loss_num_shards, grad_accum_dtype=grad_accum_dtype)
         if stack.report is not None:

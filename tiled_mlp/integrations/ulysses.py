@@ -25,6 +25,7 @@ per-rank mean is a mean); this module is for loops that do not use the Trainer.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional
 
@@ -82,13 +83,18 @@ class SequenceParallel:
         labels = batch.pop("labels", None)
         if labels is not None:
             batch["shift_labels"] = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        odd = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and (v.dim() < 2 or v.shape[1] != tokens)]
+        if odd:  # a [b, 1, T, T] mask cut on its singleton dim, a scalar count: refused, as DeepSpeed's adapter does
+            raise ValueError(f"sequence parallelism: shard() cuts every tensor along dim 1, the tokens; {odd} do not have "
+                             f"{tokens} there. Leave them out (under SP attention takes no mask, position_ids order it)")
         chunk = tokens // self.size
         cut = slice(chunk * self.rank, chunk * (self.rank + 1))
         return {k: (v[:, cut] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
     def data_loader(self, loader: Iterable, device: Optional[torch.device] = None) -> Any:
         """DeepSpeed's ``UlyssesSPDataLoaderAdapter`` around ``loader`` (each rank's loader yields its own
-        samples; each sample is split across the group in turn)."""
+        samples; each sample is split across the group in turn). Unlike ``shard``, it requires
+        ``position_ids`` in every batch and yields CPU tensors (DeepSpeed keeps the prefill on the host)."""
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
         device = device if device is not None else next(self.model.parameters()).device
@@ -96,7 +102,8 @@ class SequenceParallel:
                                           device=device)
 
     def remove(self) -> None:
-        """The model's attention and loss as before; DeepSpeed's SP groups released."""
+        """The model's attention and loss as before; DeepSpeed's SP groups released. Call it once a DeepSpeed
+        engine built with ``mpu=self.mpu`` is done with: the engine keeps asking for the released groups."""
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
         from .causal_lm_loss import tiled_loss_forward
@@ -116,27 +123,18 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     ``size=2``, ranks 0-1 and 2-3). Every rank calls it. Returns the handle; ``.remove()`` undoes it.
 
     The attention implementation stays the model's (``sdpa``, a flash-attention kernel, flex): DeepSpeed
-    wraps it. ``eager`` is refused by DeepSpeed (it needs a [tokens, tokens] mask).
+    wraps it, for this model's attention modules only (other models in the process keep theirs).
+    Refused before any change: ``eager`` (it needs a [tokens, tokens] mask), MoE families (their router
+    loss is not a sum over tokens), sizes that do not divide the heads or the world.
     """
     import torch.distributed as dist
 
     from .causal_lm_loss import tiled_loss_forward
 
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("sequence parallelism: initialize torch.distributed first (every rank calls this)")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 2:
-        raise ValueError(f"sequence parallelism: size must be an int >= 2, got {size!r}")
-    world = dist.get_world_size()
-    if world % size:
-        raise ValueError(f"sequence parallelism: the world of {world} ranks does not divide into groups of {size}")
+    check_sequence_parallel(model, size)
     installed = tiled_loss_forward(model)
     if installed is None:
         raise ValueError(NO_TILED_LOSS_ERROR.format(model=type(model).__name__))
-    config = installed.model.config.get_text_config()
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if heads % size or (kv_heads % size and size % kv_heads):
-        raise ValueError(f"sequence parallelism: {size} ranks must divide the {heads} query heads, and divide or be a "
-                         f"multiple of the {kv_heads} key/value heads (each rank attends over whole heads)")
     core = installed.model.config._attn_implementation
 
     import deepspeed
@@ -144,9 +142,6 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
-        raise RuntimeError("sequence parallelism: DeepSpeed's SP groups already exist in this process (an earlier "
-                           "apply_sequence_parallel not removed, or accelerate's ParallelismConfig); remove them first")
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     undo = _undo_attention(installed.model, core, ALL_ATTENTION_FUNCTIONS)
     try:
@@ -159,9 +154,70 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
         undo()
         parallel_state_sp._release_sequence_parallel_groups()
         raise
+    _scope_to(installed.model, core, ALL_ATTENTION_FUNCTIONS)
     group = mpu.get_sequence_parallel_group()
     installed.sequence_group = group
     return SequenceParallel(model, group, mpu, core, undo)
+
+
+def check_sequence_parallel(model: nn.Module, size: int) -> None:
+    """Every refusal that needs no change to make, before any (``apply_long_context`` asks first too)."""
+    import torch.distributed as dist
+
+    from .causal_lm_loss import check_tiled_loss
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("sequence parallelism: initialize torch.distributed first (every rank calls this)")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+        raise ValueError(f"sequence parallelism: size must be an int >= 2, got {size!r}")
+    world = dist.get_world_size()
+    if world % size:
+        raise ValueError(f"sequence parallelism: the world of {world} ranks does not divide into groups of {size}")
+    causal_lm, form = check_tiled_loss(model)
+    if form.router_aux_loss:
+        # The router's load-balancing loss is a function of every token's routing, not a sum over tokens: a
+        # rank's slice gives another number, which this module does not reduce over the group.
+        raise ValueError(f"sequence parallelism: {type(causal_lm).__name__} adds a router auxiliary loss, which is not "
+                         "a sum over tokens and is not reduced across the SP ranks here; MoE models are not supported")
+    config: Any = causal_lm.config  # a transformers PretrainedConfig
+    text = config.get_text_config()
+    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    if heads % size or (kv_heads % size and size % kv_heads):
+        raise ValueError(f"sequence parallelism: {size} ranks must divide the {heads} query heads, and divide or be a "
+                         f"multiple of the {kv_heads} key/value heads (each rank attends over whole heads)")
+    if config._attn_implementation in ("eager", "paged|eager"):
+        raise ValueError("sequence parallelism: eager attention needs a [tokens, tokens] mask, which Ulysses drops; "
+                         "use sdpa, flash_attention_2 or flex_attention (DeepSpeed's rule)")
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
+        raise RuntimeError("sequence parallelism: DeepSpeed's SP groups already exist in this process (an earlier "
+                           "apply_sequence_parallel not removed, or accelerate's ParallelismConfig); remove them first")
+
+
+def _scope_to(model: nn.Module, core: str, functions: Any) -> None:
+    """DeepSpeed writes its Ulysses wrapper under ``core`` for the whole process: every model using that
+    attention (a reference, teacher or evaluation model beside this one) would exchange heads across
+    ranks too, and be silently wrong. Route only this model's attention modules to it."""
+    ulysses, before = functions[core], _library_function(core, functions)
+    ours = weakref.WeakSet(m for m in model.modules())
+
+    def scoped(module, *args, **kwargs):
+        return (ulysses if module in ours else before)(module, *args, **kwargs)
+
+    functions[core] = scoped
+
+
+def _library_function(core: str, functions: Any) -> Callable:
+    """The function ``core`` names without any instance override (what other models use)."""
+    local = getattr(functions, "_local_mapping", None)
+    if local is not None and core in local:
+        saved = local.pop(core)
+        try:
+            return functions[core]
+        finally:
+            local[core] = saved
+    return functions[core]
 
 
 def _undo_attention(model: nn.Module, core: str, functions: Any) -> Callable[[], None]:
