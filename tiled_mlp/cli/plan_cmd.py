@@ -85,6 +85,8 @@ def _fit_budget(budget, untiled, tokens, floor, peak_at) -> dict:
 
 
 def run(args, parser_error) -> int:
+    if args.alst:
+        return plan_model.run_alst(args, parser_error)
     if args.model is not None:
         return plan_model.run(args, parser_error)
     if args.hidden is None or args.intermediate is None or args.seq is None:

@@ -1,12 +1,17 @@
 """``tiled-mlp plan --model CONFIG``: a whole decoder model's training step at its full depth, per rank,
-MLPs untiled vs tiled, the model's own loss vs the tiled loss, with and without checkpointing, the
-total each holds with the optimizer state, and the longest sequence each setting fits into the budget
-(``--budget``, default: this machine's GPU memory, else 80 GiB)."""
+MLPs untiled vs tiled, the model's own loss vs the tiled loss, with and without checkpointing (and with
+the checkpoints offloaded to the host, --offload-checkpoints), under Ulysses sequence parallelism
+(--sp N), the total each holds on the device with the optimizer state and what it holds on the host,
+and the longest sequence each setting fits into the budget (``--budget``, default: this machine's GPU
+memory, else 80 GiB). ``tiled-mlp plan --alst``: ALST's ladder for Llama-3.1-8B beside ALST's figures."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import sys
+import time
 from typing import Dict, List, NoReturn, Optional, Tuple
 
 import torch
@@ -14,7 +19,7 @@ import torch
 from tiled_core.shard_plan import NumShards
 
 from ..bench.progress import Progress
-from ..planner import check, report
+from ..planner import alst, check, report, sequence_parallel
 from ..planner.advice import what_to_change
 from ..planner.backends import BACKENDS, Backend
 from ..planner.plan import Planner, Point, Request
@@ -46,6 +51,19 @@ def add_arguments(p) -> None:
                    help="how ranks divide weights, gradients and optimizer state (default: single, or fsdp2 with --world-size > 1)")
     g.add_argument("--offload-optimizer", action="store_true",
                    help="the optimizer state lives on the host: reported, not counted against --budget")
+    g.add_argument("--offload-checkpoints", action="store_true",
+                   help="beside each checkpointed setting, the same with checkpoint offload ('+offload': every "
+                        "checkpointed layer's input but the last's waits in host memory; apply_checkpoint_offload)")
+    g.add_argument("--offload-params", action="store_true",
+                   help="ZeRO-3 with the parameters on the host too (offload_param and offload_optimizer to the CPU, "
+                        "as ALST's one-GPU run); implies --backend zero3 and --offload-optimizer")
+    g.add_argument("--sp", type=int, default=1, metavar="N",
+                   help="Ulysses sequence parallelism over N ranks (DeepSpeed's UlyssesSPAttentionHF): each rank runs "
+                        "seq / N tokens, the attention all of them with heads / N; N divides the query heads, every "
+                        "--seq and --world-size (default 1)")
+    g.add_argument("--alst", action="store_true",
+                   help="ALST's ladder: Llama-3.1-8B at 80 GiB a rank (or --budget), each row of ALST's ablation "
+                        "beside the length ALST measured (other options are ignored; --json for records)")
     g.add_argument("--plot", default=None, metavar="PNG", help="held memory against sequence length, budget and max lengths")
 
 
@@ -73,18 +91,44 @@ def _settings(args, parser_error) -> List[Setting]:
     ckpt = {"none": [False], "layer": [True], "both": [False, True]}[args.checkpointing]
     tiled = off_and_on("--tiled", args.tiled)
     losses = off_and_on("--tiled-loss", args.tiled_loss or "auto")
+    # Checkpoint offload beside each checkpointed setting, as the other knobs are planned beside their absence.
+    offloads = lambda c: [False, True] if c and args.offload_checkpoints else [False]  # noqa: E731
     return [Setting(tiled=n is not None, checkpointing=c, num_shards="auto" if n is None else n,
-                    tiled_loss=loss is not None, loss_num_shards="auto" if loss is None else loss)
-            for c in ckpt for loss in losses for n in tiled]
+                    tiled_loss=loss is not None, loss_num_shards="auto" if loss is None else loss,
+                    offload_checkpoints=o, sp=args.sp)
+            for c in ckpt for o in offloads(c) for loss in losses for n in tiled]
+
+
+def _check_parallel(args, parser_error) -> str:
+    """The backend's name, after the checks of what --world-size, --backend, --sp, --offload-params and
+    --offload-checkpoints ask together (none of them needs the model)."""
+    if args.world_size < 1:
+        parser_error(f"--world-size must be 1 or more, got {args.world_size}")
+    if args.offload_params and args.backend not in (None, "zero3"):
+        parser_error(f"--offload-params is ZeRO-3's offload_param; --backend {args.backend} has none: give --backend "
+                     "zero3 (or leave --backend out)")
+    backend_name = args.backend or ("zero3" if args.offload_params else "single" if args.world_size == 1 else "fsdp2")
+    if backend_name == "single" and args.world_size != 1:
+        parser_error(f"--backend single runs one rank; --world-size {args.world_size} needs ddp, fsdp2 or zero3")
+    if args.sp < 1:
+        parser_error(f"--sp must be 1 or more, got {args.sp}")
+    if args.sp > 1:
+        if args.world_size % args.sp:
+            parser_error(f"--sp {args.sp}: sequence parallelism runs on groups of {args.sp} ranks; --world-size "
+                         f"{args.world_size} is not a multiple of {args.sp}")
+        bad = [seq for seq in (args.seq or DEFAULT_SEQS) if seq % args.sp]
+        if bad:
+            parser_error(f"--sp {args.sp}: {', '.join(map(str, bad))} tokens do not split across {args.sp} ranks; give "
+                         f"lengths that are multiples of {args.sp}")
+    if args.offload_checkpoints and args.checkpointing == "none":
+        parser_error("--offload-checkpoints moves the input each checkpointed layer keeps to host memory; with "
+                     "--checkpointing none there is none: give --checkpointing layer or both")
+    return backend_name
 
 
 def run(args, parser_error) -> int:
     # Everything is checked before the first modelled step: a mistake must not cost a plan.
-    if args.world_size < 1:
-        parser_error(f"--world-size must be 1 or more, got {args.world_size}")
-    backend_name = args.backend or ("single" if args.world_size == 1 else "fsdp2")
-    if backend_name == "single" and args.world_size != 1:
-        parser_error(f"--backend single runs one rank; --world-size {args.world_size} needs ddp, fsdp2 or zero3")
+    backend_name = _check_parallel(args, parser_error)
     if args.plot:
         from .bench_cmd import _check_plot
 
@@ -103,11 +147,14 @@ def run(args, parser_error) -> int:
     try:
         config = load_config(args.model)
         check.check_config(config)
+        sequence_parallel.check(config, args.sp)
     except ValueError as error:
         fail(str(error))
     progress.step("config")
-    request = Request(config, seqs, settings, Backend(backend_name, args.world_size), args.batch, args.dtype, budget,
-                      optimizer_on_device=not args.offload_optimizer)
+    request = Request(config, seqs, settings, Backend(backend_name, args.world_size, offload_params=args.offload_params),
+                      args.batch, args.dtype, budget,
+                      optimizer_on_device=not (args.offload_optimizer or args.offload_params))
+    request.seq_step = math.lcm(request.seq_step, args.sp)  # the search's grid: lengths the SP ranks split
     planner = Planner(request)
     warnings: List[str] = []
     problem = _check_model(args, planner, budget_from, warnings)
@@ -147,7 +194,7 @@ def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) 
         if max(request.seqs) > limit:
             return (f"--seq {max(request.seqs)}: {config.model_type} has learned position embeddings for {limit} "
                     f"tokens and cannot run longer sequences; give --seq up to {limit}")
-        request.seq_cap = min(request.seq_cap, limit)
+        request.seq_cap = min(request.seq_cap, limit // args.sp)  # the cap is per rank (``Planner.seq_cap``)
     backend, budget = request.backend, request.budget
     weights = backend.weight_bytes(sizes, args.dtype)
     if budget is not None and weights > budget:
@@ -165,6 +212,14 @@ def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) 
         check.probe(model, config)
     except ValueError as error:
         return f"--model {args.model}: {error}"
+    # SP and checkpoint offload are code of their own on the step: probed on the first setting with each.
+    firsts = [next((s for s in request.settings if s.sp > 1), None),
+              next((s for s in request.settings if s.offload_checkpoints), None)]
+    for parallel in dict.fromkeys(s for s in firsts if s is not None):
+        try:
+            check.probe(check.build(config, args.dtype, functools.partial(planner.model, parallel)), config)
+        except ValueError as error:
+            return f"--model {args.model}, {parallel.name}: {error}"
     if with_loss is None:
         return ""
     try:  # the tiled loss is code of its own on the loss path: probed on a setting the plan models
@@ -214,8 +269,9 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
         print(json.dumps(records, indent=2))
     else:
         header = report.header(args.model, request.config, planner.param_sizes(), planner.layer_kinds(), args.dtype,
-                               args.batch, backend)
-        print("\n".join([header, *report.table(points, budget, budget_from), *report.longest_lines(longest, budget),
+                               args.batch, backend, args.sp)
+        print("\n".join([header, *report.table(points, budget, budget_from),
+                         *report.longest_lines(longest, budget, request.seq_step),
                          *advice, *report.notes(points, args.dtype, backend, request.optimizer_on_device)]))
     if args.plot:
         from ..planner.plot import plot_plan
@@ -224,3 +280,25 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
                  f"batch {args.batch}")
         plot_plan(planner.modelled(), {k: v.seq for k, v in longest.items()}, budget, args.plot, title)
         print(f"plot: {args.plot}")
+
+
+def run_alst(args, parser_error) -> int:
+    """``tiled-mlp plan --alst``: ALST's ladder (``tiled_mlp/planner/alst.py``)."""
+    budget = args.budget if args.budget is not None else alst.BUDGET
+    config = load_config(alst.MODEL)
+    # Points: ALST's length, then the search's (usually 3 to 4 more) for each row.
+    progress = Progress(5 * len(alst.RUNGS), "plan --alst", enabled=not args.json)
+    start = time.monotonic()
+    try:
+        climbed = alst.climb(config, alst.RUNGS, budget, on_point=progress.step)
+    finally:
+        progress.close()
+    seconds = time.monotonic() - start
+    if args.json:
+        print(json.dumps([dict(model=alst.MODEL, budget_bytes=int(budget), seconds=round(seconds, 1))]
+                         + alst.records(climbed), indent=2))
+        return 0
+    print("\n".join([*alst.table(config, climbed, budget, alst.MODEL), "", *alst.findings(config, climbed, budget),
+                     f"(modelled in {seconds:.0f} s: {sum(1 for _ in climbed)} rows, each searched on its grid: "
+                     + ", ".join(f"{c.rung.grid}" for c in climbed) + " tokens)"]))
+    return 0

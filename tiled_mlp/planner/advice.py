@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import List
 
-from .backends import Backend
 from .plan import IN_FLIGHT, LOGITS_KNOB, OPTIMIZER, Planner, Point
 from .step import Setting
 from .timeline import ACTIVATIONS, GRADS, LOGITS, WEIGHTS
@@ -50,7 +49,7 @@ def _more_ranks(planner: Planner, setting: Setting, point: Point) -> str:
     timeline = planner.timeline(setting, point.seq)
     world = max(2, req.backend.world_size * 2 if req.backend.shards_weights else 2)
     while world <= MAX_WORLD_SIZE:
-        sharded = planner.point_of(setting, point.seq, timeline, Backend(name, world))
+        sharded = planner.point_of(setting, point.seq, timeline, replace(req.backend, name=name, world_size=world))
         sharded = replace(sharded, budget=req.budget)
         if sharded.fits:
             return (f"- more ranks: --world-size {world} --backend {name} divides the weights, gradients and "
@@ -71,9 +70,11 @@ def _knob(kind: str, planner: Planner) -> str:
         return LOGITS_KNOB + ("" if any(s.tiled_loss for s in settings) else "; try --tiled-loss auto")
     if kind == ACTIVATIONS:
         missing = [flag for flag, on in (("--checkpointing layer", any(s.checkpointing for s in settings)),
-                                         ("--tiled auto", any(s.tiled for s in settings))) if not on]
-        return ("try " + " and ".join(missing)) if missing else (
-            "sequence parallelism (Ulysses) or offloaded checkpoints, which this planner does not model")
+                                         ("--tiled auto", any(s.tiled for s in settings)),
+                                         ("--offload-checkpoints", any(s.offload_checkpoints for s in settings)),
+                                         ("--sp N (Ulysses: each of N ranks runs seq / N tokens)",
+                                          any(s.sp > 1 for s in settings))) if not on]
+        return ("try " + " and ".join(missing)) if missing else "more sequence parallelism (a larger --sp)"
     if kind == IN_FLIGHT:
         return "the backend's unsharded buffers: a backend that gathers less at once (zero3 per module)"
     return "no knob known"

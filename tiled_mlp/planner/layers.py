@@ -11,7 +11,7 @@ from typing import List
 
 from torch import nn
 
-from .backends import ParamSizes
+from .backends import ZERO3_PERSISTENCE_THRESHOLD, ParamSizes
 
 
 def decoder_layers(model: nn.Module, count: int) -> nn.ModuleList:
@@ -27,8 +27,9 @@ def param_sizes(model: nn.Module, layers: nn.ModuleList) -> ParamSizes:
     total = sum(p.numel() for p in model.parameters())
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    persistent = sum(p.numel() for p in model.parameters() if p.numel() <= ZERO3_PERSISTENCE_THRESHOLD)
     return ParamSizes(total=total, largest_layer=max(per_layer), root=total - sum(per_layer),
-                      largest_module=largest_module)
+                      largest_module=largest_module, persistent=persistent)
 
 
 def _kind(layer: nn.Module) -> str:

@@ -7,22 +7,28 @@ one and two layers is wrong twice over: the step's peak is the largest of severa
 the end of the backward with every gradient alive) whose ranking changes with depth, and layers that
 differ are not copies of the first. A full-depth step costs about a second (more with many tiled
 shards), and the search (``search.py``) models only a few beyond the table's.
+
+Per rank, on the device and on the host: under Ulysses SP (``Setting.sp``) the step modelled is one
+rank's (``seq / sp`` tokens); the host holds what the backend keeps there (``backends.py``) and the
+offloaded checkpoints at their most (modelled, ``Setting.offload_checkpoints``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .backends import Backend, ParamSizes
+from .backends import OPTIMIZER, Backend, ParamSizes
 from .layers import decoder_layers, describe_kinds, param_sizes
 from .search import Longest, longest_fitting
 from .step import Setting, build_model, step_timeline
 from .timeline import ACTIVATIONS, GRADS, LOGITS, WEIGHTS, Timeline
 
 IN_FLIGHT = "backend in flight"
-OPTIMIZER = "optimizer"
+OFFLOADED = "offloaded checkpoints"  # host memory: the layer inputs checkpoint offload moved there
+__all__ = ["IN_FLIGHT", "OFFLOADED", "OPTIMIZER", "LOGITS_KNOB", "Point", "Request", "Planner"]
 # The knob is this library's own tiled loss, modelled as a setting (``step.py``), so the plan can show
 # what it leaves rather than only name it.
 LOGITS_KNOB = ("the tiled loss, which never holds the logits (the 'tiled-loss' settings, --tiled-loss; in training "
@@ -40,6 +46,14 @@ class Point:
     parts: Dict[str, float]  # peak_bytes by kind, at the peak
     budget: Optional[float] = None
     optimizer_on_device: bool = True  # False: offloaded to the host, not held against the budget
+    host_parts: Dict[str, float] = field(default_factory=dict)  # what the rank holds in host memory, by kind
+    tokens_per_rank: int = 0  # seq / sp: what the rank's step runs (0: not said, seq)
+
+    @property
+    def host_bytes(self) -> float:
+        """Host memory of the rank at its most: the backend's (optimizer, ZeRO-3's offloaded partitions)
+        and the offloaded checkpoints at their peak. Not held against the budget."""
+        return sum(self.host_parts.values())
 
     @property
     def held_bytes(self) -> float:
@@ -62,10 +76,11 @@ class Point:
         return max(parts, key=lambda kind: parts[kind])
 
     def record(self) -> dict:
-        return dict(seq=self.seq, setting=self.setting, peak_bytes=int(self.peak_bytes),
-                    optimizer_bytes=int(self.optimizer_bytes), optimizer_on_device=self.optimizer_on_device,
-                    held_bytes=int(self.held_bytes), fits=self.fits, dominant=self.dominant,
-                    parts={k: int(v) for k, v in self.held_parts.items()})
+        return dict(seq=self.seq, setting=self.setting, tokens_per_rank=self.tokens_per_rank or self.seq,
+                    peak_bytes=int(self.peak_bytes), optimizer_bytes=int(self.optimizer_bytes),
+                    optimizer_on_device=self.optimizer_on_device, held_bytes=int(self.held_bytes), fits=self.fits,
+                    dominant=self.dominant, parts={k: int(v) for k, v in self.held_parts.items()},
+                    host_bytes=int(self.host_bytes), host_parts={k: int(v) for k, v in self.host_parts.items()})
 
 
 @dataclass
@@ -79,8 +94,8 @@ class Request:
     budget: Optional[float] = None
     optimizer_on_device: bool = True
     seq_step: int = 1024
-    # The search stops at a million tokens: a tiled step there is thousands of shards to model, and
-    # the answer is then "at least" this, said so.
+    # The search stops at a million tokens a rank (under SP of N ranks, N million in all): a tiled step
+    # there is thousands of shards to model, and the answer is then "at least" this, said so.
     seq_cap: int = 2**20
 
 
@@ -99,7 +114,8 @@ class Planner:
     def model(self, setting: Setting) -> torch.nn.Module:
         """The full-depth model under ``setting``, built once on the meta device."""
         if setting not in self._models:
-            self._models[setting] = build_model(self.request.config, None, self.request.dtype, "meta", setting)
+            self._models[setting] = build_model(self.request.config, None, self.request.dtype, "meta", setting,
+                                                batch=self.request.batch)
         return self._models[setting]
 
     def _plain(self) -> torch.nn.Module:
@@ -115,9 +131,21 @@ class Planner:
         """'' when the decoder layers are alike, else how many of each kind (``layers.py``)."""
         return describe_kinds(decoder_layers(self._plain(), self.layers))
 
-    def timeline(self, setting: Setting, seq: int) -> Timeline:
-        """The full-depth step's timeline (not cached: the points are)."""
-        return step_timeline(self.model(setting), seq, self.request.batch)
+    def timeline(self, setting: Setting, seq: int, describe: bool = False) -> Timeline:
+        """The full-depth step's timeline, of one rank: ``seq / sp`` tokens (not cached: the points are).
+        ``describe``: with what made each allocation (``Timeline.at_peak``)."""
+        if seq % setting.sp:
+            raise ValueError(f"{seq} tokens do not split across {setting.sp} ranks of sequence parallelism; give a "
+                             f"multiple of {setting.sp}")
+        return step_timeline(self.model(setting), seq // setting.sp, self.request.batch, describe=describe)
+
+    def peak_allocations(self, setting: Setting, seq: int) -> Dict[str, float]:
+        """What the rank's device holds at the step's peak at ``seq`` tokens, by what made it, largest
+        first (weights and gradients at the rank's shares; the backend's in-flight buffers, analytic, are
+        not among them)."""
+        backend = self.request.backend
+        timeline = self.timeline(setting, seq, describe=True)
+        return timeline.at_peak(backend.weight_scale(), backend.grad_scale(not self.request.optimizer_on_device))
 
     def point(self, setting: Setting, seq: int) -> Point:
         key = (setting, seq)
@@ -130,13 +158,16 @@ class Planner:
         """The point a rank of ``backend`` holds for a modelled step: its share of the weights and
         gradients at the moment that share makes the peak, the backend's buffers, the optimizer."""
         req = self.request
-        scale = backend.weight_scale()
-        peak, (w, g, lg, a) = timeline.peak(scale, scale)
+        on_host = not req.optimizer_on_device
+        peak, (w, g, lg, a) = timeline.peak(backend.weight_scale(), backend.grad_scale(on_host))
         sizes = self.param_sizes()
         in_flight = backend.in_flight_bytes(sizes, req.dtype)
         parts = {WEIGHTS: w, GRADS: g, LOGITS: lg, ACTIVATIONS: a, IN_FLIGHT: in_flight}
+        host = backend.host_parts(sizes, req.dtype, on_host)
+        if setting.offload_checkpoints:
+            host[OFFLOADED] = float(timeline.host_peak())
         return Point(seq, setting.name, peak + in_flight, backend.optimizer_bytes(sizes, req.dtype), parts,
-                     req.budget, req.optimizer_on_device)
+                     req.budget, req.optimizer_on_device, host, seq // setting.sp)
 
     def modelled(self) -> List[Point]:
         """Every point modelled so far (the table's and the search's)."""
@@ -145,14 +176,22 @@ class Planner:
     def fits(self, setting: Setting, seq: int) -> bool:
         return bool(self.point(setting, seq).fits)
 
+    def seq_step(self, setting: Setting) -> int:
+        """The search's grid for ``setting``: ``seq_step``, made a multiple of the SP degree."""
+        return math.lcm(self.request.seq_step, setting.sp)
+
+    def seq_cap(self, setting: Setting) -> int:
+        """Where the search stops for ``setting``: ``seq_cap`` tokens a rank."""
+        return self.request.seq_cap * setting.sp
+
     def longest(self, setting: Setting) -> Longest:
-        """The longest multiple of ``seq_step`` up to ``seq_cap`` that fits the budget."""
+        """The longest multiple of the grid (``seq_step``) up to the cap that fits the budget."""
         req = self.request
         if req.budget is None:
             raise ValueError("the longest sequence needs a budget")
         known = {seq: p.held_bytes for (s, seq), p in self._points.items() if s == setting}
-        return longest_fitting(lambda seq: self.point(setting, seq).held_bytes, req.budget, req.seq_step,
-                               req.seq_cap, known)
+        return longest_fitting(lambda seq: self.point(setting, seq).held_bytes, req.budget, self.seq_step(setting),
+                               self.seq_cap(setting), known)
 
     def max_seq(self, setting: Setting) -> int:
         return self.longest(setting).seq

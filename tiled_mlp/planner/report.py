@@ -8,43 +8,53 @@ from typing import Dict, List
 import torch
 
 from .backends import Backend, ParamSizes
-from .plan import IN_FLIGHT, LOGITS_KNOB, Point
+from .plan import IN_FLIGHT, LOGITS_KNOB, OFFLOADED, Point
 from .search import Longest
 from .timeline import LOGITS
 
 GiB = 2**30
 
 
-def header(name: str, config, sizes: ParamSizes, kinds: str, dtype: torch.dtype, batch: int, backend: Backend) -> str:
+def header(name: str, config, sizes: ParamSizes, kinds: str, dtype: torch.dtype, batch: int, backend: Backend,
+           sp: int = 1) -> str:
     text = config.get_text_config()
     layers = f"{text.num_hidden_layers} layers" + (f" ({kinds})" if kinds else "")
+    where = f"{backend.name} x{backend.world_size}" + (" (parameters offloaded to the host)" if backend.offload_params
+                                                       else "")
     return (f"{name}: {sizes.total / 1e9:.2f}B parameters, {layers}, vocabulary {text.vocab_size}; "
-            f"{str(dtype).replace('torch.', '')}, batch {batch} per rank, {backend.name} x{backend.world_size}; "
-            "every layer modelled (full depth, meta device)")
+            f"{str(dtype).replace('torch.', '')}, batch {batch} per rank, {where}"
+            + (f", Ulysses SP over {sp} ranks (each runs seq / {sp} tokens)" if sp > 1 else "")
+            + "; every layer modelled (full depth, meta device)")
 
 
 SETTING_LEGEND = ("settings: 'tiled' tiles the MLPs, 'tiled-loss' computes the LM head and cross-entropy a token shard "
-                  "at a time (never the [tokens, vocab] logits), 'ckpt' checkpoints every decoder layer")
+                  "at a time (never the [tokens, vocab] logits), 'ckpt' checkpoints every decoder layer, 'offload' "
+                  "keeps each checkpointed layer's input (but the last's) in host memory, 'spN' is Ulysses sequence "
+                  "parallelism over N ranks (DeepSpeed's UlyssesSPAttentionHF)")
+HOST_LEGEND = ("'host' is the rank's host memory at its most, not held against the budget: the optimizer state when "
+               "offloaded, ZeRO-3's gradient (and, with --offload-params, parameter) partitions there, and the "
+               "offloaded checkpoints")
 
 
 def table(points: List[Point], budget: float, budget_from: str) -> List[str]:
     lines = [f"per rank, GiB; budget {budget / GiB:.2f} GiB ({budget_from}). 'held' is what 'fits' judges: the "
-             "step's peak (weights, gradients, activations, backend buffers) plus the optimizer state on the device",
+             "step's peak (weights, gradients, activations, backend buffers) plus the optimizer state on the device; "
+             + HOST_LEGEND,
              SETTING_LEGEND,
-             "| seq | setting | step peak | optimizer | held | fits | dominant term of held |",
-             "|---|---|---|---|---|---|---|"]
+             "| seq | setting | step peak | optimizer | held | fits | host | dominant term of held |",
+             "|---|---|---|---|---|---|---|---|"]
     for p in points:
         fits = "-" if p.fits is None else ("yes" if p.fits else "no")
         optimizer = f"{p.optimizer_bytes / GiB:.2f}" + ("" if p.optimizer_on_device else " (host)")
         share = p.held_parts[p.dominant] / p.held_bytes
         lines.append(f"| {p.seq} | {p.setting} | {p.peak_bytes / GiB:.2f} | {optimizer} | {p.held_bytes / GiB:.2f} | "
-                     f"{fits} | {p.dominant} ({share:.0%}) |")
+                     f"{fits} | {p.host_bytes / GiB:.2f} | {p.dominant} ({share:.0%}) |")
     return lines
 
 
-def longest_lines(longest: Dict[str, Longest], budget: float) -> List[str]:
-    lines = [f"longest sequence held within {budget / GiB:.2f} GiB per rank (multiples of 1024; each answer fits "
-             "and 1024 tokens more does not, both modelled):"]
+def longest_lines(longest: Dict[str, Longest], budget: float, step: int = 1024) -> List[str]:
+    lines = [f"longest sequence held within {budget / GiB:.2f} GiB per rank (multiples of {step}; each answer fits "
+             f"and {step} tokens more does not, both modelled):"]
     width = max((len(setting) for setting in longest), default=0)
     for setting, found in longest.items():
         if found.at_cap:
@@ -64,7 +74,16 @@ def notes(points: List[Point], dtype: torch.dtype, backend: Backend, optimizer_o
                  + ("" if dtype == torch.float32 else " and master weights")
                  + ("" if optimizer_on_device else ", on the host") + ")"
                  + ("" if backend.name == "single" else f", and {backend.name}'s division of weights and gradients and "
-                    f"its '{IN_FLIGHT}' buffers (tiled_mlp/planner/backends.py)") + ".")
+                    f"its '{IN_FLIGHT}' buffers (tiled_mlp/planner/backends.py)")
+                 + (", the parameter partitions on the host (offload_param)" if backend.offload_params else "") + ".")
+    offloaded = [p for p in points if OFFLOADED in p.host_parts]
+    if offloaded:
+        lines.append("modelled, not analytic: the offloaded checkpoints in 'host' (the real CheckpointOffload runs in the "
+                     "step); pinned host memory and the host's own fragmentation are not counted.")
+    if any(p.tokens_per_rank and p.tokens_per_rank != p.seq for p in points):
+        lines.append("sequence parallelism: one rank's step of seq / N tokens is modelled, with DeepSpeed's "
+                     "UlyssesSPAttentionHF in it (its exchanges and copies); not in it: the tiled loss's cross-rank "
+                     "sum under apply_sequence_parallel (a few scalars) and the collectives' own buffers inside NCCL.")
     return lines
 
 

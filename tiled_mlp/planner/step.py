@@ -7,38 +7,62 @@ measured step the planner is checked against (``tests/test_planner_depth.py``,
 (``timeline.py``): weights, gradients, the logits and the loss, other activations.
 
 What a setting tiles is put on by the library's own integration (``apply_tiled_mlp``, with
-``loss=True`` for the tiled loss), so the step modelled is the step a user of that call runs.
+``loss=True`` for the tiled loss), so the step modelled is the step a user of that call runs; checkpoint
+offload likewise (``apply_checkpoint_offload``: its host copies are counted as host memory). Under
+Ulysses sequence parallelism the step is one rank's: ``seq / sp`` tokens, DeepSpeed's attention class
+around the core attention (``sequence_parallel.py``), the position ids given as DeepSpeed's data-loader
+adapter gives them.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import weakref
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
-from . import attention
+from . import attention, sequence_parallel
 from .timeline import Timeline, TimelineTracker
+
+# What ``build_model`` put on a model beyond transformers' build, by model (side tables: the model itself
+# stays what transformers made): its checkpoint offload, and its SP group.
+_OFFLOADS: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+_SP_GROUPS: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
 class Setting:
     """How the step runs: tiled MLPs or not, the tiled loss (LM head and cross-entropy a token shard
-    at a time, never holding the logits) or the model's own, layers checkpointed or not."""
+    at a time, never holding the logits) or the model's own, layers checkpointed or not, their inputs
+    offloaded to the host or not, and the Ulysses SP degree (each rank runs ``seq / sp`` tokens)."""
 
     tiled: bool
     checkpointing: bool
     num_shards: Union[int, str] = "auto"
     tiled_loss: bool = False
     loss_num_shards: Union[int, str] = "auto"
+    offload_checkpoints: bool = False
+    sp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.offload_checkpoints and not self.checkpointing:
+            raise ValueError("checkpoint offload moves the input each checkpointed layer keeps for its backward to "
+                             "host memory; without layer checkpointing there is no such input: turn checkpointing on")
+        if isinstance(self.sp, bool) or not isinstance(self.sp, int) or self.sp < 1:
+            raise ValueError(f"sequence parallelism of {self.sp!r} ranks: give a whole number, 1 or more")
 
     @property
     def name(self) -> str:
-        """'untiled', 'tiled' (MLPs), 'tiled-loss', 'tiled+tiled-loss', each with '+ckpt' or not: the
-        names the plan had before the tiled loss are kept."""
+        """'untiled', 'tiled' (MLPs), 'tiled-loss', 'tiled+tiled-loss', each with '+ckpt' or not, then
+        '+offload' (checkpoint offload) and '+spN' (Ulysses over N ranks) where they are on: the names the
+        plan had before are kept."""
         parts = ["tiled"] if self.tiled else ([] if self.tiled_loss else ["untiled"])
         parts += ["tiled-loss"] if self.tiled_loss else []
         parts += ["ckpt"] if self.checkpointing else []
+        parts += ["offload"] if self.offload_checkpoints else []
+        parts += [f"sp{self.sp}"] if self.sp > 1 else []
         return "+".join(parts)
 
 
@@ -64,13 +88,22 @@ def _dtype_kwargs(dtype: torch.dtype) -> dict:
 
 
 def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[str, torch.device], setting: Setting,
-                seed: int = 0):
-    """The causal LM of ``config`` with ``depth`` decoder layers (None: all of them), under ``setting``."""
+                seed: int = 0, batch: int = 1, sp_group: Any = None):
+    """The causal LM of ``config`` with ``depth`` decoder layers (None: all of them), under ``setting``.
+    With ``setting.sp > 1``: for ``batch`` sequences a step, on ``sp_group`` (a real process group of
+    ``sp`` ranks; None: the planner's stand-in, on the meta device only)."""
     from transformers import AutoModelForCausalLM
 
-    from ..integrations import apply_tiled_loss, apply_tiled_mlp
+    from ..integrations import apply_checkpoint_offload, apply_tiled_loss, apply_tiled_mlp
 
-    name = attention.register()
+    if setting.sp > 1:
+        if sp_group is None:
+            if torch.device(device).type != "meta":
+                raise ValueError("a real step under sequence parallelism needs its process group (sp_group)")
+            sp_group = sequence_parallel.MetaGroup(setting.sp)
+        name = sequence_parallel.register(config, setting.sp, batch, sp_group)
+    else:
+        name = attention.register()
     depth = config.get_text_config().num_hidden_layers if depth is None else depth
     torch.manual_seed(seed)
     with torch.device(device):
@@ -88,24 +121,50 @@ def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if setting.offload_checkpoints:
+        _OFFLOADS[model] = apply_checkpoint_offload(model)
+    if setting.sp > 1:
+        _SP_GROUPS[model] = sp_group
     return model
 
 
-def step_timeline(model, seq: int, batch: int) -> Timeline:
-    """The memory timeline of one step of ``model`` on ``batch`` sequences of ``seq`` tokens."""
+def step_timeline(model, seq: int, batch: int, rank: int = 0, describe: bool = False) -> Timeline:
+    """The memory timeline of one step of ``model`` on ``batch`` sequences of ``seq`` tokens: under
+    sequence parallelism, the ``seq`` tokens of SP rank ``rank``. ``describe``: with what made each
+    allocation (``Timeline.at_peak``)."""
     device = next(model.parameters()).device
     vocab = model.config.get_text_config().vocab_size
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     if device.type != "meta":
-        ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+        ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(rank)).to(device)
+    inputs = dict(input_ids=ids, labels=ids)
+    group = _SP_GROUPS.get(model)
+    if group is not None:
+        # Ulysses needs every rank's positions (it gathers them): DeepSpeed's data-loader adapter hands each
+        # rank its slice, made before the step like the ids.
+        first = rank * seq
+        inputs["position_ids"] = torch.arange(first, first + seq, device=device).unsqueeze(0).repeat(batch, 1)
+    offload = _OFFLOADS.get(model)
     model.zero_grad(set_to_none=True)
-    tracker = TimelineTracker(vocab)
+    tracker = TimelineTracker(vocab, describe)
     tracker.track_weights(model.parameters())
-    with tracker:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        del loss
+    comm = sequence_parallel.comm_for(group) if group is not None else contextlib.nullcontext()
+    try:
+        if offload is not None:
+            offload.on_host_copy = tracker.track_host
+        with comm, tracker:
+            loss = model(**inputs).loss
+            loss.backward()
+            del loss
+    finally:
+        if offload is not None:
+            offload.on_host_copy = None
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     timeline = tracker.timeline(grads)
     model.zero_grad(set_to_none=True)
     return timeline
+
+
+def offload_of(model) -> Any:
+    """The checkpoint offload ``build_model`` put on ``model`` (None: none)."""
+    return _OFFLOADS.get(model)

@@ -6,11 +6,16 @@ weights (tracked before the step), gradients (the storages that end up in ``.gra
 the step is over), the logits and everything computed from them (tensors whose last dim is the
 vocabulary) and other activations. Every allocation and free is logged with a serial number (a freed
 storage's address may be reused by the next), and ``Timeline`` replays the log.
+
+Host memory is counted apart: the layer inputs that checkpoint offload moves out of the device
+(``tiled_core.checkpoint_offload``) are storages the offload names as it makes them (``track_host``). On
+the meta device and on a CPU step alike they are the same kind of storage as the device's, so the
+offload's own word is the only way to tell them apart.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Iterable, List, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Set, Tuple
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -24,13 +29,24 @@ from .meta_values import is_meta_read, zero_read
 _META_OUTPUTS = MetaOutputs()
 
 WEIGHTS, GRADS, LOGITS, ACTIVATIONS = "weights", "gradients", "logits and loss", "activations"
+HOST = "host"  # in host memory: not one of the device's kinds above
 
 
 @dataclass
 class Timeline:
-    """After each allocation: (weight, gradient, logits, other activation) bytes live."""
+    """After each allocation: (weight, gradient, logits, other activation) bytes live on the device, and
+    the bytes live in host memory."""
 
     points: List[Tuple[int, int, int, int]]
+    host: List[int] = field(default_factory=list)  # one per point; empty: nothing was ever on the host
+    # With ``describe``: the log replayed ((serial, bytes, kind) per allocation, (serial, bytes, "") per
+    # free) and what made each allocation (op, dtype, shape), for ``at_peak``.
+    events: List[Tuple[int, int, str]] = field(default_factory=list)
+    what: Dict[int, str] = field(default_factory=dict)
+
+    def host_peak(self) -> int:
+        """The most host memory held at once during the step (the offloaded layer inputs)."""
+        return max(self.host, default=0)
 
     def peak(self, weight_scale: float = 1.0, grad_scale: float = 1.0) -> Tuple[float, Tuple[float, float, float, float]]:
         """The peak of ``weights * weight_scale + gradients * grad_scale + logits + activations`` (a rank of
@@ -42,15 +58,43 @@ class Timeline:
                 best, parts = total, (w * weight_scale, g * grad_scale, float(lg), float(a))
         return best, parts
 
+    def at_peak(self, weight_scale: float = 1.0, grad_scale: float = 1.0) -> Dict[str, float]:
+        """What is live on the device at ``peak``'s moment, bytes by what made it, largest first: weights
+        and gradients as their kinds (scaled), every other allocation by op, dtype and shape. Needs a
+        timeline made with ``describe``."""
+        if not self.what:
+            raise ValueError("at_peak needs a timeline made with describe=True")
+        totals = [w * weight_scale + g * grad_scale + lg + a for w, g, lg, a in self.points]
+        moment = max(range(len(totals)), key=totals.__getitem__)
+        live: Dict[int, Tuple[int, str]] = {}
+        allocations = 0
+        for serial, nbytes, kind in self.events:
+            if not kind:
+                live.pop(serial, None)
+                continue
+            live[serial] = (nbytes, kind)
+            if allocations == moment:  # the point is taken right after this allocation
+                break
+            allocations += 1
+        scale = {WEIGHTS: weight_scale, GRADS: grad_scale, HOST: 0.0}
+        out: Dict[str, float] = {}
+        for serial, (nbytes, kind) in live.items():
+            label = kind if kind in scale else self.what.get(serial, kind)
+            out[label] = out.get(label, 0.0) + nbytes * scale.get(kind, 1.0)
+        return dict(sorted(((k, v) for k, v in out.items() if v), key=lambda kv: -kv[1]))
+
 
 class TimelineTracker(LiveMemoryTracker):
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, describe: bool = False):
         super().__init__()
+        self._describe = describe
+        self._what: Dict[int, str] = {}
         self._vocab = vocab_size
         self._serial = 0
         self._serial_of: Dict[int, int] = {}  # live storage key -> serial of its allocation
         self._log: List[Tuple[int, int, str]] = []  # (serial, bytes, kind at allocation; "" for a free)
         self._kind = ACTIVATIONS  # what a new storage is, unless its last dim is the vocabulary
+        self._host_serials: Set[int] = set()
 
     def track_weights(self, tensors: Iterable[torch.Tensor]) -> None:
         self._kind = WEIGHTS
@@ -58,6 +102,11 @@ class TimelineTracker(LiveMemoryTracker):
             self.track(*tensors)
         finally:
             self._kind = ACTIVATIONS
+
+    def track_host(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage is in host memory (``CheckpointOffload.on_host_copy``)."""
+        self._add(tensor)  # made under the tracker, so already logged; added here should it not be
+        self._host_serials.add(self._serial_of[tensor.untyped_storage()._cdata])
 
     def _add(self, tensor: torch.Tensor) -> None:
         key = tensor.untyped_storage()._cdata
@@ -80,7 +129,10 @@ class TimelineTracker(LiveMemoryTracker):
         out = _META_OUTPUTS.call(func, args, kwargs or {})
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
+                serial = self._serial
                 self._add(leaf)
+                if self._describe and self._serial != serial:
+                    self._what[self._serial] = f"{func} {str(leaf.dtype).replace('torch.', '')} {list(leaf.shape)}"
         return out
 
     def _free(self, key) -> None:
@@ -94,15 +146,18 @@ class TimelineTracker(LiveMemoryTracker):
         gradients all along."""
         grad_serials = {self._serial_of[key] for key in (g.untyped_storage()._cdata for g in grads) if key in self._serial_of}
         kind_of: Dict[int, str] = {}
-        live = {WEIGHTS: 0, GRADS: 0, LOGITS: 0, ACTIVATIONS: 0}
-        points = []
+        live = {WEIGHTS: 0, GRADS: 0, LOGITS: 0, ACTIVATIONS: 0, HOST: 0}
+        points, host, events = [], [], []
         for serial, nbytes, kind in self._log:
             if kind:
-                kind = GRADS if serial in grad_serials else kind
+                kind = GRADS if serial in grad_serials else HOST if serial in self._host_serials else kind
                 kind_of[serial] = kind
                 live[kind] += nbytes
                 points.append((live[WEIGHTS], live[GRADS], live[LOGITS], live[ACTIVATIONS]))
+                host.append(live[HOST])
             else:
                 live[kind_of.pop(serial)] -= nbytes
-        return Timeline(points)
+            if self._describe:
+                events.append((serial, nbytes, kind))
+        return Timeline(points, host if self._host_serials else [], events, dict(self._what))
 

@@ -1,0 +1,207 @@
+"""ALST's ladder, modelled: each row of the feature ablation of Arctic Long Sequence Training (Bekman et
+al., 2025, arXiv 2506.13996: Llama-8B, one node of 8 x H100 80 GB, DeepSpeed ZeRO-3 with the optimizer
+on the host and every layer checkpointed) and its one-GPU run (everything, and the parameters on the host
+too), each with the longest sequence this planner finds at 80 GiB a rank, side by side with the length
+ALST measured.
+
+ALST's figures are its rounded ones (K = 1000, M = 10^6). Ours are searched on a grid of tokens (one
+number per row, ``Rung.grid``: a fitting length and one grid step more not fitting, both modelled);
+under SP=8 the grid is 8192 tokens (1024 per rank). Every row also models ALST's own length (rounded
+up to the grid): where ours is shorter, what the rank holds there and which allocations make its peak
+(``Planner.peak_allocations``); where ours is longer, the room our model leaves at ALST's length, which
+is what ALST lost to what the model does not count (the allocator's fragmentation, the CUDA context,
+NCCL's buffers), and the host memory a node needs at our length. ALST's length is modelled first: it
+guides the search (``search.py`` draws its line through it), so it costs one step, not two.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .backends import Backend
+from .plan import OFFLOADED, Planner, Point, Request
+from .search import Longest
+from .step import Setting
+
+GiB = 2**30
+BUDGET = 80 * GiB
+MODEL = "llama-3.1-8b"
+NODE_RANKS = 8
+
+
+@dataclass(frozen=True)
+class Rung:
+    label: str  # ALST's row, in its words
+    alst: str  # ALST's measured longest sequence, as printed
+    alst_tokens: int
+    setting: Setting
+    world_size: int = NODE_RANKS
+    offload_params: bool = False
+    grid: int = 1024
+
+
+_EVERYTHING = dict(tiled_loss=True, offload_checkpoints=True)
+RUNGS = [
+    Rung("baseline", "32K", 32_000, Setting(tiled=False, checkpointing=True)),
+    Rung("+ tiled loss", "160K", 160_000, Setting(tiled=False, checkpointing=True, tiled_loss=True)),
+    Rung("+ Ulysses SP=8", "1.1M", 1_100_000, Setting(tiled=False, checkpointing=True, tiled_loss=True, sp=8),
+         grid=8192),
+    Rung("+ tiled MLP", "1.2M", 1_200_000, Setting(tiled=True, checkpointing=True, tiled_loss=True, sp=8), grid=8192),
+    Rung("+ checkpoint offload, without tiled MLP", "2.4M", 2_400_000,
+         Setting(tiled=False, checkpointing=True, sp=8, **_EVERYTHING), grid=8192),
+    Rung("everything (8 ranks)", "3.7M", 3_700_000, Setting(tiled=True, checkpointing=True, sp=8, **_EVERYTHING),
+         grid=8192),
+    Rung("1 GPU: everything + parameter offload", "500K", 500_000,
+         Setting(tiled=True, checkpointing=True, **_EVERYTHING), world_size=1, offload_params=True),
+]
+
+
+@dataclass
+class Climbed:
+    """One rung: our longest sequence and the point there; the point at ALST's length, and, where ours is
+    shorter, what is live at that point's peak."""
+
+    rung: Rung
+    longest: Longest
+    point: Optional[Point]  # at our longest (None: not even one grid step)
+    at_alst: Point
+    at_alst_peak: Optional[Dict[str, float]] = None
+
+    @property
+    def ratio(self) -> float:
+        return self.longest.seq / self.rung.alst_tokens
+
+
+def planner_for(config, rung: Rung, budget: float = BUDGET) -> Planner:
+    """A plan of ``rung``'s one setting, as ALST ran it: ZeRO-3, the optimizer on the host, bfloat16."""
+    # The search's cap: two and a half times ALST's length, a rank's share of it.
+    cap_per_rank = math.ceil(2.5 * rung.alst_tokens / rung.setting.sp / rung.grid) * rung.grid
+    request = Request(config, [], [rung.setting], Backend("zero3", rung.world_size, offload_params=rung.offload_params),
+                      dtype=torch.bfloat16, budget=budget, optimizer_on_device=False, seq_step=rung.grid,
+                      seq_cap=cap_per_rank)
+    return Planner(request)
+
+
+def alst_seq(planner: Planner, rung: Rung) -> int:
+    """ALST's length, rounded up to the row's grid."""
+    step = planner.seq_step(rung.setting)
+    return math.ceil(rung.alst_tokens / step) * step
+
+
+def climb(config, rungs: List[Rung] = RUNGS, budget: float = BUDGET,
+          on_point: Callable[[str], None] = lambda label: None) -> List[Climbed]:
+    out = []
+    for rung in rungs:
+        planner = planner_for(config, rung, budget)
+        planner.on_point = on_point
+        at_alst = planner.point(rung.setting, alst_seq(planner, rung))  # first: it guides the search
+        found = planner.longest(rung.setting)
+        point = planner.point(rung.setting, found.seq) if found.seq else None
+        climbed = Climbed(rung, found, point, at_alst)
+        if not at_alst.fits:
+            climbed.at_alst_peak = planner.peak_allocations(rung.setting, at_alst.seq)
+        out.append(climbed)
+    return out
+
+
+def families(config, allocations: Dict[str, float], sp: int) -> Dict[str, float]:
+    """``Planner.peak_allocations`` grouped by what their last dimension and dtype say they are."""
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    names = {text.hidden_size: "[tokens, hidden]", text.intermediate_size: "[tokens, intermediate] (the MLP's)",
+             head_dim: "[.., head_dim] (attention: q, k, v, output" + (", over the whole sequence)" if sp > 1 else ")"),
+             text.vocab_size: "[tokens, vocabulary] (logits)"}
+    out: Dict[str, float] = {}
+    for label, nbytes in allocations.items():
+        if label in ("weights", "gradients"):
+            family = label
+        else:
+            dtype, shape = (label.split(" ", 2) + ["", ""])[1:3]
+            dims = [d for d in shape.strip("[]").split(",") if d.strip().isdigit()]
+            last = int(dims[-1]) if dims else 0
+            family = f"{dtype} {names.get(last, f'[.., {last}]')}"
+        out[family] = out.get(family, 0.0) + nbytes
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _gib(value: float) -> str:
+    return f"{value / GiB:.2f}"
+
+
+def _tokens(seq: int) -> str:
+    return f"{seq / 1e6:.2f}M" if seq >= 1_000_000 else f"{seq / 1e3:.0f}K"
+
+
+def table(config, climbed: List[Climbed], budget: float = BUDGET, model: str = MODEL) -> List[str]:
+    lines = [f"ALST's ladder, modelled: {model}, bfloat16, batch 1, {budget / GiB:g} GiB a rank, DeepSpeed ZeRO-3 with the "
+             "optimizer on the host, every layer checkpointed (ALST, arXiv 2506.13996; its figures rounded as printed).",
+             "Per rank, GiB, at our longest: 'device' is what 'fits' judges; 'host' the rank's host memory at its most "
+             "(optimizer, ZeRO-3's host partitions, offloaded checkpoints), x8 for a node of 8 ranks.",
+             "| ALST's row | our setting | ranks | ALST measured | ours | ours / ALST | device | host (node) | "
+             "dominant term | ours at ALST's length |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in climbed:
+        rung, p, a = c.rung, c.point, c.at_alst
+        ours = ("at least " if c.longest.at_cap else "") + f"{c.longest.seq:,}"
+        device = _gib(p.held_bytes) if p else "-"
+        host = "-" if p is None else _gib(p.host_bytes) + (f" ({_gib(p.host_bytes * rung.world_size)})"
+                                                           if rung.world_size > 1 else "")
+        dominant = "-" if p is None else f"{p.dominant} ({p.held_parts[p.dominant] / p.held_bytes:.0%})"
+        there = (f"{a.seq:,}: {_gib(a.held_bytes)}, " + ("fits, room " + _gib(budget - a.held_bytes) if a.fits
+                                                       else "over by " + _gib(a.held_bytes - budget)))
+        lines.append(f"| {rung.label} | {rung.setting.name} | {rung.world_size} | {rung.alst} | {ours} | "
+                     f"{c.ratio:.2f} | {device} | {host} | {dominant} | {there} |")
+    return lines
+
+
+def findings(config, climbed: List[Climbed], budget: float = BUDGET) -> List[str]:
+    """Per row, what the numbers say: the term over the budget at ALST's length where ours is shorter, the
+    room left there and the host a node needs where ours is longer."""
+    lines = []
+    for c in climbed:
+        rung, p, a = c.rung, c.point, c.at_alst
+        if c.at_alst_peak is not None:
+            top = list(families(config, c.at_alst_peak, rung.setting.sp).items())[:3]
+            lines.append(f"- {rung.label}: ours is {1 - c.ratio:.0%} short of ALST's {rung.alst}. At {a.seq:,} tokens "
+                         f"the rank holds {_gib(a.held_bytes)} GiB ({a.dominant} {_gib(a.held_parts[a.dominant])}); "
+                         "live at that step's peak, by dtype and last dimension: "
+                         + ", ".join(f"{family} {_gib(v)}" for family, v in top) + ".")
+        elif p is not None:
+            node = p.host_bytes * rung.world_size
+            offloaded = p.host_parts.get(OFFLOADED, 0.0)
+            lines.append(f"- {rung.label}: ours is {c.ratio - 1:.0%} past ALST's {rung.alst}; at ALST's length our model "
+                         f"leaves {_gib(budget - a.held_bytes)} GiB of the {budget / GiB:g} unused: what the model does "
+                         "not count (the allocator's fragmentation, the CUDA context, NCCL's buffers) or a longer length "
+                         "ALST did not try (its runs, below)"
+                         + (f"; at ours a node of {rung.world_size} ranks holds {_gib(node)} GiB of host memory"
+                            + (f" ({_gib(offloaded)} GiB a rank of offloaded checkpoints)" if offloaded else "")
+                            if rung.world_size > 1 else "") + ".")
+    return lines + ["", *ALST_RUNS]
+
+
+# What ALST's own run files say about these rows (ArcticTraining, projects/sequence-parallelism/
+# run-h100-sp8-llama-8b*.yml and run-h100-sp1-llama-8b.yml): facts beside the model, not modelled.
+ALST_RUNS = [
+    "ALST's runs (ArcticTraining's configs for these rows, projects/sequence-parallelism/run-h100-*-llama-8b*.yml):",
+    "- every row after the baseline ran Liger-Kernel's Llama ('model: type: liger': fused RMSNorm, SwiGLU, RoPE and "
+    "linear cross-entropy). This planner models Hugging Face's own modules with this library's tiled MLP and tiled "
+    "loss: Hugging Face's RMSNorm computes in float32 ([tokens, hidden] float32 copies, kept and in its backward) and "
+    "its SwiGLU keeps the SiLU's output, which Liger's fused kernels do not. That is the term where ours is shorter.",
+    "- the lengths are set by hand, round, in each config's max_length (32_000, 160_000, 1_100_000, '1_200_000 # ok', "
+    "2_400_000, 3_800_000 for the 3.7M row, '500000 # ok'): each a length that ran, not a searched maximum.",
+    "- one GPU: 555,000 tokens failed with 'Triton Error [CUDA]: an illegal memory access' (a kernel's failure, not "
+    "memory), so 500K is where ALST stopped for a reason no memory model has.",
+]
+
+
+def records(climbed: List[Climbed]) -> List[dict]:
+    return [dict(row=c.rung.label, setting=c.rung.setting.name, world_size=c.rung.world_size,
+                 offload_params=c.rung.offload_params, grid=c.rung.grid, alst=c.rung.alst,
+                 alst_tokens=c.rung.alst_tokens, max_seq=c.longest.seq, at_cap=c.longest.at_cap,
+                 ratio=round(c.ratio, 4), at_max=c.point.record() if c.point else None, at_alst=c.at_alst.record(),
+                 at_alst_peak={k: int(v) for k, v in (c.at_alst_peak or {}).items()})
+            for c in climbed]
