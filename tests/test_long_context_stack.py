@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
+from tiled_core import TiledMLP  # noqa: E402
 from tiled_mlp.integrations import (  # noqa: E402
     add_tiled_mlp_args,
     apply_from_flags,
@@ -93,6 +94,39 @@ def test_each_piece_can_be_left_out():
     assert not is_tiled_loss(model)
 
 
+def test_the_norms_with_or_without_the_mlps():
+    """``tiled_norms=True`` tiles the five RMSNorms of the tiny model beside the MLPs, or alone; exact in
+    float64 with the rest of the stack; off in one call."""
+    reference = tiny_model("llama")
+    ids, labels = _data(1)
+    reference.train()
+    want = _plain_loss(reference, ids, labels)
+    want.backward()
+    for tiled_mlp, blocks in ((True, {"norm": 5, "gated": 2}), (False, {"norm": 5})):
+        model = copy.deepcopy(reference)
+        model.zero_grad()
+        stack = apply_long_context(model, tiled_mlp=tiled_mlp, tiled_norms=True, num_shards=3, loss_num_shards=2)
+        kinds = [block.kind for block in stack.report.patched]
+        assert {kind: kinds.count(kind) for kind in set(kinds)} == blocks
+        model.train()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.testing.assert_close(loss, want, rtol=0, atol=1e-12)
+        for name, g in _grads(reference).items():
+            torch.testing.assert_close(_grads(model)[name], g, rtol=0, atol=1e-12, msg=name)
+        stack.remove()
+        assert not is_tiled(model) and not is_tiled_loss(model)
+
+
+def test_tiling_options_with_nothing_to_tile_are_refused_before_any_change():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"\['strategy'\] are apply_tiled_mlp's options"):
+        apply_long_context(model, tiled_mlp=False, strategy="single")
+    with pytest.raises(ValueError, match="include selects MLP blocks"):
+        apply_long_context(model, tiled_mlp=False, tiled_norms=True, include=["model.layers.0.mlp"])
+    assert not is_tiled(model) and not is_tiled_loss(model) and not checkpointed_layers(model)
+
+
 def test_sequence_parallel_without_the_tiled_loss_is_refused_before_any_change():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="needs tiled_loss=True"):
@@ -112,10 +146,14 @@ def test_a_failing_step_undoes_the_steps_before_it():
 def test_flags_for_each_piece():
     parser = add_tiled_mlp_args(argparse.ArgumentParser())
     args = parser.parse_args(["--use_tiled_mlp", "--use_tiled_loss", "true", "--use_checkpoint_offload",
-                              "--ulysses_sp_size", "1"])
+                              "--ulysses_sp_size", "1", "--use_tiled_norms"])
     flags = read_tiled_mlp_flags(args)
-    assert (flags.use_tiled_mlp, flags.use_tiled_loss, flags.use_checkpoint_offload, flags.ulysses_sp_size) == (
-        True, True, True, 1)
+    assert (flags.use_tiled_mlp, flags.use_tiled_loss, flags.use_checkpoint_offload, flags.ulysses_sp_size,
+            flags.use_tiled_norms) == (True, True, True, 1, True)
+    assert not parser.parse_args([]).use_tiled_norms
+    assert read_tiled_mlp_flags({"use_tiled_norms": "yes"}).asks_for_anything
+    with pytest.raises(ValueError, match="use_tiled_norms"):
+        read_tiled_mlp_flags({"use_tiled_norms": "maybe"})
     assert read_tiled_mlp_flags({"use_checkpoint_offload": "off", "ulysses_sp_size": "4"}).ulysses_sp_size == 4
     for bad in ("0", "two", "1.5"):
         with pytest.raises(SystemExit):
@@ -128,6 +166,7 @@ def test_flags_for_each_piece():
     model = tiny_model("llama")
     stack = apply_from_flags(model, args)
     assert is_tiled(model) and is_tiled_loss(model) and stack.offload is not None
+    assert isinstance(model.model.norm, TiledMLP)
     stack.remove()
     assert apply_from_flags(model, {"use_tiled_mlp": False}) is None
 

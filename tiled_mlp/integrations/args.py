@@ -1,5 +1,5 @@
 """Training-script flags (argparse or a dict), one per piece of the long-sequence stack:
-``--use_tiled_mlp``, ``--tiled_mlp_num_shards``, ``--use_tiled_loss``, ``--use_checkpoint_offload`` and
+``--use_tiled_mlp``, ``--tiled_mlp_num_shards``, ``--use_tiled_loss``, ``--use_tiled_norms``, ``--use_checkpoint_offload`` and
 ``--ulysses_sp_size`` (not ms-swift's ``--sequence_parallel_size``, which turns on ms-swift's own SP:
 read from the same arguments, both would split the sequence twice).
 
@@ -64,6 +64,9 @@ def add_tiled_mlp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--use_tiled_loss", type=_bool_arg, nargs="?", const=True, default=False, metavar="BOOL",
                        help="compute a causal LM's loss (LM head + cross-entropy) in token shards, never holding "
                             "the logits; with labels the model returns no logits (default: off)")
+    group.add_argument("--use_tiled_norms", type=_bool_arg, nargs="?", const=True, default=False, metavar="BOOL",
+                       help="run each hidden-size RMSNorm in token shards too, keeping only its input for backward "
+                            "(Hugging Face's keeps float32 copies of it) (default: off)")
     group.add_argument("--use_checkpoint_offload", type=_bool_arg, nargs="?", const=True, default=False,
                        metavar="BOOL", help="keep each checkpointed layer's input (all but the last) in host memory "
                                             "until its backward; turns on non-reentrant layer checkpointing if off")
@@ -96,10 +99,12 @@ class TiledMLPFlags:
     use_tiled_loss: bool = False
     use_checkpoint_offload: bool = False
     ulysses_sp_size: int = 1
+    use_tiled_norms: bool = False
 
     @property
     def asks_for_anything(self) -> bool:
-        return self.use_tiled_mlp or self.use_tiled_loss or self.use_checkpoint_offload or self.ulysses_sp_size > 1
+        return (self.use_tiled_mlp or self.use_tiled_loss or self.use_tiled_norms or self.use_checkpoint_offload
+                or self.ulysses_sp_size > 1)
 
 
 def read_tiled_mlp_flags(source: Union[argparse.Namespace, Mapping[str, Any], None]) -> TiledMLPFlags:
@@ -123,7 +128,9 @@ def read_tiled_mlp_flags(source: Union[argparse.Namespace, Mapping[str, Any], No
     use_loss = False if use_loss is None else parse_bool(use_loss, "use_tiled_loss")
     offload = values.get("use_checkpoint_offload")
     offload = False if offload is None else parse_bool(offload, "use_checkpoint_offload")
+    norms = values.get("use_tiled_norms")
+    norms = False if norms is None else parse_bool(norms, "use_tiled_norms")
     sp = values.get("ulysses_sp_size")
     sp = 1 if sp is None else parse_sp_size(sp)
-    return TiledMLPFlags(use, num_shards, use_loss, offload, sp)
+    return TiledMLPFlags(use, num_shards, use_loss, offload, sp, norms)
 

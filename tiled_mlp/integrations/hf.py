@@ -15,6 +15,7 @@ transformers is imported lazily and only by those helpers; the matching itself i
 """
 from __future__ import annotations
 
+import glob
 import logging
 from typing import TYPE_CHECKING, Any, List, Optional
 
@@ -26,7 +27,7 @@ from tiled_core.shard_plan import NumShards
 
 from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .causal_lm_loss import check_tiled_loss, install_tiled_loss, remove_tiled_loss
-from .matching import Patterns, find_tiled, scan
+from .matching import Patterns, Scan, find_tiled, scan
 from .moe import TiledExperts
 from .report import TiledBlock, TilingReport, expected_path
 
@@ -50,11 +51,17 @@ def apply_tiled_mlp(
     grad_accum_dtype=None,
     loss: bool = False,
     loss_num_shards: NumShards = "auto",
+    norms: bool = False,
 ) -> TilingReport:
     """Tile the MLP blocks of ``model`` in place; returns (and logs) what was tiled and skipped.
 
     ``loss=True`` also puts the tiled loss on the causal LM's loss path (``apply_tiled_loss``), with
     ``loss_num_shards`` shards per loss call: checked before any block is tiled.
+
+    ``norms=True`` also tiles the model's RMSNorms of the hidden size (``norm_names``: the decoder
+    layers' and the final one), on the generic path (``path="fast"`` stays the MLPs'), with ``num_shards``:
+    a tiled norm keeps only its input for backward (Hugging Face's RMSNorm keeps float32 copies of the
+    whole ``[tokens, hidden]``) and recomputes a shard at a time. ``exclude`` applies to them too.
 
     ``include``/``exclude`` are glob patterns on qualified module names (``"model.layers.*.mlp"``);
     ``include`` may also name a custom token-wise block that no structural rule recognises. Blocks that
@@ -65,6 +72,8 @@ def apply_tiled_mlp(
     if loss:
         check_tiled_loss(model)  # refused before any block is tiled
     found = scan(model, include, exclude)
+    if norms:
+        _add_norms(found, model, exclude)
     staged = []
     problems = []
     seen = set()
@@ -74,23 +83,25 @@ def apply_tiled_mlp(
             continue
         seen.add(id(candidate.module))
         mixin = TiledExperts if candidate.kind == "experts" else TiledMLP
+        # A norm has no fast kernel: path='fast' is the MLPs'.
+        block_path = "generic" if candidate.kind == "norm" and path == "fast" else path
         # With the ancestors, a backend already wrapping the model (FSDP1 is rejected) is caught now;
         # so is path='fast' on a block whose forward or structure cannot take it.
         try:
-            fixed = prepare_tiling(mixin, candidate.module, strategy, num_shards, path, grad_accum_dtype,
+            fixed = prepare_tiling(mixin, candidate.module, strategy, num_shards, block_path, grad_accum_dtype,
                                    candidate.ancestors)
         except FastPathRefused as error:  # every such block is listed, then refused together
             problems.append(f"{candidate.name}: {error}")
             continue
-        staged.append((candidate, mixin, fixed))
+        staged.append((candidate, mixin, fixed, block_path))
     if problems:
         raise FastPathRefused("path='fast' cannot apply to these blocks (use path='auto'):\n  " + "\n  ".join(problems))
 
     report = TilingReport(skipped=found.skipped)
     installed: List[TiledMLP] = []
     try:
-        for candidate, mixin, fixed in staged:
-            state = TilingState(num_shards, path, grad_accum_dtype, fixed_strategy=fixed)
+        for candidate, mixin, fixed, block_path in staged:
+            state = TilingState(num_shards, block_path, grad_accum_dtype, fixed_strategy=fixed)
             state.set_ancestors(candidate.ancestors)
             tiled = install_tiling(mixin, candidate.module, state)
             installed.append(tiled)
@@ -111,6 +122,48 @@ def apply_tiled_mlp(
     return report
 
 
+def _hidden_size(model: nn.Module) -> Optional[int]:
+    """The width of the model's token embeddings (None: the model says no such thing)."""
+    try:
+        embeddings = model.get_input_embeddings()  # type: ignore[operator]
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    width = getattr(embeddings, "embedding_dim", None)
+    return width if isinstance(width, int) else None
+
+
+def _is_norm(module: nn.Module, hidden: Optional[int]) -> bool:
+    """An RMSNorm (``torch.nn.RMSNorm``, or a class named ``...RMSNorm`` as every Hugging Face family
+    names its own) with no submodule and one 1-D weight of the hidden size: token-wise by construction."""
+    if not (isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")):
+        return False
+    if next(module.children(), None) is not None:
+        return False
+    params = list(module.parameters())
+    return len(params) == 1 and params[0].dim() == 1 and (hidden is None or params[0].numel() == hidden)
+
+
+def norm_names(model: nn.Module) -> List[str]:
+    """The qualified names of the RMSNorms ``apply_tiled_mlp(norms=True)`` tiles: found by class and
+    structure (``_is_norm``), of the width of the token embeddings (a Qwen3 attention's per-head norms,
+    of the head size, are not among them)."""
+    hidden = _hidden_size(model)
+    return [name for name, module in model.named_modules()
+            if name and not isinstance(module, TiledMLP) and _is_norm(module, hidden)]
+
+
+def _add_norms(found: Scan, model: nn.Module, exclude: Patterns) -> None:
+    """``found`` plus the model's norms (``norm_names``), as candidates of their own kind."""
+    names = norm_names(model)
+    if not names:
+        return
+    extra = scan(model, [glob.escape(name) for name in names], exclude)
+    for candidate in extra.candidates:
+        candidate.kind = "norm"
+        found.candidates.append(candidate)
+    found.skipped.extend(skip for skip in extra.skipped if skip not in found.skipped)
+
+
 def apply_tiled_loss(model: nn.Module, num_shards: NumShards = "auto", grad_accum_dtype=None) -> TilingReport:
     """Only the tiled loss (no MLP block tiled): the causal LM in ``model`` computes its loss without
     holding the logits. Reversible with ``remove_tiled_loss`` (or ``remove_tiled_mlp``)."""
@@ -123,7 +176,7 @@ def apply_tiled_loss(model: nn.Module, num_shards: NumShards = "auto", grad_accu
 def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[LongContextStack]:
     """The long-sequence stack as the flags (parsed arguments or a dict from a training config) ask:
     ``apply_long_context`` with ``--use_tiled_mlp`` (and ``--tiled_mlp_num_shards``), ``--use_tiled_loss``,
-    ``--use_checkpoint_offload`` and ``--ulysses_sp_size``; returns its handle (``.report`` says what
+    ``--use_tiled_norms``, ``--use_checkpoint_offload`` and ``--ulysses_sp_size``; returns its handle (``.report`` says what
     was tiled, ``.remove()`` undoes it all), or None when no flag asks for anything. ``kwargs`` go to
     ``apply_long_context`` (``apply_tiled_mlp``'s options among them). Before the stack existed this
     returned the ``TilingReport``, now ``.report``."""
@@ -133,6 +186,7 @@ def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[LongContext
     if not flags.asks_for_anything:
         return None
     return apply_long_context(model, tiled_mlp=flags.use_tiled_mlp, tiled_loss=flags.use_tiled_loss,
+                              tiled_norms=flags.use_tiled_norms,
                               checkpoint_offload=flags.use_checkpoint_offload,
                               sequence_parallel=flags.ulysses_sp_size, num_shards=flags.num_shards, **kwargs)
 

@@ -39,7 +39,7 @@ class Candidate:
     parent: nn.Module
     attr: str
     ancestors: List[nn.Module] = field(default_factory=list)
-    kind: str = "gated"  # "gated", "experts" (fused MoE experts) or "named" (an include pattern alone)
+    kind: str = "gated"  # "gated", "experts" (fused MoE experts), "named" (an include pattern alone), "norm"
 
 
 @dataclass

@@ -22,7 +22,7 @@ def expected_path(tiled: TiledMLP) -> str:
 class TiledBlock:
     name: str
     mlp_class: str
-    kind: str  # "gated", "experts", "named", or "tiled" for a block found already tiled
+    kind: str  # "gated", "experts", "named", "norm" (norms=True), or "tiled" for a block found already tiled
     tiled: TiledMLP
     expected_path: str
 
@@ -50,8 +50,9 @@ class TilingReport:
         return {block.name: block.last_path for block in self.blocks}
 
     def __str__(self) -> str:
-        lines = [f"tiled-mlp: tiled {len(self.patched)} MLP block(s), {len(self.already_tiled)} already tiled, "
-                 f"{len(self.skipped)} skipped"]
+        norms = sum(block.kind == "norm" for block in self.patched)
+        counts = f"{len(self.patched) - norms} MLP block(s)" + (f" and {norms} norm(s)" if norms else "")
+        lines = [f"tiled-mlp: tiled {counts}, {len(self.already_tiled)} already tiled, {len(self.skipped)} skipped"]
         for block in self.patched:
             lines.append(f"  tiled   {block.name} ({block.mlp_class}, {block.kind}): {block.expected_path}")
         for block in self.already_tiled:

@@ -63,6 +63,7 @@ def apply_long_context(
     *,
     tiled_mlp: bool = True,
     tiled_loss: bool = True,
+    tiled_norms: bool = False,
     checkpoint_offload: bool = True,
     sequence_parallel: int = 1,
     num_shards: NumShards = "auto",
@@ -72,6 +73,7 @@ def apply_long_context(
     **tiling: Any,
 ) -> LongContextStack:
     """Turn the long-sequence stack on for ``model`` (see the module docstring); returns the handle.
+    ``tiled_norms``: the RMSNorms tiled too (``apply_tiled_mlp(norms=True)``), with or without the MLPs.
     ``tiling``: more options of ``apply_tiled_mlp`` (``strategy``, ``path``, ``include``, ``exclude``).
 
     Under sequence parallelism every rank calls this, after ``torch.distributed`` is initialized; feed
@@ -80,6 +82,11 @@ def apply_long_context(
     if sequence_parallel != 1 and not tiled_loss:
         raise ValueError("apply_long_context: sequence_parallel > 1 needs tiled_loss=True (the loss of a sequence "
                          "split across ranks is summed per rank and divided once by the group's valid tokens)")
+    if tiling and not (tiled_mlp or tiled_norms):
+        raise ValueError(f"apply_long_context: {sorted(tiling)} are apply_tiled_mlp's options, and with tiled_mlp=False "
+                         "and tiled_norms=False nothing is tiled to take them")
+    if "include" in tiling and not tiled_mlp:
+        raise ValueError("apply_long_context: include selects MLP blocks to tile, and tiled_mlp=False tiles none")
     if is_tiled(model) or is_tiled_loss(model):
         raise ValueError("apply_long_context: the model already has tiled MLPs or the tiled loss on it; take them off "
                          "first (remove_tiled_mlp), or compose the pieces one by one (apply_tiled_mlp, "
@@ -92,8 +99,10 @@ def apply_long_context(
     stack = LongContextStack(model)
     undo: List[Callable[[], Any]] = []
     try:
-        if tiled_mlp:
-            stack.report = apply_tiled_mlp(model, num_shards=num_shards, loss=tiled_loss,
+        if tiled_mlp or tiled_norms:
+            if not tiled_mlp:
+                tiling["include"] = []  # the norms alone: an empty include selects no MLP block
+            stack.report = apply_tiled_mlp(model, num_shards=num_shards, loss=tiled_loss, norms=tiled_norms,
                                            loss_num_shards=loss_num_shards, grad_accum_dtype=grad_accum_dtype, **tiling)
         elif tiled_loss:
             stack.report = apply_tiled_loss(model, num_shards=loss_num_shards, grad_accum_dtype=grad_accum_dtype)

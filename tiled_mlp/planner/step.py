@@ -7,7 +7,7 @@ measured step the planner is checked against (``tests/test_planner_depth.py``,
 (``timeline.py``): weights, gradients, the logits and the loss, other activations.
 
 What a setting tiles is put on by the library's own integration (``apply_tiled_mlp``, with
-``loss=True`` for the tiled loss), so the step modelled is the step a user of that call runs; checkpoint
+``loss=True`` for the tiled loss and ``norms=True`` for the RMSNorms), so the step modelled is the step a user of that call runs; checkpoint
 offload likewise (``apply_checkpoint_offload``: its host copies are counted as host memory). Under
 Ulysses sequence parallelism the step is one rank's: ``seq / sp`` tokens, DeepSpeed's attention class
 around the core attention (``sequence_parallel.py``), the position ids given as DeepSpeed's data-loader
@@ -36,7 +36,9 @@ _SP_GROUPS: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDic
 class Setting:
     """How the step runs: tiled MLPs or not, the tiled loss (LM head and cross-entropy a token shard
     at a time, never holding the logits) or the model's own, layers checkpointed or not, their inputs
-    offloaded to the host or not, and the Ulysses SP degree (each rank runs ``seq / sp`` tokens)."""
+    offloaded to the host or not, the Ulysses SP degree (each rank runs ``seq / sp`` tokens), and the
+    RMSNorms tiled or not (``apply_tiled_mlp(norms=True)``: a norm keeps only its input, with
+    ``num_shards`` shards a call, where Hugging Face's keeps float32 ``[tokens, hidden]`` copies)."""
 
     tiled: bool
     checkpointing: bool
@@ -45,6 +47,7 @@ class Setting:
     loss_num_shards: Union[int, str] = "auto"
     offload_checkpoints: bool = False
     sp: int = 1
+    tiled_norms: bool = False
 
     def __post_init__(self) -> None:
         if self.offload_checkpoints and not self.checkpointing:
@@ -55,11 +58,12 @@ class Setting:
 
     @property
     def name(self) -> str:
-        """'untiled', 'tiled' (MLPs), 'tiled-loss', 'tiled+tiled-loss', each with '+ckpt' or not, then
-        '+offload' (checkpoint offload) and '+spN' (Ulysses over N ranks) where they are on: the names the
-        plan had before are kept."""
-        parts = ["tiled"] if self.tiled else ([] if self.tiled_loss else ["untiled"])
+        """'untiled', 'tiled' (MLPs), 'tiled-loss', 'tiled+tiled-loss', then '+norms' (tiled RMSNorms)
+        where they are on, each with '+ckpt' or not, then '+offload' (checkpoint offload) and '+spN'
+        (Ulysses over N ranks) where they are on: the names the plan had before are kept."""
+        parts = ["tiled"] if self.tiled else ([] if self.tiled_loss or self.tiled_norms else ["untiled"])
         parts += ["tiled-loss"] if self.tiled_loss else []
+        parts += ["norms"] if self.tiled_norms else []
         parts += ["ckpt"] if self.checkpointing else []
         parts += ["offload"] if self.offload_checkpoints else []
         parts += [f"sp{self.sp}"] if self.sp > 1 else []
@@ -110,9 +114,10 @@ def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[
         model = AutoModelForCausalLM.from_config(with_depth(config, depth), attn_implementation=name,
                                                  **_dtype_kwargs(dtype))
     model.train()
-    if setting.tiled:
-        apply_tiled_mlp(model, num_shards=setting.num_shards, loss=setting.tiled_loss,
-                        loss_num_shards=setting.loss_num_shards)
+    if setting.tiled or setting.tiled_norms:
+        # No MLP is included where only the norms are tiled (an empty include selects no block).
+        apply_tiled_mlp(model, num_shards=setting.num_shards, include=None if setting.tiled else [],
+                        loss=setting.tiled_loss, loss_num_shards=setting.loss_num_shards, norms=setting.tiled_norms)
     elif setting.tiled_loss:
         apply_tiled_loss(model, num_shards=setting.loss_num_shards)
     if setting.checkpointing:

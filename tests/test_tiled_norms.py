@@ -1,0 +1,205 @@
+"""Tiled RMSNorms: ``apply_tiled_mlp(model, norms=True)`` tiles a decoder's RMSNorms (each layer's two and
+the final one, found by class and structure) on the generic path. Exact in float64 (loss or logits, the
+input's gradient, every parameter's) against the untiled model, with and without Hugging Face's
+non-reentrant checkpointing, beside the tiled MLPs and the tiled loss; "auto" tiles every norm call
+(~hidden tokens a shard: a norm has no intermediate size); and the planner's '+norms' setting is a real
+CPU step to the byte at every allocation, device and host."""
+from __future__ import annotations
+
+import copy
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from test_planner import tiny_llama  # noqa: E402
+
+from integration_tests.tiny_models import VOCAB, grads_by_key, tiny_model  # noqa: E402
+from tiled_core import TiledMLP  # noqa: E402
+from tiled_core.auto_shards import MLPSize, auto_decision  # noqa: E402
+from tiled_mlp.integrations import apply_tiled_mlp, remove_tiled_mlp  # noqa: E402
+from tiled_mlp.integrations.hf import norm_names  # noqa: E402
+from tiled_mlp.planner.backends import Backend  # noqa: E402
+from tiled_mlp.planner.plan import OFFLOADED, Planner, Request  # noqa: E402
+from tiled_mlp.planner.step import Setting, build_model, step_timeline  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+NORMS = ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
+         "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"]
+BATCH, SEQ, HIDDEN = 2, 24, 16  # 48 tokens of hidden 16: "auto" tiles a norm call into 3 shards
+
+
+def _inputs(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    embeds = torch.randn(BATCH, SEQ, HIDDEN, generator=generator, dtype=torch.float64)
+    return ids, embeds
+
+
+def _checkpointed(model, on: bool):
+    model.train()
+    if on:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _norms_of(model):
+    return {name: module for name, module in model.named_modules() if name in NORMS}
+
+
+def _step(model, ids, embeds, loss: bool, reference: bool = False):
+    """One forward and backward from ``inputs_embeds`` (so the input has a gradient): the loss, or the
+    logits against fixed random weights; returns (the output, the input's gradient). The reference loss
+    is Hugging Face's ForCausalLMLoss on the logits kept in float64 (its ``.float()`` patched for the
+    comparison, as ``test_hf_loss.py`` does)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    x = embeds.clone().requires_grad_(True)
+    if loss and reference:
+        logits = model(inputs_embeds=x).logits
+        with mock.patch.object(torch.Tensor, "float", lambda self: self):
+            out = ForCausalLMLoss(logits, ids, VOCAB)
+        out.backward()
+    elif loss:
+        out = model(inputs_embeds=x, labels=ids).loss
+        out.backward()
+    else:
+        out = model(inputs_embeds=x).logits
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+        (out * weights).sum().backward()
+    return out.detach(), x.grad
+
+
+def _assert_exact(reference, tiled, ids, embeds, loss: bool) -> None:
+    want, want_grad = _step(reference, ids, embeds, loss, reference=True)
+    got, got_grad = _step(tiled, ids, embeds, loss)
+    assert (got - want).abs().max().item() <= 1e-12
+    assert (got_grad - want_grad).abs().max().item() <= 1e-12
+    want_grads, got_grads = grads_by_key(reference), grads_by_key(tiled)
+    assert want_grads.keys() == got_grads.keys()
+    for key, g in want_grads.items():
+        if g is None:
+            assert got_grads[key] is None, key
+            continue
+        assert (got_grads[key] - g).abs().max().item() <= 1e-12, key
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_norms_are_found_by_class_and_structure(family):
+    model = tiny_model(family)
+    assert norm_names(model) == NORMS
+    report = apply_tiled_mlp(model, norms=True)
+    tiled = {block.name: block for block in report.patched}
+    assert set(tiled) == set(NORMS) | {"model.layers.0.mlp", "model.layers.1.mlp"}
+    assert all(tiled[name].kind == "norm" and isinstance(tiled[name].tiled, TiledMLP) for name in NORMS)
+    assert str(report).startswith("tiled-mlp: tiled 2 MLP block(s) and 5 norm(s), 0 already tiled, ")
+    assert norm_names(model) == [], "a tiled norm is not found again"
+    assert apply_tiled_mlp(model, norms=True).patched == [], "applying twice is harmless"
+    assert sorted(remove_tiled_mlp(model)) == sorted(tiled)
+    assert type(model.model.norm).__name__ == f"{family.capitalize()}RMSNorm"
+
+
+def test_only_hidden_sized_rmsnorms_are_norms_and_exclude_applies():
+    """Qwen3's per-head q_norm/k_norm (head size 8) are left alone; ``exclude`` keeps a norm untiled and
+    ``include=[]`` tiles the norms alone; ``path="fast"`` is the MLPs', the norms run generic."""
+    qwen3 = tiny_model("qwen3")
+    assert norm_names(qwen3) == NORMS
+    llama = tiny_model("llama")
+    report = apply_tiled_mlp(llama, include=[], norms=True, exclude="model.norm", path="fast")
+    assert [b.name for b in report.patched] == NORMS[:-1] and report.skipped == [("model.norm", "excluded by pattern")]
+    assert all(b.tiled.tiling.path == "generic" for b in report.patched)
+
+
+@pytest.mark.parametrize("num_shards", ["auto", 5])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "hf-ckpt"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tiled_norms_mlps_and_loss_are_exact_in_float64(family, checkpointing, num_shards):
+    """Loss, input gradient and every parameter's gradient within 1e-12 of the untiled model; the norms ran
+    the generic path, in 3 shards under "auto" (48 tokens, ~16 a shard), in the layers' recompute too."""
+    reference = _checkpointed(tiny_model(family), checkpointing)
+    tiled = _checkpointed(copy.deepcopy(reference), checkpointing)
+    report = apply_tiled_mlp(tiled, num_shards=num_shards, norms=True, loss=True, loss_num_shards=3)
+    assert report.tiled_loss and len(report.patched) == len(NORMS) + 2
+    ids, embeds = _inputs()
+    _assert_exact(reference, tiled, ids, embeds, loss=True)
+    for name, norm in _norms_of(tiled).items():
+        assert norm.tiling.last_path == "generic", name
+        assert norm.tiling.last_num_shards == (3 if num_shards == "auto" else 5), name
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "hf-ckpt"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tiled_norms_alone_give_the_same_logits(family, checkpointing):
+    reference = _checkpointed(tiny_model(family), checkpointing)
+    tiled = _checkpointed(copy.deepcopy(reference), checkpointing)
+    apply_tiled_mlp(tiled, include=[], num_shards=4, norms=True)
+    ids, embeds = _inputs(3)
+    _assert_exact(reference, tiled, ids, embeds, loss=False)
+    assert {n.tiling.last_path for n in _norms_of(tiled).values()} == {"generic"}
+
+
+def test_auto_tiles_a_long_norm_call_hidden_tokens_a_shard():
+    """A norm has no intermediate size, so "auto" takes ~hidden tokens a shard and never passes a call
+    through: 500,000 tokens of a 4096-wide bfloat16 norm are 123 shards (a shard's float32 copy 64 MiB,
+    where the whole call's is 7.6 GiB); the 48-token call of the tests above, 3 shards."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    size = MLPSize(4096, None, 4096 * 2, 2, generic_trainable_bytes=4096 * 2)
+    decision = auto_decision(500_000, size)
+    assert decision.num_shards == 123 and "intermediate size is unknown" in decision.reason
+    assert auto_decision(48, MLPSize(16, None, 16 * 8, 8, 16 * 8)).num_shards == 3
+    with torch.device("meta"):
+        norm = LlamaRMSNorm(4096).to(torch.bfloat16)
+        x = torch.empty(1, 500_000, 4096, dtype=torch.bfloat16, requires_grad=True)
+    TiledMLP(norm)
+    norm(x).sum().backward()
+    assert norm.tiling.last_path == "generic" and norm.tiling.last_num_shards == 123
+
+
+# -- the planner's '+norms' setting ---------------------------------------------------------------------
+PLANNED = {s.name: s for s in (
+    Setting(tiled=False, checkpointing=True, tiled_norms=True, num_shards=4),
+    Setting(tiled=True, checkpointing=False, num_shards=4, tiled_loss=True, loss_num_shards=4, tiled_norms=True),
+    Setting(tiled=True, checkpointing=True, num_shards=4, tiled_loss=True, loss_num_shards=4, tiled_norms=True,
+            offload_checkpoints=True),
+)}
+
+
+def test_setting_names():
+    assert list(PLANNED) == ["norms+ckpt", "tiled+tiled-loss+norms", "tiled+tiled-loss+norms+ckpt+offload"]
+    assert Setting(tiled=True, checkpointing=True, tiled_loss=True, offload_checkpoints=True, sp=8,
+                   tiled_norms=True).name == "tiled+tiled-loss+norms+ckpt+offload+sp8"
+
+
+@pytest.mark.parametrize("name", list(PLANNED))
+def test_a_real_step_with_tiled_norms_is_predicted_to_the_byte(name):
+    """The modelled (meta) step against a real 3-layer float32 step on the CPU: the same (weights,
+    gradients, logits, activations) after every allocation, and the same host memory; the norms ran tiled
+    in both."""
+    setting, config, seq = PLANNED[name], tiny_llama(3), 1024
+    planner = Planner(Request(config, [seq], [setting], Backend("single", 1), dtype=torch.float32))
+    real = build_model(config, None, torch.float32, "cpu", setting)
+    measured = step_timeline(real, seq, 1)
+    predicted = planner.timeline(setting, seq)
+    first = next((i for i, (p, m) in enumerate(zip(predicted.points, measured.points, strict=False)) if p != m), None)
+    assert first is None and len(predicted.points) == len(measured.points), f"allocation {first} differs"
+    assert predicted.host == measured.host
+    assert planner.point(setting, seq).peak_bytes == measured.peak()[0]
+    for model in (real, planner.model(setting)):
+        norms = [m for n, m in model.named_modules() if n.endswith("layernorm") or n == "model.norm"]
+        assert len(norms) == 7 and all(m.tiling.last_path == "generic" and m.tiling.last_num_shards == 4
+                                       for m in norms)
+    if setting.offload_checkpoints:
+        assert planner.point(setting, seq).host_parts[OFFLOADED] == 2 * seq * config.hidden_size * 4
+
+
+def test_tiled_norms_lower_the_modelled_peak():
+    """Same tiny model, 4096 tokens, float32: the tiled norms' step holds less than the untiled norms'."""
+    config, seq = tiny_llama(3), 4096
+    plain = Setting(tiled=True, checkpointing=True, num_shards=4, tiled_loss=True, loss_num_shards=4)
+    norms = Setting(tiled=True, checkpointing=True, num_shards=4, tiled_loss=True, loss_num_shards=4, tiled_norms=True)
+    planner = Planner(Request(config, [seq], [plain, norms], Backend("single", 1), dtype=torch.float32))
+    assert planner.point(norms, seq).peak_bytes < planner.point(plain, seq).peak_bytes
