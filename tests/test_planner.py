@@ -105,7 +105,7 @@ def test_json_records_and_the_longest_sequence(capsys):
     assert main(["plan", "--model", "llama-3.1-8b", "--seq", "4096,8192", "--world-size", "8", "--backend", "fsdp2",
                  "--budget", "80GiB", "--checkpointing", "none", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
-    assert records[0] == {"budget_bytes": 80 * 2**30, "budget_from": "--budget"}
+    assert records[0] == {"budget_bytes": 80 * 2**30, "budget_from": "--budget", "host_budget_bytes": None}
     points = [r for r in records if "seq" in r]
     assert {r["setting"] for r in points} == {"untiled", "tiled", "tiled-loss", "tiled+tiled-loss"} and len(points) == 8
     for r in points:

@@ -26,6 +26,7 @@ from ..planner.plan import Planner, Point, Request
 from ..planner.presets import PRESETS, load_config
 from ..planner.search import Longest
 from ..planner.step import Setting
+from . import parsing
 
 GiB = 2**30
 DEFAULT_SEQS = [8192, 32768, 65536, 131072]
@@ -61,9 +62,13 @@ def add_arguments(p) -> None:
                    help="Ulysses sequence parallelism over N ranks (DeepSpeed's UlyssesSPAttentionHF): each rank runs "
                         "seq / N tokens, the attention all of them with heads / N; N divides the query heads, every "
                         "--seq and --world-size (default 1)")
+    g.add_argument("--host-budget", type=parsing.byte_size, default=None, metavar="SIZE",
+                   help="host memory each rank may use (a node's over the ranks on it), same forms as --budget: the "
+                        "longest sequence then fits the host too (default: not limited). With --alst: a node's host "
+                        "memory, shared by each row's ranks")
     g.add_argument("--alst", action="store_true",
                    help="ALST's ladder: Llama-3.1-8B at 80 GiB a rank (or --budget), each row of ALST's ablation "
-                        "beside the length ALST measured (other options are ignored; --json for records)")
+                        "beside the length ALST measured (other options but --budget and --host-budget are ignored; --json for records)")
     g.add_argument("--plot", default=None, metavar="PNG", help="held memory against sequence length, budget and max lengths")
 
 
@@ -153,7 +158,8 @@ def run(args, parser_error) -> int:
     progress.step("config")
     request = Request(config, seqs, settings, Backend(backend_name, args.world_size, offload_params=args.offload_params),
                       args.batch, args.dtype, budget,
-                      optimizer_on_device=not (args.offload_optimizer or args.offload_params))
+                      optimizer_on_device=not (args.offload_optimizer or args.offload_params),
+                      host_budget=args.host_budget)
     request.seq_step = math.lcm(request.seq_step, args.sp)  # the search's grid: lengths the SP ranks split
     planner = Planner(request)
     warnings: List[str] = []
@@ -264,14 +270,16 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
                     + report.dips(planner.modelled())):
         print(f"warning: {warning}", file=sys.stderr)
     if args.json:
-        records = ([dict(budget_bytes=int(budget), budget_from=budget_from)] + [p.record() for p in points]
+        limits = dict(budget_bytes=int(budget), budget_from=budget_from,
+                      host_budget_bytes=None if request.host_budget is None else int(request.host_budget))
+        records = ([limits] + [p.record() for p in points]
                    + [dict(setting=k, max_seq=v.seq, at_cap=v.at_cap) for k, v in longest.items()])
         print(json.dumps(records, indent=2))
     else:
         header = report.header(args.model, request.config, planner.param_sizes(), planner.layer_kinds(), args.dtype,
                                args.batch, backend, args.sp)
-        print("\n".join([header, *report.table(points, budget, budget_from),
-                         *report.longest_lines(longest, budget, request.seq_step),
+        print("\n".join([header, *report.table(points, budget, budget_from, request.host_budget),
+                         *report.longest_lines(longest, budget, request.seq_step, request.host_budget),
                          *advice, *report.notes(points, args.dtype, backend, request.optimizer_on_device)]))
     if args.plot:
         from ..planner.plot import plot_plan
@@ -290,15 +298,17 @@ def run_alst(args, parser_error) -> int:
     progress = Progress(5 * len(alst.RUNGS), "plan --alst", enabled=not args.json)
     start = time.monotonic()
     try:
-        climbed = alst.climb(config, alst.RUNGS, budget, on_point=progress.step)
+        climbed = alst.climb(config, alst.RUNGS, budget, on_point=progress.step, node_host=args.host_budget)
     finally:
         progress.close()
     seconds = time.monotonic() - start
     if args.json:
-        print(json.dumps([dict(model=alst.MODEL, budget_bytes=int(budget), seconds=round(seconds, 1))]
+        print(json.dumps([dict(model=alst.MODEL, budget_bytes=int(budget), seconds=round(seconds, 1),
+                               node_host_bytes=None if args.host_budget is None else int(args.host_budget))]
                          + alst.records(climbed), indent=2))
         return 0
-    print("\n".join([*alst.table(config, climbed, budget, alst.MODEL), "", *alst.findings(config, climbed, budget),
+    print("\n".join([*alst.table(config, climbed, budget, alst.MODEL, args.host_budget), "",
+                     *alst.findings(config, climbed, budget),
                      f"(modelled in {seconds:.0f} s: {sum(1 for _ in climbed)} rows, each searched on its grid: "
                      + ", ".join(f"{c.rung.grid}" for c in climbed) + " tokens)"]))
     return 0

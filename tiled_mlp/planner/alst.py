@@ -4,7 +4,11 @@ on the host and every layer checkpointed) and its one-GPU run (everything, and t
 too), each with the longest sequence this planner finds at 80 GiB a rank, side by side with the length
 ALST measured. Two rows after ALST's are not ALST's: its last two with this library's tiled RMSNorm
 (``Setting.tiled_norms``) in place of Hugging Face's float32 one, the term where ours falls short (ALST
-ran Liger-Kernel's fused RMSNorm).
+ran Liger-Kernel's fused RMSNorm, which keeps no float32 [tokens, hidden] tensor either).
+
+A node's host memory (``node_host``, optional) is shared by the row's ranks (an eighth each on eight,
+all of it on one GPU), and a row's longest length then fits the host too: checkpoint offload moves the
+layer inputs there, and with the norms tiled the host is what runs out first on a node of 2 TB.
 
 ALST's figures are its rounded ones (K = 1000, M = 10^6). Ours are searched on a grid of tokens (one
 number per row, ``Rung.grid``: a fitting length and one grid step more not fitting, both modelled);
@@ -84,13 +88,14 @@ class Climbed:
         return self.longest.seq / self.rung.alst_tokens
 
 
-def planner_for(config, rung: Rung, budget: float = BUDGET) -> Planner:
-    """A plan of ``rung``'s one setting, as ALST ran it: ZeRO-3, the optimizer on the host, bfloat16."""
+def planner_for(config, rung: Rung, budget: float = BUDGET, node_host: Optional[float] = None) -> Planner:
+    """A plan of ``rung``'s one setting, as ALST ran it: ZeRO-3, the optimizer on the host, bfloat16;
+    each rank with its share of ``node_host`` where one is given."""
     # The search's cap: two and a half times ALST's length, a rank's share of it.
     cap_per_rank = math.ceil(2.5 * rung.alst_tokens / rung.setting.sp / rung.grid) * rung.grid
     request = Request(config, [], [rung.setting], Backend("zero3", rung.world_size, offload_params=rung.offload_params),
                       dtype=torch.bfloat16, budget=budget, optimizer_on_device=False, seq_step=rung.grid,
-                      seq_cap=cap_per_rank)
+                      seq_cap=cap_per_rank, host_budget=None if node_host is None else node_host / rung.world_size)
     return Planner(request)
 
 
@@ -101,16 +106,16 @@ def alst_seq(planner: Planner, rung: Rung) -> int:
 
 
 def climb(config, rungs: List[Rung] = RUNGS, budget: float = BUDGET,
-          on_point: Callable[[str], None] = lambda label: None) -> List[Climbed]:
+          on_point: Callable[[str], None] = lambda label: None, node_host: Optional[float] = None) -> List[Climbed]:
     out = []
     for rung in rungs:
-        planner = planner_for(config, rung, budget)
+        planner = planner_for(config, rung, budget, node_host)
         planner.on_point = on_point
         at_alst = planner.point(rung.setting, alst_seq(planner, rung))  # first: it guides the search
         found = planner.longest(rung.setting)
         point = planner.point(rung.setting, found.seq) if found.seq else None
         climbed = Climbed(rung, found, point, at_alst)
-        if not at_alst.fits:
+        if not at_alst.device_fits:  # what the device holds at its peak there (the host's is one term)
             climbed.at_alst_peak = planner.peak_allocations(rung.setting, at_alst.seq)
         out.append(climbed)
     return out
@@ -145,9 +150,13 @@ def _tokens(seq: int) -> str:
     return f"{seq / 1e6:.2f}M" if seq >= 1_000_000 else f"{seq / 1e3:.0f}K"
 
 
-def table(config, climbed: List[Climbed], budget: float = BUDGET, model: str = MODEL) -> List[str]:
-    lines = [f"ALST's ladder, modelled: {model}, bfloat16, batch 1, {budget / GiB:g} GiB a rank, DeepSpeed ZeRO-3 with the "
-             "optimizer on the host, every layer checkpointed (ALST, arXiv 2506.13996; its figures rounded as printed).",
+def table(config, climbed: List[Climbed], budget: float = BUDGET, model: str = MODEL,
+          node_host: Optional[float] = None) -> List[str]:
+    host_limit = ("" if node_host is None else
+                  f", {node_host / GiB:,.0f} GiB of host memory a node (shared by the row's ranks)")
+    lines = [f"ALST's ladder, modelled: {model}, bfloat16, batch 1, {budget / GiB:g} GiB a rank{host_limit}, DeepSpeed "
+             "ZeRO-3 with the optimizer on the host, every layer checkpointed (ALST, arXiv 2506.13996; its figures "
+             "rounded as printed).",
              "Per rank, GiB, at our longest: 'device' is what 'fits' judges; 'host' the rank's host memory at its most "
              "(optimizer, ZeRO-3's host partitions, offloaded checkpoints), x8 for a node of 8 ranks.",
              "| ALST's row | our setting | ranks | ALST measured | ours | ours / ALST | device | host (node) | "
@@ -160,11 +169,25 @@ def table(config, climbed: List[Climbed], budget: float = BUDGET, model: str = M
         host = "-" if p is None else _gib(p.host_bytes) + (f" ({_gib(p.host_bytes * rung.world_size)})"
                                                            if rung.world_size > 1 else "")
         dominant = "-" if p is None else f"{p.dominant} ({p.held_parts[p.dominant] / p.held_bytes:.0%})"
-        there = (f"{a.seq:,}: {_gib(a.held_bytes)}, " + ("fits, room " + _gib(budget - a.held_bytes) if a.fits
-                                                       else "over by " + _gib(a.held_bytes - budget)))
+        there = f"{a.seq:,}: {_gib(a.held_bytes)}, " + _verdict(a, budget, rung.world_size)
         lines.append(f"| {rung.label} | {rung.setting.name} | {rung.world_size} | {rung.alst} | {ours} | "
                      f"{c.ratio:.2f} | {device} | {host} | {dominant} | {there} |")
     return lines
+
+
+def _verdict(a: Point, budget: float, ranks: int) -> str:
+    """Whether the point at ALST's length fits: the device's room or excess, and the host's excess (a node's)."""
+    if not a.device_fits:
+        return "over by " + _gib(a.held_bytes - budget)
+    if not a.host_fits:
+        assert a.host_budget is not None
+        return f"fits the device, host over by {_gib((a.host_bytes - a.host_budget) * ranks)} a node"
+    return "fits, room " + _gib(budget - a.held_bytes)
+
+
+def _host_bound(p: Point) -> bool:
+    """The host, not the device, is the fuller of the two at ``p``: what stopped the search there."""
+    return p.host_budget is not None and p.budget is not None and p.host_bytes / p.host_budget > p.held_bytes / p.budget
 
 
 def findings(config, climbed: List[Climbed], budget: float = BUDGET) -> List[str]:
@@ -179,6 +202,12 @@ def findings(config, climbed: List[Climbed], budget: float = BUDGET) -> List[str
                          f"the rank holds {_gib(a.held_bytes)} GiB ({a.dominant} {_gib(a.held_parts[a.dominant])}); "
                          "live at that step's peak, by dtype and last dimension: "
                          + ", ".join(f"{family} {_gib(v)}" for family, v in top) + ".")
+        elif not a.host_fits:
+            assert a.host_budget is not None
+            lines.append(f"- {rung.label}: ours is {1 - c.ratio:.0%} short of ALST's {rung.alst}, for host memory: at "
+                         f"{a.seq:,} tokens the device holds {_gib(a.held_bytes)} GiB, but a node needs "
+                         f"{_gib(a.host_bytes * rung.world_size)} GiB of host memory, over its "
+                         f"{_gib(a.host_budget * rung.world_size)}.")
         elif p is not None:
             node = p.host_bytes * rung.world_size
             offloaded = p.host_parts.get(OFFLOADED, 0.0)
@@ -188,7 +217,9 @@ def findings(config, climbed: List[Climbed], budget: float = BUDGET) -> List[str
                          "ALST did not try (its runs, below)"
                          + (f"; at ours a node of {rung.world_size} ranks holds {_gib(node)} GiB of host memory"
                             + (f" ({_gib(offloaded)} GiB a rank of offloaded checkpoints)" if offloaded else "")
-                            if rung.world_size > 1 else "") + ".")
+                            if rung.world_size > 1 else "")
+                         + (f"; ours stops where the host is full ({_gib(node)} GiB a node, the device at "
+                            f"{_gib(p.held_bytes)})" if _host_bound(p) else "") + ".")
     return lines + ["", *ALST_RUNS]
 
 

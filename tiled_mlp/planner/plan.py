@@ -10,7 +10,9 @@ shards), and the search (``search.py``) models only a few beyond the table's.
 
 Per rank, on the device and on the host: under Ulysses SP (``Setting.sp``) the step modelled is one
 rank's (``seq / sp`` tokens); the host holds what the backend keeps there (``backends.py``) and the
-offloaded checkpoints at their most (modelled, ``Setting.offload_checkpoints``).
+offloaded checkpoints at their most (modelled, ``Setting.offload_checkpoints``). A step fits when the
+device holds it within ``budget`` and, where a ``host_budget`` is given, the host within that: checkpoint
+offload trades one for the other, and at a node's millions of tokens the host can run out first.
 """
 from __future__ import annotations
 
@@ -48,12 +50,28 @@ class Point:
     optimizer_on_device: bool = True  # False: offloaded to the host, not held against the budget
     host_parts: Dict[str, float] = field(default_factory=dict)  # what the rank holds in host memory, by kind
     tokens_per_rank: int = 0  # seq / sp: what the rank's step runs (0: not said, seq)
+    host_budget: Optional[float] = None  # the host memory the rank may use (None: not limited)
 
     @property
     def host_bytes(self) -> float:
         """Host memory of the rank at its most: the backend's (optimizer, ZeRO-3's offloaded partitions)
-        and the offloaded checkpoints at their peak. Not held against the budget."""
+        and the offloaded checkpoints at their peak. Held against ``host_budget`` where one is given."""
         return sum(self.host_parts.values())
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_budget is None or self.host_bytes <= self.host_budget
+
+    @property
+    def device_fits(self) -> Optional[bool]:
+        return None if self.budget is None else self.held_bytes <= self.budget
+
+    def load(self) -> float:
+        """The larger of the device's and the host's share of their budgets (1.0: full): what the
+        search judges, so that the longest length fits both. Needs a device budget."""
+        assert self.budget is not None, "a load needs a budget"
+        device = self.held_bytes / self.budget
+        return device if self.host_budget is None else max(device, self.host_bytes / self.host_budget)
 
     @property
     def held_bytes(self) -> float:
@@ -68,7 +86,8 @@ class Point:
 
     @property
     def fits(self) -> Optional[bool]:
-        return None if self.budget is None else self.held_bytes <= self.budget
+        """Within the device budget and the host budget (None: no device budget to judge by)."""
+        return None if self.budget is None else bool(self.device_fits) and self.host_fits
 
     @property
     def dominant(self) -> str:
@@ -80,7 +99,8 @@ class Point:
                     peak_bytes=int(self.peak_bytes), optimizer_bytes=int(self.optimizer_bytes),
                     optimizer_on_device=self.optimizer_on_device, held_bytes=int(self.held_bytes), fits=self.fits,
                     dominant=self.dominant, parts={k: int(v) for k, v in self.held_parts.items()},
-                    host_bytes=int(self.host_bytes), host_parts={k: int(v) for k, v in self.host_parts.items()})
+                    host_bytes=int(self.host_bytes), host_parts={k: int(v) for k, v in self.host_parts.items()},
+                    host_budget=None if self.host_budget is None else int(self.host_budget), host_fits=self.host_fits)
 
 
 @dataclass
@@ -94,6 +114,7 @@ class Request:
     budget: Optional[float] = None
     optimizer_on_device: bool = True
     seq_step: int = 1024
+    host_budget: Optional[float] = None  # per rank: a node's host memory over the ranks on it
     # The search stops at a million tokens a rank (under SP of N ranks, N million in all): a tiled step
     # there is thousands of shards to model, and the answer is then "at least" this, said so.
     seq_cap: int = 2**20
@@ -167,7 +188,7 @@ class Planner:
         if setting.offload_checkpoints:
             host[OFFLOADED] = float(timeline.host_peak())
         return Point(seq, setting.name, peak + in_flight, backend.optimizer_bytes(sizes, req.dtype), parts,
-                     req.budget, req.optimizer_on_device, host, seq // setting.sp)
+                     req.budget, req.optimizer_on_device, host, seq // setting.sp, req.host_budget)
 
     def modelled(self) -> List[Point]:
         """Every point modelled so far (the table's and the search's)."""
@@ -185,12 +206,13 @@ class Planner:
         return self.request.seq_cap * setting.sp
 
     def longest(self, setting: Setting) -> Longest:
-        """The longest multiple of the grid (``seq_step``) up to the cap that fits the budget."""
+        """The longest multiple of the grid (``seq_step``) up to the cap that fits the budget, and the
+        host budget where one is given (the search judges ``Point.load``: both grow with the length)."""
         req = self.request
         if req.budget is None:
             raise ValueError("the longest sequence needs a budget")
-        known = {seq: p.held_bytes for (s, seq), p in self._points.items() if s == setting}
-        return longest_fitting(lambda seq: self.point(setting, seq).held_bytes, req.budget, self.seq_step(setting),
+        known = {seq: p.load() for (s, seq), p in self._points.items() if s == setting}
+        return longest_fitting(lambda seq: self.point(setting, seq).load(), 1.0, self.seq_step(setting),
                                self.seq_cap(setting), known)
 
     def max_seq(self, setting: Setting) -> int:

@@ -3,7 +3,7 @@ analytic rather than modelled."""
 from __future__ import annotations
 
 from itertools import pairwise
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -31,20 +31,24 @@ SETTING_LEGEND = ("settings: 'tiled' tiles the MLPs, 'tiled-loss' computes the L
                   "at a time (never the [tokens, vocab] logits), 'ckpt' checkpoints every decoder layer, 'offload' "
                   "keeps each checkpointed layer's input (but the last's) in host memory, 'spN' is Ulysses sequence "
                   "parallelism over N ranks (DeepSpeed's UlyssesSPAttentionHF)")
-HOST_LEGEND = ("'host' is the rank's host memory at its most, not held against the budget: the optimizer state when "
-               "offloaded, ZeRO-3's gradient (and, with --offload-params, parameter) partitions there, and the "
-               "offloaded checkpoints")
+HOST_LEGEND = ("'host' is the rank's host memory at its most: the optimizer state when offloaded, ZeRO-3's gradient "
+               "(and, with --offload-params, parameter) partitions there, and the offloaded checkpoints")
 
 
-def table(points: List[Point], budget: float, budget_from: str) -> List[str]:
+def _host_budget_text(host_budget: Optional[float]) -> str:
+    return ("not held against a budget (--host-budget)" if host_budget is None
+            else f"held against {host_budget / GiB:.2f} GiB a rank (--host-budget): 'no (host)' where only it is over")
+
+
+def table(points: List[Point], budget: float, budget_from: str, host_budget: Optional[float] = None) -> List[str]:
     lines = [f"per rank, GiB; budget {budget / GiB:.2f} GiB ({budget_from}). 'held' is what 'fits' judges: the "
              "step's peak (weights, gradients, activations, backend buffers) plus the optimizer state on the device; "
-             + HOST_LEGEND,
+             + HOST_LEGEND + ", " + _host_budget_text(host_budget),
              SETTING_LEGEND,
              "| seq | setting | step peak | optimizer | held | fits | host | dominant term of held |",
              "|---|---|---|---|---|---|---|---|"]
     for p in points:
-        fits = "-" if p.fits is None else ("yes" if p.fits else "no")
+        fits = "-" if p.fits is None else ("yes" if p.fits else "no" if not p.device_fits else "no (host)")
         optimizer = f"{p.optimizer_bytes / GiB:.2f}" + ("" if p.optimizer_on_device else " (host)")
         share = p.held_parts[p.dominant] / p.held_bytes
         lines.append(f"| {p.seq} | {p.setting} | {p.peak_bytes / GiB:.2f} | {optimizer} | {p.held_bytes / GiB:.2f} | "
@@ -52,9 +56,11 @@ def table(points: List[Point], budget: float, budget_from: str) -> List[str]:
     return lines
 
 
-def longest_lines(longest: Dict[str, Longest], budget: float, step: int = 1024) -> List[str]:
-    lines = [f"longest sequence held within {budget / GiB:.2f} GiB per rank (multiples of {step}; each answer fits "
-             f"and {step} tokens more does not, both modelled):"]
+def longest_lines(longest: Dict[str, Longest], budget: float, step: int = 1024,
+                  host_budget: Optional[float] = None) -> List[str]:
+    host = "" if host_budget is None else f" and {host_budget / GiB:.2f} GiB of host memory"
+    lines = [f"longest sequence held within {budget / GiB:.2f} GiB{host} per rank (multiples of {step}; each answer "
+             f"fits and {step} tokens more does not, both modelled):"]
     width = max((len(setting) for setting in longest), default=0)
     for setting, found in longest.items():
         if found.at_cap:
