@@ -55,6 +55,9 @@ def add_arguments(p) -> None:
     g.add_argument("--offload-checkpoints", action="store_true",
                    help="beside each checkpointed setting, the same with checkpoint offload ('+offload': every "
                         "checkpointed layer's input but the last's waits in host memory; apply_checkpoint_offload)")
+    g.add_argument("--tiled-norms", action="store_true",
+                   help="beside each setting that tiles the MLPs, the same with the hidden-size RMSNorms tiled too "
+                        "('+norms', apply_tiled_mlp(norms=True), with the MLPs' shard count)")
     g.add_argument("--offload-params", action="store_true",
                    help="ZeRO-3 with the parameters on the host too (offload_param and offload_optimizer to the CPU, "
                         "as ALST's one-GPU run); implies --backend zero3 and --offload-optimizer")
@@ -98,10 +101,14 @@ def _settings(args, parser_error) -> List[Setting]:
     losses = off_and_on("--tiled-loss", args.tiled_loss or "auto")
     # Checkpoint offload beside each checkpointed setting, as the other knobs are planned beside their absence.
     offloads = lambda c: [False, True] if c and args.offload_checkpoints else [False]  # noqa: E731
+    # The tiled norms beside each setting with tiled MLPs (their shard count is the MLPs').
+    norms = lambda n: [False, True] if n is not None and args.tiled_norms else [False]  # noqa: E731
+    if args.tiled_norms and tiled == [None]:
+        parser_error("--tiled-norms is planned beside the settings that tile the MLPs; --tiled none has none")
     return [Setting(tiled=n is not None, checkpointing=c, num_shards="auto" if n is None else n,
                     tiled_loss=loss is not None, loss_num_shards="auto" if loss is None else loss,
-                    offload_checkpoints=o, sp=args.sp)
-            for c in ckpt for o in offloads(c) for loss in losses for n in tiled]
+                    offload_checkpoints=o, sp=args.sp, tiled_norms=t)
+            for c in ckpt for o in offloads(c) for loss in losses for n in tiled for t in norms(n)]
 
 
 def _check_parallel(args, parser_error) -> str:
@@ -218,9 +225,11 @@ def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) 
         check.probe(model, config)
     except ValueError as error:
         return f"--model {args.model}: {error}"
-    # SP and checkpoint offload are code of their own on the step: probed on the first setting with each.
+    # SP, checkpoint offload and the tiled norms are code of their own on the step: probed on the first
+    # setting with each.
     firsts = [next((s for s in request.settings if s.sp > 1), None),
-              next((s for s in request.settings if s.offload_checkpoints), None)]
+              next((s for s in request.settings if s.offload_checkpoints), None),
+              next((s for s in request.settings if s.tiled_norms), None)]
     for parallel in dict.fromkeys(s for s in firsts if s is not None):
         try:
             check.probe(check.build(config, args.dtype, functools.partial(planner.model, parallel)), config)
