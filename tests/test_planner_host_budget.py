@@ -98,3 +98,16 @@ def test_the_ladder_shares_a_nodes_host_among_a_rows_ranks():
     assert "fits the device, host over by" in text
     assert "short of ALST's 10K, for host memory" in text
     assert "ours stops where the host is full" in text
+
+
+def test_when_only_the_host_is_over_the_advice_is_about_the_host(capsys, tmp_path):
+    """Nothing fits a host budget of 1000 bytes: the advice names the host and its knobs (not the device's,
+    which holds the step, nor more checkpoint offload, which would put more on the host)."""
+    tiny_llama(3).save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path), "--seq", "1024", "--dtype", "fp32", "--tiled", "none",
+                 "--tiled-loss", "none", "--checkpointing", "layer", "--budget", "1GiB", "--offload-optimizer",
+                 "--offload-checkpoints", "--host-budget", "1000B"]) == 0
+    out = capsys.readouterr().out
+    assert "of host memory per rank (--host-budget): at 1024 tokens untiled+ckpt" in out
+    assert "- a larger --host-budget: at least" in out and "the optimizer state on the device" in out
+    assert "--world-size" not in out and "try --offload-checkpoints" not in out

@@ -20,7 +20,7 @@ from integration_tests.tiny_models import VOCAB, grads_by_key, tiny_model  # noq
 from tiled_core import TiledMLP  # noqa: E402
 from tiled_core.auto_shards import MLPSize, auto_decision  # noqa: E402
 from tiled_mlp.integrations import apply_tiled_mlp, remove_tiled_mlp  # noqa: E402
-from tiled_mlp.integrations.hf import norm_names  # noqa: E402
+from tiled_mlp.integrations.norms import norm_names  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402
 from tiled_mlp.planner.plan import OFFLOADED, Planner, Request  # noqa: E402
 from tiled_mlp.planner.step import Setting, build_model, step_timeline  # noqa: E402
@@ -142,9 +142,10 @@ def test_tiled_norms_alone_give_the_same_logits(family, checkpointing):
 
 
 def test_auto_tiles_a_long_norm_call_hidden_tokens_a_shard():
-    """A norm has no intermediate size, so "auto" takes ~hidden tokens a shard and never passes a call
-    through: 500,000 tokens of a 4096-wide bfloat16 norm are 123 shards (a shard's float32 copy 64 MiB,
-    where the whole call's is 7.6 GiB); the 48-token call of the tests above, 3 shards."""
+    """A norm has no intermediate size, so "auto" takes ~hidden tokens a shard: 500,000 tokens of a
+    4096-wide bfloat16 norm are 123 shards (a shard's float32 copy 64 MiB, where the whole call's is
+    7.6 GiB); the 48-token call of the tests above, 3 shards; a call of no more than hidden tokens (one
+    shard: a step of generation) runs untiled."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     size = MLPSize(4096, None, 4096 * 2, 2, generic_trainable_bytes=4096 * 2)
@@ -157,6 +158,69 @@ def test_auto_tiles_a_long_norm_call_hidden_tokens_a_shard():
     TiledMLP(norm)
     norm(x).sum().backward()
     assert norm.tiling.last_path == "generic" and norm.tiling.last_num_shards == 123
+    assert auto_decision(4096, size).num_shards is None
+    norm(x[:, :4096]).sum().backward()
+    assert norm.tiling.last_path == "untiled" and "no more than the hidden size" in norm.tiling.last_reason
+
+
+def test_zero3_partitioned_norms_are_found_by_their_full_shape():
+    """Under ZeRO-3 a parameter's tensor is empty and its shape ``ds_shape`` (as HF's loading under
+    ZeRO-3 leaves it): the norms are found all the same."""
+    model = tiny_model("llama")
+    for param in model.parameters():
+        param.ds_shape = param.shape
+        param.data = torch.empty(0, dtype=param.dtype)
+    assert norm_names(model) == NORMS
+
+
+def test_the_hidden_size_through_peft_and_none_without_it():
+    """A LoRA on the embeddings hides their width behind PEFT's wrapper: read through it (Qwen3's
+    per-head norms stay untiled). A model that says no hidden size gets no norm tiled, and the report says
+    why, rather than every RMSNorm."""
+    peft = pytest.importorskip("peft")
+    qwen3 = peft.get_peft_model(tiny_model("qwen3"), peft.LoraConfig(target_modules=["q_proj", "embed_tokens"], r=2))
+    assert [name.removeprefix("base_model.model.") for name in norm_names(qwen3)] == NORMS
+
+    model = tiny_model("llama")
+    with mock.patch("tiled_mlp.integrations.norms.hidden_size", return_value=None):
+        assert norm_names(model) == []
+        report = apply_tiled_mlp(model, norms=True)
+    assert {b.kind for b in report.patched} == {"gated"} and report.skipped[-1][0] == "norms"
+    assert "hidden size is unknown" in report.skipped[-1][1]
+
+
+def test_a_norm_inside_a_tiled_block_is_tiled_with_it_not_again():
+    model = tiny_model("llama")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    model.model.layers[0].mlp.inner_norm = LlamaRMSNorm(HIDDEN)
+    assert "model.layers.0.mlp.inner_norm" in norm_names(model)
+    assert "model.layers.0.mlp.inner_norm" not in norm_names(model, inside=["model.layers.0.mlp"])
+    report = apply_tiled_mlp(model, norms=True)
+    assert "model.layers.0.mlp.inner_norm" not in [b.name for b in report.patched]
+    assert "model.layers.0.mlp.inner_norm" not in norm_names(model)
+
+
+def test_norm_weight_gradients_are_summed_in_float32_or_wider():
+    """A norm's weight gradient is a sum over every token: float32 by default (bf16 over many shards
+    tripled its error), the caller's dtype where it is wider."""
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    report = apply_tiled_mlp(model, norms=True)
+    kinds = {b.kind: b.tiled.tiling.grad_accum_dtype for b in report.patched}
+    assert kinds == {"norm": torch.float32, "gated": None}
+    model = tiny_model("llama")
+    report = apply_tiled_mlp(model, norms=True, grad_accum_dtype=torch.float64)
+    assert {b.tiled.tiling.grad_accum_dtype for b in report.patched} == {torch.float64}
+
+
+def test_applying_twice_says_nothing_and_a_model_without_rmsnorm_says_so():
+    model = tiny_model("llama")
+    apply_tiled_mlp(model, norms=True)
+    assert apply_tiled_mlp(model, norms=True).skipped == []
+    model = tiny_model("gemma")
+    with mock.patch("tiled_mlp.integrations.norms.is_norm", return_value=False):
+        report = apply_tiled_mlp(model, norms=True)
+    assert report.skipped == [("norms", "no RMSNorm of the hidden size outside the tiled blocks")]
 
 
 # -- the planner's '+norms' setting ---------------------------------------------------------------------

@@ -151,7 +151,10 @@ def estimated_saved_bytes(num_tokens: int, size: MLPSize, num_shards: int) -> fl
 def auto_decision(num_tokens: int, size: MLPSize) -> AutoDecision:
     """The shard count for ``num_tokens`` tokens (None: run the module untiled), and why."""
     if size.intermediate is None:
-        num_shards = max(1, math.ceil(num_tokens / max(1, size.hidden)))
+        if num_tokens <= size.hidden:  # one shard would be the whole call: the machinery for nothing
+            return AutoDecision(None, f"untiled: {num_tokens} tokens, no more than the hidden size ({size.hidden}), "
+                                      "and the intermediate size is unknown (~hidden tokens a shard)")
+        num_shards = math.ceil(num_tokens / max(1, size.hidden))
         return AutoDecision(num_shards, f"tiled ({_shards(num_shards)} of ~{math.ceil(num_tokens / num_shards)} "
                                         "tokens): the intermediate size is unknown, so ~hidden tokens a shard")
     intermediate_bytes = num_tokens * size.intermediate * size.element_bytes

@@ -265,7 +265,7 @@ def _plan(planner: Planner, progress: Progress) -> Tuple[List[Point], Dict[str, 
     planner.on_point = lambda label: None
     advice: List[str] = []
     if all(found.seq == 0 for found in longest.values()):
-        best = min(request.settings, key=lambda s: planner.point(s, request.seq_step).held_bytes)
+        best = min(request.settings, key=lambda s: planner.point(s, request.seq_step).load())
         advice = what_to_change(planner, best)
     return points, longest, advice
 

@@ -29,6 +29,7 @@ from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .causal_lm_loss import check_tiled_loss, install_tiled_loss, remove_tiled_loss
 from .matching import Patterns, Scan, find_tiled, scan
 from .moe import TiledExperts
+from .norms import NORM_ACCUM_DTYPE, norm_names, why_no_norms
 from .report import TiledBlock, TilingReport, expected_path
 
 if TYPE_CHECKING:
@@ -58,10 +59,11 @@ def apply_tiled_mlp(
     ``loss=True`` also puts the tiled loss on the causal LM's loss path (``apply_tiled_loss``), with
     ``loss_num_shards`` shards per loss call: checked before any block is tiled.
 
-    ``norms=True`` also tiles the model's RMSNorms of the hidden size (``norm_names``: the decoder
-    layers' and the final one), on the generic path (``path="fast"`` stays the MLPs'), with ``num_shards``:
-    a tiled norm keeps only its input for backward (Hugging Face's RMSNorm keeps float32 copies of the
-    whole ``[tokens, hidden]``) and recomputes a shard at a time. ``exclude`` applies to them too.
+    ``norms=True`` also tiles the model's RMSNorms of the hidden size (``norms.norm_names``: for Llama
+    each decoder layer's two and the final one; none inside an MLP tiled here), on the generic path
+    (``path`` is the MLPs'), with ``num_shards`` and weight gradients summed in float32 or wider: a tiled
+    norm keeps only its input for backward (Hugging Face's RMSNorm keeps float32 copies of the whole
+    ``[tokens, hidden]``) and recomputes a shard at a time. ``exclude`` applies to them too.
 
     ``include``/``exclude`` are glob patterns on qualified module names (``"model.layers.*.mlp"``);
     ``include`` may also name a custom token-wise block that no structural rule recognises. Blocks that
@@ -83,25 +85,26 @@ def apply_tiled_mlp(
             continue
         seen.add(id(candidate.module))
         mixin = TiledExperts if candidate.kind == "experts" else TiledMLP
-        # A norm has no fast kernel: path='fast' is the MLPs'.
-        block_path = "generic" if candidate.kind == "norm" and path == "fast" else path
+        block_path, accum = path, grad_accum_dtype
+        if candidate.kind == "norm":  # no fast kernel (path='fast' is the MLPs'); its weight sums every token
+            block_path, accum = "generic", grad_accum_dtype or NORM_ACCUM_DTYPE
         # With the ancestors, a backend already wrapping the model (FSDP1 is rejected) is caught now;
         # so is path='fast' on a block whose forward or structure cannot take it.
         try:
-            fixed = prepare_tiling(mixin, candidate.module, strategy, num_shards, block_path, grad_accum_dtype,
+            fixed = prepare_tiling(mixin, candidate.module, strategy, num_shards, block_path, accum,
                                    candidate.ancestors)
         except FastPathRefused as error:  # every such block is listed, then refused together
             problems.append(f"{candidate.name}: {error}")
             continue
-        staged.append((candidate, mixin, fixed, block_path))
+        staged.append((candidate, mixin, fixed, block_path, accum))
     if problems:
         raise FastPathRefused("path='fast' cannot apply to these blocks (use path='auto'):\n  " + "\n  ".join(problems))
 
     report = TilingReport(skipped=found.skipped)
     installed: List[TiledMLP] = []
     try:
-        for candidate, mixin, fixed, block_path in staged:
-            state = TilingState(num_shards, block_path, grad_accum_dtype, fixed_strategy=fixed)
+        for candidate, mixin, fixed, block_path, accum in staged:
+            state = TilingState(num_shards, block_path, accum, fixed_strategy=fixed)
             state.set_ancestors(candidate.ancestors)
             tiled = install_tiling(mixin, candidate.module, state)
             installed.append(tiled)
@@ -122,40 +125,15 @@ def apply_tiled_mlp(
     return report
 
 
-def _hidden_size(model: nn.Module) -> Optional[int]:
-    """The width of the model's token embeddings (None: the model says no such thing)."""
-    try:
-        embeddings = model.get_input_embeddings()  # type: ignore[operator]
-    except (AttributeError, NotImplementedError, TypeError):
-        return None
-    width = getattr(embeddings, "embedding_dim", None)
-    return width if isinstance(width, int) else None
-
-
-def _is_norm(module: nn.Module, hidden: Optional[int]) -> bool:
-    """An RMSNorm (``torch.nn.RMSNorm``, or a class named ``...RMSNorm`` as every Hugging Face family
-    names its own) with no submodule and one 1-D weight of the hidden size: token-wise by construction."""
-    if not (isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")):
-        return False
-    if next(module.children(), None) is not None:
-        return False
-    params = list(module.parameters())
-    return len(params) == 1 and params[0].dim() == 1 and (hidden is None or params[0].numel() == hidden)
-
-
-def norm_names(model: nn.Module) -> List[str]:
-    """The qualified names of the RMSNorms ``apply_tiled_mlp(norms=True)`` tiles: found by class and
-    structure (``_is_norm``), of the width of the token embeddings (a Qwen3 attention's per-head norms,
-    of the head size, are not among them)."""
-    hidden = _hidden_size(model)
-    return [name for name, module in model.named_modules()
-            if name and not isinstance(module, TiledMLP) and _is_norm(module, hidden)]
-
-
 def _add_norms(found: Scan, model: nn.Module, exclude: Patterns) -> None:
-    """``found`` plus the model's norms (``norm_names``), as candidates of their own kind."""
-    names = norm_names(model)
+    """``found`` plus the model's norms (``norms.norm_names``, none inside a block found), as candidates
+    of their own kind; where there is none, the report says why."""
+    names = norm_names(model, inside=[candidate.name for candidate in found.candidates])
     if not names:
+        why = why_no_norms(model)
+        if why:
+            logger.warning("tiled-mlp: norms=True tiles no norm of %s: %s", type(model).__name__, why)
+            found.skipped.append(("norms", why))
         return
     extra = scan(model, [glob.escape(name) for name in names], exclude)
     for candidate in extra.candidates:

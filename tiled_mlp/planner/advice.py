@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import List
 
-from .plan import IN_FLIGHT, LOGITS_KNOB, OPTIMIZER, Planner, Point
+from .plan import IN_FLIGHT, LOGITS_KNOB, OFFLOADED, OPTIMIZER, Planner, Point
 from .step import Setting
 from .timeline import ACTIVATIONS, GRADS, LOGITS, WEIGHTS
 
@@ -29,6 +29,8 @@ def what_to_change(planner: Planner, setting: Setting) -> List[str]:
     assert budget is not None, "advice is for a budget that nothing fits"
     seq = req.seq_step
     point = planner.point(setting, seq)
+    if point.device_fits and not point.host_fits:
+        return _host_over(point)
     lines = [f"nothing fits {_gib(budget)} per rank: at {seq} tokens, {setting.name} holds {_gib(point.held_bytes)} ("
              + ", ".join(f"{kind} {_gib(v)}" for kind, v in point.held_parts.items() if v >= 0.005 * GiB)
              + ")."]
@@ -40,6 +42,25 @@ def what_to_change(planner: Planner, setting: Setting) -> List[str]:
     dominant = point.dominant
     lines.append(f"- the dominant term, {dominant} ({point.held_parts[dominant] / point.held_bytes:.0%}): "
                  + _knob(dominant, planner))
+    return lines
+
+
+def _host_over(point: Point) -> List[str]:
+    """The device holds the step, the host does not: the knobs that move memory back, or give more."""
+    assert point.host_budget is not None
+    parts = ", ".join(f"{kind} {_gib(v)}" for kind, v in point.host_parts.items() if v >= 0.005 * GiB)
+    lines = [f"nothing fits {_gib(point.host_budget)} of host memory per rank (--host-budget): at {point.seq} tokens "
+             f"{point.setting} fits the device ({_gib(point.held_bytes)}) and holds {_gib(point.host_bytes)} on the "
+             "host" + (f" ({parts})" if parts else "") + ".",
+             f"- a larger --host-budget: at least {_gib(point.host_bytes)} per rank"]
+    if OFFLOADED in point.host_parts:
+        lines.append(f"- the settings without '+offload': the checkpointed inputs ({_gib(point.host_parts[OFFLOADED])}) "
+                     "stay on the device")
+    if OPTIMIZER in point.host_parts:
+        after = point.held_bytes + point.host_parts[OPTIMIZER]
+        lines.append(f"- the optimizer state on the device (no --offload-optimizer/--offload-params): "
+                     f"{_gib(after)} on the device" + (" (fits)" if point.budget and after <= point.budget
+                                                       else " (over the device budget)"))
     return lines
 
 

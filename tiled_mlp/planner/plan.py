@@ -100,7 +100,8 @@ class Point:
                     optimizer_on_device=self.optimizer_on_device, held_bytes=int(self.held_bytes), fits=self.fits,
                     dominant=self.dominant, parts={k: int(v) for k, v in self.held_parts.items()},
                     host_bytes=int(self.host_bytes), host_parts={k: int(v) for k, v in self.host_parts.items()},
-                    host_budget=None if self.host_budget is None else int(self.host_budget), host_fits=self.host_fits)
+                    host_budget=None if self.host_budget is None else int(self.host_budget), host_fits=self.host_fits,
+                    device_fits=self.device_fits)
 
 
 @dataclass

@@ -24,8 +24,10 @@ class Longest:
 
 def longest_fitting(held: Callable[[int], float], budget: float, step: int, cap: int,
                     known: Optional[Dict[int, float]] = None) -> Longest:
-    """``held(seq)``: the total the budget judges at ``seq`` tokens. ``known``: totals modelled
-    already (the table's), used as guides where they lie on the grid."""
+    """``held(seq)``: the total the budget judges at ``seq`` tokens (the planner passes a load, the
+    fuller of device and host as a share of their budgets, against a budget of 1.0); it must not fall
+    as the length grows. ``known``: totals modelled already (the table's), used as guides where they
+    lie on the grid."""
     top = cap // step
     totals: Dict[int, float] = {seq // step: v for seq, v in (known or {}).items()
                                 if seq % step == 0 and 0 < seq <= cap}
