@@ -3,7 +3,8 @@ device and host memory each, at every allocation), Ulysses SP (one rank's step o
 DeepSpeed's own attention class; the two-rank real check is ``integration_tests/test_planner_sp_honesty.py``),
 ZeRO-3's parameter offload (analytic), the host memory column, the errors before any work, and ALST's
 ladder where it ends: Llama-3.1-8B on 8 ranks with everything and on one GPU with the parameters on
-the host, each a little short of ALST's figure, for the term said in the README."""
+the host, each a little short of ALST's figure, for the term said in the README, and about twice it with
+this library's tiled RMSNorms in place of that term."""
 from __future__ import annotations
 
 import json
@@ -179,7 +180,7 @@ def test_the_ladder_is_rendered_from_its_rows():
 
 
 def test_plan_alst_prints_the_ladder_and_its_records(capsys, monkeypatch, tmp_path):
-    """The command's own path, on a tiny model and budget (the real ladder takes about two minutes)."""
+    """The command's own path, on a tiny model and budget (the real ladder takes about ten minutes)."""
     tiny_llama(3).save_pretrained(tmp_path)
     monkeypatch.setattr(alst, "MODEL", str(tmp_path))
     monkeypatch.setattr(alst, "RUNGS", [alst.Rung("tiny", "4K", 4_000, Setting(tiled=True, checkpointing=True,
@@ -212,3 +213,19 @@ def test_alsts_last_rungs_end_a_step_short_for_hugging_faces_float32_rmsnorm(run
     peak = alst.families(config, planner.peak_allocations(rung.setting, at_alst.seq), rung.setting.sp)
     largest, amount = next(iter(peak.items()))
     assert largest == "float32 [tokens, hidden]" and amount > 0.5 * at_alst.parts["activations"]
+
+
+@pytest.mark.timeout(600)  # two points of thousands of tiled shards each: about two minutes
+@pytest.mark.parametrize("rung, ours, host_bound", [(alst.RUNGS[7], 7_299_072, True), (alst.RUNGS[8], 1_170_432, False)],
+                         ids=["8 ranks, SP=8, everything + tiled norms", "1 GPU + tiled norms"])
+def test_with_tiled_norms_alsts_rows_reach_about_twice_its_lengths(rung, ours, host_bound):
+    """The same two rows with this library's tiled RMSNorms (the float32 term gone) on a node of 2 TB
+    of host memory: 7,299,072 tokens on 8 ranks, where the host fills first (the device at 75 GiB), and
+    1,170,432 on one GPU, where the device does; each the longest on its grid."""
+    config = load_config(alst.MODEL)
+    planner = alst.planner_for(config, rung, node_host=2e12)
+    step = planner.seq_step(rung.setting)
+    at, past = planner.point(rung.setting, ours), planner.point(rung.setting, ours + step)
+    assert at.fits and not past.fits
+    assert past.device_fits is host_bound and past.host_fits is not host_bound
+    assert ours > 1.9 * rung.alst_tokens

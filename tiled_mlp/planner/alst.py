@@ -230,9 +230,12 @@ ALST_RUNS = [
     "- every row after the baseline ran Liger-Kernel's Llama ('model: type: liger': fused RMSNorm, SwiGLU, RoPE and "
     "linear cross-entropy). This planner models Hugging Face's own modules with this library's tiled MLP and tiled "
     "loss: Hugging Face's RMSNorm computes in float32 ([tokens, hidden] float32 copies, kept and in its backward) and "
-    "its SwiGLU keeps the SiLU's output, which Liger's fused kernels do not. That is the term where ours is shorter; "
-    "the last two rows (not ALST's) tile the RMSNorms with this library instead (apply_tiled_mlp(norms=True): a "
-    "norm keeps only its input, its float32 tensors exist one shard at a time).",
+    "its SwiGLU keeps the SiLU's output, which Liger's fused kernels do not. With Hugging Face's norms that is the term "
+    "where ours is shorter. The last two rows (not ALST's) tile the RMSNorms with this library instead "
+    "(apply_tiled_mlp(norms=True): a norm keeps only its input, its float32 tensors exist one shard at a time), as "
+    "Liger's keep none: the device then holds about twice ALST's lengths, so ALST's lengths (set by hand, below) "
+    "were lengths that ran, not where its devices ran out; with the checkpoints offloaded, a node's host memory is "
+    "what a longer run meets first (--host-budget).",
     "- the lengths are set by hand, round, in each config's max_length (32_000, 160_000, 1_100_000, '1_200_000 # ok', "
     "2_400_000, 3_800_000 for the 3.7M row, '500000 # ok'): each a length that ran, not a searched maximum.",
     "- one GPU: 555,000 tokens failed with 'Triton Error [CUDA]: an illegal memory access' (a kernel's failure, not "
