@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 
+from planner_checks import predicted_to_the_byte  # noqa: E402
 from test_planner import tiny_llama  # noqa: E402
 
 from tiled_mlp.cli.main import main  # noqa: E402
@@ -22,7 +23,7 @@ from tiled_mlp.planner import alst  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402
 from tiled_mlp.planner.plan import OFFLOADED, Planner, Request  # noqa: E402
 from tiled_mlp.planner.presets import load_config  # noqa: E402
-from tiled_mlp.planner.step import Setting, build_model, offload_of, step_timeline  # noqa: E402
+from tiled_mlp.planner.step import Setting, offload_of  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,13 +39,8 @@ OFFLOADED_SETTINGS = {s.name: s for s in (
 def test_a_real_step_with_checkpoint_offload_is_predicted_to_the_byte_on_device_and_host(name):
     """The real ``apply_checkpoint_offload`` runs in both steps; its host copies are counted apart."""
     setting, config = OFFLOADED_SETTINGS[name], tiny_llama(3)
-    planner = Planner(Request(config, [SEQ], [setting], Backend("single", 1), dtype=torch.float32))
-    real = build_model(config, None, torch.float32, "cpu", setting)
-    measured = step_timeline(real, SEQ, 1)
+    planner, real, measured = predicted_to_the_byte(setting, config, SEQ)
     predicted = planner.timeline(setting, SEQ)
-    first = next((i for i, (p, m) in enumerate(zip(predicted.points, measured.points, strict=False)) if p != m), None)
-    assert first is None and len(predicted.points) == len(measured.points), f"allocation {first} differs"
-    assert predicted.host == measured.host
     one_input = SEQ * config.hidden_size * 4
     # Layers 0 and 1 offloaded, the last kept; the offload's own count says the same.
     assert measured.host_peak() == predicted.host_peak() == 2 * one_input == offload_of(real).host_bytes.peak

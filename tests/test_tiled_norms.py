@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from planner_checks import predicted_to_the_byte  # noqa: E402
 from test_planner import tiny_llama  # noqa: E402
 
 from integration_tests.tiny_models import VOCAB, grads_by_key, tiny_model  # noqa: E402
@@ -23,7 +24,7 @@ from tiled_mlp.integrations import apply_tiled_mlp, remove_tiled_mlp  # noqa: E4
 from tiled_mlp.integrations.norms import norm_names  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402
 from tiled_mlp.planner.plan import OFFLOADED, Planner, Request  # noqa: E402
-from tiled_mlp.planner.step import Setting, build_model, step_timeline  # noqa: E402
+from tiled_mlp.planner.step import Setting  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -244,13 +245,7 @@ def test_a_real_step_with_tiled_norms_is_predicted_to_the_byte(name):
     gradients, logits, activations) after every allocation, and the same host memory; the norms ran tiled
     in both."""
     setting, config, seq = PLANNED[name], tiny_llama(3), 1024
-    planner = Planner(Request(config, [seq], [setting], Backend("single", 1), dtype=torch.float32))
-    real = build_model(config, None, torch.float32, "cpu", setting)
-    measured = step_timeline(real, seq, 1)
-    predicted = planner.timeline(setting, seq)
-    first = next((i for i, (p, m) in enumerate(zip(predicted.points, measured.points, strict=False)) if p != m), None)
-    assert first is None and len(predicted.points) == len(measured.points), f"allocation {first} differs"
-    assert predicted.host == measured.host
+    planner, real, measured = predicted_to_the_byte(setting, config, seq)
     assert planner.point(setting, seq).peak_bytes == measured.peak()[0]
     for model in (real, planner.model(setting)):
         norms = [m for n, m in model.named_modules() if n.endswith("layernorm") or n == "model.norm"]
@@ -286,3 +281,19 @@ def test_plan_puts_the_tiled_norms_beside_each_tiled_setting(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(argv + ["--tiled", "none", "--tiled-norms"])
     assert "--tiled-norms is planned beside the settings that tile the MLPs" in capsys.readouterr().err
+
+
+def test_bench_norms_measures_a_lower_peak_and_the_same_step(capsys):
+    """``tiled-mlp bench-norms`` on a tiny stack in bfloat16: the tiled norms' step holds less (HF's keeps
+    float32 copies), computes the same within bfloat16's rounding, and the command prints its table."""
+    from tiled_mlp.bench import norm_cost
+    from tiled_mlp.cli.main import main
+
+    cost = norm_cost.measure(layers=2, seq=512, hidden=32, intermediate=64, heads=2, rounds=1)
+    assert cost.tiled_peak < cost.plain_peak and cost.difference < 2e-2
+    assert main(["bench-norms", "--layers", "2", "--seq", "256", "--hidden", "32", "--intermediate", "64",
+                 "--heads", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| tiled (norms=True) |" in out and "bfloat16, CPU" in out
+    with pytest.raises(SystemExit):
+        main(["bench-norms", "--hidden", "30", "--heads", "4"])

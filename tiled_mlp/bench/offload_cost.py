@@ -33,7 +33,8 @@ class OffloadCost:
         return self.offload_s / self.plain_s
 
 
-def _stack(layers: int, hidden: int, intermediate: int, heads: int, dtype: torch.dtype) -> nn.Sequential:
+def llama_stack(layers: int, hidden: int, intermediate: int, heads: int, dtype: torch.dtype) -> nn.Sequential:
+    """``layers`` checkpointed Llama decoder layers, each with our tiled MLP (seeded weights)."""
     torch.manual_seed(0)
     blocks = []
     for _ in range(layers):
@@ -52,7 +53,7 @@ def _step(model: nn.Module, x: torch.Tensor) -> float:
 def measure(layers: int = 4, seq: int = 8192, hidden: int = 1024, intermediate: int = 2816, heads: int = 8,
             rounds: int = 5, dtype: torch.dtype = torch.float32,
             progress: Optional[Callable[[str], None]] = None) -> OffloadCost:
-    model = _stack(layers, hidden, intermediate, heads, dtype)
+    model = llama_stack(layers, hidden, intermediate, heads, dtype)
     offload = CheckpointOffload(list(model))
     offload.remove()  # installed only for the offloaded steps
     x = torch.randn(1, seq, hidden, dtype=dtype, requires_grad=True)
