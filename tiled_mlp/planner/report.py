@@ -28,10 +28,9 @@ def header(name: str, config, sizes: ParamSizes, kinds: str, dtype: torch.dtype,
 
 
 SETTING_LEGEND = ("settings: 'tiled' tiles the MLPs, 'tiled-loss' computes the LM head and cross-entropy a token shard "
-                  "at a time (never the [tokens, vocab] logits), 'ckpt' checkpoints every decoder layer, 'offload' "
-                  "keeps each checkpointed layer's input (but the last's) in host memory, 'norms' tiles the RMSNorms too, "
-                  "'spN' is Ulysses sequence "
-                  "parallelism over N ranks (DeepSpeed's UlyssesSPAttentionHF)")
+                  "at a time (never the [tokens, vocab] logits), 'norms' tiles the RMSNorms too, 'ckpt' checkpoints "
+                  "every decoder layer, 'offload' keeps each checkpointed layer's input (but the last's) in host "
+                  "memory, 'spN' is Ulysses sequence parallelism over N ranks (DeepSpeed's UlyssesSPAttentionHF)")
 HOST_LEGEND = ("'host' is the rank's host memory at its most: the optimizer state when offloaded, ZeRO-3's gradient "
                "(and, with --offload-params, parameter) partitions there, and the offloaded checkpoints")
 
