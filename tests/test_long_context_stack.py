@@ -52,6 +52,7 @@ def test_the_stack_is_exact_and_comes_off_in_one_call(family):
     names = [name for name, _ in model.named_parameters()]
     stack = apply_long_context(model, num_shards=3, loss_num_shards=2)
     assert is_tiled(model) and is_tiled_loss(model) and stack.checkpointing_turned_on
+    assert {block.kind for block in stack.report.patched} == {"gated", "norm"}  # the norms by default
     assert len(checkpointed_layers(model)) == model.config.num_hidden_layers
     model.train()
     reference.train()
@@ -88,7 +89,7 @@ def test_checkpointing_already_on_is_kept_on_after_remove():
 
 def test_each_piece_can_be_left_out():
     model = tiny_model("llama")
-    stack = apply_long_context(model, tiled_mlp=False, checkpoint_offload=False)
+    stack = apply_long_context(model, tiled_mlp=False, tiled_norms=False, checkpoint_offload=False)
     assert is_tiled_loss(model) and not is_tiled(model) and stack.offload is None and not checkpointed_layers(model)
     stack.remove()
     assert not is_tiled_loss(model)
@@ -121,7 +122,7 @@ def test_the_norms_with_or_without_the_mlps():
 def test_tiling_options_with_nothing_to_tile_are_refused_before_any_change():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=r"\['strategy'\] are apply_tiled_mlp's options"):
-        apply_long_context(model, tiled_mlp=False, strategy="single")
+        apply_long_context(model, tiled_mlp=False, tiled_norms=False, strategy="single")
     with pytest.raises(ValueError, match="include selects MLP blocks"):
         apply_long_context(model, tiled_mlp=False, tiled_norms=True, include=["model.layers.0.mlp"])
     assert not is_tiled(model) and not is_tiled_loss(model) and not checkpointed_layers(model)

@@ -140,7 +140,7 @@ def report_stack(args, rank: int) -> None:
         return
     plain = train_plain(args)
     print(f"tiny Llama hidden={args.hidden} intermediate={args.intermediate} layers={args.layers} seq={args.seq} "
-          f"batch={args.batch}, CPU, float32: tiled MLP + tiled loss + checkpoint offload + Ulysses SP={args.sp} "
+          f"batch={args.batch}, CPU, float32: tiled MLP + tiled RMSNorms + tiled loss + checkpoint offload + Ulysses SP={args.sp} "
           f"({args.strategy or 'ddp'} x{os.environ.get('WORLD_SIZE', 1)}, {args.seq // args.sp} tokens per rank) "
           "against the plain model in one process")
     print("| step | one process | SP stack | |diff| |")

@@ -2,8 +2,8 @@
 
 ``apply_long_context(model)`` composes the library's pieces, each also callable alone:
 
-1. the tiled MLP and the tiled loss (``apply_tiled_mlp(model, loss=True)``): no MLP intermediate and no
-   logits held at full length;
+1. the tiled MLP, the tiled RMSNorms and the tiled loss (``apply_tiled_mlp(model, loss=True,
+   norms=True)``): no MLP intermediate, no norm's float32 copy and no logits held at full length;
 2. layer checkpointing (Hugging Face's, non-reentrant), turned on if the model has none, and checkpoint
    offload (``apply_checkpoint_offload``): each checkpointed layer's input, but the last's, waits for its
    backward in host memory;
@@ -63,7 +63,7 @@ def apply_long_context(
     *,
     tiled_mlp: bool = True,
     tiled_loss: bool = True,
-    tiled_norms: bool = False,
+    tiled_norms: bool = True,
     checkpoint_offload: bool = True,
     sequence_parallel: int = 1,
     num_shards: NumShards = "auto",
@@ -73,7 +73,8 @@ def apply_long_context(
     **tiling: Any,
 ) -> LongContextStack:
     """Turn the long-sequence stack on for ``model`` (see the module docstring); returns the handle.
-    ``tiled_norms``: the RMSNorms tiled too (``apply_tiled_mlp(norms=True)``), with or without the MLPs.
+    ``tiled_norms``: the RMSNorms tiled too (``apply_tiled_mlp(norms=True)``: exact, no slower, and without
+    Hugging Face's float32 copies), with or without the MLPs.
     ``tiling``: more options of ``apply_tiled_mlp`` (``strategy``, ``path``, ``include``, ``exclude``).
 
     Under sequence parallelism every rank calls this, after ``torch.distributed`` is initialized; feed
