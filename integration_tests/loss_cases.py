@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .training_record import record_step, sgd_step
+
 VOCAB = 37
 HIDDEN = 16
 TOKENS = (9, 23)  # tokens per rank (one sequence each)
@@ -155,12 +157,8 @@ def reference_run(case: LossCase, world: int) -> Dict:
         count = global_count(case, step, world)
         loss = sum(model(*batch(case, step, rank), num_items_in_batch=count) for rank in range(world))
         loss.backward()
-        record["losses"].append(loss.detach().clone())
         record["counts"].append(count)
-        record["grads"].append({n: p.grad.detach().clone() for n, p in named})
-        optimizer.step()
-        optimizer.zero_grad()
-        record["params"].append({n: p.detach().clone() for n, p in named})
+        record_step(record, loss, named, sgd_step(optimizer))
     return record
 
 
@@ -302,6 +300,7 @@ def run_case(case: LossCase, rank: int, world: int) -> Dict:
     head_weight = dict(named)["embed_tokens.weight" if case.tied else "lm_head.weight"]
     record: Dict = {"losses": [], "grads": [], "params": [], "counts": [], "calls": [], "gathers": [],
                     "initial": {n: full_param(p).detach().clone() for n, p in named}}
+    optimizer_step = engine.step if engine is not None else sgd_step(optimizer)
     for step in range(STEPS):
         ids, labels = batch(case, step, rank)
         items = _global_items(labels)
@@ -318,17 +317,10 @@ def run_case(case: LossCase, rank: int, world: int) -> Dict:
                     engine.backward(loss * world)
                 else:
                     (loss * world).backward()
-        record["losses"].append(loss.detach().clone())
         record["counts"].append(int(items))
         record["calls"].append(calls)
         record["gathers"].append(gathers)
-        record["grads"].append({n: full_grad(p).detach().clone() for n, p in named})
-        if engine is not None:
-            engine.step()
-        else:
-            optimizer.step()
-            optimizer.zero_grad()
-        record["params"].append({n: full_param(p).detach().clone() for n, p in named})
+        record_step(record, loss, named, optimizer_step, full_grad, full_param)
     if case.backend == "fsdp2":
         record["outside_forward"] = _call_outside_fsdp2_forward(module, labels)
     if engine is not None:

@@ -38,6 +38,7 @@ from torch import nn
 
 from .loss_cases import IGNORE, reference_loss, valid_count
 from .tiny_models import VOCAB
+from .training_record import record_step, sgd_step
 
 LAYERS = 3
 SHAPES = ((2, 7), (1, 11))  # [batch, sequence] per rank: 14 and 11 tokens
@@ -148,12 +149,8 @@ def reference_run(world: int) -> Dict:
         loss = sum(reference_loss(model(input_ids=ids, use_cache=False).logits, labels, count)
                    for ids, labels in (batch(step, rank) for rank in range(world)))
         loss.backward()
-        record["losses"].append(loss.detach().clone())
         record["counts"].append(count)
-        record["grads"].append({n: p.grad.detach().clone() for n, p in named})
-        optimizer.step()
-        optimizer.zero_grad()
-        record["params"].append({n: p.detach().clone() for n, p in named})
+        record_step(record, loss, named, sgd_step(optimizer))
     return record
 
 
@@ -282,10 +279,7 @@ def run_case(case: OffloadCase, rank: int, world: int) -> Dict:
                 record["counts"].append(int(items))
                 del out
             record["host"].append(step_host)
-            record["losses"].append(sum(losses))
-            record["grads"].append({n: built.full_grad(p).detach().clone() for n, p in named})
-            built.step()
-            record["params"].append({n: built.full_param(p).detach().clone() for n, p in named})
+            record_step(record, sum(losses), named, built.step, built.full_grad, built.full_param)
     finally:
         gc.enable()
     record["tiled_paths"] = sorted({str(b.tiled.tiling.last_path) for b in report.patched}) if report else []

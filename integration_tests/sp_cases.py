@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tiled_mlp import TiledMLP
 
 from .loss_cases import tiled_loss_spy
-from .training_record import new_record, note_tiled_calls
+from .training_record import new_record, note_tiled_calls, record_step, sgd_step
 
 TOKENS = 16  # the full length of every sample; each of 2 SP ranks holds 8
 STEPS = 2  # SGD steps: the second forward runs on weights the first step moved
@@ -146,11 +146,7 @@ def reference_run(case: SPCase) -> Dict:
             losses.append(hf_loss64(model(input_ids=ids).logits, labels, num_items_in_batch=count))
         total = sum(losses) if case.num_items else sum(losses) / case.dp
         total.backward()
-        record["losses"].append(torch.stack([loss.detach() for loss in losses]))
-        record["grads"].append({n: p.grad.detach().clone() for n, p in named})
-        optimizer.step()
-        optimizer.zero_grad()
-        record["params"].append({n: p.detach().clone() for n, p in named})
+        record_step(record, torch.stack(losses), named, sgd_step(optimizer))
     return record
 
 
@@ -285,6 +281,7 @@ def run_case(case: SPCase, rank: int, world: int) -> Dict:
     tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
     record: Dict = {**new_record(), "losses": [], "host_bytes": [], "targets": [], "loader_batches": [], "loss_calls": [],
                     "initial": {n: full_param(p).detach().clone() for n, p in named}}
+    optimizer_step = engine.step if engine is not None else sgd_step(optimizer)
     for step in range(STEPS):
         ids, labels = sample(case, step, rank // case.sp)
         batch = sp.shard({"input_ids": ids, "labels": labels})
@@ -317,14 +314,7 @@ def run_case(case: SPCase, rank: int, world: int) -> Dict:
             # After the forward, the most at once, and after the backward (the copies go with the graph).
             record["host_bytes"].append((after_forward, offload.host_bytes.peak, offload.host_bytes.current))
             offload.host_bytes.peak = offload.host_bytes.current
-        record["losses"].append(loss.detach().clone())
-        record["grads"].append({n: full_grad(p).detach().clone() for n, p in named})
-        if engine is not None:
-            engine.step()
-        else:
-            optimizer.step()
-            optimizer.zero_grad()
-        record["params"].append({n: full_param(p).detach().clone() for n, p in named})
+        record_step(record, loss, named, optimizer_step, full_grad, full_param)
     if offload is not None:
         offload.remove()
     if engine is not None:

@@ -21,30 +21,18 @@ backend runs the same harness around the plain loss and is held to the same boun
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Dict, List
 
 import pytest
 import torch
 
+from .comparison import BOUND, ZERO_BOUND, needs_deepspeed, rel_error
 from .loss_cases import DTYPE, STEPS, TOKENS, LossCase, cases_for, global_count, reference_run
 from .spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
-# float64 throughout (DDP, FSDP2): the tiled and untiled runs sum the same products in another order
-# (shards, the all-reduce of two ranks), a few float64 ulps (measured worst 8.4e-16).
-BOUND = 1e-12
-# DeepSpeed: the float64 model computes in float64, but ZeRO's optimizers keep float32 master partitions
-# (``.float()``): the full gradients come back in float32 (step 0: within 7.9e-8 of the float64
-# reference, one or two float32 roundings), the SGD steps are taken in float32, and the second step's
-# gradients inherit the first update's float32 rounding. Measured worst 1.3e-7 (a step-1 gradient; the
-# untiled ZeRO-3 run shows the same). A wrong gradient (a shard dropped or delivered twice, a gradient
-# not scaled by the incoming one, a rank's share missing) is off by 1e-2 or more.
-ZERO_BOUND = 5e-7
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="deepspeed is not installed (an optional extra)")
 
 GROUPS = {
     "ddp": cases_for("ddp"),
@@ -59,12 +47,6 @@ GROUPS = {
 # DeepSpeed runs 25-45 s (import, one engine per case; its shared-memory op is built once per test run,
 # ~40 s, in the TORCH_EXTENSIONS_DIR that conftest.py shares).
 TIMEOUTS = {"torch": (180, 150), "deepspeed": (300, 240)}
-
-
-def _rel(want: torch.Tensor, have: torch.Tensor) -> float:
-    if want.shape != have.shape:
-        return float("inf")
-    return float((have - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
 def result_dtype(case: LossCase) -> torch.dtype:
@@ -86,7 +68,7 @@ def errors(case: LossCase, ref: Dict, ranks: List[Dict]) -> Dict[str, tuple]:
     """``{what: (relative error, bound)}`` for everything compared."""
     out = {}
     for step in range(STEPS):
-        out[f"step {step} loss"] = (_rel(ref["losses"][step], sum(r["losses"][step] for r in ranks)),
+        out[f"step {step} loss"] = (rel_error(ref["losses"][step], sum(r["losses"][step] for r in ranks)),
                                     bound(case, "loss", step))
         for what in ("grads", "params"):
             for rank, r in enumerate(ranks):
@@ -94,7 +76,7 @@ def errors(case: LossCase, ref: Dict, ranks: List[Dict]) -> Dict[str, tuple]:
                 assert want.keys() == have.keys(), (case.name, what, sorted(want), sorted(have))
                 for name, w in want.items():
                     assert have[name].dtype == result_dtype(case), (case.name, step, rank, what, name, have[name].dtype)
-                    out[f"step {step} rank {rank} {what[:-1]} {name}"] = (_rel(w, have[name].to(w.dtype)),
+                    out[f"step {step} rank {rank} {what[:-1]} {name}"] = (rel_error(w, have[name]),
                                                                          bound(case, what, step))
     return out
 
@@ -132,6 +114,8 @@ def check_not_vacuous(case: LossCase, ref: Dict) -> None:
     for step in range(STEPS):
         assert ref["losses"][step] > 0 and torch.isfinite(ref["losses"][step]), case.name
         assert all(g.abs().max() > 0 for g in ref["grads"][step].values()), case.name
+    # Every SGD step moved every parameter (each step is recorded by the one helper the ranks use too).
+    assert all((ref["params"][1][n] != w).any() for n, w in ref["params"][0].items()), case.name
     assert case.tied == ("lm_head.weight" not in ref["grads"][0]), case.name  # tied: one parameter
 
 

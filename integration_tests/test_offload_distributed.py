@@ -30,12 +30,13 @@ rank by rank (measured: gradients and parameters bitwise equal, losses within 1.
 """
 from __future__ import annotations
 
-import importlib.util
+import itertools
 from typing import Dict, List, Tuple
 
 import pytest
 import torch
 
+from .comparison import BOUND, ZERO_BOUND, needs_deepspeed, rel_error
 from .offload_cases import (
     LAYERS,
     OFFLOADED_STEPS,
@@ -51,15 +52,10 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
-# float64 end to end: the tiled, checkpointed, offloaded runs sum the same products in another order
-# (shards, the all-reduce of two ranks). Measured worst 5.6e-16 (every case, single device to FSDP2).
-BOUND = 1e-12
-# ZeRO-3 keeps float32 master partitions: the full gradients come back in float32 and the SGD steps are
-# taken in float32 (as test_loss_distributed.ZERO_BOUND, the untiled ZeRO-3 runs' own error). The first
-# loss is float64 on the initial weights, which are float32 values: held to BOUND.
-ZERO_BOUND = 5e-7
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="deepspeed is not installed (an optional extra)")
+# BOUND: float64 end to end, the tiled, checkpointed, offloaded runs sum the same products in another
+# order (shards, the all-reduce of two ranks); measured worst 5.6e-16 (every case, single device to
+# FSDP2). ZERO_BOUND under ZeRO-3 (float32 master partitions, the untiled ZeRO-3 runs' own error); its
+# first loss is float64 on the initial weights, which are float32 values: held to BOUND.
 
 GROUPS = {
     "single": cases_for("single"),
@@ -73,13 +69,11 @@ TIMEOUTS = {"torch": (150, 120), "deepspeed": (200, 170)}
 
 @pytest.fixture(scope="module")
 def reference() -> Dict:
-    return reference_run(WORLD)
-
-
-def _rel(want: torch.Tensor, have: torch.Tensor) -> float:
-    if want.shape != have.shape:
-        return float("inf")
-    return float((have.to(want.dtype) - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    ref = reference_run(WORLD)
+    # Every SGD step moved every parameter (each step is recorded by the one helper the ranks use too).
+    for before, after in itertools.pairwise(ref["params"]):
+        assert all((after[n] != w).any() for n, w in before.items())
+    return ref
 
 
 def bound(case: OffloadCase, what: str, step: int) -> float:
@@ -92,7 +86,7 @@ def errors(case: OffloadCase, ref: Dict, ranks: List[Dict]) -> Dict[str, Tuple[f
     """``{what: (relative error, bound)}`` for every loss, gradient and parameter compared."""
     out = {}
     for step in range(STEPS):
-        out[f"step {step} loss"] = (_rel(ref["losses"][step], sum(r["losses"][step] for r in ranks)),
+        out[f"step {step} loss"] = (rel_error(ref["losses"][step], sum(r["losses"][step] for r in ranks)),
                                     bound(case, "loss", step))
         for what in ("grads", "params"):
             for rank, record in enumerate(ranks):
@@ -100,7 +94,7 @@ def errors(case: OffloadCase, ref: Dict, ranks: List[Dict]) -> Dict[str, Tuple[f
                 assert want.keys() == have.keys(), (case.name, what, sorted(want), sorted(have))
                 for name, w in want.items():
                     assert w.abs().max() > 0, (case.name, step, what, name)  # nothing compared vacuously
-                    out[f"step {step} rank {rank} {what[:-1]} {name}"] = (_rel(w, have[name]), bound(case, what, step))
+                    out[f"step {step} rank {rank} {what[:-1]} {name}"] = (rel_error(w, have[name]), bound(case, what, step))
     return out
 
 
@@ -110,10 +104,10 @@ def errors_against_control(ranks: List[Dict], control: List[Dict]) -> Dict[str, 
     out = {}
     for rank, (record, plain) in enumerate(zip(ranks, control, strict=True)):
         for step in range(STEPS):
-            out[f"step {step} rank {rank} loss"] = _rel(plain["losses"][step], record["losses"][step])
+            out[f"step {step} rank {rank} loss"] = rel_error(plain["losses"][step], record["losses"][step])
             for what in ("grads", "params"):
                 for name, want in plain[what][step].items():
-                    out[f"step {step} rank {rank} {what[:-1]} {name}"] = _rel(want, record[what][step][name])
+                    out[f"step {step} rank {rank} {what[:-1]} {name}"] = rel_error(want, record[what][step][name])
     return out
 
 

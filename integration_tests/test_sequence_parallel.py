@@ -32,6 +32,7 @@ from typing import Dict, List
 import pytest
 import torch
 
+from .comparison import BOUND, ZERO_BOUND, rel_error
 from .sp_cases import (
     GROUPS,
     LOSS_SHARDS,
@@ -51,18 +52,9 @@ pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                  reason="deepspeed is not installed (Ulysses SP is DeepSpeed's)")]
 
-BOUND = 1e-12
-ZERO_BOUND = 5e-7
 LAYERS, HIDDEN = 2, 16  # tiny_models
 # Checkpoint offload: the input of every checkpointed layer but the last, this rank's slice, float64.
 OFFLOADED_BYTES = (LAYERS - 1) * 1 * (TOKENS // 2) * HIDDEN * 8
-
-
-def _rel(want: torch.Tensor, have: torch.Tensor) -> float:
-    if want.shape != have.shape:
-        return float("inf")
-    want, have = want.double(), have.double()
-    return float((have - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
 def bound(case: SPCase, what: str, step: int) -> float:
@@ -80,17 +72,17 @@ def errors(case: SPCase, ref: Dict, rank: int, record: Dict) -> Dict[str, tuple]
     out = {}
     group = rank // case.sp
     for name, want in ref["initial"].items():
-        out[f"initial {name}"] = (_rel(want, record["initial"][name]), bound(case, "param", 0))
+        out[f"initial {name}"] = (rel_error(want, record["initial"][name]), bound(case, "param", 0))
     factor = case.sp if case.sums_over_sp and not case.divide_by_sp else 1
     for step in range(STEPS if factor == 1 else 1):
-        out[f"step {step} loss"] = (_rel(ref["losses"][step][group], record["losses"][step]), bound(case, "loss", step))
+        out[f"step {step} loss"] = (rel_error(ref["losses"][step][group], record["losses"][step]), bound(case, "loss", step))
         assert ref["grads"][step].keys() == record["grads"][step].keys(), case.name
         for name, want in ref["grads"][step].items():
-            out[f"step {step} grad {name}"] = (_rel(factor * want, record["grads"][step][name]),
+            out[f"step {step} grad {name}"] = (rel_error(factor * want, record["grads"][step][name]),
                                                bound(case, "grad", step))
         if factor == 1:
             for name, want in ref["params"][step].items():
-                out[f"step {step} param {name}"] = (_rel(want, record["params"][step][name]),
+                out[f"step {step} param {name}"] = (rel_error(want, record["params"][step][name]),
                                                     bound(case, "param", step))
     return out
 
@@ -250,7 +242,7 @@ def test_deepspeed_sum_over_sp_is_read_from_deepspeed_not_the_head(tmp_path, bac
     ref = reference_run(case)["grads"][0]
     for rank, grads in enumerate(run_distributed(frozen_head_grads, 2, tmp_path, backend, timeout=150)):
         assert grads and "lm_head.weight" not in grads
-        errs = {n: _rel(ref[n], g) for n, g in grads.items()}
+        errs = {n: rel_error(ref[n], g) for n, g in grads.items()}
         assert max(errs.values()) <= ZERO_BOUND, (rank, {k: v for k, v in errs.items() if v > ZERO_BOUND})
 
 
@@ -339,8 +331,8 @@ def test_remove_restores_attention_and_loss(error_outcomes):
                     "loss_group": False, "kv_groups": [2, 2]}
         assert out["after_remove"] == restored, rank
         assert out["after_second_remove"] == restored, rank
-        assert out["eval_loss"] is not None and _rel(ref["loss"], out["eval_loss"]) <= BOUND, (rank, out["eval_loss"])
+        assert out["eval_loss"] is not None and rel_error(ref["loss"], out["eval_loss"]) <= BOUND, (rank, out["eval_loss"])
         plain = out["plain_after_remove"]
-        errs = {"loss": _rel(ref["loss"], plain["loss"]),
-                **{n: _rel(g, plain["grads"][n]) for n, g in ref["grads"].items()}}
+        errs = {"loss": rel_error(ref["loss"], plain["loss"]),
+                **{n: rel_error(g, plain["grads"][n]) for n, g in ref["grads"].items()}}
         assert max(errs.values()) <= BOUND, (rank, {k: v for k, v in errs.items() if v > BOUND})
