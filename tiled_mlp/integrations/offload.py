@@ -43,3 +43,21 @@ def apply_checkpoint_offload(model: nn.Module) -> CheckpointOffload:
     if not layers:
         raise ValueError(NO_LAYERS_ERROR.format(model=type(model).__name__))
     return CheckpointOffload(layers)
+
+
+def checkpointing_on(model: nn.Module) -> None:
+    """Hugging Face's non-reentrant layer checkpointing on ``model`` (what the offload works on; the
+    planner's modelled step turns it on the same way)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+    else:
+        raise ValueError(f"checkpoint offload: {type(model).__name__} has no checkpointed layer and no "
+                         "gradient_checkpointing_enable(); wrap its layers in torch's checkpoint_wrapper first")
+
+
+def checkpointing_off(model: nn.Module) -> None:
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    disable()  # type: ignore[operator]

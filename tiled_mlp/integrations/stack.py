@@ -28,7 +28,7 @@ from tiled_core.shard_plan import NumShards
 
 from .causal_lm_loss import is_tiled_loss
 from .hf import apply_tiled_loss, apply_tiled_mlp, is_tiled, remove_tiled_mlp
-from .offload import apply_checkpoint_offload, checkpointed_layers
+from .offload import apply_checkpoint_offload, checkpointed_layers, checkpointing_off, checkpointing_on
 from .report import TilingReport
 from .ulysses import SequenceParallel, apply_sequence_parallel, check_sequence_parallel
 
@@ -51,7 +51,7 @@ class LongContextStack:
             self.offload.remove()
             self.offload = None
         if self.checkpointing_turned_on:
-            _checkpointing_off(self.model)
+            checkpointing_off(self.model)
             self.checkpointing_turned_on = False
         if self.report is not None:
             remove_tiled_mlp(self.model)  # the tiled loss too
@@ -111,9 +111,9 @@ def apply_long_context(
             undo.append(lambda: remove_tiled_mlp(model))
         if checkpoint_offload:
             if not checkpointed_layers(model):
-                _checkpointing_on(model)
+                checkpointing_on(model)
                 stack.checkpointing_turned_on = True
-                undo.append(lambda: _checkpointing_off(model))
+                undo.append(lambda: checkpointing_off(model))
             stack.offload = apply_checkpoint_offload(model)
             undo.append(stack.offload.remove)
         if sequence_parallel != 1:
@@ -124,19 +124,3 @@ def apply_long_context(
             step()
         raise
     return stack
-
-
-def _checkpointing_on(model: nn.Module) -> None:
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # type: ignore[operator]
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
-    else:
-        raise ValueError(f"checkpoint offload: {type(model).__name__} has no checkpointed layer and no "
-                         "gradient_checkpointing_enable(); wrap its layers in torch's checkpoint_wrapper first")
-
-
-def _checkpointing_off(model: nn.Module) -> None:
-    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-    disable()  # type: ignore[operator]

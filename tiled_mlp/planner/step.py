@@ -99,6 +99,7 @@ def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[
     from transformers import AutoModelForCausalLM
 
     from ..integrations import apply_checkpoint_offload, apply_tiled_loss, apply_tiled_mlp
+    from ..integrations.offload import checkpointing_on
 
     if setting.sp > 1:
         if sp_group is None:
@@ -121,11 +122,7 @@ def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[
     elif setting.tiled_loss:
         apply_tiled_loss(model, num_shards=setting.loss_num_shards)
     if setting.checkpointing:
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        checkpointing_on(model)
     if setting.offload_checkpoints:
         _OFFLOADS[model] = apply_checkpoint_offload(model)
     if setting.sp > 1:
