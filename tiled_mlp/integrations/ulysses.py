@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -182,7 +182,7 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
     config: Any = causal_lm.config  # a transformers PretrainedConfig
     text = config.get_text_config()
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
-    if heads % size or (kv_heads % size and size % kv_heads):
+    if not all(shares_heads(heads, kv_heads, size)):
         raise ValueError(f"sequence parallelism: {size} ranks must divide the {heads} query heads, and divide or be a "
                          f"multiple of the {kv_heads} key/value heads (each rank attends over whole heads)")
     if config._attn_implementation in ("eager", "paged|eager"):
@@ -193,6 +193,13 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
     if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
         raise RuntimeError("sequence parallelism: DeepSpeed's SP groups already exist in this process (an earlier "
                            "apply_sequence_parallel not removed, or accelerate's ParallelismConfig); remove them first")
+
+
+def shares_heads(heads: int, kv_heads: int, size: int) -> Tuple[bool, bool]:
+    """Whether ``size`` Ulysses ranks can share the query heads (each rank attends over whole heads: ``size``
+    divides them) and the key/value heads (``size`` divides them, or is a multiple of them: DeepSpeed's
+    class then repeats each key/value head ``size / kv_heads`` times)."""
+    return heads % size == 0, kv_heads % size == 0 or size % kv_heads == 0
 
 
 def _scope_to(model: nn.Module, core: str, functions: Any) -> None:

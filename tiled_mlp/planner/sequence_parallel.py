@@ -105,13 +105,16 @@ def check(config, sp: int) -> None:
         raise ValueError(f"--sp {sp!r}: sequence parallelism takes a whole number of ranks, 1 or more")
     if sp == 1:
         return
+    from ..integrations.ulysses import shares_heads
+
     text = config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if heads % sp:
+    queries_shared, kv_shared = shares_heads(heads, kv_heads, sp)
+    if not queries_shared:
         raise ValueError(f"--sp {sp}: {config.model_type} has {heads} query heads, which {sp} ranks cannot share "
                          f"(Ulysses gives each rank whole heads: heads / sp); give an --sp that divides {heads}")
-    if kv_heads % sp and sp % kv_heads:
+    if not kv_shared:
         raise ValueError(f"--sp {sp}: {config.model_type} has {kv_heads} key/value heads; {sp} ranks must divide them "
                          "or be a multiple of them (DeepSpeed repeats each key/value head sp / kv_heads times)")
 
