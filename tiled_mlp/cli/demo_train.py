@@ -2,8 +2,8 @@
 synthetic long sequences, untiled then tiled from the same seed, with loss and peak memory per step.
 
 Runs in one process, or as a torchrun worker (``--strategy fsdp2|deepspeed``) on CPU with gloo. With
-``--sp N`` the ranks train the whole long-sequence stack (``apply_long_context``: tiled MLP, tiled loss,
-checkpoint offload, Ulysses SP over N ranks) on the same sequences, and rank 0 also trains the plain model
+``--sp N`` the ranks train the whole long-sequence stack (``apply_long_context``: tiled MLP, tiled
+RMSNorms, tiled loss, checkpoint offload, Ulysses SP over N ranks) on the same sequences, and rank 0 also trains the plain model
 in one process: the losses must be equal.
 """
 from __future__ import annotations
@@ -184,8 +184,8 @@ def add_arguments(p) -> None:
     p.add_argument("--strategy", choices=["fsdp2", "deepspeed"], default=None,
                    help="distributed backend (needs --nproc >= 2)")
     p.add_argument("--sp", type=parsing.positive_int, default=1,
-                   help="Ulysses sequence parallelism over this many ranks, with the tiled loss and checkpoint "
-                        "offload, against the plain model in one process (needs --nproc equal to it)")
+                   help="Ulysses sequence parallelism over this many ranks, with the tiled norms, the tiled loss and "
+                        "checkpoint offload, against the plain model in one process (needs --nproc equal to it)")
 
 
 def worker_main(argv=None) -> None:
