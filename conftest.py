@@ -1,9 +1,15 @@
 import os
 from pathlib import Path
 
+from integration_tests.deepspeed_cpu import pin_fp16_support
+
 # DeepSpeed JIT-builds a shared-memory op the first time a process initialises it (~40 s with g++):
 # one build cache for the whole test run, shared by every xdist worker and spawned rank.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).parent / ".torch_extensions"))
+
+# DeepSpeed's CPU accelerator answers "fp16 supported?" by the CPU's instruction set, and ZeRO-3 branches on
+# it: the same answer on every machine (spawned ranks pin it too, integration_tests/spawn.py).
+pin_fp16_support()
 
 
 # The test extras. Their tests skip where one is missing (the core alone: `tox -e core`); CI sets

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .comparison import ZERO_DTYPE
 from .training_record import record_step, sgd_step
 
 VOCAB = 37
@@ -112,15 +113,16 @@ class TinyLM(nn.Module):
         return reference_loss(self.lm_head(hidden), labels, num_items_in_batch)
 
 
-def make_model(tied: bool, tiled: bool = False, num_shards: int = 3) -> TinyLM:
-    """Seeded: every rank and the reference start from the same weights (float64). The norm's affine
-    parameters are moved off 1 and 0 so that their gradients are not special."""
+def make_model(tied: bool, tiled: bool = False, num_shards: int = 3, dtype: torch.dtype = DTYPE) -> TinyLM:
+    """Seeded: every rank and the reference start from the same weights (float64; a DeepSpeed rank from
+    their float32 rounding, ``comparison.ZERO_DTYPE``). The norm's affine parameters are moved off 1 and 0
+    so that their gradients are not special."""
     torch.manual_seed(0)
     model = TinyLM(tied, tiled, num_shards)
     with torch.no_grad():
         model.norm.weight.uniform_(0.5, 1.5)
         model.norm.bias.uniform_(-0.2, 0.2)
-    return model.to(DTYPE)
+    return model.to(dtype)
 
 
 # -- the data -----------------------------------------------------------------------------------------
@@ -259,7 +261,8 @@ def _global_items(labels: torch.Tensor) -> torch.Tensor:
 def _build(case: LossCase, rank: int, world: int):
     """``(module to call, named parameters, torch optimizer or None, full grad, full param, DeepSpeed
     engine or None)``: ``full_*`` give a parameter's whole gradient / value after the backend's reduction."""
-    model = make_model(case.tied, tiled=case.tiled, num_shards=case.shards(rank))
+    model = make_model(case.tied, tiled=case.tiled, num_shards=case.shards(rank),
+                       dtype=ZERO_DTYPE if case.zero_stage else DTYPE)
     if case.backend == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -281,7 +284,7 @@ def _build(case: LossCase, rank: int, world: int):
 
     from .zero_cases import ZeroCase, ds_config
 
-    config = ds_config(ZeroCase(case.name, stage=case.zero_stage, dtype=DTYPE))
+    config = ds_config(ZeroCase(case.name, stage=case.zero_stage, dtype=ZERO_DTYPE))
     config["gradient_clipping"] = 0.0  # DeepSpeed clips at 1.0 by default: the reference takes plain SGD steps
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config)
 

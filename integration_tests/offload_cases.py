@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .comparison import ZERO_DTYPE
 from .loss_cases import IGNORE, reference_loss, valid_count
 from .tiny_models import VOCAB
 from .training_record import record_step, sgd_step
@@ -83,21 +84,22 @@ def tokens(rank: int) -> int:
 
 def expected_host_bytes(model: nn.Module, rank: int) -> int:
     """What the offload holds for one forward of ``rank``'s batch: the inputs of all layers but the last,
-    ``[tokens, hidden]`` each, 8 bytes an element."""
+    ``[tokens, hidden]`` each, in the model's dtype."""
     config = model.config
-    return (config.num_hidden_layers - 1) * tokens(rank) * config.hidden_size * torch.finfo(DTYPE).bits // 8
+    itemsize = torch.finfo(model.model.embed_tokens.weight.dtype).bits // 8
+    return (config.num_hidden_layers - 1) * tokens(rank) * config.hidden_size * itemsize
 
 
 # -- the model ----------------------------------------------------------------------------------------
-def make_model() -> nn.Module:
+def make_model(dtype: torch.dtype = DTYPE) -> nn.Module:
     """``tiny_models.tiny_model("llama")`` with 3 layers instead of 2: same config otherwise, same seed,
-    float64, eager attention, in training mode."""
+    float64 (a DeepSpeed rank: ``comparison.ZERO_DTYPE``), eager attention, in training mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from .tiny_models import _COMMON
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**{**_COMMON, "num_hidden_layers": LAYERS})).to(DTYPE)
+    model = LlamaForCausalLM(LlamaConfig(**{**_COMMON, "num_hidden_layers": LAYERS})).to(dtype)
     model.set_attn_implementation("eager")
     return model.train()
 
@@ -171,7 +173,7 @@ def _build(case: OffloadCase, world: int):
     from tiled_mlp.integrations import apply_tiled_mlp
     from tiled_mlp.integrations.offload import apply_checkpoint_offload
 
-    model = make_model()
+    model = make_model(ZERO_DTYPE if case.backend == "zero3" else DTYPE)
     report = None if case.plain else apply_tiled_mlp(model, num_shards=SHARDS, loss=True, loss_num_shards=SHARDS)
     if not case.plain:
         checkpointed(model, case.checkpointing)
@@ -211,7 +213,7 @@ def _build(case: OffloadCase, world: int):
     from .zero_training import full_param
 
     offload = offload_of(model) if case.offload_first else None
-    config = ds_config(ZeroCase(case.name, stage=3, dtype=DTYPE))  # stage3_param_persistence_threshold 0
+    config = ds_config(ZeroCase(case.name, stage=3, dtype=ZERO_DTYPE))  # stage3_param_persistence_threshold 0
     config["gradient_clipping"] = 0.0  # DeepSpeed clips at 1.0 by default; the reference takes plain SGD steps
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                       config=config)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from tiled_mlp import TiledMLP
 
+from .comparison import ZERO_DTYPE
 from .loss_cases import tiled_loss_spy
 from .training_record import new_record, note_tiled_calls, record_step, sgd_step
 
@@ -69,6 +70,11 @@ class SPCase:
         tiled loss hands ZeRO-1/2 gradients for a sum (``Strategy.averages_over_sequence_ranks``); ZeRO-3
         without reduce-scatter cannot be told from its parameters, and gets gradients for an average."""
         return self.backend == "zero3" and not self.reduce_scatter
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The ranks' model: float64, a DeepSpeed engine's float32 (``comparison.ZERO_DTYPE``)."""
+        return ZERO_DTYPE if self.backend.startswith("zero") else DTYPE
 
 
 # -- the data -----------------------------------------------------------------------------------------
@@ -161,7 +167,7 @@ def sp_model(case: SPCase, rank: int):
 
     from .tiny_models import tiny_model
 
-    model = tiny_model(case.family, seed=0, dtype=DTYPE)
+    model = tiny_model(case.family, seed=0, dtype=case.dtype)
     model.set_attn_implementation("sdpa")  # DeepSpeed's SP refuses eager
     model.train()
     if case.offload:

@@ -20,6 +20,9 @@ import torch.multiprocessing as mp
 def _worker(rank: int, world_size: int, fn: Callable, workdir: str, args: tuple) -> None:
     import torch.distributed as dist
 
+    from .deepspeed_cpu import pin_fp16_support
+
+    pin_fp16_support()  # as in the test process (conftest.py): DeepSpeed behaves alike on every CPU
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Names DeepSpeed and accelerate read when they find an initialised process group.

@@ -9,9 +9,10 @@ normalised by the global valid-token count (``offload_cases``). Against a single
 (untiled, not checkpointed, not offloaded, every rank's batch), every step:
 - the global loss (the sum of the ranks' losses), every parameter's full gradient after the backend's
   reduction, and every parameter after the SGD step, within ``BOUND`` = 1e-12 (single device, DDP, FSDP2)
-  or ``ZERO_BOUND`` (ZeRO-3: float32 master weights), max |diff| / max |reference| per tensor;
+  or ``ZERO_BOUND`` (ZeRO-3 trains the float32 model, ``comparison.ZERO_DTYPE``), max |diff| / max |reference|
+  per tensor;
 - the host memory the offload holds (``host_bytes``): after each forward exactly the inputs of all layers
-  but the last for the rank's tokens, ``(layers - 1) * tokens * hidden * 8`` bytes, 0 after each backward
+  but the last for the rank's tokens, ``(layers - 1) * tokens * hidden`` elements, 0 after each backward
   with Python's cyclic garbage collector off (nothing kept alive past the step), and that as the peak;
 - after two steps ``.remove()``: the third step holds no host memory, leaves the peak as it was, no hook of
   the offload is left on the model, and the step is still exact.
@@ -21,12 +22,12 @@ Under ZeRO-3 the offload is applied after ``deepspeed.initialize`` (both checkpo
 Hugging Face's checkpointing, before it (``zero3-hf-offload-first``): ZeRO-3's forward pre-hook on each
 module, registered then after the offload's, replaces the layer's input by an alias of it
 (``input.detach()`` through its post-backward autograd function), and the checkpoint saves the alias. The
-offload used to recognise only the tensor its own pre-hook saw: it offloaded nothing there, silently (host
-bytes 0, the step still exact); the host-bytes checks below catch that. A control case, ``zero3-plain``
-(the plain model: no tiling, no checkpointing, no offload, the loss written out) measures ZeRO-3's own error
-against the float64 reference in the same harness, and the offloaded cases must equal it within ``BOUND``
-rank by rank (measured: gradients and parameters bitwise equal, losses within 1.7e-16; all four runs
-3.2e-7 from the float64 reference, a step-2 gradient).
+offload recognises the alias too (an offload that recognised only the tensor its own pre-hook saw would hold
+no host bytes here with the step still exact; the host-bytes checks below catch that). A control case,
+``zero3-plain`` (the plain model: no tiling, no checkpointing, no offload, the loss written out) measures
+ZeRO-3's own float32 error against the float64 reference in the same harness (8.4e-7), and the offloaded
+cases must equal it within ``ZERO_BOUND`` rank by rank (measured 6.3e-7: both float32, summed in another
+order).
 """
 from __future__ import annotations
 
@@ -54,8 +55,7 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 # BOUND: float64 end to end, the tiled, checkpointed, offloaded runs sum the same products in another
 # order (shards, the all-reduce of two ranks); measured worst 5.6e-16 (every case, single device to
-# FSDP2). ZERO_BOUND under ZeRO-3 (float32 master partitions, the untiled ZeRO-3 runs' own error); its
-# first loss is float64 on the initial weights, which are float32 values: held to BOUND.
+# FSDP2). ZERO_BOUND under ZeRO-3, which trains the float32 model against the float64 reference.
 
 GROUPS = {
     "single": cases_for("single"),
@@ -77,7 +77,7 @@ def reference() -> Dict:
 
 
 def bound(case: OffloadCase, what: str, step: int) -> float:
-    if case.backend != "zero3" or (what == "loss" and step == 0):
+    if case.backend != "zero3":
         return BOUND
     return ZERO_BOUND
 
@@ -140,7 +140,8 @@ def check_group(group: str, results: List[Dict[str, Dict]], ref: Dict) -> List[s
         for rank, record in enumerate(ranks):
             assert record["counts"] == [count for count in ref["counts"] for _ in range(micro)], case.name
             assert record["initial"].keys() == initial.keys(), case.name
-            assert all(torch.equal(record["initial"][n].to(p.dtype), p) for n, p in initial.items()), case.name
+            # A DeepSpeed rank starts from the float32 rounding of the reference's weights.
+            assert all(torch.equal(record["initial"][n], p.to(record["initial"][n].dtype)) for n, p in initial.items()), case.name
             if case.plain:
                 continue  # the control: nothing tiled, nothing offloaded
             assert record["offloaded_layers"] == LAYERS, case.name  # every checkpointed layer found
@@ -155,8 +156,10 @@ def check_group(group: str, results: List[Dict[str, Dict]], ref: Dict) -> List[s
         control = next((c for c in GROUPS[group] if c.plain and c.backend == case.backend), None)
         if control is not None and not case.plain:
             against = errors_against_control(ranks, [per_rank[control.name] for per_rank in results])
-            failures += [f"{case.name}: {what}: relative error {err:.3g} against {control.name} > {BOUND:g}"
-                         for what, err in against.items() if not err <= BOUND]
+            # Both float32 under ZeRO-3: the tiled, checkpointed runs round in another order than the plain one.
+            limit = ZERO_BOUND if case.backend == "zero3" else BOUND
+            failures += [f"{case.name}: {what}: relative error {err:.3g} against {control.name} > {limit:g}"
+                         for what, err in against.items() if not err <= limit]
             worst[-1] += f" (against {control.name}: {max(against.values()):.2e})"
     print(f"{group}: worst relative error per case: " + ", ".join(worst))
     return failures
