@@ -211,7 +211,8 @@ def test_alsts_last_rungs_end_a_step_short_for_hugging_faces_float32_rmsnorm(run
     assert largest == "float32 [tokens, hidden]" and amount > 0.5 * at_alst.parts["activations"]
 
 
-@pytest.mark.timeout(600)  # two points of thousands of tiled shards each: about two minutes
+@pytest.mark.slow  # two full-scale points of thousands of tiled shards each: minutes, `pytest -m slow`
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("rung, ours, host_bound", [(alst.RUNGS[7], 7_299_072, True), (alst.RUNGS[8], 1_170_432, False)],
                          ids=["8 ranks, SP=8, everything + tiled norms", "1 GPU + tiled norms"])
 def test_with_tiled_norms_alsts_rows_reach_about_twice_its_lengths(rung, ours, host_bound):
