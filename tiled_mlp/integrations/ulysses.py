@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ulysses_masks import capture_padding, check_masks, core_kind, whole_sequence_core
+
 NO_TILED_LOSS_ERROR = (
     "sequence parallelism: {model} has no tiled loss. Under SP each rank holds a slice of the sequence, and the "
     "model's own loss would be a mean over that slice (wrong whenever the ranks' valid tokens differ). Put the "
@@ -143,7 +145,13 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    decoder = installed.model.get_decoder()
+    library = _library_function(core, ALL_ATTENTION_FUNCTIONS) if core in ALL_ATTENTION_FUNCTIONS else None
+    kind = core_kind(library)
     undo = _undo_attention(installed.model, core, ALL_ATTENTION_FUNCTIONS)
+    if library is not None:
+        # DeepSpeed wraps what the name holds when it registers: it runs this after its all-to-all.
+        ALL_ATTENTION_FUNCTIONS[core] = whole_sequence_core(library, kind, decoder.config)
     try:
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             installed.model, core_attn_implementation=core, sequence_parallel_size=size,
@@ -157,7 +165,13 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     _scope_to(installed.model, core, ALL_ATTENTION_FUNCTIONS)
     group = mpu.get_sequence_parallel_group()
     installed.sequence_group = group
-    return SequenceParallel(model, group, mpu, core, undo)
+    unhook = capture_padding(decoder, group, kind)
+
+    def undo_all() -> None:
+        unhook()
+        undo()
+
+    return SequenceParallel(model, group, mpu, core, undo_all)
 
 
 def check_sequence_parallel(model: nn.Module, size: int) -> None:
@@ -188,6 +202,11 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
     if config._attn_implementation in ("eager", "paged|eager"):
         raise ValueError("sequence parallelism: eager attention needs a [tokens, tokens] mask, which Ulysses drops; "
                          "use sdpa, flash_attention_2 or flex_attention (DeepSpeed's rule)")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    core = config._attn_implementation
+    library = _library_function(core, ALL_ATTENTION_FUNCTIONS) if core in ALL_ATTENTION_FUNCTIONS else None
+    check_masks(text, core, core_kind(library))
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
