@@ -14,6 +14,9 @@ before the split. What this module adds is the composition:
   DeepSpeed's ZeRO-1/2, and ZeRO-3 with ``reduce_scatter: false``, sum over the SP ranks instead: see
   ``tiled_core/sequence_group.py``).
 
+- the attention masks DeepSpeed's wrapper drops (a sliding window, a padding mask) are rebuilt for the
+  whole sequence after the all-to-all, or refused where they cannot be (``ulysses_masks.py``).
+
 Sequence parallelism is not a parameter strategy: which backend owns the weights (DDP, FSDP2, ZeRO) is
 still resolved per tiled call, and SP composes beside it (``strategies`` never sees it).
 
@@ -127,7 +130,8 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     The attention implementation stays the model's (``sdpa``, a flash-attention kernel, flex): DeepSpeed
     wraps it, for this model's attention modules only (other models in the process keep theirs).
     Refused before any change: ``eager`` (it needs a [tokens, tokens] mask), MoE families (their router
-    loss is not a sum over tokens), sizes that do not divide the heads or the world.
+    loss is not a sum over tokens), sizes that do not divide the heads or the world, a sliding window
+    under a core other than sdpa or flash attention, masks other than causal, windowed and padded.
     """
     import torch.distributed as dist
 
