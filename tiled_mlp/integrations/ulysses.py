@@ -14,6 +14,9 @@ before the split. What this module adds is the composition:
   DeepSpeed's ZeRO-1/2, and ZeRO-3 with ``reduce_scatter: false``, sum over the SP ranks instead: see
   ``tiled_core/sequence_group.py``).
 
+- the attention masks DeepSpeed's wrapper drops (a sliding window, a padding mask) are rebuilt for the
+  whole sequence after the all-to-all, or refused where they cannot be (``ulysses_masks.py``).
+
 Sequence parallelism is not a parameter strategy: which backend owns the weights (DDP, FSDP2, ZeRO) is
 still resolved per tiled call, and SP composes beside it (``strategies`` never sees it).
 
@@ -32,6 +35,8 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .ulysses_masks import capture_padding, check_masks, core_kind, whole_sequence_core
 
 NO_TILED_LOSS_ERROR = (
     "sequence parallelism: {model} has no tiled loss. Under SP each rank holds a slice of the sequence, and the "
@@ -125,7 +130,8 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     The attention implementation stays the model's (``sdpa``, a flash-attention kernel, flex): DeepSpeed
     wraps it, for this model's attention modules only (other models in the process keep theirs).
     Refused before any change: ``eager`` (it needs a [tokens, tokens] mask), MoE families (their router
-    loss is not a sum over tokens), sizes that do not divide the heads or the world.
+    loss is not a sum over tokens), sizes that do not divide the heads or the world, a sliding window
+    under a core other than sdpa or flash attention, masks other than causal, windowed and padded.
     """
     import torch.distributed as dist
 
@@ -143,7 +149,13 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    decoder = installed.model.get_decoder()
+    library = _library_function(core, ALL_ATTENTION_FUNCTIONS) if core in ALL_ATTENTION_FUNCTIONS else None
+    kind = core_kind(library)
     undo = _undo_attention(installed.model, core, ALL_ATTENTION_FUNCTIONS)
+    if library is not None:
+        # DeepSpeed wraps what the name holds when it registers: it runs this after its all-to-all.
+        ALL_ATTENTION_FUNCTIONS[core] = whole_sequence_core(library, kind, decoder.config)
     try:
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             installed.model, core_attn_implementation=core, sequence_parallel_size=size,
@@ -157,7 +169,13 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     _scope_to(installed.model, core, ALL_ATTENTION_FUNCTIONS)
     group = mpu.get_sequence_parallel_group()
     installed.sequence_group = group
-    return SequenceParallel(model, group, mpu, core, undo)
+    unhook = capture_padding(decoder, group, kind)
+
+    def undo_all() -> None:
+        unhook()
+        undo()
+
+    return SequenceParallel(model, group, mpu, core, undo_all)
 
 
 def check_sequence_parallel(model: nn.Module, size: int) -> None:
@@ -188,6 +206,11 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
     if config._attn_implementation in ("eager", "paged|eager"):
         raise ValueError("sequence parallelism: eager attention needs a [tokens, tokens] mask, which Ulysses drops; "
                          "use sdpa, flash_attention_2 or flex_attention (DeepSpeed's rule)")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    core = config._attn_implementation
+    library = _library_function(core, ALL_ATTENTION_FUNCTIONS) if core in ALL_ATTENTION_FUNCTIONS else None
+    check_masks(text, core, core_kind(library))
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:

@@ -1,0 +1,189 @@
+"""Causal order, sliding windows and padding for the attention under Ulysses sequence parallelism.
+
+DeepSpeed's wrapper drops every attention mask (each rank's model built it for its slice; after the
+all-to-all the attention runs on the whole sequence). Under sdpa the mask is where a sliding window and a
+padding mask live, so both would be lost. After the all-to-all a rank holds the whole sequence for its
+heads, and the whole sequence's ``position_ids`` (DeepSpeed all-gathers them): the mask can be built there,
+for the whole sequence, by Hugging Face's own functions (``masking_utils.create_causal_mask`` and
+``create_sliding_window_causal_mask``), so the window's bounds, the padding and the rows a left padding
+leaves with no key are HF's by construction. Packed samples (``position_ids`` restarting) are not told
+apart under sdpa, as HF does not tell them apart when its decoder holds a cache (``use_cache``, the
+default); with ``use_cache=False`` HF separates them and SP does not (``hf_mask``).
+
+Two pieces carry it:
+
+- a forward pre-hook on the decoder (the model that builds the masks) all-gathers the 2-D padding mask
+  over the SP group (each rank holds its slice; ``shard()`` and DeepSpeed's data loader cut it along the
+  tokens) and hands the whole mask to every attention call as one more keyword argument, which Hugging
+  Face passes down from the decoder to the attention function, and which its checkpointing keeps bound
+  to the layer for the recompute (a forward's mask never meets another forward's recompute);
+- the attention core DeepSpeed calls after the all-to-all (``whole_sequence_core``) takes that argument
+  and the layer's ``sliding_window`` (what each HF attention module passes for its own layer: the
+  config's window on a sliding layer, ``None`` on a full one) and calls the library's core with HF's mask.
+
+What cannot be exact is refused: a flash-attention core gets the window as it would without SP (the
+same call, the same ``sliding_window`` and ``position_ids``, no mask either way) but cannot take a
+padding mask here; flex attention and any other core get DeepSpeed's causal mask only, so a windowed
+config is refused when SP is applied, and a padding mask at the call.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+WHOLE_SEQUENCE_KWARG = "ulysses_whole_sequence"
+KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass
+class WholeSequence:
+    """One forward's padding over the whole sequence, and the masks built from it (once per window)."""
+
+    padding: Optional[torch.Tensor]  # [batch, all tokens] bool, as given to the model; None: no mask given
+    masks: Dict[Optional[int], Optional[torch.Tensor]] = field(default_factory=dict)
+
+
+def core_kind(function: Optional[Callable]) -> str:
+    """``"sdpa"`` or ``"flash"`` for the library's own functions (what the masks here are built for);
+    ``"other"`` for anything else (flex attention, a registered custom function)."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kinds: Dict[Any, str] = {sdpa_attention_forward: "sdpa", flash_attention_forward: "flash"}
+    return kinds.get(function, "other")
+
+
+def is_windowed(config: Any) -> bool:
+    """Whether some layer of ``config`` attends over a sliding window (HF's rule: a window is set, and the
+    layer types, where the config has them, name a sliding layer)."""
+    layer_types = getattr(config, "layer_types", None)
+    return getattr(config, "sliding_window", None) is not None and (
+        layer_types is None or "sliding_attention" in layer_types)
+
+
+def check_masks(config: Any, core: str, kind: str) -> None:
+    """The refusals a config shows before any forward (``config`` is the text config)."""
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    unknown = sorted(layer_types - set(KNOWN_LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"sequence parallelism: layers of type {unknown} need their own attention masks, which "
+                         f"Ulysses SP does not rebuild for the whole sequence (only {list(KNOWN_LAYER_TYPES)}); "
+                         "this model is not supported under SP")
+    if getattr(config, "attention_chunk_size", None) is not None:
+        raise ValueError("sequence parallelism: chunked attention (config.attention_chunk_size) is not rebuilt for the "
+                         "whole sequence under Ulysses SP; this model is not supported under SP")
+    if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("sequence parallelism: bidirectional attention is not rebuilt for the whole sequence under "
+                         "Ulysses SP; use the model's causal attention (config.is_causal / use_bidirectional_attention)")
+    if kind == "other" and is_windowed(config):
+        raise ValueError(f"sequence parallelism: {core!r} attention gets DeepSpeed's causal mask after the all-to-all, "
+                         f"without this model's sliding window ({config.sliding_window} tokens); use sdpa (exact: the "
+                         "window is rebuilt for the whole sequence) or a flash-attention kernel (it takes the window)")
+
+
+def capture_padding(decoder: nn.Module, group: Any, kind: str) -> Callable[[], None]:
+    """Hook ``decoder``'s forward: every call all-gathers the padding mask over ``group`` and passes it on
+    to the attention as ``WHOLE_SEQUENCE_KWARG``. Returns what removes the hook."""
+    signature = inspect.signature(decoder.forward)
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        whole = WholeSequence(padding=whole_padding(arguments, group))
+        if whole.padding is not None and kind != "sdpa" and not bool(whole.padding.all()):
+            raise ValueError("sequence parallelism: a padding attention_mask cannot be applied under Ulysses SP with "
+                             "this attention (DeepSpeed drops it after the all-to-all); use sdpa, where the padding is "
+                             "applied to the whole sequence, or unpadded (packed) samples with position_ids")
+        return args, {**kwargs, WHOLE_SEQUENCE_KWARG: whole}
+
+    handle = decoder.register_forward_pre_hook(hook, with_kwargs=True)
+    return handle.remove
+
+
+def whole_padding(arguments: Dict[str, Any], group: Any) -> Optional[torch.Tensor]:
+    """The padding mask of the whole sequence from each rank's call (``None`` if no rank gave one).
+
+    Every rank all-gathers, mask or not (a rank that skipped the collective would hang the others), its
+    slice with a leading column saying whether it gave a mask. A mask is this rank's slice
+    ``[batch, tokens here]``, or the whole ``[batch, tokens here * SP size]`` (then its own slice is sent
+    and the gathered whole must equal it: the ranks agree on one mask)."""
+    import torch.distributed as dist
+
+    tokens = arguments.get("input_ids")
+    tokens = tokens if tokens is not None else arguments.get("inputs_embeds")
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+        raise ValueError("sequence parallelism: the decoder was called without input_ids or inputs_embeds of shape "
+                         "[batch, tokens, ...]")
+    batch, local = tokens.shape[:2]
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    mask: Any = arguments.get("attention_mask")
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch
+                                 and mask.shape[1] in (local, local * size)):
+        form = f"a {mask.dim()}-D tensor of shape {list(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"sequence parallelism: attention_mask must be the 2-D padding mask [batch, tokens] (this "
+                         f"rank's {local} tokens, or all {local * size}); got {form}. Under Ulysses SP the attention "
+                         "mask is rebuilt for the whole sequence from the padding, the window and position_ids")
+    given = mask is not None
+    part = torch.ones(batch, local, dtype=torch.long, device=tokens.device)
+    if mask is not None:
+        part = (mask[:, rank * local:(rank + 1) * local] if mask.shape[1] != local else mask).to(part.device, torch.long)
+    flagged = torch.cat([torch.full((batch, 1), int(given), dtype=torch.long, device=tokens.device), (part != 0).long()], dim=1)
+    parts = [torch.empty_like(flagged) for _ in range(size)]
+    dist.all_gather(parts, flagged, group=group)
+    flags = {int(p[0, 0]) for p in parts}
+    if flags == {0}:
+        return None
+    if flags != {1}:
+        raise ValueError("sequence parallelism: some ranks of the SP group passed an attention_mask and some did not; "
+                         "pass each rank its slice of the same mask (or none on every rank)")
+    padding = torch.cat([p[:, 1:] for p in parts], dim=1).bool()
+    if mask is not None and mask.shape[1] != local and not torch.equal(padding, mask.to(padding.device) != 0):
+        raise ValueError("sequence parallelism: the SP ranks passed different whole-sequence attention_masks")
+    return padding
+
+
+def whole_sequence_core(library: Callable, kind: str, config: Any) -> Callable:
+    """The attention core DeepSpeed runs after its all-to-all on this model: ``library`` (the function the
+    core's name has in transformers) with the whole sequence's mask where ``kind`` is ``"sdpa"``; the call
+    as it comes otherwise (a padding mask was refused in the decoder's hook, a window at apply)."""
+    windowed = is_windowed(config)
+
+    def core(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+             *args: Any, **kwargs: Any) -> Any:
+        whole = kwargs.pop(WHOLE_SEQUENCE_KWARG, None)
+        if not isinstance(whole, WholeSequence):
+            raise RuntimeError("sequence parallelism: the attention ran without the whole sequence's padding; call the "
+                               "model (or its decoder) that apply_sequence_parallel was given, not its layers alone")
+        if windowed and "sliding_window" not in kwargs:
+            raise RuntimeError(f"sequence parallelism: {type(module).__name__} does not pass its sliding_window to the "
+                               "attention function, so its layer's window is unknown here; not supported under SP")
+        if kind != "sdpa":
+            return library(module, query, key, value, attention_mask, *args, **kwargs)
+        mask = whole.masks.get(kwargs.get("sliding_window"), ...)
+        if mask is ...:
+            mask = whole.masks[kwargs.get("sliding_window")] = hf_mask(config, query, whole.padding, kwargs)
+        return library(module, query, key, value, mask, *args, **kwargs)
+
+    return core
+
+
+def hf_mask(config: Any, query: torch.Tensor, padding: Optional[torch.Tensor], kwargs: Dict[str, Any]) -> Any:
+    """Hugging Face's sdpa mask for the whole sequence ``query`` covers ([batch, heads, tokens, dim]), for
+    the layer whose ``sliding_window`` is in ``kwargs``: what the decoder builds without SP (``None`` where
+    sdpa's own causal flag is the mask)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    window = kwargs.get("sliding_window")
+    if window is not None and window != getattr(config, "sliding_window", None):
+        raise RuntimeError(f"sequence parallelism: a layer's sliding_window ({window}) is not the config's "
+                           f"({getattr(config, 'sliding_window', None)}); HF's mask for it is unknown here")
+    build = create_causal_mask if window is None else create_sliding_window_causal_mask
+    # The mask functions read only the batch, the length, the dtype and the device of the embeddings.
+    shape_only = query.new_empty((query.shape[0], query.shape[2], 0))
+    # No position_ids: HF tells packed samples apart by them only when the decoder has no cache, which is
+    # not known here (use_cache, its config default and checkpointing decide it inside the decoder). Without
+    # them the mask is the one HF builds with a cache (its default, use_cache=True): causal over the row.
+    return build(config=config, inputs_embeds=shape_only, attention_mask=padding, cache=None, position_ids=None)
