@@ -378,7 +378,7 @@ class TiledMLP(nn.Module):
             raise _fast_refused(self, why_not)
         hooks = functools.partial(foreign_child_hooks, self, strategy.is_backend_hook)
         if plan.generic_layout is None:
-            plan.generic_layout = generic_layout(self, plan.trainable, hooks())
+            plan.generic_layout = generic_layout(self, plan.trainable, hooks(), state.instance_forward)
         prefix = (1,) * (x.dim() - 2)
         return GenericShardKernel(shard_forward, type(self).__name__, plan.trainable, prefix, plan.generic_layout, hooks,
                                   grad_mode=torch.is_grad_enabled(), riders=riders)

@@ -52,9 +52,10 @@ class ShardedReduceFunction(torch.autograd.Function):
         target_flat = targets.reshape(-1)
         dx_flat = torch.empty_like(x_flat) if needs[0] else None
         total: Optional[torch.Tensor] = None
+        compute = run.kernel.compute_tensors(x, params)
         for shard in run.plan.slices():
             loss = run.kernel.shard(x_flat[shard], target_flat[shard], scale, None if dx_flat is None else dx_flat[shard],
-                                    grads, params)
+                                    grads, compute)
             total = loss if total is None else total.add_(loss)
         assert total is not None  # a plan has at least one shard
         ctx.dx = None if dx_flat is None else dx_flat.view_as(x)
@@ -71,7 +72,9 @@ class ShardedReduceFunction(torch.autograd.Function):
         dx, param_grads = ctx.dx, ctx.param_grads
         ctx.dx = ctx.param_grads = None
         # A 0-dim factor: the product is taken at the wider precision and rounded once (a bf16 gradient
-        # is not multiplied by a bf16-rounded ``1 / N``).
+        # is not multiplied by a bf16-rounded ``1 / N``). In place: the forward made each buffer and nothing
+        # else references it (no second [tokens, hidden] or [vocab, hidden] buffer at the loss's backward);
+        # under torch.compile, AOT autograd turns the in-place product into a functional one.
         scaled = [None if g is None else g.mul_(grad_loss) for g in (dx, *param_grads)]
         return (scaled[0], None, None, None, None, *scaled[1:])
 

@@ -66,7 +66,12 @@ class ReduceKernel(Protocol):
     params: List[torch.Tensor]
     module_name: str
 
+    def compute_tensors(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """What every shard of the call on ``x`` computes with, made once per call from the Function's
+        ``tensors`` (a cast to the compute dtype). Returned, not kept on the kernel: a kernel holds no
+        tensor of a call, so nothing of the call outlives it (nor escapes a traced forward as a side effect)."""
+
     def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
               grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The shard's loss times ``scale`` (0-dim); its input gradient into ``dx`` and its parameters'
-        into ``grads`` where given (each for the scaled loss)."""
+        into ``grads`` where given (each for the scaled loss). ``tensors``: ``compute_tensors``' answer."""

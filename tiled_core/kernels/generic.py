@@ -13,8 +13,9 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..checks import CHANGED_READ_ERROR, TensorVersions
+from ..checks import CHANGED_READ_ERROR, PlainValues, TensorVersions
 from ..grad_accum import GradAccumulator
+from ..plain_values import snapshot
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
 
 HOOKS_CHANGED_ERROR = (
@@ -41,15 +42,22 @@ class GenericLayout:
     owned_params: List[torch.Tensor]
     # The submodule hooks the forward runs with; the recompute must run the same ones.
     hooks: List[str]
+    # The plain values (``self.scale = 2.0``) the module's code may read, which the recompute must find
+    # unchanged. Taken with the layout, not at every call: the plan's key names every attribute of every
+    # submodule by identity, so while the plan is used they are these very objects.
+    plain_values: PlainValues
 
 
-def generic_layout(module: nn.Module, params: Sequence[torch.Tensor], hooks: List[str]) -> GenericLayout:
+def generic_layout(module: nn.Module, params: Sequence[torch.Tensor], hooks: List[str],
+                   instance_forward: Optional[Callable] = None) -> GenericLayout:
+    """``instance_forward``: what the module's forward runs where it is not its class's."""
     where: dict = {}
     for owner in module.modules():
         for attr, p in owner._parameters.items():
             if p is not None:
                 where.setdefault(id(p), []).append((owner, attr))
-    return GenericLayout([where.get(id(p), []) for p in params], list(module.parameters()), hooks)
+    return GenericLayout([where.get(id(p), []) for p in params], list(module.parameters()), hooks,
+                         PlainValues(snapshot(module, instance_forward)))
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:
@@ -138,6 +146,7 @@ class GenericShardKernel:
         """The module's parameter slots hold the Function's tensors for the recompute. Usually they
         already do (backends refill the same parameter objects); after ``functional_call`` they hold
         the module's own parameters again, and the recompute must use the call's."""
+        self._layout.plain_values.check(self.module_name)
         now = self._current_hooks()
         if now != self._layout.hooks:
             changed = sorted(set(now) ^ set(self._layout.hooks))

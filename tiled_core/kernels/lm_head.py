@@ -48,22 +48,20 @@ class LinearHeadKernel:
         self.module_name = type(head).__name__
         self.params: List[torch.Tensor] = [head.weight] if head.bias is None else [head.weight, head.bias]
         self.options = options
-        self._cast: Optional[Tuple[torch.Tensor, ...]] = None  # (the call's tensors, cast once to the compute dtype)
 
-    def _compute_tensors(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Tuple[torch.Tensor, ...]:
+    def compute_tensors(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
         """The weight (and bias) in the compute dtype: cast once per call, not once per shard."""
-        if self._cast is None or self._cast[0] is not tensors[0]:
-            self._cast = (tensors[0], *(t.to(dtype) for t in tensors))
-        return self._cast[1:]
+        dtype = _compute_dtype(x, tensors[0])
+        return tuple(t.to(dtype) for t in tensors)
 
     def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
               grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         # Under autocast the head's matmuls run in autocast's dtype, as ``lm_head(hidden)`` would (and its
         # backward: the logits' gradient in that dtype, the weight's cast back by the accumulator); every
         # matmul here is then made explicitly in that one dtype, with autocast off.
-        dtype = _compute_dtype(x, tensors[0])
-        weight, *rest = self._compute_tensors(tensors, dtype)
+        weight, *rest = tensors  # ``compute_tensors``' (in the compute dtype)
         bias = rest[0] if rest else None
+        dtype = weight.dtype
         # "meta" (the planner's shape-only step) has no autocast to turn off, and torch.autocast refuses it.
         off = torch.autocast(x.device.type, enabled=False) if autocast_enabled(x.device.type) else contextlib.nullcontext()
         with off:
@@ -107,6 +105,10 @@ class ModuleHeadKernel:
         self.params = list(trainable)
         self.options = options
         self._reads_checked = False  # the first shard's reads are checked (later shards run the same code)
+
+    def compute_tensors(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """The head computes with its own tensors: autograd takes the gradient back to them."""
+        return tensors
 
     def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
               grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:

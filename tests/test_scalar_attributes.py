@@ -1,0 +1,158 @@
+"""Plain Python values a tiled MLP's forward reads (``self.scale = 2.0``, ``GELU.approximate``, a module's
+``training``), changed between its forward and its backward.
+
+Untiled, autograd keeps what the forward computed with, so the gradients are those of the forward.
+The generic path recomputes the forward in backward and would read the new value: it refuses, naming
+the attribute and both values, in the words autograd uses for a tensor modified in place. The fast path
+never reads the module again (its factors are fixed when the call is decided), so it is exact there.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from reference import GatedMLP, Run, assert_runs_close, fresh_inputs, step, untiled_run
+from torch import nn
+
+from tiled_mlp import TiledMLP, register_gated_mlp, unregister_gated_mlp
+
+pytestmark = pytest.mark.timeout(60)
+
+HIDDEN, INTER, TOKENS = 8, 20, 12
+SHAPE = (2, TOKENS, HIDDEN)
+CHANGED = "one of the values needed for gradient computation has been changed"
+
+
+class ScaledMLP(GatedMLP):
+    """A gated MLP with settings read in its forward: a scale, an optional clip and a pair of offsets."""
+
+    def __init__(self):
+        super().__init__(HIDDEN, INTER)
+        self.scale = 2.0
+        self.clip = None
+        self.offsets = (0.0, 0.5)
+        self.note = 0  # never read by the forward: a backend's bookkeeping, say
+
+    def forward(self, x):
+        h = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * self.scale
+        if self.clip is not None:
+            h = h.clamp(-self.clip, self.clip)
+        return h + self.offsets[1]
+
+
+def _tiled(mlp: nn.Module, path: str = "generic") -> nn.Module:
+    return TiledMLP(copy.deepcopy(mlp), num_shards=3, path=path)
+
+
+def _forward(module: nn.Module):
+    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=3)
+    leaf = x.detach().clone().requires_grad_()
+    return leaf, module(leaf), dy
+
+
+@pytest.mark.parametrize("attribute, value, shown", [
+    ("scale", 20.0, "scale of TiledScaledMLP is 20.0; expected 2.0 instead"),
+    ("clip", 1.0, "clip of TiledScaledMLP is 1.0; expected None instead"),
+    ("offsets", (0.0, 1.5), "offsets of TiledScaledMLP is (0.0, 1.5); expected (0.0, 0.5) instead"),
+    ("scale", 2, "expected 2.0 instead"),  # an int computes differently on an integer tensor: changed
+])
+def test_a_value_the_forward_reads_changed_before_backward_is_refused_with_its_name(attribute, value, shown):
+    torch.manual_seed(0)
+    tiled = _tiled(ScaledMLP().double())
+    _, y, dy = _forward(tiled)
+    assert tiled.tiling.last_path == "generic"
+    setattr(tiled, attribute, value)
+    with pytest.raises(RuntimeError, match=CHANGED) as error:
+        y.backward(dy)
+    assert shown in str(error.value)
+    assert all(p.grad is None for p in tiled.parameters())
+
+
+def test_a_submodule_value_is_named_by_its_qualified_name():
+    torch.manual_seed(0)
+    mlp = GatedMLP(HIDDEN, INTER, act="gelu_tanh").double()
+    tiled = _tiled(mlp)
+    _, y, dy = _forward(tiled)
+    tiled.act_fn.approximate = "none"
+    with pytest.raises(RuntimeError, match="act_fn.approximate of TiledGatedMLP is 'none'; expected 'tanh'"):
+        y.backward(dy)
+
+
+class DropoutMLP(GatedMLP):
+    def __init__(self):
+        super().__init__(HIDDEN, INTER)
+        self.dropout = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.dropout(super().forward(x))
+
+
+def test_switching_to_eval_between_forward_and_backward_is_refused():
+    """The recompute in eval mode would drop the dropout the forward applied."""
+    torch.manual_seed(0)
+    tiled = _tiled(DropoutMLP().double())
+    _, y, dy = _forward(tiled)
+    tiled.eval()
+    with pytest.raises(RuntimeError, match=r"dropout\.training of TiledDropoutMLP is False; expected True"):
+        y.backward(dy)
+
+
+@pytest.mark.parametrize("change", [
+    pytest.param(lambda m: setattr(m, "scale", float("2.0")), id="rebound-to-an-equal-value"),
+    pytest.param(lambda m: (setattr(m, "scale", 9.0), setattr(m, "scale", 2.0)), id="changed-and-changed-back"),
+    pytest.param(lambda m: setattr(m, "note", 7), id="a-value-the-code-never-reads"),
+    pytest.param(lambda m: setattr(m, "extra", 1.0), id="a-new-attribute"),
+])
+def test_values_the_forward_computed_with_are_exact(change):
+    torch.manual_seed(0)
+    mlp = ScaledMLP().double()
+    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=4)
+    want = untiled_run(mlp, x, dy)
+    tiled = _tiled(mlp)
+    leaf = x.detach().clone().requires_grad_()
+    y = tiled(leaf)
+    change(tiled)
+    y.backward(dy)
+    assert_runs_close(want, step_result(tiled, leaf, y))
+
+
+def step_result(module: nn.Module, leaf: torch.Tensor, y: torch.Tensor) -> Run:
+    grads = {name: None if p.grad is None else p.grad.clone() for name, p in module.named_parameters()}
+    return Run(y.detach(), leaf.grad, grads)
+
+
+class ScaledGated(nn.Module):
+    """A user's gated MLP with a factor read by name, declared to the fast path."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Linear(HIDDEN, INTER, bias=False)
+        self.up_proj = nn.Linear(HIDDEN, INTER, bias=False)
+        self.down_proj = nn.Linear(INTER, HIDDEN, bias=False)
+        self.act_fn = nn.SiLU()
+        self.out_scale = 0.75
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * self.out_scale
+
+
+def test_the_fast_path_computes_the_gradient_of_the_forward_it_ran():
+    """As untiled autograd: the factor the forward used, whatever it was changed to before backward."""
+    register_gated_mlp(ScaledGated, down_scale="out_scale")
+    try:
+        torch.manual_seed(0)
+        mlp = ScaledGated().double()
+        x, dy = fresh_inputs(SHAPE, HIDDEN, seed=5)
+        runs = []
+        for module in (copy.deepcopy(mlp), _tiled(mlp, path="fast")):
+            leaf = x.detach().clone().requires_grad_()
+            y = module(leaf)
+            module.out_scale = 7.5
+            y.backward(dy)
+            runs.append(step_result(module, leaf, y))
+        assert module.tiling.last_path == "fast"
+        assert_runs_close(runs[0], runs[1])
+        assert_runs_close(step(copy.deepcopy(mlp), x, dy), runs[1])  # and that is the forward's own gradient
+    finally:
+        unregister_gated_mlp(ScaledGated)
