@@ -40,6 +40,8 @@ DEEPSPEED_EXACT = {
     "zero0-float32": ds_config(0),
     "zero1": ds_config(1),
 }
+# the same, the engine wrapping a module above the LM: read from the ZeRO optimizer the parameters link to
+WRAPPED_EXACT = ("zero3-no-reduce-scatter", "zero1")
 DEEPSPEED_REFUSED = {
     # the embedding (1024 elements) and MLP weights (640) above the bucket, the norms (16) below it
     "zero3-no-reduce-scatter-mixed-buckets": ds_config(3, reduce_scatter=False, reduce_bucket_size=100),
@@ -73,12 +75,24 @@ def _raised(fn: Callable[[], Any]) -> Dict:
     return {"error": ("", "nothing raised")}
 
 
-def _deepspeed_run(config: Dict) -> Dict:
+class Wrapper(torch.nn.Module):
+    """A module above the causal LM, as a PEFT model is: the engine wraps it, the loss knows the LM."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **batch):
+        return self.inner(**batch)
+
+
+def _deepspeed_run(config: Dict, wrapped: bool = False) -> Dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
     model, sp = sp_llama(torch.float32)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    trained = Wrapper(model) if wrapped else model
+    engine, *_ = deepspeed.initialize(model=trained, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                       config=config, mpu=sp.mpu)
     try:
         loss = engine(**_batch(sp)).loss
@@ -219,6 +233,9 @@ def backend_runs(rank: int, world: int) -> Dict[str, Dict]:
         out[name] = _deepspeed_run(config)
     for name, config in DEEPSPEED_REFUSED.items():
         out[name] = _raised(lambda config=config: _deepspeed_run(config))
+    for name in WRAPPED_EXACT:
+        out[f"wrapped-{name}"] = _deepspeed_run(DEEPSPEED_EXACT[name], wrapped=True)
+    out["wrapped-zero0-float32"] = _raised(lambda: _deepspeed_run(DEEPSPEED_EXACT["zero0-float32"], wrapped=True))
     out["ddp-own-rank-group"] = _ddp_off_the_sp_ranks(rank)
     out["fsdp2-own-rank-mesh"] = _fsdp2_off_the_sp_ranks()
     out["batch-of-two"] = _batch_size_refusals()

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from .comparison import BOUND, rel_error
-from .sp_backend_cases import CASE, DEEPSPEED_EXACT, FLOAT32_BOUND
+from .sp_backend_cases import CASE, DEEPSPEED_EXACT, FLOAT32_BOUND, WRAPPED_EXACT
 from .sp_cases import reference_step, sample
 from .spawn import run_distributed
 
@@ -37,11 +37,11 @@ def assert_refused(outcomes, case: str, kind: str, *words: str) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("config", list(DEEPSPEED_EXACT))
+@pytest.mark.parametrize("config", list(DEEPSPEED_EXACT) + [f"wrapped-{name}" for name in WRAPPED_EXACT])
 def test_deepspeed_reduction_read_from_the_engine_is_exact(outcomes, config):
-    """ZeRO-3 without reduce-scatter and a float32 stage 0 sum over the SP ranks, ZeRO-3's reduce-scatter (and
-    ZeRO-3 without it nor contiguous gradients) averages: each read from the engine, each the whole sequence's
-    gradient."""
+    """ZeRO-3 without reduce-scatter, a float32 stage 0 and ZeRO-1 sum over the SP ranks, ZeRO-3's reduce-scatter
+    (and ZeRO-3 without it nor contiguous gradients) averages: each read from the engine (or, with the engine on
+    a module above the LM, from the ZeRO optimizer), each the whole sequence's gradient."""
     ids, labels = sample(CASE, 0, 0)
     ref = reference_step("llama", ids, labels)["grads"]
     for rank, out in enumerate(outcomes):
@@ -57,6 +57,9 @@ def test_deepspeed_without_a_single_factor_is_refused(outcomes):
                    "reduce_bucket_size >= 1024")
     assert_refused(outcomes, "zero1-predivide", "UnsupportedBackendError", "gradient_predivide_factor 2.0",
                    "leave gradient_predivide_factor at 1.0")
+    # stage 0 links nothing to the parameters: under a wrapper its reduction cannot be read
+    assert_refused(outcomes, "wrapped-zero0-float32", "UnsupportedBackendError", "no DeepSpeed engine wraps LlamaForCausalLM",
+                   "deepspeed.initialize(model=model, mpu=sp.mpu")
 
 
 @pytest.mark.timeout(180)

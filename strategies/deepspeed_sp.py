@@ -21,9 +21,11 @@ engine *sums* over the SP ranks, the group's size where it *averages* over them
   data-parallel group.
 
 The engine is found from the model itself: ``deepspeed.initialize`` registers a forward pre-hook on the
-module it wraps, a closure over the engine. Where the model's engine cannot be found while DeepSpeed
-holds SP groups (``deepspeed.utils.groups.mpu``), or the engine's configuration has no single factor,
-the answer is refused with an error that names the fix.
+module it wraps, a closure over the engine. Where the engine wraps a module above the model the loss knows
+(a PEFT model), the ZeRO optimizer is found from the parameters it links to itself (``_z3_optimizer``,
+``_zero_optimizer``). Where neither can be found while DeepSpeed holds SP groups
+(``deepspeed.utils.groups.mpu``: a float32 stage 0 under a wrapper), or the configuration has no single
+factor, the answer is refused with an error that names the fix.
 """
 from __future__ import annotations
 
@@ -39,9 +41,9 @@ _STAGE3_CLASS = ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3
 
 NO_ENGINE_ERROR = (
     "sequence parallelism: DeepSpeed holds sequence-parallel groups (deepspeed.initialize(mpu=...)), but no "
-    "DeepSpeed engine wraps {model} or a module inside it, so the tiled loss cannot read whether the engine sums "
-    "or averages the gradients over the SP ranks. Build the engine on this model: "
-    "deepspeed.initialize(model=model, mpu=sp.mpu, ...)."
+    "DeepSpeed engine wraps {model} or a module inside it, and no ZeRO optimizer is linked to its parameters, so "
+    "the tiled loss cannot read whether DeepSpeed sums or averages the gradients over the SP ranks. Build the "
+    "engine on this model (deepspeed.initialize(model=model, mpu=sp.mpu, ...)), or use ZeRO (stage 1, 2 or 3)."
 )
 MIXED_BUCKETS_ERROR = (
     "sequence parallelism: DeepSpeed ZeRO-3 with reduce_scatter: false sums the gradients of parameters of at most "
@@ -152,15 +154,42 @@ def _zero3_sums(optimizer: Any, model: nn.Module) -> bool:
     raise UnsupportedBackendError(MIXED_BUCKETS_ERROR.format(size=size, large=shown, largest=max(numels.values())))
 
 
+def zero_optimizer_of(model: nn.Module) -> Optional[Any]:
+    """The ZeRO optimizer linked to ``model``'s parameters: ZeRO-3 links every parameter of the module it
+    trains (``_z3_optimizer``), ZeRO-1/2 each trained parameter whose master fragment this rank holds
+    (``_zero_optimizer``; every rank holds a slice of the flat buffer, so at least one)."""
+    for p in model.parameters():
+        optimizer = getattr(p, "_z3_optimizer", None) or getattr(p, "_zero_optimizer", None)
+        if optimizer is not None:
+            return optimizer
+    return None
+
+
+def zero_optimizer_sums_over_sequence_ranks(optimizer: Any, model: nn.Module) -> bool:
+    """The same answer read from a ZeRO optimizer alone (the engine wraps a module above ``model``, such as
+    a PEFT model): its SP size, its reduction paths."""
+    if getattr(optimizer, "sequence_parallel_size", 1) <= 1:
+        return False
+    if _is_instance_of(optimizer, _STAGE3_CLASS):
+        return _zero3_sums(optimizer, model)
+    factor = float(getattr(optimizer, "gradient_predivide_factor", 1.0))
+    if factor != 1.0:
+        raise UnsupportedBackendError(PREDIVIDE_ERROR.format(stage="1/2", factor=factor))
+    return True
+
+
 def deepspeed_sums_over_sequence_ranks(model: nn.Module, group: Optional[Any]) -> bool:
     """The answer for ``model`` (the whole model where the caller has it): read from its engine (the newest,
-    where several were built on it); False where DeepSpeed trains nothing under SP; refused where DeepSpeed
-    holds SP groups but no engine of ``model`` can be found."""
+    where several were built on it), else from the ZeRO optimizer its parameters are linked to; False where
+    DeepSpeed trains nothing under SP; refused where DeepSpeed holds SP groups but neither can be found."""
     if "deepspeed" not in sys.modules:
         return False
     engines = engines_of(model)
     if engines:
         return engine_sums_over_sequence_ranks(engines[-1], model, group)
+    optimizer = zero_optimizer_of(model)
+    if optimizer is not None:
+        return zero_optimizer_sums_over_sequence_ranks(optimizer, model)
     if deepspeed_holds_sp_groups():
         raise UnsupportedBackendError(NO_ENGINE_ERROR.format(model=type(model).__name__))
     return False
