@@ -18,7 +18,7 @@ import torch
 
 from .sp_cases import SPCase, sample
 
-FLOAT32_BOUND = 2e-5  # float32 forward and backward against float64; measured worst 2.1e-6
+FLOAT32_BOUND = 5e-6  # float32 forward and backward against float64; measured worst 5.2e-7
 CASE = SPCase("backends", masks="uneven")
 
 

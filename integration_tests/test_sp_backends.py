@@ -47,6 +47,7 @@ def test_deepspeed_reduction_read_from_the_engine_is_exact(outcomes, config):
     for rank, out in enumerate(outcomes):
         assert "grads" in out[config], (rank, config, out[config])
         errs = worst(ref, out[config]["grads"])
+        print(f"{config}: rank {rank}: worst relative error {max(errs.values()):.2e}")
         assert max(errs.values()) <= FLOAT32_BOUND, (rank, config, {k: v for k, v in errs.items() if v > FLOAT32_BOUND})
 
 
@@ -93,6 +94,7 @@ def test_batch_of_two_with_micro_batch_size_two_is_exact(outcomes):
     ref = _batch_of_two_reference()
     for rank, out in enumerate(outcomes):
         errs = worst(ref, out["batch-of-two-micro-batch-2"]["grads"])
+        print(f"batch of two: rank {rank}: worst relative error {max(errs.values()):.2e}")
         assert max(errs.values()) <= BOUND, (rank, {k: v for k, v in errs.items() if v > BOUND})
 
 

@@ -23,7 +23,9 @@ engine *sums* over the SP ranks, the group's size where it *averages* over them
 The engine is found from the model itself: ``deepspeed.initialize`` registers a forward pre-hook on the
 module it wraps, a closure over the engine. Where the engine wraps a module above the model the loss knows
 (a PEFT model), the ZeRO optimizer is found from the parameters it links to itself (``_z3_optimizer``,
-``_zero_optimizer``). Where neither can be found while DeepSpeed holds SP groups
+``_zero_optimizer`` with CPU offload); ZeRO-1/2 without offload links only master fragments
+(``_hp_mapping``), and an engine built while DeepSpeed held SP groups sums over them (its predivide factor
+cannot be read there). Where neither can be found while DeepSpeed holds SP groups
 (``deepspeed.utils.groups.mpu``: a float32 stage 0 under a wrapper), or the configuration has no single
 factor, the answer is refused with an error that names the fix.
 """
@@ -190,6 +192,11 @@ def deepspeed_sums_over_sequence_ranks(model: nn.Module, group: Optional[Any]) -
     optimizer = zero_optimizer_of(model)
     if optimizer is not None:
         return zero_optimizer_sums_over_sequence_ranks(optimizer, model)
-    if deepspeed_holds_sp_groups():
+    holds_sp_groups = deepspeed_holds_sp_groups()
+    if holds_sp_groups and any(hasattr(p, "_hp_mapping") for p in model.parameters()):
+        # ZeRO-1/2 (or the bf16 optimizer) without CPU offload links no optimizer to the parameters, only
+        # master fragments; built while DeepSpeed held the SP groups, it read them, and sums over those ranks.
+        return True
+    if holds_sp_groups:
         raise UnsupportedBackendError(NO_ENGINE_ERROR.format(model=type(model).__name__))
     return False
