@@ -52,24 +52,14 @@ class SPCase:
     masks: str = "plain"
     num_items: bool = False  # num_items_in_batch = the valid labels of every DP group's sample
     offload: bool = False  # HF gradient checkpointing (non-reentrant) + apply_checkpoint_offload
-    reduce_scatter: bool = True  # DeepSpeed's zero_optimization.reduce_scatter
     loader: bool = False  # batches from sp.data_loader(DataLoader) instead of sp.shard()
     # "group": the tiled loss over the SP group (apply_sequence_parallel). "trainer": the HF Trainer's
     # deepspeed_sp_compute_loss over the tiled loss without a group; "trainer-hf": over HF's own loss.
     loss_path: str = "group"
-    divide_by_sp: bool = False  # back-propagate loss / sp (for the DeepSpeed paths that sum over SP)
 
     @property
     def world(self) -> int:
         return self.sp * self.dp
-
-    @property
-    def sums_over_sp(self) -> bool:
-        """DeepSpeed's gradient reduction under SP divides by the DP size only (it sums over the SP ranks)
-        everywhere but ZeRO-3's reduce-scatter path, which averages over SP x DP like DDP and FSDP2. The
-        tiled loss hands ZeRO-1/2 gradients for a sum (``Strategy.averages_over_sequence_ranks``); ZeRO-3
-        without reduce-scatter cannot be told from its parameters, and gets gradients for an average."""
-        return self.backend == "zero3" and not self.reduce_scatter
 
     @property
     def dtype(self) -> torch.dtype:
@@ -216,7 +206,7 @@ def _trainer_loss(model, batch: Dict, size: int) -> torch.Tensor:
 
 
 def zero_config(case: SPCase) -> dict:
-    zero = {"stage": int(case.backend[-1]), "reduce_scatter": case.reduce_scatter}
+    zero = {"stage": int(case.backend[-1])}
     if zero["stage"] == 3:
         zero["stage3_param_persistence_threshold"] = 0
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": zero,
@@ -305,10 +295,9 @@ def run_case(case: SPCase, rank: int, world: int) -> Dict:
         record["loss_calls"].append(calls)
         after_forward = offload.host_bytes.current if offload is not None else None
         # The backends average over every rank; with a global num_items_in_batch each DP group's loss
-        # is its share of the step's loss, so dp * loss makes the average the step's gradient.
-        # Where DeepSpeed sums over the SP ranks instead (``sums_over_sp``), / sp undoes it.
+        # is its share of the step's loss, so dp * loss makes the average the step's gradient. Where
+        # DeepSpeed sums over the SP ranks instead, the tiled loss's backward hands each rank 1, not sp.
         scaled = loss * case.dp if case.num_items else loss
-        scaled = scaled / case.sp if case.divide_by_sp else scaled
         if engine is not None:
             engine.backward(scaled)
         else:
@@ -466,17 +455,13 @@ _LOADER = tuple(SPCase(f"{base.name}-{how}", family=base.family, masks=base.mask
                 for base in (SPCase("llama-uneven", masks="uneven"),
                              SPCase("qwen2-empty-rank-num-items", family="qwen2", masks="empty", num_items=True))
                 for how in ("loader", "shard"))
-# DeepSpeed outside ZeRO-3's reduce-scatter path sums the gradients over the SP ranks. ZeRO-1/2 are
-# recognised (the loss's backward hands each rank 1, not the group size) and must match the reference
-# as they are. ZeRO-3 without reduce-scatter is not: its "raw" case back-propagates the loss as it is
-# (gradients exactly sp times the reference's, pinned down), its "div-sp" case loss / sp (matching).
+# ZeRO-1/2 sum the gradients over the SP ranks: recognised (the loss's backward hands each rank 1, not the
+# group size), they must match the reference as they are. ZeRO-3 without reduce-scatter and stage 0 are
+# integration_tests/test_sp_backends.py's.
 _ZERO_SP_SUM = (
     SPCase("zero1-llama-uneven", backend="zero1", masks="uneven"),
     SPCase("zero2-llama-uneven", backend="zero2", masks="uneven"),
     SPCase("zero2-qwen2-empty-rank-num-items", family="qwen2", backend="zero2", masks="empty", num_items=True),
-    SPCase("zero3-no-reduce-scatter-llama-uneven-raw", backend="zero3", masks="uneven", reduce_scatter=False),
-    SPCase("zero3-no-reduce-scatter-llama-uneven-div-sp", backend="zero3", masks="uneven", reduce_scatter=False,
-           divide_by_sp=True),
 )
 
 GROUPS: Dict[str, Tuple[SPCase, ...]] = {

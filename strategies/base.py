@@ -49,6 +49,23 @@ class UnsupportedBackendError(RuntimeError):
     """The module runs under a backend (or a backend configuration) that TiledMLP cannot tile."""
 
 
+SEQUENCE_SPAN_ERROR = (
+    "sequence parallelism: {backend} averages the gradients of {model} over ranks {backend_ranks}, which do not "
+    "include every rank {sp_ranks} of the sequence-parallel group: each SP rank's share of the sequence would never "
+    "be added to the others'. {fix}"
+)
+
+
+def check_spans_sequence_group(backend: str, model: nn.Module, backend_ranks, group, fix: str) -> None:
+    """Raise ``SEQUENCE_SPAN_ERROR`` unless ``backend_ranks`` (the global ranks a backend averages this rank's
+    gradients over) include every rank of ``group``."""
+    sp_ranks = sorted(dist.get_process_group_ranks(group))
+    if not set(sp_ranks) <= set(backend_ranks):
+        raise UnsupportedBackendError(SEQUENCE_SPAN_ERROR.format(
+            backend=backend, model=type(model).__name__, backend_ranks=sorted(backend_ranks), sp_ranks=sp_ranks,
+            fix=fix))
+
+
 class Strategy(ABC):
     #: Registry key, also accepted as ``TiledMLP(strategy=name)``.
     name: ClassVar[str] = ""
@@ -120,6 +137,13 @@ class Strategy(ABC):
         one that claims ``module`` (a frozen ``lm_head`` is claimed by none): answer from the backend's
         own state. Default: no (DDP, FSDP2 and one device average over their ranks, or reduce nothing)."""
         return False
+
+    @classmethod  # noqa: B027 - optional: most backends check nothing
+    def check_sequence_group(cls, module: nn.Module, group) -> None:
+        """Raise, before the loss reduces anything, where this backend, as the process has it set up for
+        ``module``'s model, cannot carry a loss split across ``group`` (a sequence-parallel group): a
+        reduction whose ranks do not include every rank of ``group`` never adds the SP ranks' shares.
+        Asked of every registered strategy, as ``sums_over_sequence_ranks``. Default: nothing to check."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

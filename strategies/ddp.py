@@ -17,7 +17,7 @@ from typing import Sequence
 
 from torch import nn
 
-from .base import Strategy, WaitsForEveryParameter, process_group_ready
+from .base import Strategy, WaitsForEveryParameter, check_spans_sequence_group, process_group_ready
 
 
 def _active_ddp_module():
@@ -42,3 +42,16 @@ class DDPStrategy(WaitsForEveryParameter, Strategy):
         # runs at every tiled call). A module called inside it but not wrapped by it (a frozen
         # teacher) would get zeros for unused trainable parameters instead of None, nothing else.
         return _active_ddp_module() is not None
+
+    @classmethod
+    def check_sequence_group(cls, module: nn.Module, group) -> None:
+        """DDP averages over its ``process_group``: it must hold every SP rank. The DDP module is the one
+        whose forward is running (the loss inside the model's forward); a loss computed after it returned
+        is not seen here."""
+        ddp = _active_ddp_module() if process_group_ready() else None
+        if ddp is None or not any(m is module for m in ddp.module.modules()):
+            return
+        import torch.distributed as dist
+
+        check_spans_sequence_group("DDP", module, dist.get_process_group_ranks(ddp.process_group), group,
+                                   "Wrap the model in DDP over every rank (the default process group) under SP.")

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import sys
 from typing import Any, ContextManager, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .base import Strategy, WaitsForEveryParameter, process_group_ready
+from .deepspeed_sp import deepspeed_sums_over_sequence_ranks
 
 _ZERO3_HOOK_OWNER = "DeepSpeedZeRoOffload."  # qualname prefix of the hooks ZeRO-3 puts on every module
 _ENGINE_CLASS = ("deepspeed.runtime.engine", "DeepSpeedEngine")
@@ -123,23 +123,19 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, Strategy):
 
     @classmethod
     def sums_over_sequence_ranks(cls, module: nn.Module) -> bool:
-        """Yes for a model trained by ZeRO-1/2 (its trained parameters linked to their master fragments)
-        whose engine was given DeepSpeed's SP groups (``deepspeed.initialize(mpu=...)``): those stages divide
-        by ``world / sp`` (the DP ranks) and so sum over the SP ranks (``stage_1_and_2.py``). ``module`` is
-        the whole model where the caller has it (a frozen ``lm_head`` carries no ZeRO attribute), and the
-        groups must be alive (``groups.mpu`` outlives a destroyed engine). ZeRO-3's reduce-scatter averages
-        over every rank. Not recognised, written down as unsupported under SP in the README: ZeRO-3 with
-        ``reduce_scatter: false`` and a float32 stage 0, which sum too but carry no mark."""
-        if "deepspeed" not in sys.modules or not process_group_ready():
-            return False
-        if not any(is_zero12_param(p) for p in module.parameters()):
-            return False
-        from deepspeed.runtime.sequence_parallel import parallel_state_sp
-        from deepspeed.utils import groups
+        """Read from the DeepSpeed engine that wraps ``module`` (the whole model where the caller has it: a
+        frozen ``lm_head`` carries no ZeRO attribute), by its stage and configuration: stage 0 and ZeRO-1/2
+        given DeepSpeed's SP groups, and ZeRO-3 with ``reduce_scatter: false``, sum over the SP ranks;
+        ZeRO-3's reduce-scatter and an engine without SP groups average (``deepspeed_sp.py``)."""
+        return process_group_ready() and deepspeed_sums_over_sequence_ranks(module, None)
 
-        if groups.mpu is None or (groups.mpu is parallel_state_sp and parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None):
-            return False
-        return groups._get_sequence_parallel_world_size() > 1
+    @classmethod
+    def check_sequence_group(cls, module: nn.Module, group) -> None:
+        """Refuse an engine whose SP group is not the loss's, one that averages over ranks that leave SP
+        ranks out, one whose configuration has no single factor, and an engine that cannot be found while
+        DeepSpeed holds SP groups (``deepspeed_sp.py``)."""
+        if process_group_ready():
+            deepspeed_sums_over_sequence_ranks(module, group)
 
     @staticmethod
     def is_backend_hook(hook) -> bool:

@@ -25,7 +25,13 @@ from typing import Any, Iterator, List, Sequence
 
 from torch import nn
 
-from .base import Strategy, UnsupportedBackendError, WaitsForEveryParameter, process_group_ready
+from .base import (
+    Strategy,
+    UnsupportedBackendError,
+    WaitsForEveryParameter,
+    check_spans_sequence_group,
+    process_group_ready,
+)
 
 PER_LINEAR_ERROR = (
     "TiledMLP cannot tile a module whose submodules are FSDP2 units of their own ({units}): each "
@@ -78,6 +84,37 @@ def params_managed_by_fsdp2(module: nn.Module) -> bool:
     return False
 
 
+def _averaging_ranks(mesh_info) -> List[int]:
+    """The global ranks FSDP2 averages a gradient over: its data-parallel mesh (sharded, or replicated and
+    sharded); where that mesh carries other dimensions too (tensor parallelism), its shard and replicate
+    groups."""
+    import torch.distributed as dist
+
+    if not getattr(mesh_info, "is_spmd_mesh", False):
+        return mesh_info.mesh.mesh.flatten().tolist()
+    ranks: List[int] = []
+    for name in ("shard_process_group", "replicate_process_group"):
+        group = getattr(mesh_info, name, None)
+        if group is not None:
+            ranks += dist.get_process_group_ranks(group)
+    return ranks
+
+
+def fsdp2_averaging_ranks(module: nn.Module) -> List[List[int]]:
+    """For every FSDP2 parameter group managing a parameter of ``module``: the ranks it averages over."""
+    owners = {id(m) for m in module.modules() if m._parameters}
+    found = []
+    try:
+        for state in _fsdp2_states():
+            for group in state._fsdp_param_groups:
+                if any(id(m) in owners for fp in group.fsdp_params
+                       for m in (fp._module_info.module, *getattr(fp._module_info, "shared_modules", ()))):
+                    found.append(_averaging_ranks(group.mesh_info))
+    except (ImportError, AttributeError):  # FSDP2's internals moved: the parameters' own meshes (public API)
+        found = [p.device_mesh.mesh.flatten().tolist() for p in module.parameters() if hasattr(p, "device_mesh")]
+    return found
+
+
 class FSDP2Strategy(WaitsForEveryParameter, Strategy):
     """FSDP2 reduce-scatters the gradients of a whole group in one collective: every rank must bring
     one for each parameter, whatever its tokens used (hence ``WaitsForEveryParameter``)."""
@@ -103,3 +140,13 @@ class FSDP2Strategy(WaitsForEveryParameter, Strategy):
         units = inner_fsdp_units(module)
         if units:
             raise UnsupportedBackendError(PER_LINEAR_ERROR.format(units=", ".join(units)))
+
+    @classmethod
+    def check_sequence_group(cls, module: nn.Module, group) -> None:
+        """FSDP2 averages over its mesh: every mesh managing ``module``'s parameters must hold every SP rank."""
+        if not process_group_ready():
+            return
+        for ranks in fsdp2_averaging_ranks(module):
+            check_spans_sequence_group("FSDP2", module, ranks, group,
+                                       "Pass fully_shard a mesh over every rank under SP (init_device_mesh over the "
+                                       "world, or a (replicate, shard) mesh that covers it).")

@@ -1,7 +1,7 @@
 """Picks the strategy for a module: the highest-priority registered class that claims it."""
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 from torch import nn
 
@@ -18,10 +18,16 @@ def resolve_strategy(module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> 
     raise RuntimeError("no registered strategy claims the module (the single_device fallback was unregistered?)")
 
 
-def sums_over_sequence_ranks(module: nn.Module) -> bool:
+def sums_over_sequence_ranks(module: nn.Module, group: Any = None) -> bool:
     """Does any registered backend, as set up in this process, sum ``module``'s model's gradients over a
-    sequence-parallel group's ranks (``Strategy.sums_over_sequence_ranks``)?"""
-    return any(cls.sums_over_sequence_ranks(module) for cls in strategies_by_priority())
+    sequence-parallel group's ranks (``Strategy.sums_over_sequence_ranks``)? Every registered backend is
+    first asked to check that it can carry a loss split across ``group`` (``Strategy.check_sequence_group``),
+    each one whatever the others answer."""
+    classes = strategies_by_priority()
+    if group is not None:
+        for cls in classes:
+            cls.check_sequence_group(module, group)
+    return any([cls.sums_over_sequence_ranks(module) for cls in classes])
 
 
 def strategy_from_arg(strategy: StrategyArg) -> Union[Strategy, None]:

@@ -16,11 +16,11 @@ Two collectives, both on the group, both of one scalar:
   produce after averaging over their ranks (DDP, FSDP2 and DeepSpeed ZeRO-3 average over the world, the
   SP ranks among them) is the whole sequence's, exactly as if one rank had run it. This is the
   convention of Hugging Face's DeepSpeed-SP loss (a differentiable all-gather, weighted), in one
-  all-reduce. DeepSpeed ZeRO-1 and ZeRO-2 under DeepSpeed's SP groups divide by the DP size only,
-  summing over the SP ranks: the backend's strategy says so (``Strategy.sums_over_sequence_ranks``)
-  and the backward then hands each rank 1 instead. ZeRO-3 with ``reduce_scatter: false`` sums too but
-  cannot be recognised from its parameters: there the gradient is ``group size`` times the whole
-  sequence's (unsupported, in the README); ``integration_tests/test_sequence_parallel.py`` pins it down.
+  all-reduce. A backend that divides by the DP size only, summing over the SP ranks (DeepSpeed's stage 0
+  and ZeRO-1/2 under its SP groups, ZeRO-3 without reduce-scatter), says so
+  (``Strategy.sums_over_sequence_ranks``, read from the backend's own objects) and the backward then hands
+  each rank 1 instead. A backend whose reduction does not span the group is refused before the loss
+  (``Strategy.check_sequence_group``).
 
 torch.distributed only: no backend module is imported.
 """

@@ -100,6 +100,9 @@ def tiled_cross_entropy(
             raise ValueError("tiled loss: under sequence parallelism give shift_labels, shifted over the whole sequence "
                              "before it was split (SequenceParallel.shard and DeepSpeed's data-loader adapter make "
                              "them); labels would be shifted within this rank's slice")
+    # Before any work: a backend that cannot carry a loss split across the group refuses here.
+    averages = sequence_group is None or not sums_over_sequence_ranks(model if model is not None else lm_head,
+                                                                      sequence_group)
     fixed = strategy_from_arg(strategy)
     backend = fixed if fixed is not None else resolve_strategy(lm_head)
     backend.check_supported(lm_head)
@@ -128,7 +131,6 @@ def tiled_cross_entropy(
             zeros_for_unused=backend.unused_grads_as_zeros,
             deliver_grads=backend.deliver_grads,
         )
-        averages = sequence_group is None or not sums_over_sequence_ranks(model if model is not None else lm_head)
         return sum_over_group(sharded_reduce(hidden, targets, scale, run, params), sequence_group, averages)
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ulysses_groups import DeepSpeedSlots, check_batch_size, guard_inputs
 from .ulysses_masks import capture_padding, check_masks, core_kind, whole_sequence_core
 
 NO_TILED_LOSS_ERROR = (
@@ -54,6 +55,10 @@ class SequenceParallel:
     mpu: Any  # DeepSpeed's SP state (``parallel_state_sp``): pass as ``deepspeed.initialize(mpu=...)``
     core_attention: str
     _undo: Optional[Callable[[], None]] = field(default=None, repr=False)  # attention and modules as before
+    micro_batch_size: int = 1  # samples per batch, what DeepSpeed's Ulysses attention was built for
+    _input_guard: Any = field(default=None, repr=False)  # the forward pre-hook of ``ulysses_groups.guard_inputs``
+    # DeepSpeed's ``mpu`` slots before SP (its groups are handed to engines through them): put back by remove()
+    _deepspeed_slots: DeepSpeedSlots = field(default_factory=DeepSpeedSlots.remember, repr=False)
 
     @property
     def size(self) -> int:
@@ -73,12 +78,14 @@ class SequenceParallel:
         As DeepSpeed's data-loader adapter does for each sample: ``labels`` become ``shift_labels`` (shifted
         over the whole sequence, before the split: the last token of one slice predicts the first of the
         next), ``position_ids`` default to ``arange`` (what the model would use), and every tensor is cut
-        along the tokens. The length must be a multiple of the SP size.
+        along the tokens. The length must be a multiple of the SP size, and the batch ``micro_batch_size``
+        samples (what DeepSpeed's attention was built for: ``apply_sequence_parallel(..., micro_batch_size=)``).
         """
         batch = dict(batch)
         ids = batch.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             raise ValueError("sequence parallelism: shard() needs input_ids of shape [batch, tokens]")
+        check_batch_size(ids.shape[0], self.micro_batch_size)
         tokens = ids.shape[1]
         if tokens % self.size:
             raise ValueError(f"sequence parallelism: {tokens} tokens do not split across {self.size} ranks; pad the "
@@ -107,8 +114,10 @@ class SequenceParallel:
                                           device=device)
 
     def remove(self) -> None:
-        """The model's attention and loss as before; DeepSpeed's SP groups released. Call it once a DeepSpeed
-        engine built with ``mpu=self.mpu`` is done with: the engine keeps asking for the released groups."""
+        """The model's attention and loss as before; DeepSpeed's SP groups released, and the slots DeepSpeed
+        reads its groups from (``deepspeed.utils.groups.mpu``) as they were before SP, so that a later plain
+        ``deepspeed.initialize`` builds an engine without SP. Call it once a DeepSpeed engine built with
+        ``mpu=self.mpu`` is done with: the engine keeps asking for the released groups."""
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
         from .causal_lm_loss import tiled_loss_forward
@@ -119,7 +128,11 @@ class SequenceParallel:
         installed = tiled_loss_forward(self.model)
         if installed is not None:
             installed.sequence_group = None
+        if self._input_guard is not None:
+            self._input_guard.remove()
+            self._input_guard = None
         parallel_state_sp._release_sequence_parallel_groups()
+        self._deepspeed_slots.restore()
 
 
 def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: int = 1) -> SequenceParallel:
@@ -175,7 +188,8 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
         unhook()
         undo()
 
-    return SequenceParallel(model, group, mpu, core, undo_all)
+    return SequenceParallel(model, group, mpu, core, undo_all, micro_batch_size,
+                            guard_inputs(installed.model, micro_batch_size))
 
 
 def check_sequence_parallel(model: nn.Module, size: int) -> None:

@@ -1,0 +1,96 @@
+"""What Ulysses SP leaves in DeepSpeed's process-wide state, and what it checks at each forward.
+
+DeepSpeed's groups: ``deepspeed.initialize(mpu=sp.mpu)`` writes the SP state module into
+``deepspeed.utils.groups.mpu`` (and ``deepspeed.checkpointing.configure(mpu_=...)`` into its own ``mpu``),
+where every later engine reads its SP size and groups. Releasing the SP groups leaves those slots pointing
+at a module with no groups, and the next plain ``deepspeed.initialize`` stops on "sequence data parallel
+group is not initialized". ``DeepSpeedSlots`` remembers the slots when SP is applied and puts back, on
+removal, each one that still holds the SP state.
+
+The forward guard: DeepSpeed's Ulysses attention is built for a fixed micro batch (its shape assertion fires
+deep inside the first attention call), and under SP the positions of a rank's slice start where the slice
+starts, which only ``position_ids`` carry (without them each rank's model counts from 0: wrong for every
+rank but the first, and the sign of a batch handed to the model whole instead of cut by ``shard()``).
+``guard_inputs`` refuses both at the model's forward, before any layer runs, naming the fix.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+_SP_STATE_MODULE = "deepspeed.runtime.sequence_parallel.parallel_state_sp"
+# Module-level ``mpu`` slots DeepSpeed reads its parallel groups from.
+_MPU_SLOTS = ("deepspeed.utils.groups", "deepspeed.runtime.activation_checkpointing.checkpointing")
+
+BATCH_SIZE_ERROR = (
+    "sequence parallelism: a batch of {batch} samples, but DeepSpeed's Ulysses attention was built for micro "
+    "batches of {expected} (its shapes are fixed at apply time). Pass micro_batch_size={batch} to "
+    "apply_sequence_parallel(model, size, micro_batch_size={batch}) (or apply_long_context(..., "
+    "micro_batch_size={batch})), and feed every step that many samples."
+)
+NO_POSITIONS_ERROR = (
+    "sequence parallelism: {model} was called without position_ids. Under SP each rank holds a slice of the "
+    "sequence, whose positions start where the slice starts; without them every rank counts from 0 (and a batch "
+    "handed to every rank whole, not cut, goes unnoticed). Feed each rank sp.shard(batch) (it cuts the batch and "
+    "adds position_ids) or batches from sp.data_loader(loader)."
+)
+
+
+def check_batch_size(batch: int, expected: int) -> None:
+    if batch != expected:
+        raise ValueError(BATCH_SIZE_ERROR.format(batch=batch, expected=expected))
+
+
+@dataclass
+class DeepSpeedSlots:
+    """DeepSpeed's ``mpu`` slots as they were when SP was applied."""
+
+    saved: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def remember(cls) -> DeepSpeedSlots:
+        return cls({name: sys.modules[name].mpu for name in _MPU_SLOTS if name in sys.modules})
+
+    def restore(self) -> None:
+        """Each slot that holds DeepSpeed's SP state gets back what it held at apply time (None where the
+        module was not loaded then); a slot someone set to anything else since is left alone."""
+        state = sys.modules.get(_SP_STATE_MODULE)
+        for name in _MPU_SLOTS:
+            module = sys.modules.get(name)
+            if module is not None and state is not None and getattr(module, "mpu", None) is state:
+                setattr(module, "mpu", self.saved.get(name))  # noqa: B010 - a module's global, unknown to mypy
+
+
+def _tokens_and_positions(model: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Optional[torch.Tensor], Any]:
+    named: Dict[str, Any] = dict(kwargs)
+    if args:
+        try:
+            named.update(inspect.signature(model.forward).bind_partial(*args).arguments)
+        except TypeError:
+            pass  # an unusual forward: judged by its keyword arguments
+    tokens = named.get("input_ids")
+    if tokens is None:
+        tokens = named.get("inputs_embeds")
+    return (tokens if isinstance(tokens, torch.Tensor) else None), named.get("position_ids")
+
+
+def guard_inputs(model: nn.Module, micro_batch_size: int) -> Any:
+    """A forward pre-hook on ``model`` (the causal LM under SP) refusing a batch of another size than
+    ``micro_batch_size`` and a call without ``position_ids``; returns its handle."""
+
+    def check(module: nn.Module, args: Tuple, kwargs: Dict) -> None:
+        tokens, positions = _tokens_and_positions(module, args, kwargs)
+        if tokens is None:
+            return
+        if tokens.dim() >= 2:
+            check_batch_size(tokens.shape[0], micro_batch_size)
+        if positions is None:
+            raise ValueError(NO_POSITIONS_ERROR.format(model=type(module).__name__))
+
+    return model.register_forward_pre_hook(check, with_kwargs=True)
+
