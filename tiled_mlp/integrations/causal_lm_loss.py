@@ -19,14 +19,25 @@ logits), the model's forward runs unchanged, logits included.
 
 Which models: the families whose forward is known to compute exactly ``lm_head`` -> (soft-capping) ->
 ``loss_function`` (``KNOWN_FORMS``), decided by what the model *is*: its class and that class's forward
-function are those of the installed transformers. A model whose class forward was replaced (another
-library's loss patch) or that set its own ``loss_function`` is refused: its loss would silently change.
+function are those of the installed transformers, its instance has no forward of its own, and the loss
+function it would call (``model.loss_function``: one set on the model or its class, else
+``LOSS_MAPPING[model.loss_type]``) is transformers' ``ForCausalLMLoss`` itself, the one the tiled loss
+reproduces. Anything else is refused: its loss would silently change.
+
+What ``install_tiled_loss`` cannot see is checked at every call, before any work: the loss function
+(set on the model after installing), and the model's forward (a forward pre-hook checks that the
+model's forward still reaches this one: directly, through accelerate's mixed-precision wrapper
+(``accelerate_forward``), or bound to the model by accelerate's ``unwrap_model``). Under
+``torch.compile`` this forward's own frame runs eagerly (binding arguments and a per-call hook are not
+traceable) and the loss kernel with it; the model's forward it calls is compiled.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import inspect
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -35,6 +46,8 @@ from torch import nn
 
 from tiled_core import tiled_cross_entropy
 from tiled_core.shard_plan import NumShards
+
+from .accelerate_forward import mixed_precision_forward, wrap_like_prepare
 
 
 @dataclass(frozen=True)
@@ -67,7 +80,8 @@ def _family_class(module: nn.Module) -> Optional[type]:
 
 
 def known_form(model: nn.Module) -> Tuple[Optional[LossForm], str]:
-    """(the family's form, "") when ``model`` is a known causal LM with its library forward, else (None, why)."""
+    """(the family's form, "") when ``model`` is a known causal LM with its library forward and loss
+    function, else (None, why)."""
     klass = _family_class(model)
     if klass is None:
         names = ", ".join(sorted(name for _, name in KNOWN_FORMS))
@@ -81,23 +95,73 @@ def known_form(model: nn.Module) -> Tuple[Optional[LossForm], str]:
     if not own:  # a forward put on the class since (Liger's loss patch): not the one this form describes
         return None, (f"{type(model).__name__}.forward is not {name}'s own (another library patched it); its loss "
                       "could change silently")
-    if "_loss_function" in vars(model):
-        return None, "it sets its own loss_function, which the tiled loss would replace"
+    why = instance_forward_refusal(model) or loss_function_refusal(model)
+    if why:
+        return None, why
     return KNOWN_FORMS[(klass.__module__, name)], ""
+
+
+def _name(thing: Any) -> str:
+    return getattr(thing, "__qualname__", None) or type(thing).__qualname__
+
+
+def instance_forward_refusal(model: nn.Module) -> str:
+    """Why the forward set on ``model``'s instance stops the tiled loss ('' where there is none, or it is
+    the class's forward bound to the model): the tiled loss runs the model's forward with ``labels=None``
+    and computes the loss itself, so what a forward of its own does to the loss would be lost, and one
+    that does not take ``labels`` by name would never reach the tiled loss at all."""
+    forward = vars(model).get("forward")
+    if forward is None or (isinstance(forward, types.MethodType) and forward.__self__ is model
+                           and forward.__func__ is type(model).forward):
+        return ""
+    if mixed_precision_forward(model) is not None:
+        return ("accelerate's mixed precision (Accelerator.prepare) wrapped its forward, and the tiled loss would run "
+                "outside that wrapper. Apply the tiled loss before accelerator.prepare(model)")
+    return (f"its instance has a forward of its own ({_name(forward)}); the tiled loss would compute the loss "
+            "without it, so what it does to the loss would be lost. Take it off (del model.forward) and change the "
+            "loss outside the model, or leave the tiled loss off")
+
+
+def _reproduced_loss_function() -> Callable:
+    """The loss function the tiled loss computes: transformers' causal LM loss."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss
+
+
+def _class_defining(klass: type, name: str) -> type:
+    return next(k for k in klass.__mro__ if name in vars(k))
+
+
+def loss_function_refusal(model: nn.Module) -> str:
+    """Why the loss function ``model`` would call is not the one the tiled loss computes ('' when it is)."""
+    used = model.loss_function
+    if used is _reproduced_loss_function():
+        return ""
+    if "_loss_function" in vars(model):
+        source = "it sets its own loss_function"
+    elif _class_defining(type(model), "loss_function").__module__ != "transformers.modeling_utils":
+        source = f"{_class_defining(type(model), 'loss_function').__name__} defines its own loss_function"
+    else:
+        source = f"its loss_type is {getattr(model, 'loss_type', None)!r}"
+    return (f"{source} ({_name(used)}), not transformers' ForCausalLMLoss, the one the tiled loss computes; the "
+            "tiled loss would replace it. Keep the default loss (no loss_function of its own, loss_type "
+            "'ForCausalLM'), or leave the tiled loss off")
 
 
 class TiledLossForward:
     """The forward installed on a causal LM instance (see the module docstring). Picklable and
-    deep-copyable with the model (it holds the model and its settings, nothing else). Under sequence
-    parallelism (``ulysses.py``) it also holds the group its loss is divided over: a deep copy shares
-    that group (a process-wide handle), and pickling refuses it (a group cannot leave its process).
+    deep-copyable with the model (it holds the model and its settings, nothing else; the model's
+    forward pre-hook is this object's ``check_call``). Under sequence parallelism (``ulysses.py``) it
+    also holds the group its loss is divided over: a deep copy shares that group (a process-wide
+    handle), and pickling refuses it (a group cannot leave its process).
     """
 
     def __init__(self, model: nn.Module, form: LossForm, previous: Optional[Callable], num_shards: NumShards,
                  grad_accum_dtype: Optional[torch.dtype]):
         self.model: Any = model  # a transformers PreTrainedModel (get_decoder, config, ...)
         self.form = form
-        self.previous = previous  # an instance forward the model had before (None: its class's)
+        self.previous = previous  # the class's forward bound on the instance before (None: none)
         self.num_shards = num_shards
         self.grad_accum_dtype = grad_accum_dtype
         self.sequence_group: Any = None  # set by apply_sequence_parallel
@@ -128,7 +192,36 @@ class TiledLossForward:
         # ``num_items_in_batch``): the model's own.
         return inspect.signature(self._inner())
 
+    def check_call(self, _module: nn.Module, _args: Any) -> None:
+        """The model's forward pre-hook: a forward set on the model after installing may not call this
+        one (the tiled loss would silently never run) or may change what it returns."""
+        self._check_forward()
+
+    def _check_forward(self) -> None:
+        reached = forward_reaching(self.model)
+        if reached is not self:
+            forward = vars(self.model).get("forward")
+            raise RuntimeError(
+                f"tiled loss: {type(self.model).__name__}'s forward was replaced after the tiled loss was installed "
+                f"(it is {_name(forward) if forward is not None else 'the class forward'}); the tiled loss cannot tell "
+                "whether it still runs or what the new forward does to the loss. Put the forward back, or remove the "
+                "tiled loss first (remove_tiled_loss(model)) to run it with the model's own loss")
+
+    def _check_loss_function(self) -> None:
+        why = loss_function_refusal(self.model)
+        if why:
+            raise RuntimeError(f"tiled loss: {type(self.model).__name__}'s loss function changed after the tiled loss "
+                               f"was installed: {why} (remove_tiled_loss(model))")
+
+    # Dynamo skips this frame only: binding the arguments and the per-call hook would each break the
+    # graph, and at such a break Dynamo re-reads the model's bound forward as ``model.forward``, which
+    # is this object (a call to itself without labels, without end). The model's forward it calls is
+    # compiled as usual.
+    @torch.compiler.disable(recursive=False)
     def __call__(self, *args, **kwargs):
+        if args and args[0] is self.model:  # accelerate's unwrap_model binds this forward to the model
+            args = args[1:]
+        self._check_forward()
         inner = self._inner()
         arguments = inspect.signature(inner).bind(*args, **kwargs).arguments
         extra = dict(arguments.pop("kwargs", {}))
@@ -140,11 +233,15 @@ class TiledLossForward:
             # there a rank's logits are a slice and the model's loss a slice's mean, so evaluation takes
             # the tiled loss too, divided once over the group.
             return inner(*args, **kwargs)
+        self._check_loss_function()
         keep = arguments.get("logits_to_keep", 0)
         if not (isinstance(keep, int) and keep == 0):
             raise ValueError("tiled loss: labels were given with logits_to_keep; the loss is computed over every "
                              "token. Drop logits_to_keep, or remove the tiled loss (remove_tiled_loss)")
-        return_dict = extra.pop("return_dict", None)
+        # As transformers' ``can_return_tuple``: the argument when given (not None), else the config's.
+        return_dict = extra.pop("return_dict", arguments.pop("return_dict", None))
+        if return_dict is None:
+            return_dict = getattr(self.model.config, "return_dict", True)
         arguments.update(labels=None, logits_to_keep=torch.empty(0, dtype=torch.long))
         hidden: Dict[str, torch.Tensor] = {}
         handle = self.model.get_decoder().register_forward_hook(
@@ -154,7 +251,7 @@ class TiledLossForward:
         finally:
             handle.remove()
         softcap = getattr(self.model.config, self.form.softcap_attr) if self.form.softcap_attr else None
-        loss = tiled_cross_entropy(
+        loss = _tiled_loss(
             hidden["h"], self.model.get_output_embeddings(), labels, shift_labels=extra.get("shift_labels"),
             ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
             logit_softcap=softcap, num_shards=self.num_shards, grad_accum_dtype=self.grad_accum_dtype,
@@ -162,8 +259,31 @@ class TiledLossForward:
         if self.form.router_aux_loss and getattr(out, "aux_loss", None) is not None:
             loss = loss + self.model.router_aux_loss_coef * out.aux_loss.to(loss.device)
         fields: Dict[str, Any] = {k: v for k, v in out.items() if k not in ("loss", "logits")}
-        result = type(out)(loss=loss, **fields)
-        return result if return_dict is not False else result.to_tuple()
+        if return_dict:
+            return type(out)(loss=loss, **fields)
+        # transformers' tuple holds its fields that are not None in order; the logits keep their place
+        # as None, so that ``output[2]`` is what it is without the tiled loss.
+        return tuple(loss if f.name == "loss" else None if f.name == "logits" else fields[f.name]
+                     for f in dataclasses.fields(out) if f.name in ("loss", "logits") or fields.get(f.name) is not None)
+
+
+@torch.compiler.disable
+def _tiled_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """``tiled_cross_entropy``, never traced by Dynamo: its shards run eagerly inside a compiled model."""
+    return tiled_cross_entropy(*args, **kwargs)
+
+
+def forward_reaching(causal_lm: nn.Module) -> Optional[Any]:
+    """The tiled loss that ``causal_lm``'s forward runs (None: none): its instance forward, accelerate's
+    mixed-precision wrapper around it, or that forward bound to the model (accelerate's
+    ``unwrap_model(keep_fp32_wrapper=False)``)."""
+    forward = vars(causal_lm).get("forward")
+    if isinstance(forward, types.MethodType) and forward.__self__ is causal_lm:
+        forward = forward.__func__
+    if isinstance(forward, TiledLossForward):
+        return forward
+    wrapped = mixed_precision_forward(causal_lm)
+    return wrapped.inner if wrapped is not None and isinstance(wrapped.inner, TiledLossForward) else None
 
 
 def find_causal_lm(model: nn.Module) -> Optional[nn.Module]:
@@ -172,14 +292,22 @@ def find_causal_lm(model: nn.Module) -> Optional[nn.Module]:
     return next((module for module in model.modules() if _family_class(module) is not None), None)
 
 
+def _installed_on(causal_lm: nn.Module) -> Optional[TiledLossForward]:
+    """The tiled loss installed on ``causal_lm``, found by its forward pre-hook whatever its forward is now."""
+    owners = (getattr(hook, "__self__", None) for hook in causal_lm._forward_pre_hooks.values())
+    return next((owner for owner in owners if isinstance(owner, TiledLossForward)), None)
+
+
 def check_tiled_loss(model: nn.Module) -> Tuple[nn.Module, LossForm]:
     """Every check before installing; returns (the causal LM, its form)."""
     causal_lm = find_causal_lm(model)
     if causal_lm is None:
         _, why = known_form(model)
         raise TypeError(f"tiled loss: no known causal LM in {type(model).__name__}: {why}")
-    if isinstance(vars(causal_lm).get("forward"), TiledLossForward):
-        return causal_lm, vars(causal_lm)["forward"].form
+    installed = _installed_on(causal_lm)
+    if installed is not None:
+        installed._check_forward()
+        return causal_lm, installed.form
     form, why = known_form(causal_lm)
     if form is None:
         raise TypeError(f"tiled loss cannot be put on {type(causal_lm).__name__}: {why}")
@@ -191,17 +319,17 @@ def install_tiled_loss(model: nn.Module, num_shards: NumShards = "auto",
     """Put the tiled loss on the causal LM in ``model``; returns that causal LM. Installing twice keeps
     the first (its settings included)."""
     causal_lm, form = check_tiled_loss(model)
-    if not is_tiled_loss(causal_lm):
-        previous = vars(causal_lm).get("forward")
-        causal_lm.__dict__["forward"] = TiledLossForward(causal_lm, form, previous, num_shards, grad_accum_dtype)
+    if _installed_on(causal_lm) is None:
+        forward = TiledLossForward(causal_lm, form, vars(causal_lm).get("forward"), num_shards, grad_accum_dtype)
+        causal_lm.__dict__["forward"] = forward
+        causal_lm.register_forward_pre_hook(forward.check_call)
     return causal_lm
 
 
 def tiled_loss_forward(model: nn.Module) -> Optional[TiledLossForward]:
     """The tiled loss installed on the causal LM in ``model``, if any."""
     causal_lm = find_causal_lm(model)
-    installed = vars(causal_lm).get("forward") if causal_lm is not None else None
-    return installed if isinstance(installed, TiledLossForward) else None
+    return _installed_on(causal_lm) if causal_lm is not None else None
 
 
 def is_tiled_loss(model: nn.Module) -> bool:
@@ -209,18 +337,21 @@ def is_tiled_loss(model: nn.Module) -> bool:
 
 
 def remove_tiled_loss(model: nn.Module) -> bool:
-    """Put the model's own forward back; False where no tiled loss was installed."""
+    """Put the model's own forward back (under accelerate's mixed precision: the wrapper that
+    ``Accelerator.prepare`` puts around it); False where no tiled loss was installed."""
     causal_lm = find_causal_lm(model)
-    if causal_lm is None:
+    installed = _installed_on(causal_lm) if causal_lm is not None else None
+    if causal_lm is None or installed is None:
         return False
-    installed = vars(causal_lm).get("forward")
-    if not isinstance(installed, TiledLossForward):
-        if any(isinstance(getattr(installed, name, None), TiledLossForward) for name in ("__wrapped__", "func")):
-            raise RuntimeError("tiled loss: the model's forward was wrapped again after the tiled loss was installed "
-                               "(accelerate's hooks?); remove that wrapper first")
-        return False
-    if installed.previous is not None:
+    installed._check_forward()  # a forward put over it since: removing the tiled loss would not undo that
+    wrapped = mixed_precision_forward(causal_lm)
+    if wrapped is not None:
+        wrap_like_prepare(causal_lm, installed._inner(), wrapped.autocast)
+    elif installed.previous is not None:
         causal_lm.__dict__["forward"] = installed.previous
     else:
         del causal_lm.__dict__["forward"]
+    for key, hook in list(causal_lm._forward_pre_hooks.items()):
+        if getattr(hook, "__self__", None) is installed:
+            del causal_lm._forward_pre_hooks[key]
     return True

@@ -8,7 +8,8 @@ checkpointing on (``model.gradient_checkpointing_enable()``, which checkpoints `
 """
 from __future__ import annotations
 
-from typing import List
+from dataclasses import dataclass, field
+from typing import Any, List, Tuple
 
 from torch import nn
 
@@ -45,9 +46,37 @@ def apply_checkpoint_offload(model: nn.Module) -> CheckpointOffload:
     return CheckpointOffload(layers)
 
 
-def checkpointing_on(model: nn.Module) -> None:
+# Instance attributes transformers sets while turning checkpointing on: the input-gradient hooks'
+# handles (``enable_input_require_grads``, which replaces a list the user's own call left there), and
+# each checkpointed module's flag and checkpoint function.
+_ATTRIBUTES_SET = ("_require_grads_hooks", "_require_grads_hook", "gradient_checkpointing",
+                   "_gradient_checkpointing_func")
+_ABSENT = object()
+
+
+@dataclass
+class CheckpointingTurnedOn:
+    """What ``checkpointing_on`` added to a model, so that ``checkpointing_off`` takes off exactly that:
+    the forward hooks it registered (transformers' ``make_inputs_require_grads`` on the input
+    embeddings, the user's own left in place) and the instance attributes it set, as they were."""
+
+    added_hooks: List[Tuple[nn.Module, int]] = field(default_factory=list)  # (module, hook id)
+    attributes: List[Tuple[nn.Module, str, Any]] = field(default_factory=list)  # (module, name, value before)
+
+
+def _forward_hook_ids(model: nn.Module) -> List[Tuple[nn.Module, int]]:
+    return [(module, key) for module in model.modules() for key in module._forward_hooks]
+
+
+def _attributes(model: nn.Module) -> List[Tuple[nn.Module, str, Any]]:
+    return [(module, name, vars(module).get(name, _ABSENT)) for module in model.modules() for name in _ATTRIBUTES_SET]
+
+
+def checkpointing_on(model: nn.Module) -> CheckpointingTurnedOn:
     """Hugging Face's non-reentrant layer checkpointing on ``model`` (what the offload works on; the
-    planner's modelled step turns it on the same way)."""
+    planner's modelled step turns it on the same way); returns what it added."""
+    hooks_before = {(id(module), key) for module, key in _forward_hook_ids(model)}
+    attributes_before = _attributes(model)
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # type: ignore[operator]
@@ -56,8 +85,19 @@ def checkpointing_on(model: nn.Module) -> None:
     else:
         raise ValueError(f"checkpoint offload: {type(model).__name__} has no checkpointed layer and no "
                          "gradient_checkpointing_enable(); wrap its layers in torch's checkpoint_wrapper first")
+    added = [(module, key) for module, key in _forward_hook_ids(model) if (id(module), key) not in hooks_before]
+    return CheckpointingTurnedOn(added, attributes_before)
 
 
-def checkpointing_off(model: nn.Module) -> None:
+def checkpointing_off(model: nn.Module, turned_on: CheckpointingTurnedOn) -> None:
+    """Checkpointing off again, and what ``checkpointing_on`` added (``turned_on``) taken off."""
     disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
     disable()  # type: ignore[operator]
+    for module, key in turned_on.added_hooks:
+        for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
+            hooks.pop(key, None)
+    for module, name, value in turned_on.attributes:
+        if value is _ABSENT:
+            module.__dict__.pop(name, None)
+        else:
+            module.__dict__[name] = value

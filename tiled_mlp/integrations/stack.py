@@ -28,7 +28,13 @@ from tiled_core.shard_plan import NumShards
 
 from .causal_lm_loss import is_tiled_loss
 from .hf import apply_tiled_loss, apply_tiled_mlp, is_tiled, remove_tiled_mlp
-from .offload import apply_checkpoint_offload, checkpointed_layers, checkpointing_off, checkpointing_on
+from .offload import (
+    CheckpointingTurnedOn,
+    apply_checkpoint_offload,
+    checkpointed_layers,
+    checkpointing_off,
+    checkpointing_on,
+)
 from .report import TilingReport
 from .ulysses import SequenceParallel, apply_sequence_parallel, check_sequence_parallel
 
@@ -41,7 +47,8 @@ class LongContextStack:
     report: Optional[TilingReport] = None
     offload: Optional[CheckpointOffload] = None
     sequence_parallel: Optional[SequenceParallel] = None
-    checkpointing_turned_on: bool = False  # by this call (so ``remove`` turns it off again)
+    # What this call added to turn checkpointing on (None: it was on already), so ``remove`` takes off that.
+    checkpointing_turned_on: Optional[CheckpointingTurnedOn] = None
 
     def remove(self) -> None:
         if self.sequence_parallel is not None:
@@ -50,9 +57,9 @@ class LongContextStack:
         if self.offload is not None:
             self.offload.remove()
             self.offload = None
-        if self.checkpointing_turned_on:
-            checkpointing_off(self.model)
-            self.checkpointing_turned_on = False
+        if self.checkpointing_turned_on is not None:
+            checkpointing_off(self.model, self.checkpointing_turned_on)
+            self.checkpointing_turned_on = None
         if self.report is not None:
             remove_tiled_mlp(self.model)  # the tiled loss too
             self.report = None
@@ -111,9 +118,8 @@ def apply_long_context(
             undo.append(lambda: remove_tiled_mlp(model))
         if checkpoint_offload:
             if not checkpointed_layers(model):
-                checkpointing_on(model)
-                stack.checkpointing_turned_on = True
-                undo.append(lambda: checkpointing_off(model))
+                turned_on = stack.checkpointing_turned_on = checkpointing_on(model)
+                undo.append(lambda: checkpointing_off(model, turned_on))
             stack.offload = apply_checkpoint_offload(model)
             undo.append(stack.offload.remove)
         if sequence_parallel != 1:
