@@ -18,7 +18,8 @@ PACKAGES = ("tiled_core", "strategies", "tiled_mlp")
 CORE_FORBIDDEN = ("deepspeed", "accelerate", "transformers", "peft", "torch.distributed.fsdp",
                   "torch.distributed._composable", "torch.distributed._composable_state", "tiled_mlp")
 CORE_MAY_USE = ("strategies.base", "strategies.resolver")
-STRATEGY_SUPPORT = ("__init__.py", "base.py", "registry.py", "resolver.py")
+# deepspeed_sp.py: how a DeepSpeed engine reduces over the SP ranks, read by the DeepSpeed strategy.
+STRATEGY_SUPPORT = ("__init__.py", "base.py", "registry.py", "resolver.py", "deepspeed_sp.py")
 
 
 def imported_modules(source: str, module: str) -> Iterator[Tuple[str, int]]:
