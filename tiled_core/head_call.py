@@ -12,7 +12,8 @@ The forward is put on the head *instance* and takes itself off before ``work`` s
 the head as it is (its class forward, or a forward that was on the instance before: the module kernel
 calls ``head.forward`` per shard, which must be the real one). Hooks of the head that are not its
 backend's would see the loss as the head's output (and could change it): ``foreign_head_hooks`` names
-them, and the caller refuses them before any work.
+them, and the caller refuses them before any work. Hooks registered for every module's calls
+(``register_module_forward_hook``: torch's module trackers) are not refused; they see this call too.
 """
 from __future__ import annotations
 
