@@ -1,7 +1,6 @@
 """``apply_tiled_loss`` on the tiny transformers Llama (its own, untied ``lm_head``) under DeepSpeed ZeRO-3
-on 2 gloo ranks: the tiled loss reads the partitioned ``lm_head`` inside the model's forward, where the
-ZeRO-3 strategy makes it a parameter of the running module (so that module's hooks gather it again for
-the backward). Two SGD steps on different data per rank: losses and every full parameter equal the
+on 2 gloo ranks: the tiled loss runs inside the partitioned ``lm_head``'s own call, so ZeRO-3's hooks on
+``lm_head`` gather it around the loss and again for its backward. Two SGD steps on different data per rank: losses and every full parameter equal the
 untiled ZeRO-3 run (float32; Hugging Face's loss is float32 math either way)."""
 from __future__ import annotations
 

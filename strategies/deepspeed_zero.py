@@ -149,22 +149,26 @@ def _zero3_gathered(module: nn.Module) -> Iterator[None]:
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
 
     in_backward = torch._C._current_graph_task_id() != -1
+    params: List[Any] = [p for p in module.parameters() if is_zero3_param(p)]  # with DeepSpeed's ds_* attributes
     running = _running_forward_module()
     if not in_backward and running is not None and running is not module:
-        # ``module`` is read inside another module's forward, not called (a tiled loss reading lm_head
-        # in the model's forward): its parameters become that module's, as ZeRO-3's own parameter getter
-        # does, so its hooks gather them again before its backward, where autograd accumulates their
-        # gradients into the whole tensors. The cost: from then on that module's hooks fetch them for its
-        # whole forward and backward (for the model's root: lm_head's weight held through the step).
-        # DeepSpeed keeps the engine's root on its stack outside any forward too, so a loss computed after
-        # the model's forward returned takes this path as well.
+        # ZeRO-3's hooks on ``module`` did not run around this call. Where an enclosing module's hooks
+        # hold its parameters (a ``set_z3_leaf_modules`` leaf fetches its whole subtree), those hooks
+        # release them and gather them again for the backward. Where nobody holds them, nothing would:
+        # refused, rather than gathered here and kept by another module for the rest of the step.
+        unheld = [p.ds_id for p in params if p.ds_status != ZeroParamStatus.AVAILABLE]
+        if unheld:
+            raise RuntimeError(
+                f"TiledMLP: {type(module).__name__}'s tiled call runs inside {type(running).__name__}'s forward, "
+                f"not inside its own call, so ZeRO-3's hooks on {type(module).__name__} do not gather its parameters "
+                f"{unheld}. Call the module (module(x)), not its forward, and keep it a submodule of the model given "
+                "to deepspeed.initialize"
+            )
         with _descendant_hooks_suspended(module):
-            _borrow_params(module, running)
             yield
         return
     if not in_backward:
         _register_descendant_params_as_external(module)
-    params: List[Any] = [p for p in module.parameters() if is_zero3_param(p)]  # with DeepSpeed's ds_* attributes
     inflight = [p.ds_id for p in params if p.ds_status == ZeroParamStatus.INFLIGHT]
     if inflight:
         raise RuntimeError(
@@ -191,18 +195,6 @@ def _running_forward_module():
 
     stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
     return stack[-1] if stack else None
-
-
-def _borrow_params(module: nn.Module, running: nn.Module) -> None:
-    """Gather ``module``'s partitioned parameters as parameters of ``running`` (registered as its
-    external parameters): released by ``running``'s hooks, not on leaving the tiled call."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    params: List[Any] = [p for p in module.parameters() if is_zero3_param(p)]  # with DeepSpeed's ds_* attributes
-    _register_external(running, params)
-    for p in params:
-        if p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
-            p.all_gather()
 
 
 def _register_descendant_params_as_external(module: nn.Module) -> None:

@@ -7,9 +7,12 @@ leaves to the model: ``logit_softcap`` (Gemma 2), ``label_smoothing`` (as ``F.cr
 ``z_loss``. No ``[tokens, vocab]`` tensor outlives one shard, and no logits are returned.
 
 It is the second caller of the sharded core (``sharded_reduce``, beside the MLP's token-wise map): the
-strategy of the head's backend is resolved as for a tiled MLP; its ``gathered`` region surrounds the
-call (ZeRO-3 gathers a partitioned ``lm_head`` once, not per shard), and the gradients reach the backend
-through the same single delivery.
+strategy of the head's backend is resolved as for a tiled MLP, and the gradients reach the backend
+through the same single delivery. The loss runs as the forward of one call of the head
+(``head_call.py``), so a backend's module hooks on the head surround it as they surround
+``lm_head(hidden)``: ZeRO-3 gathers a partitioned ``lm_head`` before the loss and releases it after,
+gathers it again when the loss's gradient arrives and releases it once the hidden states' gradient is
+out. Inside, the strategy's ``gathered`` region surrounds the shard loop (never one gather per shard).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from torch import nn
 
 from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg, sums_over_sequence_ranks
 
+from .head_call import foreign_head_hooks, in_head_call
 from .kernels.base import ReduceKernel
 from .kernels.cross_entropy import CrossEntropyOptions, check_targets
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear, loss_dtype
@@ -39,6 +43,11 @@ SHARDED_WEIGHT_ERROR = (
     "tiled loss: {head}'s parameters are sharded DTensors here (FSDP2 outside the forward of the unit that owns "
     "them). Compute the loss inside that unit's forward, as apply_tiled_mlp(model, loss=True) does, or keep "
     "lm_head in a unit whose forward surrounds the loss."
+)
+HEAD_HOOKS_ERROR = (
+    "tiled loss: {head} carries hooks of its own ({hooks}); the loss runs inside the head's call (so that a "
+    "backend's hooks on it surround the loss), where these would see the hidden states and the loss instead of "
+    "the logits, and could change the loss. Remove them from the head, or leave the tiled loss off"
 )
 
 
@@ -108,30 +117,39 @@ def tiled_cross_entropy(
     backend.check_supported(lm_head)
     if any(_is_dtensor(p) for p in lm_head.parameters()):
         raise RuntimeError(SHARDED_WEIGHT_ERROR.format(head=type(lm_head).__name__))
+    foreign = foreign_head_hooks(lm_head, backend.is_backend_hook)
+    if foreign:
+        raise RuntimeError(HEAD_HOOKS_ERROR.format(head=type(lm_head).__name__, hooks=", ".join(foreign)))
     num_tokens = targets.numel()
-    with backend.gathered(lm_head):
-        trainable = backend.trainable_params(lm_head)
-        if is_plain_linear(lm_head):
-            kernel: Union[LinearHeadKernel, ModuleHeadKernel] = LinearHeadKernel(lm_head, options)  # type: ignore[arg-type]
-            mask = [any(p is t for t in trainable) for p in kernel.params]
-        else:
-            kernel = ModuleHeadKernel(lm_head, trainable, options)
-            mask = None
-        params = kernel.params
-        dtype = loss_dtype(params[0].dtype if params else hidden.dtype)
-        vocab = _vocab_size(lm_head)
-        if vocab is not None:  # else the module kernel checks each shard once its logits show the vocabulary
-            check_targets(targets, vocab, ignore_index)
-        scale = _scale(targets, reduction, num_items_in_batch, ignore_index, dtype, sequence_group)
-        run: ShardedRun[ReduceKernel] = ShardedRun(
-            kernel=kernel,
-            plan=make_shard_plan(num_tokens, loss_num_shards(num_tokens, vocab or UNKNOWN_VOCAB, num_shards)),
-            grad_accum_dtype=grad_accum_dtype,
-            param_mask=mask,
-            zeros_for_unused=backend.unused_grads_as_zeros,
-            deliver_grads=backend.deliver_grads,
-        )
-        return sum_over_group(sharded_reduce(hidden, targets, scale, run, params), sequence_group, averages)
+
+    def loss_of(head_input: torch.Tensor) -> torch.Tensor:  # the head's forward for this one call
+        with backend.gathered(lm_head):
+            trainable = backend.trainable_params(lm_head)
+            if is_plain_linear(lm_head):
+                kernel: Union[LinearHeadKernel, ModuleHeadKernel] = LinearHeadKernel(lm_head, options)  # type: ignore[arg-type]
+                mask = [any(p is t for t in trainable) for p in kernel.params]
+            else:
+                kernel = ModuleHeadKernel(lm_head, trainable, options)
+                mask = None
+            params = kernel.params
+            dtype = loss_dtype(params[0].dtype if params else head_input.dtype)
+            vocab = _vocab_size(lm_head)
+            if vocab is not None:  # else the module kernel checks each shard once its logits show the vocabulary
+                check_targets(targets, vocab, ignore_index)
+            scale = _scale(targets, reduction, num_items_in_batch, ignore_index, dtype, sequence_group)
+            run: ShardedRun[ReduceKernel] = ShardedRun(
+                kernel=kernel,
+                plan=make_shard_plan(num_tokens, loss_num_shards(num_tokens, vocab or UNKNOWN_VOCAB, num_shards)),
+                grad_accum_dtype=grad_accum_dtype,
+                param_mask=mask,
+                zeros_for_unused=backend.unused_grads_as_zeros,
+                deliver_grads=backend.deliver_grads,
+            )
+            return sharded_reduce(head_input, targets, scale, run, params)
+
+    # Inside the head's own call: a backend's hooks on the head (ZeRO-3's gather and release, forward and
+    # backward) surround the loss, as they surround ``lm_head(hidden)`` (``head_call.py``).
+    return sum_over_group(in_head_call(lm_head, hidden, loss_of), sequence_group, averages)
 
 
 class TiledCrossEntropy(nn.Module):

@@ -12,7 +12,9 @@ model *instance* (``model.forward``; no class is swapped, no module added, so ev
 2. takes the decoder's final hidden states (a forward hook on ``model.get_decoder()``, removed after);
 3. returns the model's output with ``loss = tiled_cross_entropy(hidden, model.lm_head, labels, ...)``
    (plus ``router_aux_loss_coef * aux_loss`` for the MoE families, as their forward adds it) and no
-   ``logits``.
+   ``logits``. The tiled loss runs inside one call of ``lm_head`` (``tiled_core/head_call.py``), so a
+   backend's hooks on ``lm_head`` (ZeRO-3's gather and release) surround it as they surround the
+   model's own ``lm_head(hidden)``.
 
 Without labels, or without a graph being built (evaluation: ``Trainer.evaluate`` with metrics reads the
 logits), the model's forward runs unchanged, logits included.

@@ -1,0 +1,64 @@
+"""Run the tiled loss inside the output head's own call, so that the head's module hooks surround it.
+
+A backend that gathers parameters per module (DeepSpeed ZeRO-3) does it in hooks on the module's call:
+gather before its forward and release after; and, for the backward, gather again when the gradient of
+the module's output arrives and release once the gradient of its input is out. The loss reads the head's
+weight without calling the head (the kernels compute the shard's matmuls themselves), so without a call
+of the head those hooks would not fire around it, and the weight would have to be held by some other
+module for the whole step. Here the head is called once, with the hidden states as its input and the
+loss as its output: its forward, for that one call, is ``work``.
+
+The forward is put on the head *instance* and takes itself off before ``work`` starts, so ``work`` sees
+the head as it is (its class forward, or a forward that was on the instance before: the module kernel
+calls ``head.forward`` per shard, which must be the real one). Hooks of the head that are not its
+backend's would see the loss as the head's output (and could change it): ``foreign_head_hooks`` names
+them, and the caller refuses them before any work. Hooks registered for every module's calls
+(``register_module_forward_hook``: torch's module trackers) are not refused; they see this call too.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+import torch
+from torch import nn
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+class _ForwardForOneCall:
+    """The head's forward for one call: puts back what was there, then runs ``work`` on the input that
+    the head's pre-hooks handed over (ZeRO-3 wraps it to learn when its gradient is out)."""
+
+    def __init__(self, head: nn.Module, work: Callable[[torch.Tensor], torch.Tensor]):
+        self.head = head
+        self.work = work
+        self.had_own = "forward" in vars(head)
+        self.previous = vars(head).get("forward")
+
+    def put_back(self) -> None:
+        if vars(self.head).get("forward") is not self:
+            return
+        if self.had_own:
+            self.head.__dict__["forward"] = self.previous
+        else:
+            del self.head.__dict__["forward"]
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.put_back()
+        return self.work(hidden)
+
+
+def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``work(hidden)``, run as the forward of one call of ``head`` (``head(hidden)``)."""
+    forward = _ForwardForOneCall(head, work)
+    head.__dict__["forward"] = forward
+    try:
+        return head(hidden)
+    finally:
+        forward.put_back()  # where a pre-hook raised before the forward ran
+
+
+def foreign_head_hooks(head: nn.Module, is_backend_hook: Callable[[Any], bool]) -> List[str]:
+    """The hooks on ``head`` itself that are not its backend's, by name: they would fire around the loss."""
+    return [getattr(hook, "__qualname__", type(hook).__qualname__)
+            for name in _HOOK_DICTS for hook in getattr(head, name, {}).values() if not is_backend_hook(hook)]
