@@ -15,6 +15,7 @@ offload's own word is the only way to tell them apart.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Dict, Iterable, List, Set, Tuple
 
 import torch
@@ -30,6 +31,8 @@ _META_OUTPUTS = MetaOutputs()
 
 WEIGHTS, GRADS, LOGITS, ACTIVATIONS = "weights", "gradients", "logits and loss", "activations"
 HOST = "host"  # in host memory: not one of the device's kinds above
+# One entry of a step's log: the kind of the storage, its bytes, and whether it was allocated (else freed).
+Event = Tuple[str, int, bool]
 
 
 @dataclass
@@ -95,6 +98,7 @@ class TimelineTracker(LiveMemoryTracker):
         self._log: List[Tuple[int, int, str]] = []  # (serial, bytes, kind at allocation; "" for a free)
         self._kind = ACTIVATIONS  # what a new storage is, unless its last dim is the vocabulary
         self._host_serials: Set[int] = set()
+        self._marks: List[int] = []  # log lengths where a section of the step ends (``mark``)
 
     def track_weights(self, tensors: Iterable[torch.Tensor]) -> None:
         self._kind = WEIGHTS
@@ -141,23 +145,49 @@ class TimelineTracker(LiveMemoryTracker):
             self._log.append((serial, self._live.get(key, 0), ""))
         super()._free(key)
 
-    def timeline(self, grads: Iterable[torch.Tensor]) -> Timeline:
-        """Replay the log; ``grads`` (the parameters' ``.grad`` after the step) say which storages were
-        gradients all along."""
+    def mark(self) -> None:
+        """Close a section of the log here (``sections``): the weights, the forward, the backward."""
+        self._marks.append(len(self._log))
+
+    def kinded(self, grads: Iterable[torch.Tensor]) -> List[Event]:
+        """The log as (kind, bytes, allocated) events, each free carrying its allocation's kind; ``grads``
+        (the parameters' ``.grad`` after the step) say which storages were gradients all along."""
         grad_serials = {self._serial_of[key] for key in (g.untyped_storage()._cdata for g in grads) if key in self._serial_of}
         kind_of: Dict[int, str] = {}
-        live = {WEIGHTS: 0, GRADS: 0, LOGITS: 0, ACTIVATIONS: 0, HOST: 0}
-        points, host, events = [], [], []
+        events: List[Event] = []
         for serial, nbytes, kind in self._log:
             if kind:
                 kind = GRADS if serial in grad_serials else HOST if serial in self._host_serials else kind
                 kind_of[serial] = kind
-                live[kind] += nbytes
-                points.append((live[WEIGHTS], live[GRADS], live[LOGITS], live[ACTIVATIONS]))
-                host.append(live[HOST])
+                events.append((kind, nbytes, True))
             else:
-                live[kind_of.pop(serial)] -= nbytes
-            if self._describe:
-                events.append((serial, nbytes, kind))
-        return Timeline(points, host if self._host_serials else [], events, dict(self._what))
+                events.append((kind_of.pop(serial), nbytes, False))
+        return events
 
+    def sections(self, events: List[Event]) -> List[List[Event]]:
+        """``events`` (``kinded``) cut at the marks."""
+        cuts = [0, *self._marks, len(events)]
+        return [events[start:end] for start, end in pairwise(cuts)]
+
+    def timeline(self, events: List[Event]) -> Timeline:
+        """``events`` (``kinded``) replayed, with what made each allocation where ``describe`` was asked."""
+        timeline = replay(events)
+        if self._describe:
+            timeline.events = [(serial, nbytes, kind and event[0])
+                               for (serial, nbytes, kind), event in zip(self._log[:len(events)], events, strict=True)]
+            timeline.what = dict(self._what)
+        return timeline
+
+
+def replay(events: List[Event]) -> Timeline:
+    """The timeline of a log of (kind, bytes, allocated) events: a point after each allocation."""
+    live = {WEIGHTS: 0, GRADS: 0, LOGITS: 0, ACTIVATIONS: 0, HOST: 0}
+    points, host = [], []
+    for kind, nbytes, allocated in events:
+        if allocated:
+            live[kind] += nbytes
+            points.append((live[WEIGHTS], live[GRADS], live[LOGITS], live[ACTIVATIONS]))
+            host.append(live[HOST])
+        else:
+            live[kind] -= nbytes
+    return Timeline(points, host if any(event[0] == HOST for event in events) else [])
