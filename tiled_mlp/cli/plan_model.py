@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import sys
 import time
@@ -26,7 +25,7 @@ from ..planner.plan import Planner, Point, Request
 from ..planner.presets import PRESETS, load_config
 from ..planner.search import Longest
 from ..planner.step import Setting
-from . import parsing
+from . import json_stdout, parsing
 
 GiB = 2**30
 DEFAULT_SEQS = [8192, 32768, 65536, 131072]
@@ -283,7 +282,7 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
                       host_budget_bytes=None if request.host_budget is None else int(request.host_budget))
         records = ([limits] + [p.record() for p in points]
                    + [dict(setting=k, max_seq=v.seq, at_cap=v.at_cap) for k, v in longest.items()])
-        print(json.dumps(records, indent=2))
+        json_stdout.emit(records)
     else:
         header = report.header(args.model, request.config, planner.param_sizes(), planner.layer_kinds(), args.dtype,
                                args.batch, backend, args.sp)
@@ -312,9 +311,9 @@ def run_alst(args, parser_error) -> int:
         progress.close()
     seconds = time.monotonic() - start
     if args.json:
-        print(json.dumps([dict(model=alst.MODEL, budget_bytes=int(budget), seconds=round(seconds, 1),
+        json_stdout.emit([dict(model=alst.MODEL, budget_bytes=int(budget), seconds=round(seconds, 1),
                                node_host_bytes=None if args.host_budget is None else int(args.host_budget))]
-                         + alst.records(climbed), indent=2))
+                         + alst.records(climbed))
         return 0
     print("\n".join([*alst.table(config, climbed, budget, alst.MODEL, args.host_budget), "",
                      *alst.findings(config, climbed, budget),

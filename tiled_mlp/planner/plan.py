@@ -176,21 +176,21 @@ class Planner:
     def timeline(self, setting: Setting, seq: int, describe: bool = False, full_depth: bool = False) -> Timeline:
         """The full-depth step's timeline, of one rank: ``seq / sp`` tokens (not cached: the points are),
         composed from two shallow steps where the layers are alike (``compose.py``), else modelled at
-        full depth, as it always is with ``full_depth`` or ``describe`` (what made each allocation,
-        ``Timeline.at_peak``)."""
+        full depth, as it always is with ``full_depth``. ``describe``: with what made each allocation
+        (``Timeline.at_peak``)."""
         if seq % setting.sp:
             raise ValueError(f"{seq} tokens do not split across {setting.sp} ranks of sequence parallelism; give a "
                              f"multiple of {setting.sp}")
         tokens, batch = seq // setting.sp, self.request.batch
-        if not (describe or full_depth) and self.composable(setting):
+        if not full_depth and self.composable(setting):
             if setting not in self._shallow:
                 self._shallow[setting] = tuple(
                     build_model(self.request.config, depth, self.request.dtype, "meta", setting, batch=batch)
                     for depth in (SHALLOW, SHALLOW + 1))
-            shallow, deeper = (step_sections(m, tokens, batch) for m in self._shallow[setting])
+            shallow, deeper = (step_sections(m, tokens, batch, describe) for m in self._shallow[setting])
             events = compose(shallow, deeper, self.layers)
             if events is not None:
-                return replay(events)
+                return replay(events, describe)
             self._full_depth_only.add(setting)
         return step_timeline(self.model(setting), tokens, batch, describe=describe)
 

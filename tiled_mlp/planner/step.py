@@ -138,10 +138,10 @@ def step_timeline(model, seq: int, batch: int, rank: int = 0, describe: bool = F
     return tracker.timeline(events)
 
 
-def step_sections(model, seq: int, batch: int) -> List[List[Event]]:
+def step_sections(model, seq: int, batch: int, describe: bool = False) -> List[List[Event]]:
     """One step's log in three sections: the weights' tracking, the forward (with the loss), the
     backward (``compose.py`` puts a deep step together from shallow ones, section by section)."""
-    tracker, events = _run_step(model, seq, batch, 0, False)
+    tracker, events = _run_step(model, seq, batch, 0, describe)
     return tracker.sections(events)
 
 
