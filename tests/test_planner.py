@@ -303,3 +303,15 @@ def test_local_config_file_is_read(capsys, tmp_path):
                  "--budget", "64MiB", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
     assert len(records) == 9 and all(r["fits"] for r in records if "seq" in r)
+
+
+def test_a_config_with_yarn_is_not_told_it_needs_position_scaling():
+    from tiled_mlp.planner.report import position_warnings
+
+    config = tiny_llama(2)
+    config.rope_scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    if getattr(config, "rope_parameters", None) is not None:
+        config.rope_parameters = dict(config.rope_scaling)
+    assert position_warnings(config, [8192, 16384], {}) == []  # within 4 x 4096
+    (line,) = position_warnings(config, [32768], {})
+    assert "needs position scaling" not in line and "YaRN scaling covers (factor 4.0 over 4,096)" in line

@@ -3,7 +3,7 @@ analytic rather than modelled."""
 from __future__ import annotations
 
 from itertools import pairwise
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -93,15 +93,38 @@ def notes(points: List[Point], dtype: torch.dtype, backend: Backend, optimizer_o
     return lines
 
 
+def _rope_scaling(text) -> Dict[str, Any]:
+    """The config's RoPE scaling ({} when none): ``rope_parameters`` (transformers >= 4.56) or ``rope_scaling``."""
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(text, name, None)
+        if isinstance(value, dict) and (value.get("rope_type") or value.get("type")) not in (None, "default"):
+            return value
+    return {}
+
+
 def position_warnings(config, seqs: List[int], longest: Dict[str, Longest]) -> List[str]:
-    """Lengths past ``max_position_embeddings``: the memory is modelled, the model was not trained there."""
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    """Lengths past what the model's positions cover: ``max_position_embeddings``, or with YaRN its factor
+    times the original length where that is more. The memory is modelled, the model was not trained there."""
+    text = config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None)
     if not isinstance(limit, int):
         return []
+    scaling = _rope_scaling(text)
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "yarn":
+        original = scaling.get("original_max_position_embeddings") or limit
+        limit = max(limit, int(scaling.get("factor", 1.0) * original))
     past = sorted({seq for seq in seqs if seq > limit} | {f.seq for f in longest.values() if f.seq > limit})
     if not past:
         return []
-    return [f"{', '.join(f'{seq:,}' for seq in past)} tokens: past the model's max_position_embeddings ({limit:,}); "
+    lengths = ", ".join(f"{seq:,}" for seq in past)
+    if kind == "yarn":
+        return [f"{lengths} tokens: past the {limit:,} the config's YaRN scaling covers (factor {scaling.get('factor')} "
+                f"over {original:,}); the memory is modelled all the same, but training there needs a larger factor"]
+    if kind:
+        return [f"{lengths} tokens: past the model's max_position_embeddings ({limit:,}), with its {kind} RoPE "
+                "scaling; the memory is modelled all the same, but the model was not trained there"]
+    return [f"{lengths} tokens: past the model's max_position_embeddings ({limit:,}); "
             "the memory is modelled all the same, but the model needs position scaling (RoPE scaling such as YaRN) "
             "to train there"]
 
