@@ -213,6 +213,18 @@ def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) 
         return (f"the budget, {budget / GiB:.2f} GiB ({budget_from}), is smaller than the weights alone on each rank "
                 f"({weights / GiB:.2f} GiB: {sizes.total / 1e9:.2f}B parameters in {args.dtype}, "
                 f"{backend.name} over {backend.world_size}); raise the budget or shard over more ranks")
+    if args.sp > 1:
+        # Only what apply_sequence_parallel accepts: the model (asked of the library's checks) and the
+        # settings with the tiled loss, which SP requires.
+        why = sequence_parallel.refusal(model)
+        if why:
+            return f"--sp {args.sp}: {why}"
+        if args.tiled_loss == "none":
+            return (f"--sp {args.sp} --tiled-loss none: apply_sequence_parallel requires the tiled loss (the SP loss is "
+                    "its sum across the ranks); leave --tiled-loss out or give auto or a shard count")
+        request.settings = [s for s in request.settings if s.tiled_loss]
+        warnings.append(f"--sp {args.sp}: only the tiled-loss settings are planned (apply_sequence_parallel "
+                        "requires the tiled loss)")
     with_loss = next((s for s in request.settings if s.tiled_loss), None)
     refusal = check.tiled_loss_refusal(model) if with_loss is not None else ""
     if refusal:  # a family the integration does not know: said before any step

@@ -47,6 +47,12 @@ class Timeline:
     # dtype, shape), for ``at_peak``.
     events: List[Event] = field(default_factory=list)
 
+    @property
+    def what(self) -> Dict[int, str]:
+        """What made each allocation, by its place among the allocations (a described step's only)."""
+        allocations = (event for event in self.events if event[2])
+        return {i: event[3] for i, event in enumerate(allocations) if event[3]}
+
     def host_peak(self) -> int:
         """The most host memory held at once during the step (the offloaded layer inputs)."""
         return max(self.host, default=0)
