@@ -47,3 +47,22 @@ def test_a_log_that_is_not_one_insertion_is_not_composed():
     a, b, c = ("activations", 8, True, ""), ("activations", 8, False, ""), ("gradients", 4, True, "")
     assert compose([[a, b]], [[a, b, a, b]], 5) == [a, b] * 4  # two layers of (a, b), then three more
     assert compose([[a, b]], [[c, a, b, a]], 5) is None
+
+
+def test_an_answer_the_full_depth_step_contradicts_is_searched_again_at_full_depth(monkeypatch):
+    from tiled_mlp.planner import plan as plan_module
+
+    setting = Setting(tiled=False, checkpointing=True)
+
+    def planner(budget=None):
+        return Planner(Request(tiny_llama(6), [], [setting], Backend("single", 1), dtype=torch.float32,
+                               budget=budget, seq_step=64, seq_cap=4096))
+
+    budget = planner().point(setting, 1024).held_bytes
+    right = plan_module.compose
+    monkeypatch.setattr(plan_module, "compose", lambda *args: None)  # every step at full depth
+    truth = planner(budget).longest(setting)
+    monkeypatch.setattr(plan_module, "compose", lambda shallow, deeper, layers: right(shallow, deeper, layers - 3))
+    checked = planner(budget)
+    assert checked.longest(setting) == truth and truth.seq == 1024
+    assert setting in checked._full_depth_only, "the composed answer was wrong and was caught"

@@ -120,6 +120,10 @@ class Request:
     # The search stops at a million tokens a rank (under SP of N ranks, N million in all): a tiled step
     # there is thousands of shards to model, and the answer is then "at least" this, said so.
     seq_cap: int = 2**20
+    # The longest lengths' points (each answer and one grid step more) modelled again at full depth where the
+    # step is composed (``compose.py``), and checked equal; ALST's ladder, at millions of tokens, leaves it
+    # to the tests that prove the composition.
+    verify_full_depth: bool = True
 
 
 @dataclass
@@ -246,8 +250,26 @@ class Planner:
         if req.budget is None:
             raise ValueError("the longest sequence needs a budget")
         known = {seq: p.load() for (s, seq), p in self._points.items() if s == setting}
-        return longest_fitting(lambda seq: self.point(setting, seq).load(), 1.0, self.seq_step(setting),
-                               self.seq_cap(setting), known)
+        found = longest_fitting(lambda seq: self.point(setting, seq).load(), 1.0, self.seq_step(setting),
+                                self.seq_cap(setting), known)
+        if req.verify_full_depth and self.composable(setting) and not self._full_depth_agrees(setting, found):
+            # Not seen in any test; should it happen, the setting is planned again at full depth.
+            self._full_depth_only.add(setting)
+            for key in [key for key in self._points if key[0] == setting]:
+                del self._points[key]
+            return self.longest(setting)
+        return found
+
+    def _full_depth_agrees(self, setting: Setting, found: Longest) -> bool:
+        """The answer's two points (the longest fitting, and one grid step more unless at the cap), modelled
+        at full depth, equal the composed ones."""
+        step = self.seq_step(setting)
+        seqs = [seq for seq in (found.seq, None if found.at_cap else found.seq + step) if seq]
+        for seq in seqs:
+            full = self.point_of(setting, seq, self.timeline(setting, seq, full_depth=True), self.request.backend)
+            if full.record() != self.point(setting, seq).record():
+                return False
+        return True
 
     def max_seq(self, setting: Setting) -> int:
         return self.longest(setting).seq
