@@ -286,7 +286,8 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
     request = planner.request
     budget, backend = request.budget, request.backend
     assert budget is not None, "the CLI always plans against a budget"
-    for warning in (warnings + report.position_warnings(request.config, request.seqs, longest)
+    for warning in (warnings + report.attention_warnings(request.config)
+                    + report.position_warnings(request.config, request.seqs, longest)
                     + report.dips(planner.modelled())):
         print(f"warning: {warning}", file=sys.stderr)
     if args.json:
@@ -297,7 +298,7 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
         json_stdout.emit(records)
     else:
         header = report.header(args.model, request.config, planner.param_sizes(), planner.layer_kinds(), args.dtype,
-                               args.batch, backend, args.sp)
+                               args.batch, backend, args.sp, any(planner.composable(s) for s in request.settings))
         print("\n".join([header, *report.table(points, budget, budget_from, request.host_budget),
                          *report.longest_lines(longest, budget, request.seq_step, request.host_budget),
                          *advice, *report.notes(points, args.dtype, backend, request.optimizer_on_device)]))
