@@ -228,3 +228,17 @@ def test_with_tiled_norms_alsts_rows_reach_about_twice_its_lengths(rung, ours, h
     assert at.fits and not past.fits
     assert past.device_fits is host_bound and past.host_fits is not host_bound
     assert ours > 1.9 * rung.alst_tokens
+
+
+def test_the_tiled_norms_rows_step_is_composed_as_its_full_depth_step():
+    """The path of ALST's tiled-norms rows (tiled MLPs, loss and norms, checkpoint offload, SP, ZeRO-3 with
+    the parameters on the host), on a tiny model: the composed step is the full-depth one, event for event
+    (the real rows, at millions of tokens, are the slow tests above)."""
+    config = tiny_llama(5)
+    setting = Setting(tiled=True, checkpointing=True, tiled_loss=True, offload_checkpoints=True, sp=2,
+                      tiled_norms=True)
+    rung = alst.Rung("tiny", "4K", 4_000, setting, world_size=2, offload_params=True, grid=256)
+    planner = alst.planner_for(config, rung, budget=1.1 * GiB, node_host=1 * GiB)
+    composed, full = planner.timeline(setting, 2048), planner.timeline(setting, 2048, full_depth=True)
+    assert len(planner.stepped(setting)) == 2
+    assert composed.points == full.points and composed.host == full.host and composed.host_peak() > 0
