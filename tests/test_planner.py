@@ -303,3 +303,27 @@ def test_local_config_file_is_read(capsys, tmp_path):
                  "--budget", "64MiB", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
     assert len(records) == 9 and all(r["fits"] for r in records if "seq" in r)
+
+
+def test_a_config_with_yarn_is_not_told_it_needs_position_scaling():
+    from tiled_mlp.planner.report import position_warnings
+
+    config = tiny_llama(2)
+    config.rope_scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    if getattr(config, "rope_parameters", None) is not None:
+        config.rope_parameters = dict(config.rope_scaling)
+    assert position_warnings(config, [8192, 16384], {}) == []  # within 4 x 4096
+    (line,) = position_warnings(config, [32768], {})
+    assert "needs position scaling" not in line and "YaRN scaling covers (factor 4.0 over 4,096)" in line
+
+
+def test_a_sliding_window_model_is_warned_that_sdpa_holds_more_than_the_flash_kernel_modelled():
+    from transformers import Gemma2Config
+
+    from tiled_mlp.planner.report import attention_warnings
+
+    gemma = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=256, sliding_window=32)
+    (line,) = attention_warnings(gemma)
+    assert "sliding-window layers" in line and "flash_attention_2" in line and "math path" in line
+    assert attention_warnings(tiny_llama(2)) == []

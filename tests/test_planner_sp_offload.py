@@ -112,6 +112,8 @@ def test_zero3_parameter_offload_is_analytic_and_leaves_the_device_no_partition(
     (["--sp", "4", "--world-size", "6"], "--world-size 6 is not a multiple of 4"),
     (["--sp", "4", "--world-size", "4", "--seq", "8190"], "8190 tokens do not split across 4 ranks"),
     (["--offload-checkpoints", "--checkpointing", "none"], "with --checkpointing none there is none"),
+    (["--sp", "2", "--world-size", "2", "--tiled-loss", "none"], "apply_sequence_parallel requires the tiled loss"),
+    (["--model", "qwen3-30b-a3b", "--sp", "2", "--world-size", "2"], "apply_sequence_parallel refuses Qwen3MoeForCausalLM"),
     (["--offload-params", "--backend", "fsdp2"], "--offload-params is ZeRO-3's offload_param"),
 ])
 def test_bad_parallel_options_are_refused_before_any_step(capsys, monkeypatch, argv, expect):
@@ -138,11 +140,12 @@ def test_offload_without_checkpointing_is_no_setting():
 def test_the_cli_reports_host_memory_and_plans_offload_beside_each_checkpointed_setting(capsys, tmp_path):
     tiny_llama(3).save_pretrained(tmp_path)
     argv = ["plan", "--model", str(tmp_path), "--seq", "1024", "--dtype", "fp32", "--tiled", "none",
-            "--tiled-loss", "none", "--budget", "64MiB", "--world-size", "2", "--backend", "zero3", "--sp", "2",
+            "--tiled-loss", "auto", "--budget", "64MiB", "--world-size", "2", "--backend", "zero3", "--sp", "2",
             "--offload-checkpoints", "--offload-optimizer"]
     assert main(argv + ["--json"]) == 0
     records = [r for r in json.loads(capsys.readouterr().out) if "seq" in r]
-    assert [r["setting"] for r in records] == ["untiled+sp2", "untiled+ckpt+sp2", "untiled+ckpt+offload+sp2"]
+    # Only the tiled-loss settings: apply_sequence_parallel requires the tiled loss.
+    assert [r["setting"] for r in records] == ["tiled-loss+sp2", "tiled-loss+ckpt+sp2", "tiled-loss+ckpt+offload+sp2"]
     for r in records:
         assert r["tokens_per_rank"] == 512 and r["host_bytes"] == sum(r["host_parts"].values())
         assert set(r["host_parts"]) >= {"optimizer", "gradients"}
@@ -150,7 +153,7 @@ def test_the_cli_reports_host_memory_and_plans_offload_beside_each_checkpointed_
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "| held | fits | host |" in out and "'host' is the rank's host memory" in out
-    (row,) = [line for line in out.splitlines() if line.startswith("| 1024 | untiled+ckpt+offload+sp2 |")]
+    (row,) = [line for line in out.splitlines() if line.startswith("| 1024 | tiled-loss+ckpt+offload+sp2 |")]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert len(cells) == 8 and cells[6] == f"{records[2]['host_bytes'] / GiB:.2f}", cells
     assert "Ulysses SP over 2 ranks" in out and "'spN' is Ulysses" in out
@@ -226,3 +229,17 @@ def test_with_tiled_norms_alsts_rows_reach_about_twice_its_lengths(rung, ours, h
     assert at.fits and not past.fits
     assert past.device_fits is host_bound and past.host_fits is not host_bound
     assert ours > 1.9 * rung.alst_tokens
+
+
+def test_the_tiled_norms_rows_step_is_composed_as_its_full_depth_step():
+    """The path of ALST's tiled-norms rows (tiled MLPs, loss and norms, checkpoint offload, SP, ZeRO-3 with
+    the parameters on the host), on a tiny model: the composed step is the full-depth one, event for event
+    (the real rows, at millions of tokens, are the slow tests above)."""
+    config = tiny_llama(5)
+    setting = Setting(tiled=True, checkpointing=True, tiled_loss=True, offload_checkpoints=True, sp=2,
+                      tiled_norms=True)
+    rung = alst.Rung("tiny", "4K", 4_000, setting, world_size=2, offload_params=True, grid=256)
+    planner = alst.planner_for(config, rung, budget=1.1 * GiB, node_host=1 * GiB)
+    composed, full = planner.timeline(setting, 2048), planner.timeline(setting, 2048, full_depth=True)
+    assert len(planner.stepped(setting)) == 2
+    assert composed.points == full.points and composed.host == full.host and composed.host_peak() > 0

@@ -5,7 +5,6 @@ so nothing is allocated and the seed's sizes plan in seconds on any machine.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Dict
 
 import torch
@@ -13,7 +12,7 @@ import torch
 from tiled_core.auto_shards import MLPSize, auto_decision, fixed_bytes
 
 from ..bench.model_memory import modeled_peak_bytes
-from . import parsing, plan_model
+from . import json_stdout, parsing, plan_model
 
 GiB = 2**30
 
@@ -85,6 +84,11 @@ def _fit_budget(budget, untiled, tokens, floor, peak_at) -> dict:
 
 
 def run(args, parser_error) -> int:
+    with json_stdout.only_json(args.json):
+        return _run(args, parser_error)
+
+
+def _run(args, parser_error) -> int:
     if args.alst:
         return plan_model.run_alst(args, parser_error)
     if args.model is not None:
@@ -99,7 +103,7 @@ def run(args, parser_error) -> int:
     except ValueError as error:
         parser_error(str(error))
     if args.json:
-        print(json.dumps(plan, indent=2))
+        json_stdout.emit(plan)
         return 0
     g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
     print(f"SwiGLU hidden={args.hidden} intermediate={args.intermediate} seq={args.seq} batch={args.batch} {plan['dtype']}")

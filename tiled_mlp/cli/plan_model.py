@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import sys
 import time
@@ -26,7 +25,7 @@ from ..planner.plan import Planner, Point, Request
 from ..planner.presets import PRESETS, load_config
 from ..planner.search import Longest
 from ..planner.step import Setting
-from . import parsing
+from . import json_stdout, parsing
 
 GiB = 2**30
 DEFAULT_SEQS = [8192, 32768, 65536, 131072]
@@ -214,6 +213,18 @@ def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) 
         return (f"the budget, {budget / GiB:.2f} GiB ({budget_from}), is smaller than the weights alone on each rank "
                 f"({weights / GiB:.2f} GiB: {sizes.total / 1e9:.2f}B parameters in {args.dtype}, "
                 f"{backend.name} over {backend.world_size}); raise the budget or shard over more ranks")
+    if args.sp > 1:
+        # Only what apply_sequence_parallel accepts: the model (asked of the library's checks) and the
+        # settings with the tiled loss, which SP requires.
+        why = sequence_parallel.refusal(model)
+        if why:
+            return f"--sp {args.sp}: {why}"
+        if args.tiled_loss == "none":
+            return (f"--sp {args.sp} --tiled-loss none: apply_sequence_parallel requires the tiled loss (the SP loss is "
+                    "its sum across the ranks); leave --tiled-loss out or give auto or a shard count")
+        request.settings = [s for s in request.settings if s.tiled_loss]
+        warnings.append(f"--sp {args.sp}: only the tiled-loss settings are planned (apply_sequence_parallel "
+                        "requires the tiled loss)")
     with_loss = next((s for s in request.settings if s.tiled_loss), None)
     refusal = check.tiled_loss_refusal(model) if with_loss is not None else ""
     if refusal:  # a family the integration does not know: said before any step
@@ -275,7 +286,8 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
     request = planner.request
     budget, backend = request.budget, request.backend
     assert budget is not None, "the CLI always plans against a budget"
-    for warning in (warnings + report.position_warnings(request.config, request.seqs, longest)
+    for warning in (warnings + report.attention_warnings(request.config)
+                    + report.position_warnings(request.config, request.seqs, longest)
                     + report.dips(planner.modelled())):
         print(f"warning: {warning}", file=sys.stderr)
     if args.json:
@@ -283,10 +295,10 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
                       host_budget_bytes=None if request.host_budget is None else int(request.host_budget))
         records = ([limits] + [p.record() for p in points]
                    + [dict(setting=k, max_seq=v.seq, at_cap=v.at_cap) for k, v in longest.items()])
-        print(json.dumps(records, indent=2))
+        json_stdout.emit(records)
     else:
         header = report.header(args.model, request.config, planner.param_sizes(), planner.layer_kinds(), args.dtype,
-                               args.batch, backend, args.sp)
+                               args.batch, backend, args.sp, any(planner.composable(s) for s in request.settings))
         print("\n".join([header, *report.table(points, budget, budget_from, request.host_budget),
                          *report.longest_lines(longest, budget, request.seq_step, request.host_budget),
                          *advice, *report.notes(points, args.dtype, backend, request.optimizer_on_device)]))
@@ -312,9 +324,9 @@ def run_alst(args, parser_error) -> int:
         progress.close()
     seconds = time.monotonic() - start
     if args.json:
-        print(json.dumps([dict(model=alst.MODEL, budget_bytes=int(budget), seconds=round(seconds, 1),
+        json_stdout.emit([dict(model=alst.MODEL, budget_bytes=int(budget), seconds=round(seconds, 1),
                                node_host_bytes=None if args.host_budget is None else int(args.host_budget))]
-                         + alst.records(climbed), indent=2))
+                         + alst.records(climbed))
         return 0
     print("\n".join([*alst.table(config, climbed, budget, alst.MODEL, args.host_budget), "",
                      *alst.findings(config, climbed, budget),

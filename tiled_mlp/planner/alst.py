@@ -95,7 +95,8 @@ def planner_for(config, rung: Rung, budget: float = BUDGET, node_host: Optional[
     cap_per_rank = math.ceil(2.5 * rung.alst_tokens / rung.setting.sp / rung.grid) * rung.grid
     request = Request(config, [], [rung.setting], Backend("zero3", rung.world_size, offload_params=rung.offload_params),
                       dtype=torch.bfloat16, budget=budget, optimizer_on_device=False, seq_step=rung.grid,
-                      seq_cap=cap_per_rank, host_budget=None if node_host is None else node_host / rung.world_size)
+                      seq_cap=cap_per_rank, host_budget=None if node_host is None else node_host / rung.world_size,
+                      verify_full_depth=False)
     return Planner(request)
 
 

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 # Per output leaf: ("in", index among the inputs' leaves), ("new", shape, stride, dtype) or ("value", v).
 _Spec = Optional[Tuple[Any, List[tuple]]]
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 MAX_KEPT = 200_000  # distinct calls remembered; a plan makes a few thousand
 
 
@@ -32,7 +33,8 @@ class _NotMeta(Exception):
 
 def _key_of(value: Any) -> Hashable:
     if isinstance(value, torch.Tensor):
-        if type(value) is not torch.Tensor or value.device.type != "meta" or value.layout != torch.strided:
+        # A parameter is a plain tensor to the meta kernels (``nn.Parameter`` adds no dispatch of its own).
+        if type(value) not in _PLAIN or value.device.type != "meta" or value.layout != torch.strided:
             raise _NotMeta
         return ("T", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype)
     if isinstance(value, (list, tuple)):
@@ -64,7 +66,7 @@ class MetaOutputs:
             out = func(*args, **kwargs)
             if len(self._kept) >= MAX_KEPT:
                 self._kept.clear()
-            self._kept[key] = _spec_of(out, inputs, before)
+            self._kept[key] = _spec_of(out, inputs, before, _written(func, args, kwargs, inputs))
             return out
         spec = self._kept[key]
         if spec is None:
@@ -91,7 +93,18 @@ def _remade(leaf: tuple, inputs: list) -> Any:
     return leaf[1]
 
 
-def _spec_of(out: Any, inputs: list, before: list) -> _Spec:
+def _written(func, args: tuple, kwargs: dict, inputs: list) -> List[int]:
+    """The indexes among ``inputs`` of the tensors ``func``'s schema says it writes (``Tensor(a!)``)."""
+    written = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        written += [j for j, t in enumerate(inputs) if t is value]
+    return written
+
+
+def _spec_of(out: Any, inputs: list, before: list, mutated: List[int]) -> _Spec:
     """What the call returned, as leaves to remake; None when remade outputs could differ in any byte
     the tracker counts, or the call changed an input's layout (``resize_``, ``set_``)."""
     if any(b is not None and _layout(t) != b for t, b in zip(inputs, before, strict=True)):
@@ -107,6 +120,12 @@ def _spec_of(out: Any, inputs: list, before: list) -> _Spec:
             kept.append(("value", leaf))
             continue
         same = next((i for i, t in enumerate(inputs) if t is leaf), None)
+        if same is None and mutated and type(leaf) is torch.Tensor:
+            # An in-place op whose meta kernel is a decomposition (``addmm_``: ``addmm`` then ``copy_``)
+            # returns another tensor object for the tensor it wrote, with that tensor's layout: it is
+            # that input, as eager returns it. Only for the argument the op's schema writes: a view op's
+            # alias of the same layout is a new tensor.
+            same = next((i for i in mutated if type(inputs[i]) is torch.Tensor and _layout(leaf) == before[i]), None)
         if same is not None:
             kept.append(("in", same))
             continue

@@ -3,7 +3,7 @@ analytic rather than modelled."""
 from __future__ import annotations
 
 from itertools import pairwise
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -16,7 +16,7 @@ GiB = 2**30
 
 
 def header(name: str, config, sizes: ParamSizes, kinds: str, dtype: torch.dtype, batch: int, backend: Backend,
-           sp: int = 1) -> str:
+           sp: int = 1, composed: bool = False) -> str:
     text = config.get_text_config()
     layers = f"{text.num_hidden_layers} layers" + (f" ({kinds})" if kinds else "")
     where = f"{backend.name} x{backend.world_size}" + (" (parameters offloaded to the host)" if backend.offload_params
@@ -24,7 +24,9 @@ def header(name: str, config, sizes: ParamSizes, kinds: str, dtype: torch.dtype,
     return (f"{name}: {sizes.total / 1e9:.2f}B parameters, {layers}, vocabulary {text.vocab_size}; "
             f"{str(dtype).replace('torch.', '')}, batch {batch} per rank, {where}"
             + (f", Ulysses SP over {sp} ranks (each runs seq / {sp} tokens)" if sp > 1 else "")
-            + "; every layer modelled (full depth, meta device)")
+            + ("; every layer modelled (meta device: the alike layers' step put together from its 2- and 3-layer "
+               "steps, event for event; each longest length modelled again at full depth)" if composed
+               else "; every layer modelled (full depth, meta device)"))
 
 
 SETTING_LEGEND = ("settings: 'tiled' tiles the MLPs, 'tiled-loss' computes the LM head and cross-entropy a token shard "
@@ -82,6 +84,9 @@ def notes(points: List[Point], dtype: torch.dtype, backend: Backend, optimizer_o
                  + ("" if backend.name == "single" else f", and {backend.name}'s division of weights and gradients and "
                     f"its '{IN_FLIGHT}' buffers (tiled_mlp/planner/backends.py)")
                  + (", the parameter partitions on the host (offload_param)" if backend.offload_params else "") + ".")
+    lines.append("modelled attention: a flash kernel (no [tokens, tokens] buffer), as flash_attention_2 runs; not "
+                 "counted: the CPU generator states the generic tiled path saves per shard (5,056 B each, host "
+                 "memory) and library kernels' workspaces (cuBLAS, CPU matmul).")
     offloaded = [p for p in points if OFFLOADED in p.host_parts]
     if offloaded:
         lines.append("modelled, not analytic: the offloaded checkpoints in 'host' (the real CheckpointOffload runs in the "
@@ -93,17 +98,55 @@ def notes(points: List[Point], dtype: torch.dtype, backend: Backend, optimizer_o
     return lines
 
 
+def _rope_scaling(text) -> Dict[str, Any]:
+    """The config's RoPE scaling ({} when none): ``rope_parameters`` (transformers >= 4.56) or ``rope_scaling``."""
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(text, name, None)
+        if isinstance(value, dict) and (value.get("rope_type") or value.get("type")) not in (None, "default"):
+            return value
+    return {}
+
+
 def position_warnings(config, seqs: List[int], longest: Dict[str, Longest]) -> List[str]:
-    """Lengths past ``max_position_embeddings``: the memory is modelled, the model was not trained there."""
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    """Lengths past what the model's positions cover: ``max_position_embeddings``, or with YaRN its factor
+    times the original length where that is more. The memory is modelled, the model was not trained there."""
+    text = config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None)
     if not isinstance(limit, int):
         return []
+    scaling = _rope_scaling(text)
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "yarn":
+        original = scaling.get("original_max_position_embeddings") or limit
+        limit = max(limit, int(scaling.get("factor", 1.0) * original))
     past = sorted({seq for seq in seqs if seq > limit} | {f.seq for f in longest.values() if f.seq > limit})
     if not past:
         return []
-    return [f"{', '.join(f'{seq:,}' for seq in past)} tokens: past the model's max_position_embeddings ({limit:,}); "
+    lengths = ", ".join(f"{seq:,}" for seq in past)
+    if kind == "yarn":
+        return [f"{lengths} tokens: past the {limit:,} the config's YaRN scaling covers (factor {scaling.get('factor')} "
+                f"over {original:,}); the memory is modelled all the same, but training there needs a larger factor"]
+    if kind:
+        return [f"{lengths} tokens: past the model's max_position_embeddings ({limit:,}), with its {kind} RoPE "
+                "scaling; the memory is modelled all the same, but the model was not trained there"]
+    return [f"{lengths} tokens: past the model's max_position_embeddings ({limit:,}); "
             "the memory is modelled all the same, but the model needs position scaling (RoPE scaling such as YaRN) "
             "to train there"]
+
+
+def attention_warnings(config) -> List[str]:
+    """A model with sliding-window layers, which the plan models with a flash kernel: under Hugging Face's
+    sdpa such a model builds a [tokens, tokens] mask and takes the math path, which holds more."""
+    text = config.get_text_config()
+    layer_types = getattr(text, "layer_types", None) or []
+    sliding = getattr(text, "sliding_window", None) and ("sliding_attention" in layer_types
+                                                          or getattr(text, "use_sliding_window", False))
+    if not sliding:
+        return []
+    return [f"{config.model_type} has sliding-window layers; the plan models a flash kernel for them (no [tokens, "
+            "tokens] buffer). Under Hugging Face's sdpa a sliding window is a [tokens, tokens] mask and sdpa takes its "
+            "math path, which holds more (Gemma 3 at 2048 tokens: 16.8% more); train with "
+            "attn_implementation='flash_attention_2' for this plan to hold"]
 
 
 def dips(points: List[Point]) -> List[str]:

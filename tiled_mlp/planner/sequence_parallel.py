@@ -119,6 +119,22 @@ def check(config, sp: int) -> None:
                          "or be a multiple of them (DeepSpeed repeats each key/value head sp / kv_heads times)")
 
 
+def refusal(model) -> str:
+    """Why ``apply_sequence_parallel`` refuses ``model`` ('' when it takes it), asked of the library's own
+    checks that need no process group: the tiled loss must go on the model (``check_tiled_loss``; the SP
+    loss is its cross-rank sum), and a router auxiliary loss (MoE) is refused there."""
+    from ..integrations.causal_lm_loss import check_tiled_loss
+
+    try:
+        causal_lm, form = check_tiled_loss(model)
+    except TypeError as error:
+        return f"apply_sequence_parallel needs the tiled loss, and {error}"
+    if form.router_aux_loss:
+        return (f"apply_sequence_parallel refuses {type(causal_lm).__name__}: its router auxiliary loss is not a sum "
+                "over tokens and is not reduced across the SP ranks (MoE models are not supported)")
+    return ""
+
+
 def register(config, sp: int, batch: int, group: Any) -> str:
     """DeepSpeed's ``UlyssesSPAttentionHF`` of ``sp`` ranks around the planner's causal attention, registered
     with transformers under a new name (returned), for ``batch`` sequences per step (the class fixes it)."""

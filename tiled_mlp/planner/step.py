@@ -19,12 +19,12 @@ import contextlib
 import copy
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
 from . import attention, sequence_parallel
-from .timeline import Timeline, TimelineTracker
+from .timeline import Event, Timeline, TimelineTracker
 
 # What ``build_model`` put on a model beyond transformers' build, by model (side tables: the model itself
 # stays what transformers made): its checkpoint offload, and its SP group.
@@ -134,6 +134,19 @@ def step_timeline(model, seq: int, batch: int, rank: int = 0, describe: bool = F
     """The memory timeline of one step of ``model`` on ``batch`` sequences of ``seq`` tokens: under
     sequence parallelism, the ``seq`` tokens of SP rank ``rank``. ``describe``: with what made each
     allocation (``Timeline.at_peak``)."""
+    tracker, events = _run_step(model, seq, batch, rank, describe)
+    return tracker.timeline(events)
+
+
+def step_sections(model, seq: int, batch: int, describe: bool = False) -> List[List[Event]]:
+    """One step's log in three sections: the weights' tracking, the forward (with the loss), the
+    backward (``compose.py`` puts a deep step together from shallow ones, section by section)."""
+    tracker, events = _run_step(model, seq, batch, 0, describe)
+    return tracker.sections(events)
+
+
+def _run_step(model, seq: int, batch: int, rank: int, describe: bool) -> Tuple[TimelineTracker, List[Event]]:
+    """The step run under a tracker, and its log as events, taken while the gradients are still alive."""
     device = next(model.parameters()).device
     vocab = model.config.get_text_config().vocab_size
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
@@ -150,21 +163,22 @@ def step_timeline(model, seq: int, batch: int, rank: int = 0, describe: bool = F
     model.zero_grad(set_to_none=True)
     tracker = TimelineTracker(vocab, describe)
     tracker.track_weights(model.parameters())
+    tracker.mark()
     comm = sequence_parallel.comm_for(group) if group is not None else contextlib.nullcontext()
     try:
         if offload is not None:
             offload.on_host_copy = tracker.track_host
         with comm, tracker:
             loss = model(**inputs).loss
+            tracker.mark()
             loss.backward()
             del loss
     finally:
         if offload is not None:
             offload.on_host_copy = None
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    timeline = tracker.timeline(grads)
+    events = tracker.kinded([p.grad for p in model.parameters() if p.grad is not None])
     model.zero_grad(set_to_none=True)
-    return timeline
+    return tracker, events
 
 
 def offload_of(model) -> Any:

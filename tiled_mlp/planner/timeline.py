@@ -15,6 +15,7 @@ offload's own word is the only way to tell them apart.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Dict, Iterable, List, Set, Tuple
 
 import torch
@@ -30,6 +31,9 @@ _META_OUTPUTS = MetaOutputs()
 
 WEIGHTS, GRADS, LOGITS, ACTIVATIONS = "weights", "gradients", "logits and loss", "activations"
 HOST = "host"  # in host memory: not one of the device's kinds above
+# One entry of a step's log: the kind of the storage, its bytes, whether it was allocated (else freed), and
+# what made it (op, dtype, shape; '' unless the step was described).
+Event = Tuple[str, int, bool, str]
 
 
 @dataclass
@@ -39,10 +43,15 @@ class Timeline:
 
     points: List[Tuple[int, int, int, int]]
     host: List[int] = field(default_factory=list)  # one per point; empty: nothing was ever on the host
-    # With ``describe``: the log replayed ((serial, bytes, kind) per allocation, (serial, bytes, "") per
-    # free) and what made each allocation (op, dtype, shape), for ``at_peak``.
-    events: List[Tuple[int, int, str]] = field(default_factory=list)
-    what: Dict[int, str] = field(default_factory=dict)
+    # With ``describe``: the log replayed (``Event``s, each allocation labelled by what made it: op,
+    # dtype, shape), for ``at_peak``.
+    events: List[Event] = field(default_factory=list)
+
+    @property
+    def what(self) -> Dict[int, str]:
+        """What made each allocation, by its place among the allocations (a described step's only)."""
+        allocations = (event for event in self.events if event[2])
+        return {i: event[3] for i, event in enumerate(allocations) if event[3]}
 
     def host_peak(self) -> int:
         """The most host memory held at once during the step (the offloaded layer inputs)."""
@@ -62,24 +71,22 @@ class Timeline:
         """What is live on the device at ``peak``'s moment, bytes by what made it, largest first: weights
         and gradients as their kinds (scaled), every other allocation by op, dtype and shape. Needs a
         timeline made with ``describe``."""
-        if not self.what:
+        if not self.events:
             raise ValueError("at_peak needs a timeline made with describe=True")
         totals = [w * weight_scale + g * grad_scale + lg + a for w, g, lg, a in self.points]
         moment = max(range(len(totals)), key=totals.__getitem__)
-        live: Dict[int, Tuple[int, str]] = {}
-        allocations = 0
-        for serial, nbytes, kind in self.events:
-            if not kind:
-                live.pop(serial, None)
-                continue
-            live[serial] = (nbytes, kind)
-            if allocations == moment:  # the point is taken right after this allocation
-                break
-            allocations += 1
         scale = {WEIGHTS: weight_scale, GRADS: grad_scale, HOST: 0.0}
+        live: Dict[Tuple[str, str], int] = {}  # (kind, label) -> bytes live
+        allocations = 0
+        for kind, nbytes, allocated, what in self.events:
+            key = (kind, kind if kind in scale else what or kind)
+            live[key] = live.get(key, 0) + (nbytes if allocated else -nbytes)
+            if allocated:
+                if allocations == moment:  # the point is taken right after this allocation
+                    break
+                allocations += 1
         out: Dict[str, float] = {}
-        for serial, (nbytes, kind) in live.items():
-            label = kind if kind in scale else self.what.get(serial, kind)
+        for (kind, label), nbytes in live.items():
             out[label] = out.get(label, 0.0) + nbytes * scale.get(kind, 1.0)
         return dict(sorted(((k, v) for k, v in out.items() if v), key=lambda kv: -kv[1]))
 
@@ -95,6 +102,7 @@ class TimelineTracker(LiveMemoryTracker):
         self._log: List[Tuple[int, int, str]] = []  # (serial, bytes, kind at allocation; "" for a free)
         self._kind = ACTIVATIONS  # what a new storage is, unless its last dim is the vocabulary
         self._host_serials: Set[int] = set()
+        self._marks: List[int] = []  # log lengths where a section of the step ends (``mark``)
 
     def track_weights(self, tensors: Iterable[torch.Tensor]) -> None:
         self._kind = WEIGHTS
@@ -141,23 +149,45 @@ class TimelineTracker(LiveMemoryTracker):
             self._log.append((serial, self._live.get(key, 0), ""))
         super()._free(key)
 
-    def timeline(self, grads: Iterable[torch.Tensor]) -> Timeline:
-        """Replay the log; ``grads`` (the parameters' ``.grad`` after the step) say which storages were
-        gradients all along."""
+    def mark(self) -> None:
+        """Close a section of the log here (``sections``): the weights, the forward, the backward."""
+        self._marks.append(len(self._log))
+
+    def kinded(self, grads: Iterable[torch.Tensor]) -> List[Event]:
+        """The log as ``Event``s, each free carrying its allocation's kind and label; ``grads``
+        (the parameters' ``.grad`` after the step) say which storages were gradients all along."""
         grad_serials = {self._serial_of[key] for key in (g.untyped_storage()._cdata for g in grads) if key in self._serial_of}
-        kind_of: Dict[int, str] = {}
-        live = {WEIGHTS: 0, GRADS: 0, LOGITS: 0, ACTIVATIONS: 0, HOST: 0}
-        points, host, events = [], [], []
+        made: Dict[int, Tuple[str, str]] = {}  # live serial -> its kind and what made it
+        events: List[Event] = []
         for serial, nbytes, kind in self._log:
             if kind:
                 kind = GRADS if serial in grad_serials else HOST if serial in self._host_serials else kind
-                kind_of[serial] = kind
-                live[kind] += nbytes
-                points.append((live[WEIGHTS], live[GRADS], live[LOGITS], live[ACTIVATIONS]))
-                host.append(live[HOST])
+                made[serial] = (kind, self._what.get(serial, ""))
+                events.append((kind, nbytes, True, made[serial][1]))
             else:
-                live[kind_of.pop(serial)] -= nbytes
-            if self._describe:
-                events.append((serial, nbytes, kind))
-        return Timeline(points, host if self._host_serials else [], events, dict(self._what))
+                freed_kind, what = made.pop(serial)
+                events.append((freed_kind, nbytes, False, what))
+        return events
 
+    def sections(self, events: List[Event]) -> List[List[Event]]:
+        """``events`` (``kinded``) cut at the marks."""
+        cuts = [0, *self._marks, len(events)]
+        return [events[start:end] for start, end in pairwise(cuts)]
+
+    def timeline(self, events: List[Event]) -> Timeline:
+        """``events`` (``kinded``) replayed; with them, for ``at_peak``, where ``describe`` was asked."""
+        return replay(events, self._describe)
+
+
+def replay(events: List[Event], describe: bool = False) -> Timeline:
+    """The timeline of a log of events: a point after each allocation; ``describe``: with the events."""
+    live = {WEIGHTS: 0, GRADS: 0, LOGITS: 0, ACTIVATIONS: 0, HOST: 0}
+    points, host = [], []
+    for kind, nbytes, allocated, _ in events:
+        if allocated:
+            live[kind] += nbytes
+            points.append((live[WEIGHTS], live[GRADS], live[LOGITS], live[ACTIVATIONS]))
+            host.append(live[HOST])
+        else:
+            live[kind] -= nbytes
+    return Timeline(points, host if any(event[0] == HOST for event in events) else [], events if describe else [])

@@ -1,0 +1,41 @@
+"""``tiled-mlp plan --json`` prints one JSON document on stdout, whatever other libraries log (DeepSpeed
+logs at import, through a handler of its own): the real command, in a process of its own."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from transformers import LlamaConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _plan(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "tiled_mlp.cli.main", "plan", *argv, "--json"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_plan_json_of_a_model_is_json_on_stdout(tmp_path):
+    config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
+    config.save_pretrained(tmp_path)
+    # Under --sp, DeepSpeed's attention is imported during the plan, and DeepSpeed logs to stdout.
+    done = _plan("--model", str(tmp_path / "config.json"), "--seq", "256", "--budget", "1", "--sp", "2",
+                 "--world-size", "2")
+    assert done.returncode == 0, done.stderr
+    records = json.loads(done.stdout)
+    assert records[-1]["max_seq"] > 0 and "Setting accelerator" in done.stderr
+
+
+def test_plan_json_of_one_mlp_is_json_on_stdout():
+    done = _plan("--hidden", "64", "--intermediate", "176", "--seq", "512")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["hidden"] == 64
