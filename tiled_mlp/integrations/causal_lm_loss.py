@@ -28,8 +28,10 @@ reproduces. Anything else is refused: its loss would silently change.
 
 What ``install_tiled_loss`` cannot see is checked at every call, before any work: the loss function
 (set on the model after installing), and the model's forward (a forward pre-hook checks that the
-model's forward still reaches this one: directly, through accelerate's mixed-precision wrapper
-(``accelerate_forward``), or bound to the model by accelerate's ``unwrap_model``). Under
+model's forward still reaches this one: directly, inside accelerate's device hook and/or mixed-precision
+wrapper (``accelerate_forward``), or bound to the model by accelerate's ``unwrap_model``). Under
+accelerate's device hook (``dispatch_model``, ``cpu_offload``) the tiled forward is what the hook wraps
+(``model._old_forward``), so the hook still moves the inputs and outputs around it. Under
 ``torch.compile`` this forward's own frame runs eagerly (binding arguments and a per-call hook are not
 traceable) and the loss kernel with it; the model's forward it calls is compiled.
 """
