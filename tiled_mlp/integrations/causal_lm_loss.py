@@ -28,8 +28,10 @@ reproduces. Anything else is refused: its loss would silently change.
 
 What ``install_tiled_loss`` cannot see is checked at every call, before any work: the loss function
 (set on the model after installing), and the model's forward (a forward pre-hook checks that the
-model's forward still reaches this one: directly, through accelerate's mixed-precision wrapper
-(``accelerate_forward``), or bound to the model by accelerate's ``unwrap_model``). Under
+model's forward still reaches this one: directly, inside accelerate's device hook and/or mixed-precision
+wrapper (``accelerate_forward``), or bound to the model by accelerate's ``unwrap_model``). Under
+accelerate's device hook (``dispatch_model``, ``cpu_offload``) the tiled forward is what the hook wraps
+(``model._old_forward``), so the hook still moves the inputs and outputs around it. Under
 ``torch.compile`` this forward's own frame runs eagerly (binding arguments and a per-call hook are not
 traceable) and the loss kernel with it; the model's forward it calls is compiled.
 """
@@ -41,7 +43,7 @@ import importlib
 import inspect
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -49,7 +51,15 @@ from torch import nn
 from tiled_core import tiled_cross_entropy
 from tiled_core.shard_plan import NumShards
 
-from .accelerate_forward import mixed_precision_forward, wrap_like_prepare
+from .accelerate_forward import (
+    DeviceHookForward,
+    MixedPrecisionForward,
+    device_hook_forward,
+    head_device_hook_refusal,
+    hook_like_add_hook,
+    mixed_precision_forward,
+    wrap_like_prepare,
+)
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,8 @@ def known_form(model: nn.Module) -> Tuple[Optional[LossForm], str]:
     if not own:  # a forward put on the class since (Liger's loss patch): not the one this form describes
         return None, (f"{type(model).__name__}.forward is not {name}'s own (another library patched it); its loss "
                       "could change silently")
-    why = instance_forward_refusal(model) or loss_function_refusal(model)
+    why = (instance_forward_refusal(model) or loss_function_refusal(model)
+           or head_device_hook_refusal(cast(Any, model).get_output_embeddings()))
     if why:
         return None, why
     return KNOWN_FORMS[(klass.__module__, name)], ""
@@ -109,16 +120,22 @@ def _name(thing: Any) -> str:
 
 def instance_forward_refusal(model: nn.Module) -> str:
     """Why the forward set on ``model``'s instance stops the tiled loss ('' where there is none, or it is
-    the class's forward bound to the model): the tiled loss runs the model's forward with ``labels=None``
-    and computes the loss itself, so what a forward of its own does to the loss would be lost, and one
-    that does not take ``labels`` by name would never reach the tiled loss at all."""
-    forward = vars(model).get("forward")
-    if forward is None or (isinstance(forward, types.MethodType) and forward.__self__ is model
-                           and forward.__func__ is type(model).forward):
-        return ""
+    the class's forward bound to the model, as it is or inside accelerate's device hook): the tiled loss
+    runs the model's forward with ``labels=None`` and computes the loss itself, so what a forward of its
+    own does to the loss would be lost, and one that does not take ``labels`` by name would never reach
+    the tiled loss at all."""
     if mixed_precision_forward(model) is not None:
         return ("accelerate's mixed precision (Accelerator.prepare) wrapped its forward, and the tiled loss would run "
                 "outside that wrapper. Apply the tiled loss before accelerator.prepare(model)")
+    hooked = device_hook_forward(model)
+    forward = hooked.inner if hooked is not None else vars(model).get("forward")
+    if forward is None or (isinstance(forward, types.MethodType) and forward.__self__ is model
+                           and forward.__func__ is type(model).forward):
+        return ""
+    if hooked is not None:
+        return (f"accelerate's device hook on it ({hooked.hook!r}: dispatch_model, cpu_offload) wraps a forward "
+                f"that is not its class's ({_name(forward)}); the tiled loss would compute the loss without that "
+                "forward, so what it does to the loss would be lost. Leave the tiled loss off for this model")
     return (f"its instance has a forward of its own ({_name(forward)}); the tiled loss would compute the loss "
             "without it, so what it does to the loss would be lost. Take it off (del model.forward) and change the "
             "loss outside the model, or leave the tiled loss off")
@@ -167,6 +184,7 @@ class TiledLossForward:
         self.num_shards = num_shards
         self.grad_accum_dtype = grad_accum_dtype
         self.sequence_group: Any = None  # set by apply_sequence_parallel
+        self.pre_hook: Any = None  # the handle of ``check_call`` on the model (a torch RemovableHandle)
 
     def __deepcopy__(self, memo: dict) -> TiledLossForward:
         clone = object.__new__(type(self))
@@ -252,6 +270,9 @@ class TiledLossForward:
             out = inner(**arguments, **extra, return_dict=True)
         finally:
             handle.remove()
+        why = head_device_hook_refusal(self.model.get_output_embeddings(), hidden["h"].device)
+        if why:
+            raise RuntimeError(f"tiled loss: {why}")
         softcap = getattr(self.model.config, self.form.softcap_attr) if self.form.softcap_attr else None
         loss = _tiled_loss(
             hidden["h"], self.model.get_output_embeddings(), labels, shift_labels=extra.get("shift_labels"),
@@ -275,17 +296,24 @@ def _tiled_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
     return tiled_cross_entropy(*args, **kwargs)
 
 
+def _accelerate_layers(causal_lm: nn.Module) -> Tuple[Optional[MixedPrecisionForward], Optional[DeviceHookForward],
+                                                        Optional[Callable]]:
+    """accelerate's wrappers on ``causal_lm``'s forward, outermost first (mixed precision, then the device
+    hook; each None where absent), and the forward inside them (None: the class's)."""
+    wrapped = mixed_precision_forward(causal_lm)
+    forward = wrapped.inner if wrapped is not None else vars(causal_lm).get("forward")
+    hooked = device_hook_forward(causal_lm, forward) if forward is not None else None
+    return wrapped, hooked, hooked.inner if hooked is not None else forward
+
+
 def forward_reaching(causal_lm: nn.Module) -> Optional[Any]:
-    """The tiled loss that ``causal_lm``'s forward runs (None: none): its instance forward, accelerate's
-    mixed-precision wrapper around it, or that forward bound to the model (accelerate's
+    """The tiled loss that ``causal_lm``'s forward runs (None: none): its instance forward, inside
+    accelerate's device hook and/or mixed-precision wrapper, or bound to the model (accelerate's
     ``unwrap_model(keep_fp32_wrapper=False)``)."""
-    forward = vars(causal_lm).get("forward")
+    _, _, forward = _accelerate_layers(causal_lm)
     if isinstance(forward, types.MethodType) and forward.__self__ is causal_lm:
         forward = forward.__func__
-    if isinstance(forward, TiledLossForward):
-        return forward
-    wrapped = mixed_precision_forward(causal_lm)
-    return wrapped.inner if wrapped is not None and isinstance(wrapped.inner, TiledLossForward) else None
+    return forward if isinstance(forward, TiledLossForward) else None
 
 
 def find_causal_lm(model: nn.Module) -> Optional[nn.Module]:
@@ -322,9 +350,14 @@ def install_tiled_loss(model: nn.Module, num_shards: NumShards = "auto",
     the first (its settings included)."""
     causal_lm, form = check_tiled_loss(model)
     if _installed_on(causal_lm) is None:
-        forward = TiledLossForward(causal_lm, form, vars(causal_lm).get("forward"), num_shards, grad_accum_dtype)
-        causal_lm.__dict__["forward"] = forward
-        causal_lm.register_forward_pre_hook(forward.check_call)
+        hooked = device_hook_forward(causal_lm)
+        if hooked is not None:  # inside accelerate's hook, which still moves the inputs and outputs around it
+            forward = TiledLossForward(causal_lm, form, hooked.inner, num_shards, grad_accum_dtype)
+            causal_lm.__dict__["_old_forward"] = forward
+        else:
+            forward = TiledLossForward(causal_lm, form, vars(causal_lm).get("forward"), num_shards, grad_accum_dtype)
+            causal_lm.__dict__["forward"] = forward
+        forward.pre_hook = causal_lm.register_forward_pre_hook(forward.check_call)
     return causal_lm
 
 
@@ -339,21 +372,26 @@ def is_tiled_loss(model: nn.Module) -> bool:
 
 
 def remove_tiled_loss(model: nn.Module) -> bool:
-    """Put the model's own forward back (under accelerate's mixed precision: the wrapper that
-    ``Accelerator.prepare`` puts around it); False where no tiled loss was installed."""
+    """Put the model's own forward back (inside accelerate's wrappers on it: what ``add_hook_to_module``
+    and ``Accelerator.prepare`` build around it); False where no tiled loss was installed."""
     causal_lm = find_causal_lm(model)
     installed = _installed_on(causal_lm) if causal_lm is not None else None
     if causal_lm is None or installed is None:
         return False
     installed._check_forward()  # a forward put over it since: removing the tiled loss would not undo that
-    wrapped = mixed_precision_forward(causal_lm)
+    wrapped, hooked, _ = _accelerate_layers(causal_lm)
+    restored = installed._inner()
+    if hooked is not None:
+        hook_wrapper = wrapped.inner if wrapped is not None else vars(causal_lm)["forward"]
+        rebuilt = hook_like_add_hook(causal_lm, hooked, restored)
+        # A hook added over the tiled loss copied its attributes onto the wrapper (functools.update_wrapper):
+        # the wrapper add_hook_to_module builds around the model's own forward; else the one there stays.
+        restored = rebuilt if getattr(hook_wrapper, "__wrapped__", None) is installed else hook_wrapper
     if wrapped is not None:
-        wrap_like_prepare(causal_lm, installed._inner(), wrapped.autocast)
-    elif installed.previous is not None:
-        causal_lm.__dict__["forward"] = installed.previous
+        wrap_like_prepare(causal_lm, restored, wrapped.autocast)
+    elif hooked is not None or installed.previous is not None:
+        causal_lm.__dict__["forward"] = restored
     else:
         del causal_lm.__dict__["forward"]
-    for key, hook in list(causal_lm._forward_pre_hooks.items()):
-        if getattr(hook, "__self__", None) is installed:
-            del causal_lm._forward_pre_hooks[key]
+    installed.pre_hook.remove()
     return True
