@@ -268,3 +268,36 @@ def test_a_value_the_forward_changes_at_every_call_is_refused_at_the_forward():
     x, _ = fresh_inputs(SHAPE, HIDDEN, seed=8)
     with pytest.raises(RuntimeError, match=r"the forward of TiledCountsCalls changes calls at every call"):
         tiled(x.requires_grad_())
+
+
+def _gained(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return h * module.gain
+
+
+class HelperReads(GatedMLP):
+    """A forward that reads its setting through a helper of its file, and a class default overridden
+    on the instance."""
+
+    clip = None
+
+    def __init__(self):
+        super().__init__(HIDDEN, INTER)
+        self.gain = 2.0
+
+    def forward(self, x):
+        h = _gained(self, super().forward(x))
+        return h if self.clip is None else h.clamp(-self.clip, self.clip)
+
+
+@pytest.mark.parametrize("attribute, value, shown", [
+    ("gain", 5.0, "gain of TiledHelperReads is 5.0; expected 2.0"),
+    ("clip", 0.1, "clip of TiledHelperReads is 0.1; expected unset"),  # set on the instance over the class's
+])
+def test_a_value_read_by_a_helper_or_set_over_a_class_default_is_refused(attribute, value, shown):
+    torch.manual_seed(0)
+    tiled = _tiled(HelperReads().double())
+    _, y, dy = _forward(tiled)
+    setattr(tiled, attribute, value)
+    with pytest.raises(RuntimeError, match=CHANGED) as error:
+        y.backward(dy)
+    assert shown in str(error.value)
