@@ -94,7 +94,7 @@ def test_switching_to_eval_between_forward_and_backward_is_refused():
     tiled = _tiled(DropoutMLP().double())
     _, y, dy = _forward(tiled)
     tiled.eval()
-    with pytest.raises(RuntimeError, match=r"dropout\.training of TiledDropoutMLP is False; expected True"):
+    with pytest.raises(RuntimeError, match=r"training of TiledDropoutMLP is False; expected True"):
         y.backward(dy)
 
 
@@ -156,3 +156,148 @@ def test_the_fast_path_computes_the_gradient_of_the_forward_it_ran():
         assert_runs_close(step(copy.deepcopy(mlp), x, dy), runs[1])  # and that is the forward's own gradient
     finally:
         unregister_gated_mlp(ScaledGated)
+
+
+class ParentReadsChild(GatedMLP):
+    """A parent whose forward reads a value held on its child."""
+
+    def __init__(self):
+        super().__init__(HIDDEN, INTER)
+        self.down_proj.out_scale = 2.0
+
+    def forward(self, x):
+        return super().forward(x) * self.down_proj.out_scale
+
+
+def test_a_child_value_read_by_the_parent_changed_before_backward_is_refused():
+    torch.manual_seed(0)
+    tiled = _tiled(ParentReadsChild().double())
+    _, y, dy = _forward(tiled)
+    tiled.down_proj.out_scale = 20.0
+    with pytest.raises(RuntimeError, match=r"down_proj\.out_scale of TiledParentReadsChild is 20\.0; expected 2\.0"):
+        y.backward(dy)
+
+
+def _two_adapter_lora_mlp() -> nn.Module:
+    peft = pytest.importorskip("peft")
+    mlp = GatedMLP(HIDDEN, INTER).double()
+    for name in ("default", "other"):
+        config = peft.LoraConfig(target_modules=["gate_proj", "up_proj", "down_proj"], r=2, lora_alpha=4,
+                                 init_lora_weights=False)  # random B: each adapter changes the output
+        mlp = peft.inject_adapter_in_model(config, mlp, adapter_name=name)
+    return mlp.double()
+
+
+def _set_adapter(module: nn.Module, name: str) -> None:
+    from peft.tuners.lora import LoraLayer
+    for sub in module.modules():
+        if isinstance(sub, LoraLayer):
+            sub.set_adapter(name)
+
+
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config`")
+def test_switching_the_peft_adapter_between_forward_and_backward_is_refused():
+    """PEFT holds the active adapter in a list, rebound by ``set_adapter``: the recompute would run the other."""
+    torch.manual_seed(0)
+    tiled = _tiled(_two_adapter_lora_mlp())
+    _, y, dy = _forward(tiled)
+    assert tiled.tiling.last_path == "generic"
+    _set_adapter(tiled, "other")
+    with pytest.raises(RuntimeError, match=r"gate_proj\._active_adapter of TiledGatedMLP is another list"):
+        y.backward(dy)
+
+
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config`")
+def test_a_peft_lora_mlp_left_alone_is_exact():
+    torch.manual_seed(0)
+    mlp = _two_adapter_lora_mlp()
+    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=6)
+    want = untiled_run(mlp, x, dy)
+    tiled = _tiled(mlp)
+    leaf = x.detach().clone().requires_grad_()
+    y = tiled(leaf)
+    y.backward(dy)
+    assert tiled.tiling.last_path == "generic"
+    assert_runs_close(want, step_result(tiled, leaf, y))
+
+
+class SetsUpOnce(GatedMLP):
+    """A forward that sets itself up at its first call (bitsandbytes' ``compute_type_is_set``): the first
+    call computes differently, on purpose, so that a shard recomputed with the other setting would show."""
+
+    def __init__(self):
+        super().__init__(HIDDEN, INTER)
+        self.set_up = False
+
+    def forward(self, x):
+        first = not self.set_up
+        self.set_up = True
+        return super().forward(x) * (3.0 if first else 1.0)
+
+
+def test_a_value_the_forward_sets_once_is_set_before_every_shard_and_exact():
+    """Every shard, the first one run again, computes with the value the forward set, as its recompute
+    does: the gradients are those of the output, equal to an untiled module already set up."""
+    torch.manual_seed(0)
+    mlp = SetsUpOnce().double()
+    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=7)
+    set_up = copy.deepcopy(mlp)
+    set_up.set_up = True
+    want = untiled_run(set_up, x, dy)
+    tiled = _tiled(mlp)
+    leaf = x.detach().clone().requires_grad_()
+    y = tiled(leaf)
+    y.backward(dy)
+    assert tiled.set_up is True
+    assert_runs_close(want, step_result(tiled, leaf, y))
+
+
+class CountsCalls(GatedMLP):
+    def __init__(self):
+        super().__init__(HIDDEN, INTER)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x) * self.calls
+
+
+def test_a_value_the_forward_changes_at_every_call_is_refused_at_the_forward():
+    torch.manual_seed(0)
+    tiled = _tiled(CountsCalls().double())
+    x, _ = fresh_inputs(SHAPE, HIDDEN, seed=8)
+    with pytest.raises(RuntimeError, match=r"the forward of TiledCountsCalls changes calls at every call"):
+        tiled(x.requires_grad_())
+
+
+def _gained(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return h * module.gain
+
+
+class HelperReads(GatedMLP):
+    """A forward that reads its setting through a helper of its file, and a class default overridden
+    on the instance."""
+
+    clip = None
+
+    def __init__(self):
+        super().__init__(HIDDEN, INTER)
+        self.gain = 2.0
+
+    def forward(self, x):
+        h = _gained(self, super().forward(x))
+        return h if self.clip is None else h.clamp(-self.clip, self.clip)
+
+
+@pytest.mark.parametrize("attribute, value, shown", [
+    ("gain", 5.0, "gain of TiledHelperReads is 5.0; expected 2.0"),
+    ("clip", 0.1, "clip of TiledHelperReads is 0.1; expected unset"),  # set on the instance over the class's
+])
+def test_a_value_read_by_a_helper_or_set_over_a_class_default_is_refused(attribute, value, shown):
+    torch.manual_seed(0)
+    tiled = _tiled(HelperReads().double())
+    _, y, dy = _forward(tiled)
+    setattr(tiled, attribute, value)
+    with pytest.raises(RuntimeError, match=CHANGED) as error:
+        y.backward(dy)
+    assert shown in str(error.value)

@@ -16,6 +16,7 @@ from torch import nn
 from ..checks import CHANGED_READ_ERROR, PlainValues, TensorVersions
 from ..grad_accum import GradAccumulator
 from ..plain_values import snapshot
+from ..rng import capture_rng_state, replay_rng_state
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
 
 HOOKS_CHANGED_ERROR = (
@@ -42,9 +43,10 @@ class GenericLayout:
     owned_params: List[torch.Tensor]
     # The submodule hooks the forward runs with; the recompute must run the same ones.
     hooks: List[str]
-    # The plain values (``self.scale = 2.0``) the module's code may read, which the recompute must find
-    # unchanged. Taken with the layout, not at every call: the plan's key names every attribute of every
-    # submodule by identity, so while the plan is used they are these very objects.
+    # The values (``self.scale = 2.0``, PEFT's active adapter list) the module tree's code may read, which
+    # the recompute must find unchanged. Taken with the layout, not at every call: the plan's key names
+    # every attribute of every submodule by identity, so while the plan is used, each call starts with
+    # these very objects.
     plain_values: PlainValues
 
 
@@ -102,6 +104,10 @@ class GenericShardKernel:
         self.owned_params = layout.owned_params
         self._layout = layout
         self._current_hooks = current_hooks  # read again in backward, against the forward's
+        # The values the shards' forwards computed with, compared again in backward: the layout's, or
+        # those the first shard left where it changed one (``_first_shard_again``).
+        self._plain_values = layout.plain_values
+        self._first_shard_done = False
         # Leading singleton dims so each shard has the rank of the caller's input: modules that
         # reshape a [batch, seq, hidden] input themselves (MoE blocks) keep working.
         self.shard_prefix = shard_prefix
@@ -132,11 +138,32 @@ class GenericShardKernel:
         # saved-tensor hook must not see them (a non-reentrant checkpoint would count them and lose its
         # early stop before the shard loop; an offload hook would copy them for nothing).
         with torch.set_grad_enabled(self.grad_mode), _kept_as_they_are():
-            y = self._run(x_shard, shard)
+            if self._first_shard_done:
+                y = self._run(x_shard, shard)
+            else:
+                self._first_shard_done = True
+                rng_state = capture_rng_state(x_shard.device)
+                y = self._run(x_shard, shard)
+                if self._plain_values.changed():
+                    y = self._first_shard_again(x_shard, shard, rng_state)
         y = y.detach()
         if out_shard is None:
             return y
         return out_shard.copy_(y)
+
+    def _first_shard_again(self, x_shard: torch.Tensor, shard: Optional[slice], rng_state: tuple) -> torch.Tensor:
+        """The first shard changed a value the code reads (a one-time set-up flag: bitsandbytes'
+        ``compute_type_is_set``). Every later shard computes with the value it set, and so would every
+        recompute, the first shard's included: so the first shard runs again, with the value it set and
+        the random numbers it drew, and the backward checks against the values after it. Exact where one
+        run settles the value; a forward that changes it at every call is refused here, before any work
+        depends on it (its recompute could never read what its forward did)."""
+        before = self._plain_values
+        self._plain_values = before.retaken()
+        with replay_rng_state(x_shard.device, rng_state):
+            y = self._run(x_shard, shard)
+        self._plain_values.check_settled(self.module_name, before)
+        return y
 
     def remember_reads(self, tensors: Sequence[torch.Tensor]) -> None:
         self._forward_reads = TensorVersions(tensors)
@@ -146,7 +173,7 @@ class GenericShardKernel:
         """The module's parameter slots hold the Function's tensors for the recompute. Usually they
         already do (backends refill the same parameter objects); after ``functional_call`` they hold
         the module's own parameters again, and the recompute must use the call's."""
-        self._layout.plain_values.check(self.module_name)
+        self._plain_values.check(self.module_name)
         now = self._current_hooks()
         if now != self._layout.hooks:
             changed = sorted(set(now) ^ set(self._layout.hooks))
