@@ -58,7 +58,8 @@ class WholeSequence:
 
 def core_kind(function: Optional[Callable]) -> str:
     """``"sdpa"`` or ``"flash"`` for the library's own functions (what the masks here are built for);
-    ``"other"`` for anything else (flex attention, a registered custom function)."""
+    ``"other"`` for anything else (flex attention, a registered custom function, a user's function put
+    under a library name: it gets DeepSpeed's call as it comes)."""
     from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -89,7 +90,8 @@ def check_masks(config: Any, core: str, kind: str) -> None:
         raise ValueError("sequence parallelism: bidirectional attention is not rebuilt for the whole sequence under "
                          "Ulysses SP; use the model's causal attention (config.is_causal / use_bidirectional_attention)")
     if kind == "other" and is_windowed(config):
-        raise ValueError(f"sequence parallelism: {core!r} attention gets DeepSpeed's causal mask after the all-to-all, "
+        raise ValueError(f"sequence parallelism: the attention function under {core!r} (not transformers' own sdpa or "
+                         "flash attention) gets DeepSpeed's causal mask after the all-to-all, "
                          f"without this model's sliding window ({config.sliding_window} tokens); use sdpa (exact: the "
                          "window is rebuilt for the whole sequence) or a flash-attention kernel (it takes the window)")
 
