@@ -38,7 +38,12 @@ from torch import nn
 
 from .base import UnsupportedBackendError
 
-_ENGINE_CLASS = ("deepspeed.runtime.engine", "DeepSpeedEngine")
+# DeepSpeed private names read here (groups._get_sequence_parallel_world_size, parallel_state_sp's
+# _SEQUENCE_PARALLEL_GROUP, the optimizers' _z3_optimizer / _zero_optimizer / _hp_mapping links): re-check
+# them against DeepSpeed's source whenever the pinned DeepSpeed version changes.
+# DeepSpeed's classes by (module, name): recognized without importing deepspeed (the DeepSpeed strategy
+# decides before it is loaded whether it is in play, and reads ENGINE_CLASS from here).
+ENGINE_CLASS = ("deepspeed.runtime.engine", "DeepSpeedEngine")
 _STAGE3_CLASS = ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3")
 
 NO_ENGINE_ERROR = (
@@ -69,7 +74,8 @@ ENGINE_SPAN_ERROR = (
 )
 
 
-def _is_instance_of(obj: Any, qualified: tuple) -> bool:
+def is_instance_of(obj: Any, qualified: tuple) -> bool:
+    """Is ``obj`` an instance of the class ``qualified`` (module, name) names, or of a subclass of it?"""
     return any((cls.__module__, cls.__name__) == qualified for cls in type(obj).__mro__)
 
 
@@ -84,7 +90,7 @@ def engines_of(model: nn.Module) -> List[Any]:
                     candidate = cell.cell_contents
                 except ValueError:  # an empty cell
                     continue
-                if _is_instance_of(candidate, _ENGINE_CLASS) and getattr(candidate, "module", None) is module:
+                if is_instance_of(candidate, ENGINE_CLASS) and getattr(candidate, "module", None) is module:
                     found.append(candidate)
     return found
 
@@ -121,7 +127,7 @@ def engine_sums_over_sequence_ranks(engine: Any, model: nn.Module, group: Option
             raise UnsupportedBackendError(ENGINE_GROUP_ERROR.format(model=name, engine=engine_ranks, loss=loss_ranks))
     stage = int(engine.zero_optimization_stage())
     optimizer = engine.optimizer
-    if stage == 3 and _is_instance_of(optimizer, _STAGE3_CLASS):
+    if stage == 3 and is_instance_of(optimizer, _STAGE3_CLASS):
         sums = sp_size > 1 and _zero3_sums(optimizer, model)
     elif sp_size == 1:
         sums = False
@@ -172,7 +178,7 @@ def zero_optimizer_sums_over_sequence_ranks(optimizer: Any, model: nn.Module) ->
     a PEFT model): its SP size, its reduction paths."""
     if getattr(optimizer, "sequence_parallel_size", 1) <= 1:
         return False
-    if _is_instance_of(optimizer, _STAGE3_CLASS):
+    if is_instance_of(optimizer, _STAGE3_CLASS):
         return _zero3_sums(optimizer, model)
     factor = float(getattr(optimizer, "gradient_predivide_factor", 1.0))
     if factor != 1.0:
