@@ -23,6 +23,7 @@ TOKENS = 16
 WINDOW = 4  # shorter than each rank's slice and than the sequence: the window cuts across ranks
 DTYPE = torch.float64
 IGNORE = -100
+PACKED_AT = 5  # the second document starts inside rank 0's slice and runs across rank 1's
 COMMON = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=1, max_position_embeddings=64)
 
@@ -34,6 +35,8 @@ class MaskCase:
     left_padding: int = 0  # padded tokens at the start of the sample (attention_mask 0, labels ignored)
     positions: str = "arange"  # "arange"; "padded" (generate's cumsum of the mask)
     checkpointing: bool = False  # HF's non-reentrant layer checkpointing: the attention runs again in backward
+    packed: bool = False  # two documents in one sample (position_ids restart at PACKED_AT), no attention_mask
+    use_cache: Optional[bool] = None  # passed to the model where set (checkpointing in training forces it off)
 
 
 def build(family: str) -> torch.nn.Module:
@@ -74,12 +77,15 @@ def float64_norms(family: str) -> Iterator[None]:
 
 
 def sample(case: MaskCase) -> Dict[str, torch.Tensor]:
-    """The full batch: ``input_ids``, ``labels``, ``position_ids`` and, with padding, ``attention_mask``."""
+    """The full batch: ``input_ids``, ``labels``, ``position_ids`` and, with padding, ``attention_mask``
+    (and ``use_cache`` where the case sets it)."""
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, VOCAB, (1, TOKENS), generator=g)
     labels = ids.clone()
     labels[0, 6] = IGNORE
     batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(TOKENS)[None]}
+    if case.packed:
+        batch["position_ids"] = torch.cat([torch.arange(PACKED_AT), torch.arange(TOKENS - PACKED_AT)])[None]
     if case.left_padding:
         mask = torch.ones(1, TOKENS, dtype=torch.long)
         mask[0, :case.left_padding] = 0
@@ -88,6 +94,8 @@ def sample(case: MaskCase) -> Dict[str, torch.Tensor]:
         batch["attention_mask"] = mask
         if case.positions == "padded":
             batch["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0)
+    if case.use_cache is not None:
+        batch["use_cache"] = case.use_cache
     return batch
 
 
@@ -95,6 +103,8 @@ def reference(case: MaskCase) -> Dict:
     """One process, untiled, no SP: the loss and every gradient on the full batch."""
     model = build(case.family)
     model.train()
+    if case.checkpointing:  # HF's mask depends on it: checkpointing in training turns the cache off
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     batch = sample(case)
     labels = batch.pop("labels")
     with float64_norms(case.family):
@@ -177,7 +187,16 @@ CASES: Tuple[MaskCase, ...] = (
     MaskCase("mistral-window-left-padding-one-rank-all-padding", "mistral", left_padding=10),
     MaskCase("gemma3-left-padding-checkpointing", "gemma3", left_padding=3, checkpointing=True),
 )
+# Packed samples: HF separates the documents exactly when its decoder holds no cache (checkpointing in
+# training, use_cache=False), and not with a cache (use_cache=True).
+PACKED_CASES: Tuple[MaskCase, ...] = (
+    MaskCase("llama-packed-checkpointing", "llama", packed=True, checkpointing=True),
+    MaskCase("llama-packed-use-cache-false", "llama", packed=True, use_cache=False),
+    MaskCase("llama-packed-use-cache", "llama", packed=True, use_cache=True),
+    MaskCase("mistral-packed-checkpointing", "mistral", packed=True, checkpointing=True),
+    MaskCase("mistral-packed-use-cache", "mistral", packed=True, use_cache=True),
+)
 
 
 def case_named(name: str) -> Optional[MaskCase]:
-    return next((case for case in CASES if case.name == name), None)
+    return next((case for case in CASES + PACKED_CASES if case.name == name), None)

@@ -15,7 +15,7 @@ import importlib.util
 import pytest
 
 from .comparison import BOUND, rel_error
-from .sp_mask_cases import CASES, reference, run_cases
+from .sp_mask_cases import CASES, PACKED_CASES, reference, run_cases
 from .spawn import run_distributed
 
 pytest.importorskip("transformers")
@@ -53,6 +53,13 @@ def test_sp2_sliding_windows_match_one_process(tmp_path):
 @pytest.mark.timeout(60)
 def test_sp2_left_padding_matches_one_process(tmp_path):
     check(MASKED, run_distributed(run_cases, 2, tmp_path, MASKED, timeout=50))
+
+
+@pytest.mark.timeout(60)
+def test_sp2_packed_samples_match_one_process_with_and_without_cache(tmp_path):
+    """HF tells packed documents apart when its decoder holds no cache (checkpointing, use_cache=False) and
+    not with one (use_cache=True); SP must do what the same call does in one process."""
+    check(PACKED_CASES, run_distributed(run_cases, 2, tmp_path, PACKED_CASES, timeout=50))
 
 
 @pytest.mark.timeout(60)

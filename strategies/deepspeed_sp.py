@@ -38,7 +38,12 @@ from torch import nn
 
 from .base import UnsupportedBackendError
 
-_ENGINE_CLASS = ("deepspeed.runtime.engine", "DeepSpeedEngine")
+# DeepSpeed private names read here (groups._get_sequence_parallel_world_size, parallel_state_sp's
+# _SEQUENCE_PARALLEL_GROUP, the optimizers' _z3_optimizer / _zero_optimizer / _hp_mapping links): re-check
+# them against DeepSpeed's source whenever the pinned DeepSpeed version changes.
+# DeepSpeed's classes by (module, name): recognized without importing deepspeed (the DeepSpeed strategy
+# decides before it is loaded whether it is in play, and reads ENGINE_CLASS from here).
+ENGINE_CLASS = ("deepspeed.runtime.engine", "DeepSpeedEngine")
 _STAGE3_CLASS = ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3")
 
 NO_ENGINE_ERROR = (
@@ -46,6 +51,11 @@ NO_ENGINE_ERROR = (
     "DeepSpeed engine wraps {model} or a module inside it, and no ZeRO optimizer is linked to its parameters, so "
     "the tiled loss cannot read whether DeepSpeed sums or averages the gradients over the SP ranks. Build the "
     "engine on this model (deepspeed.initialize(model=model, mpu=sp.mpu, ...)), or use ZeRO (stage 1, 2 or 3)."
+)
+TWO_BACKENDS_ERROR = (
+    "sequence parallelism: a live DeepSpeed engine wraps {model} and {other} trains it too; the tiled loss cannot "
+    "tell which one reduces the gradients over the SP ranks. Call engine.destroy() on the DeepSpeed engine (after "
+    "its optimizer, ZeRO stage >= 1) before training the model under {other}, or train it with one backend."
 )
 MIXED_BUCKETS_ERROR = (
     "sequence parallelism: DeepSpeed ZeRO-3 with reduce_scatter: false sums the gradients of parameters of at most "
@@ -69,13 +79,32 @@ ENGINE_SPAN_ERROR = (
 )
 
 
-def _is_instance_of(obj: Any, qualified: tuple) -> bool:
+def is_instance_of(obj: Any, qualified: tuple) -> bool:
+    """Is ``obj`` an instance of the class ``qualified`` (module, name) names, or of a subclass of it?"""
     return any((cls.__module__, cls.__name__) == qualified for cls in type(obj).__mro__)
 
 
+def _removed(handle: Any) -> bool:
+    hooks = handle.hooks_dict_ref()
+    return hooks is None or handle.id not in hooks
+
+
+def optimizer_destroyed(optimizer: Any) -> bool:
+    """Has ``destroy()`` run on this ZeRO (or bf16) optimizer? It removes the per-parameter gradient hooks
+    through which the optimizer reduces (``_grad_acc_hooks``); once all are removed it reduces nothing."""
+    hooks = list(getattr(optimizer, "_grad_acc_hooks", None) or ())
+    return bool(hooks) and all(_removed(h) for h in hooks)
+
+
+def engine_destroyed(engine: Any) -> bool:
+    """``DeepSpeedEngine.destroy()`` leaves the engine's forward pre-hook on the module; what it changes is
+    its ZeRO optimizer (``optimizer_destroyed``). A stage-0 engine keeps nothing that tells: it counts as live."""
+    return optimizer_destroyed(getattr(engine, "optimizer", None))
+
+
 def engines_of(model: nn.Module) -> List[Any]:
-    """The DeepSpeed engines wrapping ``model`` or a module inside it, newest last: each is the closure of
-    the forward pre-hook ``deepspeed.initialize`` put on the module it wraps."""
+    """The live DeepSpeed engines wrapping ``model`` or a module inside it, newest last: each is the closure
+    of the forward pre-hook ``deepspeed.initialize`` put on the module it wraps (destroyed ones left out)."""
     found: List[Any] = []
     for module in model.modules():
         for hook in module._forward_pre_hooks.values():
@@ -84,7 +113,8 @@ def engines_of(model: nn.Module) -> List[Any]:
                     candidate = cell.cell_contents
                 except ValueError:  # an empty cell
                     continue
-                if _is_instance_of(candidate, _ENGINE_CLASS) and getattr(candidate, "module", None) is module:
+                if (is_instance_of(candidate, ENGINE_CLASS) and getattr(candidate, "module", None) is module
+                        and not engine_destroyed(candidate)):
                     found.append(candidate)
     return found
 
@@ -121,7 +151,7 @@ def engine_sums_over_sequence_ranks(engine: Any, model: nn.Module, group: Option
             raise UnsupportedBackendError(ENGINE_GROUP_ERROR.format(model=name, engine=engine_ranks, loss=loss_ranks))
     stage = int(engine.zero_optimization_stage())
     optimizer = engine.optimizer
-    if stage == 3 and _is_instance_of(optimizer, _STAGE3_CLASS):
+    if stage == 3 and is_instance_of(optimizer, _STAGE3_CLASS):
         sums = sp_size > 1 and _zero3_sums(optimizer, model)
     elif sp_size == 1:
         sums = False
@@ -156,13 +186,26 @@ def _zero3_sums(optimizer: Any, model: nn.Module) -> bool:
     raise UnsupportedBackendError(MIXED_BUCKETS_ERROR.format(size=size, large=shown, largest=max(numels.values())))
 
 
+def _refuse_two_backends(model: nn.Module) -> None:
+    """A live DeepSpeed engine on ``model`` while FSDP2 shards it or a DDP forward runs it: two backends
+    reduce the gradients, and no single factor is right for both."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from .ddp import _active_ddp_module
+
+    other = ("FSDP2 (fully_shard)" if any(isinstance(m, FSDPModule) for m in model.modules()) else
+             "DDP" if _active_ddp_module() is not None else None)
+    if other is not None:
+        raise UnsupportedBackendError(TWO_BACKENDS_ERROR.format(model=type(model).__name__, other=other))
+
+
 def zero_optimizer_of(model: nn.Module) -> Optional[Any]:
     """The ZeRO optimizer linked to ``model``'s parameters: ZeRO-3 links every parameter of the module it
     trains (``_z3_optimizer``), ZeRO-1/2 each trained parameter whose master fragment this rank holds
     (``_zero_optimizer``; every rank holds a slice of the flat buffer, so at least one)."""
     for p in model.parameters():
         optimizer = getattr(p, "_z3_optimizer", None) or getattr(p, "_zero_optimizer", None)
-        if optimizer is not None:
+        if optimizer is not None and not optimizer_destroyed(optimizer):
             return optimizer
     return None
 
@@ -172,7 +215,7 @@ def zero_optimizer_sums_over_sequence_ranks(optimizer: Any, model: nn.Module) ->
     a PEFT model): its SP size, its reduction paths."""
     if getattr(optimizer, "sequence_parallel_size", 1) <= 1:
         return False
-    if _is_instance_of(optimizer, _STAGE3_CLASS):
+    if is_instance_of(optimizer, _STAGE3_CLASS):
         return _zero3_sums(optimizer, model)
     factor = float(getattr(optimizer, "gradient_predivide_factor", 1.0))
     if factor != 1.0:
@@ -188,12 +231,14 @@ def deepspeed_sums_over_sequence_ranks(model: nn.Module, group: Optional[Any]) -
         return False
     engines = engines_of(model)
     if engines:
+        _refuse_two_backends(model)
         return engine_sums_over_sequence_ranks(engines[-1], model, group)
     optimizer = zero_optimizer_of(model)
     if optimizer is not None:
         return zero_optimizer_sums_over_sequence_ranks(optimizer, model)
     holds_sp_groups = deepspeed_holds_sp_groups()
-    if holds_sp_groups and any(hasattr(p, "_hp_mapping") for p in model.parameters()):
+    # destroy() sets every _hp_mapping to None; a live optimizer gives each rank at least one fragment.
+    if holds_sp_groups and any(getattr(p, "_hp_mapping", None) is not None for p in model.parameters()):
         # ZeRO-1/2 (or the bf16 optimizer) without CPU offload links no optimizer to the parameters, only
         # master fragments; built while DeepSpeed held the SP groups, it read them, and sums over those ranks.
         return True

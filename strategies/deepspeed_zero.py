@@ -40,10 +40,9 @@ import torch
 from torch import nn
 
 from .base import Strategy, WaitsForEveryParameter, process_group_ready
-from .deepspeed_sp import deepspeed_sums_over_sequence_ranks
+from .deepspeed_sp import ENGINE_CLASS, deepspeed_sums_over_sequence_ranks, is_instance_of
 
 _ZERO3_HOOK_OWNER = "DeepSpeedZeRoOffload."  # qualname prefix of the hooks ZeRO-3 puts on every module
-_ENGINE_CLASS = ("deepspeed.runtime.engine", "DeepSpeedEngine")
 
 
 def is_zero3_param(param) -> bool:
@@ -57,7 +56,7 @@ def is_zero12_param(param) -> bool:
 
 
 def _is_deepspeed_engine(module: nn.Module) -> bool:
-    return any((cls.__module__, cls.__name__) == _ENGINE_CLASS for cls in type(module).__mro__)
+    return is_instance_of(module, ENGINE_CLASS)
 
 
 def is_zero3_module_hook(hook) -> bool:

@@ -65,7 +65,7 @@ def test_the_core_refuses_a_call_without_the_whole_sequence():
 
 def test_the_core_refuses_a_window_it_cannot_place():
     core = whole_sequence_core(lambda *a, **k: None, "sdpa", _mistral_config())
-    whole = {WHOLE_SEQUENCE_KWARG: WholeSequence(padding=None)}
+    whole = {WHOLE_SEQUENCE_KWARG: WholeSequence(padding=None, cached=True)}
     with pytest.raises(RuntimeError, match="does not pass its sliding_window"):
         core(torch.nn.Module(), *_qkv(), None, **whole)
     with pytest.raises(RuntimeError, match="sliding_window \\(3\\) is not the config's \\(4\\)"):
@@ -79,6 +79,13 @@ def test_the_core_passes_hf_sliding_mask_to_sdpa():
     config = _mistral_config()
     config._attn_implementation = "sdpa"
     core = whole_sequence_core(lambda module, q, k, v, mask, **kw: seen.update(mask=mask, kwargs=kw), "sdpa", config)
-    core(torch.nn.Module(), *_qkv(), None, sliding_window=4, **{WHOLE_SEQUENCE_KWARG: WholeSequence(padding=None)})
+    core(torch.nn.Module(), *_qkv(), None, sliding_window=4, **{WHOLE_SEQUENCE_KWARG: WholeSequence(padding=None, cached=True)})
     want = sdpa_mask(1, 8, 8, mask_function=sliding_window_causal_mask_function(4), allow_is_causal_skip=False)
     assert torch.equal(seen["mask"], want) and WHOLE_SEQUENCE_KWARG not in seen["kwargs"]
+
+
+def test_the_core_refuses_when_no_layer_said_whether_the_decoder_holds_a_cache():
+    core = whole_sequence_core(lambda *a, **k: None, "sdpa", transformers.LlamaConfig())
+    with pytest.raises(RuntimeError, match="reported whether the decoder holds a cache"):
+        core(torch.nn.Module(), *_qkv(), None, position_ids=torch.arange(8)[None],
+             **{WHOLE_SEQUENCE_KWARG: WholeSequence(padding=None)})

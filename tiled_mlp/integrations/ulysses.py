@@ -163,12 +163,14 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
 
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     decoder = installed.model.get_decoder()
-    library = _library_function(core, ALL_ATTENTION_FUNCTIONS) if core in ALL_ATTENTION_FUNCTIONS else None
-    kind = core_kind(library)
+    # What the name holds, a user's override included: this model's attention after the all-to-all, and
+    # every other model's attention, are what they would be without SP.
+    held = ALL_ATTENTION_FUNCTIONS[core] if core in ALL_ATTENTION_FUNCTIONS else None
+    kind = core_kind(held)
     undo = _undo_attention(installed.model, core, ALL_ATTENTION_FUNCTIONS)
-    if library is not None:
+    if held is not None:
         # DeepSpeed wraps what the name holds when it registers: it runs this after its all-to-all.
-        ALL_ATTENTION_FUNCTIONS[core] = whole_sequence_core(library, kind, decoder.config)
+        ALL_ATTENTION_FUNCTIONS[core] = whole_sequence_core(held, kind, decoder.config)
     try:
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             installed.model, core_attn_implementation=core, sequence_parallel_size=size,
@@ -179,7 +181,7 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
         undo()
         parallel_state_sp._release_sequence_parallel_groups()
         raise
-    _scope_to(installed.model, core, ALL_ATTENTION_FUNCTIONS)
+    _scope_to(installed.model, core, ALL_ATTENTION_FUNCTIONS, held)
     group = mpu.get_sequence_parallel_group()
     installed.sequence_group = group
     unhook = capture_padding(decoder, group, kind)
@@ -223,8 +225,8 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     core = config._attn_implementation
-    library = _library_function(core, ALL_ATTENTION_FUNCTIONS) if core in ALL_ATTENTION_FUNCTIONS else None
-    check_masks(text, core, core_kind(library))
+    held = ALL_ATTENTION_FUNCTIONS[core] if core in ALL_ATTENTION_FUNCTIONS else None
+    check_masks(text, core, core_kind(held))
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
@@ -239,29 +241,22 @@ def shares_heads(heads: int, kv_heads: int, size: int) -> Tuple[bool, bool]:
     return heads % size == 0, kv_heads % size == 0 or size % kv_heads == 0
 
 
-def _scope_to(model: nn.Module, core: str, functions: Any) -> None:
+def _scope_to(model: nn.Module, core: str, functions: Any, before: Optional[Callable]) -> None:
     """DeepSpeed writes its Ulysses wrapper under ``core`` for the whole process: every model using that
     attention (a reference, teacher or evaluation model beside this one) would exchange heads across
-    ranks too, and be silently wrong. Route only this model's attention modules to it."""
-    ulysses, before = functions[core], _library_function(core, functions)
+    ranks too, and be silently wrong. Route only this model's attention modules to it, every other one
+    to ``before`` (what the name held before SP, a user's override included)."""
+    ulysses = functions[core]
     ours = weakref.WeakSet(m for m in model.modules())
 
     def scoped(module, *args, **kwargs):
-        return (ulysses if module in ours else before)(module, *args, **kwargs)
+        if module in ours:
+            return ulysses(module, *args, **kwargs)
+        if before is None:
+            raise RuntimeError(f"sequence parallelism: no attention function was registered under {core!r} before SP")
+        return before(module, *args, **kwargs)
 
     functions[core] = scoped
-
-
-def _library_function(core: str, functions: Any) -> Callable:
-    """The function ``core`` names without any instance override (what other models use)."""
-    local = getattr(functions, "_local_mapping", None)
-    if local is not None and core in local:
-        saved = local.pop(core)
-        try:
-            return functions[core]
-        finally:
-            local[core] = saved
-    return functions[core]
 
 
 def _undo_attention(model: nn.Module, core: str, functions: Any) -> Callable[[], None]:

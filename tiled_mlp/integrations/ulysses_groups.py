@@ -31,7 +31,9 @@ BATCH_SIZE_ERROR = (
     "sequence parallelism: a batch of {batch} samples, but DeepSpeed's Ulysses attention was built for micro "
     "batches of {expected} (its shapes are fixed at apply time). Pass micro_batch_size={batch} to "
     "apply_sequence_parallel(model, size, micro_batch_size={batch}) (or apply_long_context(..., "
-    "micro_batch_size={batch})), and feed every step that many samples."
+    "micro_batch_size={batch})), and feed every step that many samples. A short last batch of an epoch (HF "
+    "Trainer's dataloader_drop_last=False, a DataLoader's drop_last=False) has fewer: drop it "
+    "(dataloader_drop_last=True / drop_last=True)."
 )
 NO_POSITIONS_ERROR = (
     "sequence parallelism: {model} was called without position_ids. Under SP each rank holds a slice of the "

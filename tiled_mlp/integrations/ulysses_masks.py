@@ -6,9 +6,11 @@ padding mask live, so both would be lost. After the all-to-all a rank holds the 
 heads, and the whole sequence's ``position_ids`` (DeepSpeed all-gathers them): the mask can be built there,
 for the whole sequence, by Hugging Face's own functions (``masking_utils.create_causal_mask`` and
 ``create_sliding_window_causal_mask``), so the window's bounds, the padding and the rows a left padding
-leaves with no key are HF's by construction. Packed samples (``position_ids`` restarting) are not told
-apart under sdpa, as HF does not tell them apart when its decoder holds a cache (``use_cache``, the
-default); with ``use_cache=False`` HF separates them and SP does not (``hf_mask``).
+leaves with no key are HF's by construction. Packed samples (``position_ids`` restarting, no padding
+mask) are told apart exactly when HF's decoder tells them apart: when it holds no cache for this call
+(``use_cache=False``, or forced off by gradient checkpointing in training). That decision is HF's own,
+observed rather than re-derived: the decoder hands the cache it built its masks with (or ``None``) to
+each of its layers, and a pre-hook on the layers reads it (``CACHE_KWARGS``).
 
 Two pieces carry it:
 
@@ -17,6 +19,8 @@ Two pieces carry it:
   tokens) and hands the whole mask to every attention call as one more keyword argument, which Hugging
   Face passes down from the decoder to the attention function, and which its checkpointing keeps bound
   to the layer for the recompute (a forward's mask never meets another forward's recompute);
+- a forward pre-hook on each decoder layer (HF's ``GradientCheckpointingLayer``, before its checkpointing
+  drops the cache) records whether the decoder passed it a cache;
 - the attention core DeepSpeed calls after the all-to-all (``whole_sequence_core``) takes that argument
   and the layer's ``sliding_window`` (what each HF attention module passes for its own layer: the
   config's window on a sliding layer, ``None`` on a full one) and calls the library's core with HF's mask.
@@ -36,6 +40,8 @@ import torch
 from torch import nn
 
 WHOLE_SEQUENCE_KWARG = "ulysses_whole_sequence"
+# The names HF decoders pass their cache to their layers under (``deprecate_kwarg`` renames the old ones).
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -45,11 +51,15 @@ class WholeSequence:
 
     padding: Optional[torch.Tensor]  # [batch, all tokens] bool, as given to the model; None: no mask given
     masks: Dict[Optional[int], Optional[torch.Tensor]] = field(default_factory=dict)
+    # Whether the decoder holds a cache in this call (HF then does not tell packed samples apart); None
+    # until a decoder layer has reported what the decoder passed it.
+    cached: Optional[bool] = None
 
 
 def core_kind(function: Optional[Callable]) -> str:
     """``"sdpa"`` or ``"flash"`` for the library's own functions (what the masks here are built for);
-    ``"other"`` for anything else (flex attention, a registered custom function)."""
+    ``"other"`` for anything else (flex attention, a registered custom function, a user's function put
+    under a library name: it gets DeepSpeed's call as it comes)."""
     from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -80,14 +90,18 @@ def check_masks(config: Any, core: str, kind: str) -> None:
         raise ValueError("sequence parallelism: bidirectional attention is not rebuilt for the whole sequence under "
                          "Ulysses SP; use the model's causal attention (config.is_causal / use_bidirectional_attention)")
     if kind == "other" and is_windowed(config):
-        raise ValueError(f"sequence parallelism: {core!r} attention gets DeepSpeed's causal mask after the all-to-all, "
+        raise ValueError(f"sequence parallelism: the attention function under {core!r} (not transformers' own sdpa or "
+                         "flash attention) gets DeepSpeed's causal mask after the all-to-all, "
                          f"without this model's sliding window ({config.sliding_window} tokens); use sdpa (exact: the "
                          "window is rebuilt for the whole sequence) or a flash-attention kernel (it takes the window)")
 
 
 def capture_padding(decoder: nn.Module, group: Any, kind: str) -> Callable[[], None]:
     """Hook ``decoder``'s forward: every call all-gathers the padding mask over ``group`` and passes it on
-    to the attention as ``WHOLE_SEQUENCE_KWARG``. Returns what removes the hook."""
+    to the attention as ``WHOLE_SEQUENCE_KWARG``; and hook its layers, which record there whether the
+    decoder gave them a cache. Returns what removes the hooks."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     signature = inspect.signature(decoder.forward)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
@@ -99,8 +113,23 @@ def capture_padding(decoder: nn.Module, group: Any, kind: str) -> Callable[[], N
                              "applied to the whole sequence, or unpadded (packed) samples with position_ids")
         return args, {**kwargs, WHOLE_SEQUENCE_KWARG: whole}
 
-    handle = decoder.register_forward_pre_hook(hook, with_kwargs=True)
-    return handle.remove
+    def layer_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        whole = kwargs.get(WHOLE_SEQUENCE_KWARG)
+        given = [name for name in CACHE_KWARGS if name in kwargs]
+        if isinstance(whole, WholeSequence) and given:
+            whole.cached = kwargs[given[0]] is not None
+
+    # Pre-hooks run in __call__, before GradientCheckpointingLayer's forward drops the cache for its
+    # recompute: they see the cache the decoder built its masks with.
+    handles = [decoder.register_forward_pre_hook(hook, with_kwargs=True)]
+    handles += [m.register_forward_pre_hook(layer_hook, with_kwargs=True)
+                for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return remove
 
 
 def whole_padding(arguments: Dict[str, Any], group: Any) -> Optional[torch.Tensor]:
@@ -162,18 +191,23 @@ def whole_sequence_core(library: Callable, kind: str, config: Any) -> Callable:
                                "attention function, so its layer's window is unknown here; not supported under SP")
         if kind != "sdpa":
             return library(module, query, key, value, attention_mask, *args, **kwargs)
+        if whole.cached is None:
+            raise RuntimeError(f"sequence parallelism: no decoder layer of this model (HF's GradientCheckpointingLayer) "
+                               f"reported whether the decoder holds a cache before {type(module).__name__} ran, so HF's "
+                               "mask (packed samples told apart or not) is unknown here; not supported under SP")
         mask = whole.masks.get(kwargs.get("sliding_window"), ...)
         if mask is ...:
-            mask = whole.masks[kwargs.get("sliding_window")] = hf_mask(config, query, whole.padding, kwargs)
+            mask = whole.masks[kwargs.get("sliding_window")] = hf_mask(config, query, whole, kwargs)
         return library(module, query, key, value, mask, *args, **kwargs)
 
     return core
 
 
-def hf_mask(config: Any, query: torch.Tensor, padding: Optional[torch.Tensor], kwargs: Dict[str, Any]) -> Any:
+def hf_mask(config: Any, query: torch.Tensor, whole: WholeSequence, kwargs: Dict[str, Any]) -> Any:
     """Hugging Face's sdpa mask for the whole sequence ``query`` covers ([batch, heads, tokens, dim]), for
     the layer whose ``sliding_window`` is in ``kwargs``: what the decoder builds without SP (``None`` where
-    sdpa's own causal flag is the mask)."""
+    sdpa's own causal flag is the mask). ``kwargs["position_ids"]`` are the whole sequence's (DeepSpeed
+    all-gathers them before the core runs)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     window = kwargs.get("sliding_window")
@@ -183,7 +217,11 @@ def hf_mask(config: Any, query: torch.Tensor, padding: Optional[torch.Tensor], k
     build = create_causal_mask if window is None else create_sliding_window_causal_mask
     # The mask functions read only the batch, the length, the dtype and the device of the embeddings.
     shape_only = query.new_empty((query.shape[0], query.shape[2], 0))
-    # No position_ids: HF tells packed samples apart by them only when the decoder has no cache, which is
-    # not known here (use_cache, its config default and checkpointing decide it inside the decoder). Without
-    # them the mask is the one HF builds with a cache (its default, use_cache=True): causal over the row.
-    return build(config=config, inputs_embeds=shape_only, attention_mask=padding, cache=None, position_ids=None)
+    # HF reads position_ids for packed samples only when its decoder holds no cache; with one, the mask is
+    # causal over the row. A fresh cache sizes the mask as no cache does (no past tokens), so cache=None.
+    positions = None if whole.cached else kwargs.get("position_ids")
+    if not whole.cached and positions is None:
+        raise RuntimeError("sequence parallelism: the attention core got no position_ids (DeepSpeed all-gathers them "
+                           "before it); HF's mask for packed samples is unknown here")
+    return build(config=config, inputs_embeds=shape_only, attention_mask=whole.padding, cache=None,
+                 position_ids=positions)

@@ -1,0 +1,27 @@
+"""Ulysses SP keeps a user's own attention function registered under the model's attention name: the SP
+model runs it on the whole sequence after DeepSpeed's all-to-all, another model in the process runs it
+without SP, and ``remove()`` leaves it in place (2 gloo processes)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from .spawn import run_distributed
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="deepspeed is not installed (Ulysses SP is DeepSpeed's)")]
+
+
+@pytest.mark.timeout(60)
+def test_sp2_runs_a_users_attention_override_for_its_model_and_others(tmp_path):
+    from .sp_override_cases import user_override_kept
+
+    for rank, out in enumerate(run_distributed(user_override_kept, 2, tmp_path, timeout=50)):
+        tokens = out["tokens"]
+        # 2 layers, forward only (no checkpointing): each attention module calls it once, on all tokens
+        assert out["sp"] == [(True, tokens)] * 2, (rank, out["sp"])
+        assert out["other"] == [(True, tokens)] * 2, (rank, out["other"])
+        assert out["kept_after_remove"], rank
