@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
-from .sp_cases import SPCase, sample
+from .sp_cases import SPCase, raised, sample
 
 FLOAT32_BOUND = 5e-6  # float32 forward and backward against float64; measured worst 5.2e-7
 CASE = SPCase("backends", masks="uneven")
@@ -68,11 +68,7 @@ def _batch(sp) -> Dict[str, torch.Tensor]:
 
 
 def _raised(fn: Callable[[], Any]) -> Dict:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
-        return {"error": (type(exc).__name__, str(exc))}
-    return {"error": ("", "nothing raised")}
+    return {"error": raised(fn)}
 
 
 class Wrapper(torch.nn.Module):

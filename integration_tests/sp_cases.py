@@ -327,7 +327,8 @@ def reference_step(family: str, ids: torch.Tensor, labels: torch.Tensor) -> Dict
     return {"loss": loss.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
-def _raised(fn) -> Tuple[str, str]:
+def raised(fn) -> Tuple[str, str]:
+    """``(exception type, message)`` of what ``fn()`` raised, or ``("", "nothing raised")``."""
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
@@ -373,20 +374,20 @@ def error_paths(rank: int, world: int) -> Dict:
     out: Dict = {}
     plain = tiny_model("llama", seed=0, dtype=DTYPE)
     plain.set_attn_implementation("sdpa")
-    out["no_tiled_loss"] = _raised(lambda: apply_sequence_parallel(plain, 2))
-    out["query_heads"] = _raised(lambda: apply_sequence_parallel(_heads_model(1, 1, 16), 2))
-    out["kv_heads"] = _raised(lambda: apply_sequence_parallel(_heads_model(6, 3, 24), 2))
+    out["no_tiled_loss"] = raised(lambda: apply_sequence_parallel(plain, 2))
+    out["query_heads"] = raised(lambda: apply_sequence_parallel(_heads_model(1, 1, 16), 2))
+    out["kv_heads"] = raised(lambda: apply_sequence_parallel(_heads_model(6, 3, 24), 2))
     model = tiny_model("llama", seed=0, dtype=DTYPE)  # eager attention
     apply_tiled_mlp(model, num_shards=2, loss=True, loss_num_shards=3)
-    out["size_3"] = _raised(lambda: apply_sequence_parallel(model, 3))
-    out["size_1"] = _raised(lambda: apply_sequence_parallel(model, 1))
-    out["eager"] = _raised(lambda: apply_sequence_parallel(model, 2))
+    out["size_3"] = raised(lambda: apply_sequence_parallel(model, 3))
+    out["size_1"] = raised(lambda: apply_sequence_parallel(model, 1))
+    out["eager"] = raised(lambda: apply_sequence_parallel(model, 2))
     out["after_eager"] = state(model)
     model.set_attn_implementation("sdpa")
     moe = tiny_model("mixtral", seed=0, dtype=DTYPE)
     moe.set_attn_implementation("sdpa")
     apply_tiled_mlp(moe, loss=True)
-    out["moe"] = _raised(lambda: apply_sequence_parallel(moe, 2))
+    out["moe"] = raised(lambda: apply_sequence_parallel(moe, 2))
     other = tiny_model("llama", seed=1, dtype=DTYPE)  # another model in the process, not under SP
     other.set_attn_implementation("sdpa")
     ids, labels = sample(SPCase("remove"), 0, 0)
@@ -395,11 +396,11 @@ def error_paths(rank: int, world: int) -> Dict:
     sp = apply_sequence_parallel(model, 2)  # the refused calls left nothing in the way
     with torch.no_grad():
         out["other_model_diff"] = float((other(input_ids=ids).logits - other_before).abs().max())
-    out["twice"] = _raised(lambda: apply_sequence_parallel(model, 2))
-    out["odd_tensor"] = _raised(lambda: sp.shard({"input_ids": ids, "labels": labels,
+    out["twice"] = raised(lambda: apply_sequence_parallel(model, 2))
+    out["odd_tensor"] = raised(lambda: sp.shard({"input_ids": ids, "labels": labels,
                                                   "attention_mask": torch.ones(1, 1, 16, 16)}))
-    out["odd_length"] = _raised(lambda: sp.shard({"input_ids": ids[:, :15], "labels": labels[:, :15]}))
-    out["no_input_ids"] = _raised(lambda: sp.shard({"labels": labels}))
+    out["odd_length"] = raised(lambda: sp.shard({"input_ids": ids[:, :15], "labels": labels[:, :15]}))
+    out["no_input_ids"] = raised(lambda: sp.shard({"labels": labels}))
     with torch.no_grad():  # evaluation under SP: the whole sequence's loss on every rank, not a slice's
         out["eval_loss"] = model(**sp.shard({"input_ids": ids, "labels": labels})).loss
     model(**sp.shard({"input_ids": ids, "labels": labels})).loss.backward()

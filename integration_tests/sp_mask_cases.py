@@ -16,7 +16,7 @@ from unittest import mock
 
 import torch
 
-from .sp_cases import hf_loss64
+from .sp_cases import hf_loss64, raised
 from .tiny_models import VOCAB
 
 TOKENS = 16
@@ -140,14 +140,6 @@ def run_cases(rank: int, world: int, cases: List[MaskCase]) -> Dict[str, Dict]:
     return {case.name: run_case(case, rank, world) for case in cases}
 
 
-def _raised(fn) -> Tuple[str, str]:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
-        return type(exc).__name__, str(exc)
-    return "", "nothing raised"
-
-
 def refusals(rank: int, world: int) -> Dict[str, Tuple[str, str]]:
     """What SP refuses at the call (the mask's form, ranks that disagree, padding under a core that cannot
     take it) and at apply (flex attention with a windowed config), and that it still works after each."""
@@ -159,18 +151,18 @@ def refusals(rank: int, world: int) -> Dict[str, Tuple[str, str]]:
     flex = build("mistral")
     flex.config._attn_implementation = "flex_attention"  # refused from the config alone: never run here
     apply_tiled_mlp(flex, loss=True)
-    out["flex_window"] = _raised(lambda: apply_sequence_parallel(flex, 2))
+    out["flex_window"] = raised(lambda: apply_sequence_parallel(flex, 2))
 
     model = build("llama")
     apply_tiled_mlp(model, loss=True)
     sp = apply_sequence_parallel(model, 2)
     batch = sp.shard(sample(MaskCase("refusals", "llama", left_padding=3)))
     four_d = dict(batch, attention_mask=torch.ones(1, 1, 8, 8))
-    out["four_d_mask"] = _raised(lambda: model(**four_d))
+    out["four_d_mask"] = raised(lambda: model(**four_d))
     one_rank = dict(batch) if rank == 0 else {k: v for k, v in batch.items() if k != "attention_mask"}
-    out["one_rank_mask"] = _raised(lambda: model(**one_rank))
+    out["one_rank_mask"] = raised(lambda: model(**one_rank))
     unhook = capture_padding(model.get_decoder(), sp.group, "flash")  # as under a flash-attention core
-    out["flash_padding"] = _raised(lambda: model(**batch))
+    out["flash_padding"] = raised(lambda: model(**batch))
     unhook()
     out["after"] = ("", repr(float(model(**batch).loss.detach())))
     sp.remove()

@@ -23,13 +23,12 @@ share dropped) is off by 1e-3 to 1 here.
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Dict, List
 
 import pytest
 import torch
 
-from .comparison import BOUND, ZERO_BOUND, rel_error
+from .comparison import BOUND, ZERO_BOUND, needs_deepspeed, rel_error
 from .sp_cases import (
     GROUPS,
     LOSS_SHARDS,
@@ -45,9 +44,7 @@ from .sp_cases import (
 from .spawn import run_distributed
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.distributed,
-              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                 reason="deepspeed is not installed (Ulysses SP is DeepSpeed's)")]
+pytestmark = [pytest.mark.distributed, needs_deepspeed]  # Ulysses SP is DeepSpeed's
 
 LAYERS, HIDDEN = 2, 16  # tiny_models
 

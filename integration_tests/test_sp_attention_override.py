@@ -3,16 +3,13 @@ model runs it on the whole sequence after DeepSpeed's all-to-all, another model 
 without SP, and ``remove()`` leaves it in place (2 gloo processes)."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from .comparison import needs_deepspeed
 from .spawn import run_distributed
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.distributed,
-              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                 reason="deepspeed is not installed (Ulysses SP is DeepSpeed's)")]
+pytestmark = [pytest.mark.distributed, needs_deepspeed]  # Ulysses SP is DeepSpeed's
 
 
 @pytest.mark.timeout(60)

@@ -3,19 +3,15 @@ configuration is exact against one process on the whole sequence, or refused wit
 (``sp_backend_cases``: one spawned pair of gloo processes for every case)."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from .comparison import BOUND, rel_error
+from .comparison import BOUND, needs_deepspeed, rel_error
 from .sp_backend_cases import CASE, DEEPSPEED_EXACT, FLOAT32_BOUND, WRAPPED_EXACT
 from .sp_cases import reference_step, sample
 from .spawn import run_distributed
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.distributed,
-              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                 reason="deepspeed is not installed (Ulysses SP is DeepSpeed's)")]
+pytestmark = [pytest.mark.distributed, needs_deepspeed]  # Ulysses SP is DeepSpeed's
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,14 @@ gradients by 90% to 160%.
 """
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from .comparison import BOUND, rel_error
+from .comparison import BOUND, needs_deepspeed, rel_error
 from .sp_mask_cases import CASES, PACKED_CASES, reference, run_cases
 from .spawn import run_distributed
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.distributed,
-              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                 reason="deepspeed is not installed (Ulysses SP is DeepSpeed's)")]
+pytestmark = [pytest.mark.distributed, needs_deepspeed]  # Ulysses SP is DeepSpeed's
 
 WINDOWS = [c for c in CASES if c.left_padding == 0 and c.positions == "arange"]
 MASKED = [c for c in CASES if c not in WINDOWS]
