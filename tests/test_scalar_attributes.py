@@ -270,6 +270,43 @@ def test_a_value_the_forward_changes_at_every_call_is_refused_at_the_forward():
         tiled(x.requires_grad_())
 
 
+
+def test_a_forward_that_changes_its_values_is_refused_without_a_graph_too():
+    """No graph, no recompute, but each shard would still compute with another count (one output, three
+    functions of the input): refused under no_grad as with a graph."""
+    torch.manual_seed(0)
+    tiled = _tiled(CountsCalls().double())
+    x, _ = fresh_inputs(SHAPE, HIDDEN, seed=8)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"changes calls at every call"):
+        tiled(x)
+
+
+class ReadsItsDevice(GatedMLP):
+    """A forward that rebinds a device attribute to an equal, new ``torch.device`` object at every call
+    (``torch.device`` and ``torch.Size`` are made anew at each read)."""
+
+    def __init__(self):
+        super().__init__(HIDDEN, INTER)
+        self.compute_device = torch.device("cpu")
+        self.shape_seen = torch.Size([0])
+
+    def forward(self, x):
+        self.compute_device, self.shape_seen = x.device, x.shape[-1:]
+        return super().forward(x.to(self.compute_device)) * len(self.shape_seen)
+
+
+def test_equal_immutable_values_rebound_by_the_forward_are_not_a_change():
+    torch.manual_seed(0)
+    mlp = ReadsItsDevice().double()
+    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=9)
+    want = untiled_run(copy.deepcopy(mlp), x, dy)
+    tiled = _tiled(mlp)
+    leaf = x.detach().clone().requires_grad_()
+    y = tiled(leaf)
+    y.backward(dy)
+    assert_runs_close(want, step_result(tiled, leaf, y))
+
+
 def _gained(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return h * module.gain
 

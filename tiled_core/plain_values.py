@@ -34,6 +34,7 @@ method of another object, a closure passed in).
 from __future__ import annotations
 
 import dis
+import enum
 import functools
 import types
 import weakref
@@ -43,14 +44,16 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
-_PLAIN = (int, float, bool, complex, str, type(None))
+# Immutable values compared by value: two equal ones compute the same (``torch.device`` and
+# ``torch.Size`` objects are made anew at each read, equal but not identical).
+_PLAIN = (int, float, bool, complex, str, type(None), torch.device, torch.dtype, enum.Enum)
 # The tiling machinery's own classes (the ``Tiled<Name>`` subclass and its base): its code is not the
 # module's computation and the recompute does not run it.
 _OWN_PACKAGE = __name__.rpartition(".")[0] + "."
 
 
 def is_plain(value: Any) -> bool:
-    if type(value) is tuple:
+    if isinstance(value, (tuple, frozenset)):  # torch.Size and named tuples too
         return all(is_plain(item) for item in value)
     return isinstance(value, _PLAIN)
 
@@ -72,7 +75,7 @@ def same_value(then: Any, now: Any) -> bool:
         return True
     if type(then) is not type(now):
         return False
-    if type(then) is tuple:
+    if isinstance(then, tuple):
         return len(then) == len(now) and all(same_value(a, b) for a, b in zip(then, now, strict=True))
     return bool(then == now) or (then != then and now != now)
 

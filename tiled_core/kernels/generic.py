@@ -139,12 +139,15 @@ class GenericShardKernel:
         # early stop before the shard loop; an offload hook would copy them for nothing).
         with torch.set_grad_enabled(self.grad_mode), _kept_as_they_are():
             if self._first_shard_done:
+                # With a graph or without: a value changed by the first shard would reach every later
+                # shard and not the first, one output computed by several functions.
                 y = self._run(x_shard, shard)
             else:
                 self._first_shard_done = True
                 rng_state = capture_rng_state(x_shard.device)
                 y = self._run(x_shard, shard)
                 if self._plain_values.changed():
+                    del y  # its graph: one shard's activations at a time, the re-run's included
                     y = self._first_shard_again(x_shard, shard, rng_state)
         y = y.detach()
         if out_shard is None:
