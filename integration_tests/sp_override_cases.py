@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
+from .sp_cases import raised
 from .sp_mask_cases import TOKENS, MaskCase, build, sample
 
 
@@ -30,6 +31,11 @@ def user_override_kept(rank: int, world: int) -> Dict:
         batch = sample(MaskCase("override", "llama"))
         model(**sp.shard(batch)).loss.backward()
         sp_calls, calls[:] = list(calls), []
+        # Packed samples without a cache: HF would give the core a mask keeping them apart, DeepSpeed gives
+        # this function none; refused before any attention runs.
+        packed = sp.shard(sample(MaskCase("override-packed", "llama", packed=True)))
+        refused_packed = raised(lambda: model(**packed, use_cache=False))
+        calls[:] = []
         other(input_ids=batch["input_ids"])
         other_calls = list(calls)
         sp.remove()
@@ -39,4 +45,4 @@ def user_override_kept(rank: int, world: int) -> Dict:
     ids = {name: {id(m) for m in net.modules()} for name, net in (("sp", model), ("other", other))}
     return {"sp": [(c[0] in ids["sp"], c[1]) for c in sp_calls],
             "other": [(c[0] in ids["other"], c[1]) for c in other_calls],
-            "kept_after_remove": kept, "tokens": TOKENS}
+            "kept_after_remove": kept, "tokens": TOKENS, "packed": refused_packed}

@@ -189,6 +189,13 @@ def whole_sequence_core(library: Callable, kind: str, config: Any) -> Callable:
         if windowed and "sliding_window" not in kwargs:
             raise RuntimeError(f"sequence parallelism: {type(module).__name__} does not pass its sliding_window to the "
                                "attention function, so its layer's window is unknown here; not supported under SP")
+        if kind == "other" and whole.cached is not True and _packed(kwargs.get("position_ids")):
+            # Without a cache HF hands the core a mask that keeps packed samples apart; DeepSpeed hands this
+            # core none (flex: a causal BlockMask over the whole row), so the samples would attend across.
+            raise RuntimeError(f"sequence parallelism: packed samples (position_ids restarting) without a cache, under "
+                               f"the attention function {getattr(library, '__qualname__', library)!r}: it gets no "
+                               "mask under SP and would attend across the samples. Use sdpa, or pad the samples "
+                               "apart with an attention_mask under sdpa")
         if kind != "sdpa":
             return library(module, query, key, value, attention_mask, *args, **kwargs)
         if whole.cached is None:
@@ -201,6 +208,13 @@ def whole_sequence_core(library: Callable, kind: str, config: Any) -> Callable:
         return library(module, query, key, value, mask, *args, **kwargs)
 
     return core
+
+
+def _packed(positions: Optional[torch.Tensor]) -> bool:
+    """Whether HF would read ``positions`` as several samples packed in a row (its own test)."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    return positions is not None and find_packed_sequence_indices(positions) is not None
 
 
 def hf_mask(config: Any, query: torch.Tensor, whole: WholeSequence, kwargs: Dict[str, Any]) -> Any:
