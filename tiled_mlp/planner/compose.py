@@ -10,6 +10,11 @@ be the shallower log's), and repeated to make any depth. The memory at every mom
 replay of that log, the same replay a full-depth step gets, so the composed timeline is the full-depth
 one event for event, not an extrapolation of peaks (which the moments' changing ranking makes wrong).
 
+The CPU generator states the generic tiled path saves (``rng_states.py``) are freed together when the
+step drops its graph, after the last layer's backward: each layer adds its own to that run of frees as
+well as its events in the body of the backward. A section is therefore three logs, its body, that run,
+and what follows it (the loss, freed with the graph), each composed by one insertion.
+
 ``d`` is 2: a layer that differs by its place (checkpoint offload keeps the last layer's input on
 the device) stays the last, and the inserted layer is an inner one. Models whose layers differ (MoE
 and dense, sliding and full attention by ``layer_types``) are not composed (``layers_alike``); that
@@ -18,12 +23,12 @@ lengths (``tests/test_planner_compose.py``), and the planner models its reported
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from torch import nn
 
 from .layers import describe_kinds
-from .timeline import Event
+from .timeline import GENERATOR_STATES, Event
 
 SHALLOW = 2  # the depths modelled are SHALLOW and SHALLOW + 1
 
@@ -47,12 +52,26 @@ def compose(shallow: Sequence[List[Event]], deeper: Sequence[List[Event]], layer
         return None
     out: List[Event] = []
     for short, long in zip(shallow, deeper, strict=True):
-        at = _insertion(short, long)
-        if at is None:
-            return None
-        inserted = long[at:at + len(long) - len(short)]
-        out += short[:at] + inserted * (layers - SHALLOW) + short[at:]
+        for short_part, long_part in zip(_closing_states(short), _closing_states(long), strict=True):
+            at = _insertion(short_part, long_part)
+            if at is None:
+                return None
+            inserted = long_part[at:at + len(long_part) - len(short_part)]
+            out += short_part[:at] + inserted * (layers - SHALLOW) + short_part[at:]
     return out
+
+
+def _closing_states(section: List[Event]) -> Tuple[List[Event], List[Event], List[Event]]:
+    """``section`` as its body, its last run of generator-state frees (empty where it has none) and what
+    follows that run (the loss, freed with the graph)."""
+    def freed_state(event: Event) -> bool:
+        return event[0] == GENERATOR_STATES and not event[2]
+
+    end = next((i + 1 for i in range(len(section) - 1, -1, -1) if freed_state(section[i])), len(section))
+    start = end
+    while start and freed_state(section[start - 1]):
+        start -= 1
+    return section[:start], section[start:end], section[end:]
 
 
 def _insertion(short: List[Event], long: List[Event]) -> Optional[int]:

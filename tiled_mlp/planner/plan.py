@@ -27,7 +27,7 @@ from .compose import SHALLOW, compose, layers_alike
 from .layers import decoder_layers, describe_kinds, param_sizes
 from .search import Longest, longest_fitting
 from .step import Setting, build_model, step_sections, step_timeline
-from .timeline import ACTIVATIONS, GRADS, LOGITS, WEIGHTS, Timeline, replay
+from .timeline import ACTIVATIONS, GENERATOR_STATES, GRADS, HOST, LOGITS, WEIGHTS, Timeline, replay
 
 IN_FLIGHT = "backend in flight"
 OFFLOADED = "offloaded checkpoints"  # host memory: the layer inputs checkpoint offload moved there
@@ -56,7 +56,8 @@ class Point:
     @property
     def host_bytes(self) -> float:
         """Host memory of the rank at its most: the backend's (optimizer, ZeRO-3's offloaded partitions)
-        and the offloaded checkpoints at their peak. Held against ``host_budget`` where one is given."""
+        and the step's own (the offloaded checkpoints and the generic path's generator states) at their
+        peak. Held against ``host_budget`` where one is given."""
         return sum(self.host_parts.values())
 
     @property
@@ -223,8 +224,12 @@ class Planner:
         in_flight = backend.in_flight_bytes(sizes, req.dtype)
         parts = {WEIGHTS: w, GRADS: g, LOGITS: lg, ACTIVATIONS: a, IN_FLIGHT: in_flight}
         host = backend.host_parts(sizes, req.dtype, on_host)
+        # The step's own host memory at its most, by what holds it; the generator states only where the
+        # generic tiled path saved any (the fast path replays none).
         if setting.offload_checkpoints:
-            host[OFFLOADED] = float(timeline.host_peak())
+            host[OFFLOADED] = float(timeline.host_at_peak.get(HOST, 0))
+        if timeline.host_at_peak.get(GENERATOR_STATES):
+            host[GENERATOR_STATES] = float(timeline.host_at_peak[GENERATOR_STATES])
         return Point(seq, setting.name, peak + in_flight, backend.optimizer_bytes(sizes, req.dtype), parts,
                      req.budget, req.optimizer_on_device, host, seq // setting.sp, req.host_budget)
 

@@ -84,9 +84,10 @@ def notes(points: List[Point], dtype: torch.dtype, backend: Backend, optimizer_o
                  + ("" if backend.name == "single" else f", and {backend.name}'s division of weights and gradients and "
                     f"its '{IN_FLIGHT}' buffers (tiled_mlp/planner/backends.py)")
                  + (", the parameter partitions on the host (offload_param)" if backend.offload_params else "") + ".")
-    lines.append("modelled attention: a flash kernel (no [tokens, tokens] buffer), as flash_attention_2 runs; not "
-                 "counted: the CPU generator states the generic tiled path saves per shard (5,056 B each, host "
-                 "memory) and library kernels' workspaces (cuBLAS, CPU matmul).")
+    lines.append("modelled attention: a flash kernel (no [tokens, tokens] buffer), as flash_attention_2 runs; "
+                 "counted in 'host': the CPU generator states the generic tiled path saves per shard (5,056 B "
+                 "each, alive until the step's graph is freed); not counted: library kernels' workspaces (cuBLAS, "
+                 "CPU matmul).")
     offloaded = [p for p in points if OFFLOADED in p.host_parts]
     if offloaded:
         lines.append("modelled, not analytic: the offloaded checkpoints in 'host' (the real CheckpointOffload runs in the "

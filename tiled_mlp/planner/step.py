@@ -8,7 +8,8 @@ measured step the planner is checked against (``tests/test_planner_depth.py``,
 
 What a setting tiles is put on by the library's own integration (``apply_tiled_mlp``, with
 ``loss=True`` for the tiled loss and ``norms=True`` for the RMSNorms), so the step modelled is the step a user of that call runs; checkpoint
-offload likewise (``apply_checkpoint_offload``: its host copies are counted as host memory). Under
+offload likewise (``apply_checkpoint_offload``: its host copies are counted as host memory, and so are
+the CPU generator states the generic tiled path saves per shard, ``rng_states.py``). Under
 Ulysses sequence parallelism the step is one rank's: ``seq / sp`` tokens, DeepSpeed's attention class
 around the core attention (``sequence_parallel.py``), the position ids given as DeepSpeed's data-loader
 adapter gives them.
@@ -24,6 +25,7 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 
 from . import attention, sequence_parallel
+from .rng_states import generator_states_shown
 from .timeline import Event, Timeline, TimelineTracker
 
 # What ``build_model`` put on a model beyond transformers' build, by model (side tables: the model itself
@@ -168,7 +170,7 @@ def _run_step(model, seq: int, batch: int, rank: int, describe: bool) -> Tuple[T
     try:
         if offload is not None:
             offload.on_host_copy = tracker.track_host
-        with comm, tracker:
+        with comm, generator_states_shown(tracker.track_generator_state), tracker:
             loss = model(**inputs).loss
             tracker.mark()
             loss.backward()

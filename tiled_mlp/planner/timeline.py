@@ -7,16 +7,17 @@ the step is over), the logits and everything computed from them (tensors whose l
 vocabulary) and other activations. Every allocation and free is logged with a serial number (a freed
 storage's address may be reused by the next), and ``Timeline`` replays the log.
 
-Host memory is counted apart: the layer inputs that checkpoint offload moves out of the device
-(``tiled_core.checkpoint_offload``) are storages the offload names as it makes them (``track_host``). On
-the meta device and on a CPU step alike they are the same kind of storage as the device's, so the
-offload's own word is the only way to tell them apart.
+Host memory is counted apart, by what holds it: the layer inputs that checkpoint offload moves out of
+the device (``tiled_core.checkpoint_offload``) are storages the offload names as it makes them
+(``track_host``). On the meta device and on a CPU step alike they are the same kind of storage as the
+device's, so the offload's own word is the only way to tell them apart. The CPU generator states the
+generic tiled path saves per shard are named the same way (``rng_states.py``): no dispatched op makes them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Dict, Iterable, List, Set, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -30,7 +31,9 @@ from .meta_values import is_meta_read, zero_read
 _META_OUTPUTS = MetaOutputs()
 
 WEIGHTS, GRADS, LOGITS, ACTIVATIONS = "weights", "gradients", "logits and loss", "activations"
-HOST = "host"  # in host memory: not one of the device's kinds above
+HOST = "host"  # in host memory: not one of the device's kinds above (the offloaded checkpoints)
+GENERATOR_STATES = "generator states"  # in host memory too: the generic tiled path's saved CPU RNG states
+HOST_KINDS = (HOST, GENERATOR_STATES)
 # One entry of a step's log: the kind of the storage, its bytes, whether it was allocated (else freed), and
 # what made it (op, dtype, shape; '' unless the step was described).
 Event = Tuple[str, int, bool, str]
@@ -43,6 +46,8 @@ class Timeline:
 
     points: List[Tuple[int, int, int, int]]
     host: List[int] = field(default_factory=list)  # one per point; empty: nothing was ever on the host
+    # The host bytes at ``host``'s peak by kind (``HOST_KINDS``); empty: nothing was ever on the host.
+    host_at_peak: Dict[str, int] = field(default_factory=dict)
     # With ``describe``: the log replayed (``Event``s, each allocation labelled by what made it: op,
     # dtype, shape), for ``at_peak``.
     events: List[Event] = field(default_factory=list)
@@ -54,7 +59,8 @@ class Timeline:
         return {i: event[3] for i, event in enumerate(allocations) if event[3]}
 
     def host_peak(self) -> int:
-        """The most host memory held at once during the step (the offloaded layer inputs)."""
+        """The most host memory held at once during the step (the offloaded layer inputs and the
+        generator states)."""
         return max(self.host, default=0)
 
     def peak(self, weight_scale: float = 1.0, grad_scale: float = 1.0) -> Tuple[float, Tuple[float, float, float, float]]:
@@ -75,7 +81,7 @@ class Timeline:
             raise ValueError("at_peak needs a timeline made with describe=True")
         totals = [w * weight_scale + g * grad_scale + lg + a for w, g, lg, a in self.points]
         moment = max(range(len(totals)), key=totals.__getitem__)
-        scale = {WEIGHTS: weight_scale, GRADS: grad_scale, HOST: 0.0}
+        scale = {WEIGHTS: weight_scale, GRADS: grad_scale, **{kind: 0.0 for kind in HOST_KINDS}}
         live: Dict[Tuple[str, str], int] = {}  # (kind, label) -> bytes live
         allocations = 0
         for kind, nbytes, allocated, what in self.events:
@@ -101,7 +107,7 @@ class TimelineTracker(LiveMemoryTracker):
         self._serial_of: Dict[int, int] = {}  # live storage key -> serial of its allocation
         self._log: List[Tuple[int, int, str]] = []  # (serial, bytes, kind at allocation; "" for a free)
         self._kind = ACTIVATIONS  # what a new storage is, unless its last dim is the vocabulary
-        self._host_serials: Set[int] = set()
+        self._host_kind_of: Dict[int, str] = {}  # serial -> its host kind, for storages in host memory
         self._marks: List[int] = []  # log lengths where a section of the step ends (``mark``)
 
     def track_weights(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -111,10 +117,14 @@ class TimelineTracker(LiveMemoryTracker):
         finally:
             self._kind = ACTIVATIONS
 
-    def track_host(self, tensor: torch.Tensor) -> None:
-        """``tensor``'s storage is in host memory (``CheckpointOffload.on_host_copy``)."""
-        self._add(tensor)  # made under the tracker, so already logged; added here should it not be
-        self._host_serials.add(self._serial_of[tensor.untyped_storage()._cdata])
+    def track_host(self, tensor: torch.Tensor, kind: str = HOST) -> None:
+        """``tensor``'s storage is in host memory, held as ``kind`` (``CheckpointOffload.on_host_copy``;
+        ``GENERATOR_STATES`` for ``rng_states.py``)."""
+        self._add(tensor)  # an offload copy is made under the tracker, so already logged; a state is not
+        self._host_kind_of[self._serial_of[tensor.untyped_storage()._cdata]] = kind
+
+    def track_generator_state(self, tensor: torch.Tensor) -> None:
+        self.track_host(tensor, GENERATOR_STATES)
 
     def _add(self, tensor: torch.Tensor) -> None:
         key = tensor.untyped_storage()._cdata
@@ -161,7 +171,7 @@ class TimelineTracker(LiveMemoryTracker):
         events: List[Event] = []
         for serial, nbytes, kind in self._log:
             if kind:
-                kind = GRADS if serial in grad_serials else HOST if serial in self._host_serials else kind
+                kind = GRADS if serial in grad_serials else self._host_kind_of.get(serial, kind)
                 made[serial] = (kind, self._what.get(serial, ""))
                 events.append((kind, nbytes, True, made[serial][1]))
             else:
@@ -181,13 +191,18 @@ class TimelineTracker(LiveMemoryTracker):
 
 def replay(events: List[Event], describe: bool = False) -> Timeline:
     """The timeline of a log of events: a point after each allocation; ``describe``: with the events."""
-    live = {WEIGHTS: 0, GRADS: 0, LOGITS: 0, ACTIVATIONS: 0, HOST: 0}
+    live = {WEIGHTS: 0, GRADS: 0, LOGITS: 0, ACTIVATIONS: 0, **{kind: 0 for kind in HOST_KINDS}}
     points, host = [], []
+    at_peak: Dict[str, int] = {}
     for kind, nbytes, allocated, _ in events:
         if allocated:
             live[kind] += nbytes
             points.append((live[WEIGHTS], live[GRADS], live[LOGITS], live[ACTIVATIONS]))
-            host.append(live[HOST])
+            host.append(sum(live[k] for k in HOST_KINDS))
+            if host[-1] > sum(at_peak.values()):
+                at_peak = {k: live[k] for k in HOST_KINDS if live[k]}
         else:
             live[kind] -= nbytes
-    return Timeline(points, host if any(event[0] == HOST for event in events) else [], events if describe else [])
+    if not any(event[0] in HOST_KINDS for event in events):
+        host, at_peak = [], {}
+    return Timeline(points, host, host_at_peak=at_peak, events=events if describe else [])
