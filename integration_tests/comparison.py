@@ -14,8 +14,8 @@ BOUND = 1e-12
 # accepts half, bfloat16 and float32 parameters only, and whether a float64 module reaches that assertion
 # depends on the CPU: DeepSpeed 0.19's ``Init._set_dtype`` keeps the module's dtype where its CPU
 # accelerator reports fp16 support (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``: AVX512-FP16 / AMX-FP16
-# parts) and silently takes bfloat16 as the dtype elsewhere, so a float64 engine ran on one machine and
-# asserted on the next. ZeRO keeps float32 master partitions anyway.
+# parts) and silently takes bfloat16 as the dtype elsewhere, so a float64 engine runs on one machine and
+# asserts on the next. ZeRO keeps float32 master partitions anyway.
 ZERO_DTYPE = torch.float32
 # The float32 engine against the float64 reference: float32 rounding in every matmul, softmax and
 # reduction (forward, backward, the gradient reduction, the float32 SGD steps), the untiled engine's as much

@@ -4,7 +4,7 @@ on the next machine.
 ``CPU_Accelerator.is_fp16_supported()`` asks mkldnn, which says yes on CPUs with AVX512-FP16 / AMX-FP16
 and no elsewhere, and DeepSpeed branches on it: ZeRO-3's ``zero.Init`` keeps the module's dtype (and
 asserts it is half, bfloat16 or float32) where fp16 is supported, and silently takes bfloat16 as its dtype
-where it is not. A float64 ZeRO-3 engine thus ran on one machine and asserted on another. The suite pins the
+where it is not. A float64 ZeRO-3 engine thus runs on one machine and asserts on another. The suite pins the
 answer to yes, the stricter branch, in the test process and in every spawned rank.
 """
 from __future__ import annotations

@@ -35,8 +35,8 @@ def _plugin():
 
 def _force_fsdp2(accelerator, plugin) -> None:
     """See the module docstring: on CPU accelerate leaves FSDP off, so switch it on explicitly. Done
-    before every ``prepare``: with accelerate 1.15 the state was seen back at ``MULTI_CPU`` after a
-    ``prepare``, and a second model was then wrapped in DDP."""
+    before every ``prepare``: with accelerate 1.15 a ``prepare`` can leave the state back at ``MULTI_CPU``,
+    and a second model is then wrapped in DDP."""
     from accelerate.utils import DistributedType
 
     accelerator.state.distributed_type = DistributedType.FSDP

@@ -33,7 +33,7 @@ def _worker(rank: int, world_size: int, fn: Callable, workdir: str, args: tuple)
             "gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size
         )
         result = fn(rank, world_size, *args)
-        dist.barrier()  # an abort at exit was seen without it
+        dist.barrier()  # without it a rank can abort at exit
         torch.save({"ok": True, "result": result}, out)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         torch.save({"ok": False, "error": traceback.format_exc()}, out)
@@ -41,9 +41,9 @@ def _worker(rank: int, world_size: int, fn: Callable, workdir: str, args: tuple)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # The result is saved: leave without running C++ static destructors. A gloo process aborted at exit
-    # now and then ("terminate called without an active exception", SIGABRT, about 1 run in 8 of
-    # test_third_party_strategy, at this commit and before it), after its work and its result were done.
+    # The result is saved: leave without running C++ static destructors. A gloo process aborts at exit
+    # now and then ("terminate called without an active exception", SIGABRT, measured about 1 run in 8 of
+    # test_third_party_strategy), after its work and its result are done.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -160,7 +160,7 @@ def run_group(group: str, tmp_path, timeout: float) -> List[Dict[str, Dict]]:
     return run_distributed(run_cases, world, tmp_path, list(GROUPS[group]), timeout=timeout)
 
 
-# -- 1, 2: SP=2, tiled MLP + tiled loss, Llama and Qwen2, uneven masks, num_items_in_batch -------------
+# -- SP=2, tiled MLP + tiled loss, Llama and Qwen2, uneven masks, num_items_in_batch -------------------
 @pytest.mark.timeout(150)
 def test_sp2_matches_one_process_under_allreduce_and_ddp(tmp_path):
     """Torch all-reduce (averaged) and DDP: plain, uneven and empty-rank masks, with and without
@@ -169,21 +169,21 @@ def test_sp2_matches_one_process_under_allreduce_and_ddp(tmp_path):
     assert not failures, "\n".join(failures)
 
 
-# -- 3: the same with HF checkpointing (non-reentrant) + checkpoint offload --------------------------
+# -- the same with HF checkpointing (non-reentrant) + checkpoint offload -----------------------------
 @pytest.mark.timeout(150)
 def test_sp2_with_checkpoint_offload(tmp_path):
     failures = check_cases(GROUPS["sp2-offload"], run_group("sp2-offload", tmp_path, 120))
     assert not failures, "\n".join(failures)
 
 
-# -- 4: FSDP2 (fully_shard per decoder layer, then the root) + SP=2 ------------------------------------
+# -- FSDP2 (fully_shard per decoder layer, then the root) + SP=2 ---------------------------------------
 @pytest.mark.timeout(150)
 def test_fsdp2_with_sp2(tmp_path):
     failures = check_cases(GROUPS["sp2-fsdp2"], run_group("sp2-fsdp2", tmp_path, 120))
     assert not failures, "\n".join(failures)
 
 
-# -- 5: DeepSpeed ZeRO + SP (deepspeed.initialize(mpu=sp.mpu)) ---------------------------------------
+# -- DeepSpeed ZeRO + SP (deepspeed.initialize(mpu=sp.mpu)) ------------------------------------------
 @pytest.mark.timeout(180)
 def test_zero3_with_sp2(tmp_path):
     """ZeRO-3 on the 2 SP ranks (DP=1), offload on and off. ZeRO-1 and ZeRO-2, which divide by the DP size
@@ -203,7 +203,7 @@ def test_zero3_with_sp2_times_dp2(tmp_path):
     assert not failures, "\n".join(failures)
 
 
-# -- 6: DeepSpeed's data loader adapter ---------------------------------------------------------------
+# -- DeepSpeed's data loader adapter ------------------------------------------------------------------
 @pytest.mark.timeout(150)
 def test_data_loader_gives_the_batches_and_losses_of_shard(tmp_path):
     """sp.data_loader(DataLoader over full samples with position_ids): each rank's loader holds a
@@ -226,7 +226,7 @@ def test_data_loader_gives_the_batches_and_losses_of_shard(tmp_path):
 @pytest.mark.parametrize("backend", ["zero1", "zero2"])
 def test_deepspeed_sum_over_sp_is_read_from_deepspeed_not_the_head(tmp_path, backend):
     """A frozen lm_head carries no ZeRO attribute: ZeRO-1/2 still sum over the
-    SP ranks there, and the loss must hand each rank 1, not the group size (it gave 2x before)."""
+    SP ranks there, and the loss must hand each rank 1, not the group size (which would double every gradient)."""
     from .sp_cases import frozen_head_grads
 
     case = SPCase("frozen-head", backend=backend, masks="uneven")
@@ -237,7 +237,7 @@ def test_deepspeed_sum_over_sp_is_read_from_deepspeed_not_the_head(tmp_path, bac
         assert max(errs.values()) <= ZERO_BOUND, (rank, {k: v for k, v in errs.items() if v > ZERO_BOUND})
 
 
-# -- 8: the HF Trainer's loss under ParallelismConfig(sp_backend="deepspeed") ---------------------------
+# -- the HF Trainer's loss under ParallelismConfig(sp_backend="deepspeed") ------------------------------
 @pytest.fixture(scope="module")
 def trainer_results(tmp_path_factory):
     return run_group("sp2-trainer", tmp_path_factory.mktemp("sp-trainer"), 120)
@@ -262,12 +262,12 @@ def test_trainer_sp_loss_over_the_tiled_loss(trainer_results):
 @pytest.mark.timeout(150)
 def test_trainer_sp_loss_over_the_tiled_loss_with_an_empty_rank(trainer_results):
     """A rank with no valid label: its tiled mean is NaN (as F.cross_entropy's), masked out by the
-    Trainer's re-weighting, and its gradients must be exact zeros, not NaN (0 * 1/0 in the kernel, fixed)."""
+    Trainer's re-weighting, and its gradients must be exact zeros, not NaN (the kernel must never compute 0 * 1/0)."""
     failures = check_cases([TRAINER["trainer-zero3-llama-empty-rank"]], trainer_results)
     assert not failures, "\n".join(failures[:5])
 
 
-# -- 7: refusals and remove() -------------------------------------------------------------------------
+# -- refusals and remove() ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def error_outcomes(tmp_path_factory):
     from .sp_cases import error_paths

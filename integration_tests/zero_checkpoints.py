@@ -2,8 +2,8 @@
 the weights the ways users do (consolidated 16-bit state dict, ``save_checkpoint`` + ``zero_to_fp32``,
 HF ``Trainer.save_model``) and hand the exports back, with the trained weights to compare them to.
 
-Trained weights are keyed by the model's ``state_dict`` keys, which are the untiled names on old and
-new code alike; the exports are keyed however DeepSpeed names them (from ``named_parameters``), which
+Trained weights are keyed by the model's ``state_dict`` keys, which are the untiled names whether the
+model is tiled or not; the exports are keyed however DeepSpeed names them (from ``named_parameters``), which
 is what the tests check.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def export_toy(rank: int, stage: int, tiled: bool, directory: str) -> Dict:
     model = make_toy_model(seed=0)
     blocks = []
     for layer in model.layers:
-        # Assigning back keeps this right both for a wrapper (old) and for tiling in place (new).
+        # Assigned back as a wrapper API is called; tiling in place makes the assignment a no-op.
         layer.mlp = TiledMLP(layer.mlp, num_shards=SHARDS) if tiled else layer.mlp
         blocks.append(layer.mlp)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),

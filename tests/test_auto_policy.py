@@ -45,7 +45,7 @@ def test_default_bench_sizes_pass_through_where_tiling_saves_under_the_floor():
 
 
 @pytest.mark.parametrize("seq, shards", [(4096, 4), (8192, 8), (32768, 25), (131072, 97)])
-def test_seed_size_still_tiles_with_the_same_shard_counts(seq, shards):
+def test_a_4096_by_12288_bf16_swiglu_tiles_in_these_shard_counts(seq, shards):
     assert auto_num_shards(seq, swiglu_size(4096, 12288, torch.bfloat16)) == shards
 
 
@@ -127,8 +127,8 @@ def _measured_peak(module, x, dy) -> int:
 
 @pytest.mark.parametrize("builder", ["lora", "plain", "gated", "sequential"])
 def test_auto_never_raises_the_measured_peak_on_either_path(builder, monkeypatch):
-    """Exact tracker, real modules: LoRA (generic path; one shard reached 1.07x untiled before the
-    generic path's buffers were counted), a small GELU MLP (1.19x), the gated fast path, and an
+    """Exact tracker, real modules: LoRA (generic path; one shard reaches 1.07x untiled if the
+    generic path's buffers go uncounted), a small GELU MLP (1.19x), the gated fast path, and an
     nn.Sequential whose width is read from its first Linear. With no saving floor, so that these small
     sizes tile and the estimate's sign is what is tested (under the floor all of them run untiled)."""
     import copy

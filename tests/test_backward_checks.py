@@ -1,4 +1,4 @@
-"""The tiled backward checks what autograd checks for the untiled module (issue 18, part 2).
+"""The tiled backward checks what autograd checks for the untiled module.
 
 Untiled, autograd refuses a backward whose saved tensors were modified in place after the forward,
 and differentiates twice on request. The tiled backward recomputes from the module as it is at
@@ -37,7 +37,7 @@ def llama_mlp() -> nn.Module:
     return copy.deepcopy(tiny_model("llama").model.layers[0].mlp)
 
 
-# -- 1. weights and input modified in place between forward and backward ------------------------------
+# -- weights and input modified in place between forward and backward ---------------------------------
 @pytest.mark.parametrize("path, expect_path", PATHS)
 def test_a_weight_modified_in_place_before_backward_raises_as_untiled(path, expect_path):
     mlp = llama_mlp()
@@ -74,7 +74,7 @@ def test_the_input_modified_in_place_before_backward_raises_as_untiled(path, exp
             y.backward(dy)
 
 
-# -- 2. a tensor attribute the generic forward reads, changed before backward -------------------------
+# -- a tensor attribute the generic forward reads, changed before backward ----------------------------
 class FiLMMLP(GatedMLP):
     """A gated MLP scaled by a conditioning tensor set from outside (a plain attribute, no gradient)."""
 
@@ -149,7 +149,7 @@ def test_a_conditioning_tensor_unchanged_until_backward_is_exact():
         untiled.cond = tiled.cond = new_cond(seed)
 
 
-# -- 3. second-order autograd ----------------------------------------------------------------------------
+# -- second-order autograd -------------------------------------------------------------------------------
 DOUBLE = "double backward"
 
 
@@ -195,7 +195,7 @@ def test_a_gradient_penalty_raises(path, expect_path):
         g.pow(2).sum().backward()
 
 
-# -- found by an independent review ---------------------------------------------------------------------
+# -- frozen weights, retained graphs and a checkpoint's recompute ---------------------------------------
 def test_a_frozen_weight_modified_in_place_before_backward_raises_as_untiled():
     """A frozen parameter (a LoRA base weight) is not an input of the tiled Function, but the backward
     recomputes from it all the same."""

@@ -198,7 +198,7 @@ def test_functional_dropout_in_train_mode_is_never_fast_and_really_drops():
     x, dy = fresh_inputs(SHAPE, HIDDEN, seed=4)
     tiled = TiledMLP(copy.deepcopy(mlp), num_shards=num_shards)
     eval_run = step(tiled, x, dy)
-    # Either path is sound in eval mode (now generic: F.dropout is recorded as a random call even with
+    # Either path is sound in eval mode (here generic: F.dropout is recorded as a random call even with
     # training=False); what matters is that the train-mode call below does not reuse a fast decision.
     assert tiled.tiling.last_path in ("fast", "generic")
     assert_runs_close(untiled_run(mlp, x, dy), eval_run, tol=TOL)

@@ -89,7 +89,7 @@ def _ids(seed, batch=2, seq=13):
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-# -- 1. names ---------------------------------------------------------------------------------------------
+# -- names ------------------------------------------------------------------------------------------------
 def test_tiling_is_in_place():
     """The documented contract the name tests rest on: the same object, both classes."""
     mlp = GatedMLP(HIDDEN, INTER)
@@ -111,7 +111,7 @@ def test_apply_keeps_every_name(name):
 def test_manual_tiling_keeps_every_name(name):
     model = build(name)
     before = names(model)
-    # The assignment back is what a user of the old wrapping API writes; in place it is a no-op.
+    # The assignment back is how a wrapper API is called; tiling in place makes it a no-op.
     if name == "stack":
         for layer in model.layers:
             layer.mlp = TiledMLP(layer.mlp, num_shards=2)
@@ -137,7 +137,7 @@ def test_remove_restores_the_same_objects_and_classes(name):
     assert_same_names(before, names(model), "after remove_tiled_mlp")
 
 
-# -- 2. same computation ------------------------------------------------------------------------------------
+# -- same computation ---------------------------------------------------------------------------------------
 def test_tiled_llama_logits_and_grads_match_untiled_by_name():
     reference = tiny_model("llama")
     tiled = copy.deepcopy(reference)
@@ -160,7 +160,7 @@ def test_tiled_llama_logits_and_grads_match_untiled_by_name():
     assert all(want[k].grad.abs().max() > 0 for k in want if ".mlp." in k)
 
 
-# -- 3. attributes ------------------------------------------------------------------------------------------
+# -- attributes ---------------------------------------------------------------------------------------------
 def test_assigned_projection_is_used_and_saved():
     torch.manual_seed(0)
     reference = GatedMLP(HIDDEN, INTER).double()
@@ -190,7 +190,7 @@ def test_assigned_projection_is_used_and_saved():
     assert tiled.gate_proj.weight is params["gate_proj.weight"]  # reads reach the MLP's own children
 
 
-# -- 4. copies ----------------------------------------------------------------------------------------------
+# -- copies -------------------------------------------------------------------------------------------------
 def _torch_round_trip(model, tmp_path):
     path = tmp_path / "model.pt"
     torch.save(model, path)
@@ -223,7 +223,7 @@ def test_copies_stay_tiled_and_equal(how, tmp_path):
     assert clone.model.layers[0].mlp.down_proj.weight is not model.model.layers[0].mlp.down_proj.weight
 
 
-# -- 5. PEFT --------------------------------------------------------------------------------------------------
+# -- PEFT -----------------------------------------------------------------------------------------------------
 MLP_ADAPTERS = ("gate_proj", "up_proj", "down_proj")
 
 

@@ -1,4 +1,4 @@
-"""The fast path must be proven, never guessed from a numeric probe (issue 18, part 1).
+"""The fast path must be proven, never guessed from a numeric probe.
 
 Every class below has the gated structure (``gate_proj``/``up_proj``/``down_proj`` plain ``nn.Linear``,
 ``act_fn = nn.SiLU()``), so structure alone cannot tell it from a SwiGLU MLP, but its forward computes
@@ -70,7 +70,7 @@ def assert_tiled_equals_untiled(mlp: nn.Module, x: torch.Tensor, dy: torch.Tenso
     return tiled
 
 
-# -- 1. a forward that edits its input in place -----------------------------------------------------
+# -- a forward that edits its input in place --------------------------------------------------------
 class InPlaceInputMLP(GatedLooking):
     def forward(self, x):
         x.mul_(2)
@@ -79,9 +79,9 @@ class InPlaceInputMLP(GatedLooking):
 
 @pytest.mark.parametrize("path", ["auto", "generic"])
 def test_a_forward_that_edits_its_input_in_place_is_refused_loudly(path):
-    """A probe under no_grad sees ``formula(2p)`` both from the forward and from the reference it
-    computes after (on the now doubled probe), so it accepted the fast path, which then returned
-    ``formula(x)`` where the untiled module returns ``formula(2x)``. The generic path's shards are
+    """A probe under no_grad would see ``formula(2p)`` both from the forward and from the reference it
+    computes after (on the probe the forward has doubled), so it would accept the fast path, which would
+    return ``formula(x)`` where the untiled module returns ``formula(2x)``. The generic path's shards are
     views of the saved input, which the forward doubles, so its recompute would double it again. The
     tiled call cannot recompute from an input its forward overwrote: it must refuse, before any
     number comes out."""
@@ -96,7 +96,7 @@ def test_a_forward_that_edits_its_input_in_place_is_refused_loudly(path):
         tiled(x.detach().clone().requires_grad_() * 1)
 
 
-# -- 2. a clamp that only large values reach ---------------------------------------------------------
+# -- a clamp that only large values reach ------------------------------------------------------------
 class ClampedSwiGLU(GatedLooking):
     """GPT-OSS's clamped SwiGLU."""
 
@@ -115,7 +115,7 @@ def test_gpt_oss_style_clamp_takes_the_generic_path_and_is_exact():
     assert tiled.tiling.last_path == "generic"
 
 
-# -- 3. a branch on grad mode --------------------------------------------------------------------------
+# -- a branch on grad mode -----------------------------------------------------------------------------
 class GradModeBranchMLP(GatedLooking):
     def forward(self, x):
         h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
@@ -144,7 +144,7 @@ def test_a_branch_on_grad_mode_computes_what_the_untiled_module_does_under_no_gr
     assert tiled.tiling.last_num_shards == 4
 
 
-# -- 4. a factor within bf16's probe tolerance ---------------------------------------------------------
+# -- a factor within bf16's probe tolerance ------------------------------------------------------------
 class FalconH1StyleMLP(GatedLooking):
     """FalconH1 scales gate and up by multipliers close to 1."""
 
@@ -153,8 +153,8 @@ class FalconH1StyleMLP(GatedLooking):
 
 
 def test_bf16_multipliers_close_to_one_are_not_dropped():
-    """In bf16 a numeric probe needs a tolerance of a few percent, so it accepted a forward whose
-    multipliers change the output by less than that; the fast kernel then dropped them."""
+    """In bf16 a numeric probe needs a tolerance of a few percent, so it would accept a forward whose
+    multipliers change the output by less than that, and the fast kernel would drop them."""
     mlp = build(FalconH1StyleMLP, dtype=torch.bfloat16)
     x, _ = fresh_inputs((1, 24, HIDDEN), HIDDEN, dtype=torch.bfloat16, seed=5)
     x = (x * 4).detach().requires_grad_()
@@ -168,7 +168,7 @@ def test_bf16_multipliers_close_to_one_are_not_dropped():
     assert tiled.tiling.last_path == "generic"
 
 
-# -- 5. what changes after the first fast call --------------------------------------------------------
+# -- what changes after the first fast call -----------------------------------------------------------
 def check_change_after_first_call(mlp: nn.Module, change, change_is_per_instance: bool) -> None:
     """Tile a copy of ``mlp``, call it once, apply ``change`` (to the tiled module and to an untiled
     copy, or once where it is made on a class they share), and compare the second call."""
@@ -253,7 +253,7 @@ def test_a_flag_flipped_inside_a_mutable_attribute_after_the_first_call():
     check_change_after_first_call(build(Configured), change, change_is_per_instance=True)
 
 
-# -- 6. the fast path is still taken where it should be -----------------------------------------------
+# -- the fast path is still taken where it should be --------------------------------------------------
 HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3")
 
 

@@ -1,5 +1,5 @@
-"""What a tiled call takes the module's forward to be, and what it must never be fooled by (an
-independent review's cases, each silent or a crash before): a method of another module, code swapped
+"""What a tiled call takes the module's forward to be, and what it must never be fooled by (each
+a way to compute something silently wrong, or to crash): a method of another module, code swapped
 in place, a patched torch function, an attribute hiding a child, a wrapper of the tiled forward,
 inference mode, a subclass of the tiled class. Each is exact against an untiled copy in float64."""
 from __future__ import annotations

@@ -193,7 +193,7 @@ def test_a_model_that_already_has_a_piece_is_refused_and_kept():
 
 
 def test_deep_copy_keeps_the_model_and_its_forward_together():
-    """The copied model's forward is the copied forward (one object, as before the stack existed)."""
+    """The copied model's forward is the copied forward (bound to the copy, not to the original)."""
     model = tiny_model("llama")
     apply_long_context(model, checkpoint_offload=False)
     clone = copy.deepcopy(model)

@@ -115,7 +115,7 @@ def test_a_real_12_layer_mixed_moe_step_is_predicted_to_the_byte(setting):
 
 @pytest.mark.parametrize("setting", ["untiled", "untiled+ckpt"])
 def test_a_real_24_layer_llama_step_is_predicted_to_the_byte(setting):
-    """With checkpointing, one- and two-layer extrapolation was 33% low here (52.8 MiB for 78.7): at one
+    """With checkpointing, extrapolating from one and two layers would be 33% low here (52.8 MiB for 78.7): at one
     or two layers the step peaks at the loss (an 8,000-word vocabulary), at 24 at the end of the
     backward with every gradient alive."""
     config = LlamaConfig(hidden_size=128, intermediate_size=768, num_hidden_layers=24, num_attention_heads=4,
@@ -128,7 +128,8 @@ def test_a_real_24_layer_llama_step_is_predicted_to_the_byte(setting):
 
 
 def test_qwen3_30b_a3b_table_is_monotone_and_self_consistent(capsys):
-    """The issue's command: the peak fell as the length doubled and 8192 'fit' while nothing did."""
+    """Untiled, layer checkpointing, the optimizer on the host, at doubling lengths: what the step holds
+    grows with the length and is its peak, no length fits 80 GiB and none is given as the longest."""
     assert main(["plan", "--model", "qwen3-30b-a3b", "--budget", "80GiB", "--offload-optimizer", "--checkpointing",
                  "layer", "--tiled", "none", "--tiled-loss", "none", "--seq", "1024,2048,4096,8192", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)

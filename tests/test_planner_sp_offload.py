@@ -1,4 +1,4 @@
-"""The planner's new settings: checkpoint offload (its modelled step equals a real CPU step to the byte,
+"""The planner beyond tiling: checkpoint offload (its modelled step equals a real CPU step to the byte,
 device and host memory each, at every allocation), Ulysses SP (one rank's step on the meta device with
 DeepSpeed's own attention class; the two-rank real check is ``integration_tests/test_planner_sp_honesty.py``),
 ZeRO-3's parameter offload (analytic), the host memory column, the errors before any work, and ALST's

@@ -62,7 +62,8 @@ class Setting:
     def name(self) -> str:
         """'untiled', 'tiled' (MLPs), 'tiled-loss', 'tiled+tiled-loss', then '+norms' (tiled RMSNorms)
         where they are on, each with '+ckpt' or not, then '+offload' (checkpoint offload) and '+spN'
-        (Ulysses over N ranks) where they are on: the names the plan had before are kept."""
+        (Ulysses over N ranks) where they are on: a setting with none of those parts is named by its tiling
+        and checkpointing alone."""
         parts = ["tiled"] if self.tiled else ([] if self.tiled_loss or self.tiled_norms else ["untiled"])
         parts += ["tiled-loss"] if self.tiled_loss else []
         parts += ["norms"] if self.tiled_norms else []

@@ -1,5 +1,5 @@
-"""Drop-in gaps (issue 18, part 3): ways of calling, rebinding, sharing, configuring and reloading a
-tiled module that must behave as the untiled module does, or refuse before anything is changed.
+"""Ways of calling, rebinding, sharing, configuring and reloading a tiled module: each behaves as the
+untiled module does, or is refused before anything is changed.
 
 Each numeric comparison runs float64 against an untiled deep copy: output, input gradient and every
 parameter gradient.
@@ -54,7 +54,7 @@ def signature_of(forward) -> list:
     return [(p.name, p.kind, p.default) for p in inspect.signature(forward).parameters.values()]
 
 
-# -- 1. the input passed by its keyword --------------------------------------------------------------
+# -- the input passed by its keyword -----------------------------------------------------------------
 class HiddenStatesMLP(GatedMLP):
     def forward(self, hidden_states):
         return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
@@ -92,7 +92,7 @@ def test_a_wrong_keyword_raises_type_error_as_untiled(builder):
         tiled(h=x)
 
 
-# -- 2. a forward bound on the instance after tiling --------------------------------------------------
+# -- a forward bound on the instance after tiling -----------------------------------------------------
 def half_forward(self, x):
     half_forward.token_counts.append(x.numel() // x.shape[-1])
     return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 0.5)
@@ -129,7 +129,7 @@ def test_a_forward_bound_on_the_instance_after_tiling_is_tiled_through(bind):
     assert half_forward.token_counts and max(half_forward.token_counts) < SHAPE[0] * SHAPE[1]
 
 
-# -- 3. one MLP shared by two parents -------------------------------------------------------------
+# -- one MLP shared by two parents ----------------------------------------------------------------
 def test_an_mlp_shared_by_two_layers_is_tiled_once_and_removed_cleanly():
     from integration_tests.tiny_models import VOCAB, grads_by_key
 
@@ -165,7 +165,7 @@ def test_an_mlp_shared_by_two_layers_is_tiled_once_and_removed_cleanly():
     assert model.model.layers[1].mlp is shared
 
 
-# -- 4. apply_tiled_mlp failing partway ----------------------------------------------------------------
+# -- apply_tiled_mlp failing partway -------------------------------------------------------------------
 class TwoBlocks(nn.Module):
     def __init__(self):
         super().__init__()
@@ -188,7 +188,7 @@ def test_apply_failing_on_the_second_block_leaves_the_model_unchanged():
     assert model.blocks[1].tiling == "the user's own attribute"
 
 
-# -- 5. a refused configuration ------------------------------------------------------------------
+# -- a refused configuration ---------------------------------------------------------------------
 class FcMLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -211,7 +211,7 @@ def test_path_fast_on_a_module_without_gated_activation_is_refused_at_tiling(bui
     assert mlp(x).shape == SHAPE
 
 
-# -- 6. the configuration is checked when it is set -----------------------------------------------
+# -- the configuration is checked when it is set --------------------------------------------------
 @pytest.mark.parametrize("attr, value", [("path", "bogus"), ("num_shards", 0), ("num_shards", 2.5),
                                          ("num_shards", -1), ("num_shards", "many"), ("num_shards", True)])
 def test_a_bad_setting_on_tiling_raises_and_keeps_the_old_one(attr, value):
@@ -239,7 +239,7 @@ def test_good_settings_on_tiling_are_taken():
     assert tiled.tiling.num_shards == "auto"
 
 
-# -- 7. from_pretrained / from_config keep the saved path --------------------------------------------
+# -- from_pretrained / from_config keep the saved path -----------------------------------------------
 def test_from_pretrained_with_a_shard_count_keeps_the_saved_path(tmp_path):
     pytest.importorskip("transformers")
     from transformers import LlamaForCausalLM
