@@ -1,4 +1,4 @@
-"""The "auto" shard policy, derived from the fake-tensor memory model (see README, "Auto policy").
+"""The "auto" shard policy, derived from the fake-tensor memory model (docs/auto-policy.md).
 
 Three rules, all cheap enough for every forward:
 
@@ -13,7 +13,7 @@ Three rules, all cheap enough for every forward:
    hidden-size rule below, so their shards stay large.) Shards are floored at ``MIN_TOKENS_PER_SHARD`` (1024) so smaller MLPs
    are not cut into slivers that only add time: hidden 1024, intermediate 2816, 8192 tokens, CPU fp32,
    the fast path took 1.23x the untiled step with 4 shards of 2048 tokens, 1.25x with 8 of 1024 and
-   1.36x with 15 of 546 (README, "Auto policy").
+   1.36x with 15 of 546 (docs/auto-policy.md).
 2. **Pass-through on share**: tiling costs recompute (11 matmul units against 9) and some fixed
    buffers, so it only pays when the intermediates it stops keeping are a real share of the step's
    memory. When the whole call's intermediate bytes are under ``MIN_INTERMEDIATE_SHARE`` of the fixed
@@ -72,7 +72,7 @@ MIN_SAVED_BYTES = 64 * 2**20
 FAST_SAVED_INTERMEDIATES = 4
 # The fewest [tokens, intermediate] tensors untiled autograd keeps for an MLP with an activation
 # between its projections. A lower bound, so the generic path never tiles where it cannot pay; with
-# one (an earlier version) a SwiGLU at 4096 tokens ran untiled, where 4 shards take 0.59x the memory.
+# one, a SwiGLU at 4096 tokens ran untiled, where 4 shards take 0.59x the memory.
 GENERIC_SAVED_INTERMEDIATES = 2
 
 MiB = 2**20

@@ -156,8 +156,7 @@ def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[LongContext
     ``apply_long_context`` with ``--use_tiled_mlp`` (and ``--tiled_mlp_num_shards``), ``--use_tiled_loss``,
     ``--use_tiled_norms``, ``--use_checkpoint_offload`` and ``--ulysses_sp_size``; returns its handle (``.report`` says what
     was tiled, ``.remove()`` undoes it all), or None when no flag asks for anything. ``kwargs`` go to
-    ``apply_long_context`` (``apply_tiled_mlp``'s options among them). Before the stack existed this
-    returned the ``TilingReport``, now ``.report``."""
+    ``apply_long_context`` (``apply_tiled_mlp``'s options among them)."""
     from .stack import apply_long_context
 
     flags = read_tiled_mlp_flags(source)
