@@ -72,7 +72,7 @@ MIN_SAVED_BYTES = 64 * 2**20
 FAST_SAVED_INTERMEDIATES = 4
 # The fewest [tokens, intermediate] tensors untiled autograd keeps for an MLP with an activation
 # between its projections. A lower bound, so the generic path never tiles where it cannot pay; with
-# one, a SwiGLU at 4096 tokens ran untiled, where 4 shards take 0.59x the memory.
+# one, a SwiGLU at 4096 tokens would run untiled, where 4 shards take 0.59x the memory.
 GENERIC_SAVED_INTERMEDIATES = 2
 
 MiB = 2**20
