@@ -4,7 +4,9 @@ name its own functions, not the facade's.
 
 Scanned in every ``tiled_core/**/*.py``: imports, identifiers (names, attributes, definitions,
 arguments, keywords) and string constants (messages, code-form bodies, lookup keys). Docstrings and
-comments are prose about the code's surroundings and are not scanned.
+comments are prose about the code's surroundings and are not scanned. A library's forward body names
+no library (``self.down_proj(self.act_fn(...))``), so each ``CodeForm`` body written in the core must
+be the forward of one of torch's own ``nn`` modules.
 """
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ import ast
 import re
 from pathlib import Path
 from typing import Iterator, List, Set, Tuple
+
+from torch import nn
+
+from tiled_core.code_forms import CodeForm, _same_code
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "tiled_core"
@@ -127,6 +133,46 @@ def test_the_core_names_no_model_library_and_no_facade_function():
              for v in violations(path.read_text(), str(path.relative_to(ROOT)))]
     assert not found, ("tiled_core must hold no model library's knowledge; register it from tiled_mlp.integrations "
                        f"and name core functions in messages ({len(found)} places):\n" + "\n".join(found))
+
+
+def _torch_forwards() -> List[object]:
+    return [cls.forward for cls in vars(nn).values()
+            if isinstance(cls, type) and issubclass(cls, nn.Module) and "forward" in vars(cls)]
+
+
+def code_form_problems(source: str, where: str) -> List[str]:
+    """``where:line: ...`` for each ``CodeForm(body)`` in ``source`` whose body is not the code of a
+    forward of torch's ``nn`` modules."""
+    forwards = _torch_forwards()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "CodeForm"):
+            continue
+        try:
+            body = ast.literal_eval(node.args[0])
+        except (ValueError, IndexError):
+            found.append(f"{where}:{node.lineno}: a CodeForm whose body is not a literal")
+            continue
+        # The globals' names decide how the body compiles (``code_forms``); their values do not.
+        names = node.args[1].keys if len(node.args) > 1 and isinstance(node.args[1], ast.Dict) else []
+        form = CodeForm(body, {ast.literal_eval(name): None for name in names if name is not None})
+        if not any(_same_code(fn.__code__, form, fn.__doc__) for fn in forwards):
+            found.append(f"{where}:{node.lineno}: CodeForm body {body!r} is no torch nn module's forward")
+    return found
+
+
+def test_the_cores_code_forms_are_torchs_own_forwards():
+    found = [v for path in sorted(CORE.rglob("*.py"))
+             for v in code_form_problems(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not found, ("tiled_core keeps only torch's own forward bodies; register a library's from "
+                       "tiled_mlp.integrations:\n" + "\n".join(found))
+
+
+def test_the_code_form_rule_catches_a_library_body():
+    llama = 'X = CodeForm("return self.down_proj(self.act_fn(self.gate_proj({x})) * self.up_proj({x}))")'
+    assert code_form_problems(llama, "core.py")
+    assert code_form_problems("X = CodeForm(BODY)", "core.py")
+    assert not code_form_problems('X = CodeForm("return F.linear({x}, self.weight, self.bias)", {"F": F})', "core.py")
 
 
 def test_the_rule_catches_what_it_forbids():
