@@ -148,6 +148,28 @@ def test_a_third_party_registers_its_form_and_activation_and_takes_the_fast_path
     assert _path_and_check(mlp) == "generic"  # withdrawing a form changes the cached decision's key
 
 
+def test_registering_or_withdrawing_a_form_changes_a_tiled_modules_next_decision():
+    from tiled_mlp import TiledMLP
+
+    tiled = TiledMLP(ThirdParty().double(), num_shards=3)
+    x = torch.randn(1, TOKENS, HIDDEN, dtype=torch.float64)
+    paths = []
+    tiled(x)
+    paths.append(tiled.tiling.last_path)
+    register_activation(THIRD_PARTY_ACTIVATION, computes="silu")
+    register_gated_form(THIRD_PARTY_BODY, THIRD_PARTY_FORM)
+    try:
+        tiled(x)
+        paths.append(tiled.tiling.last_path)
+        unregister_gated_form(THIRD_PARTY_BODY)
+        tiled(x)
+        paths.append(tiled.tiling.last_path)
+    finally:
+        unregister_gated_form(THIRD_PARTY_BODY)
+        unregister_activation(THIRD_PARTY_ACTIVATION)
+    assert paths == ["generic", "fast", "generic"]
+
+
 class HoldsItsFunction(nn.Module):
     def __init__(self, fn):
         super().__init__()
