@@ -8,7 +8,7 @@ is one of these bodies qualifies wherever it comes from.
 
 - ``LLAMA_BODIES``: the body ~140 MLP classes share (Llama, Mistral, Qwen2/3, Gemma, ...), written
   three ways across them, and Llama 4's with ``activation_fn``.
-- ``PHI3_BODY``: Phi-3's fused ``gate_up_proj``, chunked into gate and up.
+- ``PHI3_BODY``: Phi-3's fused ``gate_up_proj``, chunked into gate and up (GLM's and others' too).
 - ``FALCON_H1_BODY``: FalconH1's, with its gate and down multipliers read from the module.
 - The activations: ``SiLUActivation`` (``nn.functional.silu``), and the classes whose forward calls
   the function they hold in ``self.act`` (``GELUActivation``, ``PytorchGELUTanh``, ...).
