@@ -5,14 +5,14 @@ overwrite ``g``, ``u`` and ``dh`` (the caller no longer needs them), which keeps
 to a few ``[tokens, intermediate]`` buffers.
 
 The native kernels use aten's fused ``*_backward`` ops, which run on CPU, CUDA and Ascend NPU alike.
-On CUDA, Liger-Kernel's Triton SiLU-mul / GELU(tanh)-mul kernels are used when liger-kernel is
-installed. Nothing here imports torch_npu: torch ops dispatch to it when the tensors live on an NPU.
+Nothing here imports torch_npu: torch ops dispatch to it when the tensors live on an NPU. A faster
+kernel for a device type (a Triton kernel on CUDA) is registered by whoever knows its library
+(``register_fused_kernel``), and used when the call allows it and the library is installed.
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
-from typing import Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, FrozenSet, Iterable, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -50,45 +50,48 @@ class NativeGatedActivation:
         return dg, du
 
 
-class LigerGatedActivation:
-    """Liger-Kernel's Triton SiLU-mul and GELU(tanh)-mul (CUDA only); both write gradients in place."""
+@dataclass(frozen=True)
+class FusedKernel:
+    """A faster kernel for some activations on one device type: ``factory(name)`` builds it, when
+    ``available()`` (its library is installed)."""
 
-    def __init__(self, name: str):
-        if name == "silu":
-            from liger_kernel.ops.swiglu import swiglu_backward, swiglu_forward
-
-            self._forward, self._backward = swiglu_forward, swiglu_backward
-        elif name == "gelu_tanh":
-            from liger_kernel.ops.geglu import geglu_backward, geglu_forward
-
-            self._forward, self._backward = geglu_forward, geglu_backward
-        else:
-            raise ValueError(f"Liger has no gated kernel for {name!r}")
-        self.name = name
-
-        # Liger's kernels step every operand by the output's row stride: they need contiguous rows,
-        # which the views of a fused gate_up buffer are not.
-        self._native = NativeGatedActivation(name)
-
-    def forward_mul(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        if not (g.is_contiguous() and u.is_contiguous()):
-            return self._native.forward_mul(g, u)
-        return self._forward(g, u)[2]
-
-    def backward_mul(self, dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        if not (g.is_contiguous() and u.is_contiguous() and dh.is_contiguous()):
-            return self._native.backward_mul(dh, g, u)
-        dg, du = self._backward(g, u, dh)
-        return dg, du
+    device_type: str
+    names: FrozenSet[str]
+    factory: Callable[[str], Any]
+    available: Callable[[], bool]
 
 
-@functools.cache
-def liger_available() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None
+# Registered fused kernels (``register_fused_kernel``); the last registered for a device and name wins.
+_FUSED: List[FusedKernel] = []
 
 
-def gated_activation(name: str, device: torch.device, use_liger: bool = True):
-    """The fastest kernel for ``name`` on ``device``: Liger's on CUDA when installed, else native."""
-    if use_liger and device.type == "cuda" and name in ("silu", "gelu_tanh") and liger_available():
-        return LigerGatedActivation(name)
+def register_fused_kernel(device_type: str, names: Iterable[str], factory: Callable[[str], Any],
+                          available: Callable[[], bool] = lambda: True) -> FusedKernel:
+    """Use ``factory(name)`` (an object with ``forward_mul`` and ``backward_mul`` as
+    ``NativeGatedActivation``'s) for the activations ``names`` on tensors of ``device_type``, whenever
+    ``available()``; each call that takes the gated fast kernel with fused kernels allowed asks."""
+    names = frozenset(names)
+    unknown = sorted(names - set(ACTIVATIONS))
+    if unknown or not names:
+        raise ValueError(f"a fused kernel computes some of {', '.join(ACTIVATIONS)}; got {sorted(names)}")
+    if not isinstance(device_type, str) or not callable(factory) or not callable(available):
+        raise TypeError("register_fused_kernel takes a device type name, the activation names, a factory and "
+                        "an availability check")
+    kernel = FusedKernel(device_type, names, factory, available)
+    _FUSED.append(kernel)
+    return kernel
+
+
+def unregister_fused_kernel(kernel: FusedKernel) -> None:
+    """Withdraw what ``register_fused_kernel`` returned."""
+    _FUSED[:] = [k for k in _FUSED if k is not kernel]
+
+
+def gated_activation(name: str, device: torch.device, use_fused: bool = True):
+    """The kernel for ``name`` on ``device``: the last fused kernel registered for it and available,
+    when ``use_fused``, else the native one."""
+    if use_fused:
+        for kernel in reversed(_FUSED):
+            if kernel.device_type == device.type and name in kernel.names and kernel.available():
+                return kernel.factory(name)
     return NativeGatedActivation(name)

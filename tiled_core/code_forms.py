@@ -1,9 +1,9 @@
 """Is a function exactly a given body of code? Decided by its bytecode, not by running it.
 
 The gated fast kernel stands in for a module's forward. A numeric probe of that forward cannot prove
-it may: a probe was fooled by a clamp that random inputs never reach, a branch on
-``torch.is_grad_enabled()``, a factor within bf16's tolerance of 1, and an in-place edit of the input
-that the probe's own input shared. What a function *is* can be decided instead: its code object.
+it may: a probe is fooled by a clamp that random inputs never reach, a branch on
+``torch.is_grad_enabled()``, a factor within bf16's tolerance of 1, or an in-place edit of the input
+that the probe's own input shares. What a function *is* can be decided instead: its code object.
 
 A ``CodeForm`` is a method body written as source. ``matches(fn, form)`` compiles that body, on the
 running interpreter, into a method with ``fn``'s own argument name and docstring, and compares the
@@ -11,7 +11,8 @@ code objects field by field (instructions, constants, names, local names, argume
 Equal code with the same globals runs the same operations on the same attributes of ``self``: the
 installed library's forward is checked as it is, whatever its version, and a patched, wrapped or
 edited forward is a different function with other code. What the code reads through ``self``
-(submodules, factors) is checked by the caller (``gated_forms``).
+(submodules, factors) is checked by the caller (``gated_forms``). Which bodies are worth comparing
+against is not known here: they are registered by whoever knows a library's text.
 """
 from __future__ import annotations
 
@@ -47,9 +48,17 @@ def _compiled(form: CodeForm, arg: str, doc: Optional[str]) -> types.CodeType:
     if doc is not None:
         lines.append(f"    {doc!r}")
     lines += [f"    {line}" for line in form.body.format(x=arg).splitlines()]
-    module = compile("\n".join(lines), "<tiled_mlp form>", "exec", dont_inherit=True)
+    module = compile("\n".join(lines), "<code form>", "exec", dont_inherit=True)
     (code,) = [c for c in module.co_consts if isinstance(c, types.CodeType) and c.co_name == "forward"]
     return code
+
+
+def check_body(form: CodeForm) -> None:
+    """Refuse, before it is registered anywhere, a body that does not compile as a method body."""
+    try:
+        _compiled(form, "x", None)
+    except SyntaxError as error:
+        raise ValueError(f"not a method body ({{x}} standing for its argument): {form.body!r}: {error.msg}") from None
 
 
 # (code, form) -> whether the code is the form's. Keyed on the code object, which is immutable: a

@@ -2,28 +2,30 @@
 
 The fast kernel may stand in for a module's forward only when that forward is known to compute the
 gated formula from the module's children, by what the forward *is*:
-- **the bodies the libraries write** (``KNOWN_BODIES``): the Llama body shared by ~140 Hugging Face
-  MLP classes, Phi-3's fused one, Llama 4's, RecurrentGemma's and FalconH1's with its two
-  multipliers. A forward qualifies when its bytecode equals one of them (``code_forms``): exact for
-  the installed library, whatever its version, and never for a patched or edited forward.
-- **a registration** (``register_gated_mlp``): a user names the attributes of their own class; the
-  class's forward function object at registration is what qualifies (one patched later does not).
+- **a registered body** (``register_gated_form``): the source of a method body and the form it
+  computes. A forward qualifies when its bytecode equals the body's (``code_forms``): exact for the
+  library installed, whatever its version, and never for a patched or edited forward. The core
+  knows no library's bodies; the integrations that know them register them when imported.
+- **a registered class** (``register_gated_mlp``): a user names the attributes of their own class;
+  the class's forward function object at registration is what qualifies (one patched later does not).
 
 Everything else (a clamp, a branch, a factor, an in-place edit, a forward read from a mutable
 config) takes the generic path, which runs the module's own forward and is exact. The activation is
-recognised the same way (``activation_name``): by its exact class and the code of its forward.
+recognised the same way (``activation_name``): torch's ``nn.SiLU`` and ``nn.GELU`` by their exact
+class and the code of their forward, any other class by a registered body (``register_activation``).
 """
 from __future__ import annotations
 
 import functools
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch.nn.functional as F
 from torch import nn
 
-from .code_forms import CodeForm, matches
+from .activations import ACTIVATIONS
+from .code_forms import CodeForm, check_body, matches
 
 Scale = Union[float, str]  # a fixed factor, or the name of a float attribute the forward multiplies by
 
@@ -51,24 +53,12 @@ class GatedForm:
         return tuple(s for s in (self.gate_scale, self.up_scale, self.down_scale) if isinstance(s, str))
 
 
-_LLAMA = GatedForm()
-_FUSED = GatedForm(gate=None, up=None, gate_up="gate_up_proj", activation="activation_fn")
+# Forward bodies known to compute a form, in registration order (``register_gated_form``).
+KNOWN_BODIES: List[Tuple[CodeForm, GatedForm]] = []
 
-KNOWN_BODIES: List[Tuple[CodeForm, GatedForm]] = [
-    (CodeForm("down_proj = self.down_proj(self.act_fn(self.gate_proj({x})) * self.up_proj({x}))\nreturn down_proj"), _LLAMA),
-    (CodeForm("return self.down_proj(self.act_fn(self.gate_proj({x})) * self.up_proj({x}))"), _LLAMA),
-    (CodeForm("gate = self.act_fn(self.gate_proj({x}))\nreturn self.down_proj(gate * self.up_proj({x}))"), _LLAMA),
-    (CodeForm("down_proj = self.activation_fn(self.gate_proj({x})) * self.up_proj({x})\nreturn self.down_proj(down_proj)"),
-     GatedForm(activation="activation_fn")),
-    (CodeForm("up_states = self.gate_up_proj({x})\ngate, up_states = up_states.chunk(2, dim=-1)\n"
-              "up_states = up_states * self.activation_fn(gate)\nreturn self.down_proj(up_states)"), _FUSED),
-    (CodeForm("y = self.up_proj({x}) * self.act_fn(self.gate_proj({x}) * self.gate_multiplier)\n"
-              "y = self.down_proj(y) * self.down_multiplier\nreturn y"),
-     GatedForm(gate_scale="gate_multiplier", down_scale="down_multiplier")),
-]
-
-# Registered by users: the forward function object -> its form (kept alive, so no id is reused), and
-# each class's registered function. ``registry_generation`` counts changes: cached decisions key on it.
+# Registered classes: the forward function object -> its form (kept alive, so no id is reused), and
+# each class's registered function. ``registry_generation`` counts changes to every table in this
+# file: cached fast-path decisions key on it.
 _REGISTERED: Dict[Any, GatedForm] = {}
 _REGISTERED_BY_CLASS: Dict[type, Any] = {}
 _GENERATION = [0]
@@ -76,6 +66,32 @@ _GENERATION = [0]
 
 def registry_generation() -> int:
     return _GENERATION[0]
+
+
+def _changed() -> None:
+    _GENERATION[0] += 1
+
+
+def register_gated_form(body: CodeForm, form: GatedForm) -> None:
+    """Declare that a forward whose code is exactly ``body`` (a method body, ``{x}`` for its argument)
+    computes ``form``: tiled modules whose class's forward has that code may take the gated fast
+    kernel. Registering a body again replaces its form."""
+    if not isinstance(body, CodeForm):
+        raise TypeError(f"register_gated_form takes a CodeForm body, got {type(body).__name__}")
+    if not isinstance(form, GatedForm):
+        raise TypeError(f"register_gated_form takes a GatedForm, got {type(form).__name__}")
+    if (form.gate_up is None) == (form.gate is None or form.up is None):
+        raise ValueError("a form names either gate and up, or gate_up (a fused [gate; up] projection), not both")
+    check_body(body)
+    unregister_gated_form(body)
+    KNOWN_BODIES.append((body, form))
+    _changed()
+
+
+def unregister_gated_form(body: CodeForm) -> None:
+    """Withdraw ``register_gated_form(body, ...)`` (an equal body)."""
+    KNOWN_BODIES[:] = [(known, form) for known, form in KNOWN_BODIES if known != body]
+    _changed()
 
 
 def register_gated_mlp(cls: type, *, gate: Optional[str] = "gate_proj", up: Optional[str] = "up_proj",
@@ -108,7 +124,7 @@ def register_gated_mlp(cls: type, *, gate: Optional[str] = "gate_proj", up: Opti
 def unregister_gated_mlp(cls: type) -> None:
     """Withdraw ``register_gated_mlp(cls, ...)`` (whatever ``cls.forward`` is now)."""
     _REGISTERED.pop(_REGISTERED_BY_CLASS.pop(cls, None), None)
-    _GENERATION[0] += 1
+    _changed()
 
 
 def known_form(fn: Any) -> Optional[GatedForm]:
@@ -125,17 +141,31 @@ def known_form(fn: Any) -> Optional[GatedForm]:
     return None
 
 
-# -- the activation -----------------------------------------------------------------------------------
-# torch's functions as this process first saw them: a monkeypatched ``F.silu`` is not the activation
-# the fast kernel differentiates (its backward is aten's), so a form calling it does not qualify.
+# -- torch's functions ---------------------------------------------------------------------------------
+# As this process first saw them: a monkeypatched ``F.silu`` is not the activation the fast kernel
+# differentiates (its backward is aten's), so a form calling it does not qualify.
 F_SILU, F_GELU, F_LINEAR = F.silu, F.gelu, F.linear
 
 
 # Functions that replace ``F.linear`` process-wide and still compute ``x @ W.T + b``, by module and
-# name; accepted only when they are that module's own function object (looked up, never imported).
-# DeepSpeed ZeRO-3 installs its memory-efficient linear at initialisation "and this will persist unless
-# manually reset" (deepspeed.runtime.zero.partition_parameters).
-_EQUIVALENT_LINEARS = {("deepspeed.runtime.zero.linear", "zero3_linear_wrap")}
+# name (``register_equivalent_linear``); accepted only when they are that module's own function object,
+# looked up in ``sys.modules`` at every check (never imported here).
+_EQUIVALENT_LINEARS: Set[Tuple[str, str]] = set()
+
+
+def register_equivalent_linear(module_name: str, function_name: str) -> None:
+    """Declare that ``module_name.function_name``, when a library installs it as ``F.linear``, computes
+    torch's linear (same result and gradients), so the fast kernel's own ``F.linear`` may stand in for it."""
+    if not (isinstance(module_name, str) and isinstance(function_name, str) and module_name and function_name):
+        raise TypeError(f"register_equivalent_linear takes a module name and a function name, got "
+                        f"{module_name!r}, {function_name!r}")
+    _EQUIVALENT_LINEARS.add((module_name, function_name))
+    _changed()
+
+
+def unregister_equivalent_linear(module_name: str, function_name: str) -> None:
+    _EQUIVALENT_LINEARS.discard((module_name, function_name))
+    _changed()
 
 
 def linear_is_a_linear(fn: Any) -> bool:
@@ -154,13 +184,51 @@ def torch_functions_intact() -> bool:
     return F.silu is F_SILU and F.gelu is F_GELU and linear_is_a_linear(F.linear)
 
 
+# -- the activation -----------------------------------------------------------------------------------
 _TORCH_ACTIVATIONS = {
     nn.SiLU: CodeForm("return F.silu({x}, inplace=self.inplace)", {"F": F, "F.silu": F_SILU}),
     nn.GELU: CodeForm("return F.gelu({x}, approximate=self.approximate)", {"F": F, "F.gelu": F_GELU}),
 }
-# Hugging Face's activation modules (transformers.activations), recognised by their code, not imported.
-_CALLS_ITS_FUNCTION = CodeForm("return self.act({x})")
-_HF_SILU = CodeForm("return nn.functional.silu({x})", {"nn": nn, "nn.functional.silu": F_SILU})
+
+
+@dataclass(frozen=True)
+class ActivationForm:
+    """What a module whose forward has a registered body computes: one activation (``computes``), or
+    the torch function held in its instance attribute ``function_attribute``."""
+
+    computes: Optional[str] = None
+    function_attribute: Optional[str] = None
+
+
+# Activation bodies (``register_activation``), in registration order.
+_ACTIVATION_BODIES: List[Tuple[CodeForm, ActivationForm]] = []
+
+
+def register_activation(body: CodeForm, *, computes: Optional[str] = None,
+                        function_attribute: Optional[str] = None) -> None:
+    """Declare that an activation module whose class's forward has exactly the code of ``body``
+    computes ``computes`` (one of ``activations.ACTIVATIONS``), or calls the function it holds in the
+    instance attribute ``function_attribute`` (recognised when it is torch's ``F.silu``, ``F.gelu`` or
+    ``partial(F.gelu, approximate="tanh")``). Name exactly one of the two. Registering a body again
+    replaces what it computes."""
+    if not isinstance(body, CodeForm):
+        raise TypeError(f"register_activation takes a CodeForm body, got {type(body).__name__}")
+    if (computes is None) == (function_attribute is None):
+        raise ValueError("name either what the activation computes or the attribute holding its function, not both")
+    if computes is not None and computes not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {computes!r}; known: {', '.join(ACTIVATIONS)}")
+    if function_attribute is not None and not function_attribute.isidentifier():
+        raise ValueError(f"not an attribute name: {function_attribute!r}")
+    check_body(body)
+    unregister_activation(body)
+    _ACTIVATION_BODIES.append((body, ActivationForm(computes, function_attribute)))
+    _changed()
+
+
+def unregister_activation(body: CodeForm) -> None:
+    """Withdraw ``register_activation(body, ...)`` (an equal body)."""
+    _ACTIVATION_BODIES[:] = [(known, form) for known, form in _ACTIVATION_BODIES if known != body]
+    _changed()
 
 
 def _function_name(fn: Any) -> Optional[str]:
@@ -189,10 +257,13 @@ def activation_name(act: Any) -> Optional[str]:
             return "silu"
         approximate = act.__dict__.get("approximate")
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate) if isinstance(approximate, str) else None
-    if matches(forward, _HF_SILU):
-        return "silu"
-    if matches(forward, _CALLS_ITS_FUNCTION) and not _shadowed(act, ("act",)):
-        return _function_name(act.__dict__.get("act"))
+    for body, form in _ACTIVATION_BODIES:
+        if not matches(forward, body):
+            continue
+        if form.computes is not None:
+            return form.computes
+        attribute = form.function_attribute or ""
+        return None if _shadowed(act, (attribute,)) else _function_name(act.__dict__.get(attribute))
     return None
 
 

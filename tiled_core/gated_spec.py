@@ -31,7 +31,7 @@ class GatedMLPSpec:
     up: Optional[nn.Linear] = None
     gate_up: Optional[nn.Linear] = None
     # The forward's fixed factors: gate(x) and up(x) are multiplied before the activation's product,
-    # down's output after it (FalconH1's multipliers; 1.0 in every other known form).
+    # down's output after it (a form's fixed multipliers; 1.0 where it has none).
     gate_scale: float = 1.0
     up_scale: float = 1.0
     down_scale: float = 1.0

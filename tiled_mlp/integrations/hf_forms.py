@@ -1,0 +1,54 @@
+"""The forward bodies Hugging Face transformers writes for its gated MLPs and activation modules,
+registered with the core when this package is imported, so their instances take the gated fast kernel.
+
+Each body is the library's source text; the core compares a forward's bytecode with the body compiled
+on the running interpreter (``tiled_core.code_forms``), so a match is exact for the installed version
+and a patched or edited forward never matches. transformers is not imported: a class whose forward
+is one of these bodies qualifies wherever it comes from.
+
+- ``LLAMA_BODIES``: the body ~140 MLP classes share (Llama, Mistral, Qwen2/3, Gemma, ...), written
+  three ways across them, and Llama 4's with ``activation_fn``.
+- ``PHI3_BODY``: Phi-3's fused ``gate_up_proj``, chunked into gate and up (GLM's and others' too).
+- ``FALCON_H1_BODY``: FalconH1's, with its gate and down multipliers read from the module.
+- The activations: ``SiLUActivation`` (``nn.functional.silu``), and the classes whose forward calls
+  the function they hold in ``self.act`` (``GELUActivation``, ``PytorchGELUTanh``, ...).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from tiled_core.code_forms import CodeForm
+from tiled_core.gated_forms import F_SILU, GatedForm, register_activation, register_gated_form
+
+LLAMA = GatedForm()
+LLAMA_BODIES = (
+    CodeForm("down_proj = self.down_proj(self.act_fn(self.gate_proj({x})) * self.up_proj({x}))\nreturn down_proj"),
+    CodeForm("return self.down_proj(self.act_fn(self.gate_proj({x})) * self.up_proj({x}))"),
+    CodeForm("gate = self.act_fn(self.gate_proj({x}))\nreturn self.down_proj(gate * self.up_proj({x}))"),
+)
+LLAMA4 = GatedForm(activation="activation_fn")
+LLAMA4_BODY = CodeForm(
+    "down_proj = self.activation_fn(self.gate_proj({x})) * self.up_proj({x})\nreturn self.down_proj(down_proj)")
+PHI3 = GatedForm(gate=None, up=None, gate_up="gate_up_proj", activation="activation_fn")
+PHI3_BODY = CodeForm("up_states = self.gate_up_proj({x})\ngate, up_states = up_states.chunk(2, dim=-1)\n"
+                     "up_states = up_states * self.activation_fn(gate)\nreturn self.down_proj(up_states)")
+FALCON_H1 = GatedForm(gate_scale="gate_multiplier", down_scale="down_multiplier")
+FALCON_H1_BODY = CodeForm("y = self.up_proj({x}) * self.act_fn(self.gate_proj({x}) * self.gate_multiplier)\n"
+                          "y = self.down_proj(y) * self.down_multiplier\nreturn y")
+
+# ``transformers.activations``: the body names ``nn`` as that module imports it (``from torch import nn``).
+SILU_ACTIVATION_BODY = CodeForm("return nn.functional.silu({x})", {"nn": nn, "nn.functional.silu": F_SILU})
+CALLS_ITS_FUNCTION_BODY = CodeForm("return self.act({x})")
+
+
+def register_hf_forms() -> None:
+    for body in LLAMA_BODIES:
+        register_gated_form(body, LLAMA)
+    register_gated_form(LLAMA4_BODY, LLAMA4)
+    register_gated_form(PHI3_BODY, PHI3)
+    register_gated_form(FALCON_H1_BODY, FALCON_H1)
+    register_activation(SILU_ACTIVATION_BODY, computes="silu")
+    register_activation(CALLS_ITS_FUNCTION_BODY, function_attribute="act")
+
+
+register_hf_forms()
