@@ -25,6 +25,12 @@ class Registration:
 
     def build(self) -> Strategy:
         """An instance configured with the stored arguments alone (a name given to ``TiledMLP``)."""
+        try:
+            inspect.signature(self.cls).bind(**self.init_kwargs)
+        except TypeError as error:
+            raise TypeError(f"{self.cls.__name__} cannot be built from its registration {self.name!r} "
+                            f"({dict(self.init_kwargs)!r}): {error}. Register it with its arguments: "
+                            f"register_strategy({self.cls.__name__}, name=..., arg=value)") from None
         return self._named(self.cls(**self.init_kwargs))
 
     def build_for(self, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> Strategy:
@@ -85,14 +91,13 @@ def _shown(init_kwargs: Mapping[str, Any]) -> str:
 
 
 def _check_init_kwargs(cls: Type[Strategy], key: str, init_kwargs: Mapping[str, Any]) -> None:
-    """Refuse, at registration rather than at the first forward, arguments the constructor cannot take,
-    and a constructor whose required arguments were not given."""
+    """Refuse, at registration rather than at the first forward, arguments the constructor cannot take.
+    Required ones may be left out: "auto" can read them from the runtime (``Strategy.configured_for``)."""
     try:
-        inspect.signature(cls).bind(**init_kwargs)
+        inspect.signature(cls).bind_partial(**init_kwargs)
     except TypeError as error:
-        raise TypeError(f"{cls.__name__}'s constructor cannot be called with the arguments registered under "
-                        f"{key!r} ({dict(init_kwargs)!r}): {error}. Pass its arguments to register_strategy: "
-                        f"register_strategy({cls.__name__}, name=..., arg=value)") from None
+        raise TypeError(f"{cls.__name__}'s constructor cannot take the arguments registered under {key!r} "
+                        f"({dict(init_kwargs)!r}): {error}") from None
 
 
 def _interfaces_of(cls: Type[Strategy]) -> List[type]:
