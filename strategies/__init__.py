@@ -1,5 +1,6 @@
-"""Pluggable parallel backends for TiledMLP, a registry and a resolver."""
-from .base import Strategy, UnsupportedBackendError, WaitsForEveryParameter
+"""Pluggable parallel backends for TiledMLP (strategy instances, optional capabilities as mixins), a
+registry of classes with their constructor arguments, and a resolver."""
+from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, WaitsForEveryParameter
 from .ddp import DDPStrategy
 from .deepspeed_zero import DeepSpeedZeroStrategy
 from .fsdp1 import FSDP1Strategy
@@ -21,6 +22,7 @@ __all__ = [
     "Strategy",
     "UnsupportedBackendError",
     "WaitsForEveryParameter",
+    "SequenceParallelAware",
     "SingleDeviceStrategy",
     "DDPStrategy",
     "FSDP1Strategy",

@@ -1,9 +1,13 @@
 """The contract between the backend-neutral tiled core and a parallel backend.
 
-A strategy answers, in the order the core asks:
+A strategy is an instance: it may carry what its backend needs to know (a process group, a mesh),
+given to its constructor, stored with its registration (``register_strategy(cls, **init_kwargs)``)
+or read from the runtime by ``configured_for`` when "auto" resolves it. It answers, in the order the
+core asks:
 
 1. **Claiming** (abstract: every backend must answer): ``claims(module, ancestors)``, is the tiled
-   module run by this backend? The resolver asks the registered classes, highest priority first.
+   module run by this backend? The resolver asks the registered classes, highest priority first,
+   before any instance exists; the claiming one is then built by ``configured_for``.
 2. **Refusing**: ``check_supported(module)`` raises a clear error, before any work, for a
    configuration the backend cannot tile.
 3. **Parameters around the tiled call and its recompute**: ``gathered(module)`` makes them whole for
@@ -25,12 +29,17 @@ A strategy answers, in the order the core asks:
      that single delivery: DDP's reducer hooks, FSDP2's post-backward reduce-scatter and ZeRO's
      per-parameter hooks each fire once, as for the untiled module. A backend that reduces gradients
      itself (no wrapper doing it) overrides ``deliver_grads``.
+
+The core asks every strategy all of these (each has a neutral default). Questions only some backends
+can answer are mixins a strategy opts into: ``WaitsForEveryParameter`` (zeros for unused parameters)
+and ``SequenceParallelAware`` (how its gradient reduction treats a sequence-parallel group; a loss
+split across ranks refuses a backend in play that lacks it, ``resolver.sums_over_sequence_ranks``).
 """
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import ClassVar, ContextManager, List, Optional, Sequence
+from typing import Any, ClassVar, ContextManager, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,8 +76,9 @@ def check_spans_sequence_group(backend: str, model: nn.Module, backend_ranks, gr
 
 
 class Strategy(ABC):
-    #: Registry key, also accepted as ``TiledMLP(strategy=name)``.
-    name: ClassVar[str] = ""
+    #: Registry key, also accepted as ``TiledMLP(strategy=name)``. An instance built from a registration
+    #: under another name (``register_strategy(cls, name=...)``) carries that name.
+    name: str = ""
     #: The resolver asks the highest priority first; the single-device fallback has the lowest.
     priority: ClassVar[int] = 0
     #: A trainable parameter that no shard used gets a zero gradient instead of None. Untiled, autograd
@@ -82,6 +92,14 @@ class Strategy(ABC):
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         """Is ``module`` (the tiled MLP, at a forward) run by this backend? ``ancestors`` are the
         modules above it, outermost first, where known (``apply_tiled_mlp`` records them)."""
+
+    @classmethod
+    def configured_for(cls, module: nn.Module, ancestors: Sequence[nn.Module] = (), **init_kwargs: Any) -> Strategy:
+        """The instance that runs ``module`` once this class claimed it, built from the registered
+        ``init_kwargs``. A backend that can read its configuration from the runtime (the process group
+        of the DDP wrapper running the call) fills in what was not given. Asked at every tiled call of
+        an "auto" module: it must stay cheap."""
+        return cls(**init_kwargs)
 
     # -- 2. refusing ------------------------------------------------------------------------------
     def check_supported(self, module: nn.Module) -> None:  # noqa: B027 - optional: most backends refuse nothing
@@ -127,26 +145,36 @@ class Strategy(ABC):
         themselves, once per backward (see the module docstring)."""
         return grads
 
-    @classmethod
-    def sums_over_sequence_ranks(cls, module: nn.Module) -> bool:
-        """Is this backend, as the process has it set up, reducing the model's gradients (``module`` is one
-        of its modules) by *summing* over the ranks of a sequence-parallel group (ranks holding slices of
-        one sequence) while averaging over the data-parallel ones? Then a loss split across them hands each
-        rank 1 as its gradient, else the group's size, so that the reduction comes out as the whole
-        sequence's (``tiled_core/sequence_group.py``). Asked of every registered strategy, not only the
-        one that claims ``module`` (a frozen ``lm_head`` is claimed by none): answer from the backend's
-        own state. Default: no (DDP, FSDP2 and one device average over their ranks, or reduce nothing)."""
-        return False
-
-    @classmethod  # noqa: B027 - optional: most backends check nothing
-    def check_sequence_group(cls, module: nn.Module, group) -> None:
-        """Raise, before the loss reduces anything, where this backend, as the process has it set up for
-        ``module``'s model, cannot carry a loss split across ``group`` (a sequence-parallel group): a
-        reduction whose ranks do not include every rank of ``group`` never adds the SP ranks' shares.
-        Asked of every registered strategy, as ``sums_over_sequence_ranks``. Default: nothing to check."""
-
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        # What the instance was configured with: its public attributes (a process group, a mesh).
+        shown = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({shown})"
+
+
+class SequenceParallelAware:
+    """Mixin for a backend that can say how its gradient reduction treats a sequence-parallel group (ranks
+    holding slices of one sequence). A loss split across such a group hands each rank the gradient factor
+    that the backend's reduction turns into the whole sequence's gradient (``tiled_core/sequence_group.py``):
+    the group's size where the backend *averages* over those ranks, 1 where it *sums* over them.
+
+    Under sequence parallelism every registered strategy with this mixin is asked, not only the one that
+    claims the model (a frozen ``lm_head`` is claimed by none): each answers from its backend's own state, or
+    from what its instance was configured with. A registered strategy without it that claims the model, or
+    one passed to the loss, is refused (``resolver.sums_over_sequence_ranks``)."""
+
+    def check_sequence_group(self, module: nn.Module, group: Any) -> None:  # noqa: B027 - optional: most check nothing
+        """Raise, before the loss reduces anything, where this backend, as set up for ``module``'s model,
+        cannot carry a loss split across ``group``: a reduction whose ranks do not include every rank of
+        ``group`` never adds the SP ranks' shares. Default: nothing to check."""
+
+    def sums_over_sequence_ranks(self, module: nn.Module, group: Any = None) -> bool:
+        """Does this backend reduce the model's gradients (``module`` is one of its modules) by *summing*
+        over the ranks of ``group`` while averaging over the data-parallel ones? With a ``group``, checks it
+        first (``check_sequence_group``); a backend that reads both answers from the same objects overrides
+        this to read them once. Default: no (it averages over its ranks, or reduces nothing)."""
+        if group is not None:
+            self.check_sequence_group(module, group)
+        return False
 
 
 class WaitsForEveryParameter:

@@ -10,14 +10,24 @@ While a DDP module runs its forward it is ``DistributedDataParallel._active_ddp_
 set by DDP for torch.compile's DDP optimizer); a recorded DDP ancestor also counts. If that attribute
 moves, the claim falls back to the single-device strategy, whose only difference is the unused
 parameter's None.
+
+The instance carries the process group DDP averages over: the one it was given
+(``DDPStrategy(process_group=pg)``, or registered with ``register_strategy(DDPStrategy, process_group=pg,
+override=True)``), else, when "auto" resolves it, the running DDP module's.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from .base import Strategy, WaitsForEveryParameter, check_spans_sequence_group, process_group_ready
+from .base import (
+    SequenceParallelAware,
+    Strategy,
+    WaitsForEveryParameter,
+    check_spans_sequence_group,
+    process_group_ready,
+)
 
 
 def _active_ddp_module():
@@ -26,9 +36,13 @@ def _active_ddp_module():
     return getattr(DistributedDataParallel, "_active_ddp_module", None)
 
 
-class DDPStrategy(WaitsForEveryParameter, Strategy):
+class DDPStrategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
     name = "ddp"
     priority = 50
+
+    def __init__(self, process_group: Optional[Any] = None):
+        #: The process group DDP averages gradients over; None: the running DDP module's, where one runs.
+        self.process_group = process_group
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
@@ -44,14 +58,29 @@ class DDPStrategy(WaitsForEveryParameter, Strategy):
         return _active_ddp_module() is not None
 
     @classmethod
-    def check_sequence_group(cls, module: nn.Module, group) -> None:
-        """DDP averages over its ``process_group``: it must hold every SP rank. The DDP module is the one
-        whose forward is running (the loss inside the model's forward); a loss computed after it returned
-        is not seen here."""
-        ddp = _active_ddp_module() if process_group_ready() else None
-        if ddp is None or not any(m is module for m in ddp.module.modules()):
-            return
+    def configured_for(cls, module: nn.Module, ancestors: Sequence[nn.Module] = (), **init_kwargs: Any) -> DDPStrategy:
+        """The DDP module around the call (the nearest recorded ancestor, else the running one) gives its
+        process group, unless one was registered."""
+        if init_kwargs.get("process_group") is None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            recorded = [m for m in ancestors if isinstance(m, DistributedDataParallel)]
+            ddp = recorded[-1] if recorded else _active_ddp_module()
+            if ddp is not None:
+                init_kwargs = {**init_kwargs, "process_group": ddp.process_group}
+        return cls(**init_kwargs)
+
+    def check_sequence_group(self, module: nn.Module, group: Any) -> None:
+        """DDP averages over its process group: it must hold every SP rank. Without one given, the group is
+        the running DDP module's, where it wraps ``module`` (the loss inside the model's forward); a loss
+        computed after it returned is checked only against a given group."""
         import torch.distributed as dist
 
-        check_spans_sequence_group("DDP", module, dist.get_process_group_ranks(ddp.process_group), group,
+        process_group = self.process_group
+        if process_group is None:
+            ddp = _active_ddp_module() if process_group_ready() else None
+            if ddp is None or not any(m is module for m in ddp.module.modules()):
+                return
+            process_group = ddp.process_group
+        check_spans_sequence_group("DDP", module, dist.get_process_group_ranks(process_group), group,
                                    "Wrap the model in DDP over every rank (the default process group) under SP.")

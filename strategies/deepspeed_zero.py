@@ -39,7 +39,7 @@ from typing import Any, ContextManager, Dict, Iterator, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from .base import Strategy, WaitsForEveryParameter, process_group_ready
+from .base import SequenceParallelAware, Strategy, WaitsForEveryParameter, process_group_ready
 from .deepspeed_sp import ENGINE_CLASS, deepspeed_sums_over_sequence_ranks, is_instance_of
 
 _ZERO3_HOOK_OWNER = "DeepSpeedZeRoOffload."  # qualname prefix of the hooks ZeRO-3 puts on every module
@@ -53,10 +53,6 @@ def is_zero12_param(param) -> bool:
     # ZeRO-1/2 (and DeepSpeed's bf16 optimizer) link each trained parameter to its fp32 master
     # fragment; the attribute is set on every rank, None where the fragment lives on another rank.
     return hasattr(param, "_hp_mapping")
-
-
-def _is_deepspeed_engine(module: nn.Module) -> bool:
-    return is_instance_of(module, ENGINE_CLASS)
 
 
 def is_zero3_module_hook(hook) -> bool:
@@ -85,7 +81,7 @@ def _cell_is_set(cell) -> bool:
     return True
 
 
-class DeepSpeedZeroStrategy(WaitsForEveryParameter, Strategy):
+class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
     """ZeRO reduces in buckets filled by per-parameter hooks on every rank alike: each parameter the
     engine saw as reachable must deliver a gradient, whatever this rank's tokens used."""
 
@@ -98,7 +94,7 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, Strategy):
             return False
         if any(is_zero3_param(p) or is_zero12_param(p) for p in module.parameters()):
             return True
-        return any(_is_deepspeed_engine(m) for m in ancestors)
+        return any(is_instance_of(m, ENGINE_CLASS) for m in ancestors)
 
     def param_bytes(self, module: nn.Module) -> int:
         """Outside the tiled call ZeRO-3 parameters are partitioned (``.data`` is empty): count ``ds_numel``."""
@@ -120,21 +116,19 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, Strategy):
             return contextlib.nullcontext()  # stages 1 and 2: parameters are whole
         return _zero3_gathered(module)
 
-    @classmethod
-    def sums_over_sequence_ranks(cls, module: nn.Module) -> bool:
+    def sums_over_sequence_ranks(self, module: nn.Module, group: Any = None) -> bool:
         """Read from the DeepSpeed engine that wraps ``module`` (the whole model where the caller has it: a
         frozen ``lm_head`` carries no ZeRO attribute), by its stage and configuration: stage 0 and ZeRO-1/2
         given DeepSpeed's SP groups, and ZeRO-3 with ``reduce_scatter: false``, sum over the SP ranks;
-        ZeRO-3's reduce-scatter and an engine without SP groups average (``deepspeed_sp.py``)."""
-        return process_group_ready() and deepspeed_sums_over_sequence_ranks(module, None)
+        ZeRO-3's reduce-scatter and an engine without SP groups average (``deepspeed_sp.py``). With a
+        ``group``, the same read of the engine checks it (``check_sequence_group``): one walk of the model."""
+        return process_group_ready() and deepspeed_sums_over_sequence_ranks(module, group)
 
-    @classmethod
-    def check_sequence_group(cls, module: nn.Module, group) -> None:
+    def check_sequence_group(self, module: nn.Module, group: Any) -> None:
         """Refuse an engine whose SP group is not the loss's, one that averages over ranks that leave SP
         ranks out, one whose configuration has no single factor, and an engine that cannot be found while
         DeepSpeed holds SP groups (``deepspeed_sp.py``)."""
-        if process_group_ready():
-            deepspeed_sums_over_sequence_ranks(module, group)
+        self.sums_over_sequence_ranks(module, group)
 
     @staticmethod
     def is_backend_hook(hook) -> bool:

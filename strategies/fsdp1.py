@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .base import Strategy, UnsupportedBackendError, process_group_ready
+from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, process_group_ready
 
 FSDP1_ERROR = (
     "TiledMLP does not support FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel): it flattens "
@@ -43,7 +43,10 @@ def is_under_fsdp1(module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bo
     return any(isinstance(a, _fsdp1_class()) for a in ancestors) or any(map(_is_fsdp1_module, module.modules()))
 
 
-class FSDP1Strategy(Strategy):
+class FSDP1Strategy(SequenceParallelAware, Strategy):
+    """Sequence-parallel aware with nothing to check: every tiled call under FSDP1, the loss's head
+    included, is refused by ``check_supported`` before it runs."""
+
     name = "fsdp1"
     priority = 1000  # ask first: a rejection must win over any strategy that would run it
 
@@ -53,3 +56,4 @@ class FSDP1Strategy(Strategy):
 
     def check_supported(self, module: nn.Module) -> None:
         raise UnsupportedBackendError(FSDP1_ERROR)
+

@@ -18,14 +18,19 @@ Their hooks would all-gather and reshard once per token shard (a shard-count-dep
 collectives, so ranks with different token counts deadlock), and skipping those hooks would leave
 their gradients unreduced: FSDP2 registers a unit's post-backward reduce-scatter in its own
 pre-forward hook.
+
+The instance may carry the mesh given to ``fully_shard`` (``FSDP2Strategy(mesh=mesh)``, or registered
+with ``register_strategy(FSDP2Strategy, mesh=mesh, override=True)``): the ranks FSDP2 averages over are
+then read from it, as given; without one, from the FSDP2 states managing the module's parameters.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 from torch import nn
 
 from .base import (
+    SequenceParallelAware,
     Strategy,
     UnsupportedBackendError,
     WaitsForEveryParameter,
@@ -38,6 +43,10 @@ PER_LINEAR_ERROR = (
     "would all-gather and reshard once per token shard (ranks with different token counts would "
     "deadlock), and bypassing them would leave their gradients unreduced. Apply fully_shard to the "
     "MLP, to the TiledMLP, or to the decoder layer that contains it, not to its Linears."
+)
+MESH_ERROR = (
+    "FSDP2Strategy(mesh=...) takes the mesh given to fully_shard: 1-D (shard) or 2-D (replicate, shard), over "
+    "all of whose ranks FSDP2 averages; got a {ndim}-D mesh. Leave mesh=None to read the ranks from FSDP2's state."
 )
 
 
@@ -115,12 +124,18 @@ def fsdp2_averaging_ranks(module: nn.Module) -> List[List[int]]:
     return found
 
 
-class FSDP2Strategy(WaitsForEveryParameter, Strategy):
+class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
     """FSDP2 reduce-scatters the gradients of a whole group in one collective: every rank must bring
     one for each parameter, whatever its tokens used (hence ``WaitsForEveryParameter``)."""
 
     name = "fsdp2"
     priority = 100
+
+    def __init__(self, mesh: Optional[Any] = None):
+        if mesh is not None and mesh.ndim > 2:
+            raise ValueError(MESH_ERROR.format(ndim=mesh.ndim))
+        #: The ``DeviceMesh`` given to ``fully_shard``; None: read from FSDP2's state where asked.
+        self.mesh = mesh
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
@@ -141,12 +156,13 @@ class FSDP2Strategy(WaitsForEveryParameter, Strategy):
         if units:
             raise UnsupportedBackendError(PER_LINEAR_ERROR.format(units=", ".join(units)))
 
-    @classmethod
-    def check_sequence_group(cls, module: nn.Module, group) -> None:
-        """FSDP2 averages over its mesh: every mesh managing ``module``'s parameters must hold every SP rank."""
+    def check_sequence_group(self, module: nn.Module, group: Any) -> None:
+        """FSDP2 averages over its mesh: the given mesh, else every mesh managing ``module``'s parameters,
+        must hold every SP rank."""
         if not process_group_ready():
             return
-        for ranks in fsdp2_averaging_ranks(module):
+        meshes = [self.mesh.mesh.flatten().tolist()] if self.mesh is not None else fsdp2_averaging_ranks(module)
+        for ranks in meshes:
             check_spans_sequence_group("FSDP2", module, ranks, group,
                                        "Pass fully_shard a mesh over every rank under SP (init_device_mesh over the "
                                        "world, or a (replicate, shard) mesh that covers it).")

@@ -1,63 +1,131 @@
-"""Name -> Strategy class. Third parties add theirs with ``register_strategy(MyStrategy)``."""
+"""Name -> registration: a ``Strategy`` class and the constructor arguments its instances get.
+
+Third parties add theirs with ``register_strategy(MyStrategy)``, or with arguments stored for every
+instance the registry builds: ``register_strategy(MyStrategy, mesh=tp_mesh)``, under another name with
+``name=`` (one class, several configurations).
+"""
 from __future__ import annotations
 
 import inspect
-from typing import Dict, List, Type
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
 
-from .base import Strategy
+from torch import nn
 
-_REGISTRY: Dict[str, Type[Strategy]] = {}
-# The resolver's order, kept sorted as classes come and go (it is read at every tiled call).
-_BY_PRIORITY: List[Type[Strategy]] = []
+from .base import SequenceParallelAware, Strategy
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One registered strategy: the key it is found by, its class, and its constructor arguments."""
+
+    name: str
+    cls: Type[Strategy]
+    init_kwargs: Mapping[str, Any]
+
+    def build(self) -> Strategy:
+        """An instance configured with the stored arguments alone (a name given to ``TiledMLP``)."""
+        try:
+            inspect.signature(self.cls).bind(**self.init_kwargs)
+        except TypeError as error:
+            raise TypeError(f"{self.cls.__name__} cannot be built from its registration {self.name!r} "
+                            f"({dict(self.init_kwargs)!r}): {error}. Register it with its arguments: "
+                            f"register_strategy({self.cls.__name__}, name=..., arg=value)") from None
+        return self._named(self.cls(**self.init_kwargs))
+
+    def build_for(self, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> Strategy:
+        """The instance "auto" resolves for ``module``: the stored arguments, and what the class reads
+        from the runtime for the rest (``Strategy.configured_for``)."""
+        return self._named(self.cls.configured_for(module, ancestors, **self.init_kwargs))
+
+    def _named(self, strategy: Strategy) -> Strategy:
+        if strategy.name != self.name:
+            strategy.name = self.name
+        return strategy
+
+
+_REGISTRY: Dict[str, Registration] = {}
+# The resolver's order, kept sorted as registrations come and go (it is read at every tiled call).
+_BY_PRIORITY: List[Registration] = []
 
 
 def _reorder() -> None:
-    _BY_PRIORITY[:] = sorted(_REGISTRY.values(), key=lambda cls: -cls.priority)
+    _BY_PRIORITY[:] = sorted(_REGISTRY.values(), key=lambda entry: -entry.cls.priority)
 
 
-def register_strategy(cls: Type[Strategy], override: bool = False) -> Type[Strategy]:
-    """Register a ``Strategy`` subclass under ``cls.name``; usable as a class decorator."""
+def register_strategy(cls: Type[Strategy], override: bool = False, *, name: Optional[str] = None,
+                      **init_kwargs: Any) -> Type[Strategy]:
+    """Register a ``Strategy`` subclass under ``name`` (default ``cls.name``); every instance the registry
+    builds from it (by name, or when "auto" resolves it) gets ``init_kwargs``. Usable as a class
+    decorator. Returns ``cls``."""
     if not (inspect.isclass(cls) and issubclass(cls, Strategy)):
         raise TypeError(f"register_strategy expects a subclass of tiled_mlp.Strategy, got {cls!r}")
-    if not isinstance(cls.name, str) or not cls.name:
-        raise TypeError(f"{cls.__name__} must set a non-empty class attribute `name` to be registered")
+    key = cls.name if name is None else name
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"{cls.__name__} must set a non-empty class attribute `name` to be registered "
+                        "(or be registered with name=...)")
     if inspect.isabstract(cls):
         missing = ", ".join(sorted(cls.__abstractmethods__))
         raise TypeError(f"{cls.__name__} does not implement the Strategy interface: it must define {missing}")
-    problems = [p for p in (_interface_problem(cls, m, args) for m, args in _interface().items()) if p]
+    problems = [p for base in _interfaces_of(cls) for m, args in _interface(base).items()
+                for p in [_interface_problem(cls, base, m, args)] if p]
     if problems:
         raise TypeError(f"{cls.__name__} does not implement the Strategy interface: {'; '.join(problems)}")
     if not isinstance(cls.priority, int):
         raise TypeError(f"{cls.__name__}.priority must be an int, got {cls.priority!r}")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls and not override:
+    _check_init_kwargs(cls, key, init_kwargs)
+    entry = Registration(key, cls, dict(init_kwargs))
+    if key in _REGISTRY and _REGISTRY[key] != entry and not override:
+        held = _REGISTRY[key]
         raise ValueError(
-            f"a strategy named {cls.name!r} is already registered ({_REGISTRY[cls.name].__name__}); "
-            "pass override=True to replace it"
+            f"a strategy named {key!r} is already registered ({held.cls.__name__}"
+            f"{_shown(held.init_kwargs)}); pass override=True to replace it"
         )
-    _REGISTRY[cls.name] = cls
+    _REGISTRY[key] = entry
     _reorder()
     return cls
 
 
-def _interface() -> Dict[str, tuple]:
-    """The base class's methods and the arguments the core passes them (besides self/cls): a
+def _shown(init_kwargs: Mapping[str, Any]) -> str:
+    return f" with {dict(init_kwargs)!r}" if init_kwargs else ""
+
+
+def _check_init_kwargs(cls: Type[Strategy], key: str, init_kwargs: Mapping[str, Any]) -> None:
+    """Refuse, at registration rather than at the first forward, arguments the constructor cannot take.
+    Required ones may be left out: "auto" can read them from the runtime (``Strategy.configured_for``)."""
+    try:
+        inspect.signature(cls).bind_partial(**init_kwargs)
+    except TypeError as error:
+        raise TypeError(f"{cls.__name__}'s constructor cannot take the arguments registered under {key!r} "
+                        f"({dict(init_kwargs)!r}): {error}") from None
+
+
+def _interfaces_of(cls: Type[Strategy]) -> List[type]:
+    """The interfaces ``cls`` must honour: the base class, and each capability mixin it opts into."""
+    return [Strategy] + ([SequenceParallelAware] if issubclass(cls, SequenceParallelAware) else [])
+
+
+def _interface(base: type) -> Dict[str, tuple]:
+    """``base``'s methods and the positional arguments the caller passes them (besides self/cls): a
     subclass that overrides one must still accept that call."""
     out = {}
-    for method, value in vars(Strategy).items():
+    for method, value in vars(base).items():
         if method.startswith("_") or not isinstance(value, (classmethod, staticmethod)) and not inspect.isfunction(value):
             continue
-        params = list(inspect.signature(getattr(Strategy, method)).parameters)
-        out[method] = tuple(params if isinstance(value, staticmethod) else params[1:] if inspect.isfunction(value) else params)
+        params = [p for p in inspect.signature(getattr(base, method)).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [p.name for p in params]
+        out[method] = tuple(names if isinstance(value, staticmethod) else names[1:] if inspect.isfunction(value) else names)
     return out
 
 
-def _interface_problem(cls: Type[Strategy], method: str, args: tuple) -> str:
-    """Why ``cls.<method>`` cannot take the call the core makes, or "" when it can."""
+def _interface_problem(cls: Type[Strategy], base: type, method: str, args: tuple) -> str:
+    """Why ``cls.<method>`` cannot take the call the caller makes, or "" when it can."""
     static = inspect.getattr_static(cls, method, None)
     if not callable(getattr(cls, method, None)):
         return f"{method} is not a method"
     on_class = isinstance(static, (classmethod, staticmethod))
-    if isinstance(inspect.getattr_static(Strategy, method), classmethod) and not on_class:
+    if isinstance(inspect.getattr_static(base, method), classmethod) and not on_class:
         return f"{method} must be a classmethod (the resolver asks the class before making an instance)"
     # Plain functions are called on an instance: bind ``self`` too.
     bound_args = (object(),) * len(args) if on_class else (None,) + (object(),) * len(args)
@@ -69,7 +137,7 @@ def _interface_problem(cls: Type[Strategy], method: str, args: tuple) -> str:
 
 
 def unregister_strategy(name: str) -> None:
-    get_strategy_class(name)
+    _registration(name)
     del _REGISTRY[name]
     _reorder()
 
@@ -78,7 +146,7 @@ def available_strategies() -> List[str]:
     return sorted(_REGISTRY)
 
 
-def get_strategy_class(name: str) -> Type[Strategy]:
+def _registration(name: str) -> Registration:
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -87,9 +155,14 @@ def get_strategy_class(name: str) -> Type[Strategy]:
         ) from None
 
 
+def get_strategy_class(name: str) -> Type[Strategy]:
+    return _registration(name).cls
+
+
 def get_strategy(name: str) -> Strategy:
-    return get_strategy_class(name)()
+    """An instance of the strategy registered under ``name``, with its stored constructor arguments."""
+    return _registration(name).build()
 
 
-def strategies_by_priority() -> List[Type[Strategy]]:
+def registrations_by_priority() -> List[Registration]:
     return _BY_PRIORITY

@@ -1,41 +1,75 @@
-"""Picks the strategy for a module: the highest-priority registered class that claims it."""
+"""Picks the strategy for a module (the highest-priority registration whose class claims it, built as
+configured), and asks the strategies in play how a loss split across sequence-parallel ranks must scale."""
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 from torch import nn
 
-from .base import Strategy
-from .registry import get_strategy, strategies_by_priority
+from .base import SequenceParallelAware, Strategy, UnsupportedBackendError
+from .registry import get_strategy, registrations_by_priority
 
 StrategyArg = Union[str, Strategy]
 
+SEQUENCE_PARALLEL_UNAWARE_ERROR = (
+    "sequence parallelism: the strategy {strategy!r} ({cls}) {role}, but does not implement the "
+    "SequenceParallelAware capability, so the tiled loss cannot tell whether its gradient reduction sums or "
+    "averages over the sequence-parallel ranks (a wrong guess scales every gradient by the group's size). Derive "
+    "{cls} from strategies.SequenceParallelAware and implement check_sequence_group(module, group) and "
+    "sums_over_sequence_ranks(module, group), or train without sequence parallelism."
+)
+
 
 def resolve_strategy(module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> Strategy:
-    for cls in strategies_by_priority():
-        if cls.claims(module, ancestors):
-            return cls()
+    for entry in registrations_by_priority():
+        if entry.cls.claims(module, ancestors):
+            return entry.build_for(module, ancestors)
     raise RuntimeError("no registered strategy claims the module (the single_device fallback was unregistered?)")
 
 
-def sums_over_sequence_ranks(module: nn.Module, group: Any = None) -> bool:
-    """Does any registered backend, as set up in this process, sum ``module``'s model's gradients over a
-    sequence-parallel group's ranks (``Strategy.sums_over_sequence_ranks``)? Every registered backend is
-    first asked to check that it can carry a loss split across ``group`` (``Strategy.check_sequence_group``),
-    each one whatever the others answer."""
-    classes = strategies_by_priority()
-    if group is not None:
-        for cls in classes:
-            cls.check_sequence_group(module, group)
-    return any([cls.sums_over_sequence_ranks(module) for cls in classes])
+def sums_over_sequence_ranks(module: nn.Module, group: Any = None, strategy: Optional[Strategy] = None) -> bool:
+    """Does a backend in play sum ``module``'s model's gradients over a sequence-parallel group's ranks
+    (``SequenceParallelAware.sums_over_sequence_ranks``)? In play: every registered strategy with that
+    capability (each answers from its backend's own state: a frozen ``lm_head`` is claimed by none), and
+    ``strategy``, the one the caller fixed. With a ``group``, each one first checks that it can carry a
+    loss split across it, whatever the others answer. Refused before any of them is asked: a fixed
+    strategy without the capability, or a registered one without it that claims ``module``."""
+    in_play = _sequence_parallel_strategies(module, strategy)
+    return any([s.sums_over_sequence_ranks(module, group) for s in in_play])
+
+
+def _sequence_parallel_strategies(module: nn.Module, fixed: Optional[Strategy]) -> List[SequenceParallelAware]:
+    found: List[SequenceParallelAware] = []
+    if fixed is not None:
+        if not isinstance(fixed, SequenceParallelAware):
+            raise _unaware(fixed, type(fixed), "was given as the strategy")
+        found.append(fixed)
+    for entry in registrations_by_priority():
+        if issubclass(entry.cls, SequenceParallelAware):
+            found.append(entry.build())  # type: ignore[arg-type]  # an aware class builds an aware instance
+        elif entry.cls.claims(module):
+            raise _unaware(entry.name, entry.cls, f"claims {type(module).__name__}")
+    return found
+
+
+def _unaware(strategy: Any, cls: type, role: str) -> UnsupportedBackendError:
+    name = strategy if isinstance(strategy, str) else getattr(strategy, "name", "") or cls.__name__
+    return UnsupportedBackendError(SEQUENCE_PARALLEL_UNAWARE_ERROR.format(strategy=name, cls=cls.__name__, role=role))
 
 
 def strategy_from_arg(strategy: StrategyArg) -> Union[Strategy, None]:
-    """A fixed strategy, or None for "auto" (resolved at the first forward, once the backend wrapped it)."""
+    """A fixed strategy (an instance used as given, a registered name built with its stored arguments, a
+    class built without arguments), or None for "auto" (resolved at the first forward, once the backend
+    wrapped it)."""
     if isinstance(strategy, Strategy):
         return strategy
     if isinstance(strategy, type) and issubclass(strategy, Strategy):
-        return strategy()
+        try:
+            return strategy()
+        except TypeError as error:
+            raise TypeError(f"strategy={strategy.__name__} cannot be built without arguments ({error}); pass an "
+                            f"instance, strategy={strategy.__name__}(...), or register it with its arguments and "
+                            "pass its name") from None
     if not isinstance(strategy, str):
         raise TypeError(f"strategy must be 'auto', a registered name or a Strategy instance, got {strategy!r}")
     if strategy == "auto":

@@ -18,9 +18,10 @@ Two collectives, both on the group, both of one scalar:
   convention of Hugging Face's DeepSpeed-SP loss (a differentiable all-gather, weighted), in one
   all-reduce. A backend that divides by the DP size only, summing over the SP ranks (DeepSpeed's stage 0
   and ZeRO-1/2 under its SP groups, ZeRO-3 without reduce-scatter), says so
-  (``Strategy.sums_over_sequence_ranks``, read from the backend's own objects) and the backward then hands
-  each rank 1 instead. A backend whose reduction does not span the group is refused before the loss
-  (``Strategy.check_sequence_group``).
+  (``SequenceParallelAware.sums_over_sequence_ranks``, a strategy's capability, read from the backend's own
+  objects) and the backward then hands each rank 1 instead. A backend whose reduction does not span the
+  group, or one in play that cannot say (no such capability), is refused before the loss
+  (``SequenceParallelAware.check_sequence_group``).
 
 torch.distributed only: no backend module is imported.
 """
@@ -70,5 +71,5 @@ class _SumOverGroup(torch.autograd.Function):
 
 def sum_over_group(partial: torch.Tensor, group: Optional[Any], backend_averages: bool = True) -> torch.Tensor:
     """``partial`` summed over ``group``, differentiably (see the module docstring). ``backend_averages``:
-    the backend divides the gradients by the group's ranks (not ``Strategy.sums_over_sequence_ranks``)."""
+    the backend divides the gradients by the group's ranks (not ``SequenceParallelAware.sums_over_sequence_ranks``)."""
     return partial if group is None else _SumOverGroup.apply(partial, group, backend_averages)

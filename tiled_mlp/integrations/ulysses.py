@@ -18,7 +18,10 @@ before the split. What this module adds is the composition:
   whole sequence after the all-to-all, or refused where they cannot be (``ulysses_masks.py``).
 
 Sequence parallelism is not a parameter strategy: which backend owns the weights (DDP, FSDP2, ZeRO) is
-still resolved per tiled call, and SP composes beside it (``strategies`` never sees it).
+still resolved per tiled call, and SP composes beside it. The strategies see it at the tiled loss: each
+that carries the ``SequenceParallelAware`` capability says whether its gradient reduction sums or averages
+over the SP ranks, and refuses a reduction that leaves SP ranks out; a backend in play without that
+capability is refused (``strategies/resolver.py``: ``sums_over_sequence_ranks``).
 
 The model's own loss must not run under SP (a per-rank mean over a slice is the wrong loss when the
 ranks' masks differ), so the tiled loss must be on the model first. Hugging Face's Trainer, with

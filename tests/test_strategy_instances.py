@@ -1,0 +1,186 @@
+"""Strategies as configured instances, and optional capabilities as mixins.
+
+- An instance carries its backend's configuration (a mesh, a process group) and is used as given.
+- The registry stores constructor arguments; a name, and "auto", give instances built with them, and
+  "auto" lets the claiming class read the rest from the runtime (``Strategy.configured_for``).
+- The sequence-parallel questions belong to the ``SequenceParallelAware`` mixin: a strategy in play
+  without it (one that claims the model, or one given to the loss) is refused, with an error naming it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import GatedMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
+
+from strategies import DDPStrategy, SequenceParallelAware, UnsupportedBackendError
+from strategies.resolver import sums_over_sequence_ranks
+from tiled_mlp import Strategy, TiledMLP, available_strategies, get_strategy, register_strategy, unregister_strategy
+
+pytestmark = pytest.mark.timeout(30)
+
+HIDDEN, INTER, TOKENS = 8, 12, 7
+
+
+class MeshMLP(GatedMLP):
+    """A module a third-party tensor-parallel backend recognises, carrying the mesh it runs on."""
+
+    runtime_mesh = "mesh-from-the-runtime"
+
+
+class MeshStrategy(Strategy):
+    """A backend whose instances need a mesh; "auto" reads it from the module it claims."""
+
+    name = "test_mesh"
+    priority = 60
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    @classmethod
+    def claims(cls, module, ancestors=()):
+        return isinstance(module, MeshMLP)
+
+    @classmethod
+    def configured_for(cls, module, ancestors=(), **init_kwargs):
+        init_kwargs.setdefault("mesh", module.runtime_mesh)
+        return cls(**init_kwargs)
+
+
+@pytest.fixture
+def registered():
+    """Registrations made by a test, removed after it."""
+    names = []
+
+    def register(cls, **kwargs):
+        register_strategy(cls, **kwargs)
+        names.append(kwargs.get("name", cls.name))
+
+    yield register
+    for name in names:
+        if name in available_strategies():
+            unregister_strategy(name)
+
+
+def test_an_instance_with_arguments_is_used_as_given():
+    mlp = seeded(GatedMLP, 0, HIDDEN, INTER)
+    x, dy = fresh_inputs((1, TOKENS, HIDDEN), HIDDEN)
+    group = object()  # what the backend was built with, never looked into by the tiled call
+    for given in (MeshStrategy(mesh="given-mesh"), DDPStrategy(process_group=group)):
+        got, tiled = tiled_run(mlp, x, dy, num_shards=3, strategy=given)
+        assert tiled.tiling.last_strategy is given
+        assert_runs_close(untiled_run(mlp, x, dy), got)
+    assert DDPStrategy(process_group=group).process_group is group
+
+
+def test_the_registry_builds_instances_with_the_stored_arguments(registered):
+    registered(MeshStrategy, mesh="stored-mesh")
+    assert get_strategy("test_mesh").mesh == "stored-mesh"
+    mlp = seeded(GatedMLP, 1, HIDDEN, INTER)
+    x, dy = fresh_inputs((1, TOKENS, HIDDEN), HIDDEN)
+    got, tiled = tiled_run(mlp, x, dy, num_shards=2, strategy="test_mesh")
+    assert type(tiled.tiling.last_strategy) is MeshStrategy and tiled.tiling.last_strategy.mesh == "stored-mesh"
+    assert_runs_close(untiled_run(mlp, x, dy), got)
+
+
+def test_auto_returns_an_instance_configured_for_the_module(registered):
+    registered(MeshStrategy)
+    mlp = seeded(MeshMLP, 2, HIDDEN, INTER)
+    x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
+    got, tiled = tiled_run(mlp, x, dy, num_shards=3)
+    assert type(tiled.tiling.last_strategy) is MeshStrategy
+    assert tiled.tiling.last_strategy.mesh == "mesh-from-the-runtime"
+    assert_runs_close(untiled_run(mlp, x, dy), got)
+
+
+def test_auto_keeps_the_registered_arguments_over_what_the_runtime_shows(registered):
+    registered(MeshStrategy, mesh="stored-mesh")
+    tiled = TiledMLP(MeshMLP(HIDDEN, INTER), num_shards=2)
+    tiled(torch.randn(1, TOKENS, HIDDEN))
+    assert tiled.tiling.last_strategy.mesh == "stored-mesh"
+
+
+def test_one_class_registered_under_two_names_with_their_own_arguments(registered):
+    registered(MeshStrategy, mesh="a")
+    registered(MeshStrategy, name="test_mesh_b", mesh="b")
+    first, second = get_strategy("test_mesh"), get_strategy("test_mesh_b")
+    assert (first.name, first.mesh, second.name, second.mesh) == ("test_mesh", "a", "test_mesh_b", "b")
+    with pytest.raises(ValueError, match="override=True"):  # other arguments under a held name
+        register_strategy(MeshStrategy, mesh="c")
+    register_strategy(MeshStrategy, mesh="a")  # the same registration again is not a duplicate
+
+
+def test_arguments_the_constructor_cannot_take_are_refused_at_registration():
+    with pytest.raises(TypeError, match="MeshStrategy's constructor cannot take the arguments registered"):
+        register_strategy(MeshStrategy, mesh="m", colour="blue")
+    assert "test_mesh" not in available_strategies()
+
+
+def test_a_registration_missing_a_required_argument_is_refused_by_name_not_for_auto(registered):
+    registered(MeshStrategy)  # "auto" reads its mesh from the module it claims
+    with pytest.raises(TypeError, match=r"MeshStrategy cannot be built from its registration 'test_mesh' .*mesh"):
+        TiledMLP(GatedMLP(HIDDEN, INTER), strategy="test_mesh")
+    with pytest.raises(TypeError, match=r"pass an instance, strategy=MeshStrategy\(\.\.\.\)"):
+        TiledMLP(GatedMLP(HIDDEN, INTER), strategy=MeshStrategy)
+
+
+# -- the sequence-parallel capability ---------------------------------------------------------------
+class Unaware(Strategy):
+    """A third-party backend that claims marked models and says nothing about sequence parallelism."""
+
+    name = "test_sp_unaware"
+    priority = 70
+
+    @classmethod
+    def claims(cls, module, ancestors=()):
+        return any(getattr(p, "_test_sp_marked", False) for p in module.parameters())
+
+
+class Summing(SequenceParallelAware, Unaware):
+    """The same backend, declaring that it sums its gradients over the SP ranks."""
+
+    name = "test_sp_summing"
+
+    def sums_over_sequence_ranks(self, module, group=None):
+        return True
+
+
+def marked_model() -> torch.nn.Module:
+    model = GatedMLP(HIDDEN, INTER)
+    for p in model.parameters():
+        p._test_sp_marked = True
+    return model
+
+
+def test_a_claiming_strategy_without_the_sequence_parallel_capability_is_refused(registered):
+    registered(Unaware)
+    with pytest.raises(UnsupportedBackendError,
+                       match=r"'test_sp_unaware' \(Unaware\) claims GatedMLP, but does not implement the "
+                             r"SequenceParallelAware capability.*Derive Unaware from strategies.SequenceParallelAware"):
+        sums_over_sequence_ranks(marked_model())
+    # Registered but not in play (it claims nothing here): nothing to refuse, the built-ins answer.
+    assert sums_over_sequence_ranks(GatedMLP(HIDDEN, INTER)) is False
+
+
+def test_a_given_strategy_without_the_sequence_parallel_capability_is_refused():
+    class GivenUnaware(Unaware):
+        name = "test_given_unaware"
+
+    with pytest.raises(UnsupportedBackendError, match="'test_given_unaware' .* was given as the strategy"):
+        sums_over_sequence_ranks(GatedMLP(HIDDEN, INTER), strategy=GivenUnaware())
+
+
+def test_a_strategy_with_the_capability_is_asked(registered):
+    registered(Summing)
+    assert sums_over_sequence_ranks(marked_model()) is True
+    assert sums_over_sequence_ranks(GatedMLP(HIDDEN, INTER), strategy=Summing()) is True
+
+
+def test_a_capability_method_that_cannot_take_the_call_is_refused_at_registration():
+    class WrongArity(Summing):
+        name = "test_sp_wrong_arity"
+
+        def check_sequence_group(self, module):  # the resolver passes (module, group)
+            return None
+
+    with pytest.raises(TypeError, match=r"check_sequence_group must accept \(module, group\)"):
+        register_strategy(WrongArity)
