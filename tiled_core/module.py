@@ -37,7 +37,7 @@ from .tiling_state import STATE_ATTR, TilingState
 class TiledMLP(nn.Module):
     """Tiles ``mlp`` (``[..., tokens, hidden] -> [..., tokens, out]``, token-wise) in place.
 
-    ``TiledMLP(mlp, ...)`` returns ``mlp`` itself, now also an instance of ``TiledMLP``.
+    ``TiledMLP(mlp, ...)`` returns ``mlp`` itself, an instance of ``TiledMLP`` as well.
 
     Args:
         mlp: the module to tile.
@@ -104,7 +104,7 @@ class TiledMLP(nn.Module):
 
     # The generated class's ``forward`` (``TiledForward``) calls this; torch.compile of a surrounding
     # model runs it eagerly (the shard loop and the RNG capture are not traceable, and tracing into
-    # them only produced a graph break at each).
+    # them gives a graph break at each).
     _tiled_forward = module_forward
 
 
