@@ -167,25 +167,26 @@ def reference_run(case: LossCase, world: int) -> Dict:
 # -- spies in the ranks -------------------------------------------------------------------------------
 @contextlib.contextmanager
 def tiled_loss_spy(calls: List[Dict]) -> Iterator[None]:
-    """Records, per ``tiled_cross_entropy`` call, the strategy it resolved and its shard plan."""
+    """Records, per ``tiled_cross_entropy`` call, the strategy it resolved and its shard count."""
     import tiled_core.tiled_loss as tiled_loss
 
-    resolve, plan = tiled_loss.resolve_strategy, tiled_loss.make_shard_plan
+    resolve, decide = tiled_loss.resolve_strategy, tiled_loss.LossSite.decide
 
     def spy_resolve(module, *args, **kwargs):
         strategy = resolve(module, *args, **kwargs)
         calls.append({"strategy": strategy.name})
         return strategy
 
-    def spy_plan(num_tokens, num_shards, *args, **kwargs):
-        calls[-1].update(tokens=num_tokens, shards=num_shards)
-        return plan(num_tokens, num_shards, *args, **kwargs)
+    def spy_decide(site, strategy):
+        decision = decide(site, strategy)
+        calls[-1].update(tokens=decision.num_tokens, shards=decision.num_shards)
+        return decision
 
-    tiled_loss.resolve_strategy, tiled_loss.make_shard_plan = spy_resolve, spy_plan
+    tiled_loss.resolve_strategy, tiled_loss.LossSite.decide = spy_resolve, spy_decide  # type: ignore[method-assign]
     try:
         yield
     finally:
-        tiled_loss.resolve_strategy, tiled_loss.make_shard_plan = resolve, plan
+        tiled_loss.resolve_strategy, tiled_loss.LossSite.decide = resolve, decide  # type: ignore[method-assign]
 
 
 def new_gather_counts() -> Dict:

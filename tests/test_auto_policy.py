@@ -165,8 +165,9 @@ def test_the_module_says_what_it_decided():
     assert mlp.tiling.last_reason == "untiled: tiling (2 shards) would save 22.0 MiB, under the 64 MiB floor"
     fixed = TiledMLP(GatedMLP(64, 128), num_shards=3)
     fixed(torch.randn(1, 256, 64))
-    assert fixed.tiling.last_path == "fast" and fixed.tiling.last_reason == "tiled: num_shards=3 as configured"
+    assert fixed.tiling.last_path == "fast" and fixed.tiling.last_reason == "tiled: num_shards=3 as configured; kernel 'fast'"
     generic = TiledMLP(PlainMLP(64, 128), num_shards=3)
     generic(torch.randn(1, 256, 64))
     assert generic.tiling.last_path == "generic"
-    assert "generic path: its forward is not one the fast kernel is known to compute" in generic.tiling.last_reason
+    assert "kernel 'generic' ('fast' declined: its forward is not one the fast kernel is known to compute" in \
+        generic.tiling.last_reason

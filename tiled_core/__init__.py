@@ -1,19 +1,29 @@
 """Backend-neutral tiled MLP and tiled loss: shard plan, sharded autograd (a token-wise map and a
-reduction), per-shard kernels, the TiledMLP module and the tiled cross-entropy.
+reduction), the kernel registry and its per-shard kernels, the one tiled call, the TiledMLP module and
+the tiled cross-entropy.
 
 Imports torch only; backends are reached through the ``Strategy`` interface. The one optional import
 is Liger-Kernel's Triton activation (``activations.py``), a kernel library, not a backend: imported
 lazily, on CUDA, only when it is installed.
 """
+from . import builtin_kernels  # noqa: F401  # registers the built-in kernels
+from .class_swap import install_tiling, prepare_tiling, untile
+from .fast_path import FastPathRefused, fast_path_problem
 from .gated_forms import GatedForm, register_gated_mlp, unregister_gated_mlp
-from .module import FastPathRefused, TiledMLP, fast_path_problem, install_tiling, prepare_tiling, untile
+from .kernel_registry import Kernel, KernelCall, available_kernels, register_kernel, unregister_kernel
+from .module import TiledMLP, tile
+from .module_call import TiledInputs
 from .shard_plan import ShardPlan, make_shard_plan
 from .sharded_autograd import ShardedMLPFunction, ShardedRun, sharded_apply
 from .sharded_reduce import ShardedReduceFunction, sharded_reduce
+from .tiled_call import tiled_call
 from .tiled_loss import TiledCrossEntropy, tiled_cross_entropy
 from .tiling_state import TilingState
 
 # Tiling in place in two steps (every check, then the change), for callers that tile many blocks at
 # once and roll back together (``apply_tiled_mlp``): ``prepare_tiling``, ``install_tiling``, ``TilingState``.
-__all__ = ["TiledMLP", "untile", "prepare_tiling", "install_tiling", "TilingState", "FastPathRefused", "fast_path_problem", "GatedForm", "register_gated_mlp", "unregister_gated_mlp", "ShardPlan", "make_shard_plan", "ShardedMLPFunction", "ShardedRun", "sharded_apply",
+__all__ = ["TiledMLP", "tile", "untile", "TiledInputs", "prepare_tiling", "install_tiling", "TilingState",
+           "FastPathRefused", "fast_path_problem", "GatedForm", "register_gated_mlp", "unregister_gated_mlp",
+           "Kernel", "KernelCall", "register_kernel", "unregister_kernel", "available_kernels", "tiled_call",
+           "ShardPlan", "make_shard_plan", "ShardedMLPFunction", "ShardedRun", "sharded_apply",
            "ShardedReduceFunction", "sharded_reduce", "tiled_cross_entropy", "TiledCrossEntropy"]

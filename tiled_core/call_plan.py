@@ -1,7 +1,7 @@
 """What a tiled call decides before it touches a tensor, kept while nothing it rests on changes.
 
-Every forward used to re-walk the module for the trainable parameters, its sizes, its hooks and the
-fast-path decision (what the forward is, ``gated_forms``). One walk of the module now builds one key
+A tiled call needs the trainable parameters, the module's sizes, its hooks and the fast-path decision
+(what the forward is, ``gated_forms``). One walk of the module builds one key
 (``fast_path.module_key``: its parameters, buffers, submodules, hooks, training modes, settings, and
 the input's dtype and device) and, with the strategy, picks the cached plan or makes a new one. The
 strategy itself is resolved at every call (a model is usually wrapped by its backend after it was
@@ -20,7 +20,7 @@ only until the next tiled call, which walks the module and re-decides with fresh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -45,12 +45,11 @@ class CallPlan:
     fast_kernel: Optional[Any] = field(default=None, repr=False)
     # The generic kernel's view of the module's structure (``kernels.generic.GenericLayout``).
     generic_layout: Optional[Any] = field(default=None, repr=False)
+    # What other registered kernels derive from the module, by kernel name (``kernel_registry``).
+    kernel_cache: Dict[str, Any] = field(default_factory=dict, repr=False)
+    # Whether the last kernel chosen keeps gradient buffers of its own (the auto policy's generic rule).
+    generic: bool = False
     _trainable_bytes: Optional[int] = field(default=None, repr=False)
-
-    @property
-    def generic(self) -> bool:
-        """Whether the fast kernel was ruled out (the auto policy's generic rule applies)."""
-        return self.fast is not None and self.fast[0] is None
 
     @property
     def trainable_bytes(self) -> int:

@@ -18,6 +18,7 @@ from torch import nn
 from .autocast_state import autocast_enabled
 from .gated_forms import known_form
 from .gated_spec import GatedMLPSpec, global_module_hooks, no_hook_is_backend, structural_spec
+from .module_forward import forward_function, is_tiled
 
 
 def _tensor_entries(registry: dict) -> list:
@@ -78,9 +79,28 @@ def structural_decision(module: nn.Module, forward_fn: Optional[Callable],
     return structural_spec(module, form, is_backend_hook)
 
 
-FUSED_EXPERTS = "its weights are not gated nn.Linear projections (fused MoE experts)"
 UNKNOWN_FORWARD = ("its forward is not one the fast kernel is known to compute (a known library body, or a class "
                    "declared with tiled_mlp.register_gated_mlp)")
+
+
+class FastPathRefused(ValueError):
+    """``path="fast"`` asked of a module the fast kernel cannot run (a ValueError, as any bad setting)."""
+
+
+def fast_refused(module: nn.Module, why_not: str) -> FastPathRefused:
+    return FastPathRefused(f"path='fast' cannot apply to {type(module).__name__}: {why_not}; use path='auto'")
+
+
+def fast_path_problem(mixin: type, mlp: nn.Module, is_backend_hook: Callable = no_hook_is_backend) -> str:
+    """Why the fast kernel could never run ``mlp`` (tiled or not), whatever the call ("" when it may)."""
+    unfit = getattr(mixin, "tiled_no_fast_path", "")
+    if unfit:
+        return unfit
+    if is_tiled(mlp):
+        forward = forward_function(mlp)
+    else:  # not tiled yet: an instance forward here is another library's (accelerate's hooks)
+        forward = None if "forward" in mlp.__dict__ else type(mlp).forward
+    return structural_decision(mlp, forward, is_backend_hook)[1]
 
 
 def _call_problem(spec: GatedMLPSpec, x: torch.Tensor) -> str:

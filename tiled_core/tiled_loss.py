@@ -6,8 +6,9 @@ over ``num_items_in_batch``, float32 loss math from low-precision weights), and 
 leaves to the model: ``logit_softcap`` (Gemma 2), ``label_smoothing`` (as ``F.cross_entropy``'s) and
 ``z_loss``. No ``[tokens, vocab]`` tensor outlives one shard, and no logits are returned.
 
-It is the second caller of the sharded core (``sharded_reduce``, beside the MLP's token-wise map): the
-strategy of the head's backend is resolved as for a tiled MLP, and the gradients reach the backend
+It is a caller of the one tiled call (``tiled_call``, as a tiled MLP is), of the reduction shape
+(``sharded_reduce``, beside the MLP's token-wise map): its kernel is chosen from the registry
+(``kernel_registry``: the linear head, else the module head), and the gradients reach the backend
 through the same single delivery. The loss runs as the forward of one call of the head
 (``head_call.py``), so a backend's module hooks on the head surround it as they surround
 ``lm_head(hidden)``: ZeRO-3 gathers a partitioned ``lm_head`` before the loss and releases it after,
@@ -16,23 +17,25 @@ out. Inside, the strategy's ``gathered`` region surrounds the shard loop (never 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strategies.base import Strategy
 from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg, sums_over_sequence_ranks
 
 from .head_call import foreign_head_hooks, in_head_call
-from .kernels.base import ReduceKernel
+from .kernel_registry import REDUCE, KernelCall, choose_kernel
 from .kernels.cross_entropy import CrossEntropyOptions, check_targets
-from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear, loss_dtype
+from .kernels.lm_head import loss_dtype
 from .loss_shards import loss_num_shards
 from .sequence_group import check_group, group_count, sum_over_group
-from .shard_plan import AUTO, NumShards, check_num_shards, make_shard_plan
+from .shard_plan import AUTO, NumShards, ShardPlan, check_num_shards
 from .sharded_autograd import ShardedRun
 from .sharded_reduce import sharded_reduce
+from .tiled_call import CallDecision, tiled_call
 
 REDUCTIONS = ("mean", "sum")
 # A head whose vocabulary cannot be read before it runs (a module without ``out_features`` or a 2-D
@@ -120,36 +123,69 @@ def tiled_cross_entropy(
     foreign = foreign_head_hooks(lm_head, backend.is_backend_hook)
     if foreign:
         raise RuntimeError(HEAD_HOOKS_ERROR.format(head=type(lm_head).__name__, hooks=", ".join(foreign)))
-    num_tokens = targets.numel()
-
-    def loss_of(head_input: torch.Tensor) -> torch.Tensor:  # the head's forward for this one call
-        with backend.gathered(lm_head):
-            trainable = backend.trainable_params(lm_head)
-            if is_plain_linear(lm_head):
-                kernel: Union[LinearHeadKernel, ModuleHeadKernel] = LinearHeadKernel(lm_head, options)  # type: ignore[arg-type]
-                mask = [any(p is t for t in trainable) for p in kernel.params]
-            else:
-                kernel = ModuleHeadKernel(lm_head, trainable, options)
-                mask = None
-            params = kernel.params
-            dtype = loss_dtype(params[0].dtype if params else head_input.dtype)
-            vocab = _vocab_size(lm_head)
-            if vocab is not None:  # else the module kernel checks each shard once its logits show the vocabulary
-                check_targets(targets, vocab, ignore_index)
-            scale = _scale(targets, reduction, num_items_in_batch, ignore_index, dtype, sequence_group)
-            run: ShardedRun[ReduceKernel] = ShardedRun(
-                kernel=kernel,
-                plan=make_shard_plan(num_tokens, loss_num_shards(num_tokens, vocab or UNKNOWN_VOCAB, num_shards)),
-                grad_accum_dtype=grad_accum_dtype,
-                param_mask=mask,
-                zeros_for_unused=backend.unused_grads_as_zeros,
-                deliver_grads=backend.deliver_grads,
-            )
-            return sharded_reduce(head_input, targets, scale, run, params)
-
+    site = LossSite(lm_head, backend, targets, options, reduction, num_items_in_batch, num_shards, grad_accum_dtype,
+                    sequence_group)
     # Inside the head's own call: a backend's hooks on the head (ZeRO-3's gather and release, forward and
     # backward) surround the loss, as they surround ``lm_head(hidden)`` (``head_call.py``).
-    return sum_over_group(in_head_call(lm_head, hidden, loss_of), sequence_group, averages)
+    return sum_over_group(in_head_call(lm_head, hidden, site.loss_of), sequence_group, averages)
+
+
+class LossSite:
+    """The loss's side of ``tiled_call``: a ``sharded_reduce`` over the hidden states. Its strategy was
+    resolved and checked before the head's call (a refusal comes before any work)."""
+
+    def __init__(self, lm_head: nn.Module, backend: Strategy, targets: torch.Tensor, options: CrossEntropyOptions,
+                 reduction: str, num_items_in_batch, num_shards: NumShards, grad_accum_dtype: Optional[torch.dtype],
+                 sequence_group: Optional[Any]):
+        self.owner = lm_head
+        self.backend = backend
+        self.targets = targets
+        self.options = options
+        self.reduction = reduction
+        self.num_items_in_batch = num_items_in_batch
+        self.num_shards = num_shards
+        self.grad_accum_dtype = grad_accum_dtype
+        self.sequence_group = sequence_group
+        self.hidden: Optional[torch.Tensor] = None
+        self.scale: Optional[torch.Tensor] = None
+        self.params: List[torch.Tensor] = []
+
+    def loss_of(self, head_input: torch.Tensor) -> torch.Tensor:
+        """The head's forward for this one call (``head_call.in_head_call`` runs it)."""
+        self.hidden = head_input
+        return tiled_call(self)
+
+    def strategy(self) -> Strategy:
+        return self.backend
+
+    def decide(self, strategy: Strategy) -> CallDecision:
+        lm_head, targets, x = self.owner, self.targets, self.hidden
+        assert x is not None, "decided inside the head's call"
+        trainable = strategy.trainable_params(lm_head)
+        choice = choose_kernel(REDUCE, KernelCall(lm_head, x, strategy, trainable, options=self.options))
+        if choice.entry is None:
+            raise RuntimeError(f"tiled loss: no registered kernel computes the loss of {type(lm_head).__name__}: "
+                               f"{choice.describe()}")
+        self.params = list(choice.kernel.params)
+        dtype = loss_dtype(self.params[0].dtype if self.params else x.dtype)
+        vocab = _vocab_size(lm_head)
+        if vocab is not None:  # else the module kernel checks each shard once its logits show the vocabulary
+            check_targets(targets, vocab, self.options.ignore_index)
+        self.scale = _scale(targets, self.reduction, self.num_items_in_batch, self.options.ignore_index, dtype,
+                            self.sequence_group)
+        num_tokens = targets.numel()
+        num_shards = loss_num_shards(num_tokens, vocab or UNKNOWN_VOCAB, self.num_shards)
+        return CallDecision(choice.describe(), choice.kernel, choice.name, num_tokens, num_shards, trainable)
+
+    def untiled(self, decision: CallDecision) -> torch.Tensor:
+        raise AssertionError("the loss always runs tiled")  # its decision always names a kernel
+
+    def run(self, run: ShardedRun) -> torch.Tensor:
+        assert self.hidden is not None and self.scale is not None
+        return sharded_reduce(self.hidden, self.targets, self.scale, run, self.params)
+
+    def record(self, decision: CallDecision, plan: Optional[ShardPlan]) -> None:
+        """The loss keeps no report (it is a function, with no state of its own)."""
 
 
 class TiledCrossEntropy(nn.Module):

@@ -97,3 +97,8 @@ class TilingState:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+
+
+def tiling_of(module: nn.Module) -> TilingState:
+    """A tiled module's ``TilingState`` (its ``tiling`` attribute)."""
+    return module.__dict__[STATE_ATTR]

@@ -7,7 +7,20 @@ from strategies import (
     register_strategy,
     unregister_strategy,
 )
-from tiled_core import TiledCrossEntropy, TiledMLP, register_gated_mlp, tiled_cross_entropy, unregister_gated_mlp
+from tiled_core import (
+    Kernel,
+    KernelCall,
+    TiledCrossEntropy,
+    TiledInputs,
+    TiledMLP,
+    available_kernels,
+    register_gated_mlp,
+    register_kernel,
+    tile,
+    tiled_cross_entropy,
+    unregister_gated_mlp,
+    unregister_kernel,
+)
 
 from .integrations import (
     TilingReport,
@@ -26,6 +39,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TiledMLP",
+    "tile",
+    "TiledInputs",
+    "Kernel",
+    "KernelCall",
+    "register_kernel",
+    "unregister_kernel",
+    "available_kernels",
     "tiled_cross_entropy",
     "TiledCrossEntropy",
     "register_gated_mlp",

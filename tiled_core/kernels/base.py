@@ -27,6 +27,9 @@ class ShardKernel(Protocol):
     may_read_other_tensors: bool
     #: The module's class name, for error messages.
     module_name: str
+    #: Whether a shard's forward may draw random numbers, whose RNG state the backward recompute
+    #: replays (a kernel without the attribute is taken to draw them).
+    replays_rng: bool
 
     def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
                       tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> torch.Tensor:

@@ -46,6 +46,7 @@ def _slots(spec: GatedMLPSpec) -> dict:
 class GatedShardKernel:
     # The forward's code and the structure proved that it reads nothing but the input and ``params``.
     may_read_other_tensors = False
+    replays_rng = False  # the formula draws no random numbers
     using = staticmethod(no_substitution)  # computes from the tensors it is given, never the module's
 
     def __init__(self, spec: GatedMLPSpec, activation, module_name: str = "the gated MLP"):

@@ -85,6 +85,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 class GenericShardKernel:
     # Any forward: it may read tensors besides its parameters, which the sharded Function finds.
     may_read_other_tensors = True
+    replays_rng = True  # a forward may draw random numbers (dropout): the recompute replays them
 
     def __init__(self, forward_fn: Callable, module_name: str, params: List[torch.Tensor], shard_prefix: tuple,
                  layout: GenericLayout, current_hooks: Callable[[], List[str]], grad_mode: bool = True,

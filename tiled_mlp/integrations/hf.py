@@ -29,7 +29,7 @@ from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .causal_lm_loss import check_tiled_loss, install_tiled_loss, remove_tiled_loss
 from .matching import Patterns, Scan, find_tiled, scan
 from .moe import TiledExperts
-from .norms import NORM_ACCUM_DTYPE, norm_names, why_no_norms
+from .norms import NORM_ACCUM_DTYPE, TiledNorm, norm_names, why_no_norms
 from .report import TiledBlock, TilingReport, expected_path
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def apply_tiled_mlp(
         if id(candidate.module) in seen:
             continue
         seen.add(id(candidate.module))
-        mixin = TiledExperts if candidate.kind == "experts" else TiledMLP
+        mixin = {"experts": TiledExperts, "norm": TiledNorm}.get(candidate.kind, TiledMLP)
         block_path, accum = path, grad_accum_dtype
         if candidate.kind == "norm":  # no fast kernel (path='fast' is the MLPs'); its weight sums every token
             block_path, accum = "generic", grad_accum_dtype or NORM_ACCUM_DTYPE

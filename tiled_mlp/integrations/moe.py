@@ -20,9 +20,11 @@ import inspect
 import torch
 from torch import nn
 
-from tiled_core import TiledMLP
+from tiled_core import TiledInputs, TiledMLP
 
 FUSED_EXPERTS_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
+# The experts' weights are 3-D parameters, not gated Linears: the gated fast kernel never applies.
+FUSED_EXPERTS = "its weights are not gated nn.Linear projections (fused MoE experts)"
 
 
 def is_fused_experts(module: nn.Module) -> bool:
@@ -36,10 +38,9 @@ def is_fused_experts(module: nn.Module) -> bool:
 class TiledExperts(TiledMLP):
     """Tiles a fused experts module in place: same call, same parameters and names."""
 
-    # The experts' weights are 3-D parameters, not gated Linears: the generic kernel always.
-    _tiled_fast_allowed = False
+    tiled_no_fast_path = FUSED_EXPERTS
 
-    def _tiled_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        self._tiled_adopt_instance_forward()
-        return self._tiled_call(hidden_states, self._tiled_original_forward, check_hidden=False,
-                                riders=(top_k_index, top_k_weights))
+    def tiled_inputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> TiledInputs:
+        # The routing is sharded with the hidden states: each shard's rows keep their own experts and weights.
+        return TiledInputs(hidden_states, riders=(top_k_index, top_k_weights), check_hidden=False)

@@ -19,6 +19,13 @@ from tiled_core import TiledMLP
 NORM_ACCUM_DTYPE = torch.float32  # a norm's weight gradient sums every token: never in bf16 (it is hidden floats)
 
 
+class TiledNorm(TiledMLP):
+    """Tiles an RMSNorm in place (``apply_tiled_mlp(norms=True)``): same call, same names. Its one input
+    is the hidden states, and its output has their width."""
+
+    tiled_no_fast_path = "it is a norm, not a gated MLP"
+
+
 def hidden_size(model: nn.Module) -> Optional[int]:
     """The width of the model's token embeddings, else its text config's ``hidden_size`` (None: neither)."""
     try:

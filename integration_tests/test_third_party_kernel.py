@@ -1,0 +1,89 @@
+"""A per-shard kernel the package does not ship (``toy_kernel.TanhMLPKernel``), added through
+``register_kernel`` alone, runs a tiled toy MLP under DDP in two gloo processes.
+
+On each rank the outputs, the input gradients and every parameter gradient must equal (float64) a
+single-process untiled reference on the global batch; ``tiling.last_path`` names the kernel. Ranks see
+different token counts, so different shard counts.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import pytest
+import torch
+from torch import nn
+
+from tiled_mlp import TiledMLP, register_kernel
+
+from .spawn import run_distributed
+from .toy_kernel import NAME, TanhMLP, TanhMLPKernel
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+
+WORLD = 2
+HIDDEN, INTER = 8, 20
+TOKENS = (11, 23)  # per rank
+TOL = 1e-12
+
+
+class Residual(nn.Module):
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Residual(TanhMLP(HIDDEN, INTER)) for _ in range(2))).double()
+
+
+def rank_batch(rank: int):
+    generator = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(1, TOKENS[rank], HIDDEN, generator=generator, dtype=torch.float64)
+    return x, torch.randn(x.shape, generator=generator, dtype=torch.float64)
+
+
+def ranks_main(rank: int, world_size: int) -> Dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    register_kernel(TanhMLPKernel())
+    model = make_model()
+    tiled = [TiledMLP(block.mlp, num_shards=2 + rank) for block in model]
+    ddp = DDP(model)
+    x, target = rank_batch(rank)
+    x.requires_grad_(True)
+    out = ddp(x)
+    (out - target).pow(2).mean().backward()
+    return {
+        "out": out.detach(), "dx": x.grad,
+        "grads": {n.removeprefix("module."): p.grad.clone() for n, p in ddp.named_parameters()},
+        "paths": [m.tiling.last_path for m in tiled], "shards": [m.tiling.last_num_shards for m in tiled],
+        "strategies": [m.tiling.last_strategy.name for m in tiled], "reasons": [m.tiling.last_reason for m in tiled],
+    }
+
+
+def relative_error(have: torch.Tensor, want: torch.Tensor) -> float:
+    return float((have - want).abs().max() / want.abs().max())
+
+
+def test_a_registered_kernel_runs_under_ddp_exactly(tmp_path):
+    ranks = run_distributed(ranks_main, WORLD, tmp_path, timeout=90)
+    model = make_model()
+    inputs = [rank_batch(rank) for rank in range(WORLD)]
+    xs = [x.clone().requires_grad_(True) for x, _ in inputs]
+    outs = [model(x) for x in xs]
+    # DDP averages the parameter gradients over the ranks; each rank's input gradient is its own loss's.
+    sum((out - target).pow(2).mean() for out, (_, target) in zip(outs, inputs, strict=True)).backward()
+    for rank, got in enumerate(ranks):
+        assert got["paths"] == [NAME] * 2 and got["shards"] == [2 + rank] * 2, (got["paths"], got["shards"])
+        assert got["strategies"] == ["ddp"] * 2, got["strategies"]
+        assert all(f"kernel {NAME!r}" in reason for reason in got["reasons"]), got["reasons"]
+        assert relative_error(got["out"], outs[rank].detach()) <= TOL, f"rank {rank}: outputs"
+        assert relative_error(got["dx"], xs[rank].grad) <= TOL, f"rank {rank}: input gradients"
+        want = {n: p.grad / WORLD for n, p in model.named_parameters()}
+        assert got["grads"].keys() == want.keys()
+        for name, reference in want.items():
+            assert relative_error(got["grads"][name], reference) <= TOL, f"rank {rank} {name}"

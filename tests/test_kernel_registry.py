@@ -1,0 +1,97 @@
+"""Kernels are chosen from a registry, in priority order: a registered kernel runs ahead of the built-in
+ones, and ``tiling.last_reason`` names the kernel that ran and why each one before it declined."""
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import GatedMLP
+
+from integration_tests.toy_kernel import NAME, NOT_MINE, TanhMLP, TanhMLPKernel
+from tiled_mlp import Kernel, KernelCall, TiledMLP, available_kernels, register_kernel, unregister_kernel
+
+ALWAYS_DECLINES = "it declines every call"
+
+
+class Declining(Kernel):
+    name = "test_declining"
+
+    def why_not(self, call: KernelCall) -> str:
+        return ALWAYS_DECLINES
+
+
+@pytest.fixture
+def registered():
+    register_kernel(Declining(), priority=200)
+    register_kernel(TanhMLPKernel())
+    try:
+        yield
+    finally:
+        unregister_kernel("test_declining")
+        unregister_kernel(NAME)
+
+
+def test_built_in_kernels_are_registry_entries_in_priority_order():
+    assert available_kernels("map") == ["fast", "generic"]
+    assert available_kernels("reduce") == ["linear_head", "module_head"]
+
+
+def test_a_registered_kernel_goes_ahead_of_the_built_in_ones(registered):
+    assert available_kernels("map") == ["test_declining", NAME, "fast", "generic"]
+
+
+def test_last_reason_names_the_kernel_and_why_the_earlier_ones_declined(registered):
+    torch.manual_seed(0)
+    toy = TiledMLP(TanhMLP(8, 20).double(), num_shards=3)
+    toy(torch.randn(1, 10, 8, dtype=torch.float64))
+    assert toy.tiling.last_path == NAME
+    assert toy.tiling.last_reason == (f"tiled: num_shards=3 as configured; kernel {NAME!r} "
+                                      f"('test_declining' declined: {ALWAYS_DECLINES})")
+    gated = TiledMLP(GatedMLP(8, 20).double(), num_shards=2)
+    gated(torch.randn(1, 10, 8, dtype=torch.float64))
+    assert gated.tiling.last_path == "fast"
+    assert gated.tiling.last_reason == ("tiled: num_shards=2 as configured; kernel 'fast' ('test_declining' declined: "
+                                        f"{ALWAYS_DECLINES}; {NAME!r} declined: {NOT_MINE})")
+
+
+def test_a_registered_kernel_is_exact_against_the_untiled_module(registered):
+    torch.manual_seed(0)
+    plain = TanhMLP(8, 20).double()
+    tiled = TiledMLP(TanhMLP(8, 20).double(), num_shards=4)
+    tiled.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 9, 8, dtype=torch.float64, requires_grad=True)
+    x_tiled = x.detach().clone().requires_grad_(True)
+    dy = torch.randn(2, 9, 8, dtype=torch.float64)
+    out, out_tiled = plain(x), tiled(x_tiled)
+    out.backward(dy)
+    out_tiled.backward(dy)
+    assert tiled.tiling.last_path == NAME and tiled.tiling.last_num_shards == 4
+    torch.testing.assert_close(out_tiled, out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x_tiled.grad, x.grad, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(plain.named_parameters(), tiled.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_path_generic_skips_a_registered_kernel(registered):
+    toy = TiledMLP(TanhMLP(8, 20).double(), num_shards=2, path="generic")
+    toy(torch.randn(1, 6, 8, dtype=torch.float64))
+    assert toy.tiling.last_path == "generic"
+    assert f"{NAME!r} declined: path='generic' was asked for" in toy.tiling.last_reason
+
+
+def test_registry_refuses_a_taken_name_a_nameless_kernel_and_an_unknown_one():
+    with pytest.raises(ValueError, match="registered already"):
+        register_kernel(_named("fast"))
+    with pytest.raises(ValueError, match="has no name"):
+        register_kernel(Kernel())
+    with pytest.raises(ValueError, match="shape must be one of"):
+        register_kernel(_named("test_bad_shape", shape="scan"))
+    with pytest.raises(KeyError, match="no kernel named"):
+        unregister_kernel("test_never_registered")
+    with pytest.raises(TypeError, match="Kernel instance"):
+        register_kernel(TanhMLPKernel)  # the class, not an instance
+
+
+def _named(name: str, shape: str = "map") -> Kernel:
+    kernel = Kernel()
+    kernel.name, kernel.shape = name, shape
+    return kernel

@@ -1,0 +1,110 @@
+"""The built-in kernels, as registry entries (``kernel_registry``): the gated fast kernel and the
+generic kernel for token-wise modules, the linear and the module head for the loss.
+
+Each answers whether it applies to a call from what the module *is* (its forward's function object,
+its structure, its class), never from a numeric probe.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .activations import gated_activation
+from .fast_path import decide_fast_path
+from .gated_forms import check_attributes, torch_functions_intact
+from .gated_spec import foreign_child_hooks
+from .kernel_registry import MAP, REDUCE, Kernel, KernelCall, register_kernel
+from .kernels import GatedShardKernel, GenericShardKernel
+from .kernels.generic import generic_layout
+from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
+from .module_forward import forward_function
+from .tiling_state import tiling_of
+
+RIDERS_DECLINED = "the call has other sharded inputs besides the hidden states"
+
+
+class GatedEntry(Kernel):
+    """``down(act(gate(x)) * up(x))`` computed directly (``kernels/gated.py``), where the forward is
+    proven to compute exactly that (``fast_path.decide_fast_path``)."""
+
+    name = "fast"
+    shape = MAP
+    keeps_grad_buffers = False  # weight gradients go straight into one buffer per weight
+
+    def why_not(self, call: KernelCall) -> str:
+        if call.riders:
+            return RIDERS_DECLINED
+        module, plan = call.module, call.cache
+        unfit = type(module).tiled_no_fast_path  # type: ignore[attr-defined]  # TiledMLP's class attribute
+        if unfit:
+            return unfit
+        if plan.fast is None or _fast_decision_stale(module, plan):
+            plan.fast = decide_fast_path(module, forward_function(module), call.x, call.strategy.is_backend_hook)
+            plan.fast_kernel = None
+        return plan.fast[1]
+
+    def build(self, call: KernelCall) -> GatedShardKernel:
+        plan = call.cache
+        if plan.fast_kernel is None:  # stateless: one per plan
+            spec, module = plan.fast[0], call.module
+            activation = gated_activation(spec.activation, call.x.device, tiling_of(module).use_liger)
+            plan.fast_kernel = GatedShardKernel(spec, activation, type(module).__name__)
+        return plan.fast_kernel
+
+
+def _fast_decision_stale(module: nn.Module, plan) -> bool:
+    """Whether a cached fast decision may no longer hold. The key names objects by identity, the forward's
+    code included; a class attribute added since (``MyMLP.up_proj = property(...)``) changes what the
+    forward reads without changing any of them."""
+    spec = plan.fast[0] if plan.fast is not None else None
+    if spec is None:
+        return False
+    return not torch_functions_intact() or bool(check_attributes(module, spec.form))
+
+
+class GenericEntry(Kernel):
+    """The module's own forward per shard, recomputed with autograd in backward (``kernels/generic.py``):
+    any token-wise module."""
+
+    name = "generic"
+    shape = MAP
+
+    def build(self, call: KernelCall) -> GenericShardKernel:
+        module, plan = call.module, call.cache
+        hooks = functools.partial(foreign_child_hooks, module, call.strategy.is_backend_hook)
+        if plan.generic_layout is None:
+            plan.generic_layout = generic_layout(module, plan.trainable, hooks(), tiling_of(module).instance_forward)
+        assert call.shard_forward is not None, "a map call gives what one shard runs"
+        prefix = (1,) * (call.x.dim() - 2)
+        return GenericShardKernel(call.shard_forward, type(module).__name__, plan.trainable, prefix,
+                                  plan.generic_layout, hooks, grad_mode=torch.is_grad_enabled(), riders=call.riders)
+
+
+class LinearHeadEntry(Kernel):
+    """A plain ``nn.Linear`` head: logits by one matmul per shard, gradients formed from them
+    (``kernels/lm_head.py``)."""
+
+    name = "linear_head"
+    shape = REDUCE
+
+    def why_not(self, call: KernelCall) -> str:
+        return "" if is_plain_linear(call.module) else "the head is not a plain nn.Linear"
+
+    def build(self, call: KernelCall) -> LinearHeadKernel:
+        return LinearHeadKernel(call.module, call.options)  # type: ignore[arg-type]  # a plain nn.Linear
+
+
+class ModuleHeadEntry(Kernel):
+    """Any head module (PEFT's LoRA ``lm_head``): its own forward per shard, its gradients by autograd."""
+
+    name = "module_head"
+    shape = REDUCE
+
+    def build(self, call: KernelCall) -> ModuleHeadKernel:
+        return ModuleHeadKernel(call.module, call.trainable, call.options)
+
+
+for _kernel, _priority in ((GatedEntry(), 10), (GenericEntry(), 0), (LinearHeadEntry(), 10), (ModuleHeadEntry(), 0)):
+    register_kernel(_kernel, priority=_priority)

@@ -1,0 +1,85 @@
+"""The policy decision of a tiled module's call: run untiled (with a reason), or which registered
+kernel runs it (``kernel_registry``) over how many shards (the configured count or the auto policy's,
+``auto_shards``).
+
+The auto policy's answer is sought from the cheapest evidence first, each step needed only when the one
+before did not settle it: the last plan's sizes while a shallow key holds (no walk of the module,
+``call_plan.py``); this plan's sizes under the fast kernel's rule (every other kernel only needs more
+tokens, so a call too short for the fast kernel is too short for all, and no kernel is chosen for it);
+then the chosen kernel's rule.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence, Union
+
+import torch
+from torch import nn
+
+from strategies.base import Strategy
+
+from .auto_shards import AutoDecision, MLPSize, auto_decision, intermediate_size
+from .call_plan import CallPlan, PlanSizes, current_key, shallow_key
+from .fast_path import fast_refused
+from .kernel_registry import MAP, KernelCall, choose_kernel
+from .module_forward import current_forward
+from .tiled_call import CallDecision
+from .tiling_state import TilingState, tiling_of
+
+
+def decide_map_call(module: nn.Module, strategy: Strategy, x: torch.Tensor, shard_forward: Callable,
+                    riders: Sequence[torch.Tensor]) -> CallDecision:
+    """What this call of ``module`` on ``x`` runs (inside the strategy's gathered region, where a
+    kernel's decision can read the parameters)."""
+    state = tiling_of(module)
+    num_tokens = x.numel() // x.shape[-1]
+    may_pass = strategy.allows_untiled_call(module)
+    last = state.call_sizes
+    if may_pass and last is not None and last.shallow == shallow_key(module, strategy, x):
+        decision = shard_count(state, last, x, num_tokens, generic=last.generic)
+        if decision.num_shards is None:
+            return CallDecision(decision.reason)
+    plan = current_plan(module, strategy, x)
+    if may_pass:
+        decision = shard_count(state, plan, x, num_tokens, generic=False)
+        if num_tokens == 0 or decision.num_shards is None:
+            return CallDecision(decision.reason if num_tokens else "untiled: no tokens")
+    only = None if state.path == "auto" else state.path
+    choice = choose_kernel(MAP, KernelCall(module, x, strategy, plan.trainable, shard_forward, riders, cache=plan), only)
+    if choice.entry is None:
+        if state.path == "fast":
+            raise fast_refused(module, dict(choice.declined).get("fast", "it declined"))
+        raise RuntimeError(f"TiledMLP: no registered kernel runs {type(module).__name__}: {choice.describe()}")
+    plan.generic = choice.entry.keeps_grad_buffers
+    decision = shard_count(state, plan, x, num_tokens, plan.generic)
+    reason, num_shards = decision.reason, decision.num_shards
+    if may_pass and num_shards is None:
+        return CallDecision(reason)
+    if num_tokens == 0 or num_shards is None:
+        num_shards = 1  # the backend needs every rank on the tiled path (same collectives)
+        reason += f"; run as one shard: {strategy.name} needs every rank on the tiled path"
+    return CallDecision(f"{reason}; {choice.describe()}", choice.kernel, choice.name, num_tokens, num_shards,
+                        plan.trainable)
+
+
+def shard_count(state: TilingState, sizes: Union[PlanSizes, CallPlan], x: torch.Tensor, num_tokens: int,
+                generic: bool) -> AutoDecision:
+    """The configured count, or the auto policy's (``num_shards`` None: run untiled), and why, from a
+    plan's sizes (the plan itself, or the sizes a passed-through call kept)."""
+    num_shards = state.num_shards
+    if isinstance(num_shards, int):
+        return AutoDecision(num_shards, f"tiled: num_shards={num_shards} as configured")
+    trainable_bytes = sizes.trainable_bytes if generic else None
+    size = MLPSize(x.shape[-1], sizes.intermediate, sizes.param_bytes, x.element_size(), trainable_bytes)
+    return auto_decision(num_tokens, size)
+
+
+def current_plan(module: nn.Module, strategy: Strategy, x: torch.Tensor) -> CallPlan:
+    """The cached plan while its key holds, else a new one (see ``call_plan.py``)."""
+    state = tiling_of(module)
+    key, keep_alive = current_key(module, strategy, x, current_forward(module))
+    plan = state.call_plan
+    if plan is None or plan.key != key:
+        plan = CallPlan(key, keep_alive, shallow_key(module, strategy, x), strategy.trainable_params(module),
+                        intermediate_size(module), strategy.param_bytes(module), list(module.named_buffers()))
+        state.call_plan = plan
+    return plan

@@ -1,0 +1,144 @@
+"""The kernel registry: which per-shard kernel a tiled call runs.
+
+A kernel is registered with a priority; a call asks the kernels of its shape in priority order, highest
+first, whether they apply to this module and this call (``why_not``: "" when one does, else why not),
+and runs the first that does. The chosen kernel and what every one before it answered are the call's
+report (``KernelChoice.describe``, which ``module.tiling.last_reason`` ends with).
+
+Two shapes, the two shapes of the sharded autograd:
+
+- ``"map"``: a token-wise module (``TiledMLP``): the kernel is a ``kernels.base.ShardKernel``, run by
+  ``sharded_apply``. Built in: ``"fast"`` (the gated kernel, priority 10) and ``"generic"`` (the
+  module's own forward per shard, priority 0, which applies to every module).
+- ``"reduce"``: the loss (``tiled_cross_entropy``): a ``kernels.base.ReduceKernel``, run by
+  ``sharded_reduce``. Built in: ``"linear_head"`` (priority 10) and ``"module_head"`` (priority 0,
+  every head).
+
+A kernel registered with the default priority (100) is asked before every built-in one; one registered
+below 0 is never reached, since the last built-in of each shape always applies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+MAP = "map"
+REDUCE = "reduce"
+SHAPES = (MAP, REDUCE)
+DEFAULT_PRIORITY = 100
+
+
+@dataclass
+class KernelCall:
+    """What a kernel is asked about: one call of one module, inside its backend's gathered region
+    (the parameters are whole here)."""
+
+    module: nn.Module
+    x: torch.Tensor  # the hidden states, ``[..., tokens, hidden]``
+    strategy: Any  # the call's ``Strategy``
+    trainable: Sequence[torch.Tensor]  # the parameters the backend trains: the ones owed a gradient
+    # map: what one shard of the module runs (its own forward, without its hooks), and the other
+    # sharded inputs (``[tokens, ...]``), passed after the hidden states.
+    shard_forward: Optional[Callable[..., torch.Tensor]] = None
+    riders: Sequence[torch.Tensor] = ()
+    # reduce: the loss's options (``kernels.cross_entropy.CrossEntropyOptions``).
+    options: Any = None
+    # map: the module's call plan (``call_plan.CallPlan``), valid while nothing the call rests on
+    # changes; a kernel may keep what it derives from the module in ``cache.kernel_cache[name]``.
+    cache: Any = None
+
+
+class Kernel:
+    """A registered kernel. Give it a ``name`` and a ``shape``; ``why_not`` says whether it applies
+    (""), else why not, and is asked at every call (cache what rests on the module in
+    ``call.cache``); ``build`` makes the per-shard kernel for the call it applies to."""
+
+    name: str = ""
+    shape: str = MAP
+    #: map only: the kernel keeps a gradient buffer per trainable parameter beside the module's (the
+    #: generic kernel does): the auto shard policy counts those bytes.
+    keeps_grad_buffers: bool = True
+
+    def why_not(self, call: KernelCall) -> str:
+        return ""
+
+    def build(self, call: KernelCall) -> Any:
+        raise NotImplementedError(f"kernel {self.name!r} does not build a per-shard kernel")
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel a call runs (``kernel`` None: none applied) and why each one before it declined."""
+
+    entry: Optional[Kernel]
+    kernel: Any
+    declined: Tuple[Tuple[str, str], ...]
+
+    @property
+    def name(self) -> str:
+        return self.entry.name if self.entry is not None else ""
+
+    def describe(self) -> str:
+        refusals = "; ".join(f"{name!r} declined: {why}" for name, why in self.declined)
+        if self.entry is None:
+            return f"no kernel applies ({refusals})"
+        return f"kernel {self.name!r}" + (f" ({refusals})" if refusals else "")
+
+
+_REGISTERED: Dict[str, Tuple[int, int, Kernel]] = {}  # name -> (priority, registration order, kernel)
+_ORDERED: Dict[str, Tuple[Kernel, ...]] = {shape: () for shape in SHAPES}
+_COUNTER = [0]
+
+
+def _reorder() -> None:
+    for shape in SHAPES:
+        entries = sorted((v for v in _REGISTERED.values() if v[2].shape == shape), key=lambda v: (-v[0], v[1]))
+        _ORDERED[shape] = tuple(kernel for _, _, kernel in entries)
+
+
+def register_kernel(kernel: Kernel, *, priority: int = DEFAULT_PRIORITY, override: bool = False) -> Kernel:
+    """Add ``kernel`` to the kernels a tiled call of its shape asks, at ``priority`` (higher first; ties
+    in order of registration). Returns it. A taken name needs ``override=True``."""
+    if not isinstance(kernel, Kernel):
+        raise TypeError(f"register_kernel takes a tiled_mlp.Kernel instance, got {type(kernel).__name__}")
+    if not isinstance(kernel.name, str) or not kernel.name:
+        raise ValueError(f"{type(kernel).__name__} has no name: set the class attribute `name`")
+    if kernel.shape not in SHAPES:
+        raise ValueError(f"kernel {kernel.name!r}: shape must be one of {SHAPES}, got {kernel.shape!r}")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority must be an int, got {priority!r}")
+    if kernel.name in _REGISTERED and not override:
+        raise ValueError(f"a kernel named {kernel.name!r} is registered already; pass override=True to replace it")
+    _COUNTER[0] += 1
+    _REGISTERED[kernel.name] = (priority, _COUNTER[0], kernel)
+    _reorder()
+    return kernel
+
+
+def unregister_kernel(name: str) -> None:
+    """Remove the kernel registered as ``name``."""
+    if name not in _REGISTERED:
+        raise KeyError(f"no kernel named {name!r}; registered: {available_kernels()}")
+    del _REGISTERED[name]
+    _reorder()
+
+
+def available_kernels(shape: Optional[str] = None) -> List[str]:
+    """The registered kernels' names in the order a call asks them (of one shape, or map then reduce)."""
+    shapes = SHAPES if shape is None else (shape,)
+    return [kernel.name for s in shapes for kernel in _ORDERED[s]]
+
+
+def choose_kernel(shape: str, call: KernelCall, only: Optional[str] = None) -> KernelChoice:
+    """The first kernel of ``shape`` that applies to ``call`` (only the one named ``only``, when given:
+    the others decline as not asked for), built for it."""
+    declined: List[Tuple[str, str]] = []
+    for entry in _ORDERED[shape]:
+        why = f"path={only!r} was asked for" if only is not None and entry.name != only else entry.why_not(call)
+        if not why:
+            return KernelChoice(entry, entry.build(call), tuple(declined))
+        declined.append((entry.name, why))
+    return KernelChoice(None, None, tuple(declined))

@@ -1,0 +1,105 @@
+"""A tiled module's call: its arguments become the tiled call's inputs (``TiledMLP.tiled_inputs``),
+and ``MapSite`` is what the one tiled call (``tiled_call``) asks of a token-wise module."""
+from __future__ import annotations
+
+import functools
+from typing import List, NamedTuple, Optional, Sequence
+
+import torch
+from torch import nn
+
+from strategies.base import Strategy
+
+from .buffer_guard import buffers_kept
+from .call_decision import decide_map_call
+from .module_forward import adopt_instance_forward, base_forward, original_forward
+from .module_strategy import module_strategy
+from .shard_plan import ShardPlan, check_num_shards
+from .sharded_autograd import ShardedRun, sharded_apply
+from .tiled_call import CallDecision, tiled_call
+from .tiling_state import TilingState, tiling_of
+from .validation import check_input
+
+
+class TiledInputs(NamedTuple):
+    """How one call's arguments enter the tiled call (``TiledMLP.tiled_inputs`` returns it)."""
+
+    hidden_states: torch.Tensor  # ``[..., tokens, hidden]``, sharded over its tokens
+    # Other token-wise inputs of any dtype (``[..., tokens, ...]``, the leading dims of the hidden
+    # states), sliced like them and passed after them to each shard (a MoE block's routing).
+    riders: Sequence[torch.Tensor] = ()
+    # Whether the hidden states must match the module's input width (a module with input projections).
+    check_hidden: bool = True
+
+
+def module_forward(module: nn.Module, *args, **kwargs) -> torch.Tensor:
+    """The forward of every tiled class (``TiledForward`` calls it)."""
+    if tiling_of(module).shard_depth:
+        # Called from inside one of its own shards: an instance forward wrapping the tiled forward
+        # (accelerate's hooks: ``old = m.forward; m.forward = wrapper(old)``) reaches here; the shard
+        # computes the module's own forward.
+        return base_forward(module)(module, *args, **kwargs)
+    adopt_instance_forward(module)
+    return tiled_call(MapSite(module, module.tiled_inputs(*args, **kwargs)))  # type: ignore[operator]
+
+
+class MapSite:
+    """A token-wise module's side of ``tiled_call``: a ``sharded_apply`` over its hidden states."""
+
+    def __init__(self, module: nn.Module, inputs: TiledInputs):
+        state: TilingState = module.tiling  # type: ignore[assignment]
+        x = inputs.hidden_states
+        check_num_shards(state.num_shards)
+        check_input(x, module if inputs.check_hidden else None)
+        self.owner = module
+        self.state = state
+        self.x = x
+        self.riders = inputs.riders
+        self.flat_riders = _flat_riders(x, inputs.riders) if inputs.riders else ()
+        self.grad_accum_dtype = state.grad_accum_dtype
+        self.shard_forward = functools.partial(original_forward, module)
+
+    def strategy(self) -> Strategy:
+        strategy = module_strategy(self.owner)
+        strategy.check_supported(self.owner)
+        self.state.last_strategy = strategy
+        return strategy
+
+    def decide(self, strategy: Strategy) -> CallDecision:
+        return decide_map_call(self.owner, strategy, self.x, self.shard_forward, self.flat_riders)
+
+    def untiled(self, decision: CallDecision) -> torch.Tensor:
+        # Nothing to split, or too short for tiling to lower the peak: the plain module (only where the
+        # backend allows it: the same collectives as a tiled call).
+        return self.shard_forward(self.x, *self.riders)
+
+    def run(self, run: ShardedRun) -> torch.Tensor:
+        call_plan = self.state.call_plan
+        assert call_plan is not None, "a tiled call has a plan"
+        with buffers_kept(type(self.owner).__name__, call_plan.named_buffers):
+            return sharded_apply(self.x, run)
+
+    def record(self, decision: CallDecision, plan: Optional[ShardPlan]) -> None:
+        state = self.state
+        if plan is None:
+            # Only the plan's sizes are kept (``PlanSizes``): no tensor of the module is held by the cache
+            # of its short calls.
+            if state.call_plan is not None:
+                state.call_sizes, state.call_plan = state.call_plan.sizes(), None
+            state.last_path, state.last_num_shards, state.last_reason = "untiled", 1, decision.reason
+            return
+        assert state.call_plan is not None, "a tiled call has a plan"
+        state.call_sizes = state.call_plan.sizes()
+        state.last_path, state.last_num_shards, state.last_reason = decision.kernel_name, plan.num_shards, decision.reason
+
+
+def _flat_riders(x: torch.Tensor, riders: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each rider as ``[tokens, ...]`` (a view where its layout allows), checked against ``x``'s tokens."""
+    lead = x.shape[:-1]
+    flat = []
+    for rider in riders:
+        if tuple(rider.shape[:len(lead)]) != tuple(lead):
+            raise ValueError(f"a sharded input of shape {tuple(rider.shape)} does not share the leading (token) dims "
+                             f"{tuple(lead)} of the hidden states {tuple(x.shape)}")
+        flat.append(rider.reshape(-1, *rider.shape[len(lead):]))
+    return flat

@@ -1,0 +1,136 @@
+"""What a tiled module's own forward is, and how a call's arguments reach the tiled call.
+
+A tiled class's ``forward`` is ``TiledForward``, a data descriptor: it runs the tiled call even where
+another library binds a forward on the instance after tiling. What one shard runs is the module's own
+forward: the original class's (looked up at each call, so a forward patched on the class counts), or
+an instance forward installed before or after tiling (accelerate's device hooks, Liger's
+``_bind_method_to_module``).
+"""
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .tiling_state import tiling_of
+
+
+class TiledForward:
+    """A tiled class's ``forward``. A *data* descriptor, so the tiled call runs even where another
+    library binds a forward on the instance after tiling: ``module.forward = f`` goes to ``__set__``
+    and ``f`` becomes what each shard runs; Liger-Kernel writes ``module.__dict__["forward"]``, which a
+    data descriptor outranks, and the call adopts it (``adopt_instance_forward``). Reading it gives
+    a method with the original forward's signature (``mlp(hidden_states=h)`` keeps working)."""
+
+    def __init__(self, signature: Optional[inspect.Signature]):
+        @torch.compiler.disable
+        def forward(module, *args, **kwargs):
+            return module._tiled_forward(*args, **kwargs)
+
+        if signature is not None:
+            forward.__signature__ = signature.replace(
+                parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                            *signature.parameters.values()])
+        self.function = forward
+
+    def __get__(self, module, owner=None):
+        return self.function if module is None else types.MethodType(self.function, module)
+
+    def __set__(self, module, value) -> None:
+        # ``module.forward = module._old_forward`` (accelerate removing its hook; unpickling a bound
+        # method) puts the tiled forward itself back: that is no instance forward at all.
+        own = isinstance(value, types.MethodType) and value.__self__ is module and value.__func__ is self.function
+        tiling_of(module).instance_forward = None if own else value
+
+    def __delete__(self, module) -> None:
+        tiling_of(module).instance_forward = None
+
+
+def forward_signature(base: type) -> Optional[inspect.Signature]:
+    """The original forward's signature without ``self``: what the tiled forward accepts and shows."""
+    try:
+        signature = inspect.signature(base.forward)  # type: ignore[attr-defined]  # an nn.Module subclass
+    except (TypeError, ValueError):
+        return None
+    params = list(signature.parameters.values())[1:]
+    return signature.replace(parameters=params)
+
+
+def is_tiled(module: nn.Module) -> bool:
+    """Whether ``module``'s class is a generated tiled class (or a class derived from one, as a later
+    ``fully_shard`` makes)."""
+    return getattr(type(module), "_tiled_mixin", None) is not None
+
+
+def tiled_forward_descriptor(cls: type) -> TiledForward:
+    for klass in cls.__mro__:
+        found = vars(klass).get("forward")
+        if isinstance(found, TiledForward):
+            return found
+    raise TypeError(f"{cls.__name__} has no tiled forward")
+
+
+def base_forward(module: nn.Module) -> Callable:
+    """The original class's forward function, looked up now (a forward patched on the class counts)."""
+    return type(module)._tiled_base.forward  # type: ignore[attr-defined]  # set on every tiled class
+
+
+def current_forward(module: nn.Module) -> Callable:
+    """What the module's forward is now: the instance forward, else the original class's."""
+    installed = tiling_of(module).instance_forward
+    return installed if installed is not None else base_forward(module)
+
+
+def forward_function(module: nn.Module) -> Optional[Callable]:
+    """The plain function the module's forward runs now, where it is a function *of this module*:
+    the class's forward, or an instance forward bound to this very module. None for anything else
+    (a method of another module, a wrapper, a plain function): no form can be proven for it."""
+    installed = tiling_of(module).instance_forward
+    if installed is None:
+        return base_forward(module)
+    if isinstance(installed, types.MethodType) and installed.__self__ is module:
+        return installed.__func__
+    return None
+
+
+def original_forward(module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+    """The module's own forward, without hooks: what one shard runs."""
+    state = tiling_of(module)
+    installed = state.instance_forward
+    if installed is None:
+        return base_forward(module)(module, *args)
+    state.shard_depth += 1
+    try:
+        return installed(*args)
+    finally:
+        state.shard_depth -= 1
+
+
+def adopt_instance_forward(module: nn.Module) -> None:
+    """A forward written into the instance's __dict__ after tiling (Liger's _bind_method_to_module) is
+    what the module computes now, so each shard runs it; untiling puts it back. An instance forward that
+    is the tiled forward itself (unpickled ``getattr(module, "forward")``) is dropped by the same rule."""
+    installed = module.__dict__.pop("forward", None)
+    if installed is None:
+        installed = tiling_of(module).instance_forward
+        if installed is None:
+            return
+    tiled_forward_descriptor(type(module)).__set__(module, installed)
+
+
+def hidden_states_argument(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states, passed by position or by the original forward's name for them."""
+    installed = tiling_of(module).instance_forward
+    signature = inspect.signature(installed) if installed is not None else type(module)._tiled_signature  # type: ignore[attr-defined]
+    if signature is None:
+        raise TypeError(f"{type(module).__name__}: pass the hidden states as the one positional argument")
+    bound = signature.bind(*args, **kwargs)  # the TypeError untiled would raise, for a wrong call
+    (name, x), *rest = bound.arguments.items()
+    if rest:
+        raise TypeError(
+            f"{type(module).__name__}.forward was given {', '.join(n for n, _ in rest)} besides {name}: the tiled call "
+            "passes the hidden states alone to each shard. Call it with the hidden states only, or untile it")
+    return x

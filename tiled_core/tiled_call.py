@@ -1,0 +1,99 @@
+"""The one tiled call: every tiled module and the tiled loss run through ``tiled_call``.
+
+    strategy  ->  gathered region  ->  decision  ->  shard plan  ->  map or reduce run
+
+1. **strategy**: the backend the call runs under (``CallSite.strategy``: resolved for a module at
+   every call, since a model is usually wrapped by its backend after it was tiled).
+2. **gathered region**: the strategy's ``gathered`` context around everything below (a ZeRO-3
+   parameter is whole inside it): never one gather per shard.
+3. **decision** (``CallSite.decide``): run untiled, with a reason, or a kernel from the registry
+   (``kernel_registry.choose_kernel``) and a shard count.
+4. **shard plan**: the token slices (``shard_plan.make_shard_plan``).
+5. **run**: the sharded autograd Function of the caller's shape (``CallSite.run``: ``sharded_apply``,
+   a token-wise map, or ``sharded_reduce``, a sum over shards), with the strategy's gradient delivery.
+
+A caller (``module_call.MapSite`` for tiled modules, ``tiled_loss.LossSite`` for the loss) says only
+what differs: how its strategy is found, how it decides, which Function runs, what it records.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, List, Optional, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from strategies.base import Strategy
+
+from .shard_plan import ShardPlan, make_shard_plan
+from .sharded_autograd import ShardedRun
+
+
+@dataclass(frozen=True)
+class CallDecision:
+    """One call's decision, made once inside the gathered region: no kernel means run untiled."""
+
+    reason: str
+    kernel: Optional[Any] = None  # a ``ShardKernel`` (map) or ``ReduceKernel`` (reduce)
+    kernel_name: str = "untiled"
+    num_tokens: int = 0
+    num_shards: Optional[int] = None
+    trainable: Sequence[torch.Tensor] = ()  # the parameters owed a gradient
+
+
+class CallSite(Protocol):
+    """What differs between the callers of ``tiled_call``."""
+
+    #: The module whose backend gathers the parameters (the tiled module; the loss's head).
+    owner: nn.Module
+    grad_accum_dtype: Optional[torch.dtype]
+
+    def strategy(self) -> Strategy:
+        """The backend this call runs under, checked as supported."""
+
+    def decide(self, strategy: Strategy) -> CallDecision:
+        """Untiled with a reason, or a kernel and a shard count (inside the gathered region)."""
+
+    def untiled(self, decision: CallDecision) -> torch.Tensor:
+        """The call run as the plain module."""
+
+    def run(self, run: ShardedRun) -> torch.Tensor:
+        """The sharded autograd Function of this caller's shape over ``run``."""
+
+    def record(self, decision: CallDecision, plan: Optional[ShardPlan]) -> None:
+        """What the call leaves for its report (``module.tiling.last_*``)."""
+
+
+def membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor]) -> List[bool]:
+    ids = {id(t) for t in chosen}
+    return [id(t) in ids for t in tensors]
+
+
+def tiled_call(site: CallSite) -> torch.Tensor:
+    """Run one tiled call of ``site``: strategy, gathered region, decision, shard plan, run."""
+    strategy = site.strategy()
+    owner = site.owner
+    with strategy.gathered(owner):
+        decision = site.decide(strategy)
+        kernel = decision.kernel
+        if kernel is None:
+            site.record(decision, None)
+            return site.untiled(decision)
+        assert decision.num_shards is not None, "a decision with a kernel has a shard count"
+        plan = make_shard_plan(decision.num_tokens, decision.num_shards)
+        run = ShardedRun(
+            kernel=kernel,
+            plan=plan,
+            gathered=functools.partial(strategy.gathered, owner),  # again around the backward
+            grad_accum_dtype=site.grad_accum_dtype,
+            # A kernel that provably draws no random numbers (the gated one) has none to replay.
+            replay_rng=getattr(kernel, "replays_rng", True),
+            param_mask=membership(kernel.params, decision.trainable),
+            zeros_for_unused=strategy.unused_grads_as_zeros,
+            deliver_grads=strategy.deliver_grads,
+            params_swap_storage=strategy.swaps_param_storage(owner),
+        )
+        out = site.run(run)
+    site.record(decision, plan)
+    return out
