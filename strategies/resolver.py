@@ -15,7 +15,7 @@ SEQUENCE_PARALLEL_UNAWARE_ERROR = (
     "sequence parallelism: the strategy {strategy!r} ({cls}) {role}, but does not implement the "
     "SequenceParallelAware capability, so the tiled loss cannot tell whether its gradient reduction sums or "
     "averages over the sequence-parallel ranks (a wrong guess scales every gradient by the group's size). Derive "
-    "{cls} from strategies.SequenceParallelAware and implement check_sequence_group(module, group) and "
+    "{cls} from tiled_mlp.SequenceParallelAware and implement check_sequence_group(module, group) and "
     "sums_over_sequence_ranks(module, group), or train without sequence parallelism."
 )
 

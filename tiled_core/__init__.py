@@ -2,9 +2,8 @@
 reduction), the kernel registry and its per-shard kernels, the one tiled call, the TiledMLP module and
 the tiled cross-entropy.
 
-Imports torch only; backends are reached through the ``Strategy`` interface. The one optional import
-is Liger-Kernel's Triton activation (``activations.py``), a kernel library, not a backend: imported
-lazily, on CUDA, only when it is installed.
+Imports torch only; backends are reached through the ``Strategy`` interface, and what a model library
+knows (its MLP bodies, its activations, a fused kernel) is registered from outside (``tiled_mlp.integrations``).
 """
 from . import builtin_kernels  # noqa: F401  # registers the built-in kernels
 from .class_swap import install_tiling, prepare_tiling, untile

@@ -12,7 +12,7 @@ import torch
 STATEFUL_ERROR = (
     "TiledMLP: the forward of {module} updated its buffers ({buffers}) in place, which the tiled call would "
     "repeat once per shard and again in the backward recompute (BatchNorm running statistics, spectral_norm's "
-    "power iteration). The buffers were put back. Run the module untiled (remove_tiled_mlp / untile), or in "
+    "power iteration). The buffers were put back. Run the module untiled (untile(module)), or in "
     "eval mode, where such forwards keep their buffers."
 )
 

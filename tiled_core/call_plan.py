@@ -89,7 +89,7 @@ def current_key(module: nn.Module, strategy: Any, x: torch.Tensor, forward: Any)
     key, keep_alive = module_key(module, x)
     tiling: Any = module.tiling  # the path asked for and the kernels allowed decide the fast path too
     code = getattr(getattr(forward, "__func__", forward), "__code__", None)  # ``__code__`` swapped in place
-    config = (tiling.path, tiling.use_liger, id(forward), id(code), registry_generation())
+    config = (tiling.path, tiling.use_fused_kernel, id(forward), id(code), registry_generation())
     # The strategy answers trainable_params and param_bytes: another backend, another plan. (Its type:
     # "auto" makes a new instance at every call.)
     return (key, config, type(strategy)), (*keep_alive, forward, code)

@@ -80,7 +80,7 @@ def structural_decision(module: nn.Module, forward_fn: Optional[Callable],
 
 
 UNKNOWN_FORWARD = ("its forward is not one the fast kernel is known to compute (a known library body, or a class "
-                   "declared with tiled_mlp.register_gated_mlp)")
+                   "declared with register_gated_mlp)")
 
 
 class FastPathRefused(ValueError):

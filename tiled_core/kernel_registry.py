@@ -103,7 +103,7 @@ def register_kernel(kernel: Kernel, *, priority: int = DEFAULT_PRIORITY, overrid
     """Add ``kernel`` to the kernels a tiled call of its shape asks, at ``priority`` (higher first; ties
     in order of registration). Returns it. A taken name needs ``override=True``."""
     if not isinstance(kernel, Kernel):
-        raise TypeError(f"register_kernel takes a tiled_mlp.Kernel instance, got {type(kernel).__name__}")
+        raise TypeError(f"register_kernel takes a Kernel instance, got {type(kernel).__name__}")
     if not isinstance(kernel.name, str) or not kernel.name:
         raise ValueError(f"{type(kernel).__name__} has no name: set the class attribute `name`")
     if kernel.shape not in SHAPES:

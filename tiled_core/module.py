@@ -48,7 +48,8 @@ class TiledMLP(nn.Module):
             applies, else generic), "fast", "generic".
         grad_accum_dtype: dtype of the per-parameter gradient sums (default: the parameter's dtype);
             ``torch.float32`` for low-precision parameters.
-        use_liger: use Liger-Kernel's Triton activation on CUDA when it is installed.
+        use_fused_kernel: use a registered fused activation kernel (tiled_mlp registers Liger-Kernel's
+            Triton one on CUDA when it is installed) where one applies.
 
     What fires how often: hooks on the tiled module itself (a backend's, the user's) fire once per
     call and once around its backward, as untiled. Hooks on its submodules send the call to the
@@ -68,14 +69,14 @@ class TiledMLP(nn.Module):
     tiled_no_fast_path = ""
 
     def __new__(cls, mlp: Optional[nn.Module] = None, strategy: StrategyArg = "auto", num_shards: NumShards = "auto",
-                path: str = "auto", grad_accum_dtype: Optional[torch.dtype] = None, use_liger: bool = True):
+                path: str = "auto", grad_accum_dtype: Optional[torch.dtype] = None, use_fused_kernel: bool = True):
         if cls._tiled_base is not None:
             # A generated class instantiated directly (``type(tiled)(config)``): a new module of the
             # original class, tiled with the defaults (``__init__`` builds it).
             return object.__new__(cls)
         fixed = prepare_tiling(cls, mlp, strategy, num_shards, path, grad_accum_dtype)
         assert mlp is not None  # prepare_tiling refused anything but a module
-        return install_tiling(cls, mlp, TilingState(num_shards, path, grad_accum_dtype, use_liger, fixed))
+        return install_tiling(cls, mlp, TilingState(num_shards, path, grad_accum_dtype, use_fused_kernel, fixed))
 
     def __init__(self, *args, **kwargs):
         if STATE_ATTR in self.__dict__:
@@ -109,6 +110,6 @@ class TiledMLP(nn.Module):
 
 
 def tile(module: nn.Module, *, strategy: StrategyArg = "auto", num_shards: NumShards = "auto", path: str = "auto",
-         grad_accum_dtype: Optional[torch.dtype] = None, use_liger: bool = True) -> nn.Module:
+         grad_accum_dtype: Optional[torch.dtype] = None, use_fused_kernel: bool = True) -> nn.Module:
     """Tile ``module`` in place and return it (``TiledMLP(module, ...)`` as a verb, as ``fully_shard``)."""
-    return TiledMLP(module, strategy, num_shards, path, grad_accum_dtype, use_liger)
+    return TiledMLP(module, strategy, num_shards, path, grad_accum_dtype, use_fused_kernel)

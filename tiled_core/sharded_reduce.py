@@ -30,7 +30,7 @@ from .sharded_autograd import ShardedRun
 LOSS_DOUBLE_BACKWARD_ERROR = (
     "the tiled loss does not support double backward: a backward with create_graph=True reached it (a Hessian, "
     "a gradient penalty). Its gradients were formed in forward without a graph, so every second-order term "
-    "through it would be zero. Compute this loss untiled for second-order gradients (remove_tiled_loss(model))."
+    "through it would be zero. Compute this loss untiled for second-order gradients."
 )
 SECOND_BACKWARD_ERROR = (
     "tiled loss: backward was run a second time through the same call (retain_graph=True). Its gradients were "

@@ -44,7 +44,7 @@ REDUCTIONS = ("mean", "sum")
 UNKNOWN_VOCAB = 2**17
 SHARDED_WEIGHT_ERROR = (
     "tiled loss: {head}'s parameters are sharded DTensors here (FSDP2 outside the forward of the unit that owns "
-    "them). Compute the loss inside that unit's forward, as apply_tiled_mlp(model, loss=True) does, or keep "
+    "them). Compute the loss inside that unit's forward (inside lm_head's own call, say), or keep "
     "lm_head in a unit whose forward surrounds the loss."
 )
 HEAD_HOOKS_ERROR = (
@@ -95,7 +95,7 @@ def tiled_cross_entropy(
             divided once, by the valid tokens of the whole group (or ``num_items_in_batch``, the count of
             everything one optimizer step sums over), and every rank returns the whole sequence's loss
             (``sequence_group.py``; its backward hands each rank what the backend's reduction over the
-            ranks turns into the whole sequence's gradient: ``Strategy.sums_over_sequence_ranks``).
+            ranks turns into the whole sequence's gradient: ``SequenceParallelAware.sums_over_sequence_ranks``).
         model: the model ``lm_head`` belongs to, whose backend that question is asked of (default:
             ``lm_head`` alone, which cannot answer for a frozen head under ZeRO-1/2).
 
@@ -110,12 +110,13 @@ def tiled_cross_entropy(
         check_group(sequence_group)
         if shift_labels is None:  # a slice's labels shifted within the slice would lose each slice's last target
             raise ValueError("tiled loss: under sequence parallelism give shift_labels, shifted over the whole sequence "
-                             "before it was split (SequenceParallel.shard and DeepSpeed's data-loader adapter make "
-                             "them); labels would be shifted within this rank's slice")
-    # Before any work: a backend that cannot carry a loss split across the group refuses here.
-    averages = sequence_group is None or not sums_over_sequence_ranks(model if model is not None else lm_head,
-                                                                      sequence_group)
+                             "before it was split (the sequence-parallel sharding step makes them); labels would be "
+                             "shifted within this rank's slice")
     fixed = strategy_from_arg(strategy)
+    # Before any work: a backend that cannot carry a loss split across the group refuses here, the
+    # strategy given to this call among them.
+    averages = sequence_group is None or not sums_over_sequence_ranks(model if model is not None else lm_head,
+                                                                      sequence_group, fixed)
     backend = fixed if fixed is not None else resolve_strategy(lm_head)
     backend.check_supported(lm_head)
     if any(_is_dtensor(p) for p in lm_head.parameters()):
@@ -224,7 +225,7 @@ def _check_reduction(reduction: str) -> None:
 
 def _shifted_targets(hidden, labels, shift_labels, ignore_index: int) -> torch.Tensor:
     if labels is None and shift_labels is None:
-        raise ValueError("tiled loss: pass labels (shifted here, as ForCausalLMLoss) or shift_labels (already shifted)")
+        raise ValueError("tiled loss: pass labels (shifted here: position t predicts t+1) or shift_labels (already shifted)")
     # Both given: shift_labels wins, as in ForCausalLMLoss (the Trainer passes both under context and
     # sequence parallelism).
     given = shift_labels if shift_labels is not None else labels

@@ -37,7 +37,8 @@ class TilingState:
         num_shards: an int >= 1, or "auto".
         path: "auto", "fast" or "generic".
         grad_accum_dtype: dtype of the per-parameter gradient sums (None: the parameter's dtype).
-        use_liger: use Liger-Kernel's Triton activation on CUDA when it is installed.
+        use_fused_kernel: use a registered fused activation kernel (tiled_mlp registers Liger-Kernel's
+            Triton one on CUDA when it is installed) where one applies.
         fixed_strategy: a ``Strategy`` instance, or None for "auto" (resolved at every forward).
         last_path / last_num_shards / last_strategy: what the last call ran ("fast", "generic" or
             "untiled"; its shard count; the ``Strategy`` it resolved).
@@ -46,7 +47,7 @@ class TilingState:
     num_shards: NumShards = "auto"
     path: str = "auto"
     grad_accum_dtype: Optional[torch.dtype] = None
-    use_liger: bool = True
+    use_fused_kernel: bool = True
     fixed_strategy: Optional[Any] = None
     last_path: Optional[str] = None
     last_num_shards: Optional[int] = None

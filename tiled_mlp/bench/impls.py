@@ -21,11 +21,11 @@ def _untiled(mlp, num_shards):
     return mlp
 
 
-def _ours(path: str, auto: bool = False, use_liger: bool = True):
+def _ours(path: str, auto: bool = False, use_fused_kernel: bool = True):
     def make(mlp, num_shards):
         # Tiling is in place; the implementations share one MLP, so each tiles a shallow copy (the
         # same parameters and submodules, its own class and tiling).
-        return TiledMLP(copy.copy(mlp), num_shards="auto" if auto else num_shards, path=path, use_liger=use_liger)
+        return TiledMLP(copy.copy(mlp), num_shards="auto" if auto else num_shards, path=path, use_fused_kernel=use_fused_kernel)
 
     return make
 
@@ -49,7 +49,7 @@ IMPLS: Dict[str, Callable] = {
     "generic": _ours("generic"),
     "fast": _ours("fast"),
     # On CUDA with liger-kernel installed "fast" uses Liger's Triton SiLU-mul; this is the native one.
-    "fast_native_act": _ours("fast", use_liger=False),
+    "fast_native_act": _ours("fast", use_fused_kernel=False),
     "auto": _ours("auto", auto=True),
 }
 
