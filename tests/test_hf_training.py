@@ -77,8 +77,9 @@ def _count_inner_calls(model):
             counts["tiled"] += 1
             return _forward(module, x)
 
-        block.__class__ = type("Counted", (type(block),), {"forward": counted_tiled,
-                                                             "_tiled_original_forward": counted})
+        # The tiled call looks the original class's forward up at each call (``_tiled_base.forward``).
+        counted_base = type("CountedBase", (type(block)._tiled_base,), {"forward": counted})
+        block.__class__ = type("Counted", (type(block),), {"forward": counted_tiled, "_tiled_base": counted_base})
     return counts
 
 
