@@ -155,7 +155,7 @@ def test_a_claiming_strategy_without_the_sequence_parallel_capability_is_refused
     registered(Unaware)
     with pytest.raises(UnsupportedBackendError,
                        match=r"'test_sp_unaware' \(Unaware\) claims GatedMLP, but does not implement the "
-                             r"SequenceParallelAware capability.*Derive Unaware from strategies.SequenceParallelAware"):
+                             r"SequenceParallelAware capability.*Derive Unaware from tiled_mlp.SequenceParallelAware"):
         sums_over_sequence_ranks(marked_model())
     # Registered but not in play (it claims nothing here): nothing to refuse, the built-ins answer.
     assert sums_over_sequence_ranks(GatedMLP(HIDDEN, INTER)) is False
