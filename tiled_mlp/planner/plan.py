@@ -197,7 +197,8 @@ class Planner:
             if events is not None:
                 return replay(events, describe)
             self._full_depth_only.add(setting)
-        return step_timeline(self.model(setting), tokens, batch, describe=describe)
+        # The full-depth step that checks an answer runs every shard (``shard_replay.py`` is not used).
+        return step_timeline(self.model(setting), tokens, batch, describe=describe, replay_shards=not full_depth)
 
     def peak_allocations(self, setting: Setting, seq: int) -> Dict[str, float]:
         """What the rank's device holds at the step's peak at ``seq`` tokens, by what made it, largest

@@ -15,6 +15,7 @@ generic tiled path saves per shard are named the same way (``rng_states.py``): n
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Dict, Iterable, List, Tuple
@@ -125,6 +126,15 @@ class TimelineTracker(LiveMemoryTracker):
 
     def track_generator_state(self, tensor: torch.Tensor) -> None:
         self.track_host(tensor, GENERATOR_STATES)
+
+    def follow(self, tensor: torch.Tensor, serial: int, nbytes: int) -> None:
+        """``tensor``'s storage is the allocation already logged as ``serial`` (a replayed shard's
+        returned tensor, ``shard_replay.py``): its free is logged as that allocation's."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        self._serial_of[key] = serial
+        self._live[key] = nbytes
+        weakref.finalize(storage, self._free, key)
 
     def _add(self, tensor: torch.Tensor) -> None:
         key = tensor.untyped_storage()._cdata
