@@ -208,6 +208,18 @@ class Planner:
         timeline = self.timeline(setting, seq, describe=True)
         return timeline.at_peak(backend.weight_scale(), backend.grad_scale(not self.request.optimizer_on_device))
 
+    def point_and_peak(self, setting: Setting, seq: int) -> Tuple[Point, Dict[str, float]]:
+        """The point at ``seq`` and ``peak_allocations`` there, from one described step (the point is
+        kept as ``point`` keeps it)."""
+        backend = self.request.backend
+        timeline = self.timeline(setting, seq, describe=True)
+        key = (setting, seq)
+        if key not in self._points:
+            self._points[key] = self.point_of(setting, seq, timeline, backend)
+            self.on_point(f"{setting.name} @ {seq}")
+        peak = timeline.at_peak(backend.weight_scale(), backend.grad_scale(not self.request.optimizer_on_device))
+        return self._points[key], peak
+
     def point(self, setting: Setting, seq: int) -> Point:
         key = (setting, seq)
         if key not in self._points:

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 # The kernel interface the shard loops call, one call per shard (``tiled_core/kernels/base.py``), and
 # the modules that define the kernels.
@@ -164,7 +163,8 @@ class ShardReplay:
 
 def _stand_in(layout: Tuple[Any, ...]) -> torch.Tensor:
     shape, stride, dtype = layout
-    with _disable_current_modes():  # made outside the tracker: ``follow`` logs it as the replayed allocation
+    # Made outside the tracker (no Python dispatch): ``follow`` logs it as the replayed allocation.
+    with torch._C._DisableTorchDispatch():
         return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
 
 
