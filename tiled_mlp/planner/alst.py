@@ -112,12 +112,13 @@ def climb(config, rungs: List[Rung] = RUNGS, budget: float = BUDGET,
     for rung in rungs:
         planner = planner_for(config, rung, budget, node_host)
         planner.on_point = on_point
-        at_alst = planner.point(rung.setting, alst_seq(planner, rung))  # first: it guides the search
+        # First: it guides the search. Described, for what its peak holds where it does not fit.
+        at_alst, at_alst_peak = planner.point_and_peak(rung.setting, alst_seq(planner, rung))
         found = planner.longest(rung.setting)
         point = planner.point(rung.setting, found.seq) if found.seq else None
         climbed = Climbed(rung, found, point, at_alst)
         if not at_alst.device_fits:  # what the device holds at its peak there (the host's is one term)
-            climbed.at_alst_peak = planner.peak_allocations(rung.setting, at_alst.seq)
+            climbed.at_alst_peak = at_alst_peak
         out.append(climbed)
     return out
 

@@ -31,7 +31,21 @@ class _NotMeta(Exception):
     """An argument the key cannot describe as a meta-device value: the call is made as it is."""
 
 
+_SCALARS = frozenset({bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+
+
 def _key_of(value: Any) -> Hashable:
+    # The common exact types first (a step makes a million of these keys); anything else, subclasses
+    # included, takes the general rules below, which give the same key for the same value.
+    kind = type(value)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        if not value.is_meta or value.layout != torch.strided:
+            raise _NotMeta
+        return ("T", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype)
+    if kind in _SCALARS:
+        return (kind.__name__, value)
+    if kind is list or kind is tuple:
+        return (kind.__name__, tuple([_key_of(v) for v in value]))
     if isinstance(value, torch.Tensor):
         # A parameter is a plain tensor to the meta kernels (``nn.Parameter`` adds no dispatch of its own).
         if type(value) not in _PLAIN or value.device.type != "meta" or value.layout != torch.strided:

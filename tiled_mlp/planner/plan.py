@@ -197,7 +197,8 @@ class Planner:
             if events is not None:
                 return replay(events, describe)
             self._full_depth_only.add(setting)
-        return step_timeline(self.model(setting), tokens, batch, describe=describe)
+        # The full-depth step that checks an answer runs every shard (``shard_replay.py`` is not used).
+        return step_timeline(self.model(setting), tokens, batch, describe=describe, replay_shards=not full_depth)
 
     def peak_allocations(self, setting: Setting, seq: int) -> Dict[str, float]:
         """What the rank's device holds at the step's peak at ``seq`` tokens, by what made it, largest
@@ -206,6 +207,18 @@ class Planner:
         backend = self.request.backend
         timeline = self.timeline(setting, seq, describe=True)
         return timeline.at_peak(backend.weight_scale(), backend.grad_scale(not self.request.optimizer_on_device))
+
+    def point_and_peak(self, setting: Setting, seq: int) -> Tuple[Point, Dict[str, float]]:
+        """The point at ``seq`` and ``peak_allocations`` there, from one described step (the point is
+        kept as ``point`` keeps it)."""
+        backend = self.request.backend
+        timeline = self.timeline(setting, seq, describe=True)
+        key = (setting, seq)
+        if key not in self._points:
+            self._points[key] = self.point_of(setting, seq, timeline, backend)
+            self.on_point(f"{setting.name} @ {seq}")
+        peak = timeline.at_peak(backend.weight_scale(), backend.grad_scale(not self.request.optimizer_on_device))
+        return self._points[key], peak
 
     def point(self, setting: Setting, seq: int) -> Point:
         key = (setting, seq)

@@ -26,6 +26,7 @@ import torch
 
 from . import attention, sequence_parallel
 from .rng_states import generator_states_shown
+from .shard_replay import shards_replayed
 from .timeline import Event, Timeline, TimelineTracker
 
 # What ``build_model`` put on a model beyond transformers' build, by model (side tables: the model itself
@@ -133,22 +134,25 @@ def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[
     return model
 
 
-def step_timeline(model, seq: int, batch: int, rank: int = 0, describe: bool = False) -> Timeline:
+def step_timeline(model, seq: int, batch: int, rank: int = 0, describe: bool = False,
+                  replay_shards: bool = True) -> Timeline:
     """The memory timeline of one step of ``model`` on ``batch`` sequences of ``seq`` tokens: under
     sequence parallelism, the ``seq`` tokens of SP rank ``rank``. ``describe``: with what made each
-    allocation (``Timeline.at_peak``)."""
-    tracker, events = _run_step(model, seq, batch, rank, describe)
+    allocation (``Timeline.at_peak``). ``replay_shards``: on the meta device, same-size shards of a
+    tiled call modelled once and logged again (``shard_replay.py``); False runs every shard."""
+    tracker, events = _run_step(model, seq, batch, rank, describe, replay_shards)
     return tracker.timeline(events)
 
 
-def step_sections(model, seq: int, batch: int, describe: bool = False) -> List[List[Event]]:
+def step_sections(model, seq: int, batch: int, describe: bool = False, replay_shards: bool = True) -> List[List[Event]]:
     """One step's log in three sections: the weights' tracking, the forward (with the loss), the
     backward (``compose.py`` puts a deep step together from shallow ones, section by section)."""
-    tracker, events = _run_step(model, seq, batch, 0, describe)
+    tracker, events = _run_step(model, seq, batch, 0, describe, replay_shards)
     return tracker.sections(events)
 
 
-def _run_step(model, seq: int, batch: int, rank: int, describe: bool) -> Tuple[TimelineTracker, List[Event]]:
+def _run_step(model, seq: int, batch: int, rank: int, describe: bool,
+              replay_shards: bool = True) -> Tuple[TimelineTracker, List[Event]]:
     """The step run under a tracker, and its log as events, taken while the gradients are still alive."""
     device = next(model.parameters()).device
     vocab = model.config.get_text_config().vocab_size
@@ -171,7 +175,9 @@ def _run_step(model, seq: int, batch: int, rank: int, describe: bool) -> Tuple[T
     try:
         if offload is not None:
             offload.on_host_copy = tracker.track_host
-        with comm, generator_states_shown(tracker.track_generator_state), tracker:
+        # A CPU step is measured: every shard runs.
+        replay = shards_replayed(tracker) if replay_shards and device.type == "meta" else contextlib.nullcontext()
+        with comm, generator_states_shown(tracker.track_generator_state), replay, tracker:
             loss = model(**inputs).loss
             tracker.mark()
             loss.backward()

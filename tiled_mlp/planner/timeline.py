@@ -15,6 +15,7 @@ generic tiled path saves per shard are named the same way (``rng_states.py``): n
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Dict, Iterable, List, Tuple
@@ -126,6 +127,15 @@ class TimelineTracker(LiveMemoryTracker):
     def track_generator_state(self, tensor: torch.Tensor) -> None:
         self.track_host(tensor, GENERATOR_STATES)
 
+    def follow(self, tensor: torch.Tensor, serial: int, nbytes: int) -> None:
+        """``tensor``'s storage is the allocation already logged as ``serial`` (a replayed shard's
+        returned tensor, ``shard_replay.py``): its free is logged as that allocation's."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        self._serial_of[key] = serial
+        self._live[key] = nbytes
+        weakref.finalize(storage, self._free, key)
+
     def _add(self, tensor: torch.Tensor) -> None:
         key = tensor.untyped_storage()._cdata
         if key in self._live:
@@ -191,18 +201,35 @@ class TimelineTracker(LiveMemoryTracker):
 
 def replay(events: List[Event], describe: bool = False) -> Timeline:
     """The timeline of a log of events: a point after each allocation; ``describe``: with the events."""
-    live = {WEIGHTS: 0, GRADS: 0, LOGITS: 0, ACTIVATIONS: 0, **{kind: 0 for kind in HOST_KINDS}}
-    points, host = [], []
+    # A composed 8B step is a million events: the device's kinds are kept in locals and the host's total
+    # is carried along, not summed again at every point.
+    weights = grads = logits = activations = host_total = 0
+    host_live = {kind: 0 for kind in HOST_KINDS}
+    points: List[Tuple[int, int, int, int]] = []
+    host: List[int] = []
     at_peak: Dict[str, int] = {}
+    at_peak_total = 0
+    seen_host = False
     for kind, nbytes, allocated, _ in events:
-        if allocated:
-            live[kind] += nbytes
-            points.append((live[WEIGHTS], live[GRADS], live[LOGITS], live[ACTIVATIONS]))
-            host.append(sum(live[k] for k in HOST_KINDS))
-            if host[-1] > sum(at_peak.values()):
-                at_peak = {k: live[k] for k in HOST_KINDS if live[k]}
+        change = nbytes if allocated else -nbytes
+        if kind == ACTIVATIONS:
+            activations += change
+        elif kind == LOGITS:
+            logits += change
+        elif kind == GRADS:
+            grads += change
+        elif kind == WEIGHTS:
+            weights += change
         else:
-            live[kind] -= nbytes
-    if not any(event[0] in HOST_KINDS for event in events):
+            host_live[kind] += change  # a KeyError for a kind that is none of these, as it should be
+            host_total += change
+            seen_host = True
+        if allocated:
+            points.append((weights, grads, logits, activations))
+            host.append(host_total)
+            if host_total > at_peak_total:
+                at_peak_total = host_total
+                at_peak = {k: v for k, v in host_live.items() if v}
+    if not seen_host:
         host, at_peak = [], {}
     return Timeline(points, host, host_at_peak=at_peak, events=events if describe else [])

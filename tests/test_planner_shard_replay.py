@@ -1,0 +1,73 @@
+"""A meta step whose same-size shards are modelled once and logged again (``tiled_mlp/planner/shard_replay.py``)
+logs every allocation and free of the step that runs every shard, in the same order, with the same
+bytes, kinds and labels: the tiled MLP (fast path), the tiled loss, the tiled norms (generic path, its
+generator states), with and without checkpointing and checkpoint offload, the shorter shards last."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import LlamaConfig  # noqa: E402
+
+from tiled_core.shard_plan import split_evenly  # noqa: E402
+from tiled_mlp.planner import step as step_module  # noqa: E402
+from tiled_mlp.planner.shard_replay import shards_replayed  # noqa: E402
+from tiled_mlp.planner.step import Setting, build_model, step_timeline  # noqa: E402
+
+SEQ = 100
+MLP_SHARDS, LOSS_SHARDS = 7, 9
+# split_evenly puts the longer shards first: the last shards are shorter than the first (another key).
+assert split_evenly(SEQ, MLP_SHARDS) == (15, 15, 14, 14, 14, 14, 14)
+assert split_evenly(SEQ, LOSS_SHARDS) == (12,) + (11,) * 8
+
+SETTINGS = [
+    Setting(tiled=True, checkpointing=False, num_shards=MLP_SHARDS),
+    Setting(tiled=False, checkpointing=False, tiled_loss=True, loss_num_shards=LOSS_SHARDS),
+    Setting(tiled=True, checkpointing=True, num_shards=MLP_SHARDS, tiled_loss=True, loss_num_shards=LOSS_SHARDS),
+    Setting(tiled=False, checkpointing=False, num_shards=MLP_SHARDS, tiled_norms=True),
+    Setting(tiled=True, checkpointing=True, num_shards=MLP_SHARDS, tiled_loss=True, loss_num_shards=LOSS_SHARDS,
+            offload_checkpoints=True, tiled_norms=True),
+]
+
+
+def tiny_llama(layers: int = 2) -> LlamaConfig:
+    return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+def test_replayed_shards_log_the_full_step_event_for_event(setting, monkeypatch):
+    replays = []
+
+    @contextlib.contextmanager
+    def counted(tracker):
+        with shards_replayed(tracker) as replay:
+            replays.append(replay)
+            yield replay
+
+    model = build_model(tiny_llama(), None, torch.bfloat16, "meta", setting)
+    full = step_timeline(model, SEQ, 1, describe=True, replay_shards=False)
+    monkeypatch.setattr(step_module, "shards_replayed", counted)
+    short = step_timeline(model, SEQ, 1, describe=True)
+    assert len(replays) == 1
+    assert replays[0].replayed > 0, "no kernel call was replayed: the shortcut is not in use"
+    assert short.events == full.events
+    assert short.points == full.points and short.host == full.host and short.host_at_peak == full.host_at_peak
+
+
+def test_a_cpu_step_runs_every_shard(monkeypatch):
+    setting = Setting(tiled=True, checkpointing=False, num_shards=MLP_SHARDS, tiled_loss=True,
+                      loss_num_shards=LOSS_SHARDS)
+    seen = []
+
+    def counted(tracker):
+        seen.append(tracker)
+        return shards_replayed(tracker)
+
+    monkeypatch.setattr(step_module, "shards_replayed", counted)
+    step_timeline(build_model(tiny_llama(), None, torch.float32, "cpu", setting), SEQ, 1)
+    assert seen == [], "a measured CPU step must not be shortened"
