@@ -132,7 +132,8 @@ def test_the_plan_names_the_attention_it_models_and_where_the_choice_came_from(t
     (Gemma2Config(**SIZES), ["--attention", "sdpa"], "Gemma2ForCausalLM does not support attn_implementation='sdpa'"),
     (Gemma3TextConfig(attn_logit_softcapping=50.0, **SIZES), [], "sdpa does not support the config's attention softcapping"),
     (tiny_llama(), ["--attention", "eager", "--sp", "2", "--world-size", "2"], "--sp 2 with eager attention"),
-], ids=["no-sdpa-in-the-class", "sdpa-with-softcapping", "eager-under-sp"])
+    (mistral_like(), ["--sp", "2", "--world-size", "2"], "--sp 2 with sdpa on a model with sliding-window layers"),
+], ids=["no-sdpa-in-the-class", "sdpa-with-softcapping", "eager-under-sp", "sliding-sdpa-under-sp"])
 def test_an_attention_transformers_would_not_run_is_refused_before_any_work(tmp_path, capsys, config, extra, expected):
     config.save_pretrained(tmp_path)
     with pytest.raises(SystemExit):

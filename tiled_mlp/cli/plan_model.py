@@ -200,6 +200,10 @@ def _attention(args, config, fail) -> Tuple[str, str]:
     if args.sp > 1 and choice == attention.EAGER:
         fail(f"--sp {args.sp} with eager attention ({source}) is not modelled: under DeepSpeed's UlyssesSPAttentionHF the "
              "plan models a fused causal kernel over the whole sequence; give --attention sdpa or flash_attention_2")
+    if args.sp > 1 and choice == attention.SDPA and attention.sliding_window(config) is not None:
+        fail(f"--sp {args.sp} with sdpa on a model with sliding-window layers ({source}) is not modelled: "
+             "apply_sequence_parallel rebuilds the whole sequence's mask after the all-to-all, the plan's step runs "
+             "DeepSpeed's attention without one; give --attention flash_attention_2")
     return choice, source
 
 
