@@ -10,8 +10,9 @@ and transformers repeats the key and value heads to every query head (SDPA canno
 mask). On the meta device SDPA would take its math path (``[batch, heads, tokens, tokens]`` scores); the
 kernel a device takes instead is called here by name: aten's flash attention for CPU, with the mask
 converted as SDPA converts it. That is the kernel a CPU step runs, byte for byte
-(``tests/test_planner_attention.py``); a GPU runs FlashAttention without a mask and the memory-efficient
-kernel with one, which keep the same tensors (their log-sum-exp rounded up to 32 tokens).
+(``tests/test_planner_attention.py``). On a GPU (not run here: read from torch's kernel selection) the
+unmasked calls take FlashAttention and the masked ones the memory-efficient kernel, which keeps the same
+mask, query, key, value and output for its backward, its log-sum-exp rounded up to 32 tokens.
 
 ``eager``: transformers' own eager attention and masks, which run on the meta device as they are: a
 float ``[batch, 1, tokens, tokens]`` additive mask per layer kind, built once per forward, and per layer
