@@ -105,7 +105,8 @@ def test_json_records_and_the_longest_sequence(capsys):
     assert main(["plan", "--model", "llama-3.1-8b", "--seq", "4096,8192", "--world-size", "8", "--backend", "fsdp2",
                  "--budget", "80GiB", "--checkpointing", "none", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
-    assert records[0] == {"budget_bytes": 80 * 2**30, "budget_from": "--budget", "host_budget_bytes": None}
+    assert records[0] == {"budget_bytes": 80 * 2**30, "budget_from": "--budget", "host_budget_bytes": None,
+                          "attention": "sdpa", "attention_from": "transformers' default for LlamaForCausalLM"}
     points = [r for r in records if "seq" in r]
     assert {r["setting"] for r in points} == {"untiled", "tiled", "tiled-loss", "tiled+tiled-loss"} and len(points) == 8
     for r in points:
@@ -315,15 +316,3 @@ def test_a_config_with_yarn_is_not_told_it_needs_position_scaling():
     assert position_warnings(config, [8192, 16384], {}) == []  # within 4 x 4096
     (line,) = position_warnings(config, [32768], {})
     assert "needs position scaling" not in line and "YaRN scaling covers (factor 4.0 over 4,096)" in line
-
-
-def test_a_sliding_window_model_is_warned_that_sdpa_holds_more_than_the_flash_kernel_modelled():
-    from transformers import Gemma2Config
-
-    from tiled_mlp.planner.report import attention_warnings
-
-    gemma = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=256, sliding_window=32)
-    (line,) = attention_warnings(gemma)
-    assert "sliding-window layers" in line and "flash_attention_2" in line and "math path" in line
-    assert attention_warnings(tiny_llama(2)) == []

@@ -18,7 +18,7 @@ import torch
 from tiled_core.shard_plan import NumShards
 
 from ..bench.progress import Progress
-from ..planner import alst, check, report, sequence_parallel
+from ..planner import alst, attention, check, report, sequence_parallel
 from ..planner.advice import what_to_change
 from ..planner.backends import BACKENDS, Backend
 from ..planner.plan import Planner, Point, Request
@@ -68,6 +68,11 @@ def add_arguments(p) -> None:
                    help="host memory each rank may use (a node's over the ranks on it), same forms as --budget: the "
                         "longest sequence then fits the host too (default: not limited). With --alst: a node's host "
                         "memory, shared by each row's ranks")
+    g.add_argument("--attention", choices=attention.CHOICES, default=None,
+                   help="the attn_implementation the training run uses, modelled with the masks transformers builds for "
+                        "it: sdpa (a [tokens, tokens] mask on sliding-window layers), flash_attention_2, eager ([tokens, "
+                        "tokens] scores on every layer) (default: what transformers picks for the config, said in the "
+                        "output)")
     g.add_argument("--alst", action="store_true",
                    help="ALST's ladder: Llama-3.1-8B at 80 GiB a rank (or --budget), each row of ALST's ablation "
                         "beside the length ALST measured (other options but --budget and --host-budget are ignored; --json for records)")
@@ -161,11 +166,12 @@ def run(args, parser_error) -> int:
         sequence_parallel.check(config, args.sp)
     except ValueError as error:
         fail(str(error))
+    attention_choice, attention_from = _attention(args, config, fail)
     progress.step("config")
     request = Request(config, seqs, settings, Backend(backend_name, args.world_size, offload_params=args.offload_params),
                       args.batch, args.dtype, budget,
                       optimizer_on_device=not (args.offload_optimizer or args.offload_params),
-                      host_budget=args.host_budget)
+                      host_budget=args.host_budget, attention=attention_choice)
     request.seq_step = math.lcm(request.seq_step, args.sp)  # the search's grid: lengths the SP ranks split
     planner = Planner(request)
     warnings: List[str] = []
@@ -177,8 +183,28 @@ def run(args, parser_error) -> int:
     progress.step("full-depth probe")
     points, longest, advice = _plan(planner, progress)
     progress.close()
-    _output(args, planner, points, longest, advice, budget_from, warnings)
+    _output(args, planner, points, longest, advice, budget_from, warnings, attention_from)
     return 0
+
+
+def _attention(args, config, fail) -> Tuple[str, str]:
+    """The attention modelled (--attention, else what transformers picks for the config) and where that
+    choice came from; refused where transformers would not run it or the plan cannot model it."""
+    if args.attention is not None:
+        choice, source = args.attention, "--attention"
+    else:
+        choice, source = attention.default_for(config)
+    why = attention.refusal(config, choice)
+    if why:
+        fail(f"attention {choice} ({source}): {why}")
+    if args.sp > 1 and choice == attention.EAGER:
+        fail(f"--sp {args.sp} with eager attention ({source}) is not modelled: under DeepSpeed's UlyssesSPAttentionHF the "
+             "plan models a fused causal kernel over the whole sequence; give --attention sdpa or flash_attention_2")
+    if args.sp > 1 and choice == attention.SDPA and attention.sliding_window(config) is not None:
+        fail(f"--sp {args.sp} with sdpa on a model with sliding-window layers ({source}) is not modelled: "
+             "apply_sequence_parallel rebuilds the whole sequence's mask after the all-to-all, the plan's step runs "
+             "DeepSpeed's attention without one; give --attention flash_attention_2")
+    return choice, source
 
 
 def _leave_out_tiled_loss(args, planner: Planner, why: str, warnings: List[str]) -> str:
@@ -282,17 +308,18 @@ def _plan(planner: Planner, progress: Progress) -> Tuple[List[Point], Dict[str, 
 
 
 def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Longest], advice: List[str],
-            budget_from: str, warnings: List[str]) -> None:
+            budget_from: str, warnings: List[str], attention_from: str) -> None:
     request = planner.request
     budget, backend = request.budget, request.backend
     assert budget is not None, "the CLI always plans against a budget"
-    for warning in (warnings + report.attention_warnings(request.config)
-                    + report.position_warnings(request.config, request.seqs, longest)
+    assert request.attention is not None, "the CLI names the attention it plans"
+    for warning in (warnings + report.position_warnings(request.config, request.seqs, longest)
                     + report.dips(planner.modelled())):
         print(f"warning: {warning}", file=sys.stderr)
     if args.json:
         limits = dict(budget_bytes=int(budget), budget_from=budget_from,
-                      host_budget_bytes=None if request.host_budget is None else int(request.host_budget))
+                      host_budget_bytes=None if request.host_budget is None else int(request.host_budget),
+                      attention=request.attention, attention_from=attention_from)
         records = ([limits] + [p.record() for p in points]
                    + [dict(setting=k, max_seq=v.seq, at_cap=v.at_cap) for k, v in longest.items()])
         json_stdout.emit(records)
@@ -301,7 +328,8 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
                                args.batch, backend, args.sp, any(planner.composable(s) for s in request.settings))
         print("\n".join([header, *report.table(points, budget, budget_from, request.host_budget),
                          *report.longest_lines(longest, budget, request.seq_step, request.host_budget),
-                         *advice, *report.notes(points, args.dtype, backend, request.optimizer_on_device)]))
+                         *advice, *report.notes(points, args.dtype, backend, request.optimizer_on_device,
+                                                request.config, request.attention, attention_from)]))
     if args.plot:
         from ..planner.plot import plot_plan
 

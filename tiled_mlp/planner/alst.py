@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from . import attention
 from .backends import Backend
 from .plan import OFFLOADED, Planner, Point, Request
 from .search import Longest
@@ -89,14 +90,14 @@ class Climbed:
 
 
 def planner_for(config, rung: Rung, budget: float = BUDGET, node_host: Optional[float] = None) -> Planner:
-    """A plan of ``rung``'s one setting, as ALST ran it: ZeRO-3, the optimizer on the host, bfloat16;
-    each rank with its share of ``node_host`` where one is given."""
+    """A plan of ``rung``'s one setting, as ALST ran it: ZeRO-3, the optimizer on the host, bfloat16,
+    FlashAttention-2; each rank with its share of ``node_host`` where one is given."""
     # The search's cap: two and a half times ALST's length, a rank's share of it.
     cap_per_rank = math.ceil(2.5 * rung.alst_tokens / rung.setting.sp / rung.grid) * rung.grid
     request = Request(config, [], [rung.setting], Backend("zero3", rung.world_size, offload_params=rung.offload_params),
                       dtype=torch.bfloat16, budget=budget, optimizer_on_device=False, seq_step=rung.grid,
                       seq_cap=cap_per_rank, host_budget=None if node_host is None else node_host / rung.world_size,
-                      verify_full_depth=False)
+                      verify_full_depth=False, attention=attention.FLASH)
     return Planner(request)
 
 

@@ -125,6 +125,8 @@ class Request:
     # step is composed (``compose.py``), and checked equal; ALST's ladder, at millions of tokens, leaves it
     # to the tests that prove the composition.
     verify_full_depth: bool = True
+    # The attention the step runs (``attention.CHOICES``); None: what transformers picks for the config.
+    attention: Optional[str] = None
 
 
 @dataclass
@@ -146,7 +148,7 @@ class Planner:
         """The full-depth model under ``setting``, built once on the meta device."""
         if setting not in self._models:
             self._models[setting] = build_model(self.request.config, None, self.request.dtype, "meta", setting,
-                                                batch=self.request.batch)
+                                                batch=self.request.batch, attention_choice=self.request.attention)
         return self._models[setting]
 
     def _plain(self) -> torch.nn.Module:
@@ -190,7 +192,8 @@ class Planner:
         if not full_depth and self.composable(setting):
             if setting not in self._shallow:
                 self._shallow[setting] = tuple(
-                    build_model(self.request.config, depth, self.request.dtype, "meta", setting, batch=batch)
+                    build_model(self.request.config, depth, self.request.dtype, "meta", setting, batch=batch,
+                                attention_choice=self.request.attention)
                     for depth in (SHALLOW, SHALLOW + 1))
             shallow, deeper = (step_sections(m, tokens, batch, describe) for m in self._shallow[setting])
             events = compose(shallow, deeper, self.layers)

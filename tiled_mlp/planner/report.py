@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from . import attention
 from .backends import Backend, ParamSizes
 from .plan import IN_FLIGHT, LOGITS_KNOB, OFFLOADED, Point
 from .search import Longest
@@ -74,7 +75,9 @@ def longest_lines(longest: Dict[str, Longest], budget: float, step: int = 1024,
     return lines
 
 
-def notes(points: List[Point], dtype: torch.dtype, backend: Backend, optimizer_on_device: bool) -> List[str]:
+def notes(points: List[Point], dtype: torch.dtype, backend: Backend, optimizer_on_device: bool, config: Any = None,
+          attention_choice: Optional[str] = None, attention_from: str = "") -> List[str]:
+    """The plan's closing notes; the attention modelled among them where ``attention_choice`` is given."""
     lines = []
     if any(p.dominant == LOGITS for p in points):
         lines.append(f"note: the logits and the loss dominate where marked; the knob that removes them is {LOGITS_KNOB}.")
@@ -84,8 +87,13 @@ def notes(points: List[Point], dtype: torch.dtype, backend: Backend, optimizer_o
                  + ("" if backend.name == "single" else f", and {backend.name}'s division of weights and gradients and "
                     f"its '{IN_FLIGHT}' buffers (tiled_mlp/planner/backends.py)")
                  + (", the parameter partitions on the host (offload_param)" if backend.offload_params else "") + ".")
-    lines.append("modelled attention: a flash kernel (no [tokens, tokens] buffer), as flash_attention_2 runs; "
-                 "counted in 'host': the CPU generator states the generic tiled path saves per shard (5,056 B "
+    if attention_choice is not None:
+        sequence_parallel = any(p.tokens_per_rank and p.tokens_per_rank != p.seq for p in points)
+        what = (f"{attention_choice} inside DeepSpeed's UlyssesSPAttentionHF, which passes it no mask: a fused causal "
+                "kernel over the whole sequence on every layer" if sequence_parallel
+                else attention.describe(config, attention_choice))
+        lines.append(f"modelled attention ({attention_from}): {what}.")
+    lines.append("counted in 'host': the CPU generator states the generic tiled path saves per shard (5,056 B "
                  "each, alive until the step's graph is freed); not counted: library kernels' workspaces (cuBLAS, "
                  "CPU matmul).")
     offloaded = [p for p in points if OFFLOADED in p.host_parts]
@@ -133,21 +141,6 @@ def position_warnings(config, seqs: List[int], longest: Dict[str, Longest]) -> L
     return [f"{lengths} tokens: past the model's max_position_embeddings ({limit:,}); "
             "the memory is modelled all the same, but the model needs position scaling (RoPE scaling such as YaRN) "
             "to train there"]
-
-
-def attention_warnings(config) -> List[str]:
-    """A model with sliding-window layers, which the plan models with a flash kernel: under Hugging Face's
-    sdpa such a model builds a [tokens, tokens] mask and takes the math path, which holds more."""
-    text = config.get_text_config()
-    layer_types = getattr(text, "layer_types", None) or []
-    sliding = getattr(text, "sliding_window", None) and ("sliding_attention" in layer_types
-                                                          or getattr(text, "use_sliding_window", False))
-    if not sliding:
-        return []
-    return [f"{config.model_type} has sliding-window layers; the plan models a flash kernel for them (no [tokens, "
-            "tokens] buffer). Under Hugging Face's sdpa a sliding window is a [tokens, tokens] mask and sdpa takes its "
-            "math path, which holds more (Gemma 3 at 2048 tokens: 16.8% more); train with "
-            "attn_implementation='flash_attention_2' for this plan to hold"]
 
 
 def dips(points: List[Point]) -> List[str]:

@@ -96,8 +96,9 @@ def _dtype_kwargs(dtype: torch.dtype) -> dict:
 
 
 def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[str, torch.device], setting: Setting,
-                seed: int = 0, batch: int = 1, sp_group: Any = None):
-    """The causal LM of ``config`` with ``depth`` decoder layers (None: all of them), under ``setting``.
+                seed: int = 0, batch: int = 1, sp_group: Any = None, attention_choice: Optional[str] = None):
+    """The causal LM of ``config`` with ``depth`` decoder layers (None: all of them), under ``setting``,
+    running ``attention_choice`` (``attention.CHOICES``; None: what transformers picks for the config).
     With ``setting.sp > 1``: for ``batch`` sequences a step, on ``sp_group`` (a real process group of
     ``sp`` ranks; None: the planner's stand-in, on the meta device only)."""
     from transformers import AutoModelForCausalLM
@@ -112,7 +113,7 @@ def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[
             sp_group = sequence_parallel.MetaGroup(setting.sp)
         name = sequence_parallel.register(config, setting.sp, batch, sp_group)
     else:
-        name = attention.register()
+        name = attention.register(attention_choice or attention.default_for(config)[0])
     depth = config.get_text_config().num_hidden_layers if depth is None else depth
     torch.manual_seed(seed)
     with torch.device(device):
@@ -177,7 +178,7 @@ def _run_step(model, seq: int, batch: int, rank: int, describe: bool,
             offload.on_host_copy = tracker.track_host
         # A CPU step is measured: every shard runs.
         replay = shards_replayed(tracker) if replay_shards and device.type == "meta" else contextlib.nullcontext()
-        with comm, generator_states_shown(tracker.track_generator_state), replay, tracker:
+        with comm, attention.positions_read(), generator_states_shown(tracker.track_generator_state), replay, tracker:
             loss = model(**inputs).loss
             tracker.mark()
             loss.backward()
