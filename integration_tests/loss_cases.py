@@ -104,7 +104,7 @@ class TinyLM(nn.Module):
         self.tiled, self.num_shards = tiled, num_shards
 
     def forward(self, input_ids, labels, num_items_in_batch=None):
-        from tiled_core import tiled_cross_entropy
+        from tiled_mlp.core import tiled_cross_entropy
 
         hidden = self.norm(self.layer(self.embed_tokens(input_ids)))
         if self.tiled:
@@ -168,7 +168,7 @@ def reference_run(case: LossCase, world: int) -> Dict:
 @contextlib.contextmanager
 def tiled_loss_spy(calls: List[Dict]) -> Iterator[None]:
     """Records, per ``tiled_cross_entropy`` call, the strategy it resolved and its shard count."""
-    import tiled_core.tiled_loss as tiled_loss
+    import tiled_mlp.core.tiled_loss as tiled_loss
 
     resolve, decide = tiled_loss.resolve_strategy, tiled_loss.LossSite.decide
 
@@ -201,7 +201,7 @@ def zero3_gather_spy(weight, counts: Dict, phase: str) -> Iterator[None]:
     time the strategy's ``gathered`` region is entered for a module holding it."""
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-    from strategies.deepspeed_zero import DeepSpeedZeroStrategy
+    from tiled_mlp.strategies.deepspeed_zero import DeepSpeedZeroStrategy
 
     enter, gathered = GatheredParameters.__enter__, DeepSpeedZeroStrategy.gathered
     all_gather = weight.all_gather
@@ -334,7 +334,7 @@ def run_case(case: LossCase, rank: int, world: int) -> Dict:
 
 def _call_outside_fsdp2_forward(model, labels) -> Optional[str]:
     """Outside the root unit's forward lm_head's parameters are sharded DTensors: a clear error."""
-    from tiled_core import tiled_cross_entropy
+    from tiled_mlp.core import tiled_cross_entropy
 
     hidden = torch.randn(*labels.shape, HIDDEN, dtype=DTYPE, requires_grad=True)
     try:

@@ -226,7 +226,7 @@ def _build(case: OffloadCase, world: int):
 
 class _NoOffload:
     def __init__(self):
-        from tiled_core.checkpoint_offload import HostBytes
+        from tiled_mlp.core.checkpoint_offload import HostBytes
 
         self.host_bytes, self.layers = HostBytes(), []
 

@@ -14,7 +14,7 @@ def destroyed_engine_runs(rank: int, world: int) -> Dict:
     import deepspeed
     from torch.distributed.fsdp import fully_shard
 
-    from strategies.deepspeed_sp import deepspeed_sums_over_sequence_ranks, engines_of
+    from tiled_mlp.strategies.deepspeed_sp import deepspeed_sums_over_sequence_ranks, engines_of
 
     model, sp = sp_llama(torch.float32)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),

@@ -50,11 +50,17 @@ def refusal(fn) -> str:
 
 
 def ranks_main(rank: int, world_size: int) -> Dict[str, object]:
-    from strategies import DDPStrategy, SequenceParallelAware, Strategy, register_strategy, unregister_strategy
-    from strategies.resolver import resolve_strategy as head_strategy
-    from strategies.resolver import sums_over_sequence_ranks
-    from tiled_core import tiled_cross_entropy
     from tiled_mlp import TiledMLP
+    from tiled_mlp.core import tiled_cross_entropy
+    from tiled_mlp.strategies import (
+        DDPStrategy,
+        SequenceParallelAware,
+        Strategy,
+        register_strategy,
+        unregister_strategy,
+    )
+    from tiled_mlp.strategies.resolver import resolve_strategy as head_strategy
+    from tiled_mlp.strategies.resolver import sums_over_sequence_ranks
 
     from .toy_models import GatedMLP
 

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from strategies import Strategy, WaitsForEveryParameter, register_strategy
 from tiled_mlp import TiledMLP
+from tiled_mlp.strategies import Strategy, WaitsForEveryParameter, register_strategy
 
 from .spawn import run_distributed
 from .toy_models import GatedMLP, add_lora

@@ -53,7 +53,7 @@ def train(case: ZeroCase, kind: str, rank: int) -> Dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    from tiled_core import auto_shards
+    from tiled_mlp.core import auto_shards
 
     floor = auto_shards.MIN_SAVED_BYTES
     if case.min_saved_bytes is not None:

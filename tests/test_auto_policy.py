@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from tiled_core import TiledMLP, auto_shards
-from tiled_core.auto_shards import MIN_SAVED_BYTES, MLPSize, auto_decision, auto_num_shards, shard_count
 from tiled_mlp.bench.mlp import SwiGLUMLP
 from tiled_mlp.bench.model_memory import modeled_peak_bytes
 from tiled_mlp.cli.plan_cmd import floor_bytes, make_plan, swiglu_size
+from tiled_mlp.core import TiledMLP, auto_shards
+from tiled_mlp.core.auto_shards import MIN_SAVED_BYTES, MLPSize, auto_decision, auto_num_shards, shard_count
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 from reference import GatedMLP, PlainMLP, fresh_inputs, seeded, untiled_run, untiled_shardwise_run
 
-from strategies.registry import available_strategies
-from tiled_core import untile
 from tiled_mlp import Strategy, TiledMLP, register_strategy
+from tiled_mlp.core import untile
+from tiled_mlp.strategies.registry import available_strategies
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,8 +149,8 @@ def test_register_strategy_rejects_bad_classes():
         register_strategy(ClaimsIsNotAMethod)
     assert not {"wrong_arity", "instance_claims", "claims_flag", "no_claims"} & set(available_strategies())
     assert "not_a_strategy" not in available_strategies()
-    from strategies import SingleDeviceStrategy
-    from strategies.registry import get_strategy_class
+    from tiled_mlp.strategies import SingleDeviceStrategy
+    from tiled_mlp.strategies.registry import get_strategy_class
 
     assert get_strategy_class("single_device") is SingleDeviceStrategy
 

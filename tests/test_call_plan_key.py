@@ -14,8 +14,8 @@ import torch
 from reference import GatedMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
 from torch import nn
 
-from tiled_core import untile
 from tiled_mlp import TiledMLP
+from tiled_mlp.core import untile
 
 pytestmark = pytest.mark.timeout(60)
 

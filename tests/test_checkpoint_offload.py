@@ -1,4 +1,4 @@
-"""Checkpoint offload (``tiled_core.checkpoint_offload``, ``apply_checkpoint_offload``): the input of each
+"""Checkpoint offload (``tiled_mlp.core.checkpoint_offload``, ``apply_checkpoint_offload``): the input of each
 checkpointed layer but the last waits for its backward in host memory; gradients exact, the device copy
 freed, nothing else moved."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from tiled_core.checkpoint_offload import CheckpointOffload
+from tiled_mlp.core.checkpoint_offload import CheckpointOffload
 from tiled_mlp.integrations.offload import apply_checkpoint_offload
 
 pytestmark = pytest.mark.timeout(60)

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from tiled_core import TiledMLP
 from tiled_mlp.bench.measure import make_inputs, peak_bytes
 from tiled_mlp.bench.mlp import SwiGLUMLP
 from tiled_mlp.cli.main import main
+from tiled_mlp.core import TiledMLP
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,7 +18,7 @@ from loss_reference import ScaledLoRAHead
 from reference import GatedMLP
 from torch import nn
 
-from tiled_core import TiledCrossEntropy, TiledMLP, tiled_cross_entropy
+from tiled_mlp.core import TiledCrossEntropy, TiledMLP, tiled_cross_entropy
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -27,8 +27,8 @@ from reference import (
 from torch import nn
 from torch.func import functional_call
 
-from tiled_core.shard_plan import make_shard_plan
 from tiled_mlp import TiledMLP
+from tiled_mlp.core.shard_plan import make_shard_plan
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,8 +21,8 @@ import torch
 from reference import assert_runs_close, fresh_inputs, step
 from torch import nn
 
-import tiled_core.fast_path
-import tiled_core.gated_spec
+import tiled_mlp.core.fast_path
+import tiled_mlp.core.gated_spec
 from tiled_mlp import TiledMLP
 
 pytestmark = pytest.mark.timeout(60)
@@ -283,6 +283,6 @@ def _probe_used(*args, **kwargs):
 @pytest.mark.parametrize("family", HF_FAMILIES)
 def test_hf_family_mlp_takes_the_fast_path_without_a_numeric_probe(family, monkeypatch):
     """Known HF classes are recognised by their forward function, not by running it on numbers."""
-    monkeypatch.setattr(tiled_core.gated_spec, "probe_forward", _probe_used, raising=False)
-    monkeypatch.setattr(tiled_core.fast_path, "probe_forward", _probe_used, raising=False)
+    monkeypatch.setattr(tiled_mlp.core.gated_spec, "probe_forward", _probe_used, raising=False)
+    monkeypatch.setattr(tiled_mlp.core.fast_path, "probe_forward", _probe_used, raising=False)
     _check_hf_family_fast_and_exact(family)

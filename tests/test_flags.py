@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from tiled_core import shard_plan
+from tiled_mlp.core import shard_plan
 from tiled_mlp.integrations.args import add_tiled_mlp_args, read_tiled_mlp_flags
 
 pytestmark = pytest.mark.timeout(30)

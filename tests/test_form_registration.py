@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from reference import assert_runs_close, fresh_inputs, tiled_run, untiled_run
 from torch import nn
 
-from tiled_core.activations import NativeGatedActivation, register_fused_kernel, unregister_fused_kernel
-from tiled_core.code_forms import CodeForm
-from tiled_core.gated_forms import (
+from tiled_mlp.core.activations import NativeGatedActivation, register_fused_kernel, unregister_fused_kernel
+from tiled_mlp.core.code_forms import CodeForm
+from tiled_mlp.core.gated_forms import (
     F_SILU,
     GatedForm,
     activation_name,
@@ -41,9 +41,9 @@ CORE_ALONE = textwrap.dedent('''
     import torch
     import torch.nn.functional as F
     from torch import nn
-    import tiled_core
-    from tiled_core import gated_forms
-    from tiled_core.gated_forms import activation_name, known_form, linear_is_a_linear
+    import tiled_mlp.core
+    from tiled_mlp.core import gated_forms
+    from tiled_mlp.core.gated_forms import activation_name, known_form, linear_is_a_linear
 
     class Mlp(nn.Module):  # the body transformers writes for LlamaMLP
         def __init__(self):
@@ -78,7 +78,7 @@ CORE_ALONE = textwrap.dedent('''
     want_grads = [x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
     x.grad = None
     mlp.zero_grad()
-    tiled = tiled_core.TiledMLP(mlp, num_shards=3)
+    tiled = tiled_mlp.core.TiledMLP(mlp, num_shards=3)
     got = tiled(x)
     got.sum().backward()
     got_grads = [x.grad] + [p.grad for p in mlp.parameters()]
@@ -243,7 +243,7 @@ def test_a_registered_fused_kernel_is_used_on_its_device_type_exactly():
     (lambda: register_fused_kernel("cuda", ("relu",), CountingKernel), ValueError),
 ])
 def test_bad_registrations_are_refused_before_anything_is_registered(register, error):
-    from tiled_core import activations, gated_forms
+    from tiled_mlp.core import activations, gated_forms
 
     before = (list(gated_forms.KNOWN_BODIES), list(gated_forms._ACTIVATION_BODIES),
               set(gated_forms._EQUIVALENT_LINEARS), list(activations._FUSED))

@@ -9,9 +9,9 @@ import torch
 from reference import GatedMLP, assert_runs_close, fresh_inputs, tiled_run, untiled_run
 from torch import nn
 
-import tiled_core.code_forms as code_forms
-from tiled_core.gated_forms import KNOWN_BODIES, known_form
+import tiled_mlp.core.code_forms as code_forms
 from tiled_mlp import TiledMLP, register_gated_mlp, unregister_gated_mlp
+from tiled_mlp.core.gated_forms import KNOWN_BODIES, known_form
 
 pytestmark = pytest.mark.timeout(60)
 HIDDEN, INTER, TOKENS = 12, 20, 17

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
-from tiled_core import TiledMLP  # noqa: E402
+from tiled_mlp.core import TiledMLP  # noqa: E402
 from tiled_mlp.integrations import (  # noqa: E402
     add_tiled_mlp_args,
     apply_from_flags,
@@ -173,7 +173,7 @@ def test_flags_for_each_piece():
 
 
 def test_sequence_parallel_loss_needs_an_initialized_group():
-    from tiled_core import tiled_cross_entropy
+    from tiled_mlp.core import tiled_cross_entropy
 
     head = torch.nn.Linear(4, 8, dtype=torch.float64)
     hidden = torch.randn(1, 6, 4, dtype=torch.float64)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from tiled_core import tiled_cross_entropy
-from tiled_core.tiled_loss import HEAD_HOOKS_ERROR
+from tiled_mlp.core import tiled_cross_entropy
+from tiled_mlp.core.tiled_loss import HEAD_HOOKS_ERROR
 
 HIDDEN, VOCAB, TOKENS = 8, 11, 7
 

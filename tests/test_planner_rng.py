@@ -15,9 +15,9 @@ from planner_checks import predicted_to_the_byte  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
 
-import tiled_core.kernels.generic  # noqa: E402
-import tiled_core.rng  # noqa: E402
-import tiled_core.sharded_autograd  # noqa: E402
+import tiled_mlp.core.kernels.generic  # noqa: E402
+import tiled_mlp.core.rng  # noqa: E402
+import tiled_mlp.core.sharded_autograd  # noqa: E402
 from tiled_mlp.planner.step import Setting, build_model  # noqa: E402
 from tiled_mlp.planner.timeline import GENERATOR_STATES  # noqa: E402
 
@@ -58,7 +58,7 @@ class LiveStates:
 @contextlib.contextmanager
 def states_counted(monkeypatch) -> Iterator[LiveStates]:
     """Every ``capture_rng_state`` of the tiled path (both its call sites and ``replay_rng_state``'s own)."""
-    original = tiled_core.rng.capture_rng_state
+    original = tiled_mlp.core.rng.capture_rng_state
     states = LiveStates()
 
     def counted(device):
@@ -67,7 +67,7 @@ def states_counted(monkeypatch) -> Iterator[LiveStates]:
         return state
 
     with monkeypatch.context() as patch:
-        for module in (tiled_core.rng, tiled_core.sharded_autograd, tiled_core.kernels.generic):
+        for module in (tiled_mlp.core.rng, tiled_mlp.core.sharded_autograd, tiled_mlp.core.kernels.generic):
             patch.setattr(module, "capture_rng_state", counted)
         yield states
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from reference import GatedMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
 
-from strategies import SingleDeviceStrategy
 from tiled_mlp import Strategy, TiledMLP, available_strategies, get_strategy, register_strategy, unregister_strategy
+from tiled_mlp.strategies import SingleDeviceStrategy
 
 pytestmark = pytest.mark.timeout(30)
 

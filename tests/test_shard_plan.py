@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiled_core.shard_plan import check_num_shards, make_shard_plan, split_evenly
+from tiled_mlp.core.shard_plan import check_num_shards, make_shard_plan, split_evenly
 
 pytestmark = pytest.mark.timeout(30)
 

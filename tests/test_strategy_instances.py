@@ -12,9 +12,9 @@ import pytest
 import torch
 from reference import GatedMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
 
-from strategies import DDPStrategy, SequenceParallelAware, UnsupportedBackendError
-from strategies.resolver import sums_over_sequence_ranks
 from tiled_mlp import Strategy, TiledMLP, available_strategies, get_strategy, register_strategy, unregister_strategy
+from tiled_mlp.strategies import DDPStrategy, SequenceParallelAware, UnsupportedBackendError
+from tiled_mlp.strategies.resolver import sums_over_sequence_ranks
 
 pytestmark = pytest.mark.timeout(30)
 

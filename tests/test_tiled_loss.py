@@ -21,7 +21,7 @@ from loss_reference import (
     single_thread,
 )
 
-from tiled_core import TiledCrossEntropy, tiled_cross_entropy
+from tiled_mlp.core import TiledCrossEntropy, tiled_cross_entropy
 
 pytestmark = pytest.mark.timeout(60)
 one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)

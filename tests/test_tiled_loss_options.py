@@ -27,8 +27,8 @@ from loss_reference import (
 )
 from torch import nn
 
-from tiled_core import tiled_cross_entropy
-from tiled_core.kernels.lm_head import LinearHeadKernel, ModuleHeadKernel
+from tiled_mlp.core import tiled_cross_entropy
+from tiled_mlp.core.kernels.lm_head import LinearHeadKernel, ModuleHeadKernel
 
 pytestmark = pytest.mark.timeout(60)
 one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)

@@ -18,8 +18,8 @@ from planner_checks import predicted_to_the_byte  # noqa: E402
 from test_planner import tiny_llama  # noqa: E402
 
 from integration_tests.tiny_models import VOCAB, grads_by_key, tiny_model  # noqa: E402
-from tiled_core import TiledMLP  # noqa: E402
-from tiled_core.auto_shards import MLPSize, auto_decision  # noqa: E402
+from tiled_mlp.core import TiledMLP  # noqa: E402
+from tiled_mlp.core.auto_shards import MLPSize, auto_decision  # noqa: E402
 from tiled_mlp.integrations import apply_tiled_mlp, remove_tiled_mlp  # noqa: E402
 from tiled_mlp.integrations.norms import norm_names  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402

@@ -8,7 +8,7 @@ empty shard) and must still be exact. The ZeRO-3 multi-process case is in integr
 import pytest
 from reference import GatedMLP, PlainMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
 
-from strategies import SingleDeviceStrategy
+from tiled_mlp.strategies import SingleDeviceStrategy
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ from typing import Callable, Sequence, Union
 import torch
 from torch import nn
 
-from strategies.base import Strategy
+from tiled_mlp.strategies.base import Strategy
 
 from .auto_shards import AutoDecision, MLPSize, auto_decision, intermediate_size
 from .call_plan import CallPlan, PlanSizes, current_key, shallow_key

@@ -33,25 +33,25 @@ MODIFIED_ERROR = (
 INPUT_EDITED_ERROR = (
     "TiledMLP: the forward of {module} modified its input in place. The tiled backward recomputes each shard "
     "from the input, which no longer holds what the forward saw, so its gradients would be wrong. Compute on "
-    "a copy (x = x * 2 instead of x.mul_(2)), or run the module untiled (tiled_core.untile(module))."
+    "a copy (x = x * 2 instead of x.mul_(2)), or run the module untiled (untile(module))."
 )
 DOUBLE_BACKWARD_ERROR = (
     "TiledMLP does not support double backward: a backward with create_graph=True reached it "
     "(torch.autograd.functional.hessian or hvp, a gradient penalty). Its backward recomputes shard by shard "
     "without building a graph, so every second-order term through it would be zero. Run this module untiled "
-    "for second-order gradients (tiled_core.untile(module))."
+    "for second-order gradients (untile(module))."
 )
 VALUE_CHANGED_ERROR = (
     "one of the values needed for gradient computation has been changed: {name} of {module} is {now}; expected "
     "{then} instead. The forward of {module} may read it, and the backward recomputes that forward (TiledMLP), so "
     "it would compute with the new value and its gradients would be wrong. Change it after the backward (or "
-    "before the forward); if the forward itself changes it, run this module untiled (tiled_core.untile(module))."
+    "before the forward); if the forward itself changes it, run this module untiled (untile(module))."
 )
 VALUE_CHANGED_BY_FORWARD_ERROR = (
     "TiledMLP: the forward of {module} changes {name} at every call (it was {before} before the forward, {now} "
     "after its first shard was run twice). The backward recomputes each shard's forward, which would read another "
     "value than that shard's forward did, so its gradients would be wrong. Change the value between steps, not "
-    "in the forward, or run this module untiled (tiled_core.untile(module))."
+    "in the forward, or run this module untiled (untile(module))."
 )
 CHANGED_READ_ERROR = (
     "TiledMLP: a tensor the forward of {module} read without a gradient changed between its forward and its "

@@ -12,8 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from strategies.base import Strategy
-from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
+from tiled_mlp.strategies.base import Strategy
+from tiled_mlp.strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg
 
 from .fast_path import fast_path_problem, fast_refused
 from .module_forward import TiledForward, forward_signature, is_tiled

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from strategies.resolver import StrategyArg
+from tiled_mlp.strategies.resolver import StrategyArg
 
 from .class_swap import install_tiling, prepare_tiling, rebuild
 from .module_call import TiledInputs, module_forward

@@ -8,7 +8,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from strategies.base import Strategy
+from tiled_mlp.strategies.base import Strategy
 
 from .buffer_guard import buffers_kept
 from .call_decision import decide_map_call

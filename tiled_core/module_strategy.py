@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from strategies.base import Strategy
-from strategies.resolver import resolve_strategy
+from tiled_mlp.strategies.base import Strategy
+from tiled_mlp.strategies.resolver import resolve_strategy
 
 from .tiling_state import tiling_of
 

@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
-from strategies.base import Strategy
+from tiled_mlp.strategies.base import Strategy
 
 from .shard_plan import ShardPlan, make_shard_plan
 from .sharded_autograd import ShardedRun

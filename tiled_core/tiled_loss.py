@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strategies.base import Strategy
-from strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg, sums_over_sequence_ranks
+from tiled_mlp.strategies.base import Strategy
+from tiled_mlp.strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg, sums_over_sequence_ranks
 
 from .head_call import foreign_head_hooks, in_head_call
 from .kernel_registry import REDUCE, KernelCall, choose_kernel

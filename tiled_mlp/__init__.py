@@ -1,5 +1,32 @@
 """tiled-mlp: token-sharded MLPs and losses for long-sequence training, correct under DDP, FSDP2 and ZeRO."""
-from strategies import (
+from .core import (
+    Kernel,
+    KernelCall,
+    TiledCrossEntropy,
+    TiledInputs,
+    TiledMLP,
+    available_kernels,
+    register_gated_mlp,
+    register_kernel,
+    tile,
+    tiled_cross_entropy,
+    unregister_gated_mlp,
+    unregister_kernel,
+    untile,
+)
+from .integrations import (
+    TilingReport,
+    add_tiled_mlp_args,
+    apply_checkpoint_offload,
+    apply_long_context,
+    apply_sequence_parallel,
+    apply_tiled_loss,
+    apply_tiled_mlp,
+    enable_tiled_mlp,
+    remove_tiled_loss,
+    remove_tiled_mlp,
+)
+from .strategies import (
     DDPStrategy,
     DeepSpeedZeroStrategy,
     FSDP1Strategy,
@@ -13,39 +40,13 @@ from strategies import (
     register_strategy,
     unregister_strategy,
 )
-from tiled_core import (
-    Kernel,
-    KernelCall,
-    TiledCrossEntropy,
-    TiledInputs,
-    TiledMLP,
-    available_kernels,
-    register_gated_mlp,
-    register_kernel,
-    tile,
-    tiled_cross_entropy,
-    unregister_gated_mlp,
-    unregister_kernel,
-)
-
-from .integrations import (
-    TilingReport,
-    add_tiled_mlp_args,
-    apply_checkpoint_offload,
-    apply_long_context,
-    apply_sequence_parallel,
-    apply_tiled_loss,
-    apply_tiled_mlp,
-    enable_tiled_mlp,
-    remove_tiled_loss,
-    remove_tiled_mlp,
-)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TiledMLP",
     "tile",
+    "untile",
     "TiledInputs",
     "Kernel",
     "KernelCall",

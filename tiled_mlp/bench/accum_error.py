@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from tiled_core import TiledMLP
+from tiled_mlp.core import TiledMLP
 
 from .measure import make_inputs, max_relative_error, step_outputs
 from .mlp import SwiGLUMLP

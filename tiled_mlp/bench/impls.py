@@ -14,7 +14,7 @@ import importlib.util
 import sys
 from typing import Callable, Dict
 
-from tiled_core import TiledMLP
+from tiled_mlp.core import TiledMLP
 
 
 def _untiled(mlp, num_shards):

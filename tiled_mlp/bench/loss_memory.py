@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tiled_core.loss_shards import LOSS_ELEMENT_BYTES, loss_num_shards
-from tiled_core.shard_plan import make_shard_plan
+from tiled_mlp.core.loss_shards import LOSS_ELEMENT_BYTES, loss_num_shards
+from tiled_mlp.core.shard_plan import make_shard_plan
 
 from .loss_methods import LossMethod
 from .loss_peak_tracker import LossPeakTracker

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiled_core import tiled_cross_entropy
-from tiled_core.loss_shards import loss_num_shards
+from tiled_mlp.core import tiled_cross_entropy
+from tiled_mlp.core.loss_shards import loss_num_shards
 
 IGNORE_INDEX = -100
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
-from tiled_core import TiledMLP
+from tiled_mlp.core import TiledMLP
 
 from .measure import max_relative_error, peak_bytes, step_outputs, step_seconds
 from .offload_cost import llama_stack

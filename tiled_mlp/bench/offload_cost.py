@@ -12,8 +12,8 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
-from tiled_core import TiledMLP
-from tiled_core.checkpoint_offload import CheckpointOffload
+from tiled_mlp.core import TiledMLP
+from tiled_mlp.core.checkpoint_offload import CheckpointOffload
 
 from .checkpointed import Checkpointed, LlamaLayer
 

@@ -20,9 +20,9 @@ from typing import Callable, Dict
 
 import torch
 
-from tiled_core.grad_accum import GradAccumulator
-from tiled_core.shard_plan import make_shard_plan
 from tiled_mlp import TiledMLP
+from tiled_mlp.core.grad_accum import GradAccumulator
+from tiled_mlp.core.shard_plan import make_shard_plan
 
 from .mlp import SwiGLUMLP
 

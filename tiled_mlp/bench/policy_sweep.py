@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-from tiled_core.auto_shards import auto_decision, estimated_saved_bytes, shard_count
+from tiled_mlp.core.auto_shards import auto_decision, estimated_saved_bytes, shard_count
 
 from ..cli.plan_cmd import swiglu_size
 from .cpu_allocator import keep_freed_memory_in_process

@@ -8,7 +8,7 @@ from typing import List
 
 import torch
 
-from tiled_core.shard_plan import NumShards, parse_num_shards
+from tiled_mlp.core.shard_plan import NumShards, parse_num_shards
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,

@@ -9,7 +9,7 @@ from typing import Any, Dict
 
 import torch
 
-from tiled_core.auto_shards import MLPSize, auto_decision, fixed_bytes
+from tiled_mlp.core.auto_shards import MLPSize, auto_decision, fixed_bytes
 
 from ..bench.model_memory import modeled_peak_bytes
 from . import json_stdout, parsing, plan_model

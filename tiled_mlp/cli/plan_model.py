@@ -15,7 +15,7 @@ from typing import Dict, List, NoReturn, Optional, Tuple
 
 import torch
 
-from tiled_core.shard_plan import NumShards
+from tiled_mlp.core.shard_plan import NumShards
 
 from ..bench.progress import Progress
 from ..planner import alst, attention, check, report, sequence_parallel

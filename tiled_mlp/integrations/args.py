@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
-from tiled_core.shard_plan import NumShards, parse_num_shards
+from tiled_mlp.core.shard_plan import NumShards, parse_num_shards
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")

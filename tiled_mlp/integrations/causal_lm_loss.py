@@ -48,8 +48,8 @@ from typing import Any, Callable, Dict, Optional, Tuple, cast
 import torch
 from torch import nn
 
-from tiled_core import tiled_cross_entropy
-from tiled_core.shard_plan import NumShards
+from tiled_mlp.core import tiled_cross_entropy
+from tiled_mlp.core.shard_plan import NumShards
 
 from .accelerate_forward import (
     DeviceHookForward,

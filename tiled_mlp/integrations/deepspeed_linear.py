@@ -8,7 +8,7 @@ is that module's own function object, looked up by name; deepspeed is not import
 """
 from __future__ import annotations
 
-from tiled_core.gated_forms import register_equivalent_linear
+from tiled_mlp.core.gated_forms import register_equivalent_linear
 
 ZERO3_LINEAR = ("deepspeed.runtime.zero.linear", "zero3_linear_wrap")
 

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 from torch import nn
 
-from strategies.resolver import StrategyArg
-from tiled_core import FastPathRefused, TiledMLP, TilingState, install_tiling, prepare_tiling, untile
-from tiled_core.shard_plan import NumShards
+from tiled_mlp.core import FastPathRefused, TiledMLP, TilingState, install_tiling, prepare_tiling, untile
+from tiled_mlp.core.shard_plan import NumShards
+from tiled_mlp.strategies.resolver import StrategyArg
 
 from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .causal_lm_loss import check_tiled_loss, install_tiled_loss, remove_tiled_loss

@@ -2,7 +2,7 @@
 registered with the core when this package is imported, so their instances take the gated fast kernel.
 
 Each body is the library's source text; the core compares a forward's bytecode with the body compiled
-on the running interpreter (``tiled_core.code_forms``), so a match is exact for the installed version
+on the running interpreter (``tiled_mlp.core.code_forms``), so a match is exact for the installed version
 and a patched or edited forward never matches. transformers is not imported: a class whose forward
 is one of these bodies qualifies wherever it comes from.
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from tiled_core.code_forms import CodeForm
-from tiled_core.gated_forms import F_SILU, GatedForm, register_activation, register_gated_form
+from tiled_mlp.core.code_forms import CodeForm
+from tiled_mlp.core.gated_forms import F_SILU, GatedForm, register_activation, register_gated_form
 
 LLAMA = GatedForm()
 LLAMA_BODIES = (

@@ -21,7 +21,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
-from tiled_core import TiledMLP
+from tiled_mlp.core import TiledMLP
 
 from .moe import is_fused_experts
 

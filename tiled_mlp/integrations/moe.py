@@ -20,7 +20,7 @@ import inspect
 import torch
 from torch import nn
 
-from tiled_core import TiledInputs, TiledMLP
+from tiled_mlp.core import TiledInputs, TiledMLP
 
 FUSED_EXPERTS_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 # The experts' weights are 3-D parameters, not gated Linears: the gated fast kernel never applies.

@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from tiled_core import TiledMLP
+from tiled_mlp.core import TiledMLP
 
 NORM_ACCUM_DTYPE = torch.float32  # a norm's weight gradient sums every token: never in bf16 (it is hidden floats)
 

@@ -1,7 +1,7 @@
 """Checkpoint offload on a model: find its checkpointed layers and put their inputs in host memory.
 
 The layers are those whose forward runs the checkpoint while their module hooks stay outside it (so
-the offload's hooks see the checkpoint's saved inputs, ``tiled_core.checkpoint_offload``): torch's
+the offload's hooks see the checkpoint's saved inputs, ``tiled_mlp.core.checkpoint_offload``): torch's
 ``checkpoint_wrapper`` modules, or else Hugging Face's ``GradientCheckpointingLayer``s with
 checkpointing on (``model.gradient_checkpointing_enable()``, which checkpoints ``forward``, not
 ``__call__``). Found by class, never guessed from names.
@@ -13,7 +13,7 @@ from typing import Any, List, Tuple
 
 from torch import nn
 
-from tiled_core.checkpoint_offload import CheckpointOffload
+from tiled_mlp.core.checkpoint_offload import CheckpointOffload
 
 NO_LAYERS_ERROR = (
     "checkpoint offload: {model} has no checkpointed layer. Turn layer checkpointing on first "

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from tiled_core import TiledMLP, fast_path_problem
+from tiled_mlp.core import TiledMLP, fast_path_problem
 
 
 def expected_path(tiled: TiledMLP) -> str:

@@ -23,8 +23,8 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import nn
 
-from tiled_core.checkpoint_offload import CheckpointOffload
-from tiled_core.shard_plan import NumShards
+from tiled_mlp.core.checkpoint_offload import CheckpointOffload
+from tiled_mlp.core.shard_plan import NumShards
 
 from .causal_lm_loss import is_tiled_loss
 from .hf import apply_tiled_loss, apply_tiled_mlp, is_tiled, remove_tiled_mlp

@@ -9,7 +9,7 @@ before the split. What this module adds is the composition:
 - each rank's tiled MLPs tile that rank's tokens (shard counts are per rank, from the local length:
   nothing to do, the MLP only ever sees the local slice);
 - the tiled loss sums over the rank's slice and divides once, by the valid tokens of the whole group
-  (``tiled_core.sequence_group``), so every rank returns the whole sequence's loss, with gradients
+  (``tiled_mlp.core.sequence_group``), so every rank returns the whole sequence's loss, with gradients
   that the backend's averaging over ranks turns into the whole sequence's gradient (DDP, FSDP2, ZeRO-3;
   DeepSpeed's ZeRO-1/2, and ZeRO-3 with ``reduce_scatter: false``, sum over the SP ranks instead: see
   ``tiled_core/sequence_group.py``).

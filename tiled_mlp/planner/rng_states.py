@@ -5,7 +5,7 @@ The generic kernel (``tiled_core/kernels/generic.py``) and the sharded Function
 recompute draws the forward's random numbers; ``replay_rng_state`` takes one more while it swaps a saved
 state in. Each is a CPU uint8 tensor of its own (5,056 bytes: the Mersenne Twister's state), made on the
 meta device too, and ``torch.get_rng_state`` is no dispatched op, so the dispatch-mode tracker never sees
-it. Here every real call of ``tiled_core.rng.capture_rng_state`` during the step hands its CPU state to
+it. Here every real call of ``tiled_mlp.core.rng.capture_rng_state`` during the step hands its CPU state to
 ``on_state`` (the tracker's ``track_host``), which then follows the storage until it is freed: the counted
 bytes live exactly as long as the states do, whatever path, shard count or checkpointing made them.
 
@@ -20,7 +20,7 @@ from typing import Callable, Iterator, List, Tuple
 
 import torch
 
-from tiled_core import rng
+from tiled_mlp.core import rng
 
 
 @contextlib.contextmanager
@@ -36,7 +36,7 @@ def generator_states_shown(on_state: Callable[[torch.Tensor], None]) -> Iterator
     holders: List[Tuple[object, str]] = [
         (module, name)
         for module_name, module in list(sys.modules.items())
-        if module is not None and (module_name == "tiled_core" or module_name.startswith("tiled_core."))
+        if module is not None and (module_name == "tiled_mlp.core" or module_name.startswith("tiled_mlp.core."))
         for name, value in list(vars(module).items())
         if value is original
     ]

@@ -8,7 +8,7 @@ vocabulary) and other activations. Every allocation and free is logged with a se
 storage's address may be reused by the next), and ``Timeline`` replays the log.
 
 Host memory is counted apart, by what holds it: the layer inputs that checkpoint offload moves out of
-the device (``tiled_core.checkpoint_offload``) are storages the offload names as it makes them
+the device (``tiled_mlp.core.checkpoint_offload``) are storages the offload names as it makes them
 (``track_host``). On the meta device and on a CPU step alike they are the same kind of storage as the
 device's, so the offload's own word is the only way to tell them apart. The CPU generator states the
 generic tiled path saves per shard are named the same way (``rng_states.py``): no dispatched op makes them.
