@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiled_core.shard_plan import make_shard_plan
+from tiled_mlp.core.shard_plan import make_shard_plan
 from tiled_mlp import TiledMLP, register_gated_mlp
 
 ACTS = ("silu", "gelu", "gelu_tanh")

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 from transformers import LlamaConfig  # noqa: E402
 
-from tiled_core.shard_plan import split_evenly  # noqa: E402
+from tiled_mlp.core.shard_plan import split_evenly  # noqa: E402
 from tiled_mlp.planner import step as step_module  # noqa: E402
 from tiled_mlp.planner.shard_replay import shards_replayed  # noqa: E402
 from tiled_mlp.planner.step import Setting, build_model, step_timeline  # noqa: E402
