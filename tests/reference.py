@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiled_mlp.core.shard_plan import make_shard_plan
 from tiled_mlp import TiledMLP, register_gated_mlp
+from tiled_mlp.core.shard_plan import make_shard_plan
 
 ACTS = ("silu", "gelu", "gelu_tanh")
 

@@ -44,15 +44,8 @@ class ShardKernel(Protocol):
     def using(self, tensors: Sequence[torch.Tensor]) -> ContextManager:
         """Inside: the module computes with ``tensors`` (around the backward recompute)."""
 
-    def backward_shard(
-        self,
-        x_shard: torch.Tensor,
-        grad_out_shard: torch.Tensor,
-        grad_in_shard: Optional[torch.Tensor],
-        grads: GradAccumulator,
-        tensors: Sequence[torch.Tensor],
-        shard: Optional[slice] = None,
-    ) -> None:
+    def backward_shard(self, x_shard: torch.Tensor, grad_out_shard: torch.Tensor, grad_in_shard: Optional[torch.Tensor],
+                       grads: GradAccumulator, tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> None:
         """Recompute what the shard needs, write its input gradient into ``grad_in_shard`` (when
         given) and add the gradients of ``tensors`` to ``grads``."""
 

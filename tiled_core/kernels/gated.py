@@ -96,15 +96,9 @@ class GatedShardKernel:
             out = torch.addmm(down_bias, h, down_weight.t(), out=out_shard)
         return out.mul_(self._down_scale) if self._down_scale != 1.0 else out
 
-    def backward_shard(
-        self,
-        x_shard: torch.Tensor,
-        grad_out_shard: torch.Tensor,
-        grad_in_shard: Optional[torch.Tensor],
-        grads: GradAccumulator,
-        tensors: Sequence[torch.Tensor],
-        shard: Optional[slice] = None,  # no other sharded input: the MLP's only input is x
-    ) -> None:
+    def backward_shard(self, x_shard: torch.Tensor, grad_out_shard: torch.Tensor, grad_in_shard: Optional[torch.Tensor],
+                       grads: GradAccumulator, tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> None:
+        # ``shard`` is unused: the MLP has no sharded input but x.
         dy = grad_out_shard * self._down_scale if self._down_scale != 1.0 else grad_out_shard
         g, u, gu = self._gate_up(x_shard, tensors)
         down_weight = tensors[self._slots["down"].weight]

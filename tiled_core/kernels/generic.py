@@ -197,15 +197,8 @@ class GenericShardKernel:
             for owner, attr, original in reversed(swapped):
                 owner._parameters[attr] = original
 
-    def backward_shard(
-        self,
-        x_shard: torch.Tensor,
-        grad_out_shard: torch.Tensor,
-        grad_in_shard: Optional[torch.Tensor],
-        grads: GradAccumulator,
-        tensors: Sequence[torch.Tensor],
-        shard: Optional[slice] = None,
-    ) -> None:
+    def backward_shard(self, x_shard: torch.Tensor, grad_out_shard: torch.Tensor, grad_in_shard: Optional[torch.Tensor],
+                       grads: GradAccumulator, tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> None:
         wanted = [i for i, need in enumerate(grads.needed) if need]
         with torch.enable_grad():
             x_leaf = x_shard.detach().requires_grad_(grad_in_shard is not None)
