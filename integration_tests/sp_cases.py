@@ -185,9 +185,9 @@ def _deepspeed_sp_only(model, size: int):
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from tiled_mlp.integrations.ulysses import SequenceParallel, _undo_attention
+    from tiled_mlp.integrations.ulysses import SequenceParallel, undo_attention
 
-    undo = _undo_attention(model, "sdpa", ALL_ATTENTION_FUNCTIONS)
+    undo = undo_attention(model, "sdpa", ALL_ATTENTION_FUNCTIONS)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, core_attn_implementation="sdpa",
                                                           sequence_parallel_size=size, micro_batch_size=1,
                                                           seq_length_is_variable=True)

@@ -68,7 +68,7 @@ class TanhMLPKernel(Kernel):
     keeps_grad_buffers = False
 
     def why_not(self, call: KernelCall) -> str:
-        return "" if isinstance(call.module, TanhMLP) and not call.riders else NOT_MINE
+        return "" if isinstance(call.module, TanhMLP) and not call.token_inputs else NOT_MINE
 
     def build(self, call: KernelCall) -> TanhShardKernel:
         return TanhShardKernel(call.module)  # type: ignore[arg-type]  # why_not checked the class

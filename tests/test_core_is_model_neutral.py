@@ -17,7 +17,7 @@ from typing import Iterator, List, Set, Tuple
 
 from torch import nn
 
-from tiled_mlp.core.code_forms import CodeForm, _same_code
+from tiled_mlp.core.code_forms import CodeForm, same_code
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "tiled_core"
@@ -156,7 +156,7 @@ def code_form_problems(source: str, where: str) -> List[str]:
         # The globals' names decide how the body compiles (``code_forms``); their values do not.
         names = node.args[1].keys if len(node.args) > 1 and isinstance(node.args[1], ast.Dict) else []
         form = CodeForm(body, {ast.literal_eval(name): None for name in names if name is not None})
-        if not any(_same_code(fn.__code__, form, fn.__doc__) for fn in forwards):
+        if not any(same_code(fn.__code__, form, fn.__doc__) for fn in forwards):
             found.append(f"{where}:{node.lineno}: CodeForm body {body!r} is no torch nn module's forward")
     return found
 

@@ -179,3 +179,41 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     assert tops == {"tiled_mlp"}, tops
     for module in ("tiled_mlp/core/tiled_call.py", "tiled_mlp/core/kernels/generic.py", "tiled_mlp/strategies/fsdp2.py"):
         assert module in names, module
+
+
+# Units whose private names stay inside them: the core, the strategies, each facade subpackage, the tests.
+UNITS = ("tiled_mlp.core", "tiled_mlp.strategies", "tiled_mlp.integrations", "tiled_mlp.planner", "tiled_mlp.cli",
+         "tiled_mlp.bench", "tiled_mlp", "tests", "integration_tests")
+
+
+def unit_of(module: str) -> str:
+    return next((u for u in UNITS if within(module, u)), "")
+
+
+def private_imports_across_units(source: str, module: str) -> List[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        target = next(t for t, _ in imported_modules(ast.unparse(node), module))
+        for alias in node.names:
+            private = alias.name.startswith("_") and not alias.name.startswith("__")
+            if private and unit_of(target) and unit_of(target) != unit_of(module):
+                found.append(f"{module}:{node.lineno} imports {target}.{alias.name}")
+    return found
+
+
+def test_no_private_name_is_imported_across_packages():
+    found = [v for folder in (*INSTALLED, "tests", "integration_tests")
+             for path, module in (sources(folder) if folder in INSTALLED else
+                                  ((p, ".".join((folder,) + p.relative_to(ROOT / folder).with_suffix("").parts))
+                                   for p in sorted((ROOT / folder).rglob("*.py"))))
+             for v in private_imports_across_units(path.read_text(), module)]
+    assert not found, "make the name public where it is defined, or keep its use inside its package:\n" + "\n".join(found)
+
+
+def test_the_private_import_rule_catches_what_it_forbids():
+    assert private_imports_across_units("from tiled_mlp.core.code_forms import _x", "tests.test_a")
+    assert private_imports_across_units("from ..core.module import _x", "tiled_mlp.integrations.moe")
+    assert not private_imports_across_units("from .module import _x", "tiled_mlp.core.tiled_call")
+    assert not private_imports_across_units("from torch.utils._python_dispatch import _x", "tests.test_a")

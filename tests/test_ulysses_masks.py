@@ -1,5 +1,5 @@
 """The refusals of Ulysses SP's whole-sequence masks that need no process group: what a config shows
-when SP is applied (``check_masks``), and what the attention core refuses at each call."""
+when SP is applied (``check_masks``), and what the inner attention refuses at each call."""
 from __future__ import annotations
 
 import pytest
@@ -10,9 +10,9 @@ transformers = pytest.importorskip("transformers")
 from tiled_mlp.integrations.ulysses_masks import (  # noqa: E402
     WHOLE_SEQUENCE_KWARG,
     WholeSequence,
+    attention_kind,
     check_masks,
-    core_kind,
-    whole_sequence_core,
+    whole_sequence_attention,
 )
 
 
@@ -26,7 +26,7 @@ def test_core_kind_is_read_from_the_library_function():
     from transformers.integrations.flex_attention import flex_attention_forward
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    assert [core_kind(f) for f in (sdpa_attention_forward, flash_attention_forward, flex_attention_forward, None)] == [
+    assert [attention_kind(f) for f in (sdpa_attention_forward, flash_attention_forward, flex_attention_forward, None)] == [
         "sdpa", "flash", "other", "other"]
 
 
@@ -58,18 +58,18 @@ def _qkv():
 
 
 def test_the_core_refuses_a_call_without_the_whole_sequence():
-    core = whole_sequence_core(lambda *a, **k: None, "sdpa", transformers.LlamaConfig())
+    attention = whole_sequence_attention(lambda *a, **k: None, "sdpa", transformers.LlamaConfig())
     with pytest.raises(RuntimeError, match="without the whole sequence's padding"):
-        core(torch.nn.Module(), *_qkv(), None, position_ids=torch.arange(8)[None])
+        attention(torch.nn.Module(), *_qkv(), None, position_ids=torch.arange(8)[None])
 
 
 def test_the_core_refuses_a_window_it_cannot_place():
-    core = whole_sequence_core(lambda *a, **k: None, "sdpa", _mistral_config())
+    attention = whole_sequence_attention(lambda *a, **k: None, "sdpa", _mistral_config())
     whole = {WHOLE_SEQUENCE_KWARG: WholeSequence(padding=None, cached=True)}
     with pytest.raises(RuntimeError, match="does not pass its sliding_window"):
-        core(torch.nn.Module(), *_qkv(), None, **whole)
+        attention(torch.nn.Module(), *_qkv(), None, **whole)
     with pytest.raises(RuntimeError, match="sliding_window \\(3\\) is not the config's \\(4\\)"):
-        core(torch.nn.Module(), *_qkv(), None, sliding_window=3, **whole)
+        attention(torch.nn.Module(), *_qkv(), None, sliding_window=3, **whole)
 
 
 def test_the_core_passes_hf_sliding_mask_to_sdpa():
@@ -78,14 +78,14 @@ def test_the_core_passes_hf_sliding_mask_to_sdpa():
     seen = {}
     config = _mistral_config()
     config._attn_implementation = "sdpa"
-    core = whole_sequence_core(lambda module, q, k, v, mask, **kw: seen.update(mask=mask, kwargs=kw), "sdpa", config)
-    core(torch.nn.Module(), *_qkv(), None, sliding_window=4, **{WHOLE_SEQUENCE_KWARG: WholeSequence(padding=None, cached=True)})
+    attention = whole_sequence_attention(lambda module, q, k, v, mask, **kw: seen.update(mask=mask, kwargs=kw), "sdpa", config)
+    attention(torch.nn.Module(), *_qkv(), None, sliding_window=4, **{WHOLE_SEQUENCE_KWARG: WholeSequence(padding=None, cached=True)})
     want = sdpa_mask(1, 8, 8, mask_function=sliding_window_causal_mask_function(4), allow_is_causal_skip=False)
     assert torch.equal(seen["mask"], want) and WHOLE_SEQUENCE_KWARG not in seen["kwargs"]
 
 
 def test_the_core_refuses_when_no_layer_said_whether_the_decoder_holds_a_cache():
-    core = whole_sequence_core(lambda *a, **k: None, "sdpa", transformers.LlamaConfig())
+    attention = whole_sequence_attention(lambda *a, **k: None, "sdpa", transformers.LlamaConfig())
     with pytest.raises(RuntimeError, match="reported whether the decoder holds a cache"):
-        core(torch.nn.Module(), *_qkv(), None, position_ids=torch.arange(8)[None],
+        attention(torch.nn.Module(), *_qkv(), None, position_ids=torch.arange(8)[None],
              **{WHOLE_SEQUENCE_KWARG: WholeSequence(padding=None)})

@@ -34,7 +34,7 @@ class GatedEntry(Kernel):
     keeps_grad_buffers = False  # weight gradients go straight into one buffer per weight
 
     def why_not(self, call: KernelCall) -> str:
-        if call.riders:
+        if call.token_inputs:
             return RIDERS_DECLINED
         module, plan = call.module, call.cache
         unfit = type(module).tiled_no_fast_path  # type: ignore[attr-defined]  # TiledMLP's class attribute
@@ -79,7 +79,7 @@ class GenericEntry(Kernel):
         assert call.shard_forward is not None, "a map call gives what one shard runs"
         prefix = (1,) * (call.x.dim() - 2)
         return GenericShardKernel(call.shard_forward, type(module).__name__, plan.trainable, prefix,
-                                  plan.generic_layout, hooks, grad_mode=torch.is_grad_enabled(), riders=call.riders)
+                                  plan.generic_layout, hooks, grad_mode=torch.is_grad_enabled(), token_inputs=call.token_inputs)
 
 
 class LinearHeadEntry(Kernel):

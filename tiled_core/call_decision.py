@@ -27,24 +27,24 @@ from .tiling_state import TilingState, tiling_of
 
 
 def decide_map_call(module: nn.Module, strategy: Strategy, x: torch.Tensor, shard_forward: Callable,
-                    riders: Sequence[torch.Tensor]) -> CallDecision:
+                    token_inputs: Sequence[torch.Tensor]) -> CallDecision:
     """What this call of ``module`` on ``x`` runs (inside the strategy's gathered region, where a
     kernel's decision can read the parameters)."""
     state = tiling_of(module)
     num_tokens = x.numel() // x.shape[-1]
-    may_pass = strategy.allows_untiled_call(module)
+    untiled_allowed = strategy.allows_untiled_call(module)
     last = state.call_sizes
-    if may_pass and last is not None and last.shallow == shallow_key(module, strategy, x):
+    if untiled_allowed and last is not None and last.shallow == shallow_key(module, strategy, x):
         decision = shard_count(state, last, x, num_tokens, generic=last.generic)
         if decision.num_shards is None:
             return CallDecision(decision.reason)
     plan = current_plan(module, strategy, x)
-    if may_pass:
+    if untiled_allowed:
         decision = shard_count(state, plan, x, num_tokens, generic=False)
         if num_tokens == 0 or decision.num_shards is None:
             return CallDecision(decision.reason if num_tokens else "untiled: no tokens")
     only = None if state.path == "auto" else state.path
-    choice = choose_kernel(MAP, KernelCall(module, x, strategy, plan.trainable, shard_forward, riders, cache=plan), only)
+    choice = choose_kernel(MAP, KernelCall(module, x, strategy, plan.trainable, shard_forward, token_inputs, cache=plan), only)
     if choice.entry is None:
         if state.path == "fast":
             raise fast_refused(module, dict(choice.declined).get("fast", "it declined"))
@@ -52,7 +52,7 @@ def decide_map_call(module: nn.Module, strategy: Strategy, x: torch.Tensor, shar
     plan.generic = choice.entry.keeps_grad_buffers
     decision = shard_count(state, plan, x, num_tokens, plan.generic)
     reason, num_shards = decision.reason, decision.num_shards
-    if may_pass and num_shards is None:
+    if untiled_allowed and num_shards is None:
         return CallDecision(reason)
     if num_tokens == 0 or num_shards is None:
         num_shards = 1  # the backend needs every rank on the tiled path (same collectives)

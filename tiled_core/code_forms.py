@@ -79,12 +79,12 @@ def matches(fn: Any, form: CodeForm) -> bool:
     if cached is None or cached[0] is not code or cached[1] is not form:
         if len(_CACHE) >= _CACHE_LIMIT:
             _CACHE.clear()
-        cached = (code, form, _same_code(code, form, fn.__doc__))
+        cached = (code, form, same_code(code, form, fn.__doc__))
         _CACHE[key] = cached
     return cached[2] and _globals_hold(fn, form)
 
 
-def _same_code(code: types.CodeType, form: CodeForm, doc: Optional[str]) -> bool:
+def same_code(code: types.CodeType, form: CodeForm, doc: Optional[str]) -> bool:
     if code.co_argcount != 2 or code.co_kwonlyargcount:
         return False
     try:

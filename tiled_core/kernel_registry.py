@@ -43,7 +43,7 @@ class KernelCall:
     # map: what one shard of the module runs (its own forward, without its hooks), and the other
     # sharded inputs (``[tokens, ...]``), passed after the hidden states.
     shard_forward: Optional[Callable[..., torch.Tensor]] = None
-    riders: Sequence[torch.Tensor] = ()
+    token_inputs: Sequence[torch.Tensor] = ()
     # reduce: the loss's options (``kernels.cross_entropy.CrossEntropyOptions``).
     options: Any = None
     # map: the module's call plan (``call_plan.CallPlan``), valid while nothing the call rests on

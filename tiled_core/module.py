@@ -99,7 +99,7 @@ class TiledMLP(nn.Module):
     def tiled_inputs(self, *args, **kwargs) -> TiledInputs:
         """How this call's arguments enter the tiled call: the hidden states alone, by position or by the
         original forward's name for them. A subclass for a module with other token-wise inputs returns
-        them as ``riders``."""
+        them as ``token_inputs``."""
         x = args[0] if len(args) == 1 and not kwargs else hidden_states_argument(self, args, kwargs)
         return TiledInputs(x)
 

@@ -27,7 +27,7 @@ class TiledInputs(NamedTuple):
     hidden_states: torch.Tensor  # ``[..., tokens, hidden]``, sharded over its tokens
     # Other token-wise inputs of any dtype (``[..., tokens, ...]``, the leading dims of the hidden
     # states), sliced like them and passed after them to each shard (a MoE block's routing).
-    riders: Sequence[torch.Tensor] = ()
+    token_inputs: Sequence[torch.Tensor] = ()
     # Whether the hidden states must match the module's input width (a module with input projections).
     check_hidden: bool = True
 
@@ -54,8 +54,8 @@ class MapSite:
         self.owner = module
         self.state = state
         self.x = x
-        self.riders = inputs.riders
-        self.flat_riders = _flat_riders(x, inputs.riders) if inputs.riders else ()
+        self.token_inputs = inputs.token_inputs
+        self.flat_token_inputs = _flat_token_inputs(x, inputs.token_inputs) if inputs.token_inputs else ()
         self.grad_accum_dtype = state.grad_accum_dtype
         self.shard_forward = functools.partial(original_forward, module)
 
@@ -66,12 +66,12 @@ class MapSite:
         return strategy
 
     def decide(self, strategy: Strategy) -> CallDecision:
-        return decide_map_call(self.owner, strategy, self.x, self.shard_forward, self.flat_riders)
+        return decide_map_call(self.owner, strategy, self.x, self.shard_forward, self.flat_token_inputs)
 
     def untiled(self, decision: CallDecision) -> torch.Tensor:
         # Nothing to split, or too short for tiling to lower the peak: the plain module (only where the
         # backend allows it: the same collectives as a tiled call).
-        return self.shard_forward(self.x, *self.riders)
+        return self.shard_forward(self.x, *self.token_inputs)
 
     def run(self, run: ShardedRun) -> torch.Tensor:
         call_plan = self.state.call_plan
@@ -93,13 +93,13 @@ class MapSite:
         state.last_path, state.last_num_shards, state.last_reason = decision.kernel_name, plan.num_shards, decision.reason
 
 
-def _flat_riders(x: torch.Tensor, riders: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Each rider as ``[tokens, ...]`` (a view where its layout allows), checked against ``x``'s tokens."""
+def _flat_token_inputs(x: torch.Tensor, token_inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each token input as ``[tokens, ...]`` (a view where its layout allows), checked against ``x``'s tokens."""
     lead = x.shape[:-1]
     flat = []
-    for rider in riders:
-        if tuple(rider.shape[:len(lead)]) != tuple(lead):
-            raise ValueError(f"a sharded input of shape {tuple(rider.shape)} does not share the leading (token) dims "
+    for token_input in token_inputs:
+        if tuple(token_input.shape[:len(lead)]) != tuple(lead):
+            raise ValueError(f"a sharded input of shape {tuple(token_input.shape)} does not share the leading (token) dims "
                              f"{tuple(lead)} of the hidden states {tuple(x.shape)}")
-        flat.append(rider.reshape(-1, *rider.shape[len(lead):]))
+        flat.append(token_input.reshape(-1, *token_input.shape[len(lead):]))
     return flat

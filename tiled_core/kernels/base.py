@@ -35,7 +35,7 @@ class ShardKernel(Protocol):
                       tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> torch.Tensor:
         """Compute the shard's output, with no graph kept, into ``out_shard`` when one is given.
         ``shard``: which tokens of the call ``x_shard`` holds (a kernel with other sharded inputs, the
-        generic kernel's ``riders``, slices them the same way)."""
+        generic kernel's ``token_inputs``, slices them the same way)."""
 
     def remember_reads(self, tensors: Sequence[torch.Tensor]) -> None:
         """The tensors without a gradient that the forward read (called only where

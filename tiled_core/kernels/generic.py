@@ -89,13 +89,13 @@ class GenericShardKernel:
 
     def __init__(self, forward_fn: Callable, module_name: str, params: List[torch.Tensor], shard_prefix: tuple,
                  layout: GenericLayout, current_hooks: Callable[[], List[str]], grad_mode: bool = True,
-                 riders: Sequence[torch.Tensor] = ()):
+                 token_inputs: Sequence[torch.Tensor] = ()):
         self.forward_fn = forward_fn
         # Other sharded inputs, any dtype (a MoE block's expert indices and routing weights), each
         # ``[tokens, ...]``: sliced like x and passed after it. Read from outside the shard, they are found
         # by the sharded Function as any other tensor the forward reads: one that needs a gradient
         # becomes an input of the Function (its gradient flows back), the others are held unchanged.
-        self.riders = tuple(riders)
+        self.token_inputs = tuple(token_inputs)
         # The forward shards run in the caller's grad mode, as the module would untiled: a forward that
         # branches on ``torch.is_grad_enabled()`` must compute in the forward what its recompute does.
         self.grad_mode = grad_mode
@@ -115,11 +115,11 @@ class GenericShardKernel:
         self._reads_checked = False
 
     def _run(self, x_shard: torch.Tensor, shard: Optional[slice]) -> torch.Tensor:
-        riders: Tuple[torch.Tensor, ...] = ()
-        if self.riders:
-            assert shard is not None, "a kernel with riders needs each shard's token slice"
-            riders = tuple(r[shard].view(*self.shard_prefix, -1, *r.shape[1:]) for r in self.riders)
-        y = self.forward_fn(x_shard.view(*self.shard_prefix, *x_shard.shape), *riders)
+        token_inputs: Tuple[torch.Tensor, ...] = ()
+        if self.token_inputs:
+            assert shard is not None, "a kernel with token inputs needs each shard's token slice"
+            token_inputs = tuple(r[shard].view(*self.shard_prefix, -1, *r.shape[1:]) for r in self.token_inputs)
+        y = self.forward_fn(x_shard.view(*self.shard_prefix, *x_shard.shape), *token_inputs)
         if not isinstance(y, torch.Tensor):
             raise TypeError(
                 f"TiledMLP's generic path needs a module that returns one tensor, got {type(y).__name__}; "

@@ -9,7 +9,7 @@ transformers' fused experts modules (Mixtral, Qwen3-MoE and ~60 others) are call
 ``experts(hidden_states, top_k_index, top_k_weights)``, each row one token, so they are token-wise
 with three inputs. ``TiledExperts`` (tiled in place, like ``TiledMLP``: same call, same names) shards
 the hidden states and passes the indices (integers, as they are) and the routing weights as the tiled
-call's other sharded inputs (``riders``), sliced like the hidden states. The routing weights need a
+call's other sharded inputs (``token_inputs``), sliced like the hidden states. The routing weights need a
 gradient (it reaches the router): the sharded core finds them read by the first shard and makes them an
 input of its Function, as any tensor a forward reads.
 """
@@ -43,4 +43,4 @@ class TiledExperts(TiledMLP):
     def tiled_inputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> TiledInputs:
         # The routing is sharded with the hidden states: each shard's rows keep their own experts and weights.
-        return TiledInputs(hidden_states, riders=(top_k_index, top_k_weights), check_hidden=False)
+        return TiledInputs(hidden_states, token_inputs=(top_k_index, top_k_weights), check_hidden=False)

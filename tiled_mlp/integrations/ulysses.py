@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ulysses_groups import DeepSpeedSlots, check_batch_size, guard_inputs
-from .ulysses_masks import capture_padding, check_masks, core_kind, whole_sequence_core
+from .ulysses_masks import attention_kind, capture_padding, check_masks, whole_sequence_attention
 
 NO_TILED_LOSS_ERROR = (
     "sequence parallelism: {model} has no tiled loss. Under SP each rank holds a slice of the sequence, and the "
@@ -56,7 +56,7 @@ class SequenceParallel:
     model: nn.Module
     group: Any  # torch.distributed.ProcessGroup of the ranks that share each sequence
     mpu: Any  # DeepSpeed's SP state (``parallel_state_sp``): pass as ``deepspeed.initialize(mpu=...)``
-    core_attention: str
+    attention_implementation: str  # the model's attn_implementation, under which the Ulysses wrapper is registered
     _undo: Optional[Callable[[], None]] = field(default=None, repr=False)  # attention and modules as before
     micro_batch_size: int = 1  # samples per batch, what DeepSpeed's Ulysses attention was built for
     _input_guard: Any = field(default=None, repr=False)  # the forward pre-hook of ``ulysses_groups.guard_inputs``
@@ -147,7 +147,7 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     wraps it, for this model's attention modules only (other models in the process keep theirs).
     Refused before any change: ``eager`` (it needs a [tokens, tokens] mask), MoE families (their router
     loss is not a sum over tokens), sizes that do not divide the heads or the world, a sliding window
-    under a core other than sdpa or flash attention, masks other than causal, windowed and padded.
+    under an attention other than sdpa or flash attention, masks other than causal, windowed and padded.
     """
     import torch.distributed as dist
 
@@ -157,7 +157,7 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     installed = tiled_loss_forward(model)
     if installed is None:
         raise ValueError(NO_TILED_LOSS_ERROR.format(model=type(model).__name__))
-    core = installed.model.config._attn_implementation
+    attention = installed.model.config._attn_implementation
 
     import deepspeed
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
@@ -168,15 +168,15 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     decoder = installed.model.get_decoder()
     # What the name holds, a user's override included: this model's attention after the all-to-all, and
     # every other model's attention, are what they would be without SP.
-    held = ALL_ATTENTION_FUNCTIONS[core] if core in ALL_ATTENTION_FUNCTIONS else None
-    kind = core_kind(held)
-    undo = _undo_attention(installed.model, core, ALL_ATTENTION_FUNCTIONS)
+    held = ALL_ATTENTION_FUNCTIONS[attention] if attention in ALL_ATTENTION_FUNCTIONS else None
+    kind = attention_kind(held)
+    undo = undo_attention(installed.model, attention, ALL_ATTENTION_FUNCTIONS)
     if held is not None:
         # DeepSpeed wraps what the name holds when it registers: it runs this after its all-to-all.
-        ALL_ATTENTION_FUNCTIONS[core] = whole_sequence_core(held, kind, decoder.config)
+        ALL_ATTENTION_FUNCTIONS[attention] = whole_sequence_attention(held, kind, decoder.config)
     try:
         mpu = UlyssesSPAttentionHF.register_with_transformers(
-            installed.model, core_attn_implementation=core, sequence_parallel_size=size,
+            installed.model, core_attn_implementation=attention, sequence_parallel_size=size,
             micro_batch_size=micro_batch_size, seq_length_is_variable=True)
     except BaseException:
         # DeepSpeed creates its SP groups before its own checks (eager refused, a config mismatch): a
@@ -184,7 +184,7 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
         undo()
         parallel_state_sp._release_sequence_parallel_groups()
         raise
-    _scope_to(installed.model, core, ALL_ATTENTION_FUNCTIONS, held)
+    _scope_to(installed.model, attention, ALL_ATTENTION_FUNCTIONS, held)
     group = mpu.get_sequence_parallel_group()
     installed.sequence_group = group
     unhook = capture_padding(decoder, group, kind)
@@ -193,7 +193,7 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
         unhook()
         undo()
 
-    return SequenceParallel(model, group, mpu, core, undo_all, micro_batch_size,
+    return SequenceParallel(model, group, mpu, attention, undo_all, micro_batch_size,
                             guard_inputs(installed.model, micro_batch_size))
 
 
@@ -227,9 +227,9 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
                          "use sdpa, flash_attention_2 or flex_attention (DeepSpeed's rule)")
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    core = config._attn_implementation
-    held = ALL_ATTENTION_FUNCTIONS[core] if core in ALL_ATTENTION_FUNCTIONS else None
-    check_masks(text, core, core_kind(held))
+    attention = config._attn_implementation
+    held = ALL_ATTENTION_FUNCTIONS[attention] if attention in ALL_ATTENTION_FUNCTIONS else None
+    check_masks(text, attention, attention_kind(held))
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
@@ -244,41 +244,41 @@ def shares_heads(heads: int, kv_heads: int, size: int) -> Tuple[bool, bool]:
     return heads % size == 0, kv_heads % size == 0 or size % kv_heads == 0
 
 
-def _scope_to(model: nn.Module, core: str, functions: Any, before: Optional[Callable]) -> None:
-    """DeepSpeed writes its Ulysses wrapper under ``core`` for the whole process: every model using that
+def _scope_to(model: nn.Module, attention: str, functions: Any, before: Optional[Callable]) -> None:
+    """DeepSpeed writes its Ulysses wrapper under ``attention`` for the whole process: every model using that
     attention (a reference, teacher or evaluation model beside this one) would exchange heads across
     ranks too, and be silently wrong. Route only this model's attention modules to it, every other one
     to ``before`` (what the name held before SP, a user's override included)."""
-    ulysses = functions[core]
+    ulysses = functions[attention]
     ours = weakref.WeakSet(m for m in model.modules())
 
     def scoped(module, *args, **kwargs):
         if module in ours:
             return ulysses(module, *args, **kwargs)
         if before is None:
-            raise RuntimeError(f"sequence parallelism: no attention function was registered under {core!r} before SP")
+            raise RuntimeError(f"sequence parallelism: no attention function was registered under {attention!r} before SP")
         return before(module, *args, **kwargs)
 
-    functions[core] = scoped
+    functions[attention] = scoped
 
 
-def _undo_attention(model: nn.Module, core: str, functions: Any) -> Callable[[], None]:
+def undo_attention(model: nn.Module, attention: str, functions: Any) -> Callable[[], None]:
     """What puts back what DeepSpeed's SP changes outside its groups: the attention function under
-    ``core`` (``ALL_ATTENTION_FUNCTIONS`` keeps a per-instance override over the library-wide mapping;
+    ``attention`` (``ALL_ATTENTION_FUNCTIONS`` keeps a per-instance override over the library-wide mapping;
     DeepSpeed writes the override, so where there was none before, the override is deleted rather than
     set to the old function, which would hide a later ``AttentionInterface.register``), and every
     attention module's ``num_key_value_groups`` (DeepSpeed sets it to 1 in the forward when SP
     replicates the key/value heads; left so, a forward without SP would not repeat them)."""
     local = getattr(functions, "_local_mapping", None)
-    had_override = local is not None and core in local
-    before = functions[core] if core in functions else None
+    had_override = local is not None and attention in local
+    before = functions[attention] if attention in functions else None
     groups = {m: m.num_key_value_groups for m in model.modules() if isinstance(getattr(m, "num_key_value_groups", None), int)}
 
     def undo() -> None:
         if local is not None and not had_override:
-            local.pop(core, None)
+            local.pop(attention, None)
         elif before is not None:
-            functions[core] = before
+            functions[attention] = before
         for module, value in groups.items():
             module.num_key_value_groups = value
 

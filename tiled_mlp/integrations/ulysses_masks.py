@@ -21,13 +21,13 @@ Two pieces carry it:
   to the layer for the recompute (a forward's mask never meets another forward's recompute);
 - a forward pre-hook on each decoder layer (HF's ``GradientCheckpointingLayer``, before its checkpointing
   drops the cache) records whether the decoder passed it a cache;
-- the attention core DeepSpeed calls after the all-to-all (``whole_sequence_core``) takes that argument
+- the inner attention DeepSpeed calls after the all-to-all (``whole_sequence_attention``) takes that argument
   and the layer's ``sliding_window`` (what each HF attention module passes for its own layer: the
-  config's window on a sliding layer, ``None`` on a full one) and calls the library's core with HF's mask.
+  config's window on a sliding layer, ``None`` on a full one) and calls the library's attention with HF's mask.
 
-What cannot be exact is refused: a flash-attention core gets the window as it would without SP (the
+What cannot be exact is refused: a flash attention gets the window as it would without SP (the
 same call, the same ``sliding_window`` and ``position_ids``, no mask either way) but cannot take a
-padding mask here; flex attention and any other core get DeepSpeed's causal mask only, so a windowed
+padding mask here; flex attention and any other attention get DeepSpeed's causal mask only, so a windowed
 config is refused when SP is applied, and a padding mask at the call.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ class WholeSequence:
     cached: Optional[bool] = None
 
 
-def core_kind(function: Optional[Callable]) -> str:
+def attention_kind(function: Optional[Callable]) -> str:
     """``"sdpa"`` or ``"flash"`` for the library's own functions (what the masks here are built for);
     ``"other"`` for anything else (flex attention, a registered custom function, a user's function put
     under a library name: it gets DeepSpeed's call as it comes)."""
@@ -75,7 +75,7 @@ def is_windowed(config: Any) -> bool:
         layer_types is None or "sliding_attention" in layer_types)
 
 
-def check_masks(config: Any, core: str, kind: str) -> None:
+def check_masks(config: Any, attention: str, kind: str) -> None:
     """The refusals a config shows before any forward (``config`` is the text config)."""
     layer_types = set(getattr(config, "layer_types", None) or ())
     unknown = sorted(layer_types - set(KNOWN_LAYER_TYPES))
@@ -90,7 +90,7 @@ def check_masks(config: Any, core: str, kind: str) -> None:
         raise ValueError("sequence parallelism: bidirectional attention is not rebuilt for the whole sequence under "
                          "Ulysses SP; use the model's causal attention (config.is_causal / use_bidirectional_attention)")
     if kind == "other" and is_windowed(config):
-        raise ValueError(f"sequence parallelism: the attention function under {core!r} (not transformers' own sdpa or "
+        raise ValueError(f"sequence parallelism: the attention function under {attention!r} (not transformers' own sdpa or "
                          "flash attention) gets DeepSpeed's causal mask after the all-to-all, "
                          f"without this model's sliding window ({config.sliding_window} tokens); use sdpa (exact: the "
                          "window is rebuilt for the whole sequence) or a flash-attention kernel (it takes the window)")
@@ -174,13 +174,13 @@ def whole_padding(arguments: Dict[str, Any], group: Any) -> Optional[torch.Tenso
     return padding
 
 
-def whole_sequence_core(library: Callable, kind: str, config: Any) -> Callable:
-    """The attention core DeepSpeed runs after its all-to-all on this model: ``library`` (the function the
-    core's name has in transformers) with the whole sequence's mask where ``kind`` is ``"sdpa"``; the call
+def whole_sequence_attention(library: Callable, kind: str, config: Any) -> Callable:
+    """The inner attention DeepSpeed runs after its all-to-all on this model: ``library`` (the function the
+    attention's name has in transformers) with the whole sequence's mask where ``kind`` is ``"sdpa"``; the call
     as it comes otherwise (a padding mask was refused in the decoder's hook, a window at apply)."""
     windowed = is_windowed(config)
 
-    def core(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
              *args: Any, **kwargs: Any) -> Any:
         whole = kwargs.pop(WHOLE_SEQUENCE_KWARG, None)
         if not isinstance(whole, WholeSequence):
@@ -190,8 +190,8 @@ def whole_sequence_core(library: Callable, kind: str, config: Any) -> Callable:
             raise RuntimeError(f"sequence parallelism: {type(module).__name__} does not pass its sliding_window to the "
                                "attention function, so its layer's window is unknown here; not supported under SP")
         if kind == "other" and whole.cached is not True and _packed(kwargs.get("position_ids")):
-            # Without a cache HF hands the core a mask that keeps packed samples apart; DeepSpeed hands this
-            # core none (flex: a causal BlockMask over the whole row), so the samples would attend across.
+            # Without a cache HF hands the attention a mask that keeps packed samples apart; DeepSpeed hands this
+            # attention none (flex: a causal BlockMask over the whole row), so the samples would attend across.
             raise RuntimeError(f"sequence parallelism: packed samples (position_ids restarting) without a cache, under "
                                f"the attention function {getattr(library, '__qualname__', library)!r}: it gets no "
                                "mask under SP and would attend across the samples. Use sdpa, or pad the samples "
@@ -207,7 +207,7 @@ def whole_sequence_core(library: Callable, kind: str, config: Any) -> Callable:
             mask = whole.masks[kwargs.get("sliding_window")] = hf_mask(config, query, whole, kwargs)
         return library(module, query, key, value, mask, *args, **kwargs)
 
-    return core
+    return attention
 
 
 def _packed(positions: Optional[torch.Tensor]) -> bool:
@@ -221,7 +221,7 @@ def hf_mask(config: Any, query: torch.Tensor, whole: WholeSequence, kwargs: Dict
     """Hugging Face's sdpa mask for the whole sequence ``query`` covers ([batch, heads, tokens, dim]), for
     the layer whose ``sliding_window`` is in ``kwargs``: what the decoder builds without SP (``None`` where
     sdpa's own causal flag is the mask). ``kwargs["position_ids"]`` are the whole sequence's (DeepSpeed
-    all-gathers them before the core runs)."""
+    all-gathers them before the attention runs)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     window = kwargs.get("sliding_window")
@@ -235,7 +235,7 @@ def hf_mask(config: Any, query: torch.Tensor, whole: WholeSequence, kwargs: Dict
     # causal over the row. A fresh cache sizes the mask as no cache does (no past tokens), so cache=None.
     positions = None if whole.cached else kwargs.get("position_ids")
     if not whole.cached and positions is None:
-        raise RuntimeError("sequence parallelism: the attention core got no position_ids (DeepSpeed all-gathers them "
+        raise RuntimeError("sequence parallelism: the inner attention got no position_ids (DeepSpeed all-gathers them "
                            "before it); HF's mask for packed samples is unknown here")
     return build(config=config, inputs_embeds=shape_only, attention_mask=whole.padding, cache=None,
                  position_ids=positions)
