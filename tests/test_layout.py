@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -171,8 +172,12 @@ def test_importing_the_package_loads_no_module_under_a_repository_name():
 
 @pytest.mark.timeout(120)
 def test_the_wheel_installs_one_top_level_name(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
-                    str(ROOT)], check=True, capture_output=True, env={**os.environ, "PIP_CONSTRAINT": ""})
+    # Built from a copy: a build writes build/ and *.egg-info beside the sources.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".tox", ".torch_extensions", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "docs"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(source)], check=True, capture_output=True, env={**os.environ, "PIP_CONSTRAINT": ""})
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}

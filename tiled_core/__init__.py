@@ -13,7 +13,7 @@ from .kernel_registry import Kernel, KernelCall, available_kernels, register_ker
 from .module import TiledMLP, tile
 from .module_call import TiledInputs
 from .shard_plan import ShardPlan, make_shard_plan
-from .sharded_autograd import ShardedMLPFunction, ShardedRun, sharded_apply
+from .sharded_autograd import ShardedMapFunction, ShardedRun, sharded_apply
 from .sharded_reduce import ShardedReduceFunction, sharded_reduce
 from .tiled_call import tiled_call
 from .tiled_loss import TiledCrossEntropy, tiled_cross_entropy
@@ -24,5 +24,5 @@ from .tiling_state import TilingState
 __all__ = ["TiledMLP", "tile", "untile", "TiledInputs", "prepare_tiling", "install_tiling", "TilingState",
            "FastPathRefused", "fast_path_problem", "GatedForm", "register_gated_mlp", "unregister_gated_mlp",
            "Kernel", "KernelCall", "register_kernel", "unregister_kernel", "available_kernels", "tiled_call",
-           "ShardPlan", "make_shard_plan", "ShardedMLPFunction", "ShardedRun", "sharded_apply",
+           "ShardPlan", "make_shard_plan", "ShardedMapFunction", "ShardedRun", "sharded_apply",
            "ShardedReduceFunction", "sharded_reduce", "tiled_cross_entropy", "TiledCrossEntropy"]

@@ -117,7 +117,7 @@ def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = (
         raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=describe(kept)))
 
 
-class ShardedMLPFunction(torch.autograd.Function):
+class ShardedMapFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, run: ShardedRun[ShardKernel], first: FirstShard, *tensors: torch.Tensor) -> torch.Tensor:
         # Shards are views of a detached input: a view made under no_grad still reports requires_grad.
@@ -218,4 +218,4 @@ def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor
         run.kernel.remember_reads([t for t in foreign if not t.requires_grad])
     watched = [*params, *run.kernel.owned_params, *others] if watch else None
     first = FirstShard(first_out, rng_state, watched, holder, x.requires_grad, input_version)
-    return ShardedMLPFunction.apply(x_in, run, first, *params, *others)
+    return ShardedMapFunction.apply(x_in, run, first, *params, *others)
