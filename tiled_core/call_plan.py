@@ -54,6 +54,7 @@ class CallPlan:
     # Whether the last kernel chosen keeps gradient buffers of its own (the auto policy's generic rule).
     generic: bool = False
     _trainable_bytes: Optional[int] = field(default=None, repr=False)
+    _sizes: Optional[PlanSizes] = field(default=None, repr=False)
 
     @property
     def trainable_bytes(self) -> int:
@@ -62,7 +63,11 @@ class CallPlan:
         return self._trainable_bytes
 
     def sizes(self) -> PlanSizes:
-        return PlanSizes(self.shallow, self.intermediate, self.param_bytes, self.trainable_bytes, self.generic)
+        sizes = self._sizes
+        if sizes is None or sizes.generic != self.generic:  # every other field is fixed with the plan
+            sizes = self._sizes = PlanSizes(self.shallow, self.intermediate, self.param_bytes, self.trainable_bytes,
+                                            self.generic)
+        return sizes
 
 
 @dataclass(frozen=True)
