@@ -120,7 +120,7 @@ def test_deepspeed_is_imported_only_for_zero3_parameters():
     # the strategy's context on it must not import it.
     code = (
         "import sys, torch, tiled_mlp\n"
-        "from strategies import DeepSpeedZeroStrategy, resolve_strategy\n"
+        "from tiled_mlp.strategies import DeepSpeedZeroStrategy, resolve_strategy\n"
         "m = torch.nn.Linear(2, 2)\n"
         "assert not DeepSpeedZeroStrategy.claims(m)\n"
         "assert resolve_strategy(m).name == 'single_device'\n"

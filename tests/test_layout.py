@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,7 @@ CORE_FORBIDDEN = ("deepspeed", "accelerate", "transformers", "peft", "torch.dist
                   "torch.distributed._composable", "torch.distributed._composable_state")
 CORE_MAY_USE = (f"{STRATEGIES}.base", f"{STRATEGIES}.resolver")
 # deepspeed_sp.py: how a DeepSpeed engine reduces over the SP ranks, read by the DeepSpeed strategy.
+BY_REPOSITORY_NAME = re.compile(r"^\s*(from|import) (tiled_core|strategies)\b", re.MULTILINE)
 STRATEGY_SUPPORT = ("__init__.py", "base.py", "registry.py", "resolver.py", "deepspeed_sp.py")
 
 
@@ -157,9 +159,13 @@ def test_nothing_imports_the_folders_by_their_repository_names():
     found = []
     for folder in ("tiled_core", "strategies", "tiled_mlp", "tests", "integration_tests"):
         for path in sorted((ROOT / folder).rglob("*.py")):
-            for target, line in imported_modules(path.read_text(), "x.y"):
+            source = path.read_text()
+            for target, line in imported_modules(source, "x.y"):
                 if target.split(".")[0] in ("tiled_core", "strategies"):
                     found.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+            for node in ast.walk(ast.parse(source)):  # code run in a subprocess, written as a string
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and BY_REPOSITORY_NAME.search(node.value):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} runs code importing a repository name")
     assert not found, "import tiled_mlp.core / tiled_mlp.strategies instead:\n" + "\n".join(found)
 
 

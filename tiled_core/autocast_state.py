@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Dict
 
 import torch
 
@@ -26,7 +27,10 @@ class AutocastState:
     def capture(cls, device: torch.device) -> AutocastState:
         device_type = device.type
         if not autocast_enabled(device_type):
-            return cls(device_type, False, torch.float32)
+            off = _OFF.get(device_type)
+            if off is None:  # one per device type: captured at every tiled forward
+                off = _OFF[device_type] = cls(device_type, False, torch.float32)
+            return off
         return cls(device_type, True, torch.get_autocast_dtype(device_type))
 
     def replay(self):
@@ -36,3 +40,6 @@ class AutocastState:
         if not (self.enabled or autocast_enabled(self.device_type)):
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+
+
+_OFF: Dict[str, AutocastState] = {}

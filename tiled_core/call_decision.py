@@ -18,10 +18,11 @@ from torch import nn
 from tiled_mlp.strategies.base import Strategy
 
 from .auto_shards import AutoDecision, MLPSize, auto_decision, intermediate_size
-from .call_plan import CallPlan, PlanSizes, current_key, shallow_key
+from .call_plan import CallPlan, PlanSizes, plan_config, plan_holds, shallow_key
 from .fast_path import fast_refused
 from .kernel_registry import MAP, KernelCall, choose_kernel
 from .module_forward import current_forward
+from .module_snapshot import ModuleSnapshot
 from .tiled_call import CallDecision
 from .tiling_state import TilingState, tiling_of
 
@@ -33,16 +34,20 @@ def decide_map_call(module: nn.Module, strategy: Strategy, x: torch.Tensor, shar
     state = tiling_of(module)
     num_tokens = x.numel() // x.shape[-1]
     untiled_allowed = strategy.allows_untiled_call(module)
+    # A configured count never passes a call through for its length: only the auto policy asks the sizes.
+    by_policy = not isinstance(state.num_shards, int)
     last = state.call_sizes
-    if untiled_allowed and last is not None and last.shallow == shallow_key(module, strategy, x):
+    if untiled_allowed and by_policy and last is not None and last.shallow == shallow_key(module, strategy, x):
         decision = shard_count(state, last, x, num_tokens, generic=last.generic)
         if decision.num_shards is None:
             return CallDecision(decision.reason)
     plan = current_plan(module, strategy, x)
-    if untiled_allowed:
+    if untiled_allowed and num_tokens == 0:
+        return CallDecision("untiled: no tokens")
+    if untiled_allowed and by_policy:
         decision = shard_count(state, plan, x, num_tokens, generic=False)
-        if num_tokens == 0 or decision.num_shards is None:
-            return CallDecision(decision.reason if num_tokens else "untiled: no tokens")
+        if decision.num_shards is None:
+            return CallDecision(decision.reason)
     only = None if state.path == "auto" else state.path
     choice = choose_kernel(MAP, KernelCall(module, x, strategy, plan.trainable, shard_forward, token_inputs, cache=plan), only)
     if choice.entry is None:
@@ -76,10 +81,11 @@ def shard_count(state: TilingState, sizes: Union[PlanSizes, CallPlan], x: torch.
 def current_plan(module: nn.Module, strategy: Strategy, x: torch.Tensor) -> CallPlan:
     """The cached plan while its key holds, else a new one (see ``call_plan.py``)."""
     state = tiling_of(module)
-    key, keep_alive = current_key(module, strategy, x, current_forward(module))
+    config, keep_alive = plan_config(module, strategy, x, current_forward(module))
     plan = state.call_plan
-    if plan is None or plan.key != key:
-        plan = CallPlan(key, keep_alive, shallow_key(module, strategy, x), strategy.trainable_params(module),
+    if plan is None or not plan_holds(plan, config):
+        plan = CallPlan(config, keep_alive, ModuleSnapshot(module), shallow_key(module, strategy, x),
+                        strategy.trainable_params(module),
                         intermediate_size(module), strategy.param_bytes(module), list(module.named_buffers()))
         state.call_plan = plan
     return plan

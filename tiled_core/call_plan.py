@@ -1,9 +1,11 @@
 """What a tiled call decides before it touches a tensor, kept while nothing it rests on changes.
 
 A tiled call needs the trainable parameters, the module's sizes, its hooks and the fast-path decision
-(what the forward is, ``gated_forms``). One walk of the module builds one key
-(``fast_path.module_key``: its parameters, buffers, submodules, hooks, training modes, settings, and
-the input's dtype and device) and, with the strategy, picks the cached plan or makes a new one. The
+(what the forward is, ``gated_forms``). A plan is kept while two things hold: its configuration (the
+path asked for, the forward and its code by identity, the form registry's generation, the strategy's
+type, the input's dtype and device, autocast: ``plan_config``) and a snapshot of the module tree
+(``module_snapshot``: its parameters, buffers, submodules, hooks, training modes, settings), compared
+by identity at every call without building a key. The
 strategy itself is resolved at every call (a model is usually wrapped by its backend after it was
 tiled, and a warm-up forward must not pin the single-device fallback); without a process group that
 costs a few attribute reads.
@@ -25,15 +27,17 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .fast_path import module_key
+from .autocast_state import autocast_enabled
 from .gated_forms import registry_generation
 from .gated_spec import GatedMLPSpec
+from .module_snapshot import ModuleSnapshot
 
 
 @dataclass
 class CallPlan:
-    key: tuple
-    keep_alive: tuple  # the objects the key names by id, so that no id is reused while it is cached
+    config: tuple  # ``plan_config``
+    keep_alive: tuple  # the objects the configuration names by id, so that no id is reused while it is cached
+    snapshot: ModuleSnapshot  # the module tree the plan was made from
     shallow: tuple  # ``shallow_key``: what the pass-through decision reuses the plan's sizes on
     trainable: List[torch.Tensor]
     intermediate: Optional[int]
@@ -50,6 +54,7 @@ class CallPlan:
     # Whether the last kernel chosen keeps gradient buffers of its own (the auto policy's generic rule).
     generic: bool = False
     _trainable_bytes: Optional[int] = field(default=None, repr=False)
+    _sizes: Optional[PlanSizes] = field(default=None, repr=False)
 
     @property
     def trainable_bytes(self) -> int:
@@ -58,7 +63,11 @@ class CallPlan:
         return self._trainable_bytes
 
     def sizes(self) -> PlanSizes:
-        return PlanSizes(self.shallow, self.intermediate, self.param_bytes, self.trainable_bytes, self.generic)
+        sizes = self._sizes
+        if sizes is None or sizes.generic != self.generic:  # every other field is fixed with the plan
+            sizes = self._sizes = PlanSizes(self.shallow, self.intermediate, self.param_bytes, self.trainable_bytes,
+                                            self.generic)
+        return sizes
 
 
 @dataclass(frozen=True)
@@ -83,13 +92,20 @@ def shallow_key(module: nn.Module, strategy: Any, x: torch.Tensor) -> tuple:
             tuple(map(id, d["_modules"].values())))
 
 
-def current_key(module: nn.Module, strategy: Any, x: torch.Tensor, forward: Any) -> Tuple[tuple, tuple]:
-    """The key of a plan for ``module`` called on ``x`` under ``strategy``; ``forward`` is what the
-    module's forward is now (the instance forward, else the class's: patched on the class or not)."""
-    key, keep_alive = module_key(module, x)
+def plan_config(module: nn.Module, strategy: Any, x: torch.Tensor, forward: Any) -> Tuple[tuple, tuple]:
+    """(configuration, keep_alive): what a plan for ``module`` called on ``x`` under ``strategy`` rests on
+    besides the module tree; ``forward`` is what the module's forward is now (the instance forward, else
+    the class's: patched on the class or not)."""
     tiling: Any = module.tiling  # the path asked for and the kernels allowed decide the fast path too
     code = getattr(getattr(forward, "__func__", forward), "__code__", None)  # ``__code__`` swapped in place
-    config = (tiling.path, tiling.use_fused_kernel, id(forward), id(code), registry_generation())
+    device = x.device
     # The strategy answers trainable_params and param_bytes: another backend, another plan. (Its type:
     # "auto" makes a new instance at every call.)
-    return (key, config, type(strategy)), (*keep_alive, forward, code)
+    config = (tiling.path, tiling.use_fused_kernel, id(forward), id(code), registry_generation(), type(strategy),
+              x.dtype, device, autocast_enabled(device.type))
+    return config, (forward, code)
+
+
+def plan_holds(plan: CallPlan, config: tuple) -> bool:
+    """Whether ``plan`` was made for this configuration and the module tree it was made from."""
+    return plan.config == config and plan.snapshot.holds()

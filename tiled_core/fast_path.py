@@ -1,12 +1,12 @@
-"""Whether a call may take the gated fast kernel, and the key of what that (and every other answer a
-call caches, ``call_plan.py``) rests on.
+"""Whether a call may take the gated fast kernel.
 
 The decision rests on what the forward is (its function object, proven to compute the gated formula
 by ``gated_forms``), the module's structure (its parameters, buffers, submodules, their classes and
 their classes' forwards, and hooks, and the hooks registered for every module), its training mode,
 the weights' and the input's dtype and device, every other attribute (a ``self.scale = 2.0``, a
-tensor attribute), and autocast. All of that is the key. Nothing is decided by running the forward:
-a forward the fast kernel is not proven to compute takes the generic path, which runs it.
+tensor attribute), and autocast. The call plan it is cached in is kept only while all of that holds
+(``call_plan.py``, ``module_snapshot.py``). Nothing is decided by running the forward: a forward the
+fast kernel is not proven to compute takes the generic path, which runs it.
 """
 from __future__ import annotations
 
@@ -17,45 +17,8 @@ from torch import nn
 
 from .autocast_state import autocast_enabled
 from .gated_forms import known_form
-from .gated_spec import GatedMLPSpec, global_module_hooks, no_hook_is_backend, structural_spec
+from .gated_spec import GatedMLPSpec, no_hook_is_backend, structural_spec
 from .module_forward import forward_function, is_tiled
-
-
-def _tensor_entries(registry: dict) -> list:
-    # A tensor keeps its identity through ``module.to(dtype)`` and ``requires_grad_()``: read those too.
-    return [(k, None) if t is None else (k, id(t), t.dtype, t.device, t.requires_grad) for k, t in registry.items()]
-
-
-def module_key(module: nn.Module, x: torch.Tensor) -> Tuple[tuple, tuple]:
-    """(key, keep_alive). The key names every attribute of every submodule by identity (``training``,
-    a ``self.scale = 2.0`` the forward reads, ``GELU.approximate``, a tensor attribute, an instance
-    ``forward``), plus what changes in place inside them: the parameter, buffer and child registries and
-    the hook dicts (hooks by handle id, never reused). Identities are exact only while no named object
-    can be freed and its id reused, so ``keep_alive`` holds every object the key names: rebinding an
-    attribute, even to an equal value, changes the key (a needless re-decision, never a missed one).
-    It runs at every tiled call: C-level ``tuple``/``map`` over each submodule's own dicts (about 8 us
-    for a 4-submodule MLP on CPU). A value changed in place inside a mutable attribute (a list the
-    forward reads) is not seen; such a module is not one the fast path accepts (``gated_spec``)."""
-    objects: list = []
-    parts: list = [tuple(tuple(hooks) for hooks in global_module_hooks()), x.dtype, x.device, autocast_enabled(x.device.type)]
-    stack = [("", module)]
-    while stack:
-        name, sub = stack.pop()
-        d = sub.__dict__
-        params, buffers, children = d["_parameters"], d["_buffers"], d["_modules"]
-        cls = type(sub)
-        objects += (sub, cls, cls.forward)
-        objects.extend(d.values())
-        objects.extend(params.values())
-        objects.extend(buffers.values())
-        # The class and its forward by identity: ``act_fn.__class__ = ...`` or a forward patched on the class.
-        parts += (name, id(sub), id(cls), id(cls.forward), tuple(d), tuple(map(id, d.values())),
-                  tuple(d["_forward_hooks"]), tuple(d["_forward_pre_hooks"]),
-                  tuple(d["_backward_hooks"]), tuple(d["_backward_pre_hooks"]),
-                  _tensor_entries(params), _tensor_entries(buffers))
-        # Every child, duplicates and all (one module reached twice is still one more call).
-        stack.extend((f"{name}.{k}" if name else k, child) for k, child in children.items() if child is not None)
-    return tuple(parts), tuple(objects)
 
 
 def decide_fast_path(module: nn.Module, forward_fn: Optional[Callable], x: torch.Tensor,

@@ -43,14 +43,20 @@ class GatedForm:
     up_scale: Scale = 1.0  # multiplies up(x)
     down_scale: Scale = 1.0  # multiplies down's output
 
-    @property
+    # Cached on the (frozen) form: the staleness check of a cached fast decision reads them at every call.
+    @functools.cached_property
     def module_names(self) -> Tuple[str, ...]:
         names = (self.gate_up,) if self.gate_up is not None else (self.gate, self.up)
         return tuple(n for n in (*names, self.down, self.activation) if n is not None)
 
-    @property
+    @functools.cached_property
     def scale_names(self) -> Tuple[str, ...]:
         return tuple(s for s in (self.gate_scale, self.up_scale, self.down_scale) if isinstance(s, str))
+
+    @functools.cached_property
+    def read_names(self) -> Tuple[str, ...]:
+        """Every attribute of the module the forward reads: its parts and its named scales."""
+        return self.module_names + self.scale_names
 
 
 # Forward bodies known to compute a form, in registration order (``register_gated_form``).
@@ -273,7 +279,7 @@ def _shadowed(module: nn.Module, names: Tuple[str, ...]) -> bool:
     cls = type(module)
     if cls.__getattribute__ is not object.__getattribute__ or getattr(cls, "__getattr__", None) is not nn.Module.__getattr__:
         return True
-    return any(name in vars(klass) for klass in cls.__mro__ for name in names)
+    return any(not vars(klass).keys().isdisjoint(names) for klass in cls.__mro__)
 
 
 def resolve_scale(module: nn.Module, scale: Scale) -> Optional[float]:
@@ -290,14 +296,16 @@ def resolve_scale(module: nn.Module, scale: Scale) -> Optional[float]:
 
 def check_attributes(module: nn.Module, form: GatedForm) -> str:
     """Why ``module``'s attributes may not be what the form's forward reads ("" when they are)."""
-    if _shadowed(module, form.module_names + form.scale_names):
+    if _shadowed(module, form.read_names):
         return "its class defines an attribute the forward reads, or a custom attribute lookup"
+    names = form.module_names
+    attributes = module.__dict__
     # An instance attribute of a child's name is found before the child (nn.Module keeps children in
     # ``_modules``, read only when normal lookup fails).
-    hidden = [name for name in form.module_names if name in module.__dict__]
-    if hidden:
-        return f"an instance attribute hides the submodule {', '.join(hidden)}"
-    missing = [name for name in form.module_names if not isinstance(module._modules.get(name), nn.Module)]
+    if not attributes.keys().isdisjoint(names):
+        return f"an instance attribute hides the submodule {', '.join(n for n in names if n in attributes)}"
+    children = attributes["_modules"]
+    missing = [name for name in names if not isinstance(children.get(name), nn.Module)]
     if missing:
         return f"no submodule {', '.join(missing)}"
     return ""

@@ -6,6 +6,7 @@ that see different token counts (and so pick different shard counts) cannot dead
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import re
@@ -36,8 +37,13 @@ class ShardPlan:
         return tuple(starts)
 
     def slices(self):
-        for start, size in zip(self.offsets, self.shard_sizes, strict=True):
-            yield slice(start, start + size)
+        return iter(self.slice_tuple)
+
+    # Read at every shard of every call; the plan never changes, and ``make_shard_plan`` hands out the
+    # same plan for the same sizes.
+    @functools.cached_property
+    def slice_tuple(self) -> tuple:
+        return tuple(slice(start, start + size) for start, size in zip(self.offsets, self.shard_sizes, strict=True))
 
 
 def check_num_shards(num_shards: NumShards) -> None:
@@ -112,4 +118,10 @@ def make_shard_plan(num_tokens: int, num_shards: int) -> ShardPlan:
     check_num_shards(num_shards)
     if num_shards == AUTO:
         raise ValueError("make_shard_plan needs a shard count: resolve num_shards='auto' with auto_shards.auto_num_shards")
+    return _plan(num_tokens, num_shards)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(num_tokens: int, num_shards: int) -> ShardPlan:
+    # Cached after the checks above (a cache would answer ``True`` as ``1``): a plan is immutable.
     return ShardPlan(num_tokens=num_tokens, shard_sizes=split_evenly(num_tokens, num_shards))

@@ -122,20 +122,23 @@ class ShardedMapFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, run: ShardedRun[ShardKernel], first: FirstShard, *tensors: torch.Tensor) -> torch.Tensor:
         # Shards are views of a detached input: a view made under no_grad still reports requires_grad.
         x_flat = x.detach().reshape(-1, x.shape[-1])
-        slices = list(run.plan.slices())
+        slices = run.plan.slice_tuple
         out = first.out.new_empty((*x.shape[:-1], first.out.shape[-1]))
         out_flat = out.view(-1, out.shape[-1])
         out_flat[slices[0]].copy_(first.out)
         rng_states = [first.rng_state]
+        forward_shard = run.kernel.forward_shard
         for index, shard in enumerate(slices[1:], start=1):
             rng_states.append(capture_rng_state(x.device) if run.replay_rng else None)
-            reads = _watch(first.watched)
-            with _maybe(reads):
-                run.kernel.forward_shard(x_flat[shard], out_flat[shard], tensors, shard)
-            if reads is not None:
-                if reads.foreign:
-                    raise RuntimeError(LATE_TENSOR_ERROR.format(shard=index, tensors=describe(reads.foreign_tensors())))
-                _check_nothing_kept(reads)
+            if first.watched is None:
+                forward_shard(x_flat[shard], out_flat[shard], tensors, shard)
+                continue
+            reads = TensorReads(known=first.watched, watch_kept=True, grad_only=True)
+            with reads:
+                forward_shard(x_flat[shard], out_flat[shard], tensors, shard)
+            if reads.foreign:
+                raise RuntimeError(LATE_TENSOR_ERROR.format(shard=index, tensors=describe(reads.foreign_tensors())))
+            _check_nothing_kept(reads)
         if first.input_version is not None and x._version != first.input_version:
             raise RuntimeError(INPUT_EDITED_ERROR.format(module=run.kernel.module_name))
         if first.input_holder is None:
@@ -174,11 +177,14 @@ class ShardedMapFunction(torch.autograd.Function):
         # One autocast context around the loop (the forward's state, whatever surrounds this backward);
         # an RNG context only where a shard drew random numbers to replay.
         with run.gathered(), run.kernel.using(tensors), ctx.autocast.replay():
-            for shard, rng_state in zip(run.plan.slices(), ctx.rng_states, strict=True):
-                with _maybe(replay_rng_state(x.device, rng_state) if rng_state is not None else None):
-                    run.kernel.backward_shard(
-                        x_flat[shard], dy_flat[shard], None if dx_flat is None else dx_flat[shard], grads, tensors, shard
-                    )
+            backward_shard = run.kernel.backward_shard
+            for shard, rng_state in zip(run.plan.slice_tuple, ctx.rng_states, strict=True):
+                args = (x_flat[shard], dy_flat[shard], None if dx_flat is None else dx_flat[shard], grads, tensors, shard)
+                if rng_state is None:
+                    backward_shard(*args)
+                    continue
+                with replay_rng_state(x.device, rng_state):
+                    backward_shard(*args)
             tensor_grads = delivered_grads(run, grads, tensors, num_params)  # inside the gathered region
         dx = None if dx_flat is None else dx_flat.view_as(x)
         return (dx, None, None, *tensor_grads)
@@ -190,6 +196,8 @@ def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Ten
     their storage between forward and backward."""
     if run.params_swap_storage:
         return TensorVersions(tensors[len(run.kernel.params):])
+    if run.kernel.owned_params is run.kernel.params:  # the fast kernel: the Function's tensors start with them
+        return TensorVersions(tensors)
     taken = {id(t) for t in tensors}
     return TensorVersions([*tensors, *(p for p in run.kernel.owned_params if id(p) not in taken)])
 
@@ -203,7 +211,7 @@ def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor
     watch = run.kernel.may_read_other_tensors and torch.is_grad_enabled()
     x_root = x.detach()
     x_flat = x_root.reshape(-1, x.shape[-1])
-    first_slice = next(run.plan.slices())
+    first_slice = run.plan.slice_tuple[0]
     rng_state = capture_rng_state(x.device) if run.replay_rng else None
     # Every tensor the first shard reads from outside, with or without a gradient: the ones needing a
     # gradient become inputs of the Function, the others are held to what the backward recompute reads.

@@ -1,0 +1,127 @@
+"""The snapshot a cached call plan rests on (``tiled_core/module_snapshot.py``) sees every change to the
+module tree that the plan's answers depend on, and nothing else makes the plan be re-made.
+
+Each test takes a snapshot, changes one thing, and checks ``holds()``; the last ones check through a
+tiled call that a stale plan is never used (the gradient goes to the parameter the module holds now).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import GatedMLP, seeded
+from torch import nn
+
+from tiled_mlp import TiledMLP
+from tiled_mlp.core.module_snapshot import ModuleSnapshot
+
+pytestmark = pytest.mark.timeout(60)
+
+HIDDEN, INTER, TOKENS = 8, 12, 7
+
+
+def _mlp() -> GatedMLP:
+    return seeded(GatedMLP, 3, HIDDEN, INTER, "silu")
+
+
+def _same_hook(module, args, out):
+    return None
+
+
+def test_an_unchanged_tree_holds():
+    mlp = _mlp()
+    snapshot = ModuleSnapshot(mlp)
+    mlp(torch.randn(2, TOKENS, HIDDEN, dtype=torch.float64))
+    assert snapshot.holds()
+
+
+def test_an_attribute_renamed_with_the_same_value_is_seen():
+    mlp = _mlp()
+    value = object()
+    mlp.first = value
+    snapshot = ModuleSnapshot(mlp)
+    del mlp.first
+    mlp.second = value  # same size, same value in the same place: only the name differs
+    assert not snapshot.holds()
+
+
+def test_a_hook_removed_and_registered_again_is_seen():
+    mlp = _mlp()
+    handle = mlp.up_proj.register_forward_hook(_same_hook)
+    snapshot = ModuleSnapshot(mlp)
+    handle.remove()
+    mlp.up_proj.register_forward_hook(_same_hook, with_kwargs=True)  # the same function under a new handle
+    assert not snapshot.holds()
+
+
+def test_a_hook_on_a_child_whose_hooks_were_empty_is_seen():
+    mlp = _mlp()
+    snapshot = ModuleSnapshot(mlp)
+    mlp.act_fn.register_forward_pre_hook(lambda module, args: None)
+    assert not snapshot.holds()
+
+
+def test_a_global_module_hook_is_seen():
+    mlp = _mlp()
+    snapshot = ModuleSnapshot(mlp)
+    handle = nn.modules.module.register_module_forward_hook(_same_hook)
+    try:
+        assert not snapshot.holds()
+    finally:
+        handle.remove()
+    assert snapshot.holds()
+
+
+@pytest.mark.parametrize("change", ["dtype", "requires_grad", "parameter", "buffer", "training", "child"])
+def test_a_change_inside_a_submodule_is_seen(change):
+    mlp = _mlp()
+    mlp.down_proj.register_buffer("offset", torch.zeros(HIDDEN, dtype=torch.float64))
+    snapshot = ModuleSnapshot(mlp)
+    if change == "dtype":
+        mlp.gate_proj.to(torch.float32)  # the same Parameter objects, another dtype
+    elif change == "requires_grad":
+        mlp.up_proj.weight.requires_grad_(False)
+    elif change == "parameter":
+        mlp.down_proj.weight = nn.Parameter(mlp.down_proj.weight.detach().clone())
+    elif change == "buffer":
+        mlp.down_proj.offset = torch.ones(HIDDEN, dtype=torch.float64)
+    elif change == "training":
+        mlp.act_fn.eval()
+    else:
+        mlp.act_fn = nn.GELU()
+    assert not snapshot.holds()
+
+
+def test_a_class_or_its_forward_changed_is_seen():
+    mlp = _mlp()
+    snapshot = ModuleSnapshot(mlp)
+
+    class OtherSiLU(nn.SiLU):
+        pass
+
+    mlp.act_fn.__class__ = OtherSiLU
+    assert not snapshot.holds()
+    mlp.act_fn.__class__ = nn.SiLU
+    assert snapshot.holds()
+    OtherSiLU.forward = lambda self, x: x  # patched on a class in the tree
+    mlp.act_fn.__class__ = OtherSiLU
+    later = ModuleSnapshot(mlp)
+    OtherSiLU.forward = lambda self, x: 2 * x
+    assert not later.holds()
+
+
+def test_a_parameter_swapped_after_a_fast_call_gets_the_gradient():
+    tiled = TiledMLP(_mlp(), num_shards=3)
+    x = torch.randn(2, TOKENS, HIDDEN, dtype=torch.float64)
+    tiled(x).sum().backward()
+    assert tiled.tiling.last_path == "fast"
+    old = tiled.down_proj.weight
+    tiled.down_proj.weight = nn.Parameter(old.detach() * 2)
+    old.grad = None
+    out = tiled(x)
+    out.sum().backward()
+    assert tiled.tiling.last_path == "fast"
+    assert old.grad is None and tiled.down_proj.weight.grad is not None
+    want = nn.functional.linear(
+        tiled.act_fn(nn.functional.linear(x, tiled.gate_proj.weight)) * nn.functional.linear(x, tiled.up_proj.weight),
+        tiled.down_proj.weight)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=0)
