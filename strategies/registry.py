@@ -75,7 +75,7 @@ def register_strategy(cls: Type[Strategy], override: bool = False, *, name: Opti
         raise TypeError(f"{cls.__name__}.priority must be an int, got {cls.priority!r}")
     _check_init_kwargs(cls, key, init_kwargs)
     entry = Registration(key, cls, dict(init_kwargs))
-    if key in _REGISTRY and _REGISTRY[key] != entry and not override:
+    if not override and key in _REGISTRY and not _same_registration(_REGISTRY[key], entry):
         held = _REGISTRY[key]
         raise ValueError(
             f"a strategy named {key!r} is already registered ({held.cls.__name__}"
@@ -84,6 +84,12 @@ def register_strategy(cls: Type[Strategy], override: bool = False, *, name: Opti
     _REGISTRY[key] = entry
     _reorder()
     return cls
+
+
+def _same_registration(a: Registration, b: Registration) -> bool:
+    # Arguments compared by identity: a tensor or a process group has no usable ``==``.
+    return (a.cls is b.cls and a.init_kwargs.keys() == b.init_kwargs.keys()
+            and all(a.init_kwargs[k] is b.init_kwargs[k] for k in a.init_kwargs))
 
 
 def _shown(init_kwargs: Mapping[str, Any]) -> str:

@@ -44,7 +44,13 @@ def _sequence_parallel_strategies(module: nn.Module, fixed: Optional[Strategy]) 
         if not isinstance(fixed, SequenceParallelAware):
             raise _unaware(fixed, type(fixed), "was given as the strategy")
         found.append(fixed)
+    # Per class, the registration "auto" would resolve (the first by priority); another registration
+    # of the same class, under its own name and arguments, runs only where a caller names it.
+    asked = set()
     for entry in registrations_by_priority():
+        if entry.cls in asked:
+            continue
+        asked.add(entry.cls)
         if issubclass(entry.cls, SequenceParallelAware):
             found.append(entry.build())  # type: ignore[arg-type]  # an aware class builds an aware instance
         elif entry.cls.claims(module):

@@ -258,3 +258,25 @@ def test_bad_registrations_are_refused_before_anything_is_registered(register, e
         register()
     assert before == (list(gated_forms.KNOWN_BODIES), list(gated_forms._ACTIVATION_BODIES),
                       set(gated_forms._EQUIVALENT_LINEARS), list(activations._FUSED))
+
+
+def test_a_fused_kernel_registered_or_withdrawn_reaches_a_module_already_called():
+    from reference import GatedMLP
+
+    from tiled_mlp import TiledMLP
+
+    torch.manual_seed(0)
+    tiled = TiledMLP(GatedMLP(HIDDEN, INTER).double(), num_shards=3)
+    x = torch.randn(2, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
+    CountingKernel.calls = 0
+    tiled(x).sum().backward()
+    assert tiled.tiling.last_path == "fast" and CountingKernel.calls == 0
+    kernel = register_fused_kernel("cpu", ("silu",), CountingKernel)
+    try:
+        tiled(x).sum().backward()
+        assert CountingKernel.calls > 0, "a kernel registered after the first call is not used"
+    finally:
+        unregister_fused_kernel(kernel)
+    CountingKernel.calls = 0
+    tiled(x).sum().backward()
+    assert CountingKernel.calls == 0, "a withdrawn kernel still runs in a module called before"

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+from typing import Any, List
+
 import pytest
 import torch
 from reference import GatedMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
@@ -184,3 +186,35 @@ def test_a_capability_method_that_cannot_take_the_call_is_refused_at_registratio
 
     with pytest.raises(TypeError, match=r"check_sequence_group must accept \(module, group\)"):
         register_strategy(WrongArity)
+
+
+class Recording(Summing):
+    """An aware backend that records which of its configured instances the SP check asks."""
+
+    name = "test_sp_recording"
+    asked: List[Any] = []
+
+    def __init__(self, tag=None):
+        self.tag = tag
+
+    def sums_over_sequence_ranks(self, module, group=None):
+        Recording.asked.append(self.tag)
+        return True
+
+
+def test_the_sp_check_asks_the_registration_auto_resolves_not_another_of_the_same_class(registered):
+    registered(Recording, tag="auto's")
+    registered(Recording, name="test_sp_recording_other", tag="named only")
+    Recording.asked = []
+    assert sums_over_sequence_ranks(marked_model()) is True
+    assert Recording.asked == ["auto's"]
+
+
+def test_a_registration_with_a_tensor_argument_can_be_repeated_and_overridden(registered):
+    weight = torch.ones(3)
+    registered(Recording, tag=weight)
+    register_strategy(Recording, tag=weight)  # the same arguments, by identity: nothing to refuse
+    with pytest.raises(ValueError, match="already registered"):
+        register_strategy(Recording, tag=torch.ones(3))
+    register_strategy(Recording, override=True, tag=torch.zeros(3))
+    assert get_strategy("test_sp_recording").tag.sum().item() == 0

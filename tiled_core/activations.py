@@ -63,6 +63,11 @@ class FusedKernel:
 
 # Registered fused kernels (``register_fused_kernel``); the last registered for a device and name wins.
 _FUSED: List[FusedKernel] = []
+_FUSED_GENERATION = [0]
+
+
+def fused_generation() -> int:
+    return _FUSED_GENERATION[0]
 
 
 def register_fused_kernel(device_type: str, names: Iterable[str], factory: Callable[[str], Any],
@@ -79,12 +84,14 @@ def register_fused_kernel(device_type: str, names: Iterable[str], factory: Calla
                         "an availability check")
     kernel = FusedKernel(device_type, names, factory, available)
     _FUSED.append(kernel)
+    _FUSED_GENERATION[0] += 1
     return kernel
 
 
 def unregister_fused_kernel(kernel: FusedKernel) -> None:
     """Withdraw what ``register_fused_kernel`` returned."""
     _FUSED[:] = [k for k in _FUSED if k is not kernel]
+    _FUSED_GENERATION[0] += 1
 
 
 def gated_activation(name: str, device: torch.device, use_fused: bool = True):

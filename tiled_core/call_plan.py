@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .activations import fused_generation
 from .autocast_state import autocast_enabled
 from .gated_forms import registry_generation
 from .gated_spec import GatedMLPSpec
@@ -101,7 +102,7 @@ def plan_config(module: nn.Module, strategy: Any, x: torch.Tensor, forward: Any)
     device = x.device
     # The strategy answers trainable_params and param_bytes: another backend, another plan. (Its type:
     # "auto" makes a new instance at every call.)
-    config = (tiling.path, tiling.use_fused_kernel, id(forward), id(code), registry_generation(), type(strategy),
+    config = (tiling.path, tiling.use_fused_kernel, id(forward), id(code), registry_generation(), fused_generation(), type(strategy),
               x.dtype, device, autocast_enabled(device.type))
     return config, (forward, code)
 
