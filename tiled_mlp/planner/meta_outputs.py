@@ -115,7 +115,7 @@ class MetaOutputs:
 def _args_key(args: tuple) -> tuple:
     """``_key_of(args)``'s information, built in one loop: a step makes a million of these keys, nearly
     all of plain meta tensors, whose key is written out here rather than by a call per argument."""
-    keys = []
+    keys: List[Hashable] = []
     for value in args:
         kind = type(value)
         if kind is torch.Tensor or kind is torch.nn.Parameter:
