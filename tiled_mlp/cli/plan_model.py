@@ -21,6 +21,7 @@ from ..bench.progress import Progress
 from ..planner import alst, attention, check, report, sequence_parallel
 from ..planner.advice import what_to_change
 from ..planner.backends import BACKENDS, Backend
+from ..planner.collector import collector_paused
 from ..planner.plan import Planner, Point, Request
 from ..planner.presets import PRESETS, load_config
 from ..planner.search import Longest
@@ -143,6 +144,11 @@ def _check_parallel(args, parser_error) -> str:
 
 
 def run(args, parser_error) -> int:
+    with collector_paused():
+        return _run(args, parser_error)
+
+
+def _run(args, parser_error) -> int:
     # Everything is checked before the first modelled step: a mistake must not cost a plan.
     backend_name = _check_parallel(args, parser_error)
     if args.plot:
@@ -341,6 +347,11 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
 
 def run_alst(args, parser_error) -> int:
     """``tiled-mlp plan --alst``: ALST's ladder (``tiled_mlp/planner/alst.py``)."""
+    with collector_paused():
+        return _run_alst(args, parser_error)
+
+
+def _run_alst(args, parser_error) -> int:
     budget = args.budget if args.budget is not None else alst.BUDGET
     config = load_config(alst.MODEL)
     # Points: ALST's length, then the search's (usually 3 to 4 more) for each row.

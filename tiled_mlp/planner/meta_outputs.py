@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 _Spec = Optional[Tuple[Any, List[tuple]]]
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 MAX_KEPT = 200_000  # distinct calls remembered; a plan makes a few thousand
+_META = torch.device("meta")
 
 
 class _NotMeta(Exception):
@@ -68,19 +69,31 @@ def _layout(t: torch.Tensor) -> tuple:
 class MetaOutputs:
     def __init__(self) -> None:
         self._kept: Dict[Hashable, _Spec] = {}
+        # Per kept call whose remade outputs are one tensor and nothing around it (most ops): the tensor
+        # itself, without the tree, as ``_single`` describes it.
+        self._single: Dict[Hashable, tuple] = {}
 
     def call(self, func, args: tuple, kwargs: dict) -> Any:
         """``func(*args, **kwargs)``, or what it returned the first time (see the module doc)."""
         key = self._key(func, args, kwargs)
         if key is None:
             return func(*args, **kwargs)
+        single = self._single.get(key)
+        if single is not None:
+            if single[0] == "new":
+                return torch.empty_strided(single[1], single[2], dtype=single[3], device=_META)
+            return args[single[1]]
         if key not in self._kept:
             inputs = tree_flatten((args, kwargs))[0]
             before = [_layout(t) if isinstance(t, torch.Tensor) else None for t in inputs]
             out = func(*args, **kwargs)
             if len(self._kept) >= MAX_KEPT:
                 self._kept.clear()
-            self._kept[key] = _spec_of(out, inputs, before, _written(func, args, kwargs, inputs))
+                self._single.clear()
+            spec = self._kept[key] = _spec_of(out, inputs, before, _written(func, args, kwargs, inputs))
+            single = _single(spec, args, inputs)
+            if single is not None:
+                self._single[key] = single
             return out
         spec = self._kept[key]
         if spec is None:
@@ -94,9 +107,45 @@ class MetaOutputs:
         if not isinstance(func, torch._ops.OpOverload):
             return None
         try:
-            return (func, _key_of(args), _key_of(kwargs))
+            return (func, _args_key(args), _key_of(kwargs) if kwargs else None)
         except _NotMeta:
             return None
+
+
+def _args_key(args: tuple) -> tuple:
+    """``_key_of(args)``'s information, built in one loop: a step makes a million of these keys, nearly
+    all of plain meta tensors, whose key is written out here rather than by a call per argument."""
+    keys: List[Hashable] = []
+    for value in args:
+        kind = type(value)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            if not value.is_meta or value.layout != torch.strided:
+                raise _NotMeta
+            keys.append(("T", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype))
+        else:
+            keys.append(_key_of(value))
+    return tuple(keys)
+
+
+def _single(spec: _Spec, args: tuple, inputs: list) -> Optional[tuple]:
+    """For a kept call that returns one tensor, not in a container: ("new", shape, stride, dtype), or
+    ("arg", position) where that tensor is a positional argument (an in-place op's) that appears once
+    among the inputs. The key fixes the arguments' structure, so the position holds for every call of
+    that key. None otherwise (the general path remakes it)."""
+    if spec is None:
+        return None
+    tree, leaves = spec
+    if not tree.is_leaf() or len(leaves) != 1:
+        return None
+    leaf = leaves[0]
+    if leaf[0] == "new":
+        return leaf
+    if leaf[0] == "in":
+        returned = inputs[leaf[1]]
+        position = next((i for i, a in enumerate(args) if a is returned), None)
+        if position is not None and sum(1 for t in inputs if t is returned) == 1:
+            return ("arg", position)
+    return None
 
 
 def _remade(leaf: tuple, inputs: list) -> Any:

@@ -137,6 +137,31 @@ class TimelineTracker(LiveMemoryTracker):
         weakref.finalize(storage, self._free, key)
 
     def _add(self, tensor: torch.Tensor) -> None:
+        if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
+            return self._add_other(tensor)
+        # The base tracker's ``_add`` written out for a plain tensor (a step makes a million calls): one
+        # storage lookup, the same log entry, the same live entry and finalizer.
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        live = self._live
+        if key in live:
+            return None
+        kind = self._kind
+        if kind == ACTIVATIONS and tensor.dim() >= 1 and tensor.shape[-1] == self._vocab:
+            kind = LOGITS
+        self._serial += 1
+        self._serial_of[key] = self._serial
+        nbytes = storage.nbytes()
+        self._log.append((self._serial, nbytes, kind))
+        live[key] = nbytes
+        self.current_bytes += nbytes
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+        weakref.finalize(storage, self._free, key)
+        return None
+
+    def _add_other(self, tensor: torch.Tensor) -> None:
+        """``_add`` for a tensor subclass (the base tracker looks through a DTensor to its local shard)."""
         key = tensor.untyped_storage()._cdata
         if key in self._live:
             return
@@ -149,13 +174,21 @@ class TimelineTracker(LiveMemoryTracker):
         self._log.append((self._serial, nbytes, kind))
         super()._add(tensor)
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's ``__torch_dispatch__`` in a Dynamo-disabling frame unless told otherwise
+        # (``TorchDispatchMode._should_skip_dynamo``): a cost on every op, for compiling under the mode,
+        # which the planner's steps never do.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # The base tracker's, with the op's outputs remembered on the meta device (``meta_outputs.py``)
         # and a value read there answered (``meta_values.py``).
         if is_meta_read(func, args):
             return zero_read(args[0])
         out = _META_OUTPUTS.call(func, args, kwargs or {})
-        for leaf in tree_leaves(out):
+        # Most ops return one plain tensor: tracked without walking a tree.
+        for leaf in (out,) if type(out) is torch.Tensor else tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 serial = self._serial
                 self._add(leaf)

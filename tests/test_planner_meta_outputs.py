@@ -1,0 +1,51 @@
+"""A meta step whose repeated ops' outputs are remade from what they returned the first time
+(``tiled_mlp/planner/meta_outputs.py``, with its one-tensor shortcut) logs every allocation and free of
+the step whose every op runs its meta kernel: same order, bytes, kinds and labels."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import LlamaConfig  # noqa: E402
+
+from tiled_mlp.planner import timeline as timeline_module  # noqa: E402
+from tiled_mlp.planner.meta_outputs import MetaOutputs  # noqa: E402
+from tiled_mlp.planner.step import Setting, build_model, step_timeline  # noqa: E402
+
+SETTINGS = [
+    Setting(tiled=False, checkpointing=False),
+    Setting(tiled=True, checkpointing=True, num_shards=3, tiled_loss=True, loss_num_shards=4),
+    Setting(tiled=True, checkpointing=True, num_shards=3, tiled_loss=True, loss_num_shards=4,
+            offload_checkpoints=True, tiled_norms=True),
+]
+
+
+class EveryOpRuns:
+    """The unshortened computation: each op's meta kernel, every call."""
+
+    def call(self, func, args, kwargs):
+        return func(*args, **kwargs)
+
+
+def tiny_llama() -> LlamaConfig:
+    return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+def test_remade_outputs_log_the_step_of_every_kernel_event_for_event(setting, monkeypatch):
+    model = build_model(tiny_llama(), None, torch.bfloat16, "meta", setting)
+    monkeypatch.setattr(timeline_module, "_META_OUTPUTS", EveryOpRuns())
+    full = step_timeline(model, 96, 1, describe=True, replay_shards=False)
+    kept = MetaOutputs()
+    monkeypatch.setattr(timeline_module, "_META_OUTPUTS", kept)
+    first = step_timeline(model, 96, 1, describe=True, replay_shards=False)
+    remade = step_timeline(model, 96, 1, describe=True, replay_shards=False)  # every op kept by now
+    assert any(single[0] == "new" for single in kept._single.values()), "the one-tensor shortcut is not in use"
+    if setting.tiled:  # the shards' gradients are accumulated in place
+        assert any(single[0] == "arg" for single in kept._single.values()), "no in-place op took the shortcut"
+    for shortened in (first, remade):
+        assert shortened.events == full.events
+        assert shortened.points == full.points and shortened.host == full.host
