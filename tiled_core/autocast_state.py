@@ -33,11 +33,14 @@ class AutocastState:
             return off
         return cls(device_type, True, torch.get_autocast_dtype(device_type))
 
+    def needs_replay(self) -> bool:
+        """Whether autocast is on at either end: when the forward ran without autocast, the recompute
+        must not pick up one active around the caller's ``backward()``. Off at both ends there is
+        nothing to set (a context costs ~10 us on CPU)."""
+        return self.enabled or autocast_enabled(self.device_type)
+
     def replay(self):
-        # An explicit autocast context whenever autocast is on at either end: when the forward ran
-        # without autocast, the recompute must not pick up one active around the caller's
-        # ``backward()``. Off at both ends there is nothing to set (a context costs ~10 us on CPU).
-        if not (self.enabled or autocast_enabled(self.device_type)):
+        if not self.needs_replay():
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
 

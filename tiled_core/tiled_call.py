@@ -70,6 +70,12 @@ def membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor]) 
     return [id(t) in ids for t in tensors]
 
 
+def _is_base(method: Any, base_function: Any) -> bool:
+    """Whether a strategy's bound ``method`` is the base class's default (by the function object: a
+    subclass or an instance that overrides it is not)."""
+    return getattr(method, "__func__", None) is base_function
+
+
 def tiled_call(site: CallSite) -> torch.Tensor:
     """Run one tiled call of ``site``: strategy, gathered region, decision, shard plan, run."""
     strategy = site.strategy()
@@ -82,16 +88,18 @@ def tiled_call(site: CallSite) -> torch.Tensor:
             return site.untiled(decision)
         assert decision.num_shards is not None, "a decision with a kernel has a shard count"
         plan = make_shard_plan(decision.num_tokens, decision.num_shards)
+        gathered, deliver_grads = strategy.gathered, strategy.deliver_grads
         run = ShardedRun(
             kernel=kernel,
             plan=plan,
-            gathered=functools.partial(strategy.gathered, owner),  # again around the backward
+            # Again around the backward, unless it is the base class's no-op (a single device, DDP).
+            gathered=None if _is_base(gathered, Strategy.gathered) else functools.partial(gathered, owner),
             grad_accum_dtype=site.grad_accum_dtype,
             # A kernel that provably draws no random numbers (the gated one) has none to replay.
             replay_rng=getattr(kernel, "replays_rng", True),
             param_mask=membership(kernel.params, decision.trainable),
             zeros_for_unused=strategy.unused_grads_as_zeros,
-            deliver_grads=strategy.deliver_grads,
+            deliver_grads=None if _is_base(deliver_grads, Strategy.deliver_grads) else deliver_grads,
             params_swap_storage=strategy.swaps_param_storage(owner),
         )
         out = site.run(run)
