@@ -81,16 +81,19 @@ class MapSite:
 
     def record(self, decision: CallDecision, plan: Optional[ShardPlan]) -> None:
         state = self.state
+        # One write into the state's dict: these fields are the call's report, never the configuration
+        # that ``TilingState.__setattr__`` checks, and a short call spends microseconds on each write.
         if plan is None:
             # Only the plan's sizes are kept (``PlanSizes``): no tensor of the module is held by the cache
             # of its short calls.
-            if state.call_plan is not None:
-                state.call_sizes, state.call_plan = state.call_plan.sizes(), None
-            state.last_path, state.last_num_shards, state.last_reason = "untiled", 1, decision.reason
+            call_plan = state.call_plan
+            state.__dict__.update(
+                last_path="untiled", last_num_shards=1, last_reason=decision.reason,
+                **({} if call_plan is None else {"call_sizes": call_plan.sizes(), "call_plan": None}))
             return
         assert state.call_plan is not None, "a tiled call has a plan"
-        state.call_sizes = state.call_plan.sizes()
-        state.last_path, state.last_num_shards, state.last_reason = decision.kernel_name, plan.num_shards, decision.reason
+        state.__dict__.update(call_sizes=state.call_plan.sizes(), last_path=decision.kernel_name,
+                              last_num_shards=plan.num_shards, last_reason=decision.reason)
 
 
 def _flat_token_inputs(x: torch.Tensor, token_inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
