@@ -125,16 +125,26 @@ class ShardedMapFunction(torch.autograd.Function):
         # Shards are views of a detached input: a view made under no_grad still reports requires_grad.
         x_flat = x.detach().reshape(-1, x.shape[-1])
         slices = run.plan.slice_tuple
-        forward_shard = run.kernel.forward_shard
-        first_out, first_rng_state = first.out, first.rng_state
-        if first_out is None:
-            first_rng_state = capture_rng_state(x.device) if run.replay_rng else None
-            first_out = forward_shard(x_flat[slices[0]], None, tensors, slices[0])
-        out = first_out.new_empty((*x.shape[:-1], first_out.shape[-1]))
-        out_flat = out.view(-1, out.shape[-1])
-        out_flat[slices[0]].copy_(first_out)
-        rng_states = [first_rng_state]
-        for index, shard in enumerate(slices[1:], start=1):
+        kernel = run.kernel
+        forward_shard = kernel.forward_shard
+        autocast = AutocastState.capture(x.device)
+        first_out, rng_states = first.out, [first.rng_state]
+        out_features = getattr(kernel, "out_features", None)
+        if first_out is None and out_features is not None and not autocast.enabled:
+            # The kernel names its output's width, and without autocast its dtype is the input's: every
+            # shard writes into the one output, the first included.
+            out = x.new_empty((*x.shape[:-1], out_features(tensors)))
+            out_flat = out.view(-1, out.shape[-1])
+            rng_states, later = [], 0
+        else:
+            if first_out is None:
+                rng_states = [capture_rng_state(x.device) if run.replay_rng else None]
+                first_out = forward_shard(x_flat[slices[0]], None, tensors, slices[0])
+            out = first_out.new_empty((*x.shape[:-1], first_out.shape[-1]))
+            out_flat = out.view(-1, out.shape[-1])
+            out_flat[slices[0]].copy_(first_out)
+            later = 1
+        for index, shard in enumerate(slices[later:], start=later):
             rng_states.append(capture_rng_state(x.device) if run.replay_rng else None)
             if first.watched is None:
                 forward_shard(x_flat[shard], out_flat[shard], tensors, shard)
@@ -158,7 +168,7 @@ class ShardedMapFunction(torch.autograd.Function):
         # Their versions are compared in backward instead, where the backend allows it.
         ctx.tensors = tensors
         ctx.versions = _versions_to_check(run, tensors) if first.input_version is not None else None
-        ctx.autocast = AutocastState.capture(x.device)
+        ctx.autocast = autocast
         return out
 
     @staticmethod
