@@ -12,9 +12,10 @@ single delivery is what DDP's reducer, FSDP2's reduce-scatter and ZeRO's gradien
 (any shard count, ``no_sync`` included); nothing backend-specific happens in here.
 
 Any other tensor that needs a gradient and that the forward reads (a weight in a plain attribute or
-a closure, a tensor a hook adds, conditioning set from outside) is an input too: the first shard runs
-before the Function under a recorder of the tensors it reads, and what it found is passed in with
-the parameters. A later shard that reads one more such tensor is an error, never a lost gradient;
+a closure, a tensor a hook adds, conditioning set from outside) is an input too: for a kernel that may
+read such tensors (the generic one) the first shard runs before the Function under a recorder of the
+tensors it reads, and what it found is passed in with the parameters; a kernel that reads nothing but
+its inputs (the fast one), or a call that builds no graph, runs every shard inside the Function. A later shard that reads one more such tensor is an error, never a lost gradient;
 so is a tensor made inside a shard that outlives it (a hook that stashes an activation for a loss).
 
 Backward trusts nothing autograd would check (``checks.py``): the version of every tensor the call
@@ -250,7 +251,8 @@ def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Ten
 
 
 def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor:
-    """Run ``run`` over ``x``: the input saved first, then the first shard, the rest inside the Function."""
+    """Run ``run`` over ``x``: the input saved first, then the first shard (before the Function where its
+    reads are watched, else inside it), the rest inside the Function."""
     params: Sequence[torch.Tensor] = run.kernel.params
     grad_enabled = torch.is_grad_enabled()
     input_version = x._version if grad_enabled and not x.is_inference() else None
