@@ -5,7 +5,6 @@ recomputed activations would not match the ones the output was made from.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Dict
 
@@ -40,8 +39,7 @@ class AutocastState:
         return self.enabled or autocast_enabled(self.device_type)
 
     def replay(self):
-        if not self.needs_replay():
-            return contextlib.nullcontext()
+        """The forward's autocast state as a context (entered where ``needs_replay``)."""
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
 
 
