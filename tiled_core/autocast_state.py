@@ -5,7 +5,6 @@ recomputed activations would not match the ones the output was made from.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Dict
 
@@ -33,12 +32,14 @@ class AutocastState:
             return off
         return cls(device_type, True, torch.get_autocast_dtype(device_type))
 
+    def needs_replay(self) -> bool:
+        """Whether autocast is on at either end: when the forward ran without autocast, the recompute
+        must not pick up one active around the caller's ``backward()``. Off at both ends there is
+        nothing to set (a context costs ~10 us on CPU)."""
+        return self.enabled or autocast_enabled(self.device_type)
+
     def replay(self):
-        # An explicit autocast context whenever autocast is on at either end: when the forward ran
-        # without autocast, the recompute must not pick up one active around the caller's
-        # ``backward()``. Off at both ends there is nothing to set (a context costs ~10 us on CPU).
-        if not (self.enabled or autocast_enabled(self.device_type)):
-            return contextlib.nullcontext()
+        """The forward's autocast state as a context (entered where ``needs_replay``)."""
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
 
 

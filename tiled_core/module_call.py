@@ -62,7 +62,7 @@ class MapSite:
     def strategy(self) -> Strategy:
         strategy = module_strategy(self.owner)
         strategy.check_supported(self.owner)
-        self.state.last_strategy = strategy
+        self.state.__dict__["last_strategy"] = strategy  # a report field (see ``record``)
         return strategy
 
     def decide(self, strategy: Strategy) -> CallDecision:
@@ -81,16 +81,20 @@ class MapSite:
 
     def record(self, decision: CallDecision, plan: Optional[ShardPlan]) -> None:
         state = self.state
+        # Written into the state's dict: these fields are the call's report, never the configuration
+        # that ``TilingState.__setattr__`` checks, and a short call spends microseconds on such writes.
+        fields = state.__dict__
         if plan is None:
             # Only the plan's sizes are kept (``PlanSizes``): no tensor of the module is held by the cache
             # of its short calls.
-            if state.call_plan is not None:
-                state.call_sizes, state.call_plan = state.call_plan.sizes(), None
-            state.last_path, state.last_num_shards, state.last_reason = "untiled", 1, decision.reason
+            call_plan = state.call_plan
+            if call_plan is not None:
+                fields["call_sizes"], fields["call_plan"] = call_plan.sizes(), None
+            fields["last_path"], fields["last_num_shards"], fields["last_reason"] = "untiled", 1, decision.reason
             return
         assert state.call_plan is not None, "a tiled call has a plan"
-        state.call_sizes = state.call_plan.sizes()
-        state.last_path, state.last_num_shards, state.last_reason = decision.kernel_name, plan.num_shards, decision.reason
+        fields["call_sizes"] = state.call_plan.sizes()
+        fields["last_path"], fields["last_num_shards"], fields["last_reason"] = decision.kernel_name, plan.num_shards, decision.reason
 
 
 def _flat_token_inputs(x: torch.Tensor, token_inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:

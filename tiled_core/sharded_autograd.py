@@ -12,9 +12,10 @@ single delivery is what DDP's reducer, FSDP2's reduce-scatter and ZeRO's gradien
 (any shard count, ``no_sync`` included); nothing backend-specific happens in here.
 
 Any other tensor that needs a gradient and that the forward reads (a weight in a plain attribute or
-a closure, a tensor a hook adds, conditioning set from outside) is an input too: the first shard runs
-before the Function under a recorder of the tensors it reads, and what it found is passed in with
-the parameters. A later shard that reads one more such tensor is an error, never a lost gradient;
+a closure, a tensor a hook adds, conditioning set from outside) is an input too: for a kernel that may
+read such tensors (the generic one) the first shard runs before the Function under a recorder of the
+tensors it reads, and what it found is passed in with the parameters; a kernel that reads nothing but
+its inputs (the fast one), or a call that builds no graph, runs every shard inside the Function. A later shard that reads one more such tensor is an error, never a lost gradient;
 so is a tensor made inside a shard that outlives it (a hook that stashes an activation for a loss).
 
 Backward trusts nothing autograd would check (``checks.py``): the version of every tensor the call
@@ -35,7 +36,7 @@ from .autocast_state import AutocastState
 from .checks import DOUBLE_BACKWARD_ERROR, INPUT_EDITED_ERROR, TensorVersions
 from .grad_accum import GradAccumulator
 from .grad_delivery import delivered_grads, needed_grads
-from .kernels.base import ReduceKernel, ShardKernel
+from .kernels.base import ReduceKernel, ShardKernel, no_substitution
 from .rng import capture_rng_state, replay_rng_state
 from .saved_input import InputHolder, save_input
 from .shard_plan import ShardPlan
@@ -66,8 +67,9 @@ class ShardedRun(Generic[KernelT]):
 
     kernel: KernelT
     plan: ShardPlan
-    # Re-gathers the parameters for the backward recompute (a backend's strategy decides how).
-    gathered: Callable[[], ContextManager] = contextlib.nullcontext
+    # Re-gathers the parameters for the backward recompute (a backend's strategy decides how); None: the
+    # strategy's ``gathered`` is the base class's no-op, and the backward enters no context for it.
+    gathered: Optional[Callable[[], ContextManager]] = None
     grad_accum_dtype: Optional[torch.dtype] = None
     replay_rng: bool = True
     # Which of ``kernel.params`` receive gradients (the strategy's ``trainable_params``; the fast
@@ -86,9 +88,10 @@ class ShardedRun(Generic[KernelT]):
 
 @dataclass
 class FirstShard:
-    """The first shard's output and RNG state, computed before the Function (see the module doc)."""
+    """The first shard's output and RNG state, computed before the Function (see the module doc), or
+    only what the Function needs to know about its input where the first shard runs inside it."""
 
-    out: torch.Tensor
+    out: Optional[torch.Tensor]  # None: the Function runs the first shard too (nothing to watch)
     rng_state: Optional[tuple]
     watched: Optional[List[torch.Tensor]]  # the tensors later shards may read; None: not watched
     input_holder: Optional[InputHolder]  # where the input was saved; None: the Function saves it
@@ -123,12 +126,26 @@ class ShardedMapFunction(torch.autograd.Function):
         # Shards are views of a detached input: a view made under no_grad still reports requires_grad.
         x_flat = x.detach().reshape(-1, x.shape[-1])
         slices = run.plan.slice_tuple
-        out = first.out.new_empty((*x.shape[:-1], first.out.shape[-1]))
-        out_flat = out.view(-1, out.shape[-1])
-        out_flat[slices[0]].copy_(first.out)
-        rng_states = [first.rng_state]
-        forward_shard = run.kernel.forward_shard
-        for index, shard in enumerate(slices[1:], start=1):
+        kernel = run.kernel
+        forward_shard = kernel.forward_shard
+        autocast = AutocastState.capture(x.device)
+        first_out, rng_states = first.out, [first.rng_state]
+        out_features = getattr(kernel, "out_features", None)
+        if first_out is None and out_features is not None and not autocast.enabled:
+            # The kernel names its output's width, and without autocast its dtype is the input's: every
+            # shard writes into the one output, the first included.
+            out = x.new_empty((*x.shape[:-1], out_features(tensors)))
+            out_flat = out.view(-1, out.shape[-1])
+            rng_states, later = [], 0
+        else:
+            if first_out is None:
+                rng_states = [capture_rng_state(x.device) if run.replay_rng else None]
+                first_out = forward_shard(x_flat[slices[0]], None, tensors, slices[0])
+            out = first_out.new_empty((*x.shape[:-1], first_out.shape[-1]))
+            out_flat = out.view(-1, out.shape[-1])
+            out_flat[slices[0]].copy_(first_out)
+            later = 1
+        for index, shard in enumerate(slices[later:], start=later):
             rng_states.append(capture_rng_state(x.device) if run.replay_rng else None)
             if first.watched is None:
                 forward_shard(x_flat[shard], out_flat[shard], tensors, shard)
@@ -152,7 +169,7 @@ class ShardedMapFunction(torch.autograd.Function):
         # Their versions are compared in backward instead, where the backend allows it.
         ctx.tensors = tensors
         ctx.versions = _versions_to_check(run, tensors) if first.input_version is not None else None
-        ctx.autocast = AutocastState.capture(x.device)
+        ctx.autocast = autocast
         return out
 
     @staticmethod
@@ -166,28 +183,59 @@ class ShardedMapFunction(torch.autograd.Function):
         # Under non-reentrant checkpointing, reading the saved input recomputes the region up to it.
         (x,) = ctx.saved_tensors if ctx.input_holder is None else (ctx.input_holder.tensor(),)
         tensors = ctx.tensors
-        need_dx = ctx.needs_input_grad[0] and ctx.input_requires_grad
+        needs_input_grad = ctx.needs_input_grad
+        need_dx = needs_input_grad[0] and ctx.input_requires_grad
         num_params = len(run.kernel.params)
-        grads = GradAccumulator(tensors, needed_grads(run, ctx.needs_input_grad[3:], num_params), run.grad_accum_dtype)
+        grads = GradAccumulator(tensors, needed_grads(run, needs_input_grad[3:], num_params), run.grad_accum_dtype)
 
         x_flat = x.detach().reshape(-1, x.shape[-1])
         dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
         dx_flat = torch.empty_like(x_flat) if need_dx else None
 
         # One autocast context around the loop (the forward's state, whatever surrounds this backward);
-        # an RNG context only where a shard drew random numbers to replay.
-        with run.gathered(), run.kernel.using(tensors), ctx.autocast.replay():
-            backward_shard = run.kernel.backward_shard
-            for shard, rng_state in zip(run.plan.slice_tuple, ctx.rng_states, strict=True):
-                args = (x_flat[shard], dy_flat[shard], None if dx_flat is None else dx_flat[shard], grads, tensors, shard)
-                if rng_state is None:
-                    backward_shard(*args)
-                    continue
-                with replay_rng_state(x.device, rng_state):
-                    backward_shard(*args)
-            tensor_grads = delivered_grads(run, grads, tensors, num_params)  # inside the gathered region
+        # an RNG context only where a shard drew random numbers to replay. A context that would do nothing
+        # is not entered (each costs microseconds, the whole budget of a short call).
+        contexts = _recompute_contexts(run, tensors, ctx.autocast)
+        if not contexts:
+            tensor_grads = _recompute(run, ctx.rng_states, x, x_flat, dy_flat, dx_flat, grads, tensors, num_params)
+        else:
+            with contextlib.ExitStack() as stack:
+                for context in contexts:
+                    stack.enter_context(context)
+                tensor_grads = _recompute(run, ctx.rng_states, x, x_flat, dy_flat, dx_flat, grads, tensors, num_params)
         dx = None if dx_flat is None else dx_flat.view_as(x)
         return (dx, None, None, *tensor_grads)
+
+
+def _recompute_contexts(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Tensor],
+                        autocast: AutocastState) -> List[ContextManager]:
+    """The contexts the backward recompute runs in, outermost first, less those that would do nothing:
+    the strategy's gathered region, the kernel's tensor substitution, the forward's autocast state."""
+    contexts: List[ContextManager] = []
+    if run.gathered is not None:
+        contexts.append(run.gathered())
+    using = run.kernel.using
+    if using is not no_substitution:
+        contexts.append(using(tensors))
+    if autocast.needs_replay():
+        contexts.append(autocast.replay())
+    return contexts
+
+
+def _recompute(run: ShardedRun[ShardKernel], rng_states: Sequence[Optional[tuple]], x: torch.Tensor,
+               x_flat: torch.Tensor, dy_flat: torch.Tensor, dx_flat: Optional[torch.Tensor], grads: GradAccumulator,
+               tensors: Sequence[torch.Tensor], num_params: int) -> List[Optional[torch.Tensor]]:
+    """The backward's shard loop and the delivered gradients (inside the recompute's contexts: the
+    gathered region is where the parameters are whole)."""
+    backward_shard = run.kernel.backward_shard
+    for shard, rng_state in zip(run.plan.slice_tuple, rng_states, strict=True):
+        args = (x_flat[shard], dy_flat[shard], None if dx_flat is None else dx_flat[shard], grads, tensors, shard)
+        if rng_state is None:
+            backward_shard(*args)
+            continue
+        with replay_rng_state(x.device, rng_state):
+            backward_shard(*args)
+    return delivered_grads(run, grads, tensors, num_params)
 
 
 def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Tensor]) -> TensorVersions:
@@ -203,12 +251,19 @@ def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Ten
 
 
 def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor:
-    """Run ``run`` over ``x``: the input saved first, then the first shard, the rest inside the Function."""
+    """Run ``run`` over ``x``: the input saved first, then the first shard (before the Function where its
+    reads are watched, else inside it), the rest inside the Function."""
     params: Sequence[torch.Tensor] = run.kernel.params
-    input_version = x._version if torch.is_grad_enabled() and not x.is_inference() else None
+    grad_enabled = torch.is_grad_enabled()
+    input_version = x._version if grad_enabled and not x.is_inference() else None
     x_in, holder = save_input(x, params)
     # Tensors the forward reads besides x and the parameters matter only when a graph is being built.
-    watch = run.kernel.may_read_other_tensors and torch.is_grad_enabled()
+    watch = run.kernel.may_read_other_tensors and grad_enabled
+    if not watch:
+        # Nothing to discover before the Function: it runs the first shard with the others (under the
+        # no-grad mode autograd gives every Function's forward, as the first shard runs here).
+        return ShardedMapFunction.apply(x_in, run, FirstShard(None, None, None, holder, x.requires_grad, input_version),
+                                        *params)
     x_root = x.detach()
     x_flat = x_root.reshape(-1, x.shape[-1])
     first_slice = run.plan.slice_tuple[0]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, List, Optional, Protocol, Sequence
+from typing import Any, Callable, ContextManager, List, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -70,30 +70,46 @@ def membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor]) 
     return [id(t) in ids for t in tensors]
 
 
+def _is_base(method: Any, base_function: Any) -> bool:
+    """Whether a strategy's bound ``method`` is the base class's default (by the function object: a
+    subclass or an instance that overrides it is not)."""
+    return getattr(method, "__func__", None) is base_function
+
+
 def tiled_call(site: CallSite) -> torch.Tensor:
     """Run one tiled call of ``site``: strategy, gathered region, decision, shard plan, run."""
     strategy = site.strategy()
-    owner = site.owner
-    with strategy.gathered(owner):
-        decision = site.decide(strategy)
-        kernel = decision.kernel
-        if kernel is None:
-            site.record(decision, None)
-            return site.untiled(decision)
-        assert decision.num_shards is not None, "a decision with a kernel has a shard count"
-        plan = make_shard_plan(decision.num_tokens, decision.num_shards)
-        run = ShardedRun(
-            kernel=kernel,
-            plan=plan,
-            gathered=functools.partial(strategy.gathered, owner),  # again around the backward
-            grad_accum_dtype=site.grad_accum_dtype,
-            # A kernel that provably draws no random numbers (the gated one) has none to replay.
-            replay_rng=getattr(kernel, "replays_rng", True),
-            param_mask=membership(kernel.params, decision.trainable),
-            zeros_for_unused=strategy.unused_grads_as_zeros,
-            deliver_grads=strategy.deliver_grads,
-            params_swap_storage=strategy.swaps_param_storage(owner),
-        )
-        out = site.run(run)
+    gathered = strategy.gathered
+    if _is_base(gathered, Strategy.gathered):
+        # The base class's no-op (a single device, DDP): no context to enter, here or around the backward.
+        return _decide_and_run(site, strategy, None)
+    with gathered(site.owner):
+        return _decide_and_run(site, strategy, functools.partial(gathered, site.owner))
+
+
+def _decide_and_run(site: CallSite, strategy: Strategy, gathered: Optional[Callable[[], ContextManager]]) -> torch.Tensor:
+    """The decision, the shard plan and the run of one call, inside the strategy's gathered region;
+    ``gathered`` enters it again around the backward (None: a no-op)."""
+    decision = site.decide(strategy)
+    kernel = decision.kernel
+    if kernel is None:
+        site.record(decision, None)
+        return site.untiled(decision)
+    assert decision.num_shards is not None, "a decision with a kernel has a shard count"
+    plan = make_shard_plan(decision.num_tokens, decision.num_shards)
+    deliver_grads = strategy.deliver_grads
+    run = ShardedRun(
+        kernel=kernel,
+        plan=plan,
+        gathered=gathered,
+        grad_accum_dtype=site.grad_accum_dtype,
+        # A kernel that provably draws no random numbers (the gated one) has none to replay.
+        replay_rng=getattr(kernel, "replays_rng", True),
+        param_mask=membership(kernel.params, decision.trainable),
+        zeros_for_unused=strategy.unused_grads_as_zeros,
+        deliver_grads=None if _is_base(deliver_grads, Strategy.deliver_grads) else deliver_grads,
+        params_swap_storage=strategy.swaps_param_storage(site.owner),
+    )
+    out = site.run(run)
     site.record(decision, plan)
     return out

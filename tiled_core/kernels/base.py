@@ -15,6 +15,10 @@ class ShardKernel(Protocol):
     for, then any other tensor the forward was found to read): forward and backward compute with
     exactly these, never with what the module holds at backward time (``torch.func.functional_call``
     swaps the module's parameters only for the duration of its call).
+
+    Optional: ``out_features(tensors) -> int``, the output's width, for a kernel whose output has the
+    input's dtype (without autocast) and that reads nothing but its inputs: the sharded Function then
+    allocates the output first and every shard writes into it (no copy of the first shard).
     """
 
     #: The parameters the autograd Function takes as inputs and returns gradients for, in order.
