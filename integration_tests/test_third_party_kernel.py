@@ -17,6 +17,7 @@ from tiled_mlp import TiledMLP, register_kernel
 
 from .spawn import run_distributed
 from .toy_kernel import NAME, TanhMLP, TanhMLPKernel
+from .toy_models import Residual
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -24,15 +25,6 @@ WORLD = 2
 HIDDEN, INTER = 8, 20
 TOKENS = (11, 23)  # per rank
 TOL = 1e-12
-
-
-class Residual(nn.Module):
-    def __init__(self, mlp: nn.Module):
-        super().__init__()
-        self.mlp = mlp
-
-    def forward(self, x):
-        return x + self.mlp(x)
 
 
 def make_model() -> nn.Module:

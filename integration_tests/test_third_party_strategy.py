@@ -21,7 +21,7 @@ from tiled_mlp import TiledMLP
 from tiled_mlp.strategies import Strategy, WaitsForEveryParameter, register_strategy
 
 from .spawn import run_distributed
-from .toy_models import GatedMLP, add_lora
+from .toy_models import GatedMLP, Residual, add_lora
 
 pytestmark = pytest.mark.distributed
 
@@ -49,15 +49,6 @@ class ManualDataParallel(WaitsForEveryParameter, Strategy):
                 dist.all_reduce(grad)
                 grad /= dist.get_world_size()
         return grads
-
-
-class Residual(nn.Module):
-    def __init__(self, mlp: nn.Module):
-        super().__init__()
-        self.mlp = mlp
-
-    def forward(self, x):
-        return x + self.mlp(x)
 
 
 def make_model(kind: str) -> nn.Module:

@@ -48,6 +48,17 @@ def add_lora(mlp: GatedMLP, rank: int = 4) -> GatedMLP:
     return mlp
 
 
+class Residual(nn.Module):
+    """``x + mlp(x)``: a residual around any MLP, the smallest model a tiled module sits in."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
 class Block(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool):
         super().__init__()
