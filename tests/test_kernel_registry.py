@@ -78,6 +78,28 @@ def test_path_generic_skips_a_registered_kernel(registered):
     assert f"{NAME!r} declined: path='generic' was asked for" in toy.tiling.last_reason
 
 
+def test_path_names_a_registered_kernel_and_only_it_is_asked(registered):
+    toy = TiledMLP(TanhMLP(8, 20).double(), num_shards=2, path=NAME)
+    toy(torch.randn(1, 6, 8, dtype=torch.float64))
+    assert toy.tiling.last_path == NAME
+    assert "'test_declining' declined: path=" in toy.tiling.last_reason
+    gated = TiledMLP(GatedMLP(8, 20).double(), num_shards=2, path=NAME)  # the named kernel declines it
+    with pytest.raises(RuntimeError, match=f"{NAME!r} declined: {NOT_MINE}"):
+        gated(torch.randn(1, 6, 8, dtype=torch.float64))
+
+
+def test_path_naming_no_registered_kernel_is_refused_before_tiling_and_at_a_call_after_unregistering():
+    with pytest.raises(ValueError, match="path must be one of"):
+        TiledMLP(TanhMLP(8, 20), path=NAME)  # not registered here
+    register_kernel(TanhMLPKernel())
+    try:
+        toy = TiledMLP(TanhMLP(8, 20).double(), num_shards=2, path=NAME)
+    finally:
+        unregister_kernel(NAME)
+    with pytest.raises(RuntimeError, match="names no registered kernel now"):
+        toy(torch.randn(1, 6, 8, dtype=torch.float64))
+
+
 def test_registry_refuses_a_taken_name_a_nameless_kernel_and_an_unknown_one():
     with pytest.raises(ValueError, match="registered already"):
         register_kernel(_named("fast"))

@@ -20,7 +20,7 @@ from tiled_mlp.strategies.base import Strategy
 from .auto_shards import AutoDecision, MLPSize, auto_decision, intermediate_size
 from .call_plan import CallPlan, PlanSizes, plan_config, plan_holds, shallow_key
 from .fast_path import fast_refused
-from .kernel_registry import MAP, KernelCall, choose_kernel
+from .kernel_registry import MAP, KernelCall, available_kernels, choose_kernel
 from .module_forward import current_forward
 from .module_snapshot import ModuleSnapshot
 from .tiled_call import CallDecision
@@ -53,6 +53,9 @@ def decide_map_call(module: nn.Module, strategy: Strategy, x: torch.Tensor, shar
     if choice.entry is None:
         if state.path == "fast":
             raise fast_refused(module, dict(choice.declined).get("fast", "it declined"))
+        if only is not None and only not in dict(choice.declined):
+            raise RuntimeError(f"TiledMLP: path={only!r} names no registered kernel now (unregistered after tiling?); "
+                               f"registered: {available_kernels(MAP)}. Register it again, or set tiling.path")
         raise RuntimeError(f"TiledMLP: no registered kernel runs {type(module).__name__}: {choice.describe()}")
     plan.generic = choice.entry.keeps_grad_buffers
     decision = shard_count(state, plan, x, num_tokens, plan.generic)

@@ -45,7 +45,8 @@ class TiledMLP(nn.Module):
             ``Strategy`` instance.
         num_shards: an int >= 1, or "auto".
         path: "auto" (the registered kernels in priority order: the gated fast kernel where it provably
-            applies, else generic), "fast", "generic".
+            applies, else generic), or a registered kernel's name ("fast", "generic", or one added with
+            ``register_kernel``): only that kernel is asked.
         grad_accum_dtype: dtype of the per-parameter gradient sums (default: the parameter's dtype);
             ``torch.float32`` for low-precision parameters.
         use_fused_kernel: use a registered fused activation kernel (tiled_mlp registers Liger-Kernel's

@@ -11,17 +11,18 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from .kernel_registry import MAP, available_kernels
 from .shard_plan import NumShards, check_num_shards
 
-PATHS = ("auto", "fast", "generic")
 STATE_ATTR = "tiling"
 
 
 def check_config(num_shards: NumShards, path: str, grad_accum_dtype: Optional[torch.dtype]) -> None:
     """Reject a bad configuration before anything is changed."""
     check_num_shards(num_shards)
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    paths = ("auto", *available_kernels(MAP))  # "fast", "generic" and every registered map kernel
+    if path not in paths:
+        raise ValueError(f"path must be one of {paths}, got {path!r}")
     if grad_accum_dtype is not None and not (isinstance(grad_accum_dtype, torch.dtype) and grad_accum_dtype.is_floating_point):
         raise TypeError(f"grad_accum_dtype must be a floating torch.dtype or None, got {grad_accum_dtype!r}")
 
@@ -35,7 +36,8 @@ class TilingState:
 
     Attributes:
         num_shards: an int >= 1, or "auto".
-        path: "auto", "fast" or "generic".
+        path: "auto" (the first registered kernel that applies), or a registered kernel's name: "fast",
+            "generic", or one added with ``register_kernel``.
         grad_accum_dtype: dtype of the per-parameter gradient sums (None: the parameter's dtype).
         use_fused_kernel: use a registered fused activation kernel (tiled_mlp registers Liger-Kernel's
             Triton one on CUDA when it is installed) where one applies.
