@@ -117,3 +117,37 @@ def _named(name: str, shape: str = "map") -> Kernel:
     kernel = Kernel()
     kernel.name, kernel.shape = name, shape
     return kernel
+
+
+def test_a_kernel_declaring_an_output_width_does_not_size_the_output():
+    """Only the built-in gated kernel's width is used to allocate the output before the first shard: a
+    declared width would be trusted, and a wrong one broadcast into the output in silence."""
+    from torch import nn
+
+    from integration_tests.toy_kernel import TanhShardKernel
+
+    class OneWide(TanhMLP):
+        def __init__(self):
+            super().__init__(8, 20)
+            self.fc2 = nn.Linear(20, 1)
+
+    class ClaimsEight(TanhShardKernel):
+        def out_features(self, tensors):
+            return 8
+
+    class Claiming(TanhMLPKernel):
+        name = "test_claims_eight"
+
+        def build(self, call):
+            return ClaimsEight(call.module)
+
+    register_kernel(Claiming())
+    try:
+        torch.manual_seed(0)
+        plain = OneWide().double()
+        tiled = TiledMLP(OneWide().double(), num_shards=3, path="test_claims_eight")
+        tiled.load_state_dict(plain.state_dict())
+        x = torch.randn(2, 9, 8, dtype=torch.float64)
+        torch.testing.assert_close(tiled(x), plain(x), rtol=1e-12, atol=1e-12)
+    finally:
+        unregister_kernel("test_claims_eight")

@@ -130,11 +130,11 @@ class ShardedMapFunction(torch.autograd.Function):
         forward_shard = kernel.forward_shard
         autocast = AutocastState.capture(x.device)
         first_out, rng_states = first.out, [first.rng_state]
-        out_features = getattr(kernel, "out_features", None)
-        if first_out is None and out_features is not None and not autocast.enabled:
+        output_width = getattr(kernel, "_output_width", None)  # the gated kernel's (kernels/base.py)
+        if first_out is None and output_width is not None and not autocast.enabled:
             # The kernel names its output's width, and without autocast its dtype is the input's: every
             # shard writes into the one output, the first included.
-            out = x.new_empty((*x.shape[:-1], out_features(tensors)))
+            out = x.new_empty((*x.shape[:-1], output_width(tensors)))
             out_flat = out.view(-1, out.shape[-1])
             rng_states, later = [], 0
         else:

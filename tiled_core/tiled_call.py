@@ -70,6 +70,12 @@ def membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor]) 
     return [id(t) in ids for t in tensors]
 
 
+# The base class's no-op defaults, as defined (a later patch of ``Strategy.gathered`` is then not
+# mistaken for the no-op, and is entered like any override).
+_BASE_GATHERED = Strategy.gathered
+_BASE_DELIVER_GRADS = Strategy.deliver_grads
+
+
 def _is_base(method: Any, base_function: Any) -> bool:
     """Whether a strategy's bound ``method`` is the base class's default (by the function object: a
     subclass or an instance that overrides it is not)."""
@@ -80,7 +86,7 @@ def tiled_call(site: CallSite) -> torch.Tensor:
     """Run one tiled call of ``site``: strategy, gathered region, decision, shard plan, run."""
     strategy = site.strategy()
     gathered = strategy.gathered
-    if _is_base(gathered, Strategy.gathered):
+    if _is_base(gathered, _BASE_GATHERED):
         # The base class's no-op (a single device, DDP): no context to enter, here or around the backward.
         return _decide_and_run(site, strategy, None)
     with gathered(site.owner):
@@ -107,7 +113,7 @@ def _decide_and_run(site: CallSite, strategy: Strategy, gathered: Optional[Calla
         replay_rng=getattr(kernel, "replays_rng", True),
         param_mask=membership(kernel.params, decision.trainable),
         zeros_for_unused=strategy.unused_grads_as_zeros,
-        deliver_grads=None if _is_base(deliver_grads, Strategy.deliver_grads) else deliver_grads,
+        deliver_grads=None if _is_base(deliver_grads, _BASE_DELIVER_GRADS) else deliver_grads,
         params_swap_storage=strategy.swaps_param_storage(site.owner),
     )
     out = site.run(run)

@@ -16,9 +16,11 @@ class ShardKernel(Protocol):
     exactly these, never with what the module holds at backward time (``torch.func.functional_call``
     swaps the module's parameters only for the duration of its call).
 
-    Optional: ``out_features(tensors) -> int``, the output's width, for a kernel whose output has the
-    input's dtype (without autocast) and that reads nothing but its inputs: the sharded Function then
-    allocates the output first and every shard writes into it (no copy of the first shard).
+    Not part of this contract: the built-in gated kernel's ``_output_width(tensors)``, with which the
+    sharded Function allocates the whole output before the first shard. A declared width and dtype are
+    trusted, not checked (a wrong one would be broadcast into the output in silence), so only a kernel
+    whose output provably has them declares it: the gated kernel writes the down projection's rows
+    with ``out=``, in the input's dtype.
     """
 
     #: The parameters the autograd Function takes as inputs and returns gradients for, in order.

@@ -58,7 +58,7 @@ class GatedShardKernel:
         self._fused = spec.gate_up is not None
         self._gate_scale, self._up_scale, self._down_scale = spec.gate_scale, spec.up_scale, spec.down_scale
 
-    def out_features(self, tensors: Sequence[torch.Tensor]) -> int:
+    def _output_width(self, tensors: Sequence[torch.Tensor]) -> int:
         """The width of the output (the down projection's rows): the sharded Function allocates the
         whole output before the first shard, which then writes into it like every other."""
         return tensors[self._slots["down"].weight].shape[0]
