@@ -22,7 +22,7 @@ from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
 from .module_forward import forward_function
 from .tiling_state import tiling_of
 
-RIDERS_DECLINED = "the call has other sharded inputs besides the hidden states"
+TOKEN_INPUTS_DECLINED = "the call has other sharded inputs besides the hidden states"
 
 
 class GatedEntry(Kernel):
@@ -35,7 +35,7 @@ class GatedEntry(Kernel):
 
     def why_not(self, call: KernelCall) -> str:
         if call.token_inputs:
-            return RIDERS_DECLINED
+            return TOKEN_INPUTS_DECLINED
         module, plan = call.module, call.cache
         unfit = type(module).tiled_no_fast_path  # type: ignore[attr-defined]  # TiledMLP's class attribute
         if unfit:

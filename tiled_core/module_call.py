@@ -84,17 +84,18 @@ class MapSite:
         # Written into the state's dict: these fields are the call's report, never the configuration
         # that ``TilingState.__setattr__`` checks, and a short call spends microseconds on such writes.
         fields = state.__dict__
+        call_plan = state.call_plan
         if plan is None:
             # Only the plan's sizes are kept (``PlanSizes``): no tensor of the module is held by the cache
             # of its short calls.
-            call_plan = state.call_plan
             if call_plan is not None:
                 fields["call_sizes"], fields["call_plan"] = call_plan.sizes(), None
-            fields["last_path"], fields["last_num_shards"], fields["last_reason"] = "untiled", 1, decision.reason
-            return
-        assert state.call_plan is not None, "a tiled call has a plan"
-        fields["call_sizes"] = state.call_plan.sizes()
-        fields["last_path"], fields["last_num_shards"], fields["last_reason"] = decision.kernel_name, plan.num_shards, decision.reason
+            path, num_shards = "untiled", 1
+        else:
+            assert call_plan is not None, "a tiled call has a plan"
+            fields["call_sizes"] = call_plan.sizes()
+            path, num_shards = decision.kernel_name, plan.num_shards
+        fields["last_path"], fields["last_num_shards"], fields["last_reason"] = path, num_shards, decision.reason
 
 
 def _flat_token_inputs(x: torch.Tensor, token_inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
