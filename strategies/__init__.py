@@ -2,6 +2,7 @@
 registry of classes with their constructor arguments, and a resolver."""
 from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, WaitsForEveryParameter
 from .ddp import DDPStrategy
+from .deepspeed_autotp import DeepSpeedAutoTPStrategy
 from .deepspeed_zero import DeepSpeedZeroStrategy
 from .fsdp1 import FSDP1Strategy
 from .fsdp2 import FSDP2Strategy
@@ -15,7 +16,8 @@ from .registry import (
 from .resolver import resolve_strategy, strategy_from_arg
 from .single_device import SingleDeviceStrategy
 
-for _builtin in (SingleDeviceStrategy, DDPStrategy, FSDP1Strategy, FSDP2Strategy, DeepSpeedZeroStrategy):
+for _builtin in (SingleDeviceStrategy, DDPStrategy, FSDP1Strategy, FSDP2Strategy, DeepSpeedZeroStrategy,
+                 DeepSpeedAutoTPStrategy):
     register_strategy(_builtin)
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "FSDP1Strategy",
     "FSDP2Strategy",
     "DeepSpeedZeroStrategy",
+    "DeepSpeedAutoTPStrategy",
     "register_strategy",
     "unregister_strategy",
     "available_strategies",
