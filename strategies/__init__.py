@@ -14,8 +14,10 @@ from .registry import (
 )
 from .resolver import resolve_strategy, strategy_from_arg
 from .single_device import SingleDeviceStrategy
+from .tensor_parallel_head import TensorParallelHeadStrategy
 
-for _builtin in (SingleDeviceStrategy, DDPStrategy, FSDP1Strategy, FSDP2Strategy, DeepSpeedZeroStrategy):
+for _builtin in (SingleDeviceStrategy, DDPStrategy, FSDP1Strategy, FSDP2Strategy, DeepSpeedZeroStrategy,
+                 TensorParallelHeadStrategy):
     register_strategy(_builtin)
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "FSDP1Strategy",
     "FSDP2Strategy",
     "DeepSpeedZeroStrategy",
+    "TensorParallelHeadStrategy",
     "register_strategy",
     "unregister_strategy",
     "available_strategies",
