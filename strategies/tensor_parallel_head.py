@@ -8,9 +8,13 @@ file builds them (``vocab_slice``):
 
 - the hidden states as the head's own input hook makes them (the hook ``distribute_module`` registered
   for ``ColwiseParallel``: it annotates the input with ``input_layouts`` and redistributes it to
-  ``Replicate``, an all-gather for a sequence-parallel input), then ``to_local(grad_placements=[Partial()])``:
-  each rank's input gradient is its part of a sum over the mesh, and autograd reduces it once on the
-  way back (an all-reduce, or a reduce-scatter back to ``Shard(1)``);
+  ``Replicate``, an all-gather for a sequence-parallel input), then ``to_local()`` behind
+  ``SumGradOverGroup``: each rank's input gradient is its part of a sum over the mesh, all-reduced once
+  per call on the way back, in place in the loss's own ``dx`` buffer. Not ``to_local(grad_placements=
+  [Partial()])``: DTensor's redistribution of that Partial gradient is a functional all-reduce that
+  allocates a second ``[tokens, hidden]`` buffer (1 GiB at 131072 tokens x 4096 in bf16), more than a
+  whole loss shard. The reduced gradient is Replicate, which the hook's backward takes as it is (or,
+  for a sequence-parallel input, as this rank's slice of it);
 - the weight and bias by ``to_local()``: their gradients reach the DTensor parameters' ``.grad``, each
   rank its own rows, with no collective;
 - the mesh's process group and this rank's first vocabulary id.
@@ -119,6 +123,23 @@ def _layout(tensor: Any) -> str:
     return f"placements {tuple(tensor.placements)} over a {mesh.ndim}-D mesh {tuple(mesh.shape)}"
 
 
+class SumGradOverGroup(torch.autograd.Function):
+    """The identity forward; backward all-reduces (sums) the gradient over ``group`` in place. The
+    gradient is the tiled loss's own ``dx`` buffer, made for this one use (no other reference sees it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 @dataclass(frozen=True)
 class HeadVocabSlice:
     """``tiled_mlp.core.kernels.vocab_parallel.VocabSlice``, built from the DTensor head."""
@@ -182,9 +203,6 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
 
     def vocab_slice(self, head: nn.Module, hidden: torch.Tensor) -> HeadVocabSlice:
         """This rank's view of ``head`` (checked by ``check_supported``) for the loss of ``hidden``."""
-        from torch.distributed.tensor import Partial
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         hook = _colwise_input_hook(head)
         assert hook is not None, "check_supported found ColwiseParallel's input hook"
         made = hook(head, (hidden,))
@@ -193,8 +211,16 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         bias: Any = head.bias
         mesh = weight.device_mesh
         vocab = weight.shape[0]
-        _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
-        # Shard(0) splits as torch.chunk does: no rank holds more than ceil(vocab / tp) rows.
+        rows = weight.to_local()
+        # Shard(0) splits as torch.chunk does: ceil(vocab / tp) rows per rank in rank order, the last
+        # ranks fewer (or none).
         max_rows = -(-vocab // mesh.size())
-        return HeadVocabSlice(head_input.to_local(grad_placements=[Partial()]), weight.to_local(),
-                              None if bias is None else bias.to_local(), mesh.get_group(), offset[0], vocab, max_rows)
+        start = min(mesh.get_local_rank() * max_rows, vocab)
+        if rows.shape[0] != min(max_rows, vocab - start):
+            raise UnsupportedBackendError(f"tiled loss: {type(head).__name__}'s local weight has {rows.shape[0]} rows, "
+                                          f"not the {min(max_rows, vocab - start)} of Shard(0)'s even split of {vocab} "
+                                          f"over {mesh.size()} ranks; the vocabulary offset of this rank is unknown")
+        group = mesh.get_group()
+        hidden_here = SumGradOverGroup.apply(head_input.to_local(), group)
+        return HeadVocabSlice(hidden_here, rows,
+                              None if bias is None else bias.to_local(), group, start, vocab, max_rows)

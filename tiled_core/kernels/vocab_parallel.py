@@ -13,8 +13,7 @@ own columns, from which ``LinearHeadKernel``'s matmuls (the same code) form:
   call's one ``dx`` buffer and reduced once per call, not per shard: the sum over ranks is linear, so
   reducing the summed buffer is the same sum, with one collective instead of one per shard. The caller
   makes the hidden states a local view whose gradient autograd all-reduces over the group on the way
-  back (``VocabSlice.hidden``: DTensor's ``to_local(grad_placements=[Partial()])``), so the kernel
-  itself issues no collective in backward.
+  back (``VocabSlice.hidden``), so the kernel itself issues no collective in backward.
 
 Every rank runs the same shards (the same tokens, and a shard count sized on the most rows any rank
 holds), so the ranks issue the same collectives in the same order.
