@@ -44,12 +44,13 @@ def vocab_parallel_peak(tokens: int, hidden: int, vocab: int, tp: int, dtype: to
             labels = torch.zeros(1, tokens, dtype=torch.long)
             tracker = LossPeakTracker()
             tracker.name(x, "x")
-            tracker.name(head.weight.to_local(), "W_local")
+            weight: Any = head.weight  # a DTensor, Shard(0)
+            tracker.name(weight.to_local(), "W_local")
             tracker.name(labels, "labels")
             tracker.track(x, head.weight, labels)
             with tracker:
                 tiled_cross_entropy(x, head, labels).backward()
-            rows = head.weight.to_local().shape[0]
+            rows = weight.to_local().shape[0]
             if x.grad is None or head.weight.grad is None:
                 raise RuntimeError("the step gave no dx or no dW")
     finally:
