@@ -15,9 +15,10 @@ from .registry import (
 )
 from .resolver import resolve_strategy, strategy_from_arg
 from .single_device import SingleDeviceStrategy
+from .tensor_parallel_head import TensorParallelHeadStrategy
 
 for _builtin in (SingleDeviceStrategy, DDPStrategy, FSDP1Strategy, FSDP2Strategy, DeepSpeedZeroStrategy,
-                 DeepSpeedAutoTPStrategy):
+                 DeepSpeedAutoTPStrategy, TensorParallelHeadStrategy):
     register_strategy(_builtin)
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "FSDP2Strategy",
     "DeepSpeedZeroStrategy",
     "DeepSpeedAutoTPStrategy",
+    "TensorParallelHeadStrategy",
     "register_strategy",
     "unregister_strategy",
     "available_strategies",

@@ -1,5 +1,5 @@
 """The built-in kernels, as registry entries (``kernel_registry``): the gated fast kernel and the
-generic kernel for token-wise modules, the linear and the module head for the loss.
+generic kernel for token-wise modules, the vocabulary-parallel, the linear and the module head for the loss.
 
 Each answers whether it applies to a call from what the module *is* (its forward's function object,
 its structure, its class), never from a numeric probe.
@@ -19,10 +19,14 @@ from .kernel_registry import MAP, REDUCE, Kernel, KernelCall, register_kernel
 from .kernels import GatedShardKernel, GenericShardKernel
 from .kernels.generic import generic_layout
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
+from .kernels.vocab_parallel import VocabParallelHeadKernel
 from .module_forward import forward_function
 from .tiling_state import tiling_of
 
 TOKEN_INPUTS_DECLINED = "the call has other sharded inputs besides the hidden states"
+# A head whose vocabulary is split over ranks holds only its rows here: a kernel that computes the whole
+# vocabulary's logits from the module would compute with DTensors, or with one rank's rows as if whole.
+VOCAB_SPLIT_DECLINED = "the head's vocabulary is split over ranks (only a vocabulary-parallel kernel computes its loss)"
 
 
 class GatedEntry(Kernel):
@@ -90,10 +94,28 @@ class LinearHeadEntry(Kernel):
     shape = REDUCE
 
     def why_not(self, call: KernelCall) -> str:
+        if call.vocab_slice is not None:
+            return VOCAB_SPLIT_DECLINED
         return "" if is_plain_linear(call.module) else "the head is not a plain nn.Linear"
 
     def build(self, call: KernelCall) -> LinearHeadKernel:
         return LinearHeadKernel(call.module, call.options)  # type: ignore[arg-type]  # a plain nn.Linear
+
+
+class VocabParallelEntry(Kernel):
+    """A plain ``nn.Linear`` head whose rows are split over ranks by vocabulary (tensor parallelism):
+    this rank's logits per shard, the cross-entropy reduced over the group (``kernels/vocab_parallel.py``)."""
+
+    name = "vocab_parallel"
+    shape = REDUCE
+
+    def why_not(self, call: KernelCall) -> str:
+        if call.vocab_slice is None:
+            return "the head's vocabulary is whole on this rank"
+        return "" if is_plain_linear(call.module) else "the head is not a plain nn.Linear"
+
+    def build(self, call: KernelCall) -> VocabParallelHeadKernel:
+        return VocabParallelHeadKernel(call.vocab_slice, type(call.module).__name__, call.options)
 
 
 class ModuleHeadEntry(Kernel):
@@ -102,9 +124,13 @@ class ModuleHeadEntry(Kernel):
     name = "module_head"
     shape = REDUCE
 
+    def why_not(self, call: KernelCall) -> str:
+        return VOCAB_SPLIT_DECLINED if call.vocab_slice is not None else ""
+
     def build(self, call: KernelCall) -> ModuleHeadKernel:
         return ModuleHeadKernel(call.module, call.trainable, call.options)
 
 
-for _kernel, _priority in ((GatedEntry(), 10), (GenericEntry(), 0), (LinearHeadEntry(), 10), (ModuleHeadEntry(), 0)):
+for _kernel, _priority in ((GatedEntry(), 10), (GenericEntry(), 0), (VocabParallelEntry(), 20), (LinearHeadEntry(), 10),
+                          (ModuleHeadEntry(), 0)):
     register_kernel(_kernel, priority=_priority)

@@ -11,8 +11,9 @@ Two shapes, the two shapes of the sharded autograd:
   ``sharded_apply``. Built in: ``"fast"`` (the gated kernel, priority 10) and ``"generic"`` (the
   module's own forward per shard, priority 0, which applies to every module).
 - ``"reduce"``: the loss (``tiled_cross_entropy``): a ``kernels.base.ReduceKernel``, run by
-  ``sharded_reduce``. Built in: ``"linear_head"`` (priority 10) and ``"module_head"`` (priority 0,
-  every head).
+  ``sharded_reduce``. Built in: ``"vocab_parallel"`` (priority 20, a plain linear head whose vocabulary
+  is split over ranks), ``"linear_head"`` (priority 10) and ``"module_head"`` (priority 0, every head
+  whose vocabulary is whole on the rank).
 
 A kernel registered with the default priority (100) is asked before every built-in one; one registered
 below 0 is never reached, since the last built-in of each shape always applies.
@@ -46,6 +47,9 @@ class KernelCall:
     token_inputs: Sequence[torch.Tensor] = ()
     # reduce: the loss's options (``kernels.cross_entropy.CrossEntropyOptions``).
     options: Any = None
+    # reduce: this rank's slice of a head whose vocabulary is split over ranks
+    # (``kernels.vocab_parallel.VocabSlice``); None: the head's vocabulary is whole here.
+    vocab_slice: Any = None
     # map: the module's call plan (``call_plan.CallPlan``), valid while nothing the call rests on
     # changes; a kernel may keep what it derives from the module in ``cache.kernel_cache[name]``.
     cache: Any = None

@@ -30,6 +30,7 @@ from .head_call import foreign_head_hooks, in_head_call
 from .kernel_registry import REDUCE, KernelCall, choose_kernel
 from .kernels.cross_entropy import CrossEntropyOptions, check_targets
 from .kernels.lm_head import loss_dtype
+from .kernels.vocab_parallel import SplitsHeadVocabulary, VocabSlice
 from .loss_shards import loss_num_shards
 from .sequence_group import check_group, group_count, sum_over_group
 from .shard_plan import AUTO, NumShards, ShardPlan, check_num_shards
@@ -43,9 +44,11 @@ REDUCTIONS = ("mean", "sum")
 # shard's logits stay within the budget for any common head, smaller ones only shard finer than needed.
 UNKNOWN_VOCAB = 2**17
 SHARDED_WEIGHT_ERROR = (
-    "tiled loss: {head}'s parameters are sharded DTensors here (FSDP2 outside the forward of the unit that owns "
-    "them). Compute the loss inside that unit's forward (inside lm_head's own call, say), or keep "
-    "lm_head in a unit whose forward surrounds the loss."
+    "tiled loss: {head}'s parameters are DTensors here ({layout}) and its strategy {strategy!r} computes with "
+    "whole tensors. FSDP2's sharded DTensors (outside the forward of the unit that owns them): compute the loss inside "
+    "that unit's forward (inside lm_head's own call, say), or keep lm_head in a unit whose forward surrounds the "
+    "loss. Under tensor parallelism: parallelize lm_head with ColwiseParallel (its weight Shard(0) over a 1-D "
+    "mesh) and leave strategy='auto', which computes the loss split over the vocabulary."
 )
 HEAD_HOOKS_ERROR = (
     "tiled loss: {head} carries hooks of its own ({hooks}); the loss runs inside the head's call (so that a "
@@ -103,8 +106,8 @@ def tiled_cross_entropy(
     is scaled by the gradient that reaches it.
     """
     options = CrossEntropyOptions(ignore_index, float(label_smoothing), logit_softcap, float(z_loss))
-    targets = _shifted_targets(hidden, labels, shift_labels, ignore_index)
-    _check_call(hidden, lm_head, targets, options, reduction)
+    _check_labels(hidden, labels, shift_labels)
+    _check_call(hidden, lm_head, options, reduction)
     check_num_shards(num_shards)
     if sequence_group is not None:
         check_group(sequence_group)
@@ -119,11 +122,24 @@ def tiled_cross_entropy(
                                                                       sequence_group, fixed)
     backend = fixed if fixed is not None else resolve_strategy(lm_head)
     backend.check_supported(lm_head)
-    if any(_is_dtensor(p) for p in lm_head.parameters()):
-        raise RuntimeError(SHARDED_WEIGHT_ERROR.format(head=type(lm_head).__name__))
+    splits_vocab = isinstance(backend, SplitsHeadVocabulary)
+    dtensors = [p for p in lm_head.parameters() if _is_dtensor(p)]
+    if dtensors and not splits_vocab:
+        raise RuntimeError(SHARDED_WEIGHT_ERROR.format(head=type(lm_head).__name__, layout=_layout(dtensors[0]),
+                                                       strategy=backend.name))
     foreign = foreign_head_hooks(lm_head, backend.is_backend_hook)
     if foreign:
         raise RuntimeError(HEAD_HOOKS_ERROR.format(head=type(lm_head).__name__, hooks=", ".join(foreign)))
+    if splits_vocab:
+        # This rank's rows of the head and the hidden states as the head's own input hook makes them (a
+        # sequence-parallel input is gathered there): the labels are the tokens the head sees.
+        vocab_slice = backend.vocab_slice(lm_head, hidden)  # type: ignore[attr-defined]  # SplitsHeadVocabulary
+        targets = _shifted_targets(vocab_slice.hidden, labels, shift_labels, ignore_index)
+        site = LossSite(lm_head, backend, targets, options, reduction, num_items_in_batch, num_shards,
+                        grad_accum_dtype, sequence_group, vocab_slice)
+        # The head's hooks are the style's own, which the slice stands in for: the head is not called.
+        return site.loss_of(vocab_slice.hidden)
+    targets = _shifted_targets(hidden, labels, shift_labels, ignore_index)
     site = LossSite(lm_head, backend, targets, options, reduction, num_items_in_batch, num_shards, grad_accum_dtype,
                     sequence_group)
     # Inside the head's own call: a backend's hooks on the head (ZeRO-3's gather and release, forward and
@@ -137,8 +153,11 @@ class LossSite:
 
     def __init__(self, lm_head: nn.Module, backend: Strategy, targets: torch.Tensor, options: CrossEntropyOptions,
                  reduction: str, num_items_in_batch, num_shards: NumShards, grad_accum_dtype: Optional[torch.dtype],
-                 sequence_group: Optional[Any]):
+                 sequence_group: Optional[Any], vocab_slice: Optional[VocabSlice] = None):
         self.owner = lm_head
+        # This rank's view of a head whose vocabulary is split over ranks (the kernel computes with it
+        # alone: its tensors are the ones owed gradients); None: the head is whole here.
+        self.vocab_slice = vocab_slice
         self.backend = backend
         self.targets = targets
         self.options = options
@@ -162,8 +181,13 @@ class LossSite:
     def decide(self, strategy: Strategy) -> CallDecision:
         lm_head, targets, x = self.owner, self.targets, self.hidden
         assert x is not None, "decided inside the head's call"
-        trainable = strategy.trainable_params(lm_head)
-        choice = choose_kernel(REDUCE, KernelCall(lm_head, x, strategy, trainable, options=self.options))
+        split = self.vocab_slice
+        if split is None:
+            trainable = strategy.trainable_params(lm_head)
+        else:
+            trainable = [t for t in (split.weight, split.bias) if t is not None and t.requires_grad]
+        choice = choose_kernel(REDUCE, KernelCall(lm_head, x, strategy, trainable, options=self.options,
+                                                  vocab_slice=split))
         if choice.entry is None:
             raise RuntimeError(f"tiled loss: no registered kernel computes the loss of {type(lm_head).__name__}: "
                                f"{choice.describe()}")
@@ -175,7 +199,10 @@ class LossSite:
         self.scale = _scale(targets, self.reduction, self.num_items_in_batch, self.options.ignore_index, dtype,
                             self.sequence_group)
         num_tokens = targets.numel()
-        num_shards = loss_num_shards(num_tokens, vocab or UNKNOWN_VOCAB, self.num_shards)
+        # A split vocabulary: a shard's logits are one rank's columns (sized on the widest rank, so that
+        # every rank runs the same shards and the same collectives).
+        columns = split.max_rows if split is not None else vocab or UNKNOWN_VOCAB
+        num_shards = loss_num_shards(num_tokens, columns, self.num_shards)
         return CallDecision(choice.describe(), choice.kernel, choice.name, num_tokens, num_shards, trainable)
 
     def untiled(self, decision: CallDecision) -> torch.Tensor:
@@ -223,7 +250,8 @@ def _check_reduction(reduction: str) -> None:
                          "losses: that would be a [tokens] tensor computed from the logits it never holds)")
 
 
-def _shifted_targets(hidden, labels, shift_labels, ignore_index: int) -> torch.Tensor:
+def _check_labels(hidden, labels, shift_labels) -> None:
+    """Their presence and types (their shape is checked against the tokens the head sees)."""
     if labels is None and shift_labels is None:
         raise ValueError("tiled loss: pass labels (shifted here: position t predicts t+1) or shift_labels (already shifted)")
     # Both given: shift_labels wins, as in ForCausalLMLoss (the Trainer passes both under context and
@@ -234,6 +262,10 @@ def _shifted_targets(hidden, labels, shift_labels, ignore_index: int) -> torch.T
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or not hidden.is_floating_point():
         raise ValueError("tiled loss: hidden must be a floating-point tensor of shape [..., tokens, hidden], got "
                          f"{getattr(hidden, 'shape', type(hidden).__name__)}")
+
+
+def _shifted_targets(hidden, labels, shift_labels, ignore_index: int) -> torch.Tensor:
+    given = shift_labels if shift_labels is not None else labels
     if tuple(given.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"tiled loss: labels of shape {tuple(given.shape)} do not match hidden states of shape "
                          f"{tuple(hidden.shape)}; labels are [..., tokens]")
@@ -242,7 +274,7 @@ def _shifted_targets(hidden, labels, shift_labels, ignore_index: int) -> torch.T
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(hidden.device, torch.long)
 
 
-def _check_call(hidden, lm_head, targets, options: CrossEntropyOptions, reduction: str) -> None:
+def _check_call(hidden, lm_head, options: CrossEntropyOptions, reduction: str) -> None:
     if not isinstance(lm_head, nn.Module):
         raise TypeError(f"tiled loss: lm_head must be an nn.Module (the output head), got {type(lm_head).__name__}")
     _check_reduction(reduction)
@@ -277,3 +309,9 @@ def _scale(targets: torch.Tensor, reduction: str, num_items_in_batch, ignore_ind
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
+
+
+def _layout(t: torch.Tensor) -> str:
+    """A DTensor's placements and mesh shape, read without importing DTensor into the core."""
+    mesh = getattr(t, "device_mesh", None)
+    return f"placements {tuple(getattr(t, 'placements', ()))} over a mesh of shape {tuple(getattr(mesh, 'shape', ()))}"

@@ -17,11 +17,18 @@ normalised loss and the gradient of the normalised loss.
 
 The logits buffer becomes the gradient in place (``exp`` and the corrections overwrite it), so a
 shard's working set is that one buffer, plus a second one for the ``tanh`` values when soft-capping.
+
+The logits may be a slice of the vocabulary (``VocabSpan``: a head sharded over ranks on its output
+features, ``vocab_parallel.py``): then every quantity above that runs over the whole vocabulary, the
+row maximum, the sum of exponentials, the sum of logits (smoothing) and the target's logit (held by
+one rank), is the span's reduction of the per-rank partial, and the same formulas give every rank the
+same loss and the gradient of its own columns. A whole vocabulary is the span whose reductions are the
+identity, so both run the one function.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -54,14 +61,37 @@ def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
                          f"ignore_index ({ignore_index})")
 
 
+def _no_reduction(rows: torch.Tensor) -> None:
+    """A whole vocabulary: each row's partial is already its total."""
+
+
+@dataclass(frozen=True)
+class VocabSpan:
+    """Which columns of the vocabulary a shard's logits hold, and how per-row partials over them
+    become totals over the whole vocabulary (in place, on every rank that holds a slice)."""
+
+    start: int = 0  # the vocabulary id of the first column
+    total: Optional[int] = None  # the whole vocabulary (None: these logits are all of it)
+    max_: Callable[[torch.Tensor], None] = _no_reduction
+    sum_: Callable[[torch.Tensor], None] = _no_reduction
+
+
+WHOLE_VOCAB = VocabSpan()
+
+
 def cross_entropy_shard(logits: torch.Tensor, targets: torch.Tensor, options: CrossEntropyOptions,
-                        scale: torch.Tensor, with_grad: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                        scale: torch.Tensor, with_grad: bool,
+                        span: VocabSpan = WHOLE_VOCAB) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(the shard's summed loss times ``scale``, 0-dim in ``logits.dtype``; its gradient with respect
-    to ``logits`` when ``with_grad``, else None). ``logits`` (``[tokens, vocab]``, in the loss dtype) is
+    to ``logits`` when ``with_grad``, else None). ``logits`` (``[tokens, columns]``, in the loss dtype) is
     owned by the caller and overwritten: the gradient is written into its buffer (soft-capping's into a
-    second one)."""
+    second one). ``span``: the columns are that part of the vocabulary (the loss is the whole
+    vocabulary's, the gradient this part's)."""
     valid = targets != options.ignore_index
-    safe_targets = torch.where(valid, targets, 0).unsqueeze(1)
+    columns = targets - span.start
+    # The target's column, where these logits hold it (every valid target, for a whole vocabulary).
+    owned = valid & (columns >= 0) & (columns < logits.shape[-1])
+    safe_targets = torch.where(owned, columns, 0).unsqueeze(1)
     cap = options.logit_softcap
     capped: Optional[torch.Tensor] = None
     if cap is not None:
@@ -69,18 +99,22 @@ def cross_entropy_shard(logits: torch.Tensor, targets: torch.Tensor, options: Cr
         z = capped.mul(cap) if with_grad else capped.mul_(cap)
     else:
         z = logits
-    eps, lam, vocab = options.label_smoothing, options.z_loss, z.shape[-1]
-    target_z = z.gather(1, safe_targets).squeeze(1)
-    mean_z = z.mean(dim=1) if eps else None
+    eps, lam = options.label_smoothing, options.z_loss
+    vocab = z.shape[-1] if span.total is None else span.total
+    target_z = torch.where(owned, z.gather(1, safe_targets).squeeze(1), 0)
+    sum_z = z.sum(dim=1) if eps else None
     row_max = z.amax(dim=1, keepdim=True)
+    span.max_(row_max)
     # exp(z - max) in place: z becomes the unnormalised softmax.
     exp = z.sub_(row_max).exp_()
-    sum_exp = exp.sum(dim=1)
+    # The per-row partials reduced together (one collective per shard for a split vocabulary).
+    partials = torch.stack([exp.sum(dim=1), target_z] + ([sum_z] if sum_z is not None else []))
+    span.sum_(partials)
+    sum_exp, target_z = partials[0], partials[1]
     lse = sum_exp.log() + row_max.squeeze(1)
     token_loss = (1 - eps) * (lse - target_z)
     if eps:
-        assert mean_z is not None
-        token_loss = token_loss + eps * (lse - mean_z)
+        token_loss = token_loss + eps * (lse - partials[2] / vocab)
     if lam:
         token_loss = token_loss + lam * lse.square()
     weight = valid.to(z.dtype) * scale
@@ -96,7 +130,7 @@ def cross_entropy_shard(logits: torch.Tensor, targets: torch.Tensor, options: Cr
     if lam:
         row_factor = row_factor * (1 + 2 * lam * lse)
     grad = exp.mul_(row_factor.unsqueeze(1))
-    grad.scatter_add_(1, safe_targets, (-(1 - eps) * weight).unsqueeze(1))
+    grad.scatter_add_(1, safe_targets, torch.where(owned, -(1 - eps) * weight, 0).unsqueeze(1))
     if eps:
         grad.sub_((eps / vocab) * weight.unsqueeze(1))
     if capped is not None:

@@ -26,7 +26,7 @@ from torch import nn
 from ..autocast_state import autocast_enabled
 from ..grad_accum import GradAccumulator
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
-from .cross_entropy import CrossEntropyOptions, check_targets, cross_entropy_shard
+from .cross_entropy import WHOLE_VOCAB, CrossEntropyOptions, VocabSpan, check_targets, cross_entropy_shard
 
 HEAD_READ_ERROR = (
     "tiled loss: the head {head} read tensors that require grad besides its parameters ({tensors}); their "
@@ -44,10 +44,15 @@ def is_plain_linear(head: nn.Module) -> bool:
 
 
 class LinearHeadKernel:
+    """``x @ W.T (+ b)`` per shard. Its rows may be a slice of the vocabulary (``span``: the
+    vocabulary-parallel kernel, ``vocab_parallel.py``); the matmuls are the same, and the shard's
+    input gradient is then this slice's part of the sum over slices."""
+
     def __init__(self, head: nn.Linear, options: CrossEntropyOptions):
         self.module_name = type(head).__name__
         self.params: List[torch.Tensor] = [head.weight] if head.bias is None else [head.weight, head.bias]
         self.options = options
+        self.span: VocabSpan = WHOLE_VOCAB
 
     def compute_tensors(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
         """The weight (and bias) in the compute dtype: cast once per call, not once per shard."""
@@ -70,7 +75,7 @@ class LinearHeadKernel:
             wide = logits.to(loss_dtype(logits.dtype), copy=True) if logits.dtype != loss_dtype(logits.dtype) else logits
             del logits
             with_grad = dx is not None or (grads is not None and any(grads.needed))
-            loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad)
+            loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad, self.span)
             if grad is None:
                 return loss
             low = grad.to(dtype)  # the logits' gradient in the matmuls' dtype (``grad`` itself when equal)

@@ -45,6 +45,8 @@ class LossPeakTracker(LiveMemoryTracker):
         self._names[tensor.untyped_storage()._cdata] = label
 
     def _add(self, tensor: torch.Tensor) -> None:
+        if hasattr(tensor, "to_local"):  # a DTensor: its local shard is what this rank holds (as the base's)
+            tensor = tensor.to_local()
         key = tensor.untyped_storage()._cdata
         if key not in self._what:
             dtype = str(tensor.dtype).replace("torch.", "")

@@ -11,6 +11,7 @@ import sys
 
 from ..bench.loss_report import format_report, plot_report
 from ..bench.loss_runner import LossBenchConfig, run_loss_bench, total_steps
+from ..bench.loss_tp_memory import format_tp_report, vocab_parallel_peak
 from ..bench.progress import Progress
 from . import parsing
 from .bench_cmd import _check_plot
@@ -48,6 +49,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--tensor-parallel", type=parsing.positive_int, default=None, metavar="TP",
+                   help="only the per-rank peak of the vocabulary-parallel loss (lm_head under ColwiseParallel over TP "
+                        "ranks, a fake process group) at --memory-size, against x + dx + the rank's W and dW + one shard")
     p.set_defaults(run=run)
 
 
@@ -76,6 +80,8 @@ def _plot_path(args, parser_error):
 
 
 def run(args, parser_error) -> int:
+    if args.tensor_parallel is not None:
+        return _run_tensor_parallel(args)
     plot_path = _plot_path(args, parser_error)
     cfg = _config(args)
     progress = Progress(total_steps(cfg.rounds), "bench-loss", enabled=not (args.no_progress or args.json))
@@ -87,4 +93,11 @@ def run(args, parser_error) -> int:
     if plot_path:
         plot_report(result, plot_path)
         print(f"plot written to {plot_path}", file=sys.stderr)
+    return 0
+
+
+def _run_tensor_parallel(args) -> int:
+    cfg = _config(args)
+    result = vocab_parallel_peak(*cfg.memory_size, args.tensor_parallel, cfg.memory_dtype)
+    print(json.dumps(result, indent=2) if args.json else format_tp_report(result))
     return 0

@@ -1,0 +1,226 @@
+"""Tensor parallelism on the output head: ``lm_head`` parallelized with ``ColwiseParallel`` (torchtitan's
+layout: ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``, optionally
+``input_layouts=Shard(1)`` for a sequence-parallel input), its weight a DTensor ``Shard(0)`` over a
+1-D mesh: each rank holds ``[vocab / tp, hidden]`` rows.
+
+The tiled loss computes with plain local tensors (``tiled_mlp.core.kernels.vocab_parallel``); this
+file builds them (``vocab_slice``):
+
+- the hidden states as the head's own input hook makes them (the hook ``distribute_module`` registered
+  for ``ColwiseParallel``: it annotates the input with ``input_layouts`` and redistributes it to
+  ``Replicate``, an all-gather for a sequence-parallel input), then ``to_local()`` behind
+  ``SumGradOverGroup``: each rank's input gradient is its part of a sum over the mesh, all-reduced once
+  per call on the way back, in place in the loss's own ``dx`` buffer. Not ``to_local(grad_placements=
+  [Partial()])``: DTensor's redistribution of that Partial gradient is a functional all-reduce that
+  allocates a second ``[tokens, hidden]`` buffer (1 GiB at 131072 tokens x 4096 in bf16), more than a
+  whole loss shard. The reduced gradient is Replicate, which the hook's backward takes as it is (or,
+  for a sequence-parallel input, as this rank's slice of it);
+- the weight and bias by ``to_local()``: their gradients reach the DTensor parameters' ``.grad``, each
+  rank its own rows, with no collective;
+- the mesh's process group and this rank's first vocabulary id.
+
+The head's own hooks are found by what they are: ``distribute_module`` registers lambdas closing over a
+``functools.partial`` of the style's ``_prepare_input_fn`` / ``_prepare_output_fn``. The output hook
+(which would redistribute the logits) has nothing to do: no logits are made.
+
+Refused before any work, naming the layout and the fix: a head parallelized by another style (sharded
+on the hidden dimension, ``RowwiseParallel``; replicated), a weight not ``Shard(0)`` over a 1-D mesh
+(a 2-D mesh: FSDP2 over a data-parallel dimension too), a bias not laid out as the weight, and the loss
+split over a sequence-parallel group as well.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, process_group_ready
+
+LAYOUT_ERROR = (
+    "tiled loss: {head} is tensor-parallel with {layout}; the vocabulary-parallel loss takes lm_head "
+    "parallelized with ColwiseParallel over a 1-D mesh (weight{bias} Shard(0): each rank holds vocab/tp rows). "
+    "{fix}"
+)
+STYLE_FIX = ("Parallelize lm_head with ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) "
+             "(input_layouts=Shard(1) for a sequence-parallel input), or compute this loss untiled (loss_parallel()).")
+MESH_FIX = ("A weight over a 2-D mesh is FSDP2's shard of it outside the forward of its unit: keep lm_head out of "
+            "fully_shard (or in a unit that does not reshard it after forward), or compute this loss untiled.")
+SEQUENCE_GROUP_ERROR = (
+    "tiled loss: {head} is vocabulary-parallel (ColwiseParallel) and a sequence_group was given: the loss split "
+    "over a sequence-parallel group and its vocabulary over a tensor-parallel one together is not supported. "
+    "Give the tensor-parallel head its sequence through ColwiseParallel(input_layouts=Shard(1)) instead."
+)
+
+
+def _style_classes() -> List[type]:
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    found: List[type] = []
+    todo: List[type] = [ParallelStyle]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def _style_function(partial: functools.partial) -> Optional[Tuple[type, str]]:
+    """(the ParallelStyle class, the method's name) whose method ``partial`` wraps, or None."""
+    func = getattr(partial.func, "__func__", partial.func)  # a bound method (non-static styles)
+    for cls in _style_classes():
+        for name, attr in vars(cls).items():
+            if getattr(attr, "__func__", attr) is func:
+                return cls, name
+    return None
+
+
+def _hook_style(hook: Any) -> Optional[Tuple[type, str]]:
+    """(style class, method name) where ``hook`` is one ``distribute_module`` registered for a
+    ParallelStyle: a function closing over a ``functools.partial`` of the style's method; else None."""
+    for cell in getattr(hook, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, functools.partial):
+            found = _style_function(value)
+            if found is not None:
+                return found
+    return None
+
+
+def _style_hooks(head: nn.Module) -> Iterator[Tuple[str, Any, type, str]]:
+    """(dict name, hook, style class, method name) of every ParallelStyle hook on ``head`` itself."""
+    for dict_name in ("_forward_pre_hooks", "_forward_hooks"):
+        for hook in getattr(head, dict_name, {}).values():
+            found = _hook_style(hook)
+            if found is not None:
+                yield dict_name, hook, found[0], found[1]
+
+
+def _colwise_input_hook(head: nn.Module) -> Optional[Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    for dict_name, hook, cls, name in _style_hooks(head):
+        if dict_name == "_forward_pre_hooks" and name == "_prepare_input_fn" and issubclass(cls, ColwiseParallel):
+            return hook
+    return None
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _layout(tensor: Any) -> str:
+    if not _is_dtensor(tensor):
+        return "a plain tensor"
+    mesh = tensor.device_mesh
+    return f"placements {tuple(tensor.placements)} over a {mesh.ndim}-D mesh {tuple(mesh.shape)}"
+
+
+class SumGradOverGroup(torch.autograd.Function):
+    """The identity forward; backward all-reduces (sums) the gradient over ``group`` in place. The
+    gradient is the tiled loss's own ``dx`` buffer, made for this one use (no other reference sees it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+@dataclass(frozen=True)
+class HeadVocabSlice:
+    """``tiled_mlp.core.kernels.vocab_parallel.VocabSlice``, built from the DTensor head."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    group: Any
+    start: int
+    vocab_size: int
+    max_rows: int
+
+
+class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
+    """A head parallelized by a tensor-parallel style: its parameters are DTensors whose local rows are
+    all this rank computes with; gradients reach them through autograd (``to_local``), once per backward."""
+
+    name = "tensor_parallel_head"
+    # Above FSDP2: a tensor-parallel head whose weight FSDP2 also shards (a 2-D mesh) is refused here,
+    # by its layout, rather than as FSDP2's.
+    priority = 150
+
+    @classmethod
+    def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
+        """The module itself carries a tensor-parallel style's hooks and a DTensor ``weight`` (an MLP whose
+        Linears are parallelized carries neither: its Linears do)."""
+        if not process_group_ready():
+            return False
+        return _is_dtensor(getattr(module, "weight", None)) and any(True for _ in _style_hooks(module))
+
+    def is_backend_hook(self, hook) -> bool:
+        """The style's input and output hooks: the loss runs the input one itself, and makes no logits
+        for the output one to redistribute."""
+        return _hook_style(hook) is not None
+
+    def check_supported(self, module: nn.Module) -> None:
+        head = type(module).__name__
+        weight: Any = getattr(module, "weight", None)  # a DTensor (claims)
+        bias: Any = getattr(module, "bias", None)
+        bias_text = " and bias" if bias is not None else ""
+        if _colwise_input_hook(module) is None:
+            styles = sorted({cls.__name__ for _, _, cls, _ in _style_hooks(module)})
+            raise UnsupportedBackendError(LAYOUT_ERROR.format(
+                head=head, layout=f"{'/'.join(styles)} (weight {_layout(weight)})", bias=bias_text, fix=STYLE_FIX))
+        from torch.distributed.tensor import Shard
+
+        for what, tensor in (("weight", weight), ("bias", bias)):
+            if tensor is None:
+                continue
+            if not _is_dtensor(tensor) or tensor.device_mesh.ndim != 1:
+                fix = MESH_FIX if _is_dtensor(tensor) else STYLE_FIX
+                raise UnsupportedBackendError(LAYOUT_ERROR.format(
+                    head=head, layout=f"its {what} {_layout(tensor)}", bias=bias_text, fix=fix))
+            if tuple(tensor.placements) != (Shard(0),) or tensor.device_mesh != weight.device_mesh:
+                raise UnsupportedBackendError(LAYOUT_ERROR.format(
+                    head=head, layout=f"its {what} {_layout(tensor)}", bias=bias_text, fix=STYLE_FIX))
+
+    def check_sequence_group(self, module: nn.Module, group: Any) -> None:
+        if self.claims(module):
+            raise UnsupportedBackendError(SEQUENCE_GROUP_ERROR.format(head=type(module).__name__))
+
+    def vocab_slice(self, head: nn.Module, hidden: torch.Tensor) -> HeadVocabSlice:
+        """This rank's view of ``head`` (checked by ``check_supported``) for the loss of ``hidden``."""
+        hook = _colwise_input_hook(head)
+        assert hook is not None, "check_supported found ColwiseParallel's input hook"
+        made = hook(head, (hidden,))
+        head_input = made[0] if isinstance(made, tuple) else made
+        weight: Any = head.weight  # DTensors (check_supported)
+        bias: Any = head.bias
+        mesh = weight.device_mesh
+        vocab = weight.shape[0]
+        rows = weight.to_local()
+        # Shard(0) splits as torch.chunk does: ceil(vocab / tp) rows per rank in rank order, the last
+        # ranks fewer (or none).
+        max_rows = -(-vocab // mesh.size())
+        start = min(mesh.get_local_rank() * max_rows, vocab)
+        if rows.shape[0] != min(max_rows, vocab - start):
+            raise UnsupportedBackendError(f"tiled loss: {type(head).__name__}'s local weight has {rows.shape[0]} rows, "
+                                          f"not the {min(max_rows, vocab - start)} of Shard(0)'s even split of {vocab} "
+                                          f"over {mesh.size()} ranks; the vocabulary offset of this rank is unknown")
+        group = mesh.get_group()
+        hidden_here = SumGradOverGroup.apply(head_input.to_local(), group)
+        return HeadVocabSlice(hidden_here, rows,
+                              None if bias is None else bias.to_local(), group, start, vocab, max_rows)
