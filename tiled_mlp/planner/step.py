@@ -65,8 +65,8 @@ class Setting:
             raise ValueError(f"tensor parallelism ({self.tp} ranks) with Ulysses sequence parallelism ({self.sp}) is "
                              "not modelled: give one of them")
         if self.tp > 1 and (self.tiled or self.tiled_loss or self.tiled_norms):
-            raise ValueError(f"tensor parallelism ({self.tp} ranks) with the library's tiled MLP, loss or norms is not "
-                             f"modelled yet (the setting '{self.name}'): plan the untiled settings under --tp")
+            raise ValueError(f"tensor parallelism ({self.tp} ranks) with the setting '{self.name}': "
+                             f"{tensor_parallel.TILED_NOT_MODELLED}")
 
     @property
     def name(self) -> str:

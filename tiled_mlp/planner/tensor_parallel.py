@@ -44,6 +44,29 @@ _MESHES: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 _GROUPS: Dict[Any, Any] = {}  # name -> FakeProcessGroup: one per degree, registered once per process
 
 
+TILED_NOT_MODELLED = ("the library's tiled MLP, tiled loss and tiled norms under DTensor tensor parallelism are not "
+                      "modelled yet (the tiled MLP does not run on DTensor weights, and a vocabulary-parallel tiled loss "
+                      "does not exist); plan --tp with the untiled settings (--tiled none)")
+
+
+def check_ranks(tp: int, sp: int, world_size: int, backend: Any, parser_error) -> None:
+    """What --tp asks together with --sp, --world-size and --backend, refused through ``parser_error`` where it is
+    not modelled: TP is one dimension of the ranks, the backend shards over the other (FSDP2, as torchtitan)."""
+    if tp < 1:
+        parser_error(f"--tp must be 1 or more, got {tp}")
+    if tp == 1:
+        return
+    if sp > 1:
+        parser_error(f"--tp {tp} with --sp {sp}: tensor and Ulysses sequence parallelism together are not modelled; "
+                     "give one of them")
+    if world_size % tp:
+        parser_error(f"--tp {tp}: tensor parallelism runs on groups of {tp} ranks; --world-size {world_size} is not a "
+                     f"multiple of {tp}")
+    if backend in ("ddp", "zero3"):
+        parser_error(f"--tp {tp} with --backend {backend} is not modelled: the data-parallel ranks of a DTensor TP "
+                     "model are modelled with fsdp2 (as torchtitan shards them), or single where --world-size is --tp")
+
+
 def check(config, tp: int) -> None:
     """A ValueError when ``tp`` ranks cannot share ``config``'s layers as ``parallelize_module`` divides them."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
