@@ -106,7 +106,8 @@ def test_json_records_and_the_longest_sequence(capsys):
                  "--budget", "80GiB", "--checkpointing", "none", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
     assert records[0] == {"budget_bytes": 80 * 2**30, "budget_from": "--budget", "host_budget_bytes": None,
-                          "attention": "sdpa", "attention_from": "transformers' default for LlamaForCausalLM"}
+                          "attention": "sdpa", "attention_from": "transformers' default for LlamaForCausalLM",
+                          "tensor_parallel": 1, "data_parallel": 8}
     points = [r for r in records if "seq" in r]
     assert {r["setting"] for r in points} == {"untiled", "tiled", "tiled-loss", "tiled+tiled-loss"} and len(points) == 8
     for r in points:

@@ -18,7 +18,7 @@ import torch
 from tiled_mlp.core.shard_plan import NumShards
 
 from ..bench.progress import Progress
-from ..planner import alst, attention, check, report, sequence_parallel
+from ..planner import alst, attention, check, report, sequence_parallel, tensor_parallel
 from ..planner.advice import what_to_change
 from ..planner.backends import BACKENDS, Backend
 from ..planner.collector import collector_paused
@@ -65,6 +65,11 @@ def add_arguments(p) -> None:
                    help="Ulysses sequence parallelism over N ranks (DeepSpeed's UlyssesSPAttentionHF): each rank runs "
                         "seq / N tokens, the attention all of them with heads / N; N divides the query heads, every "
                         "--seq and --world-size (default 1)")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism over N ranks (DTensor's parallelize_module with torchtitan's Llama plan: "
+                        "q/k/v/gate/up column-wise, o/down row-wise, the LM head by the vocabulary with a "
+                        "vocabulary-parallel loss); each rank runs every token with 1/N of those weights. --world-size "
+                        "counts all ranks: the backend divides over --world-size / N. Untiled settings only (default 1)")
     g.add_argument("--host-budget", type=parsing.byte_size, default=None, metavar="SIZE",
                    help="host memory each rank may use (a node's over the ranks on it), same forms as --budget: the "
                         "longest sequence then fits the host too (default: not limited). With --alst: a node's host "
@@ -102,6 +107,12 @@ def _settings(args, parser_error) -> List[Setting]:
             raise AssertionError("parser_error exits") from error
 
     ckpt = {"none": [False], "layer": [True], "both": [False, True]}[args.checkpointing]
+    if args.tp > 1:
+        asked = [flag for flag, value, default in (("--tiled", args.tiled, "auto"), ("--tiled-loss", args.tiled_loss, None))
+                 if value not in (default, "none")] + (["--tiled-norms"] if args.tiled_norms else [])
+        if asked:
+            parser_error(f"--tp {args.tp} with {', '.join(asked)}: {tensor_parallel.TILED_NOT_MODELLED}")
+        args.tiled, args.tiled_loss = "none", "none"
     tiled = off_and_on("--tiled", args.tiled)
     losses = off_and_on("--tiled-loss", args.tiled_loss or "auto")
     # Checkpoint offload beside each checkpointed setting, as the other knobs are planned beside their absence.
@@ -112,7 +123,7 @@ def _settings(args, parser_error) -> List[Setting]:
         parser_error("--tiled-norms is planned beside the settings that tile the MLPs; --tiled none has none")
     return [Setting(tiled=n is not None, checkpointing=c, num_shards="auto" if n is None else n,
                     tiled_loss=loss is not None, loss_num_shards="auto" if loss is None else loss,
-                    offload_checkpoints=o, sp=args.sp, tiled_norms=t)
+                    offload_checkpoints=o, sp=args.sp, tiled_norms=t, tp=args.tp)
             for c in ckpt for o in offloads(c) for loss in losses for n in tiled for t in norms(n)]
 
 
@@ -124,8 +135,11 @@ def _check_parallel(args, parser_error) -> str:
     if args.offload_params and args.backend not in (None, "zero3"):
         parser_error(f"--offload-params is ZeRO-3's offload_param; --backend {args.backend} has none: give --backend "
                      "zero3 (or leave --backend out)")
-    backend_name = args.backend or ("zero3" if args.offload_params else "single" if args.world_size == 1 else "fsdp2")
-    if backend_name == "single" and args.world_size != 1:
+    tensor_parallel.check_ranks(args.tp, args.sp, args.world_size, args.backend or ("zero3" if args.offload_params else None),
+                                parser_error)
+    data_parallel = args.world_size // args.tp
+    backend_name = args.backend or ("zero3" if args.offload_params else "single" if data_parallel == 1 else "fsdp2")
+    if backend_name == "single" and data_parallel != 1:
         parser_error(f"--backend single runs one rank; --world-size {args.world_size} needs ddp, fsdp2 or zero3")
     if args.sp < 1:
         parser_error(f"--sp must be 1 or more, got {args.sp}")
@@ -170,11 +184,14 @@ def _run(args, parser_error) -> int:
         config = load_config(args.model)
         check.check_config(config)
         sequence_parallel.check(config, args.sp)
+        tensor_parallel.check(config, args.tp)
     except ValueError as error:
         fail(str(error))
     attention_choice, attention_from = _attention(args, config, fail)
     progress.step("config")
-    request = Request(config, seqs, settings, Backend(backend_name, args.world_size, offload_params=args.offload_params),
+    # Under TP the backend divides each rank's TP shares over the data-parallel ranks (--world-size / --tp).
+    backend = Backend(backend_name, args.world_size // args.tp, offload_params=args.offload_params)
+    request = Request(config, seqs, settings, backend,
                       args.batch, args.dtype, budget,
                       optimizer_on_device=not (args.offload_optimizer or args.offload_params),
                       host_budget=args.host_budget, attention=attention_choice)
@@ -245,6 +262,11 @@ def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) 
         return (f"the budget, {budget / GiB:.2f} GiB ({budget_from}), is smaller than the weights alone on each rank "
                 f"({weights / GiB:.2f} GiB: {sizes.total / 1e9:.2f}B parameters in {args.dtype}, "
                 f"{backend.name} over {backend.world_size}); raise the budget or shard over more ranks")
+    if args.tp > 1:
+        why = tensor_parallel.refusal(model)
+        if why:
+            return f"--tp {args.tp}: {why}"
+        warnings.append(f"--tp {args.tp}: only the untiled settings are planned ({tensor_parallel.TILED_NOT_MODELLED})")
     if args.sp > 1:
         # Only what apply_sequence_parallel accepts: the model (asked of the library's checks) and the
         # settings with the tiled loss, which SP requires.
@@ -325,13 +347,15 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
     if args.json:
         limits = dict(budget_bytes=int(budget), budget_from=budget_from,
                       host_budget_bytes=None if request.host_budget is None else int(request.host_budget),
-                      attention=request.attention, attention_from=attention_from)
+                      attention=request.attention, attention_from=attention_from, tensor_parallel=args.tp,
+                      data_parallel=backend.world_size)
         records = ([limits] + [p.record() for p in points]
                    + [dict(setting=k, max_seq=v.seq, at_cap=v.at_cap) for k, v in longest.items()])
         json_stdout.emit(records)
     else:
         header = report.header(args.model, request.config, planner.param_sizes(), planner.layer_kinds(), args.dtype,
-                               args.batch, backend, args.sp, any(planner.composable(s) for s in request.settings))
+                               args.batch, backend, args.sp, any(planner.composable(s) for s in request.settings),
+                               args.tp)
         print("\n".join([header, *report.table(points, budget, budget_from, request.host_budget),
                          *report.longest_lines(longest, budget, request.seq_step, request.host_budget),
                          *advice, *report.notes(points, args.dtype, backend, request.optimizer_on_device,

@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import List
 
+import torch
 from torch import nn
 
 from .backends import ZERO3_PERSISTENCE_THRESHOLD, ParamSizes
+from .timeline import stored_in
 
 
 def decoder_layers(model: nn.Module, count: int) -> nn.ModuleList:
@@ -23,11 +25,16 @@ def decoder_layers(model: nn.Module, count: int) -> nn.ModuleList:
     return max(stacks, key=lambda stack: sum(p.numel() for p in stack.parameters()))
 
 
+def _held(p: torch.Tensor) -> int:
+    """The elements of ``p`` this rank holds: a DTensor's local shard under tensor parallelism."""
+    return sum(t.numel() for t in stored_in(p))
+
+
 def param_sizes(model: nn.Module, layers: nn.ModuleList) -> ParamSizes:
-    total = sum(p.numel() for p in model.parameters())
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    persistent = sum(p.numel() for p in model.parameters() if p.numel() <= ZERO3_PERSISTENCE_THRESHOLD)
+    total = sum(_held(p) for p in model.parameters())
+    per_layer = [sum(_held(p) for p in layer.parameters()) for layer in layers]
+    largest_module = max(sum(_held(p) for p in m.parameters(recurse=False)) for m in model.modules())
+    persistent = sum(_held(p) for p in model.parameters() if _held(p) <= ZERO3_PERSISTENCE_THRESHOLD)
     return ParamSizes(total=total, largest_layer=max(per_layer), root=total - sum(per_layer),
                       largest_module=largest_module, persistent=persistent)
 

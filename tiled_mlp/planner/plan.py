@@ -152,7 +152,10 @@ class Planner:
         return self._models[setting]
 
     def _plain(self) -> torch.nn.Module:
-        return self.model(Setting(tiled=False, checkpointing=False))
+        # Under tensor parallelism the rank's parameters are its TP shares (``tensor_parallel.py``): what the
+        # backend then divides further and the optimizer keeps state for.
+        tp = max((s.tp for s in self.request.settings), default=1)
+        return self.model(Setting(tiled=False, checkpointing=False, tp=tp))
 
     def param_sizes(self) -> ParamSizes:
         if self._sizes is None:

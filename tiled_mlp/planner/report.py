@@ -17,7 +17,7 @@ GiB = 2**30
 
 
 def header(name: str, config, sizes: ParamSizes, kinds: str, dtype: torch.dtype, batch: int, backend: Backend,
-           sp: int = 1, composed: bool = False) -> str:
+           sp: int = 1, composed: bool = False, tp: int = 1) -> str:
     text = config.get_text_config()
     layers = f"{text.num_hidden_layers} layers" + (f" ({kinds})" if kinds else "")
     where = f"{backend.name} x{backend.world_size}" + (" (parameters offloaded to the host)" if backend.offload_params
@@ -25,6 +25,8 @@ def header(name: str, config, sizes: ParamSizes, kinds: str, dtype: torch.dtype,
     return (f"{name}: {sizes.total / 1e9:.2f}B parameters, {layers}, vocabulary {text.vocab_size}; "
             f"{str(dtype).replace('torch.', '')}, batch {batch} per rank, {where}"
             + (f", Ulysses SP over {sp} ranks (each runs seq / {sp} tokens)" if sp > 1 else "")
+            + (f", tensor parallelism over {tp} ranks (DTensor, torchtitan's Llama plan: each holds 1/{tp} of the "
+               f"attention, MLP and LM-head weights; parameters above are per rank)" if tp > 1 else "")
             + ("; every layer modelled (meta device: the alike layers' step put together from its 2- and 3-layer "
                "steps, event for event; each longest length modelled again at full depth)" if composed
                else "; every layer modelled (full depth, meta device)"))
@@ -33,7 +35,8 @@ def header(name: str, config, sizes: ParamSizes, kinds: str, dtype: torch.dtype,
 SETTING_LEGEND = ("settings: 'tiled' tiles the MLPs, 'tiled-loss' computes the LM head and cross-entropy a token shard "
                   "at a time (never the [tokens, vocab] logits), 'norms' tiles the RMSNorms too, 'ckpt' checkpoints "
                   "every decoder layer, 'offload' keeps each checkpointed layer's input (but the last's) in host "
-                  "memory, 'spN' is Ulysses sequence parallelism over N ranks (DeepSpeed's UlyssesSPAttentionHF)")
+                  "memory, 'spN' is Ulysses sequence parallelism over N ranks (DeepSpeed's UlyssesSPAttentionHF), 'tpN' "
+                  "tensor parallelism over N ranks (DTensor's parallelize_module)")
 HOST_LEGEND = ("'host' is the rank's host memory at its most: the optimizer state when offloaded, ZeRO-3's gradient "
                "(and, with --offload-params, parameter) partitions there, and the offloaded checkpoints")
 

@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
-from . import attention, sequence_parallel
+from . import attention, sequence_parallel, tensor_parallel
 from .rng_states import generator_states_shown
 from .shard_replay import shards_replayed
 from .timeline import Event, Timeline, TimelineTracker
@@ -51,6 +51,7 @@ class Setting:
     offload_checkpoints: bool = False
     sp: int = 1
     tiled_norms: bool = False
+    tp: int = 1  # tensor parallelism: the rank holds its share of each layer (``tensor_parallel.py``)
 
     def __post_init__(self) -> None:
         if self.offload_checkpoints and not self.checkpointing:
@@ -58,6 +59,14 @@ class Setting:
                              "host memory; without layer checkpointing there is no such input: turn checkpointing on")
         if isinstance(self.sp, bool) or not isinstance(self.sp, int) or self.sp < 1:
             raise ValueError(f"sequence parallelism of {self.sp!r} ranks: give a whole number, 1 or more")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tensor parallelism of {self.tp!r} ranks: give a whole number, 1 or more")
+        if self.tp > 1 and self.sp > 1:
+            raise ValueError(f"tensor parallelism ({self.tp} ranks) with Ulysses sequence parallelism ({self.sp}) is "
+                             "not modelled: give one of them")
+        if self.tp > 1 and (self.tiled or self.tiled_loss or self.tiled_norms):
+            raise ValueError(f"tensor parallelism ({self.tp} ranks) with the setting '{self.name}': "
+                             f"{tensor_parallel.TILED_NOT_MODELLED}")
 
     @property
     def name(self) -> str:
@@ -71,6 +80,7 @@ class Setting:
         parts += ["ckpt"] if self.checkpointing else []
         parts += ["offload"] if self.offload_checkpoints else []
         parts += [f"sp{self.sp}"] if self.sp > 1 else []
+        parts += [f"tp{self.tp}"] if self.tp > 1 else []
         return "+".join(parts)
 
 
@@ -96,11 +106,13 @@ def _dtype_kwargs(dtype: torch.dtype) -> dict:
 
 
 def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[str, torch.device], setting: Setting,
-                seed: int = 0, batch: int = 1, sp_group: Any = None, attention_choice: Optional[str] = None):
+                seed: int = 0, batch: int = 1, sp_group: Any = None, attention_choice: Optional[str] = None,
+                tp_mesh: Any = None):
     """The causal LM of ``config`` with ``depth`` decoder layers (None: all of them), under ``setting``,
     running ``attention_choice`` (``attention.CHOICES``; None: what transformers picks for the config).
     With ``setting.sp > 1``: for ``batch`` sequences a step, on ``sp_group`` (a real process group of
-    ``sp`` ranks; None: the planner's stand-in, on the meta device only)."""
+    ``sp`` ranks; None: the planner's stand-in, on the meta device only). With ``setting.tp > 1``: torchtitan's TP
+    plan put on it over ``tp_mesh`` (a real 1-D mesh of ``tp`` ranks; None: the planner's, on the meta device only)."""
     from transformers import AutoModelForCausalLM
 
     from ..integrations import apply_checkpoint_offload, apply_tiled_loss, apply_tiled_mlp
@@ -132,6 +144,15 @@ def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[
         _OFFLOADS[model] = apply_checkpoint_offload(model)
     if setting.sp > 1:
         _SP_GROUPS[model] = sp_group
+    if setting.tp > 1:
+        tensor_parallel.check(config, setting.tp)
+        if tp_mesh is None:
+            if torch.device(device).type != "meta":
+                raise ValueError("a real step under tensor parallelism needs its device mesh (tp_mesh)")
+            tp_mesh = tensor_parallel.meta_mesh(setting.tp)
+        if tp_mesh.size() != setting.tp:
+            raise ValueError(f"tensor parallelism of {setting.tp} ranks on a mesh of {tp_mesh.size()}")
+        tensor_parallel.apply(model, tp_mesh)
     return model
 
 
@@ -157,6 +178,9 @@ def _run_step(model, seq: int, batch: int, rank: int, describe: bool,
     """The step run under a tracker, and its log as events, taken while the gradients are still alive."""
     device = next(model.parameters()).device
     vocab = model.config.get_text_config().vocab_size
+    parallel = tensor_parallel.is_parallel(model)
+    # Under TP the rank's logits are its share of the vocabulary: what marks a tensor as the logits' kind.
+    vocab_seen = tensor_parallel.local_vocab(model) if parallel else vocab
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     if device.type != "meta":
         ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(rank)).to(device)
@@ -169,16 +193,17 @@ def _run_step(model, seq: int, batch: int, rank: int, describe: bool,
         inputs["position_ids"] = torch.arange(first, first + seq, device=device).unsqueeze(0).repeat(batch, 1)
     offload = _OFFLOADS.get(model)
     model.zero_grad(set_to_none=True)
-    tracker = TimelineTracker(vocab, describe)
+    tracker = TimelineTracker(vocab_seen, describe)
     tracker.track_weights(model.parameters())
     tracker.mark()
     comm = sequence_parallel.comm_for(group) if group is not None else contextlib.nullcontext()
+    tp_context = tensor_parallel.step_context(model) if parallel else contextlib.nullcontext()
     try:
         if offload is not None:
             offload.on_host_copy = tracker.track_host
         # A CPU step is measured: every shard runs.
         replay = shards_replayed(tracker) if replay_shards and device.type == "meta" else contextlib.nullcontext()
-        with comm, attention.positions_read(), generator_states_shown(tracker.track_generator_state), replay, tracker:
+        with comm, tp_context, attention.positions_read(), generator_states_shown(tracker.track_generator_state), replay, tracker:
             loss = model(**inputs).loss
             tracker.mark()
             loss.backward()

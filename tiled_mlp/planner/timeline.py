@@ -21,6 +21,7 @@ from itertools import pairwise
 from typing import Dict, Iterable, List, Tuple
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
 from ..bench.memory_tracker import LiveMemoryTracker
@@ -38,6 +39,18 @@ HOST_KINDS = (HOST, GENERATOR_STATES)
 # One entry of a step's log: the kind of the storage, its bytes, whether it was allocated (else freed), and
 # what made it (op, dtype, shape; '' unless the step was described).
 Event = Tuple[str, int, bool, str]
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def stored_in(tensor: torch.Tensor) -> List[torch.Tensor]:
+    """The plain tensors whose storages hold ``tensor``'s memory: itself, or a wrapper subclass's inner tensors
+    (a DTensor gradient's local shard)."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    # A DTensor names its mesh among its inner attributes too: only tensors hold memory.
+    inners = [getattr(tensor, name) for name in names]
+    return [stored for inner in inners if isinstance(inner, torch.Tensor) for stored in stored_in(inner)]
 
 
 @dataclass
@@ -110,6 +123,13 @@ class TimelineTracker(LiveMemoryTracker):
         self._kind = ACTIVATIONS  # what a new storage is, unless its last dim is the vocabulary
         self._host_kind_of: Dict[int, str] = {}  # serial -> its host kind, for storages in host memory
         self._marks: List[int] = []  # log lengths where a section of the step ends (``mark``)
+        self._fake_mode = None
+
+    def __enter__(self):
+        # The fake mode a step runs in, if it runs in one (a model built under ``FakeTensorMode``): its fake
+        # tensors are the step's own.
+        self._fake_mode = torch._C._get_dispatch_mode(_FAKE)
+        return super().__enter__()
 
     def track_weights(self, tensors: Iterable[torch.Tensor]) -> None:
         self._kind = WEIGHTS
@@ -161,7 +181,12 @@ class TimelineTracker(LiveMemoryTracker):
         return None
 
     def _add_other(self, tensor: torch.Tensor) -> None:
-        """``_add`` for a tensor subclass (the base tracker looks through a DTensor to its local shard)."""
+        """``_add`` for a tensor subclass: a wrapper (a DTensor, an ``AsyncCollectiveTensor``) holds no memory of
+        its own but its inner tensors' (a DTensor's local shard), which are what is counted."""
+        if is_traceable_wrapper_subclass(tensor):
+            for inner in stored_in(tensor):
+                self._add(inner)
+            return
         key = tensor.untyped_storage()._cdata
         if key in self._live:
             return
@@ -186,6 +211,16 @@ class TimelineTracker(LiveMemoryTracker):
         # and a value read there answered (``meta_values.py``).
         if is_meta_read(func, args):
             return zero_read(args[0])
+        if torch._C._get_dispatch_mode(_FAKE) is not self._fake_mode:
+            # A fake mode the step does not run in: DTensor's sharding propagation working out an output's
+            # global shape on fake tensors, which allocates nothing on the rank.
+            return func(*args, **(kwargs or {}))
+        for kind in types:
+            if kind is not torch.Tensor and kind is not torch.nn.Parameter and is_traceable_wrapper_subclass_type(kind):
+                # The subclass's own dispatch runs next, with this tracker active: the ops on its inner tensors
+                # (a DTensor's local matmuls, its collectives' outputs) are what allocate, and are tracked as
+                # they run.
+                return NotImplemented
         out = _META_OUTPUTS.call(func, args, kwargs or {})
         # Most ops return one plain tensor: tracked without walking a tree.
         for leaf in (out,) if type(out) is torch.Tensor else tree_leaves(out):
@@ -209,7 +244,8 @@ class TimelineTracker(LiveMemoryTracker):
     def kinded(self, grads: Iterable[torch.Tensor]) -> List[Event]:
         """The log as ``Event``s, each free carrying its allocation's kind and label; ``grads``
         (the parameters' ``.grad`` after the step) say which storages were gradients all along."""
-        grad_serials = {self._serial_of[key] for key in (g.untyped_storage()._cdata for g in grads) if key in self._serial_of}
+        stored = (inner for g in grads for inner in stored_in(g))
+        grad_serials = {self._serial_of[key] for key in (t.untyped_storage()._cdata for t in stored) if key in self._serial_of}
         made: Dict[int, Tuple[str, str]] = {}  # live serial -> its kind and what made it
         events: List[Event] = []
         for serial, nbytes, kind in self._log:

@@ -1,0 +1,97 @@
+"""The planner's tensor-parallel step (``tiled-mlp plan --tp N``) against a real one: two gloo ranks on the CPU,
+each running a 3-layer Llama (float32) with torchtitan's TP plan put on it by ``parallelize_module`` over a real
+device mesh, every allocation of each rank's step tracked. The planner's modelled step of one rank (the meta
+device, the same plan over a fake process group, ``tiled_mlp/planner/tensor_parallel.py``) must equal each
+rank's, to the byte, after every allocation: weights, gradients, logits and other activations apart.
+
+Gloo's worker thread keeps each collective's tensors until it drops the finished work, a moment that races with
+the step: seen, one layer's all-reduced attention output freed one allocation later than the step drops it, on one
+rank, in one run and not in the next. So the real step's all-reduces (DTensor's, and the vocabulary-parallel
+loss's, both ``funcol.all_reduce``) allocate their output where the tracker sees it and hand gloo a private copy
+made outside the tracker (``_private_collectives``): the step's own tensors are then freed where the step's code
+drops them, which is what the model says, and what is checked.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .spawn import run_distributed
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.distributed
+
+TP, SEQ = 2, 256
+# The plain step, and with every decoder layer checkpointed.
+SETTINGS = [dict(tiled=False, checkpointing=False), dict(tiled=False, checkpointing=True)]
+
+
+def _config():
+    from transformers import LlamaConfig
+
+    # 4 query heads and 2 key/value heads: each of the 2 ranks computes 2 and 1 of them.
+    return LlamaConfig(hidden_size=64, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
+
+
+def _private_collectives() -> None:
+    """``funcol.all_reduce`` with its output allocated under the tracker and gloo given a copy the tracker never
+    sees."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def all_reduce(tensor, reduceOp, group, tag=""):
+        output = torch.empty_like(tensor)  # the functional all-reduce's output, as its kernel allocates it
+        with _disable_current_modes():
+            received = tensor.clone()
+            dist.all_reduce(received, getattr(dist.ReduceOp, reduceOp.upper()),
+                            group=_resolve_process_group(funcol._resolve_group_name(group, tag)))
+            output.copy_(received)
+        return funcol._maybe_wrap_tensor(output)
+
+    funcol.all_reduce = all_reduce
+
+
+def _real_steps(rank: int, world_size: int) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tiled_mlp.planner.step import Setting, build_model, step_timeline
+
+    _private_collectives()
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = []
+    for kwargs in SETTINGS:
+        model = build_model(_config(), None, torch.float32, "cpu", Setting(tp=TP, **kwargs), tp_mesh=mesh)
+        # The ranks of a TP group run the same tokens: both take rank 0's.
+        out.append(step_timeline(model, SEQ, 1, rank=0).points)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_real_two_rank_tensor_parallel_step_is_predicted_to_the_byte(tmp_path):
+    from tiled_mlp.planner.backends import Backend
+    from tiled_mlp.planner.plan import Planner, Request
+    from tiled_mlp.planner.step import Setting
+
+    measured = run_distributed(_real_steps, TP, tmp_path, timeout=120)
+    for index, kwargs in enumerate(SETTINGS):
+        setting = Setting(tp=TP, **kwargs)
+        planner = Planner(Request(_config(), [SEQ], [setting], Backend("single", 1), dtype=torch.float32))
+        predicted = planner.timeline(setting, SEQ)
+        for rank, steps in enumerate(measured):
+            points = steps[index]
+            first = next((i for i, (p, m) in enumerate(zip(predicted.points, points, strict=False)) if p != m), None)
+            assert first is None and len(predicted.points) == len(points), (
+                f"{setting.name}, rank {rank}: allocation {first}: predicted "
+                f"{predicted.points[first] if first is not None else len(predicted.points)}, measured "
+                f"{points[first] if first is not None else len(points)}")
+        # The rank holds half of each sharded weight: the projections and the LM head, not the embeddings or norms.
+        weights = max(p[0] for p in predicted.points)
+        config = _config()
+        hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+        kv = hidden // config.num_attention_heads * config.num_key_value_heads
+        sharded = 3 * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter) + vocab * hidden
+        whole = vocab * hidden + (2 * 3 + 1) * hidden
+        assert weights == 4 * (sharded // TP + whole)

@@ -1,0 +1,69 @@
+"""``tiled-mlp plan --tp N``: the untiled settings planned under DTensor tensor parallelism (the step itself is
+checked byte-exact against two real gloo ranks in ``integration_tests/test_planner_tp_honesty.py``), the degree
+named in the output, and what is not modelled refused before any step."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from transformers import LlamaConfig  # noqa: E402
+
+from tiled_mlp.cli.main import main  # noqa: E402
+from tiled_mlp.planner.step import Setting  # noqa: E402
+
+HIDDEN, INTER, VOCAB, LAYERS = 64, 176, 256, 2
+
+
+def _config_file(tmp_path, **overrides):
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4096, **overrides)
+    config.save_pretrained(tmp_path)
+    return str(tmp_path / "config.json")
+
+
+def _refusal(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit):
+        main(["plan", *argv])
+    return capsys.readouterr().err
+
+
+def test_plan_json_names_the_tp_degree_and_holds_the_ranks_share_of_the_sharded_weights(tmp_path, capsys):
+    main(["plan", "--model", _config_file(tmp_path), "--seq", "256", "--budget", "1GiB", "--dtype", "float32",
+          "--tp", "2", "--world-size", "2", "--checkpointing", "none", "--json"])
+    records = json.loads(capsys.readouterr().out)
+    assert records[0]["tensor_parallel"] == 2 and records[0]["data_parallel"] == 1
+    point = next(r for r in records if r.get("seq") == 256)
+    assert point["setting"] == "untiled+tp2"
+    kv = HIDDEN // 4 * 2
+    sharded = LAYERS * (2 * HIDDEN * HIDDEN + 2 * HIDDEN * kv + 3 * HIDDEN * INTER) + VOCAB * HIDDEN
+    whole = VOCAB * HIDDEN + (2 * LAYERS + 1) * HIDDEN  # the embeddings and the norms
+    # Float32 weights; Adam's two float32 moments for the rank's parameters.
+    assert point["parts"]["weights"] == 4 * (sharded // 2 + whole)
+    assert point["optimizer_bytes"] == 8 * (sharded // 2 + whole)
+
+
+def test_tp_with_sequence_parallelism_is_refused(tmp_path, capsys):
+    err = _refusal(capsys, "--model", _config_file(tmp_path), "--tp", "2", "--sp", "2", "--world-size", "4")
+    assert "--tp 2 with --sp 2" in err and "not modelled" in err
+
+
+def test_tp_with_a_tiled_setting_is_refused_as_not_modelled_yet(tmp_path, capsys):
+    err = _refusal(capsys, "--model", _config_file(tmp_path), "--tp", "2", "--world-size", "2", "--tiled", "4")
+    assert "--tp 2 with --tiled" in err and "not modelled yet" in err
+    with pytest.raises(ValueError, match="not modelled yet"):
+        Setting(tiled=False, checkpointing=False, tiled_loss=True, tp=2)
+
+
+def test_tp_that_splits_a_head_or_ties_the_lm_head_is_refused(tmp_path, capsys):
+    err = _refusal(capsys, "--model", _config_file(tmp_path), "--tp", "4", "--world-size", "4")
+    assert "whole heads" in err
+    err = _refusal(capsys, "--model", _config_file(tmp_path, tie_word_embeddings=True), "--tp", "2", "--world-size", "2")
+    assert "ties its LM head" in err
+
+
+def test_tp_with_zero3_is_refused(tmp_path, capsys):
+    err = _refusal(capsys, "--model", _config_file(tmp_path), "--tp", "2", "--world-size", "4", "--backend", "zero3")
+    assert "--backend zero3 is not modelled" in err
