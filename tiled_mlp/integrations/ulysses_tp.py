@@ -3,12 +3,11 @@
 DeepSpeed's ``UlyssesSPAttentionHF`` is built from the model config's head counts: it all-to-alls each rank's
 [its tokens, every head] into [every token, its share of the heads], and asserts that shape. Under DTensor tensor
 parallelism on the attention projections (``parallelize_module`` with ``ColwiseParallel`` on q/k/v and
-``RowwiseParallel`` on o) a rank holds only its TP slice of the heads: DeepSpeed's shape assertion fires deep
-inside the first attention (with the config's head counts divided by the TP size to get past it, the all-to-all
-would exchange local head slices as if they were whole heads: where the SP and TP groups overlap, heads of
-different slices are mixed across the sequence, in silence). Composing them would need the Ulysses attention
-built on the local head counts and a rank layout where every SP rank holds the same TP slice: not what DeepSpeed
-builds, so it is refused, naming the fix.
+``RowwiseParallel`` on o) a rank holds only its TP slice of the heads, and DeepSpeed's shape assertion stops the
+first attention (measured: SP=2 beside TP=2 on 4 gloo ranks), naming neither the problem nor a fix. Composing the
+two would need the Ulysses attention built on the local head counts, every rank of a TP group holding the same
+tokens (SP groups orthogonal to the TP groups), and the TP-sharded projections' gradients summed over the SP
+ranks: none of which DeepSpeed's registration or this library sets up or can check, so it is refused.
 
 Decided by what the parameters are: a ``DTensor`` parameter of an attention module. At the attention call it
 is exact: FSDP2 has unsharded its own parameters into plain tensors by then (the attention runs inside the
@@ -27,7 +26,7 @@ TENSOR_PARALLEL_ERROR = (
     "DeepSpeed's Ulysses attention exchanges whole attention heads across the SP ranks and is built for the "
     "config's {heads} query heads; under tensor parallelism a rank holds only its slice of the heads, which the "
     "all-to-all would treat as whole. Ulysses SP and tensor parallelism on the attention do not compose here: "
-    "leave q_proj/k_proj/v_proj/o_proj out of the tensor-parallel plan (tensor-parallel MLPs are fine), or use "
+    "leave q_proj/k_proj/v_proj/o_proj out of the tensor-parallel plan, or use "
     "tensor parallelism without sequence parallelism."
 )
 
