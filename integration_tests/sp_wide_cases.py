@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .loss_cases import tiled_loss_spy
 from .sp_cases import hf_loss64, raised
 from .training_record import new_record, note_tiled_calls, record_step, sgd_step
 
@@ -163,11 +164,14 @@ def train(case: WideCase, rank: int, world: int) -> Dict:
         step_fn, full_grad, full_param, reduce_grads = _wrap(case, model, world)
     named = list(model.named_parameters())
     tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
-    record: Dict = {**new_record(), "losses": [], "patched": patched,
+    record: Dict = {**new_record(), "losses": [], "loss_calls": [], "patched": patched,
                     "initial": {n: full_param(p).detach().clone() for n, p in named}}
     for step in range(STEPS):
         ids, labels = sample(case, step, rank // case.sp)
-        loss = model(**sp.shard({"input_ids": ids, "labels": labels})).loss
+        calls: List[Dict] = []
+        with tiled_loss_spy(calls):
+            loss = model(**sp.shard({"input_ids": ids, "labels": labels})).loss
+        record["loss_calls"].append(calls)
         loss.backward()
         if reduce_grads is not None:
             reduce_grads()

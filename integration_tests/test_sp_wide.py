@@ -32,6 +32,7 @@ from .sp_wide_cases import (
     MLP_SHARDS,
     SP4_CASES,
     STEPS,
+    TOKENS,
     WideCase,
     errors,
     reference_run,
@@ -64,12 +65,15 @@ def check_exact(case: WideCase, outcomes: List[Dict]) -> List[str]:
                      if not err <= BOUND]
         worst = max(worst, *errs.values())
         sp_rank = rank % case.sp
-        # every MLP and norm tiled this rank's slice in its own shard count, the loss too (not checked here: the
-        # norms take the generic path, the MLPs the fast one)
+        # Every MLP and norm tiled this rank's slice in its own shard count (the MLPs on the fast path, the norms
+        # on the generic one), and the loss made one tiled call over it in its own.
         if record["patched"] != TILED_BLOCKS or record["shards"] != [[MLP_SHARDS[sp_rank]] * TILED_BLOCKS] * STEPS:
             failures.append(f"{case.name}: rank {rank}: {record['patched']} blocks tiled, shards {record['shards']}")
         if record["paths"] != {"fast", "generic"}:
             failures.append(f"{case.name}: rank {rank}: paths {record['paths']}")
+        loss_calls = [[(call["tokens"], call["shards"]) for call in calls] for calls in record["loss_calls"]]
+        if loss_calls != [[(TOKENS // case.sp, LOSS_SHARDS[sp_rank])]] * STEPS:
+            failures.append(f"{case.name}: rank {rank}: tiled loss calls (tokens, shards) {loss_calls}")
     print(f"{case.name}: worst relative error {worst:.2e}")
     return failures
 
@@ -79,7 +83,6 @@ def check_exact(case: WideCase, outcomes: List[Dict]) -> List[str]:
 def test_sp4_with_tiled_mlp_loss_and_norms_matches_one_process(outcomes, case):
     """SP=4 on 4 processes: a Llama whose 2 key/value heads DeepSpeed repeats across the 4 ranks, a Qwen2
     with 4; one rank's slice without a valid target and another with one, changing with the step."""
-    assert LOSS_SHARDS  # each SP rank tiles its loss differently (sp_wide_cases)
     failures = check_exact(case, outcomes)
     assert not failures, "\n".join(failures)
 
