@@ -210,6 +210,33 @@ def fsdp2_refusals(rank: int) -> Dict[str, Tuple[str, str]]:
     return out
 
 
+def fsdp2_before_sp(rank: int) -> Dict[str, Any]:
+    """``fully_shard`` (world mesh) before ``apply_sequence_parallel``: the sharded parameters are DTensors at
+    apply time, which the tensor-parallel refusal must not take for TP. One step's full gradients, or
+    ``{"refused": message}``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tiled_mlp.integrations import apply_tiled_mlp
+    from tiled_mlp.integrations.ulysses import apply_sequence_parallel
+
+    case = FSDP2_CASES[0]
+    model = wide_model(case.family, case.dtype)
+    apply_tiled_mlp(model, num_shards=2, loss=True, norms=True)
+    mesh = init_device_mesh("cpu", (case.sp * case.dp,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:
+        sp = apply_sequence_parallel(model, case.sp)
+    except ValueError as error:  # the test reads it: a refusal here is the failure it looks for
+        return {"refused": str(error)}
+    ids, labels = sample(case, 0, rank // case.sp)
+    model(**sp.shard({"input_ids": ids, "labels": labels})).loss.backward()
+    sp.remove()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
 def tensor_parallel_refusals(rank: int) -> Dict[str, Any]:
     """DTensor TP on the attention projections over a (tp, sp) mesh beside the SP groups: TP applied after
     SP (refused at the first attention call) and before it (refused at apply time)."""
@@ -260,6 +287,7 @@ def wide_runs(rank: int, world: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {case.name: train(case, rank, world) for case in SP4_CASES + FSDP2_CASES}
     out[BF16_CASE.name] = train(BF16_CASE, rank, world)
     out["fsdp2-refused"] = fsdp2_refusals(rank)
+    out["fsdp2-before-sp"] = fsdp2_before_sp(rank)
     out["tp-refused"] = tensor_parallel_refusals(rank)
     return out
 

@@ -23,7 +23,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from .comparison import BOUND, needs_deepspeed
+from .comparison import BOUND, needs_deepspeed, rel_error
 from .sp_wide_cases import (
     BF16_CASE,
     BF16_REFERENCE_DTYPE,
@@ -111,6 +111,16 @@ def test_fsdp2_that_does_not_average_over_the_sp_ranks_is_refused(outcomes):
         assert all(words in message for words in ("divides the gradients of FSDPLlamaForCausalLM by 2.0",
                                                   "[0, 1, 2, 3]", "2 times the right one",
                                                   "Leave the gradient divide factor unset")), (rank, message)
+
+
+@pytest.mark.timeout(200)
+def test_fsdp2_applied_before_sp_is_not_taken_for_tensor_parallelism(outcomes):
+    """FSDP2's sharded parameters are DTensors when SP is applied after fully_shard: accepted, and exact."""
+    ref = reference_run(FSDP2_CASES[0])["grads"][0]
+    for rank, out in enumerate(outcomes):
+        assert "refused" not in out["fsdp2-before-sp"], (rank, out["fsdp2-before-sp"])
+        errs = {n: rel_error(want, out["fsdp2-before-sp"][n]) for n, want in ref.items()}
+        assert max(errs.values()) <= BOUND, (rank, {n: e for n, e in errs.items() if e > BOUND})
 
 
 def _bf16_errors(ref: Dict, run: Dict, group: int, single: bool) -> Dict[str, float]:
