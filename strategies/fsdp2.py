@@ -135,9 +135,13 @@ class FSDP2Reduction:
     """How one FSDP2 parameter group reduces its gradients."""
 
     ranks: List[int]  # the global ranks whose gradients it adds
-    averages: bool  # divided by how many ranks it adds (False: a divide factor set to something else)
-    divide_factor: Optional[float] = None  # set_gradient_divide_factor's, where set
-    divisor: int = 0  # what FSDP2 divides by without one
+    divisor: Optional[int] = None  # what FSDP2 divides their sum by without a divide factor (None: not read)
+    divide_factor: Optional[float] = None  # set_gradient_divide_factor's, where set: replaces the divisor
+
+    @property
+    def averages(self) -> bool:
+        """Divided by how many ranks it adds (unknown counts as yes: only FSDP2's own state says otherwise)."""
+        return self.divide_factor is None or self.divisor is None or float(self.divide_factor) == self.divisor
 
 
 def fsdp2_reductions(module: nn.Module) -> List[FSDP2Reduction]:
@@ -150,12 +154,10 @@ def fsdp2_reductions(module: nn.Module) -> List[FSDP2Reduction]:
             for group in state._fsdp_param_groups:
                 if any(id(m) in owners for fp in group.fsdp_params
                        for m in (fp._module_info.module, *getattr(fp._module_info, "shared_modules", ()))):
-                    factor = getattr(group, "gradient_divide_factor", None)
-                    divisor = _default_divisor(group.mesh_info)
-                    found.append(FSDP2Reduction(_averaging_ranks(group.mesh_info),
-                                                factor is None or float(factor) == divisor, factor, divisor))
+                    found.append(FSDP2Reduction(_averaging_ranks(group.mesh_info), _default_divisor(group.mesh_info),
+                                                getattr(group, "gradient_divide_factor", None)))
     except (ImportError, AttributeError):  # FSDP2's internals moved: the parameters' own meshes (public API)
-        found = [FSDP2Reduction(p.device_mesh.mesh.flatten().tolist(), True) for p in module.parameters()
+        found = [FSDP2Reduction(p.device_mesh.mesh.flatten().tolist()) for p in module.parameters()
                  if hasattr(p, "device_mesh")]
     return found
 
@@ -209,5 +211,5 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
             if not reduction.averages:
                 raise UnsupportedBackendError(DIVIDE_FACTOR_ERROR.format(
                     model=type(module).__name__, factor=reduction.divide_factor, ranks=reduction.divisor,
-                    ranks_list=sorted(set(reduction.ranks)), scale=reduction.divisor / float(reduction.divide_factor or 1),
+                    ranks_list=sorted(set(reduction.ranks)), scale=(reduction.divisor or 1) / float(reduction.divide_factor or 1),
                     count=reduction.divisor))
