@@ -21,10 +21,13 @@ pre-forward hook.
 
 The instance may carry the mesh given to ``fully_shard`` (``FSDP2Strategy(mesh=mesh)``, or registered
 with ``register_strategy(FSDP2Strategy, mesh=mesh, override=True)``): the ranks FSDP2 averages over are
-then read from it, as given; without one, from the FSDP2 states managing the module's parameters.
+then read from it, as given; without one, from the FSDP2 states managing the module's parameters. Under SP a
+gradient divide factor (``set_gradient_divide_factor``) other than the number of ranks FSDP2 adds is refused:
+the tiled loss's factor assumes FSDP2 averages over them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Sequence
 
 from torch import nn
@@ -43,6 +46,13 @@ PER_LINEAR_ERROR = (
     "would all-gather and reshard once per token shard (ranks with different token counts would "
     "deadlock), and bypassing them would leave their gradients unreduced. Apply fully_shard to the "
     "MLP, to the TiledMLP, or to the decoder layer that contains it, not to its Linears."
+)
+DIVIDE_FACTOR_ERROR = (
+    "sequence parallelism: FSDP2 divides the gradients of {model} by {factor} (set_gradient_divide_factor) over the "
+    "{ranks} ranks {ranks_list}, not by their number: the tiled loss, split across the sequence-parallel group, hands "
+    "each rank the factor that an average over every rank turns into the whole sequence's gradient, so every "
+    "gradient would come out {scale:g} times the right one. Leave the gradient divide factor unset under SP (FSDP2 then "
+    "averages over its mesh), or set it to {count}."
 )
 MESH_ERROR = (
     "FSDP2Strategy(mesh=...) takes the mesh given to fully_shard: 1-D (shard) or 2-D (replicate, shard), over "
@@ -109,8 +119,34 @@ def _averaging_ranks(mesh_info) -> List[int]:
     return ranks
 
 
-def fsdp2_averaging_ranks(module: nn.Module) -> List[List[int]]:
-    """For every FSDP2 parameter group managing a parameter of ``module``: the ranks it averages over."""
+def _default_divisor(mesh_info) -> int:
+    """What FSDP2 divides a gradient's sum by when no divide factor is set: the size of its data-parallel
+    groups (``_get_gradient_divide_factors``), the product of the shard and replicate group sizes."""
+    size = 1
+    for name in ("shard_process_group", "replicate_process_group"):
+        group = getattr(mesh_info, name, None)
+        if group is not None:
+            size *= group.size()
+    return size
+
+
+@dataclass(frozen=True)
+class FSDP2Reduction:
+    """How one FSDP2 parameter group reduces its gradients."""
+
+    ranks: List[int]  # the global ranks whose gradients it adds
+    divisor: Optional[int] = None  # what FSDP2 divides their sum by without a divide factor (None: not read)
+    divide_factor: Optional[float] = None  # set_gradient_divide_factor's, where set: replaces the divisor
+
+    @property
+    def averages(self) -> bool:
+        """Divided by how many ranks it adds (unknown counts as yes: only FSDP2's own state says otherwise)."""
+        return self.divide_factor is None or self.divisor is None or float(self.divide_factor) == self.divisor
+
+
+def fsdp2_reductions(module: nn.Module) -> List[FSDP2Reduction]:
+    """For every FSDP2 parameter group managing a parameter of ``module``: the ranks it adds and whether it
+    averages over them (a divide factor set, ``set_gradient_divide_factor``, replaces the group's size)."""
     owners = {id(m) for m in module.modules() if m._parameters}
     found = []
     try:
@@ -118,9 +154,11 @@ def fsdp2_averaging_ranks(module: nn.Module) -> List[List[int]]:
             for group in state._fsdp_param_groups:
                 if any(id(m) in owners for fp in group.fsdp_params
                        for m in (fp._module_info.module, *getattr(fp._module_info, "shared_modules", ()))):
-                    found.append(_averaging_ranks(group.mesh_info))
+                    found.append(FSDP2Reduction(_averaging_ranks(group.mesh_info), _default_divisor(group.mesh_info),
+                                                getattr(group, "gradient_divide_factor", None)))
     except (ImportError, AttributeError):  # FSDP2's internals moved: the parameters' own meshes (public API)
-        found = [p.device_mesh.mesh.flatten().tolist() for p in module.parameters() if hasattr(p, "device_mesh")]
+        found = [FSDP2Reduction(p.device_mesh.mesh.flatten().tolist()) for p in module.parameters()
+                 if hasattr(p, "device_mesh")]
     return found
 
 
@@ -161,8 +199,17 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
         must hold every SP rank."""
         if not process_group_ready():
             return
-        meshes = [self.mesh.mesh.flatten().tolist()] if self.mesh is not None else fsdp2_averaging_ranks(module)
+        reductions = fsdp2_reductions(module)
+        meshes = [self.mesh.mesh.flatten().tolist()] if self.mesh is not None else [r.ranks for r in reductions]
         for ranks in meshes:
             check_spans_sequence_group("FSDP2", module, ranks, group,
                                        "Pass fully_shard a mesh over every rank under SP (init_device_mesh over the "
                                        "world, or a (replicate, shard) mesh that covers it).")
+        for reduction in reductions:
+            # A divide factor other than the group's size neither averages nor sums over the SP ranks alone
+            # in every layout (with SP=2 x DP=2 a factor of 2 could mean either): no loss factor is known right.
+            if not reduction.averages:
+                raise UnsupportedBackendError(DIVIDE_FACTOR_ERROR.format(
+                    model=type(module).__name__, factor=reduction.divide_factor, ranks=reduction.divisor,
+                    ranks_list=sorted(set(reduction.ranks)), scale=(reduction.divisor or 1) / float(reduction.divide_factor or 1),
+                    count=reduction.divisor))

@@ -41,6 +41,7 @@ from torch import nn
 
 from .ulysses_groups import DeepSpeedSlots, check_batch_size, guard_inputs
 from .ulysses_masks import attention_kind, capture_padding, check_masks, whole_sequence_attention
+from .ulysses_tp import check_attention_not_tensor_parallel, check_no_tensor_parallel_attention
 
 NO_TILED_LOSS_ERROR = (
     "sequence parallelism: {model} has no tiled loss. Under SP each rank holds a slice of the sequence, and the "
@@ -147,7 +148,8 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     wraps it, for this model's attention modules only (other models in the process keep theirs).
     Refused before any change: ``eager`` (it needs a [tokens, tokens] mask), MoE families (their router
     loss is not a sum over tokens), sizes that do not divide the heads or the world, a sliding window
-    under an attention other than sdpa or flash attention, masks other than causal, windowed and padded.
+    under an attention other than sdpa or flash attention, masks other than causal, windowed and padded,
+    DTensor tensor parallelism on the attention (at the first attention call where it is applied after SP).
     """
     import torch.distributed as dist
 
@@ -230,6 +232,7 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
     attention = config._attn_implementation
     held = ALL_ATTENTION_FUNCTIONS[attention] if attention in ALL_ATTENTION_FUNCTIONS else None
     check_masks(text, attention, attention_kind(held))
+    check_no_tensor_parallel_attention(causal_lm, heads)
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
@@ -251,9 +254,13 @@ def _scope_to(model: nn.Module, attention: str, functions: Any, before: Optional
     to ``before`` (what the name held before SP, a user's override included)."""
     ulysses = functions[attention]
     ours = weakref.WeakSet(m for m in model.modules())
+    config: Any = model.config
+    heads = config.get_text_config().num_attention_heads
 
     def scoped(module, *args, **kwargs):
         if module in ours:
+            # Tensor parallelism applied after SP: refused before DeepSpeed's all-to-all (``ulysses_tp.py``).
+            check_attention_not_tensor_parallel(module, heads)
             return ulysses(module, *args, **kwargs)
         if before is None:
             raise RuntimeError(f"sequence parallelism: no attention function was registered under {attention!r} before SP")
