@@ -17,7 +17,7 @@ offload trades one for the other, and at a node's millions of tokens the host ca
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -25,6 +25,7 @@ import torch
 from .backends import OPTIMIZER, Backend, ParamSizes
 from .compose import SHALLOW, compose, layers_alike
 from .layers import decoder_layers, describe_kinds, param_sizes
+from .pass_through import mlps_pass_through, untiled_twin
 from .search import Longest, longest_fitting
 from .step import Setting, build_model, step_sections, step_timeline
 from .timeline import ACTIVATIONS, GENERATOR_STATES, GRADS, HOST, LOGITS, WEIGHTS, Timeline, replay
@@ -139,6 +140,14 @@ class Planner:
     _shallow: Dict[Setting, Tuple[torch.nn.Module, torch.nn.Module]] = field(default_factory=dict)
     _composable: Optional[bool] = None
     _full_depth_only: Set[Setting] = field(default_factory=set)  # settings whose composed log failed its check
+    # Whether each (tiled setting, length) passes every MLP through (``pass_through.py``); the settings
+    # never shared with their twin (a shared answer failed its full-depth check).
+    _passes: Dict[Tuple[Setting, int], bool] = field(default_factory=dict)
+    _unshared: Set[Setting] = field(default_factory=set)
+    # Points modelled for a twin's sake and not asked for themselves (kept out of ``modelled``), and the
+    # full-depth records of the answers' checks, so that a step shared by two settings is modelled once.
+    _twin_points: Dict[Tuple[Setting, int], Point] = field(default_factory=dict)
+    _full_records: Dict[Tuple[Setting, int], dict] = field(default_factory=dict)
 
     @property
     def layers(self) -> int:
@@ -183,6 +192,31 @@ class Planner:
             return list(self._shallow[setting])
         return [self.model(setting)]
 
+    def shallow_pair(self, setting: Setting) -> Tuple[torch.nn.Module, torch.nn.Module]:
+        """The ``SHALLOW``- and ``SHALLOW + 1``-layer models of ``setting``, built once."""
+        if setting not in self._shallow:
+            shallow, deeper = (build_model(self.request.config, depth, self.request.dtype, "meta", setting,
+                                           batch=self.request.batch, attention_choice=self.request.attention)
+                               for depth in (SHALLOW, SHALLOW + 1))
+            self._shallow[setting] = (shallow, deeper)
+        return self._shallow[setting]
+
+    def pass_through_twin(self, setting: Setting, seq: int) -> Optional[Setting]:
+        """The setting whose step ``setting``'s is at ``seq`` tokens (``pass_through.py``: every MLP of
+        the tiled setting runs untiled there, by the auto policy's rule), else None."""
+        twin = untiled_twin(setting)
+        if twin is None or setting in self._unshared:
+            return None
+        key = (setting, seq)
+        if key not in self._passes:
+            # The layers are alike where the step is composed: the shallow model's MLPs are every layer's.
+            model, depth = ((self.shallow_pair(setting)[0], SHALLOW) if self.composable(setting)
+                            else (self.model(setting), self.layers))
+            tokens = seq // setting.sp * self.request.batch
+            hidden = self.request.config.get_text_config().hidden_size
+            self._passes[key] = mlps_pass_through(model, depth, tokens, hidden, self.request.dtype)
+        return twin if self._passes[key] else None
+
     def timeline(self, setting: Setting, seq: int, describe: bool = False, full_depth: bool = False) -> Timeline:
         """The full-depth step's timeline, of one rank: ``seq / sp`` tokens (not cached: the points are),
         composed from two shallow steps where the layers are alike (``compose.py``), else modelled at
@@ -191,14 +225,12 @@ class Planner:
         if seq % setting.sp:
             raise ValueError(f"{seq} tokens do not split across {setting.sp} ranks of sequence parallelism; give a "
                              f"multiple of {setting.sp}")
+        twin = self.pass_through_twin(setting, seq)
+        if twin is not None:
+            return self.timeline(twin, seq, describe, full_depth)
         tokens, batch = seq // setting.sp, self.request.batch
         if not full_depth and self.composable(setting):
-            if setting not in self._shallow:
-                self._shallow[setting] = tuple(
-                    build_model(self.request.config, depth, self.request.dtype, "meta", setting, batch=batch,
-                                attention_choice=self.request.attention)
-                    for depth in (SHALLOW, SHALLOW + 1))
-            shallow, deeper = (step_sections(m, tokens, batch, describe) for m in self._shallow[setting])
+            shallow, deeper = (step_sections(m, tokens, batch, describe) for m in self.shallow_pair(setting))
             events = compose(shallow, deeper, self.layers)
             if events is not None:
                 return replay(events, describe)
@@ -229,9 +261,21 @@ class Planner:
     def point(self, setting: Setting, seq: int) -> Point:
         key = (setting, seq)
         if key not in self._points:
-            self._points[key] = self.point_of(setting, seq, self.timeline(setting, seq), self.request.backend)
+            kept = self._twin_points.pop(key, None)
+            self._points[key] = kept if kept is not None else self._modelled_point(setting, seq)
             self.on_point(f"{setting.name} @ {seq}")
         return self._points[key]
+
+    def _modelled_point(self, setting: Setting, seq: int) -> Point:
+        """``setting``'s point at ``seq``: its twin's, renamed, where the two share a step."""
+        twin = self.pass_through_twin(setting, seq)
+        if twin is None:
+            return self.point_of(setting, seq, self.timeline(setting, seq), self.request.backend)
+        key = (twin, seq)
+        shared = self._points.get(key) or self._twin_points.get(key)
+        if shared is None:
+            shared = self._twin_points[key] = self._modelled_point(twin, seq)
+        return replace(shared, setting=setting.name, parts=dict(shared.parts), host_parts=dict(shared.host_parts))
 
     def point_of(self, setting: Setting, seq: int, timeline: Timeline, backend: Backend) -> Point:
         """The point a rank of ``backend`` holds for a modelled step: its share of the weights and
@@ -277,8 +321,9 @@ class Planner:
         found = longest_fitting(lambda seq: self.point(setting, seq).load(), 1.0, self.seq_step(setting),
                                 self.seq_cap(setting), known)
         if req.verify_full_depth and self.composable(setting) and not self._full_depth_agrees(setting, found):
-            # Not seen in any test; should it happen, the setting is planned again at full depth.
+            # Not seen in any test; should it happen, the setting is planned again at full depth, its own steps.
             self._full_depth_only.add(setting)
+            self._unshared.add(setting)
             for key in [key for key in self._points if key[0] == setting]:
                 del self._points[key]
             return self.longest(setting)
@@ -289,11 +334,19 @@ class Planner:
         at full depth, equal the composed ones."""
         step = self.seq_step(setting)
         seqs = [seq for seq in (found.seq, None if found.at_cap else found.seq + step) if seq]
-        for seq in seqs:
-            full = self.point_of(setting, seq, self.timeline(setting, seq, full_depth=True), self.request.backend)
-            if full.record() != self.point(setting, seq).record():
-                return False
-        return True
+        return all(self._full_depth_record(setting, seq) == self.point(setting, seq).record() for seq in seqs)
+
+    def _full_depth_record(self, setting: Setting, seq: int) -> dict:
+        """The record of ``setting``'s point at ``seq`` from its step modelled at full depth (its twin's,
+        renamed, where the two share a step)."""
+        twin = self.pass_through_twin(setting, seq)
+        if twin is not None:
+            return {**self._full_depth_record(twin, seq), "setting": setting.name}
+        key = (setting, seq)
+        if key not in self._full_records:
+            timeline = self.timeline(setting, seq, full_depth=True)
+            self._full_records[key] = self.point_of(setting, seq, timeline, self.request.backend).record()
+        return self._full_records[key]
 
     def max_seq(self, setting: Setting) -> int:
         return self.longest(setting).seq
