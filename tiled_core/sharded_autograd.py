@@ -26,6 +26,7 @@ gradient) is compared, and so is which tensors the recompute reads; a backward t
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Generic, List, Optional, Sequence, TypeVar
@@ -107,6 +108,27 @@ def _maybe(context: Optional[ContextManager]) -> ContextManager:
 
 def _watch(known: Optional[Sequence[torch.Tensor]], grad_only: bool = True) -> Optional[TensorReads]:
     return TensorReads(known=known, watch_kept=True, grad_only=grad_only) if known is not None else None
+
+
+def completed(out: torch.Tensor) -> torch.Tensor:
+    """``out`` as a tensor whose value is there: a collective's pending result (``AsyncCollectiveTensor``,
+    what a tensor-parallel output hook returns: it redistributes with ``async_op=True``) is waited for.
+    Until then the collective's work registry holds the tensor the collective writes (made in the shard),
+    which is the output's own data, not a tensor the shard kept; every later shard's output is copied
+    into the call's output, which waits the same way."""
+    pending = _pending_collective_class()
+    if pending is not None and isinstance(out, pending):
+        return out.wait()
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _pending_collective_class() -> Optional[type]:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return AsyncCollectiveTensor
 
 
 def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = ()) -> None:
@@ -272,7 +294,7 @@ def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor
     # gradient become inputs of the Function, the others are held to what the backward recompute reads.
     reads = _watch([x_root, x_flat, *params, *run.kernel.owned_params] if watch else None, grad_only=False)
     with torch.no_grad(), _maybe(reads):
-        first_out = run.kernel.forward_shard(x_flat[first_slice], None, params, first_slice)
+        first_out = completed(run.kernel.forward_shard(x_flat[first_slice], None, params, first_slice))
     others = []
     if reads is not None:
         _check_nothing_kept(reads, expected=[first_out])
