@@ -38,6 +38,7 @@ from .checks import DOUBLE_BACKWARD_ERROR, INPUT_EDITED_ERROR, TensorVersions
 from .grad_accum import GradAccumulator
 from .grad_delivery import delivered_grads, needed_grads
 from .kernels.base import ReduceKernel, ShardKernel, no_substitution
+from .local_view import LocalView
 from .rng import capture_rng_state, replay_rng_state
 from .saved_input import InputHolder, save_input
 from .shard_plan import ShardPlan
@@ -85,6 +86,9 @@ class ShardedRun(Generic[KernelT]):
     # The backend legitimately replaces the parameters' storage between forward and backward (ZeRO-3
     # re-gathers into ``.data``, FSDP2 frees and re-allocates): their versions are not compared.
     params_swap_storage: bool = False
+    # How the kernel sees the call's tensors where the parameters are distributed (``local_view.py``):
+    # ``sharded_apply`` enters it around the Function, which then sees plain local tensors only.
+    local_view: Optional[LocalView] = None
 
 
 @dataclass
@@ -118,7 +122,7 @@ def completed(out: torch.Tensor) -> torch.Tensor:
     into the call's output, which waits the same way."""
     pending = _pending_collective_class()
     if pending is not None and isinstance(out, pending):
-        return out.wait()
+        return out.wait()  # type: ignore[attr-defined]  # an AsyncCollectiveTensor
     return out
 
 
@@ -274,8 +278,15 @@ def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Ten
 
 def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor:
     """Run ``run`` over ``x``: the input saved first, then the first shard (before the Function where its
-    reads are watched, else inside it), the rest inside the Function."""
-    params: Sequence[torch.Tensor] = run.kernel.params
+    reads are watched, else inside it), the rest inside the Function. With a local view, on the local
+    input and parameters, the output handed to the view once."""
+    view = run.local_view
+    if view is None:
+        return _sharded_apply(x, run, run.kernel.params)
+    return view.leave(_sharded_apply(view.enter(x), run, view.params(run.kernel.params)))
+
+
+def _sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel], params: Sequence[torch.Tensor]) -> torch.Tensor:
     grad_enabled = torch.is_grad_enabled()
     input_version = x._version if grad_enabled and not x.is_inference() else None
     x_in, holder = save_input(x, params)
