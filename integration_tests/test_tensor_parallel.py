@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from .spawn import run_distributed
-from .tp_cases import run_tp_cases
+from .tp_cases import HIDDEN, INTERMEDIATE, run_tp_cases
 
 pytestmark = pytest.mark.distributed
 
@@ -30,6 +30,9 @@ def test_fast_kernel_on_local_weights_matches_one_process_under_tensor_paralleli
             _exact(result, case)
             assert result["path"] == "fast" and result["num_shards"] == 3, (case, result)
             assert "kernel 'fast'" in result["reason"], (case, result["reason"])
+            # The auto policy sizes shards from the rank's local weights: its slice of the intermediate dim.
+            local_weights = 3 * HIDDEN * INTERMEDIATE // WORLD
+            assert (result["intermediate"], result["param_bytes"]) == (INTERMEDIATE // WORLD, 8 * local_weights), result
 
 
 @pytest.mark.timeout(60)

@@ -120,7 +120,9 @@ def _run_case(rank: int, world: int, layout: str, path: str, num_shards: int) ->
         optimizer.step()
         optimizer.zero_grad()
     tiling = mlp.tiling
-    return {"errors": errors, "path": tiling.last_path, "reason": tiling.last_reason, "num_shards": tiling.last_num_shards}
+    sizes = tiling.call_sizes
+    return {"errors": errors, "path": tiling.last_path, "reason": tiling.last_reason, "num_shards": tiling.last_num_shards,
+            "intermediate": sizes.intermediate, "param_bytes": sizes.param_bytes}
 
 
 def run_tp_cases(rank: int, world: int, cases: Sequence[Tuple[str, str]], num_shards: int = 3) -> dict:
