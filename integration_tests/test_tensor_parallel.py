@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from .spawn import run_distributed
-from .tp_cases import HIDDEN, INTERMEDIATE, run_tp_cases
+from .tp_cases import HIDDEN, INTERMEDIATE, run_tp_cases, run_tp_refusals
 
 pytestmark = pytest.mark.distributed
 
@@ -36,10 +36,11 @@ def test_fast_kernel_on_local_weights_matches_one_process_under_tensor_paralleli
 
 
 @pytest.mark.timeout(60)
-def test_what_the_local_view_cannot_prove_declines_and_the_generic_kernel_refuses(tmp_path):
+def test_what_the_local_view_cannot_prove_declines_and_the_generic_kernel_refuses_tp_modules(tmp_path):
     cases = [("down_bias", "auto"), ("dtensor_activations", "auto"), ("sequence", "generic"), ("replicate", "generic")]
-    for rank_results in run_distributed(run_tp_cases, WORLD, tmp_path, cases, timeout=50):
+    for rank_results in run_distributed(run_tp_refusals, WORLD, tmp_path, cases, timeout=50):
         bias, activations, sequence, replicate = (rank_results[case]["raised"] for case in cases)
+        assert "RMSNorm's parameters are DTensors" in rank_results["norm"], rank_results["norm"]
         assert "down_proj has a bias" in bias and "the generic kernel would run its collectives" in bias
         assert "gate_proj's output is (Shard(dim=-1),) (use_local_output=False)" in activations
         assert "over a token dimension" in sequence and "down_proj's output hook (RowwiseParallel)" in sequence

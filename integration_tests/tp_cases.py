@@ -135,3 +135,26 @@ def run_tp_cases(rank: int, world: int, cases: Sequence[Tuple[str, str]], num_sh
         except (RuntimeError, ValueError) as error:
             results[layout, path] = {"raised": str(error)}
     return results
+
+
+def run_norm_refusal(rank: int, world: int) -> str:
+    """A tiled RMSNorm under ``SequenceParallel``: the error its call raises, or what it returned."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    from tiled_mlp.integrations.norms import TiledNorm
+
+    norm = torch.nn.RMSNorm(HIDDEN, dtype=torch.float64)
+    parallelize_module(norm, init_device_mesh("cpu", (world,)), SequenceParallel(use_local_output=True))
+    TiledNorm(norm, num_shards=2)
+    x, _ = _data(0)
+    try:
+        y = norm(x[:, : SEQ // world].clone().requires_grad_(True))
+    except (RuntimeError, ValueError) as error:
+        return f"raised: {error}"
+    return f"returned {tuple(y.shape)} through {norm.tiling.last_path}"
+
+
+def run_tp_refusals(rank: int, world: int, cases: Sequence[Tuple[str, str]]) -> dict:
+    """``run_tp_cases`` for ``cases``, and the tiled norm under ``SequenceParallel`` as ``"norm"``."""
+    return {**run_tp_cases(rank, world, cases), "norm": run_norm_refusal(rank, world)}

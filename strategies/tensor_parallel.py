@@ -219,12 +219,22 @@ TOKEN_LAYOUT_DECLINED = (
 
 PER_SHARD_COLLECTIVES_REFUSED = (
     "tensor parallelism: {name} carries a tensor-parallel hook ({style}), and the generic kernel would run its "
-    "collectives once per token shard (and again in the backward recompute). Its results matched one process "
-    "within 1e-15, but 2-rank gloo runs deadlocked in about one run of four (one rank waiting on a shard's "
-    "all-reduce while the other had finished the call), which is not understood: it is refused rather than "
-    "risked. The gated fast kernel (ColwiseParallel gate_proj/up_proj, RowwiseParallel down_proj without a bias) "
-    "runs under tensor parallelism with one collective per call: use path='auto' on such an MLP, or tile the "
-    "module without tensor-parallel hooks inside it"
+    "collectives once per token shard. Its results matched one process within 1e-15, but 2-rank gloo runs "
+    "deadlocked in about one run of three (one rank waiting on a shard's all-reduce after the other had finished "
+    "the call), in exactly the runs where the first shard's kept-tensor check still found the all-reduce's "
+    "output held and fell back to a garbage collection: not understood, so refused rather than risked. The "
+    "gated fast kernel (ColwiseParallel gate_proj/up_proj, RowwiseParallel down_proj without a bias) runs under "
+    "tensor parallelism with one collective per call: use path='auto' on such an MLP, or tile the module "
+    "without tensor-parallel hooks inside it"
+)
+
+
+DTENSOR_PARAMS_REFUSED = (
+    "tensor parallelism: {module}'s parameters are DTensors (parallelize_module: SequenceParallel on a norm, say) "
+    "and the tiled call would take its input and build its output as the module's own hooks hand them over "
+    "(a sequence-sharded DTensor: shards of the global sequence, an output of the wrong length, measured), which "
+    "the generic kernel is not proven to compute exactly: refused. Leave this module untiled (its activations "
+    "are already split across the ranks), or tile it without tensor-parallel layouts"
 )
 
 
@@ -232,7 +242,8 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
     """Why the generic kernel (``module``'s own forward once per token shard) is refused under tensor
     parallelism ("" where the module has no tensor-parallel hook): a proven style's hook that shards a token
     dimension (``RowwiseParallel(output_layouts=Shard(1))``: not what one call computes), else any such hook
-    (per-shard collectives: see ``PER_SHARD_COLLECTIVES_REFUSED``). The token dimensions of an input
+    (per-shard collectives: see ``PER_SHARD_COLLECTIVES_REFUSED``), else DTensor parameters with the hooks on
+    the tiled module itself (``DTENSOR_PARAMS_REFUSED``). The token dimensions of an input
     ``[..., tokens, hidden]`` are all but the last (``token_dims`` of them)."""
     from torch.distributed.tensor import Shard
 
@@ -251,6 +262,8 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
                 if any(isinstance(p, Shard) and 0 <= p.dim < token_dims for p in layouts):
                     return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=style, layouts=found.layouts)
                 first = first or PER_SHARD_COLLECTIVES_REFUSED.format(name=name, style=style)
+    if not first and has_dtensor(list(module.parameters())):
+        return DTENSOR_PARAMS_REFUSED.format(module=type(module).__name__)
     return first
 
 
