@@ -113,7 +113,10 @@ def intermediate_size(module: nn.Module) -> Optional[int]:
 def _local_rows(projection: Any, out_features: int) -> int:
     """The rows of the projection's weight this rank holds: under tensor parallelism (a DTensor weight,
     ``to_local``) its slice of the intermediate dimension, which is what a shard's activations take."""
-    to_local = getattr(getattr(projection, "weight", None), "to_local", None)
+    # The registered parameter, never ``projection.weight``: a parametrized weight (spectral norm) is computed
+    # by that read, and its power iteration updates buffers.
+    parameters = getattr(projection, "_parameters", None) or {}
+    to_local = getattr(parameters.get("weight"), "to_local", None)
     if to_local is None:
         return out_features
     with torch.no_grad():
