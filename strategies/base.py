@@ -113,9 +113,31 @@ class Strategy(ABC):
 
     def is_backend_hook(self, hook) -> bool:
         """Is this hook on a submodule of the tiled MLP the backend's own parameter handling, which
-        ``gathered`` stands in for inside the tiled call? Then the fast kernel, which bypasses the
-        submodules' ``__call__``, loses nothing by skipping it. Default: no."""
-        return False
+        ``gathered`` (or the ``local_view``) stands in for inside the tiled call? Then the fast kernel,
+        which bypasses the submodules' ``__call__``, loses nothing by skipping it. Default: a
+        tensor-parallel hook of ``parallelize_module`` (``tensor_parallel.py``), nothing else."""
+        from .tensor_parallel import is_tensor_parallel_hook
+
+        return is_tensor_parallel_hook(hook)
+
+    def local_view(self, module: nn.Module, params: Sequence[torch.Tensor]) -> Optional[Any]:
+        """How a kernel that computes on local tensors (the gated fast kernel) sees one call of ``module``
+        whose parameters are ``params``: None where they are plain tensors; else an object with ``why_not``
+        ("" where it applies), ``enter(x) -> x_local``, ``params(tensors) -> local tensors`` and
+        ``leave(out_local) -> out`` (``tiled_core/local_view.py``). Default: tensor parallelism composed
+        beside this strategy (``tensor_parallel.tensor_parallel_view``)."""
+        from .tensor_parallel import tensor_parallel_view
+
+        return tensor_parallel_view(module, params)
+
+    def per_shard_problem(self, module: nn.Module, token_dims: int) -> str:
+        """Why running ``module``'s own forward once per token shard (the generic kernel) would not
+        compute what one call does under this backend ("" where it would); ``token_dims``: the input's
+        dimensions before the hidden one. Default: tensor-parallel layouts composed beside this strategy
+        that shard a token dimension (``tensor_parallel.per_shard_problem``)."""
+        from .tensor_parallel import per_shard_problem
+
+        return per_shard_problem(module, token_dims)
 
     def allows_untiled_call(self, module: nn.Module) -> bool:
         """May a call run the plain module instead of the tiled loop (no tokens, or too few for tiling
@@ -131,8 +153,11 @@ class Strategy(ABC):
         return False
 
     def param_bytes(self, module: nn.Module) -> int:
-        """Bytes of the module's whole (gathered) parameters, for the auto shard policy."""
-        return sum(p.numel() * p.element_size() for p in module.parameters())
+        """Bytes of the module's whole (gathered) parameters, for the auto shard policy: under tensor
+        parallelism, the rank's local shards (what its memory holds)."""
+        from .tensor_parallel import local_param_bytes
+
+        return local_param_bytes(module)
 
     # -- 4. gradient semantics ----------------------------------------------------------------------
     def trainable_params(self, module: nn.Module) -> List[torch.Tensor]:

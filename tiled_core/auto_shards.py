@@ -52,8 +52,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from .validation import INPUT_PROJECTIONS
@@ -97,15 +98,29 @@ def intermediate_size(module: nn.Module) -> Optional[int]:
     if isinstance(fused_features, int):
         return fused_features // 2
     for name in INPUT_PROJECTIONS:
-        out_features = getattr(getattr(module, name, None), "out_features", None)
+        projection = getattr(module, name, None)
+        out_features = getattr(projection, "out_features", None)
         if isinstance(out_features, int):
-            return out_features
+            return _local_rows(projection, out_features)
     # Any other MLP (an nn.Sequential, custom names): its first Linear-like layer's width.
     for sub in module.modules():
         if sub is not module and isinstance(getattr(sub, "in_features", None), int):
             out_features = getattr(sub, "out_features", None)
             return out_features if isinstance(out_features, int) else None
     return None
+
+
+def _local_rows(projection: Any, out_features: int) -> int:
+    """The rows of the projection's weight this rank holds: under tensor parallelism (a DTensor weight,
+    ``to_local``) its slice of the intermediate dimension, which is what a shard's activations take."""
+    # The registered parameter, never ``projection.weight``: a parametrized weight (spectral norm) is computed
+    # by that read, and its power iteration updates buffers.
+    parameters = getattr(projection, "_parameters", None) or {}
+    to_local = getattr(parameters.get("weight"), "to_local", None)
+    if to_local is None:
+        return out_features
+    with torch.no_grad():
+        return int(to_local().shape[0])
 
 
 def fixed_bytes(size: MLPSize, num_tokens: int) -> int:

@@ -47,7 +47,13 @@ class GatedEntry(Kernel):
         if plan.fast is None or _fast_decision_stale(module, plan):
             plan.fast = decide_fast_path(module, forward_function(module), call.x, call.strategy.is_backend_hook)
             plan.fast_kernel = None
-        return plan.fast[1]
+        spec, why_not = plan.fast
+        if spec is None:
+            return why_not
+        # Distributed parameters (tensor parallelism): the kernel runs on the strategy's local view of them,
+        # where one stands in for the module exactly (``tiled_call`` enters it).
+        view = call.strategy.local_view(module, spec.params)
+        return "" if view is None else view.why_not
 
     def build(self, call: KernelCall) -> GatedShardKernel:
         plan = call.cache
@@ -74,6 +80,15 @@ class GenericEntry(Kernel):
 
     name = "generic"
     shape = MAP
+
+    def why_not(self, call: KernelCall) -> str:
+        # Per plan (its key covers every submodule's hooks): whether one shard's forward computes what the
+        # call does (a backend's collective inside a submodule may span the call's tokens, not a shard's).
+        cached = call.cache.kernel_cache
+        key = f"generic.per_shard.{call.x.dim()}"
+        if key not in cached:
+            cached[key] = call.strategy.per_shard_problem(call.module, call.x.dim() - 1)
+        return cached[key]
 
     def build(self, call: KernelCall) -> GenericShardKernel:
         module, plan = call.module, call.cache

@@ -26,6 +26,7 @@ gradient) is compared, and so is which tensors the recompute reads; a backward t
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Generic, List, Optional, Sequence, TypeVar
@@ -37,6 +38,7 @@ from .checks import DOUBLE_BACKWARD_ERROR, INPUT_EDITED_ERROR, TensorVersions
 from .grad_accum import GradAccumulator
 from .grad_delivery import delivered_grads, needed_grads
 from .kernels.base import ReduceKernel, ShardKernel, no_substitution
+from .local_view import LocalView
 from .rng import capture_rng_state, replay_rng_state
 from .saved_input import InputHolder, save_input
 from .shard_plan import ShardPlan
@@ -84,6 +86,9 @@ class ShardedRun(Generic[KernelT]):
     # The backend legitimately replaces the parameters' storage between forward and backward (ZeRO-3
     # re-gathers into ``.data``, FSDP2 frees and re-allocates): their versions are not compared.
     params_swap_storage: bool = False
+    # How the kernel sees the call's tensors where the parameters are distributed (``local_view.py``):
+    # ``sharded_apply`` enters it around the Function, which then sees plain local tensors only.
+    local_view: Optional[LocalView] = None
 
 
 @dataclass
@@ -107,6 +112,27 @@ def _maybe(context: Optional[ContextManager]) -> ContextManager:
 
 def _watch(known: Optional[Sequence[torch.Tensor]], grad_only: bool = True) -> Optional[TensorReads]:
     return TensorReads(known=known, watch_kept=True, grad_only=grad_only) if known is not None else None
+
+
+def completed(out: torch.Tensor) -> torch.Tensor:
+    """``out`` as a tensor whose value is there: a collective's pending result (``AsyncCollectiveTensor``,
+    what a tensor-parallel output hook returns: it redistributes with ``async_op=True``) is waited for.
+    Until then the collective's work registry holds the tensor the collective writes (made in the shard),
+    which is the output's own data, not a tensor the shard kept; every later shard's output is copied
+    into the call's output, which waits the same way."""
+    pending = _pending_collective_class()
+    if pending is not None and isinstance(out, pending):
+        return out.wait()  # type: ignore[attr-defined]  # an AsyncCollectiveTensor
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _pending_collective_class() -> Optional[type]:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return AsyncCollectiveTensor
 
 
 def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = ()) -> None:
@@ -252,8 +278,15 @@ def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Ten
 
 def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor:
     """Run ``run`` over ``x``: the input saved first, then the first shard (before the Function where its
-    reads are watched, else inside it), the rest inside the Function."""
-    params: Sequence[torch.Tensor] = run.kernel.params
+    reads are watched, else inside it), the rest inside the Function. With a local view, on the local
+    input and parameters, the output handed to the view once."""
+    view = run.local_view
+    if view is None:
+        return _sharded_apply(x, run, run.kernel.params)
+    return view.leave(_sharded_apply(view.enter(x), run, view.params(run.kernel.params)))
+
+
+def _sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel], params: Sequence[torch.Tensor]) -> torch.Tensor:
     grad_enabled = torch.is_grad_enabled()
     input_version = x._version if grad_enabled and not x.is_inference() else None
     x_in, holder = save_input(x, params)
@@ -272,7 +305,7 @@ def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor
     # gradient become inputs of the Function, the others are held to what the backward recompute reads.
     reads = _watch([x_root, x_flat, *params, *run.kernel.owned_params] if watch else None, grad_only=False)
     with torch.no_grad(), _maybe(reads):
-        first_out = run.kernel.forward_shard(x_flat[first_slice], None, params, first_slice)
+        first_out = completed(run.kernel.forward_shard(x_flat[first_slice], None, params, first_slice))
     others = []
     if reads is not None:
         _check_nothing_kept(reads, expected=[first_out])

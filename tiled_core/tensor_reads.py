@@ -28,6 +28,21 @@ def _tensors(args, kwargs) -> Iterator[torch.Tensor]:
                     yield item
 
 
+def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
+    """The tensors a wrapper tensor subclass holds (``__tensor_flatten__``, the subclass protocol; a
+    ``DTensor``'s local tensor), recursively; none for a plain tensor."""
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None:
+        return []
+    found: List[torch.Tensor] = []
+    for name in flatten(t)[0]:
+        inner = getattr(t, name, None)
+        if isinstance(inner, torch.Tensor):
+            found.append(inner)
+            found.extend(_inner_tensors(inner))
+    return found
+
+
 class TensorReads(TorchFunctionMode):
     """Records the tensors read by torch calls inside the ``with`` block that are not ``known``.
 
@@ -62,7 +77,21 @@ class TensorReads(TorchFunctionMode):
         node = t.grad_fn
         if node is not None and self._made_since is not None and node._sequence_nr() >= self._made_since:
             return False
+        if self._wraps_made_tensors(t):
+            self._made_ids.add(id(t))
+            return False
         return True
+
+    def _wraps_made_tensors(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a wrapper tensor subclass (``__tensor_flatten__``: a ``DTensor``, a collective's
+        pending result) around tensors made in the block. Such a wrapper is built by a constructor no
+        torch call hands back (``DTensor.from_local`` inside an autograd Function, a tensor-parallel hook),
+        so it is never among the calls' outputs; what it holds is, and that decides where it comes from."""
+        flatten = getattr(type(t), "__tensor_flatten__", None)
+        if flatten is None:
+            return False
+        inner = _inner_tensors(t)
+        return bool(inner) and all(id(i) in self._made_ids or self._wraps_made_tensors(i) for i in inner)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         inputs = list(_tensors(args, kwargs))
@@ -82,6 +111,9 @@ class TensorReads(TorchFunctionMode):
         if self._made_refs is None:
             self._made.extend(made)
         self._made_ids.update(id(t) for t in made)
+        # What a made wrapper holds was made with it (a DTensor op's local result, made below this mode by
+        # the op's dispatch and read later through ``to_local``): never a tensor from outside.
+        self._made_ids.update(id(i) for t in made for i in _inner_tensors(t))
         return out
 
     def foreign_tensors(self) -> List[torch.Tensor]:

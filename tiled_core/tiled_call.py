@@ -104,6 +104,11 @@ def _decide_and_run(site: CallSite, strategy: Strategy, gathered: Optional[Calla
     assert decision.num_shards is not None, "a decision with a kernel has a shard count"
     plan = make_shard_plan(decision.num_tokens, decision.num_shards)
     deliver_grads = strategy.deliver_grads
+    # A kernel that computes on local tensors sees distributed parameters through the strategy's view.
+    view = strategy.local_view(site.owner, kernel.params) if getattr(kernel, "runs_on_local_view", False) else None
+    if view is not None and view.why_not:
+        raise RuntimeError(f"{decision.kernel_name} kernel chosen for {type(site.owner).__name__}, whose local view "
+                           f"declines it: {view.why_not}")
     run = ShardedRun(
         kernel=kernel,
         plan=plan,
@@ -115,6 +120,7 @@ def _decide_and_run(site: CallSite, strategy: Strategy, gathered: Optional[Calla
         zeros_for_unused=strategy.unused_grads_as_zeros,
         deliver_grads=None if _is_base(deliver_grads, _BASE_DELIVER_GRADS) else deliver_grads,
         params_swap_storage=strategy.swaps_param_storage(site.owner),
+        local_view=view,
     )
     out = site.run(run)
     site.record(decision, plan)

@@ -48,6 +48,8 @@ class GatedShardKernel:
     may_read_other_tensors = False
     replays_rng = False  # the formula draws no random numbers
     using = staticmethod(no_substitution)  # computes from the tensors it is given, never the module's
+    # Plain tensors only: distributed parameters reach it through the strategy's local view (``tiled_call``).
+    runs_on_local_view = True
 
     def __init__(self, spec: GatedMLPSpec, activation, module_name: str = "the gated MLP"):
         self.module_name = module_name

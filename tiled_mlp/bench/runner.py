@@ -29,6 +29,7 @@ class BenchConfig:
     batch: int = 1
     model_memory: bool = False
     seed: int = 0
+    tp: int = 1  # model one rank of tensor parallelism over this many ranks (model_memory only)
 
 
 def shards_for(impl: str, cfg: BenchConfig, seq: int) -> Union[int, str]:
@@ -70,7 +71,8 @@ def _measure_model(cfg: BenchConfig, seq: int, impls: List[str], progress: Progr
     rows = []
     for impl in impls:
         shards = shards_for(impl, cfg, seq)
-        peak, used = modeled_step(impl, cfg.hidden, cfg.intermediate, seq, cfg.dtype, shards, cfg.batch, cfg.device)
+        peak, used = modeled_step(impl, cfg.hidden, cfg.intermediate, seq, cfg.dtype, shards, cfg.batch, cfg.device,
+                                  cfg.tp)
         rows.append(dict(seq=seq, impl=impl, num_shards=used, ms=None, peak_mb=peak / MiB, grad_rel_err=None))
         progress.step(f"seq {seq} {impl}")
     return rows

@@ -32,6 +32,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--repeats", type=parsing.positive_int, default=5, help="timed steps per cell (median)")
     p.add_argument("--model-memory", action="store_true",
                    help="model peak memory with fake tensors (no allocation, no timing): any size on any machine")
+    p.add_argument("--tp", type=parsing.positive_int, default=1,
+                   help="with --model-memory: one rank of tensor parallelism over N ranks (local weights, its collectives)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", metavar="PNG", help="draw memory (and time) against sequence length")
     p.add_argument("--no-progress", action="store_true")
@@ -120,16 +122,22 @@ def run(args, parser_error) -> int:
         _check_plot(args.plot, parser_error)
     if args.model_memory and device.type != "cpu":
         _check_fake_device(args, dtype, ["untiled"] + impls, parser_error)
+    if args.tp > 1 and not args.model_memory:
+        parser_error("--tp models one tensor-parallel rank: it needs --model-memory")
+    if args.intermediate % args.tp:
+        parser_error(f"--tp {args.tp} needs an --intermediate divisible by it, got {args.intermediate}")
     if not args.model_memory:
         _check_memory(args, device, dtype, parser_error)
     cfg = BenchConfig(hidden=args.hidden, intermediate=args.intermediate, seqs=args.seq, dtype=dtype,
                       device=args.device, num_shards=args.num_shards, impls=impls,
-                      repeats=args.repeats, batch=args.batch, model_memory=args.model_memory)
+                      repeats=args.repeats, batch=args.batch, model_memory=args.model_memory, tp=args.tp)
     rows = run_bench(cfg, show_progress=not (args.no_progress or args.json))
     config = dict(hidden=cfg.hidden, intermediate=cfg.intermediate, seqs=cfg.seqs, dtype=str(dtype).replace("torch.", ""),
                   device=cfg.device, batch=cfg.batch, num_shards=cfg.num_shards, impls=cfg.impls,
-                  model_memory=cfg.model_memory, torch=torch.__version__)
+                  model_memory=cfg.model_memory, tp=cfg.tp, torch=torch.__version__)
     kind = "modelled with fake tensors" if cfg.model_memory else f"measured on {cfg.device}"
+    if cfg.tp > 1:
+        kind += f", one rank of tensor parallelism over {cfg.tp} (local weights, its all-reduce buffers)"
     if args.json:
         print(to_json(rows, config))
     else:

@@ -1,0 +1,160 @@
+"""A tiled SwiGLU MLP under DTensor tensor parallelism (``parallelize_module``), run on each rank of a gloo
+group, against one process running the whole untiled, unparallelized MLP (float64).
+
+Two layouts: ``replicate`` (gate/up ``ColwiseParallel``, down ``RowwiseParallel``: every rank holds every
+token) and ``sequence`` (torchtitan's: ``PrepareModuleInput(Shard(1) -> Replicate)`` on the MLP and
+``RowwiseParallel(output_layouts=Shard(1))`` on down: each rank holds its slice of the sequence in and out).
+Each step compares the output, the input gradient and every parameter gradient (``full_tensor()``), then
+takes an SGD step; the parameters after the last step are compared too.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict, Sequence, Tuple
+
+import torch
+
+HIDDEN, INTERMEDIATE, BATCH, SEQ, STEPS = 8, 12, 2, 12, 2
+
+
+class GatedMLP(torch.nn.Module):
+    """A SwiGLU MLP with Llama's names (transformers is not imported: each spawned process stays quick),
+    declared to the fast kernel with ``register_gated_mlp``."""
+
+    def __init__(self, bias: bool = False):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=bias, dtype=torch.float64)
+        self.up_proj = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=bias, dtype=torch.float64)
+        self.down_proj = torch.nn.Linear(INTERMEDIATE, HIDDEN, bias=bias, dtype=torch.float64)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def gated_mlp(bias: bool = False) -> torch.nn.Module:
+    from tiled_mlp import register_gated_mlp
+
+    register_gated_mlp(GatedMLP)
+    torch.manual_seed(0)
+    return GatedMLP(bias)
+
+
+def tp_plan(layout: str) -> Dict[str, object]:
+    """The ``parallelize_module`` plan of each layout the tests cover."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    sequence_input = {"": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
+    if layout in ("replicate", "down_bias"):
+        return {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+    if layout == "sequence_input":  # sequence-sharded input, replicated output
+        return {**sequence_input, "gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                "down_proj": RowwiseParallel()}
+    if layout == "sequence":  # torchtitan's: sequence-sharded input and output
+        return {**sequence_input, "gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                "down_proj": RowwiseParallel(output_layouts=Shard(1))}
+    if layout == "dtensor_activations":  # gate and up hand DTensors on: a layout the local view does not prove
+        return {"gate_proj": ColwiseParallel(use_local_output=False), "up_proj": ColwiseParallel(use_local_output=False),
+                "down_proj": RowwiseParallel()}
+    raise ValueError(layout)
+
+
+SEQUENCE_SHARDED_INPUT = ("sequence_input", "sequence")
+SEQUENCE_SHARDED_OUTPUT = ("sequence",)
+
+
+def _data(step: int):
+    generator = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64, generator=generator)
+    weight = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64, generator=generator)  # a non-uniform dy
+    return x, weight
+
+
+def _reference(mlp: torch.nn.Module) -> list:
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    steps = []
+    for step in range(STEPS):
+        x, weight = _data(step)
+        x.requires_grad_(True)
+        y = mlp(x)
+        (y * weight).sum().backward()
+        steps.append({"y": y.detach(), "dx": x.grad, "grads": {n: p.grad.clone() for n, p in mlp.named_parameters()}})
+        optimizer.step()
+        optimizer.zero_grad()
+    steps.append({"params": {n: p.detach().clone() for n, p in mlp.named_parameters()}})
+    return steps
+
+
+def _error(want: torch.Tensor, have: torch.Tensor) -> float:
+    assert want.shape == have.shape, (tuple(want.shape), tuple(have.shape))
+    return float((want - have).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def _run_case(rank: int, world: int, layout: str, path: str, num_shards: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tiled_mlp import TiledMLP
+
+    untiled = gated_mlp(bias=layout == "down_bias")
+    reference = _reference(copy.deepcopy(untiled))
+    mesh = init_device_mesh("cpu", (world,))
+    mlp = parallelize_module(untiled, mesh, tp_plan(layout))
+    TiledMLP(mlp, num_shards=num_shards, path=path)
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    tokens = SEQ // world
+    local_in = slice(rank * tokens, (rank + 1) * tokens) if layout in SEQUENCE_SHARDED_INPUT else slice(None)
+    local_out = slice(rank * tokens, (rank + 1) * tokens) if layout in SEQUENCE_SHARDED_OUTPUT else slice(None)
+    errors: Dict[str, float] = {}
+    for step in range(STEPS):
+        x, weight = _data(step)
+        x_in = x[:, local_in].clone().requires_grad_(True)
+        y = mlp(x_in)
+        (y * weight[:, local_out]).sum().backward()
+        want = reference[step]
+        errors[f"step {step} y"] = _error(want["y"][:, local_out], y.detach())
+        errors[f"step {step} dx"] = _error(want["dx"][:, local_in], x_in.grad)
+        for name, p in mlp.named_parameters():
+            errors[f"step {step} grad {name}"] = _error(want["grads"][name], p.grad.full_tensor())
+        optimizer.step()
+        optimizer.zero_grad()
+    tiling = mlp.tiling
+    sizes = tiling.call_sizes
+    return {"errors": errors, "path": tiling.last_path, "reason": tiling.last_reason, "num_shards": tiling.last_num_shards,
+            "intermediate": sizes.intermediate, "param_bytes": sizes.param_bytes}
+
+
+def run_tp_cases(rank: int, world: int, cases: Sequence[Tuple[str, str]], num_shards: int = 3) -> dict:
+    """Per case (layout, path), on this rank: the largest relative error of each compared quantity, and
+    the tiled call's report; or the error the call raised."""
+    results = {}
+    for layout, path in cases:
+        try:
+            results[layout, path] = _run_case(rank, world, layout, path, num_shards)
+        except (RuntimeError, ValueError) as error:
+            results[layout, path] = {"raised": str(error)}
+    return results
+
+
+def run_norm_refusal(rank: int, world: int) -> str:
+    """A tiled RMSNorm under ``SequenceParallel``: the error its call raises, or what it returned."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    from tiled_mlp.integrations.norms import TiledNorm
+
+    norm = torch.nn.RMSNorm(HIDDEN, dtype=torch.float64)
+    parallelize_module(norm, init_device_mesh("cpu", (world,)), SequenceParallel(use_local_output=True))
+    TiledNorm(norm, num_shards=2)
+    x, _ = _data(0)
+    try:
+        y = norm(x[:, : SEQ // world].clone().requires_grad_(True))
+    except (RuntimeError, ValueError) as error:
+        return f"raised: {error}"
+    return f"returned {tuple(y.shape)} through {norm.tiling.last_path}"
+
+
+def run_tp_refusals(rank: int, world: int, cases: Sequence[Tuple[str, str]]) -> dict:
+    """``run_tp_cases`` for ``cases``, and the tiled norm under ``SequenceParallel`` as ``"norm"``."""
+    return {**run_tp_cases(rank, world, cases), "norm": run_norm_refusal(rank, world)}

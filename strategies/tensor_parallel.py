@@ -1,0 +1,272 @@
+"""DTensor tensor parallelism (``parallelize_module``) beside whichever strategy claims the parameters.
+
+Tensor parallelism is not a strategy of its own: the parameters may be claimed by the single-device
+strategy (pure TP) or by FSDP2 (FSDP2 x TP on a 2-D mesh, where inside FSDP2's forward the unsharded
+parameters are DTensors on the TP mesh). It composes beside them, as sequence parallelism does: every
+strategy's ``local_view`` and ``is_backend_hook`` consult this file (``base.Strategy``).
+
+What ``parallelize_module`` leaves on a Linear (``distribute_module`` in torch/distributed/tensor/_api.py):
+its parameters become DTensors, a forward pre-hook ``lambda mod, inputs: input_fn(mod, inputs, device_mesh)``
+and a forward hook ``lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh)``, where ``input_fn``
+and ``output_fn`` are ``functools.partial`` objects of the style's static ``_prepare_input_fn`` /
+``_prepare_output_fn`` with its layouts. A hook is recognised by what it is: the lambda's code object is one
+of ``distribute_module``'s, and the partial's function is one of the styles' (compared as objects, never by
+name). A subclass that overrides them is not proven, and the fast kernel declines it.
+
+**The local view of the gated fast kernel** (``TensorParallelView``): on a colwise gate and up and a rowwise
+down, each rank computes ``act(x Wg_r^T) * (x Wu_r^T)`` on its slice ``r`` of the intermediate dimension
+and ``h_r Wd_r^T``, a *partial* sum of the output. Exact by construction, with the styles' own hooks:
+
+- parameters: ``p.to_local()`` (differentiable: the gradient flows back as a DTensor with the parameter's
+  placements into ``p.grad``, as untiled);
+- input: gate_proj's own input hook (``from_local`` with its input layouts, redistributed to Replicate),
+  then ``to_local(grad_placements=[Partial()])``: the input gradient, a partial sum over the TP ranks, is
+  reduced once in backward, by the hook's own ``from_local`` (or the caller's DTensor input);
+- output: ``DTensor.from_local(out, mesh, [Partial()])`` then down_proj's own output hook, which
+  redistributes to its output layouts (all-reduce for Replicate, reduce-scatter for ``Shard(1)`` under
+  sequence parallelism) and takes the local tensor where ``use_local_output``. One collective per call,
+  never per token shard, and no weight is ever gathered.
+
+Declined, with the reason (and the generic kernel, the module's own forward per shard, refuses any module
+with tensor-parallel hooks: ``per_shard_problem``): a fused
+``gate_up_proj``, a bias on the rowwise down_proj, placements other than ``Shard(0)`` (gate, up) and
+``Shard(1)`` (down), a mesh other than one 1-D mesh shared by every parameter, gate and up hooks that differ
+(function, layouts or mesh), an input hook that does not end in Replicate, a colwise output that is not
+local ``Shard(-1)``, or any hook not proven above.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+
+def _distribute_module_lambdas() -> frozenset:
+    from torch.distributed.tensor import _api
+
+    return frozenset(c for c in _api.distribute_module.__code__.co_consts if getattr(c, "co_name", "") == "<lambda>")
+
+
+@functools.lru_cache(maxsize=1)
+def _styles() -> Tuple[frozenset, Any, Any, Any, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return (_distribute_module_lambdas(), ColwiseParallel._prepare_input_fn, ColwiseParallel._prepare_output_fn,
+            RowwiseParallel._prepare_input_fn, RowwiseParallel._prepare_output_fn)
+
+
+@dataclass(frozen=True)
+class StyleHook:
+    """A hook ``distribute_module`` registered: the style's partial and the mesh it closes over."""
+
+    hook: Callable
+    function: Callable  # the style's static method (the partial's ``func``)
+    layouts: tuple  # the partial's bound arguments (input and desired layouts; output layouts, use_local_output)
+    mesh: Any
+
+
+def style_hook(hook: Any) -> Optional[StyleHook]:
+    """The parts of a tensor-parallel hook of a proven style, else None."""
+    lambdas, *functions = _styles()
+    code = getattr(hook, "__code__", None)
+    if code is None or code not in lambdas:
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in hook.__closure__ or ()), strict=True))
+    fn = cells.get("input_fn", cells.get("output_fn"))
+    if not isinstance(fn, functools.partial) or fn.func not in functions or fn.keywords:
+        return None
+    return StyleHook(hook, fn.func, tuple(fn.args), cells.get("device_mesh"))
+
+
+def is_tensor_parallel_hook(hook: Any) -> bool:
+    """A ColwiseParallel / RowwiseParallel hook on a Linear: the local view stands in for it."""
+    return style_hook(hook) is not None
+
+
+def has_dtensor(tensors: Sequence[torch.Tensor]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
+def local_numel(t: torch.Tensor) -> int:
+    """Elements this rank holds: a DTensor's local shard, else the tensor's own."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+
+
+@dataclass
+class TensorParallelView:
+    """The local view of one gated MLP call under tensor parallelism (see the module docstring); where
+    ``why_not`` is set, the fast kernel declines with it and nothing else is used."""
+
+    why_not: str = ""
+    gate: Optional[nn.Module] = None
+    input_hook: Optional[Callable] = None
+    down: Optional[nn.Module] = None
+    output_hook: Optional[Callable] = None
+    mesh: Any = None
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import Partial
+
+        assert self.input_hook is not None and self.gate is not None, "a declined view is never entered"
+        replicated = self.input_hook(self.gate, (x,))
+        return replicated.to_local(grad_placements=[Partial()])
+
+    def params(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        return [t.to_local() for t in tensors]  # type: ignore[attr-defined]  # DTensors (tensor_parallel_view)
+
+    def leave(self, out: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial
+
+        assert self.output_hook is not None, "a declined view is never left"
+        partial = DTensor.from_local(out, self.mesh, [Partial()], run_check=False)
+        result = self.output_hook(self.down, (), partial)
+        return partial if result is None else result
+
+
+def _declined(why: str) -> TensorParallelView:
+    return TensorParallelView(why_not=f"tensor parallelism: {why}")
+
+
+def _hooks(module: nn.Module) -> Tuple[List[Any], List[Any]]:
+    return list(module._forward_pre_hooks.values()), list(module._forward_hooks.values())
+
+
+def _one_style_hook(module: nn.Module, name: str, function: Any, kind: str) -> Tuple[Optional[StyleHook], str]:
+    pre, post = _hooks(module)
+    hooks = pre if kind == "input" else post
+    found = [style_hook(h) for h in hooks]
+    if len(hooks) != 1 or found[0] is None:
+        return None, f"{name} has {len(hooks)} forward {'pre-' if kind == 'input' else ''}hooks, not one proven {kind} hook"
+    if found[0].function is not function:
+        return None, f"{name}'s {kind} hook is not the style the fast kernel computes"
+    return found[0], ""
+
+
+def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> Optional[TensorParallelView]:
+    """None where no parameter is a DTensor; else the view of a gated MLP whose gate, up and down projections
+    are ``gate_proj``, ``up_proj`` and ``down_proj`` or a declined one that says why."""
+    if not has_dtensor(params):
+        return None
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    _, col_in, col_out, row_in, row_out = _styles()
+    parts = module._modules
+    if "gate_up_proj" in parts:
+        return _declined("a fused gate_up_proj is not split into gate and up alike by ColwiseParallel")
+    gate, up, down = (parts.get(n) for n in ("gate_proj", "up_proj", "down_proj"))
+    if gate is None or up is None or down is None:
+        return _declined("the fast kernel's local view knows the projections gate_proj, up_proj and down_proj only")
+    if getattr(down, "bias", None) is not None:
+        return _declined("down_proj has a bias: a rowwise projection adds it to a partial sum (declined)")
+    tensors: List[Any] = [p for m in (gate, up, down) for p in m.parameters()]
+    if not all(isinstance(p, DTensor) for p in tensors):
+        return _declined("some projections' parameters are DTensors and others are not")
+    mesh = tensors[0].device_mesh
+    # Equal meshes (``DeviceMesh.__eq__``: the same ranks and dimension names), not the same object: a mesh
+    # built again over the same ranks is the same mesh to every collective.
+    if any(p.device_mesh != mesh for p in tensors) or mesh.ndim != 1:
+        return _declined("the projections' parameters are not all on one 1-D mesh")
+    for linear, placement, name in ((gate, Shard(0), "gate_proj"), (up, Shard(0), "up_proj"), (down, Shard(1), "down_proj")):
+        weight: Any = linear.weight
+        if tuple(weight.placements) != (placement,):
+            return _declined(f"{name}.weight is {tuple(weight.placements)}, not ({placement},)")
+    for linear, name in ((gate, "gate_proj"), (up, "up_proj")):
+        bias = getattr(linear, "bias", None)
+        if bias is not None and tuple(bias.placements) != (Shard(0),):
+            return _declined(f"{name}.bias is {tuple(bias.placements)}, not (Shard(dim=0),)")
+    found = {}
+    for linear, name, fn_in, fn_out in ((gate, "gate_proj", col_in, col_out), (up, "up_proj", col_in, col_out),
+                                        (down, "down_proj", row_in, row_out)):
+        for kind, function in (("input", fn_in), ("output", fn_out)):
+            hook, why = _one_style_hook(linear, name, function, kind)
+            if hook is None:
+                return _declined(why)
+            if hook.mesh != mesh:
+                return _declined(f"{name}'s {kind} hook is on another mesh than its parameters")
+            found[name, kind] = hook
+    gate_in, up_in = found["gate_proj", "input"], found["up_proj", "input"]
+    if gate_in.layouts != up_in.layouts:
+        return _declined(f"gate_proj and up_proj prepare their input differently ({gate_in.layouts} vs {up_in.layouts})")
+    if tuple(gate_in.layouts[1]) != (Replicate(),):
+        return _declined(f"gate_proj's input is made {gate_in.layouts[1]}, not Replicate")
+    for name in ("gate_proj", "up_proj"):
+        output_layouts, use_local = found[name, "output"].layouts
+        if tuple(output_layouts) != (Shard(-1),) or not use_local:
+            return _declined(f"{name}'s output is {output_layouts} (use_local_output={use_local}), not the local "
+                             "Shard(-1) the rowwise down_proj takes")
+    down_in = found["down_proj", "input"]
+    if tuple(down_in.layouts[0]) != (Shard(-1),) or tuple(down_in.layouts[1]) != (Shard(-1),):
+        return _declined(f"down_proj's input is prepared as {down_in.layouts}, not Shard(-1) kept as it is")
+    return TensorParallelView(gate=gate, input_hook=gate_in.hook, down=down, output_hook=found["down_proj", "output"].hook,
+                              mesh=mesh)
+
+
+TOKEN_LAYOUT_DECLINED = (
+    "tensor parallelism: {name}'s {kind} hook ({style}) lays the tensor out as {layouts}, over a token dimension: "
+    "the generic kernel runs the module once per token shard, so that collective would split or gather each "
+    "shard's tokens across the ranks instead of the call's (not what one untiled call computes). The fast "
+    "kernel's local view reduces once per call: use a gated MLP it runs (path='auto'), or keep the token "
+    "dimensions Replicate inside the tiled module (put the sequence layouts outside it)"
+)
+
+
+PER_SHARD_COLLECTIVES_REFUSED = (
+    "tensor parallelism: {name} carries a tensor-parallel hook ({style}), and the generic kernel would run its "
+    "collectives once per token shard. Its results matched one process within 1e-15, but 2-rank gloo runs "
+    "deadlocked in about one run of three (one rank waiting on a shard's all-reduce after the other had finished "
+    "the call), in exactly the runs where the first shard's kept-tensor check still found the all-reduce's "
+    "output held and fell back to a garbage collection: not understood, so refused rather than risked. The "
+    "gated fast kernel (ColwiseParallel gate_proj/up_proj, RowwiseParallel down_proj without a bias) runs under "
+    "tensor parallelism with one collective per call: use path='auto' on such an MLP, or tile the module "
+    "without tensor-parallel hooks inside it"
+)
+
+
+DTENSOR_PARAMS_REFUSED = (
+    "tensor parallelism: {module}'s parameters are DTensors (parallelize_module: SequenceParallel on a norm, say) "
+    "and the tiled call would take its input and build its output as the module's own hooks hand them over "
+    "(a sequence-sharded DTensor: shards of the global sequence, an output of the wrong length, measured), which "
+    "the generic kernel is not proven to compute exactly: refused. Leave this module untiled (its activations "
+    "are already split across the ranks), or tile it without tensor-parallel layouts"
+)
+
+
+def per_shard_problem(module: nn.Module, token_dims: int) -> str:
+    """Why the generic kernel (``module``'s own forward once per token shard) is refused under tensor
+    parallelism ("" where the module has no tensor-parallel hook): a proven style's hook that shards a token
+    dimension (``RowwiseParallel(output_layouts=Shard(1))``: not what one call computes), else any such hook
+    (per-shard collectives: see ``PER_SHARD_COLLECTIVES_REFUSED``), else DTensor parameters with the hooks on
+    the tiled module itself (``DTENSOR_PARAMS_REFUSED``). The token dimensions of an input
+    ``[..., tokens, hidden]`` are all but the last (``token_dims`` of them)."""
+    from torch.distributed.tensor import Shard
+
+    first = ""
+    for name, sub in module.named_modules():
+        if not name:
+            continue
+        for kind, hooks in zip(("input", "output"), _hooks(sub), strict=True):
+            for hook in hooks:
+                found = style_hook(hook)
+                if found is None:
+                    continue
+                # Input hooks bind (input layouts, desired layouts); output hooks (output layouts, use_local_output).
+                layouts = [p for group in found.layouts if isinstance(group, tuple) for p in group]
+                style = found.function.__qualname__.split(".")[0]
+                if any(isinstance(p, Shard) and 0 <= p.dim < token_dims for p in layouts):
+                    return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=style, layouts=found.layouts)
+                first = first or PER_SHARD_COLLECTIVES_REFUSED.format(name=name, style=style)
+    if not first and has_dtensor(list(module.parameters())):
+        return DTENSOR_PARAMS_REFUSED.format(module=type(module).__name__)
+    return first
+
+
+def local_param_bytes(module: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (a DTensor's local shard): what its memory sees."""
+    return sum(local_numel(p) * p.element_size() for p in module.parameters())
