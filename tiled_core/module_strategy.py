@@ -9,11 +9,12 @@ from tiled_mlp.strategies.resolver import resolve_strategy
 
 from .tiling_state import tiling_of
 
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
 
 def inside_backward() -> bool:
     """Whether this thread is running an autograd backward (a checkpoint's recompute runs inside one)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
 
 
 def module_strategy(module: nn.Module) -> Strategy:
