@@ -31,7 +31,7 @@ def _fresh(num_tokens, hidden, intermediate, weight_bytes, element_bytes, generi
 
 def _constants():
     return sorted(name for name, value in vars(auto_shards).items()
-                  if name.isupper() and not name.startswith("_") and isinstance(value, (int, float)))
+                  if not name.startswith("_") and isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
 @pytest.mark.parametrize("name", _constants())
@@ -190,3 +190,35 @@ def test_a_kernel_that_applies_registered_between_calls_runs_the_next(registered
     mlp(x)
     assert mlp.tiling.last_path == "generic_again"
     assert mlp.tiling.last_reason.endswith("kernel 'generic_again'")
+
+
+class _Recording(GenericEntry):
+    """The generic kernel, built afresh for every call, each one noting that it ran."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.built, self.ran = [], []
+
+    def build(self, call):
+        kernel = super().build(call)
+        forward_shard = kernel.forward_shard
+
+        def recorded(*args, **kwargs):
+            self.ran.append(kernel)
+            return forward_shard(*args, **kwargs)
+
+        kernel.forward_shard = recorded
+        self.built.append(kernel)
+        return kernel
+
+
+def test_the_kernel_built_for_a_call_is_the_one_it_runs(registered):
+    torch.manual_seed(0)
+    mlp = TiledMLP(GatedMLP(HIDDEN, INTERMEDIATE), num_shards=4)
+    x = torch.randn(1, 16, HIDDEN)
+    recording = _Recording()
+    registered(recording)
+    mlp(x)
+    mlp(x)
+    assert len(recording.built) == 2 and recording.ran[-1] is recording.built[-1]

@@ -84,15 +84,16 @@ def _untiled(reason: str) -> CallDecision:
 
 
 def _tiled(plan: CallPlan, reason: str, choice: KernelChoice, num_tokens: int, num_shards: int) -> CallDecision:
-    """The decision to run ``choice`` over ``num_shards`` shards; the plan's last one where every field
-    it was formed from is the same (the plan fixes the trainable parameters)."""
+    """The decision to run ``choice`` over ``num_shards`` shards; the plan's last one where everything it
+    was formed from is the same: the sentence's parts, the kernel built (by identity: a kernel may build
+    a new one per call), the sizes (the plan fixes the trainable parameters)."""
     formed_from = (reason, choice.name, choice.declined, num_tokens, num_shards)
     last = plan.last_decision
-    if last is not None and last[1].kernel is choice.kernel and last[2] is choice.entry and last[0] == formed_from:
+    if last is not None and last[1].kernel is choice.kernel and last[0] == formed_from:
         return last[1]
     decision = CallDecision(f"{reason}; {choice.describe()}", choice.kernel, choice.name, num_tokens, num_shards,
                             plan.trainable)
-    plan.last_decision = (formed_from, decision, choice.entry)
+    plan.last_decision = (formed_from, decision)
     return decision
 
 
