@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 from torch import nn
@@ -35,8 +35,8 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 _forward_of = operator.attrgetter("forward")
 
 
-def _tensor_state(t: torch.Tensor) -> Tuple[Any, Any, bool]:
-    return t.dtype, t.device, t.requires_grad
+# A tensor's (dtype, device, requires_grad), read in C: no Python frame per tensor.
+_tensor_state: Callable[[torch.Tensor], Tuple[Any, Any, bool]] = operator.attrgetter("dtype", "device", "requires_grad")
 
 
 def _global_hook_keys() -> List[tuple]:
