@@ -29,7 +29,8 @@ def module_strategy(module: nn.Module) -> Strategy:
         # A call inside a backward is a checkpoint recomputing a forward made outside it, where the
         # backend's context was visible (DDP is seen only while its forward runs): the same backend.
         return state.forward_strategy
-    strategy = resolve_strategy(module, state.ancestors())
+    strategy = resolve_strategy(module, state.ancestors() if state.ancestor_refs else ())
     if not in_backward:
-        state.forward_strategy = strategy
+        # Into the state's dict: not a setting that ``TilingState.__setattr__`` checks.
+        state.__dict__["forward_strategy"] = strategy
     return strategy
