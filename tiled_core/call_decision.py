@@ -33,9 +33,11 @@ def decide_map_call(module: nn.Module, strategy: Strategy, x: torch.Tensor, shar
     kernel's decision can read the parameters)."""
     state = tiling_of(module)
     num_tokens = x.numel() // x.shape[-1]
-    untiled_allowed = strategy.allows_untiled_call(module)
     # A configured count never passes a call through for its length: only the auto policy asks the sizes.
     by_policy = not isinstance(state.num_shards, int)
+    # The backend is asked only where its answer can matter: a configured count tiles every call that has
+    # tokens (a backend may walk the parameters to answer).
+    untiled_allowed = (by_policy or num_tokens == 0) and strategy.allows_untiled_call(module)
     last = state.call_sizes
     if untiled_allowed and by_policy and last is not None and last.shallow == shallow_key(module, strategy, x):
         decision = shard_count(state, last, x, num_tokens, generic=last.generic)
