@@ -99,6 +99,15 @@ def test_a_module_passed_through_tiles_once_its_floor_is_lowered(monkeypatch):
     assert mlp.tiling.last_path == "fast" and mlp.tiling.last_num_shards == 2
 
 
+def test_each_untiled_call_reports_its_own_reason():
+    torch.manual_seed(0)
+    mlp = TiledMLP(GatedMLP(HIDDEN, INTERMEDIATE))
+    mlp(torch.randn(1, 2048, HIDDEN))
+    assert mlp.tiling.last_path == "untiled" and "floor" in mlp.tiling.last_reason
+    mlp(torch.randn(1, 64, HIDDEN))
+    assert mlp.tiling.last_path == "untiled" and "no more than its own buffers" in mlp.tiling.last_reason
+
+
 def test_a_module_in_another_dtype_gets_a_fresh_answer(monkeypatch):
     """Twice the element bytes, twice the saving: over the floor set between the two."""
     monkeypatch.setattr(auto_shards, "MIN_SAVED_BYTES", _floor_between_fp32_and_fp64(2048))
