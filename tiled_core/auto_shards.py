@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -198,6 +198,40 @@ def _size(num_bytes: float) -> str:
 
 def _shards(num_shards: int) -> str:
     return f"{num_shards} shard{'s' if num_shards != 1 else ''}"
+
+
+def policy_inputs() -> tuple:
+    """Everything module-level the policy's answer rests on besides the call's sizes: its constants
+    (tests and ``integration_tests/zero_training.py`` set ``MIN_SAVED_BYTES``) and its functions (a
+    patched rule). ``tests/test_auto_policy_memo.py`` checks that every constant is here."""
+    return (SHARD_INTERMEDIATE_BYTES, WORKING_SET_SHARE, WORKING_SET_BUFFERS, MIN_TOKENS_PER_SHARD,
+            MIN_INTERMEDIATE_SHARE, MIN_SAVED_BYTES, FAST_SAVED_INTERMEDIATES, GENERIC_SAVED_INTERMEDIATES,
+            MiB, auto_decision, fixed_bytes, shard_count, estimated_saved_bytes, _size, _shards)
+
+
+# Answers by sizes, for one ``policy_inputs()``: a short call that passes through asks the same question
+# at every step, and forming the answer's sentence costs more than the rest of the pass-through decision.
+_REMEMBERED: Dict[tuple, AutoDecision] = {}
+_REMEMBERED_FOR: list = [None]  # the ``policy_inputs()`` the answers were given under
+_REMEMBERED_LIMIT = 512  # distinct sizes kept; varying sequence lengths start it afresh
+
+
+def remembered_auto_decision(num_tokens: int, hidden: int, intermediate: Optional[int], weight_bytes: int,
+                             element_bytes: int, generic_trainable_bytes: Optional[int]) -> AutoDecision:
+    """``auto_decision`` on these sizes, answered from memory when asked before with the same sizes and
+    the same ``policy_inputs()``."""
+    inputs = policy_inputs()
+    if inputs != _REMEMBERED_FOR[0]:  # a constant or a rule set since: every answer may differ
+        _REMEMBERED.clear()
+        _REMEMBERED_FOR[0] = inputs
+    key = (num_tokens, hidden, intermediate, weight_bytes, element_bytes, generic_trainable_bytes)
+    decision = _REMEMBERED.get(key)
+    if decision is None:
+        if len(_REMEMBERED) >= _REMEMBERED_LIMIT:
+            _REMEMBERED.clear()
+        decision = _REMEMBERED[key] = auto_decision(
+            num_tokens, MLPSize(hidden, intermediate, weight_bytes, element_bytes, generic_trainable_bytes))
+    return decision
 
 
 def auto_num_shards(num_tokens: int, size: MLPSize) -> Optional[int]:

@@ -10,17 +10,17 @@ then the chosen kernel's rule.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+from typing import Callable, Dict, Sequence, Union
 
 import torch
 from torch import nn
 
 from tiled_mlp.strategies.base import Strategy
 
-from .auto_shards import AutoDecision, MLPSize, auto_decision, intermediate_size
+from .auto_shards import AutoDecision, intermediate_size, remembered_auto_decision
 from .call_plan import CallPlan, PlanSizes, plan_config, plan_holds, shallow_key
 from .fast_path import fast_refused
-from .kernel_registry import MAP, KernelCall, available_kernels, choose_kernel
+from .kernel_registry import MAP, KernelCall, KernelChoice, available_kernels, choose_kernel
 from .module_forward import current_forward
 from .module_snapshot import ModuleSnapshot
 from .tiled_call import CallDecision
@@ -33,21 +33,23 @@ def decide_map_call(module: nn.Module, strategy: Strategy, x: torch.Tensor, shar
     kernel's decision can read the parameters)."""
     state = tiling_of(module)
     num_tokens = x.numel() // x.shape[-1]
-    untiled_allowed = strategy.allows_untiled_call(module)
     # A configured count never passes a call through for its length: only the auto policy asks the sizes.
     by_policy = not isinstance(state.num_shards, int)
+    # The backend is asked only where its answer can matter: a configured count tiles every call that has
+    # tokens (a backend may walk the parameters to answer).
+    untiled_allowed = (by_policy or num_tokens == 0) and strategy.allows_untiled_call(module)
     last = state.call_sizes
     if untiled_allowed and by_policy and last is not None and last.shallow == shallow_key(module, strategy, x):
         decision = shard_count(state, last, x, num_tokens, generic=last.generic)
         if decision.num_shards is None:
-            return CallDecision(decision.reason)
+            return _untiled(decision.reason)
     plan = current_plan(module, strategy, x)
     if untiled_allowed and num_tokens == 0:
-        return CallDecision("untiled: no tokens")
+        return _untiled("untiled: no tokens")
     if untiled_allowed and by_policy:
         decision = shard_count(state, plan, x, num_tokens, generic=False)
         if decision.num_shards is None:
-            return CallDecision(decision.reason)
+            return _untiled(decision.reason)
     only = None if state.path == "auto" else state.path
     choice = choose_kernel(MAP, KernelCall(module, x, strategy, plan.trainable, shard_forward, token_inputs, cache=plan), only)
     if choice.entry is None:
@@ -61,12 +63,40 @@ def decide_map_call(module: nn.Module, strategy: Strategy, x: torch.Tensor, shar
     decision = shard_count(state, plan, x, num_tokens, plan.generic)
     reason, num_shards = decision.reason, decision.num_shards
     if untiled_allowed and num_shards is None:
-        return CallDecision(reason)
+        return _untiled(reason)
     if num_tokens == 0 or num_shards is None:
         num_shards = 1  # the backend needs every rank on the tiled path (same collectives)
         reason += f"; run as one shard: {strategy.name} needs every rank on the tiled path"
-    return CallDecision(f"{reason}; {choice.describe()}", choice.kernel, choice.name, num_tokens, num_shards,
-                        plan.trainable)
+    return _tiled(plan, reason, choice, num_tokens, num_shards)
+
+
+# Decisions are frozen and a call keeps its own only for its report: equal calls share one (its
+# sentence formed once), an untiled one by its reason, a tiled one on its plan.
+_UNTILED: Dict[str, CallDecision] = {}
+_UNTILED_LIMIT = 512
+
+
+def _untiled(reason: str) -> CallDecision:
+    decision = _UNTILED.get(reason)
+    if decision is None:
+        if len(_UNTILED) >= _UNTILED_LIMIT:
+            _UNTILED.clear()
+        decision = _UNTILED[reason] = CallDecision(reason)
+    return decision
+
+
+def _tiled(plan: CallPlan, reason: str, choice: KernelChoice, num_tokens: int, num_shards: int) -> CallDecision:
+    """The decision to run ``choice`` over ``num_shards`` shards; the plan's last one where everything it
+    was formed from is the same: the sentence's parts, the kernel built (by identity: a kernel may build
+    a new one per call), the sizes (the plan fixes the trainable parameters)."""
+    formed_from = (reason, choice.name, choice.declined, num_tokens, num_shards)
+    last = plan.last_decision
+    if last is not None and last[1].kernel is choice.kernel and last[0] == formed_from:
+        return last[1]
+    decision = CallDecision(f"{reason}; {choice.describe()}", choice.kernel, choice.name, num_tokens, num_shards,
+                            plan.trainable)
+    plan.last_decision = (formed_from, decision)
+    return decision
 
 
 def shard_count(state: TilingState, sizes: Union[PlanSizes, CallPlan], x: torch.Tensor, num_tokens: int,
@@ -75,10 +105,17 @@ def shard_count(state: TilingState, sizes: Union[PlanSizes, CallPlan], x: torch.
     plan's sizes (the plan itself, or the sizes a passed-through call kept)."""
     num_shards = state.num_shards
     if isinstance(num_shards, int):
-        return AutoDecision(num_shards, f"tiled: num_shards={num_shards} as configured")
+        configured = _CONFIGURED.get(num_shards)
+        if configured is None:
+            configured = _CONFIGURED[num_shards] = AutoDecision(num_shards, f"tiled: num_shards={num_shards} as configured")
+        return configured
     trainable_bytes = sizes.trainable_bytes if generic else None
-    size = MLPSize(x.shape[-1], sizes.intermediate, sizes.param_bytes, x.element_size(), trainable_bytes)
-    return auto_decision(num_tokens, size)
+    return remembered_auto_decision(num_tokens, x.shape[-1], sizes.intermediate, sizes.param_bytes, x.element_size(),
+                                    trainable_bytes)
+
+
+# A configured count's decision, by count (the sentence is the same at every call).
+_CONFIGURED: Dict[int, AutoDecision] = {}
 
 
 def current_plan(module: nn.Module, strategy: Strategy, x: torch.Tensor) -> CallPlan:

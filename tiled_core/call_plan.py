@@ -54,6 +54,9 @@ class CallPlan:
     kernel_cache: Dict[str, Any] = field(default_factory=dict, repr=False)
     # Whether the last kernel chosen keeps gradient buffers of its own (the auto policy's generic rule).
     generic: bool = False
+    # The last tiled decision made from this plan (``call_decision._tiled``): (what it was formed from,
+    # the ``CallDecision``).
+    last_decision: Optional[tuple] = field(default=None, repr=False)
     _trainable_bytes: Optional[int] = field(default=None, repr=False)
     _sizes: Optional[PlanSizes] = field(default=None, repr=False)
 

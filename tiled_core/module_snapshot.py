@@ -10,17 +10,18 @@ and the hooks registered for every module (``register_module_forward_hook``).
 ``ModuleSnapshot`` walks the tree once and keeps all of that as flat columns: the dicts themselves,
 their sizes, their keys and their values, the objects held (so no compared object can be freed while
 the snapshot lives). ``holds`` compares the columns with what the dicts hold now, a few C-level passes
-(``map``/``itertools.chain`` over the dicts, ``operator.is_``) that build no key: the tree is the same
-as long as the root's dicts hold the same objects, and so, child by child, does every dict below.
-Anything rebound, even to an equal value, counts as a change (a needless re-decision, never a missed
-one). A value changed in place inside a mutable attribute (a list the forward reads) is not seen; such
+(``map``/``itertools.chain`` over the dicts, ``operator.is_``): the tree is the same as long as the
+root's dicts hold the same objects, and so, child by child, does every dict below. Values are compared
+by identity: anything rebound, even to an equal value, counts as a change (a needless re-decision, never
+a missed one). Keys (attribute names, hook ids) are compared by equality, the dicts' own notion of the
+same key, in one tuple comparison. A value changed in place inside a mutable attribute (a list the forward reads) is not seen; such
 a module is not one the fast path accepts (``gated_spec``).
 """
 from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 from torch import nn
@@ -34,8 +35,8 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 _forward_of = operator.attrgetter("forward")
 
 
-def _tensor_state(t: torch.Tensor) -> Tuple[Any, Any, bool]:
-    return t.dtype, t.device, t.requires_grad
+# A tensor's (dtype, device, requires_grad), read in C: no Python frame per tensor.
+_tensor_state: Callable[[torch.Tensor], Tuple[Any, Any, bool]] = operator.attrgetter("dtype", "device", "requires_grad")
 
 
 def _global_hook_keys() -> List[tuple]:
@@ -86,9 +87,9 @@ class ModuleSnapshot:
                 and all(map(operator.is_, map(_forward_of, self._classes), self._forwards))
                 # Same sizes first: the flat columns below then line up entry for entry.
                 and list(map(len, self._dicts)) == self._sizes
-                # Keys by identity too: attribute names are interned strings, so a name deleted and set
-                # again is the same object; where it is not, the plan is merely re-made.
-                and all(map(operator.is_, itertools.chain.from_iterable(self._filled), self._keys))
+                # Keys by equality, as the dicts themselves find them (names and hook ids): one tuple
+                # comparison in C, with no call per key.
+                and tuple(itertools.chain.from_iterable(self._filled)) == self._keys
                 and all(map(operator.is_, itertools.chain.from_iterable(self._filled_values), self._values))
                 and list(map(_tensor_state, self._tensors)) == self._tensor_states
                 and _global_hook_keys() == self._global_hooks)

@@ -9,11 +9,12 @@ from tiled_mlp.strategies.resolver import resolve_strategy
 
 from .tiling_state import tiling_of
 
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
 
 def inside_backward() -> bool:
     """Whether this thread is running an autograd backward (a checkpoint's recompute runs inside one)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
 
 
 def module_strategy(module: nn.Module) -> Strategy:
@@ -28,7 +29,8 @@ def module_strategy(module: nn.Module) -> Strategy:
         # A call inside a backward is a checkpoint recomputing a forward made outside it, where the
         # backend's context was visible (DDP is seen only while its forward runs): the same backend.
         return state.forward_strategy
-    strategy = resolve_strategy(module, state.ancestors())
+    strategy = resolve_strategy(module, state.ancestors() if state.ancestor_refs else ())
     if not in_backward:
-        state.forward_strategy = strategy
+        # Into the state's dict: not a setting that ``TilingState.__setattr__`` checks.
+        state.__dict__["forward_strategy"] = strategy
     return strategy
