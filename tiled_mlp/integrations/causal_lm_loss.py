@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tiled_mlp.core import tiled_cross_entropy
@@ -262,7 +263,7 @@ class TiledLossForward:
         return_dict = extra.pop("return_dict", arguments.pop("return_dict", None))
         if return_dict is None:
             return_dict = getattr(self.model.config, "return_dict", True)
-        arguments.update(labels=None, logits_to_keep=torch.empty(0, dtype=torch.long))
+        arguments.update(labels=None, logits_to_keep=_no_logits(self.model.get_output_embeddings()))
         hidden: Dict[str, torch.Tensor] = {}
         handle = self.model.get_decoder().register_forward_hook(
             lambda _m, _a, out: hidden.__setitem__("h", out[0] if isinstance(out, tuple) else out.last_hidden_state))
@@ -288,6 +289,19 @@ class TiledLossForward:
         # as None, so that ``output[2]`` is what it is without the tiled loss.
         return tuple(loss if f.name == "loss" else None if f.name == "logits" else fields[f.name]
                      for f in dataclasses.fields(out) if f.name in ("loss", "logits") or fields.get(f.name) is not None)
+
+
+def _no_logits(head: nn.Module) -> Any:
+    """The model's ``logits_to_keep`` while the tiled loss runs: no token (the loss is computed from the hidden
+    states; the model's logits are dropped). A tensor-parallel head (a DTensor weight) is given the last token
+    instead: DTensor's reshape rule divides by each dimension's size, and an empty slice has a zero one."""
+    weight = getattr(head, "weight", None)
+    if weight is not None and dist.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(weight, DTensor):
+            return 1
+    return torch.empty(0, dtype=torch.long)
 
 
 @torch.compiler.disable
