@@ -138,7 +138,7 @@ def run_tp_cases(rank: int, world: int, cases: Sequence[Tuple[str, str]], num_sh
 
 
 def run_norm_refusal(rank: int, world: int) -> str:
-    """A tiled RMSNorm under ``SequenceParallel``: the error its call raises, or what it returned."""
+    """A tiled RMSNorm under ``SequenceParallel``: the error tiling it or its call raises, or what it returned."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
@@ -146,9 +146,9 @@ def run_norm_refusal(rank: int, world: int) -> str:
 
     norm = torch.nn.RMSNorm(HIDDEN, dtype=torch.float64)
     parallelize_module(norm, init_device_mesh("cpu", (world,)), SequenceParallel(use_local_output=True))
-    TiledNorm(norm, num_shards=2)
     x, _ = _data(0)
     try:
+        TiledNorm(norm, num_shards=2)
         y = norm(x[:, : SEQ // world].clone().requires_grad_(True))
     except (RuntimeError, ValueError) as error:
         return f"raised: {error}"

@@ -81,6 +81,48 @@ def style_hook(hook: Any) -> Optional[StyleHook]:
     return StyleHook(hook, fn.func, tuple(fn.args), cells.get("device_mesh"))
 
 
+def _parallel_style_classes() -> List[type]:
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    found: List[type] = []
+    todo: List[type] = [ParallelStyle]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def parallel_style_of(hook: Any) -> Optional[type]:
+    """The ParallelStyle class whose method a ``distribute_module`` hook runs, proven or not (to name it in a
+    refusal: ``style_hook`` is what proves one), else None."""
+    code = getattr(hook, "__code__", None)
+    if code is None or code not in _styles()[0]:
+        return None
+    for cell in hook.__closure__ or ():
+        fn = cell.cell_contents
+        if isinstance(fn, functools.partial):
+            func = getattr(fn.func, "__func__", fn.func)
+            for cls in _parallel_style_classes():
+                if any(getattr(attr, "__func__", attr) is func for attr in vars(cls).values()):
+                    return cls
+    return None
+
+
+def style_hooks_of(module: nn.Module) -> List[Tuple[Any, type]]:
+    """(hook, style class) for every ``distribute_module`` hook on ``module`` itself, pre-hooks first."""
+    pre, post = _hooks(module)
+    return [(hook, style) for hook in (*pre, *post) if (style := parallel_style_of(hook)) is not None]
+
+
+def colwise_input_hook(module: nn.Module) -> Optional[StyleHook]:
+    """``module``'s forward pre-hook that is ColwiseParallel's own input hook (not a subclass's), if any."""
+    col_in = _styles()[1]
+    pre, _ = _hooks(module)
+    found = [parts for parts in map(style_hook, pre) if parts is not None and parts.function is col_in]
+    return found[0] if len(found) == 1 else None
+
+
 def is_tensor_parallel_hook(hook: Any) -> bool:
     """A ColwiseParallel / RowwiseParallel hook on a Linear: the local view stands in for it."""
     return style_hook(hook) is not None

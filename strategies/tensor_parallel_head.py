@@ -30,14 +30,14 @@ split over a sequence-parallel group as well.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
 from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, process_group_ready
+from .tensor_parallel import colwise_input_hook, is_tensor_parallel_hook, style_hooks_of
 
 LAYOUT_ERROR = (
     "tiled loss: {head} is tensor-parallel with {layout}; the vocabulary-parallel loss takes lm_head "
@@ -48,6 +48,13 @@ STYLE_FIX = ("Parallelize lm_head with ColwiseParallel(output_layouts=Shard(-1),
              "(input_layouts=Shard(1) for a sequence-parallel input), or compute this loss untiled (loss_parallel()).")
 MESH_FIX = ("A weight over a 2-D mesh is FSDP2's shard of it outside the forward of its unit: keep lm_head out of "
             "fully_shard (or in a unit that does not reshard it after forward), or compute this loss untiled.")
+NOT_LINEAR_STYLE_ERROR = (
+    "{module} is tensor-parallel with {layout}: a tiled call computes under tensor parallelism only as a gated MLP "
+    "whose Linears are ColwiseParallel / RowwiseParallel, or as the loss of an lm_head parallelized with "
+    "ColwiseParallel. Leave {module} untiled (a norm under SequenceParallel: apply_tiled_mlp(..., norms=False) or "
+    "exclude it), or, for an lm_head, parallelize it with ColwiseParallel(output_layouts=Shard(-1), "
+    "use_local_output=False)."
+)
 SEQUENCE_GROUP_ERROR = (
     "tiled loss: {head} is vocabulary-parallel (ColwiseParallel) and a sequence_group was given: the loss split "
     "over a sequence-parallel group and its vocabulary over a tensor-parallel one together is not supported. "
@@ -55,59 +62,10 @@ SEQUENCE_GROUP_ERROR = (
 )
 
 
-def _style_classes() -> List[type]:
-    from torch.distributed.tensor.parallel.style import ParallelStyle
+def _linear_styles() -> tuple:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    found: List[type] = []
-    todo: List[type] = [ParallelStyle]
-    while todo:
-        cls = todo.pop()
-        found.append(cls)
-        todo.extend(cls.__subclasses__())
-    return found
-
-
-def _style_function(partial: functools.partial) -> Optional[Tuple[type, str]]:
-    """(the ParallelStyle class, the method's name) whose method ``partial`` wraps, or None."""
-    func = getattr(partial.func, "__func__", partial.func)  # a bound method (non-static styles)
-    for cls in _style_classes():
-        for name, attr in vars(cls).items():
-            if getattr(attr, "__func__", attr) is func:
-                return cls, name
-    return None
-
-
-def _hook_style(hook: Any) -> Optional[Tuple[type, str]]:
-    """(style class, method name) where ``hook`` is one ``distribute_module`` registered for a
-    ParallelStyle: a function closing over a ``functools.partial`` of the style's method; else None."""
-    for cell in getattr(hook, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if isinstance(value, functools.partial):
-            found = _style_function(value)
-            if found is not None:
-                return found
-    return None
-
-
-def _style_hooks(head: nn.Module) -> Iterator[Tuple[str, Any, type, str]]:
-    """(dict name, hook, style class, method name) of every ParallelStyle hook on ``head`` itself."""
-    for dict_name in ("_forward_pre_hooks", "_forward_hooks"):
-        for hook in getattr(head, dict_name, {}).values():
-            found = _hook_style(hook)
-            if found is not None:
-                yield dict_name, hook, found[0], found[1]
-
-
-def _colwise_input_hook(head: nn.Module) -> Optional[Any]:
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    for dict_name, hook, cls, name in _style_hooks(head):
-        if dict_name == "_forward_pre_hooks" and name == "_prepare_input_fn" and issubclass(cls, ColwiseParallel):
-            return hook
-    return None
+    return (ColwiseParallel, RowwiseParallel)
 
 
 def _is_dtensor(tensor: Any) -> bool:
@@ -168,20 +126,26 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         Linears are parallelized carries neither: its Linears do)."""
         if not process_group_ready():
             return False
-        return _is_dtensor(getattr(module, "weight", None)) and any(True for _ in _style_hooks(module))
+        return _is_dtensor(getattr(module, "weight", None)) and bool(style_hooks_of(module))
 
     def is_backend_hook(self, hook) -> bool:
-        """The style's input and output hooks: the loss runs the input one itself, and makes no logits
-        for the output one to redistribute."""
-        return _hook_style(hook) is not None
+        """ColwiseParallel's input and output hooks (``tensor_parallel.style_hook``): the loss runs the
+        input one itself, and makes no logits for the output one to redistribute."""
+        return is_tensor_parallel_hook(hook)
 
     def check_supported(self, module: nn.Module) -> None:
         head = type(module).__name__
         weight: Any = getattr(module, "weight", None)  # a DTensor (claims)
         bias: Any = getattr(module, "bias", None)
         bias_text = " and bias" if bias is not None else ""
-        if _colwise_input_hook(module) is None:
-            styles = sorted({cls.__name__ for _, _, cls, _ in _style_hooks(module)})
+        input_hook = colwise_input_hook(module)
+        if input_hook is None or input_hook.mesh != weight.device_mesh:
+            style_classes = {style for _, style in style_hooks_of(module)}
+            styles = sorted(style.__name__ for style in style_classes)
+            if not any(issubclass(style, _linear_styles()) for style in style_classes):
+                # Not a Linear's style (SequenceParallel on a norm, say): not a head, whichever call tiles it.
+                raise UnsupportedBackendError(NOT_LINEAR_STYLE_ERROR.format(
+                    module=head, layout=f"{'/'.join(styles)} (weight {_layout(weight)})"))
             raise UnsupportedBackendError(LAYOUT_ERROR.format(
                 head=head, layout=f"{'/'.join(styles)} (weight {_layout(weight)})", bias=bias_text, fix=STYLE_FIX))
         from torch.distributed.tensor import Shard
@@ -203,9 +167,9 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
 
     def vocab_slice(self, head: nn.Module, hidden: torch.Tensor) -> HeadVocabSlice:
         """This rank's view of ``head`` (checked by ``check_supported``) for the loss of ``hidden``."""
-        hook = _colwise_input_hook(head)
-        assert hook is not None, "check_supported found ColwiseParallel's input hook"
-        made = hook(head, (hidden,))
+        input_hook = colwise_input_hook(head)
+        assert input_hook is not None, "check_supported found ColwiseParallel's input hook"
+        made = input_hook.hook(head, (hidden,))
         head_input = made[0] if isinstance(made, tuple) else made
         weight: Any = head.weight  # DTensors (check_supported)
         bias: Any = head.bias
