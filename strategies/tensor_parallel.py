@@ -238,6 +238,13 @@ def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> O
         return _declined(f"gate_proj and up_proj prepare their input differently ({gate_in.layouts} vs {up_in.layouts})")
     if tuple(gate_in.layouts[1]) != (Replicate(),):
         return _declined(f"gate_proj's input is made {gate_in.layouts[1]}, not Replicate")
+    # The call is decided and its shards planned on the tokens the module is handed; a hook that reads a
+    # plain input as sharded (input_layouts=Shard(1)) gathers more tokens than were planned, and the
+    # shards would cover only the first of them.
+    if tuple(gate_in.layouts[0]) != (Replicate(),):
+        return _declined(f"gate_proj's input hook reads a plain input as {gate_in.layouts[0]} and gathers it: the "
+                         "call is planned on this rank's tokens, not the gathered ones. Put PrepareModuleInput("
+                         "input_layouts=Shard(1), desired_input_layouts=Replicate()) on the MLP instead")
     for name in ("gate_proj", "up_proj"):
         output_layouts, use_local = found[name, "output"].layouts
         if tuple(output_layouts) != (Shard(-1),) or not use_local:
