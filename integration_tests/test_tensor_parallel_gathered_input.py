@@ -1,11 +1,11 @@
 """Tensor-parallel layouts the fast kernel's local view must compute exactly or refuse (2 gloo processes,
-float64, against one process: ``tp_review_cases.py``)."""
+float64, against one process: ``tp_gathered_input_cases.py``)."""
 from __future__ import annotations
 
 import pytest
 
 from .spawn import run_distributed
-from .tp_review_cases import run_review_case
+from .tp_gathered_input_cases import run_review_case
 
 pytestmark = pytest.mark.distributed
 
