@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar, ContextManager, List, Optional, Sequence
 
 import torch
@@ -208,3 +209,25 @@ class WaitsForEveryParameter:
     delivered once like the others, so that every rank brings one."""
 
     unused_grads_as_zeros: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class VocabSlice:
+    """What a strategy that splits a head's vocabulary over ranks hands the tiled loss
+    (``tiled_core/kernels/vocab_parallel.py``): this rank's view of the head, as plain local tensors."""
+
+    #: ``[..., tokens, hidden]``, the head's input on this rank; its gradient here is this rank's part
+    #: of a sum over ``group``, which autograd reduces once on the way back.
+    hidden: torch.Tensor
+    #: ``[rows, hidden]``, this rank's rows of the weight, a view whose gradient reaches the parameter.
+    weight: torch.Tensor
+    #: ``[rows]`` or None, this rank's entries of the bias, likewise.
+    bias: Optional[torch.Tensor]
+    #: The process group the vocabulary is split over.
+    group: Any
+    #: The vocabulary id of this rank's first row.
+    start: int
+    #: The whole vocabulary.
+    vocab_size: int
+    #: The most rows any rank of ``group`` holds (the same on every rank).
+    max_rows: int

@@ -30,13 +30,12 @@ split over a sequence-parallel group as well.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, process_group_ready
+from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, VocabSlice, process_group_ready
 from .tensor_parallel import colwise_input_hook, is_tensor_parallel_hook, style_hooks_of
 
 LAYOUT_ERROR = (
@@ -98,19 +97,6 @@ class SumGradOverGroup(torch.autograd.Function):
         return grad, None
 
 
-@dataclass(frozen=True)
-class HeadVocabSlice:
-    """``tiled_mlp.core.kernels.vocab_parallel.VocabSlice``, built from the DTensor head."""
-
-    hidden: torch.Tensor
-    weight: torch.Tensor
-    bias: Optional[torch.Tensor]
-    group: Any
-    start: int
-    vocab_size: int
-    max_rows: int
-
-
 class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
     """A head parallelized by a tensor-parallel style: its parameters are DTensors whose local rows are
     all this rank computes with; gradients reach them through autograd (``to_local``), once per backward."""
@@ -165,7 +151,7 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         if self.claims(module):
             raise UnsupportedBackendError(SEQUENCE_GROUP_ERROR.format(head=type(module).__name__))
 
-    def vocab_slice(self, head: nn.Module, hidden: torch.Tensor) -> HeadVocabSlice:
+    def vocab_slice(self, head: nn.Module, hidden: torch.Tensor) -> VocabSlice:
         """This rank's view of ``head`` (checked by ``check_supported``) for the loss of ``hidden``."""
         input_hook = colwise_input_hook(head)
         assert input_hook is not None, "check_supported found ColwiseParallel's input hook"
@@ -186,5 +172,5 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
                                           f"over {mesh.size()} ranks; the vocabulary offset of this rank is unknown")
         group = mesh.get_group()
         hidden_here = SumGradOverGroup.apply(head_input.to_local(), group)
-        return HeadVocabSlice(hidden_here, rows,
+        return VocabSlice(hidden_here, rows,
                               None if bias is None else bias.to_local(), group, start, vocab, max_rows)

@@ -20,34 +20,15 @@ holds), so the ranks issue the same collectives in the same order.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Protocol, runtime_checkable
+from typing import Any, List, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
+from tiled_mlp.strategies.base import VocabSlice
+
 from .cross_entropy import CrossEntropyOptions, VocabSpan
 from .lm_head import LinearHeadKernel
-
-
-class VocabSlice(Protocol):
-    """This rank's view of a head whose vocabulary is split over ``group`` (a strategy builds it: the
-    core reads plain local tensors)."""
-
-    #: ``[..., tokens, hidden]``, the head's input on this rank; its gradient here is this rank's part
-    #: of a sum over ``group``, which autograd reduces once on the way back.
-    hidden: torch.Tensor
-    #: ``[rows, hidden]``, this rank's rows of the weight, a view whose gradient reaches the parameter.
-    weight: torch.Tensor
-    #: ``[rows]`` or None, this rank's entries of the bias, likewise.
-    bias: Optional[torch.Tensor]
-    #: The process group the vocabulary is split over.
-    group: Any
-    #: The vocabulary id of this rank's first row.
-    start: int
-    #: The whole vocabulary.
-    vocab_size: int
-    #: The most rows any rank of ``group`` holds (the same on every rank).
-    max_rows: int
 
 
 def group_span(vocab_slice: VocabSlice) -> VocabSpan:
