@@ -34,6 +34,27 @@ def _constants():
                   if not name.startswith("_") and isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
+def _passed_through_twice():
+    """A module that auto runs untiled, called twice (the second call takes the remembered answer)."""
+    torch.manual_seed(0)
+    mlp = TiledMLP(GatedMLP(HIDDEN, INTERMEDIATE))
+    x = torch.randn(1, 2048, HIDDEN)
+    mlp(x)
+    mlp(x)
+    assert mlp.tiling.last_path == "untiled"
+    return mlp, x
+
+
+def _tiled_twice():
+    """A module tiled in 4 shards, called twice (the second call takes the remembered decision)."""
+    torch.manual_seed(0)
+    mlp = TiledMLP(GatedMLP(HIDDEN, INTERMEDIATE), num_shards=4)
+    x = torch.randn(1, 16, HIDDEN)
+    mlp(x)
+    mlp(x)
+    return mlp, x
+
+
 @pytest.mark.parametrize("name", _constants())
 def test_a_policy_constant_set_between_calls_changes_the_remembered_answer(name, monkeypatch):
     before = {sizes: remembered_auto_decision(*sizes) for sizes in SIZES}
@@ -88,12 +109,7 @@ def test_a_module_passed_through_tiles_once_its_call_is_long_enough(monkeypatch)
 
 
 def test_a_module_passed_through_tiles_once_its_floor_is_lowered(monkeypatch):
-    torch.manual_seed(0)
-    mlp = TiledMLP(GatedMLP(HIDDEN, INTERMEDIATE))
-    x = torch.randn(1, 2048, HIDDEN)
-    mlp(x)
-    mlp(x)
-    assert mlp.tiling.last_path == "untiled"
+    mlp, x = _passed_through_twice()
     monkeypatch.setattr(auto_shards, "MIN_SAVED_BYTES", 0)
     mlp(x)
     assert mlp.tiling.last_path == "fast" and mlp.tiling.last_num_shards == 2
@@ -111,12 +127,7 @@ def test_each_untiled_call_reports_its_own_reason():
 def test_a_module_in_another_dtype_gets_a_fresh_answer(monkeypatch):
     """Twice the element bytes, twice the saving: over the floor set between the two."""
     monkeypatch.setattr(auto_shards, "MIN_SAVED_BYTES", _floor_between_fp32_and_fp64(2048))
-    torch.manual_seed(0)
-    mlp = TiledMLP(GatedMLP(HIDDEN, INTERMEDIATE))
-    x = torch.randn(1, 2048, HIDDEN)
-    mlp(x)
-    mlp(x)
-    assert mlp.tiling.last_path == "untiled"
+    mlp, x = _passed_through_twice()
     mlp.double()
     mlp(x.double())
     assert mlp.tiling.last_path == "fast"
@@ -177,11 +188,7 @@ def registered():
 
 
 def test_a_kernel_registered_between_calls_is_asked_at_the_next(registered):
-    torch.manual_seed(0)
-    mlp = TiledMLP(GatedMLP(HIDDEN, INTERMEDIATE), num_shards=4)
-    x = torch.randn(1, 16, HIDDEN)
-    mlp(x)
-    mlp(x)
+    mlp, x = _tiled_twice()
     assert mlp.tiling.last_path == "fast"
     registered(_Declines())
     mlp(x)
@@ -190,11 +197,7 @@ def test_a_kernel_registered_between_calls_is_asked_at_the_next(registered):
 
 
 def test_a_kernel_that_applies_registered_between_calls_runs_the_next(registered):
-    torch.manual_seed(0)
-    mlp = TiledMLP(GatedMLP(HIDDEN, INTERMEDIATE), num_shards=4)
-    x = torch.randn(1, 16, HIDDEN)
-    mlp(x)
-    mlp(x)
+    mlp, x = _tiled_twice()
     registered(_GenericAgain())
     mlp(x)
     assert mlp.tiling.last_path == "generic_again"
