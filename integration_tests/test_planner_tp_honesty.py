@@ -1,14 +1,17 @@
 """The planner's tensor-parallel step (``tiled-mlp plan --tp N``) against a real one: two gloo ranks on the CPU,
 each running a 3-layer Llama (float32) with torchtitan's TP plan put on it by ``parallelize_module`` over a real
-device mesh, every allocation of each rank's step tracked. The planner's modelled step of one rank (the meta
+device mesh (and in one setting the library's tiling put on after it: tiled MLPs, the vocabulary-parallel tiled
+loss, tiled norms), every allocation of each rank's step tracked. The planner's modelled step of one rank (the meta
 device, the same plan over a fake process group, ``tiled_mlp/planner/tensor_parallel.py``) must equal each
 rank's, to the byte, after every allocation: weights, gradients, logits and other activations apart.
 
 Gloo's worker thread keeps each collective's tensors until it drops the finished work, a moment that races with
 the step: seen, one layer's all-reduced attention output freed one allocation later than the step drops it, on one
-rank, in one run and not in the next. So the real step's all-reduces (DTensor's, and the vocabulary-parallel
-loss's, both ``funcol.all_reduce``) allocate their output where the tracker sees it and hand gloo a private copy
-made outside the tracker (``_private_collectives``): the step's own tensors are then freed where the step's code
+rank, in one run and not in the next (and the tiled loss's per-shard row sums, reduced in place by
+``dist.all_reduce``, freed after the backward's first allocation). So the real step's all-reduces (DTensor's and
+the untiled vocabulary-parallel loss's ``funcol.all_reduce``, the tiled loss's ``dist.all_reduce``) allocate their
+output where the tracker sees it, or reduce in place, and hand gloo a private copy made outside the tracker
+(``_private_collectives``): the step's own tensors are then freed where the step's code
 drops them, which is what the model says, and what is checked.
 """
 from __future__ import annotations
@@ -22,8 +25,10 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
 
 TP, SEQ = 2, 256
-# The plain step, and with every decoder layer checkpointed.
-SETTINGS = [dict(tiled=False, checkpointing=False), dict(tiled=False, checkpointing=True)]
+# The plain step, with every decoder layer checkpointed, and the library's tiling put on the TP plan: tiled MLPs
+# (the fast kernel's local view of the TP Linears), the vocabulary-parallel tiled loss and tiled norms, checkpointed.
+SETTINGS = [dict(tiled=False, checkpointing=False), dict(tiled=False, checkpointing=True),
+            dict(tiled=True, num_shards=4, tiled_loss=True, loss_num_shards=4, tiled_norms=True, checkpointing=True)]
 
 
 def _config():
@@ -35,23 +40,34 @@ def _config():
 
 
 def _private_collectives() -> None:
-    """``funcol.all_reduce`` with its output allocated under the tracker and gloo given a copy the tracker never
-    sees."""
+    """``funcol.all_reduce`` with its output allocated under the tracker, and ``dist.all_reduce`` (in place: the
+    vocabulary-parallel tiled loss's row maxima and sums, and its input gradient) reducing into its own tensor,
+    each with gloo given a copy the tracker never sees."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.distributed_c10d import _resolve_process_group
     from torch.utils._python_dispatch import _disable_current_modes
 
+    gloo_all_reduce = dist.all_reduce
+
     def all_reduce(tensor, reduceOp, group, tag=""):
         output = torch.empty_like(tensor)  # the functional all-reduce's output, as its kernel allocates it
         with _disable_current_modes():
             received = tensor.clone()
-            dist.all_reduce(received, getattr(dist.ReduceOp, reduceOp.upper()),
+            gloo_all_reduce(received, getattr(dist.ReduceOp, reduceOp.upper()),
                             group=_resolve_process_group(funcol._resolve_group_name(group, tag)))
             output.copy_(received)
         return funcol._maybe_wrap_tensor(output)
 
+    def all_reduce_in_place(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        assert not async_op, "the steps checked here reduce synchronously"
+        with _disable_current_modes():
+            received = tensor.clone()
+            gloo_all_reduce(received, op, group=group)
+            tensor.copy_(received)
+
     funcol.all_reduce = all_reduce
+    dist.all_reduce = all_reduce_in_place
 
 
 def _real_steps(rank: int, world_size: int) -> list:
@@ -65,7 +81,9 @@ def _real_steps(rank: int, world_size: int) -> list:
     for kwargs in SETTINGS:
         model = build_model(_config(), None, torch.float32, "cpu", Setting(tp=TP, **kwargs), tp_mesh=mesh)
         # The ranks of a TP group run the same tokens: both take rank 0's.
-        out.append(step_timeline(model, SEQ, 1, rank=0).points)
+        points = step_timeline(model, SEQ, 1, rank=0).points
+        out.append((points, [getattr(getattr(layer.mlp, "tiling", None), "last_path", None)
+                             for layer in model.model.layers]))
     return out
 
 
@@ -81,7 +99,9 @@ def test_a_real_two_rank_tensor_parallel_step_is_predicted_to_the_byte(tmp_path)
         planner = Planner(Request(_config(), [SEQ], [setting], Backend("single", 1), dtype=torch.float32))
         predicted = planner.timeline(setting, SEQ)
         for rank, steps in enumerate(measured):
-            points = steps[index]
+            points, paths = steps[index]
+            # A tiled MLP ran the fast kernel on the rank's local weights (the generic kernel refuses TP hooks).
+            assert paths == (["fast"] * 3 if kwargs["tiled"] else [None] * 3), paths
             first = next((i for i, (p, m) in enumerate(zip(predicted.points, points, strict=False)) if p != m), None)
             assert first is None and len(predicted.points) == len(points), (
                 f"{setting.name}, rank {rank}: allocation {first}: predicted "

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, VocabSlice, process_group_ready
+from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, VocabSlice
 from .tensor_parallel import colwise_input_hook, is_tensor_parallel_hook, style_hooks_of
 
 LAYOUT_ERROR = (
@@ -109,9 +109,9 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         """The module itself carries a tensor-parallel style's hooks and a DTensor ``weight`` (an MLP whose
-        Linears are parallelized carries neither: its Linears do)."""
-        if not process_group_ready():
-            return False
+        Linears are parallelized carries neither: its Linears do). Not asked of torch.distributed's default
+        group: a DTensor's mesh holds its own, and a mesh over a group made without the default one (the
+        planner's fake group) is as much a tensor-parallel head."""
         return _is_dtensor(getattr(module, "weight", None)) and bool(style_hooks_of(module))
 
     def is_backend_hook(self, hook) -> bool:
@@ -165,12 +165,14 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         # Shard(0) splits as torch.chunk does: ceil(vocab / tp) rows per rank in rank order, the last
         # ranks fewer (or none).
         max_rows = -(-vocab // mesh.size())
-        start = min(mesh.get_local_rank() * max_rows, vocab)
+        group = mesh.get_group()
+        # The group's own rank in it (a 1-D mesh's local rank), asked of the group itself rather than through
+        # torch.distributed's default group, which a mesh over a group of its own needs not have.
+        start = min(group.rank() * max_rows, vocab)
         if rows.shape[0] != min(max_rows, vocab - start):
             raise UnsupportedBackendError(f"tiled loss: {type(head).__name__}'s local weight has {rows.shape[0]} rows, "
                                           f"not the {min(max_rows, vocab - start)} of Shard(0)'s even split of {vocab} "
                                           f"over {mesh.size()} ranks; the vocabulary offset of this rank is unknown")
-        group = mesh.get_group()
         hidden_here = SumGradOverGroup.apply(head_input.to_local(), group)
         return VocabSlice(hidden_here, rows,
-                              None if bias is None else bias.to_local(), group, start, vocab, max_rows)
+                          None if bias is None else bias.to_local(), group, start, vocab, max_rows)

@@ -1,4 +1,4 @@
-"""``tiled-mlp plan --tp N``: the untiled settings planned under DTensor tensor parallelism (the step itself is
+"""``tiled-mlp plan --tp N``: the settings planned under DTensor tensor parallelism, tiled or not (the step itself is
 checked byte-exact against two real gloo ranks in ``integration_tests/test_planner_tp_honesty.py``), the degree
 named in the output, and what is not modelled refused before any step."""
 from __future__ import annotations
@@ -50,11 +50,20 @@ def test_tp_with_sequence_parallelism_is_refused(tmp_path, capsys):
     assert "--tp 2 with --sp 2" in err and "not modelled" in err
 
 
-def test_tp_with_a_tiled_setting_is_refused_as_not_modelled_yet(tmp_path, capsys):
-    err = _refusal(capsys, "--model", _config_file(tmp_path), "--tp", "2", "--world-size", "2", "--tiled", "4")
-    assert "--tp 2 with --tiled" in err and "not modelled yet" in err
-    with pytest.raises(ValueError, match="not modelled yet"):
-        Setting(tiled=False, checkpointing=False, tiled_loss=True, tp=2)
+def test_tp_plans_the_tiled_settings_with_the_tiling_on_the_rank_s_share(tmp_path, capsys):
+    main(["plan", "--model", _config_file(tmp_path), "--seq", "2048", "--budget", "1GiB", "--dtype", "float32",
+          "--tp", "2", "--world-size", "2", "--checkpointing", "layer", "--tiled", "4", "--tiled-loss", "4",
+          "--tiled-norms", "--json"])
+    records = json.loads(capsys.readouterr().out)
+    held = {r["setting"]: r["parts"] for r in records if r.get("seq") == 2048}
+    assert set(held) == {"untiled+ckpt+tp2", "tiled+ckpt+tp2", "tiled+norms+ckpt+tp2", "tiled-loss+ckpt+tp2",
+                         "tiled+tiled-loss+ckpt+tp2", "tiled+tiled-loss+norms+ckpt+tp2"}
+    # Each piece tiled takes its share off the rank's peak: the tiled MLPs and loss, then the norms.
+    peak = {name: sum(parts.values()) for name, parts in held.items()}
+    assert peak["tiled+tiled-loss+norms+ckpt+tp2"] < peak["tiled+tiled-loss+ckpt+tp2"] < peak["untiled+ckpt+tp2"]
+    # The weights are the rank's share whatever is tiled.
+    assert len({parts["weights"] for parts in held.values()}) == 1
+    Setting(tiled=True, checkpointing=False, tiled_loss=True, tiled_norms=True, tp=2)
 
 
 def test_tp_that_splits_a_head_or_ties_the_lm_head_is_refused(tmp_path, capsys):

@@ -69,7 +69,9 @@ def add_arguments(p) -> None:
                    help="tensor parallelism over N ranks (DTensor's parallelize_module with torchtitan's Llama plan: "
                         "q/k/v/gate/up column-wise, o/down row-wise, the LM head by the vocabulary with a "
                         "vocabulary-parallel loss); each rank runs every token with 1/N of those weights. --world-size "
-                        "counts all ranks: the backend divides over --world-size / N. Untiled settings only (default 1)")
+                        "counts all ranks: the backend divides over --world-size / N. The tiling goes on after the plan, as "
+                        "apply_tiled_mlp on a parallelized model: the MLPs' fast kernel on each rank's share, the "
+                        "tiled loss split over the vocabulary (default 1)")
     g.add_argument("--host-budget", type=parsing.byte_size, default=None, metavar="SIZE",
                    help="host memory each rank may use (a node's over the ranks on it), same forms as --budget: the "
                         "longest sequence then fits the host too (default: not limited). With --alst: a node's host "
@@ -107,12 +109,6 @@ def _settings(args, parser_error) -> List[Setting]:
             raise AssertionError("parser_error exits") from error
 
     ckpt = {"none": [False], "layer": [True], "both": [False, True]}[args.checkpointing]
-    if args.tp > 1:
-        asked = [flag for flag, value, default in (("--tiled", args.tiled, "auto"), ("--tiled-loss", args.tiled_loss, None))
-                 if value not in (default, "none")] + (["--tiled-norms"] if args.tiled_norms else [])
-        if asked:
-            parser_error(f"--tp {args.tp} with {', '.join(asked)}: {tensor_parallel.TILED_NOT_MODELLED}")
-        args.tiled, args.tiled_loss = "none", "none"
     tiled = off_and_on("--tiled", args.tiled)
     losses = off_and_on("--tiled-loss", args.tiled_loss or "auto")
     # Checkpoint offload beside each checkpointed setting, as the other knobs are planned beside their absence.
@@ -266,7 +262,6 @@ def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) 
         why = tensor_parallel.refusal(model)
         if why:
             return f"--tp {args.tp}: {why}"
-        warnings.append(f"--tp {args.tp}: only the untiled settings are planned ({tensor_parallel.TILED_NOT_MODELLED})")
     if args.sp > 1:
         # Only what apply_sequence_parallel accepts: the model (asked of the library's checks) and the
         # settings with the tiled loss, which SP requires.

@@ -16,7 +16,7 @@ depends on the call's token count, hidden width and element size, and on the mod
 size and parameter bytes, all known before the step. Shared only where every tiled module is a
 decoder layer's ``mlp`` (its input is the layer's hidden states, ``[batch, tokens, hidden]``), its
 count is "auto" and its strategy allows an untiled call; anything else (tiled norms, experts tiled
-inside an MoE block, a fixed count) is modelled as it is. ``tests/test_planner_pass_through.py``
+inside an MoE block, a fixed count, tensor parallelism) is modelled as it is. ``tests/test_planner_pass_through.py``
 holds the shared step equal to the tiled setting's own at every length around the policy's boundary.
 """
 from __future__ import annotations
@@ -39,7 +39,9 @@ from .step import Setting
 def untiled_twin(setting: Setting) -> Optional[Setting]:
     """The setting whose step ``setting``'s is where its MLPs pass through (None: no such twin, its
     tiling is not the auto policy's on the MLPs alone)."""
-    if not setting.tiled or setting.tiled_norms or setting.num_shards != "auto":
+    # Under tensor parallelism the call's decision is taken on the rank's share of the MLP (the fast kernel's
+    # local view), which ``mlps_pass_through`` does not ask: such a step is modelled as it is.
+    if not setting.tiled or setting.tiled_norms or setting.num_shards != "auto" or setting.tp > 1:
         return None
     return replace(setting, tiled=False)
 

@@ -64,9 +64,6 @@ class Setting:
         if self.tp > 1 and self.sp > 1:
             raise ValueError(f"tensor parallelism ({self.tp} ranks) with Ulysses sequence parallelism ({self.sp}) is "
                              "not modelled: give one of them")
-        if self.tp > 1 and (self.tiled or self.tiled_loss or self.tiled_norms):
-            raise ValueError(f"tensor parallelism ({self.tp} ranks) with the setting '{self.name}': "
-                             f"{tensor_parallel.TILED_NOT_MODELLED}")
 
     @property
     def name(self) -> str:
@@ -132,6 +129,17 @@ def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[
         model = AutoModelForCausalLM.from_config(with_depth(config, depth), attn_implementation=name,
                                                  **_dtype_kwargs(dtype))
     model.train()
+    if setting.tp > 1:
+        # The TP plan first, the tiling on top of it: the order the library takes them in (the tiled MLP's
+        # fast kernel and the vocabulary-parallel tiled loss find the styles' hooks on the Linears).
+        tensor_parallel.check(config, setting.tp)
+        if tp_mesh is None:
+            if torch.device(device).type != "meta":
+                raise ValueError("a real step under tensor parallelism needs its device mesh (tp_mesh)")
+            tp_mesh = tensor_parallel.meta_mesh(setting.tp)
+        if tp_mesh.size() != setting.tp:
+            raise ValueError(f"tensor parallelism of {setting.tp} ranks on a mesh of {tp_mesh.size()}")
+        tensor_parallel.apply(model, tp_mesh)
     if setting.tiled or setting.tiled_norms:
         # No MLP is included where only the norms are tiled (an empty include selects no block).
         apply_tiled_mlp(model, num_shards=setting.num_shards, include=None if setting.tiled else [],
@@ -144,15 +152,6 @@ def build_model(config, depth: Optional[int], dtype: torch.dtype, device: Union[
         _OFFLOADS[model] = apply_checkpoint_offload(model)
     if setting.sp > 1:
         _SP_GROUPS[model] = sp_group
-    if setting.tp > 1:
-        tensor_parallel.check(config, setting.tp)
-        if tp_mesh is None:
-            if torch.device(device).type != "meta":
-                raise ValueError("a real step under tensor parallelism needs its device mesh (tp_mesh)")
-            tp_mesh = tensor_parallel.meta_mesh(setting.tp)
-        if tp_mesh.size() != setting.tp:
-            raise ValueError(f"tensor parallelism of {setting.tp} ranks on a mesh of {tp_mesh.size()}")
-        tensor_parallel.apply(model, tp_mesh)
     return model
 
 

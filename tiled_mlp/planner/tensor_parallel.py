@@ -9,7 +9,10 @@ divided by the vocabulary and meet the model's own cross-entropy under ``loss_pa
 their gradients and so their optimizer state are ``1 / tp`` on the rank; the embeddings and the RMSNorms are
 whole. Every buffer of that (the DTensor ops' local results, the all-reduces' outputs, the vocabulary-parallel
 loss's) is what torch's own code allocates: the modelled step runs ``parallelize_module``'s modules, not a
-formula.
+formula. A tiled setting puts the library's tiling on after the plan (``step.build_model``), as a user calls
+``apply_tiled_mlp`` on a parallelized model: the tiled MLPs run the fast kernel's local view of the rank's shares
+(``strategies/tensor_parallel.py``), the tiled loss is the vocabulary-parallel one
+(``strategies/tensor_parallel_head.py``), the tiled norms see the whole hidden states between the TP regions.
 
 On the meta device, in one process: the mesh is a ``DeviceMesh`` of ``tp`` over a ``FakeProcessGroup`` (torch's
 group whose collectives do nothing), registered under a name of the planner's own in c10d's registry of groups by
@@ -42,11 +45,6 @@ ROW = ("self_attn.o_proj", "mlp.down_proj")
 # Meshes the planner made, kept while a model built on them lives (the fake group must outlive its DTensors).
 _MESHES: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 _GROUPS: Dict[Any, Any] = {}  # name -> FakeProcessGroup: one per degree, registered once per process
-
-
-TILED_NOT_MODELLED = ("the library's tiled MLP, tiled loss and tiled norms under DTensor tensor parallelism are not "
-                      "modelled yet (the tiled MLP does not run on DTensor weights, and a vocabulary-parallel tiled loss "
-                      "does not exist); plan --tp with the untiled settings (--tiled none)")
 
 
 def check_ranks(tp: int, sp: int, world_size: int, backend: Any, parser_error) -> None:
@@ -110,8 +108,8 @@ def refusal(model: nn.Module) -> str:
                 return (f"decoder layer {index} ({type(layer).__name__}) has no {name}: the TP plan modelled is "
                         "torchtitan's Llama plan (q/k/v/gate/up column-wise, o/down row-wise)")
             if type(module) is not nn.Linear:
-                return (f"decoder layer {index}'s {name} is a {type(module).__name__}, not an nn.Linear (a tiled or "
-                        "wrapped MLP under TP is not modelled yet)")
+                return (f"decoder layer {index}'s {name} is a {type(module).__name__}, not an nn.Linear: the TP "
+                        "plan modelled is torchtitan's, on the Linear projections")
     if type(getattr(model, "lm_head", None)) is not nn.Linear:
         return f"{type(model).__name__}.lm_head is not an nn.Linear: the vocabulary-parallel LM head is not modelled"
     return ""
