@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, process_group_ready
-from .tensor_parallel import colwise_input_hook, is_tensor_parallel_hook, style_hooks_of
+from .tensor_parallel import colwise_input_hook, is_sequence_parallel_module, is_tensor_parallel_hook, style_hooks_of
 
 LAYOUT_ERROR = (
     "tiled loss: {head} is tensor-parallel with {layout}; the vocabulary-parallel loss takes lm_head "
@@ -123,10 +123,15 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         """The module itself carries a tensor-parallel style's hooks and a DTensor ``weight`` (an MLP whose
-        Linears are parallelized carries neither: its Linears do)."""
+        Linears are parallelized carries neither: its Linears do), and is a Linear or carries a style other
+        than ``SequenceParallel``. A module that is not a Linear and carries ``SequenceParallel``'s hooks only
+        is a token-wise module on the rank's slice of the sequence (a norm), never a head: the strategy that
+        claims its parameters runs it, through the sequence-parallel view (``tensor_parallel.py``)."""
         if not process_group_ready():
             return False
-        return _is_dtensor(getattr(module, "weight", None)) and bool(style_hooks_of(module))
+        if not _is_dtensor(getattr(module, "weight", None)) or not style_hooks_of(module):
+            return False
+        return isinstance(module, nn.Linear) or not is_sequence_parallel_module(module)
 
     def is_backend_hook(self, hook) -> bool:
         """ColwiseParallel's input and output hooks (``tensor_parallel.style_hook``): the loss runs the
