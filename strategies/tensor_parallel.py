@@ -27,8 +27,12 @@ and ``h_r Wd_r^T``, a *partial* sum of the output. Exact by construction, with t
   sequence parallelism) and takes the local tensor where ``use_local_output``. One collective per call,
   never per token shard, and no weight is ever gathered.
 
-Declined, with the reason (and the generic kernel, the module's own forward per shard, refuses any module
-with tensor-parallel hooks: ``per_shard_problem``): a fused
+**The local view of a norm under ``SequenceParallel``** (``SequenceParallelView``): each rank tiles its own
+tokens with the generic kernel, on the local input and weight (see the class). It is the only view the
+generic kernel runs on; every other module with tensor-parallel hooks or DTensor parameters is refused by
+it (``per_shard_problem``).
+
+Declined for the gated view, with the reason: a fused
 ``gate_up_proj``, a bias on the rowwise down_proj, placements other than ``Shard(0)`` (gate, up) and
 ``Shard(1)`` (down), a mesh other than one 1-D mesh shared by every parameter, gate and up hooks that differ
 (function, layouts or mesh), an input hook that does not end in Replicate, a colwise output that is not
@@ -282,7 +286,7 @@ PER_SHARD_COLLECTIVES_REFUSED = (
 
 
 DTENSOR_PARAMS_REFUSED = (
-    "tensor parallelism: {module}'s parameters are DTensors (parallelize_module: SequenceParallel on a norm, say) "
+    "tensor parallelism: {module}'s parameters are DTensors (parallelize_module, distribute_module) "
     "and the tiled call would take its input and build its output as the module's own hooks hand them over "
     "(a sequence-sharded DTensor: shards of the global sequence, an output of the wrong length, measured), which "
     "the generic kernel is not proven to compute exactly: refused. Leave this module untiled (its activations "

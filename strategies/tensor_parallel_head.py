@@ -51,9 +51,9 @@ MESH_FIX = ("A weight over a 2-D mesh is FSDP2's shard of it outside the forward
 NOT_LINEAR_STYLE_ERROR = (
     "{module} is tensor-parallel with {layout}: a tiled call computes under tensor parallelism only as a gated MLP "
     "whose Linears are ColwiseParallel / RowwiseParallel, or as the loss of an lm_head parallelized with "
-    "ColwiseParallel. Leave {module} untiled (a norm under SequenceParallel: apply_tiled_mlp(..., norms=False) or "
-    "exclude it), or, for an lm_head, parallelize it with ColwiseParallel(output_layouts=Shard(-1), "
-    "use_local_output=False)."
+    "ColwiseParallel (a module that is not a Linear under SequenceParallel alone, a norm, runs on the rank's own "
+    "tokens). Leave {module} untiled, or, for an lm_head, parallelize it with ColwiseParallel(output_layouts="
+    "Shard(-1), use_local_output=False)."
 )
 SEQUENCE_GROUP_ERROR = (
     "tiled loss: {head} is vocabulary-parallel (ColwiseParallel) and a sequence_group was given: the loss split "
