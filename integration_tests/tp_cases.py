@@ -138,7 +138,8 @@ def run_tp_cases(rank: int, world: int, cases: Sequence[Tuple[str, str]], num_sh
 
 
 def run_norm_refusal(rank: int, world: int) -> str:
-    """A tiled RMSNorm under ``SequenceParallel``: the error tiling it or its call raises, or what it returned."""
+    """A tiled RMSNorm under ``SequenceParallel`` (computed on the rank's tokens: ``tp_norm_cases.py``): the
+    error tiling it or its call raises, or what it returned."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 

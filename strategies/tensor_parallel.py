@@ -27,8 +27,12 @@ and ``h_r Wd_r^T``, a *partial* sum of the output. Exact by construction, with t
   sequence parallelism) and takes the local tensor where ``use_local_output``. One collective per call,
   never per token shard, and no weight is ever gathered.
 
-Declined, with the reason (and the generic kernel, the module's own forward per shard, refuses any module
-with tensor-parallel hooks: ``per_shard_problem``): a fused
+**The local view of a norm under ``SequenceParallel``** (``SequenceParallelView``): each rank tiles its own
+tokens with the generic kernel, on the local input and weight (see the class). It is the only view the
+generic kernel runs on; every other module with tensor-parallel hooks or DTensor parameters is refused by
+it (``per_shard_problem``).
+
+Declined for the gated view, with the reason: a fused
 ``gate_up_proj``, a bias on the rowwise down_proj, placements other than ``Shard(0)`` (gate, up) and
 ``Shard(1)`` (down), a mesh other than one 1-D mesh shared by every parameter, gate and up hooks that differ
 (function, layouts or mesh), an input hook that does not end in Replicate, a colwise output that is not
@@ -191,11 +195,14 @@ def _one_style_hook(module: nn.Module, name: str, function: Any, kind: str) -> T
     return found[0], ""
 
 
-def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> Optional[TensorParallelView]:
-    """None where no parameter is a DTensor; else the view of a gated MLP whose gate, up and down projections
-    are ``gate_proj``, ``up_proj`` and ``down_proj`` or a declined one that says why."""
+def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> Optional[Any]:
+    """None where no parameter is a DTensor; else the sequence-parallel view of a module that carries
+    ``SequenceParallel``'s own hooks (``sequence_parallel_view``), or the view of a gated MLP whose gate, up
+    and down projections are ``gate_proj``, ``up_proj`` and ``down_proj``, or a declined one that says why."""
     if not has_dtensor(params):
         return None
+    if is_sequence_parallel_module(module):
+        return sequence_parallel_view(module, params)
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     _, col_in, col_out, row_in, row_out = _styles()
@@ -279,12 +286,135 @@ PER_SHARD_COLLECTIVES_REFUSED = (
 
 
 DTENSOR_PARAMS_REFUSED = (
-    "tensor parallelism: {module}'s parameters are DTensors (parallelize_module: SequenceParallel on a norm, say) "
+    "tensor parallelism: {module}'s parameters are DTensors (parallelize_module, distribute_module) "
     "and the tiled call would take its input and build its output as the module's own hooks hand them over "
     "(a sequence-sharded DTensor: shards of the global sequence, an output of the wrong length, measured), which "
     "the generic kernel is not proven to compute exactly: refused. Leave this module untiled (its activations "
     "are already split across the ranks), or tile it without tensor-parallel layouts"
 )
+
+
+@functools.lru_cache(maxsize=1)
+def _sequence_parallel_hooks() -> Tuple[Any, Any]:
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return SequenceParallel._prepare_input_fn, SequenceParallel._prepare_output_fn
+
+
+def _sequence_parallel_hook(hook: Any) -> Optional[StyleHook]:
+    """The parts of ``SequenceParallel``'s own input or output hook (not a subclass's), else None."""
+    lambdas = _distribute_module_lambdas()
+    code = getattr(hook, "__code__", None)
+    if code is None or code not in lambdas:
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in hook.__closure__ or ()), strict=True))
+    fn = cells.get("input_fn", cells.get("output_fn"))
+    if not isinstance(fn, functools.partial) or fn.func not in _sequence_parallel_hooks() or fn.keywords:
+        return None
+    return StyleHook(hook, fn.func, tuple(fn.args), cells.get("device_mesh"))
+
+
+def is_sequence_parallel_module(module: nn.Module) -> bool:
+    """Every tensor-parallel hook on ``module`` itself is ``SequenceParallel``'s (proven or a subclass's):
+    a module it replicates and runs on the rank's slice of the sequence (a norm), never a head."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    found = style_hooks_of(module)
+    return bool(found) and all(issubclass(style, SequenceParallel) for _, style in found)
+
+
+@dataclass
+class SequenceParallelView:
+    """The local view of a token-wise module under ``SequenceParallel`` (a norm between the TP regions of
+    torchtitan's plan). Its own input hook made the call's input a DTensor ``Shard(sequence_dim)`` of this
+    rank's tokens, and its weight is ``Replicate``: the module's own forward on the local tokens with the
+    local weight is what the DTensor forward computes on this rank, so each rank tiles its own tokens and no
+    token is gathered.
+
+    - input: ``to_local()`` of the hook's DTensor (its gradient flows back as ``Shard(sequence_dim)``);
+    - parameters: ``to_local(grad_placements=[Partial()])``: each rank's tokens give part of the weight
+      gradient, which reaches ``weight.grad`` as a ``Partial`` DTensor, exactly as the untiled DTensor
+      forward leaves it (reduced where it is read: ``full_tensor()``, the optimizer's step);
+    - output: ``DTensor.from_local(out, mesh, [Shard(sequence_dim)])``, which the module's own output hook
+      (run by ``nn.Module.__call__`` around the tiled forward) hands on, local or not as it says.
+
+    The generic kernel runs on it (``runs_module_forward``): the module's parameter slots hold the local
+    tensors while it computes (``GenericShardKernel.using``)."""
+
+    why_not: str = ""
+    mesh: Any = None
+    sequence_dim: int = 1
+    runs_module_forward: bool = True
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        placements = (Shard(self.sequence_dim),)
+        if not isinstance(x, DTensor) or tuple(x.placements) != placements or x.device_mesh != self.mesh:
+            raise RuntimeError(f"tensor parallelism: the tiled call's input is {_layout_of(x)}, not the DTensor "
+                               f"{placements} on the weight's mesh that SequenceParallel's input hook makes")
+        if self.sequence_dim % x.dim() == x.dim() - 1:
+            raise RuntimeError("tensor parallelism: SequenceParallel shards the hidden dimension of the input "
+                               f"(sequence_dim={self.sequence_dim}): a norm over a slice of the hidden features is "
+                               "not the norm; shard a token dimension")
+        return x.to_local()
+
+    def params(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        from torch.distributed.tensor import Partial
+
+        return [t.to_local(grad_placements=[Partial()]) for t in tensors]  # type: ignore[attr-defined]  # DTensors
+
+    def leave(self, out: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(out, self.mesh, [Shard(self.sequence_dim)], run_check=False)
+
+
+def _layout_of(x: Any) -> str:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(x, DTensor):
+        return "a plain tensor"
+    return f"a DTensor {tuple(x.placements)} over a {x.device_mesh.ndim}-D mesh"
+
+
+def _declined_sequence(why: str) -> SequenceParallelView:
+    return SequenceParallelView(why_not=f"tensor parallelism (SequenceParallel): {why}")
+
+
+def sequence_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> SequenceParallelView:
+    """The view of a module whose own hooks are ``SequenceParallel``'s, or a declined one that says why."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if any(name for name, _ in module.named_modules()):
+        return _declined_sequence(f"{type(module).__name__} has submodules; the view proves a module with none (a norm)")
+    pre, post = _hooks(module)
+    hooks_in, hooks_out = [_sequence_parallel_hook(h) for h in pre], [_sequence_parallel_hook(h) for h in post]
+    if len(pre) != 1 or len(post) != 1 or hooks_in[0] is None or hooks_out[0] is None:
+        return _declined_sequence(f"{type(module).__name__} has {len(pre)} forward pre-hooks and {len(post)} forward "
+                                  "hooks, not SequenceParallel's own input and output hook alone")
+    hook_in, hook_out = hooks_in[0], hooks_out[0]
+    owned: List[Any] = list(module.parameters())  # DTensors where the view applies (checked below)
+    taken = {id(t) for t in params}
+    if any(id(p) not in taken for p in owned):
+        return _declined_sequence(f"{type(module).__name__} has a frozen parameter: the view computes with the local "
+                                  "tensors of the parameters the call trains only; train it, or leave the module untiled")
+    if not all(isinstance(p, DTensor) for p in owned):
+        return _declined_sequence("some parameters are DTensors and others are not")
+    mesh = owned[0].device_mesh
+    if any(p.device_mesh != mesh for p in owned) or mesh.ndim != 1:
+        return _declined_sequence(f"the parameters are not all on one 1-D mesh ({_layout_of(owned[0])}): a weight "
+                                  "on a 2-D mesh is FSDP2's shard of it outside its unit's forward; leave the norm "
+                                  "untiled, or keep it out of fully_shard")
+    if any(tuple(p.placements) != (Replicate(),) for p in owned):
+        return _declined_sequence(f"a parameter is {_layout_of(next(p for p in owned if tuple(p.placements) != (Replicate(),)))}, "
+                                  "not Replicate")
+    if hook_in.mesh != mesh or hook_out.mesh != mesh:
+        return _declined_sequence("its hooks are on another mesh than its parameters")
+    (sequence_sharding,) = hook_in.layouts
+    if len(sequence_sharding) != 1 or not isinstance(sequence_sharding[0], Shard):
+        return _declined_sequence(f"its input is laid out as {sequence_sharding}, not one Shard")
+    return SequenceParallelView(mesh=mesh, sequence_dim=sequence_sharding[0].dim)
 
 
 def per_shard_problem(module: nn.Module, token_dims: int) -> str:
@@ -312,6 +442,9 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
                     return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=style, layouts=found.layouts)
                 first = first or PER_SHARD_COLLECTIVES_REFUSED.format(name=name, style=style)
     if not first and has_dtensor(list(module.parameters())):
+        if is_sequence_parallel_module(module):
+            # The generic kernel runs it on the sequence-parallel view (its own refusal where declined).
+            return sequence_parallel_view(module, [p for p in module.parameters() if p.requires_grad]).why_not
         return DTENSOR_PARAMS_REFUSED.format(module=type(module).__name__)
     return first
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, VocabSlice
-from .tensor_parallel import colwise_input_hook, is_tensor_parallel_hook, style_hooks_of
+from .tensor_parallel import colwise_input_hook, is_sequence_parallel_module, is_tensor_parallel_hook, style_hooks_of
 
 LAYOUT_ERROR = (
     "tiled loss: {head} is tensor-parallel with {layout}; the vocabulary-parallel loss takes lm_head "
@@ -50,9 +50,9 @@ MESH_FIX = ("A weight over a 2-D mesh is FSDP2's shard of it outside the forward
 NOT_LINEAR_STYLE_ERROR = (
     "{module} is tensor-parallel with {layout}: a tiled call computes under tensor parallelism only as a gated MLP "
     "whose Linears are ColwiseParallel / RowwiseParallel, or as the loss of an lm_head parallelized with "
-    "ColwiseParallel. Leave {module} untiled (a norm under SequenceParallel: apply_tiled_mlp(..., norms=False) or "
-    "exclude it), or, for an lm_head, parallelize it with ColwiseParallel(output_layouts=Shard(-1), "
-    "use_local_output=False)."
+    "ColwiseParallel (a module that is not a Linear under SequenceParallel alone, a norm, runs on the rank's own "
+    "tokens). Leave {module} untiled, or, for an lm_head, parallelize it with ColwiseParallel(output_layouts="
+    "Shard(-1), use_local_output=False)."
 )
 SEQUENCE_GROUP_ERROR = (
     "tiled loss: {head} is vocabulary-parallel (ColwiseParallel) and a sequence_group was given: the loss split "
@@ -109,10 +109,15 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         """The module itself carries a tensor-parallel style's hooks and a DTensor ``weight`` (an MLP whose
-        Linears are parallelized carries neither: its Linears do). Not asked of torch.distributed's default
-        group: a DTensor's mesh holds its own, and a mesh over a group made without the default one (the
-        planner's fake group) is as much a tensor-parallel head."""
-        return _is_dtensor(getattr(module, "weight", None)) and bool(style_hooks_of(module))
+        Linears are parallelized carries neither: its Linears do), and is a Linear or carries a style other
+        than ``SequenceParallel``. A module that is not a Linear and carries ``SequenceParallel``'s hooks only
+        is a token-wise module on the rank's slice of the sequence (a norm), never a head: the strategy that
+        claims its parameters runs it, through the sequence-parallel view (``tensor_parallel.py``). Not asked
+        of torch.distributed's default group: a DTensor's mesh holds its own, and a mesh over a group made
+        without the default one (the planner's fake group) is as much a tensor-parallel head."""
+        if not _is_dtensor(getattr(module, "weight", None)) or not style_hooks_of(module):
+            return False
+        return isinstance(module, nn.Linear) or not is_sequence_parallel_module(module)
 
     def is_backend_hook(self, hook) -> bool:
         """ColwiseParallel's input and output hooks (``tensor_parallel.style_hook``): the loss runs the

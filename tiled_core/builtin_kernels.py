@@ -97,8 +97,14 @@ class GenericEntry(Kernel):
             plan.generic_layout = generic_layout(module, plan.trainable, hooks(), tiling_of(module).instance_forward)
         assert call.shard_forward is not None, "a map call gives what one shard runs"
         prefix = (1,) * (call.x.dim() - 2)
-        return GenericShardKernel(call.shard_forward, type(module).__name__, plan.trainable, prefix,
-                                  plan.generic_layout, hooks, grad_mode=torch.is_grad_enabled(), token_inputs=call.token_inputs)
+        kernel = GenericShardKernel(call.shard_forward, type(module).__name__, plan.trainable, prefix,
+                                    plan.generic_layout, hooks, grad_mode=torch.is_grad_enabled(),
+                                    token_inputs=call.token_inputs)
+        # Distributed parameters that passed ``per_shard_problem``: only a view under which the module's own
+        # forward computes on the local tensors (sequence parallelism on a norm) runs the generic kernel.
+        view = call.strategy.local_view(module, plan.trainable)
+        kernel.runs_on_local_view = view is not None and getattr(view, "runs_module_forward", False)
+        return kernel
 
 
 class LinearHeadEntry(Kernel):

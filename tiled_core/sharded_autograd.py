@@ -26,6 +26,7 @@ gradient) is compared, and so is which tensors the recompute reads; a backward t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from .kernels.base import ReduceKernel, ShardKernel, no_substitution
 from .local_view import LocalView
 from .rng import capture_rng_state, replay_rng_state
 from .saved_input import InputHolder, save_input
-from .shard_plan import ShardPlan
+from .shard_plan import ShardPlan, make_shard_plan
 from .tensor_reads import TensorReads, describe
 
 KEPT_TENSOR_ERROR = (
@@ -283,7 +284,21 @@ def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor
     view = run.local_view
     if view is None:
         return _sharded_apply(x, run, run.kernel.params)
-    return view.leave(_sharded_apply(view.enter(x), run, view.params(run.kernel.params)))
+    x_local = view.enter(x)
+    local_tokens = x_local.numel() // x_local.shape[-1]
+    if local_tokens != run.plan.num_tokens:
+        # A view that enters this rank's own tokens (sequence parallelism: the call was handed a DTensor of
+        # the whole sequence, of which this rank holds a slice) tiles those, over the planned shard count.
+        run = dataclasses.replace(run, plan=make_shard_plan(local_tokens, run.plan.num_shards))
+    local_params = view.params(run.kernel.params)
+    using = run.kernel.using
+    if using is no_substitution:
+        return view.leave(_sharded_apply(x_local, run, local_params))
+    # A kernel that runs the module's own forward reads its parameter slots: they hold the local tensors
+    # for the forward shards as for the recompute (``_recompute_contexts``).
+    with using(local_params):
+        out = _sharded_apply(x_local, run, local_params)
+    return view.leave(out)
 
 
 def _sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel], params: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -85,6 +85,9 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 class GenericShardKernel:
     # Any forward: it may read tensors besides its parameters, which the sharded Function finds.
     may_read_other_tensors = True
+    # Set per call where the strategy's local view runs the module's own forward on local tensors
+    # (``builtin_kernels.GenericEntry``): the parameter slots then hold them in the forward too.
+    runs_on_local_view = False
     replays_rng = True  # a forward may draw random numbers (dropout): the recompute replays them
 
     def __init__(self, forward_fn: Callable, module_name: str, params: List[torch.Tensor], shard_prefix: tuple,
