@@ -351,6 +351,7 @@ class SequenceParallelView:
     mesh: Any = None
     sequence_dim: int = 1
     runs_module_forward: bool = True
+    global_shape: Tuple[int, ...] = ()  # the call's input's (``enter``): a view serves one call
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Shard
@@ -363,6 +364,9 @@ class SequenceParallelView:
             raise RuntimeError("tensor parallelism: SequenceParallel shards the hidden dimension of the input "
                                f"(sequence_dim={self.sequence_dim}): a norm over a slice of the hidden features is "
                                "not the norm; shard a token dimension")
+        # The output is a token-wise map of the input: its global shape is the input's (as the input hook
+        # computed it), not one re-derived from this rank's slice.
+        self.global_shape = tuple(x.shape)
         return x.to_local()
 
     def params(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -373,7 +377,10 @@ class SequenceParallelView:
     def leave(self, out: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Shard
 
-        return DTensor.from_local(out, self.mesh, [Shard(self.sequence_dim)], run_check=False)
+        shape = torch.Size((*self.global_shape[:-1], out.shape[-1]))
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(out, self.mesh, [Shard(self.sequence_dim)], run_check=False, shape=shape,
+                                  stride=stride)
 
 
 def _layout_of(x: Any) -> str:
