@@ -4,6 +4,8 @@ count, the call's length, the registered kernels."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -234,3 +236,28 @@ def test_the_kernel_built_for_a_call_is_the_one_it_runs(registered):
     mlp(x)
     mlp(x)
     assert len(recording.built) == 2 and recording.ran[-1] is recording.built[-1]
+
+
+def test_a_kernel_built_for_one_call_is_not_kept_after_it(monkeypatch):
+    """The generic kernel is built per call and holds what its call read (the first shard's RNG state among
+    them): nothing remembered may keep it past the call's backward, not even until the collector runs."""
+    from tiled_mlp.core import builtin_kernels
+
+    built = []
+
+    class Recorded(builtin_kernels.GenericShardKernel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(weakref.ref(self))
+
+    monkeypatch.setattr(builtin_kernels, "GenericShardKernel", Recorded)
+    torch.manual_seed(0)
+    mlp = TiledMLP(GatedMLP(HIDDEN, INTERMEDIATE), num_shards=4, path="generic")
+    x = torch.randn(1, 16, HIDDEN, requires_grad=True)
+    gc.disable()
+    try:
+        for _ in range(2):
+            mlp(x).sum().backward()
+        assert len(built) == 2 and all(ref() is None for ref in built), [ref() for ref in built]
+    finally:
+        gc.enable()

@@ -86,9 +86,14 @@ def _untiled(reason: str) -> CallDecision:
 
 
 def _tiled(plan: CallPlan, reason: str, choice: KernelChoice, num_tokens: int, num_shards: int) -> CallDecision:
-    """The decision to run ``choice`` over ``num_shards`` shards; the plan's last one where everything it
-    was formed from is the same: the sentence's parts, the kernel built (by identity: a kernel may build
-    a new one per call), the sizes (the plan fixes the trainable parameters)."""
+    """The decision to run ``choice`` over ``num_shards`` shards; for a kernel that serves many calls, the
+    plan's last one where everything it was formed from is the same: the sentence's parts, the kernel built
+    (by identity), the sizes (the plan fixes the trainable parameters)."""
+    if not getattr(choice.kernel, "serves_many_calls", False):
+        # A kernel built for this one call holds what the call read (for its backward's checks): a remembered
+        # decision would keep it, and those tensors, alive until the module's next call.
+        return CallDecision(f"{reason}; {choice.describe()}", choice.kernel, choice.name, num_tokens, num_shards,
+                            plan.trainable)
     formed_from = (reason, choice.name, choice.declined, num_tokens, num_shards)
     last = plan.last_decision
     if last is not None and last[1].kernel is choice.kernel and last[0] == formed_from:

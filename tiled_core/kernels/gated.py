@@ -50,6 +50,8 @@ class GatedShardKernel:
     using = staticmethod(no_substitution)  # computes from the tensors it is given, never the module's
     # Plain tensors only: distributed parameters reach it through the strategy's local view (``tiled_call``).
     runs_on_local_view = True
+    # Stateless: built once per call plan and run by every call of it (``builtin_kernels.GatedEntry``).
+    serves_many_calls = True
 
     def __init__(self, spec: GatedMLPSpec, activation, module_name: str = "the gated MLP"):
         self.module_name = module_name
