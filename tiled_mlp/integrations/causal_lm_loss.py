@@ -293,13 +293,14 @@ class TiledLossForward:
 
 def _no_logits(head: nn.Module) -> Any:
     """The model's ``logits_to_keep`` while the tiled loss runs: no token (the loss is computed from the hidden
-    states; the model's logits are dropped). A tensor-parallel head (a DTensor weight) is given the last token
+    states; the model's logits are dropped). A tensor-parallel head (DTensor parameters) is given the last token
     instead: DTensor's reshape rule divides by each dimension's size, and an empty slice has a zero one."""
-    weight = getattr(head, "weight", None)
-    if weight is not None and dist.is_available():
+    if dist.is_available():
         from torch.distributed.tensor import DTensor
 
-        if isinstance(weight, DTensor):
+        # Read through ``parameters()``, not ``head.weight``: ZeRO-3 gathers a parameter read as a module
+        # attribute inside another module's forward, and keeps it whole as that module's external parameter.
+        if any(isinstance(p, DTensor) for p in head.parameters()):
             return 1
     return torch.empty(0, dtype=torch.long)
 
