@@ -67,6 +67,12 @@ def _linear_styles() -> tuple:
     return (ColwiseParallel, RowwiseParallel)
 
 
+def _own_weight(module: nn.Module) -> Any:
+    """``module``'s own ``weight`` parameter, read without attribute access: ZeRO-3 gathers a parameter read as
+    an attribute inside another module's forward (the loss runs inside the model's), and keeps it whole."""
+    return dict(module.named_parameters(recurse=False)).get("weight")
+
+
 def _is_dtensor(tensor: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -115,7 +121,7 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         claims its parameters runs it, through the sequence-parallel view (``tensor_parallel.py``). Not asked
         of torch.distributed's default group: a DTensor's mesh holds its own, and a mesh over a group made
         without the default one (the planner's fake group) is as much a tensor-parallel head."""
-        if not _is_dtensor(getattr(module, "weight", None)) or not style_hooks_of(module):
+        if not _is_dtensor(_own_weight(module)) or not style_hooks_of(module):
             return False
         return isinstance(module, nn.Linear) or not is_sequence_parallel_module(module)
 
