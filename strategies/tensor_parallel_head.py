@@ -68,9 +68,10 @@ def _linear_styles() -> tuple:
 
 
 def _own_weight(module: nn.Module) -> Any:
-    """``module``'s own ``weight`` parameter, read without attribute access: ZeRO-3 gathers a parameter read as
-    an attribute inside another module's forward (the loss runs inside the model's), and keeps it whole."""
-    return dict(module.named_parameters(recurse=False)).get("weight")
+    """``module``'s own ``weight`` parameter, read from its parameter dict, not as an attribute: ZeRO-3 gathers
+    a parameter read as an attribute inside another module's forward (the loss runs inside the model's), and
+    keeps it whole. (Asked at every call of every tiled module: ``dict.get`` stays cheap.)"""
+    return module._parameters.get("weight")
 
 
 def _is_dtensor(tensor: Any) -> bool:
@@ -121,7 +122,8 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         claims its parameters runs it, through the sequence-parallel view (``tensor_parallel.py``). Not asked
         of torch.distributed's default group: a DTensor's mesh holds its own, and a mesh over a group made
         without the default one (the planner's fake group) is as much a tensor-parallel head."""
-        if not _is_dtensor(_own_weight(module)) or not style_hooks_of(module):
+        weight = _own_weight(module)
+        if weight is None or type(weight) is nn.Parameter or not _is_dtensor(weight) or not style_hooks_of(module):
             return False
         return isinstance(module, nn.Linear) or not is_sequence_parallel_module(module)
 
