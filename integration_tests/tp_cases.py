@@ -71,22 +71,25 @@ def _data(step: int):
     return x, weight
 
 
-def _reference(mlp: torch.nn.Module) -> list:
-    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
-    steps = []
-    for step in range(STEPS):
-        x, weight = _data(step)
+def reference_steps(module: torch.nn.Module, data=None, steps: int = STEPS) -> list:
+    """``steps`` SGD steps of ``module`` in one process on ``data(step)`` (x and the output's weight; this file's
+    data by default): each step's output, input gradient and parameter gradients, then the parameters after them."""
+    data = data or _data
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    found = []
+    for step in range(steps):
+        x, weight = data(step)
         x.requires_grad_(True)
-        y = mlp(x)
+        y = module(x)
         (y * weight).sum().backward()
-        steps.append({"y": y.detach(), "dx": x.grad, "grads": {n: p.grad.clone() for n, p in mlp.named_parameters()}})
+        found.append({"y": y.detach(), "dx": x.grad, "grads": {n: p.grad.clone() for n, p in module.named_parameters()}})
         optimizer.step()
         optimizer.zero_grad()
-    steps.append({"params": {n: p.detach().clone() for n, p in mlp.named_parameters()}})
-    return steps
+    found.append({"params": {n: p.detach().clone() for n, p in module.named_parameters()}})
+    return found
 
 
-def _error(want: torch.Tensor, have: torch.Tensor) -> float:
+def rel_error(want: torch.Tensor, have: torch.Tensor) -> float:
     assert want.shape == have.shape, (tuple(want.shape), tuple(have.shape))
     return float((want - have).abs().max() / want.abs().max().clamp_min(1e-30))
 
@@ -98,7 +101,7 @@ def _run_case(rank: int, world: int, layout: str, path: str, num_shards: int) ->
     from tiled_mlp import TiledMLP
 
     untiled = gated_mlp(bias=layout == "down_bias")
-    reference = _reference(copy.deepcopy(untiled))
+    reference = reference_steps(copy.deepcopy(untiled))
     mesh = init_device_mesh("cpu", (world,))
     mlp = parallelize_module(untiled, mesh, tp_plan(layout))
     TiledMLP(mlp, num_shards=num_shards, path=path)
@@ -113,10 +116,10 @@ def _run_case(rank: int, world: int, layout: str, path: str, num_shards: int) ->
         y = mlp(x_in)
         (y * weight[:, local_out]).sum().backward()
         want = reference[step]
-        errors[f"step {step} y"] = _error(want["y"][:, local_out], y.detach())
-        errors[f"step {step} dx"] = _error(want["dx"][:, local_in], x_in.grad)
+        errors[f"step {step} y"] = rel_error(want["y"][:, local_out], y.detach())
+        errors[f"step {step} dx"] = rel_error(want["dx"][:, local_in], x_in.grad)
         for name, p in mlp.named_parameters():
-            errors[f"step {step} grad {name}"] = _error(want["grads"][name], p.grad.full_tensor())
+            errors[f"step {step} grad {name}"] = rel_error(want["grads"][name], p.grad.full_tensor())
         optimizer.step()
         optimizer.zero_grad()
     tiling = mlp.tiling

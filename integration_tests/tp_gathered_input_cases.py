@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Dict
 
-from .tp_cases import SEQ, _data, _error, _reference, gated_mlp
+from .tp_cases import SEQ, _data, gated_mlp, reference_steps, rel_error
 
 
 def _plan(layout: str) -> Dict[str, object]:
@@ -27,7 +27,7 @@ def run_review_case(rank: int, world: int, layout: str, num_shards: int) -> dict
     from tiled_mlp import TiledMLP
 
     untiled = gated_mlp()
-    reference = _reference(copy.deepcopy(untiled))
+    reference = reference_steps(copy.deepcopy(untiled))
     mlp = parallelize_module(untiled, init_device_mesh("cpu", (world,)), _plan(layout))
     if num_shards:
         TiledMLP(mlp, num_shards=num_shards, path="fast")
@@ -40,10 +40,10 @@ def run_review_case(rank: int, world: int, layout: str, num_shards: int) -> dict
         y = mlp(x_in)
         (y * weight[:, local]).sum().backward()
         want = reference[0]
-        errors["y"] = _error(want["y"][:, local], y.detach())
-        errors["dx"] = _error(want["dx"][:, local], x_in.grad)
+        errors["y"] = rel_error(want["y"][:, local], y.detach())
+        errors["dx"] = rel_error(want["dx"][:, local], x_in.grad)
         for name, p in mlp.named_parameters():
-            errors[f"grad {name}"] = _error(want["grads"][name], p.grad.full_tensor())
+            errors[f"grad {name}"] = rel_error(want["grads"][name], p.grad.full_tensor())
     except (RuntimeError, ValueError, AssertionError) as error:
         return {"raised": str(error)}
     return {"errors": errors, "path": getattr(getattr(mlp, "tiling", None), "last_path", "untiled")}

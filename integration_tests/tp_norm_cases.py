@@ -9,6 +9,8 @@ from typing import Dict, Sequence
 
 import torch
 
+from .tp_cases import reference_steps, rel_error
+
 HIDDEN, BATCH, SEQ, STEPS = 8, 2, 16, 2
 
 
@@ -43,26 +45,6 @@ def _data(step: int):
     return x, dy
 
 
-def _error(want: torch.Tensor, have: torch.Tensor) -> float:
-    assert want.shape == have.shape, (tuple(want.shape), tuple(have.shape))
-    return float((want - have).abs().max() / want.abs().max().clamp_min(1e-30))
-
-
-def _reference(norm: torch.nn.Module) -> list:
-    optimizer = torch.optim.SGD(norm.parameters(), lr=0.1)
-    steps = []
-    for step in range(STEPS):
-        x, dy = _data(step)
-        x.requires_grad_(True)
-        y = norm(x)
-        (y * dy).sum().backward()
-        steps.append({"y": y.detach(), "dx": x.grad, "dw": norm.weight.grad.clone()})
-        optimizer.step()
-        optimizer.zero_grad()
-    steps.append({"w": norm.weight.detach().clone()})
-    return steps
-
-
 def _local(y):
     from torch.distributed.tensor import DTensor
 
@@ -76,7 +58,7 @@ def _run_case(rank: int, world: int, kind: str, use_local_output: bool) -> dict:
     from tiled_mlp.integrations.norms import TiledNorm
 
     untiled = _norm(kind)
-    reference = _reference(copy.deepcopy(untiled))
+    reference = reference_steps(copy.deepcopy(untiled), _data, STEPS)
     norm = parallelize_module(untiled, init_device_mesh("cpu", (world,)), SequenceParallel(use_local_output=use_local_output))
     TiledNorm(norm, num_shards=3)
     optimizer = torch.optim.SGD(norm.parameters(), lr=0.1)
@@ -89,12 +71,12 @@ def _run_case(rank: int, world: int, kind: str, use_local_output: bool) -> dict:
         y = _local(norm(x_in))
         (y * dy[:, mine]).sum().backward()
         want = reference[step]
-        errors[f"step {step} y"] = _error(want["y"][:, mine], y.detach())
-        errors[f"step {step} dx"] = _error(want["dx"][:, mine], x_in.grad)
-        errors[f"step {step} dw"] = _error(want["dw"], norm.weight.grad.full_tensor())
+        errors[f"step {step} y"] = rel_error(want["y"][:, mine], y.detach())
+        errors[f"step {step} dx"] = rel_error(want["dx"][:, mine], x_in.grad)
+        errors[f"step {step} dw"] = rel_error(want["grads"]["weight"], norm.weight.grad.full_tensor())
         optimizer.step()
         optimizer.zero_grad()
-    errors["weight after steps"] = _error(reference[-1]["w"], norm.weight.detach().full_tensor())
+    errors["weight after steps"] = rel_error(reference[-1]["params"]["weight"], norm.weight.detach().full_tensor())
     tiling = norm.tiling
     return {"errors": errors, "path": tiling.last_path, "num_shards": tiling.last_num_shards}
 
