@@ -358,7 +358,7 @@ class SequenceParallelView:
 
         placements = (Shard(self.sequence_dim),)
         if not isinstance(x, DTensor) or tuple(x.placements) != placements or x.device_mesh != self.mesh:
-            raise RuntimeError(f"tensor parallelism: the tiled call's input is {_layout_of(x)}, not the DTensor "
+            raise RuntimeError(f"tensor parallelism: the tiled call's input is {layout_of(x)}, not the DTensor "
                                f"{placements} on the weight's mesh that SequenceParallel's input hook makes")
         if self.sequence_dim % x.dim() == x.dim() - 1:
             raise RuntimeError("tensor parallelism: SequenceParallel shards the hidden dimension of the input "
@@ -383,12 +383,14 @@ class SequenceParallelView:
                                   stride=stride)
 
 
-def _layout_of(x: Any) -> str:
+def layout_of(x: Any) -> str:
+    """A tensor's layout for an error message: a DTensor's placements and mesh, or "a plain tensor"."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(x, DTensor):
         return "a plain tensor"
-    return f"a DTensor {tuple(x.placements)} over a {x.device_mesh.ndim}-D mesh"
+    mesh = x.device_mesh
+    return f"a DTensor {tuple(x.placements)} over a {mesh.ndim}-D mesh {tuple(mesh.shape)}"
 
 
 def _declined_sequence(why: str) -> SequenceParallelView:
@@ -416,11 +418,11 @@ def sequence_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) ->
         return _declined_sequence("some parameters are DTensors and others are not")
     mesh = owned[0].device_mesh
     if any(p.device_mesh != mesh for p in owned) or mesh.ndim != 1:
-        return _declined_sequence(f"the parameters are not all on one 1-D mesh ({_layout_of(owned[0])}): a weight "
+        return _declined_sequence(f"the parameters are not all on one 1-D mesh ({layout_of(owned[0])}): a weight "
                                   "on a 2-D mesh is FSDP2's shard of it outside its unit's forward; leave the norm "
                                   "untiled, or keep it out of fully_shard")
     if any(tuple(p.placements) != (Replicate(),) for p in owned):
-        return _declined_sequence(f"a parameter is {_layout_of(next(p for p in owned if tuple(p.placements) != (Replicate(),)))}, "
+        return _declined_sequence(f"a parameter is {layout_of(next(p for p in owned if tuple(p.placements) != (Replicate(),)))}, "
                                   "not Replicate")
     if hook_in.mesh != mesh or hook_out.mesh != mesh:
         return _declined_sequence("its hooks are on another mesh than its parameters")

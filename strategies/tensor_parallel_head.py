@@ -36,7 +36,13 @@ import torch
 from torch import nn
 
 from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, VocabSlice
-from .tensor_parallel import colwise_input_hook, is_sequence_parallel_module, is_tensor_parallel_hook, style_hooks_of
+from .tensor_parallel import (
+    colwise_input_hook,
+    is_sequence_parallel_module,
+    is_tensor_parallel_hook,
+    layout_of,
+    style_hooks_of,
+)
 
 LAYOUT_ERROR = (
     "tiled loss: {head} is tensor-parallel with {layout}; the vocabulary-parallel loss takes lm_head "
@@ -78,13 +84,6 @@ def _is_dtensor(tensor: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
-
-
-def _layout(tensor: Any) -> str:
-    if not _is_dtensor(tensor):
-        return "a plain tensor"
-    mesh = tensor.device_mesh
-    return f"placements {tuple(tensor.placements)} over a {mesh.ndim}-D mesh {tuple(mesh.shape)}"
 
 
 class SumGradOverGroup(torch.autograd.Function):
@@ -144,9 +143,9 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
             if not any(issubclass(style, _linear_styles()) for style in style_classes):
                 # Not a Linear's style (SequenceParallel on a norm, say): not a head, whichever call tiles it.
                 raise UnsupportedBackendError(NOT_LINEAR_STYLE_ERROR.format(
-                    module=head, layout=f"{'/'.join(styles)} (weight {_layout(weight)})"))
+                    module=head, layout=f"{'/'.join(styles)} (weight {layout_of(weight)})"))
             raise UnsupportedBackendError(LAYOUT_ERROR.format(
-                head=head, layout=f"{'/'.join(styles)} (weight {_layout(weight)})", bias=bias_text, fix=STYLE_FIX))
+                head=head, layout=f"{'/'.join(styles)} (weight {layout_of(weight)})", bias=bias_text, fix=STYLE_FIX))
         from torch.distributed.tensor import Shard
 
         for what, tensor in (("weight", weight), ("bias", bias)):
@@ -155,10 +154,10 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
             if not _is_dtensor(tensor) or tensor.device_mesh.ndim != 1:
                 fix = MESH_FIX if _is_dtensor(tensor) else STYLE_FIX
                 raise UnsupportedBackendError(LAYOUT_ERROR.format(
-                    head=head, layout=f"its {what} {_layout(tensor)}", bias=bias_text, fix=fix))
+                    head=head, layout=f"its {what} {layout_of(tensor)}", bias=bias_text, fix=fix))
             if tuple(tensor.placements) != (Shard(0),) or tensor.device_mesh != weight.device_mesh:
                 raise UnsupportedBackendError(LAYOUT_ERROR.format(
-                    head=head, layout=f"its {what} {_layout(tensor)}", bias=bias_text, fix=STYLE_FIX))
+                    head=head, layout=f"its {what} {layout_of(tensor)}", bias=bias_text, fix=STYLE_FIX))
 
     def check_sequence_group(self, module: nn.Module, group: Any) -> None:
         if self.claims(module):
