@@ -146,14 +146,18 @@ def run_norm_refusal(rank: int, world: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-    from tiled_mlp.integrations.norms import TiledNorm
-
     norm = torch.nn.RMSNorm(HIDDEN, dtype=torch.float64)
     parallelize_module(norm, init_device_mesh("cpu", (world,)), SequenceParallel(use_local_output=True))
-    x, _ = _data(0)
+    return tiled_norm_outcome(norm, _data(0)[0][:, : SEQ // world])
+
+
+def tiled_norm_outcome(norm: torch.nn.Module, x: torch.Tensor) -> str:
+    """Tile ``norm`` (2 shards) and call it on ``x``: the error either raises, or what the call returned."""
+    from tiled_mlp.integrations.norms import TiledNorm
+
     try:
         TiledNorm(norm, num_shards=2)
-        y = norm(x[:, : SEQ // world].clone().requires_grad_(True))
+        y = norm(x.clone().requires_grad_(True))
     except (RuntimeError, ValueError) as error:
         return f"raised: {error}"
     return f"returned {tuple(y.shape)} through {norm.tiling.last_path}"

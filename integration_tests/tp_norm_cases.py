@@ -9,7 +9,7 @@ from typing import Dict, Sequence
 
 import torch
 
-from .tp_cases import reference_steps, rel_error
+from .tp_cases import reference_steps, rel_error, tiled_norm_outcome
 
 HIDDEN, BATCH, SEQ, STEPS = 8, 2, 16, 2
 
@@ -99,17 +99,9 @@ def run_norm_on_2d_mesh(rank: int, world: int) -> str:
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-    from tiled_mlp.integrations.norms import TiledNorm
-
     norm = _norm("torch")
     parallelize_module(norm, init_device_mesh("cpu", (world,)), SequenceParallel(use_local_output=True))
     mesh_2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     weight = norm.weight.to_local().detach()
     norm.weight = torch.nn.Parameter(DTensor.from_local(weight, mesh_2d, [Replicate(), Replicate()], run_check=False))
-    x, _ = _data(0)
-    try:
-        TiledNorm(norm, num_shards=2)
-        y = norm(x[:, : SEQ // world].clone().requires_grad_(True))
-    except (RuntimeError, ValueError) as error:
-        return f"raised: {error}"
-    return f"returned {tuple(y.shape)} through {norm.tiling.last_path}"
+    return tiled_norm_outcome(norm, _data(0)[0][:, : SEQ // world])
