@@ -60,7 +60,7 @@ class GatedEntry(Kernel):
         if plan.fast_kernel is None:  # stateless: one per plan
             spec, module = plan.fast[0], call.module
             activation = gated_activation(spec.activation, call.x.device, tiling_of(module).use_fused_kernel)
-            plan.fast_kernel = GatedShardKernel(spec, activation, type(module).__name__)
+            plan.fast_kernel = GatedShardKernel.for_spec(spec, activation, type(module).__name__)
         return plan.fast_kernel
 
 

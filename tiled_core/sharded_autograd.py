@@ -40,8 +40,9 @@ from .grad_accum import GradAccumulator
 from .grad_delivery import delivered_grads, needed_grads
 from .kernels.base import ReduceKernel, ShardKernel, no_substitution
 from .local_view import LocalView
-from .rng import capture_rng_state, replay_rng_state
+from .rng import capture_rng_state
 from .saved_input import InputHolder, save_input
+from .shard_loops import backward_shards, forward_shards
 from .shard_plan import ShardPlan, make_shard_plan
 from .tensor_reads import TensorReads, describe
 
@@ -147,6 +148,24 @@ def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = (
         raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=describe(kept)))
 
 
+def _watched_forward(run: ShardedRun[ShardKernel], first: FirstShard, x_flat: torch.Tensor, out_flat: torch.Tensor,
+                     slices: Sequence[slice], later: int, tensors: Sequence[torch.Tensor], rng_states: list) -> None:
+    """The forward's shards from ``later`` on, each with its RNG state kept for the backward's replay and,
+    where the first shard's reads were recorded, its own reads checked against them."""
+    forward_shard = run.kernel.forward_shard
+    for index, shard in enumerate(slices[later:], start=later):
+        rng_states.append(capture_rng_state(x_flat.device) if run.replay_rng else None)
+        if first.watched is None:
+            forward_shard(x_flat[shard], out_flat[shard], tensors, shard)
+            continue
+        reads = TensorReads(known=first.watched, watch_kept=True, grad_only=True)
+        with reads:
+            forward_shard(x_flat[shard], out_flat[shard], tensors, shard)
+        if reads.foreign:
+            raise RuntimeError(LATE_TENSOR_ERROR.format(shard=index, tensors=describe(reads.foreign_tensors())))
+        _check_nothing_kept(reads)
+
+
 class ShardedMapFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, run: ShardedRun[ShardKernel], first: FirstShard, *tensors: torch.Tensor) -> torch.Tensor:
@@ -172,17 +191,12 @@ class ShardedMapFunction(torch.autograd.Function):
             out_flat = out.view(-1, out.shape[-1])
             out_flat[slices[0]].copy_(first_out)
             later = 1
-        for index, shard in enumerate(slices[later:], start=later):
-            rng_states.append(capture_rng_state(x.device) if run.replay_rng else None)
-            if first.watched is None:
-                forward_shard(x_flat[shard], out_flat[shard], tensors, shard)
-                continue
-            reads = TensorReads(known=first.watched, watch_kept=True, grad_only=True)
-            with reads:
-                forward_shard(x_flat[shard], out_flat[shard], tensors, shard)
-            if reads.foreign:
-                raise RuntimeError(LATE_TENSOR_ERROR.format(shard=index, tensors=describe(reads.foreign_tensors())))
-            _check_nothing_kept(reads)
+        if first.watched is None and not run.replay_rng:
+            # Nothing to watch or replay per shard: the plain loop every driver of a kernel runs.
+            rng_states += [None] * (len(slices) - later)
+            forward_shards(kernel, x_flat, out_flat, slices[later:], tensors)
+        else:
+            _watched_forward(run, first, x_flat, out_flat, slices, later, tensors, rng_states)
         if first.input_version is not None and x._version != first.input_version:
             raise RuntimeError(INPUT_EDITED_ERROR.format(module=run.kernel.module_name))
         if first.input_holder is None:
@@ -254,14 +268,7 @@ def _recompute(run: ShardedRun[ShardKernel], rng_states: Sequence[Optional[tuple
                tensors: Sequence[torch.Tensor], num_params: int) -> List[Optional[torch.Tensor]]:
     """The backward's shard loop and the delivered gradients (inside the recompute's contexts: the
     gathered region is where the parameters are whole)."""
-    backward_shard = run.kernel.backward_shard
-    for shard, rng_state in zip(run.plan.slice_tuple, rng_states, strict=True):
-        args = (x_flat[shard], dy_flat[shard], None if dx_flat is None else dx_flat[shard], grads, tensors, shard)
-        if rng_state is None:
-            backward_shard(*args)
-            continue
-        with replay_rng_state(x.device, rng_state):
-            backward_shard(*args)
+    backward_shards(run.kernel, run.plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, tensors, rng_states)
     return delivered_grads(run, grads, tensors, num_params)
 
 

@@ -15,7 +15,7 @@ after their projections and the output after down; backward scales dy by ``ds`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +24,12 @@ from ..gated_spec import GatedMLPSpec
 from ..grad_accum import GradAccumulator
 from .base import no_substitution
 
+ROLES = ("gate", "up", "gate_up", "down")
+
 
 @dataclass(frozen=True)
 class _Slots:
-    """Where one projection's weight and bias sit in the Function's tensors."""
+    """Where one projection's weight and bias sit in the kernel's tensors."""
 
     weight: int
     bias: Optional[int]
@@ -36,11 +38,45 @@ class _Slots:
         return tensors[self.weight], None if self.bias is None else tensors[self.bias]
 
 
-def _slots(spec: GatedMLPSpec) -> dict:
-    index = {id(p): i for i, p in enumerate(spec.params)}
-    roles = {"gate": spec.gate, "up": spec.up, "gate_up": spec.gate_up, "down": spec.down}
-    return {role: _Slots(index[id(linear.weight)], None if linear.bias is None else index[id(linear.bias)])
-            for role, linear in roles.items() if linear is not None}
+@dataclass(frozen=True)
+class GatedLayout:
+    """Everything the gated kernel needs besides its tensors and activation: where each projection's
+    weight and bias sit among the tensors (by role: gate and up, or the fused gate_up, then down) and the
+    form's fixed factors. Plain ints and floats (``as_args``), so that a custom op carries it as arguments
+    (``ops/gated_mlp.py``) and rebuilds it (``from_args``)."""
+
+    slots: Tuple[Tuple[str, _Slots], ...]
+    gate_scale: float = 1.0
+    up_scale: float = 1.0
+    down_scale: float = 1.0
+
+    @classmethod
+    def of(cls, spec: GatedMLPSpec) -> GatedLayout:
+        index = {id(p): i for i, p in enumerate(spec.params)}
+        roles = {"gate": spec.gate, "up": spec.up, "gate_up": spec.gate_up, "down": spec.down}
+        slots = tuple((role, _Slots(index[id(linear.weight)], None if linear.bias is None else index[id(linear.bias)]))
+                      for role, linear in roles.items() if linear is not None)
+        return cls(slots, spec.gate_scale, spec.up_scale, spec.down_scale)
+
+    def as_args(self) -> Tuple[List[int], List[float]]:
+        """Two ints per role in ``ROLES`` order (weight index, bias index; -1 where absent), and the factors."""
+        by_role = dict(self.slots)
+        flat: List[int] = []
+        for role in ROLES:
+            slot = by_role.get(role)
+            flat += [-1, -1] if slot is None else [slot.weight, -1 if slot.bias is None else slot.bias]
+        return flat, [self.gate_scale, self.up_scale, self.down_scale]
+
+    @classmethod
+    def from_args(cls, flat: Sequence[int], scales: Sequence[float]) -> GatedLayout:
+        if len(flat) != 2 * len(ROLES) or len(scales) != 3:
+            raise ValueError(f"a gated layout is {2 * len(ROLES)} slot indices and 3 factors, got {list(flat)}, {list(scales)}")
+        slots = tuple((role, _Slots(flat[2 * i], None if flat[2 * i + 1] < 0 else flat[2 * i + 1]))
+                      for i, role in enumerate(ROLES) if flat[2 * i] >= 0)
+        roles = {role for role, _ in slots}
+        if "down" not in roles or not ({"gate", "up"} <= roles) ^ ("gate_up" in roles):
+            raise ValueError(f"a gated layout holds down and either gate and up or gate_up, got roles {sorted(roles)}")
+        return cls(slots, *(float(s) for s in scales))
 
 
 class GatedShardKernel:
@@ -53,14 +89,19 @@ class GatedShardKernel:
     # Stateless: built once per call plan and run by every call of it (``builtin_kernels.GatedEntry``).
     serves_many_calls = True
 
-    def __init__(self, spec: GatedMLPSpec, activation, module_name: str = "the gated MLP"):
+    def __init__(self, layout: GatedLayout, activation, params: List[torch.Tensor], module_name: str = "the gated MLP"):
         self.module_name = module_name
         self.activation = activation
-        self.params = spec.params
-        self.owned_params = spec.params  # the structure proved the module owns nothing else
-        self._slots = _slots(spec)
-        self._fused = spec.gate_up is not None
-        self._gate_scale, self._up_scale, self._down_scale = spec.gate_scale, spec.up_scale, spec.down_scale
+        self.params = params
+        self.owned_params = params  # the structure proved the module owns nothing else
+        self.layout = layout
+        self._slots = dict(layout.slots)
+        self._fused = "gate_up" in self._slots
+        self._gate_scale, self._up_scale, self._down_scale = layout.gate_scale, layout.up_scale, layout.down_scale
+
+    @classmethod
+    def for_spec(cls, spec: GatedMLPSpec, activation, module_name: str = "the gated MLP") -> GatedShardKernel:
+        return cls(GatedLayout.of(spec), activation, spec.params, module_name)
 
     def _output_width(self, tensors: Sequence[torch.Tensor]) -> int:
         """The width of the output (the down projection's rows): the sharded Function allocates the
