@@ -28,6 +28,7 @@ from torch import nn
 from tiled_mlp.strategies.resolver import StrategyArg
 
 from .class_swap import install_tiling, prepare_tiling, rebuild
+from .compiled_route import compiled_call
 from .module_call import TiledInputs, module_forward
 from .module_forward import hidden_states_argument
 from .shard_plan import NumShards
@@ -104,10 +105,15 @@ class TiledMLP(nn.Module):
         x = args[0] if len(args) == 1 and not kwargs else hidden_states_argument(self, args, kwargs)
         return TiledInputs(x)
 
-    # The generated class's ``forward`` (``TiledForward``) calls this; torch.compile of a surrounding
-    # model runs it eagerly (the shard loop and the RNG capture are not traceable, and tracing into
-    # them gives a graph break at each).
+    # The generated class's ``forward`` (``TiledForward``) calls this in eager mode.
     _tiled_forward = module_forward
+
+    def _tiled_compiled_forward(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """What ``TiledForward`` calls while Dynamo traces: one op, the module's own forward, or the eager
+        call behind a graph break (``compiled_route``). A subclass that overrides ``tiled_inputs`` passes
+        other sharded inputs, which no op takes."""
+        default_inputs = type(self).tiled_inputs is TiledMLP.tiled_inputs
+        return compiled_call(self, default_inputs, args, kwargs)
 
 
 def tile(module: nn.Module, *, strategy: StrategyArg = "auto", num_shards: NumShards = "auto", path: str = "auto",

@@ -26,8 +26,11 @@ class TiledForward:
     a method with the original forward's signature (``mlp(hidden_states=h)`` keeps working)."""
 
     def __init__(self, signature: Optional[inspect.Signature]):
-        @torch.compiler.disable
         def forward(module, *args, **kwargs):
+            if torch.compiler.is_compiling():
+                # Traced as one op, or as the module's own forward, where the call allows it; else the
+                # eager call in a frame Dynamo skips (``compiled_route``).
+                return module._tiled_compiled_forward(args, kwargs)
             return module._tiled_forward(*args, **kwargs)
 
         if signature is not None:
@@ -37,7 +40,9 @@ class TiledForward:
         self.function = forward
 
     def __get__(self, module, owner=None):
-        return self.function if module is None else types.MethodType(self.function, module)
+        # The function's own binding (a ``types.MethodType``), which Dynamo traces; constructing the
+        # method type by hand is a call it does not.
+        return self.function if module is None else self.function.__get__(module, owner)
 
     def __set__(self, module, value) -> None:
         # ``module.forward = module._old_forward`` (accelerate removing its hook; unpickling a bound
@@ -47,6 +52,20 @@ class TiledForward:
 
     def __delete__(self, module) -> None:
         tiling_of(module).instance_forward = None
+
+
+def _run_get_eagerly_at_top_level() -> None:
+    """Where a tiled module is called eagerly under an active ``torch.compile`` (after a graph break in an
+    outer frame), Dynamo would compile ``__get__``'s own frame, and rebuild the method it returns by reading
+    ``module.forward``: ``__get__`` again, without end. Its code is skipped as a top-level frame; Dynamo still
+    inlines it where it traces a call of the module (``torch._dynamo.eval_frame.skip_code``, private: where it
+    is missing, nothing is skipped)."""
+    skip_code = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
+    if skip_code is not None:
+        skip_code(TiledForward.__get__.__code__)
+
+
+_run_get_eagerly_at_top_level()
 
 
 def forward_signature(base: type) -> Optional[inspect.Signature]:

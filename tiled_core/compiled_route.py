@@ -1,0 +1,141 @@
+"""What a tiled module's call becomes when ``torch.compile`` traces it.
+
+Dynamo cannot trace the eager tiled call (its shard loop, RNG capture and checks run Python at every
+call), so the call is decided once, where it is traced, by the same decision the eager call makes
+(``decide_map_call``, on a stand-in input of the traced input's shape, dtype and device), and becomes:
+
+- ``untiled``: the policy passes the call through (too short to lower the peak): the module's own
+  forward, traced like any module (nothing of it is hidden from the compiler);
+- ``gated_op``: the gated fast kernel as one node, ``torch.ops.tiled_mlp.gated_mlp`` (``ops/``), on the
+  module's own parameters, over the decided shard count;
+- ``eager``: everything else runs the eager tiled call in a frame Dynamo skips, one graph break, with
+  the reason kept in ``module.tiling.compiled_reason``: the generic kernel (a module's own forward must
+  run per shard), a backend that gathers parameters or delivers gradients itself (ZeRO, whose hooks
+  run inside the call), a distributed parameter (tensor parallelism), an instance forward, a module
+  with other sharded inputs (MoE), an input whose sizes are symbolic (dynamic shapes), a call with
+  keyword arguments.
+
+The decision rests on the module as it is when traced; the compiled graph keeps it while Dynamo's guards
+hold: the module and its class, the parameters the op reads (identity, shape, dtype, device), the class's
+forward function, the activation's class, and the global state (grad mode, autocast). A change they do not
+see (an attribute a form reads, set after compiling) needs ``torch._dynamo.reset()``, as for any compiled
+module whose Python state changes.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .call_decision import decide_map_call
+from .module_forward import original_forward
+from .module_strategy import module_strategy
+from .ops.gated_mlp import gated_mlp
+from .tiled_call import _BASE_DELIVER_GRADS, _BASE_GATHERED, _is_base
+from .tiling_state import tiling_of
+
+EAGER, UNTILED, GATED_OP = "eager", "untiled", "gated_op"
+
+
+@dataclass(frozen=True)
+class CompiledRoute:
+    """What a traced call runs (``kind``), why, and for the gated op everything it is given besides
+    the input: its parameters by name on the module, their layout, the activation, the shard count."""
+
+    kind: str
+    reason: str
+    num_shards: int = 1
+    param_names: Tuple[str, ...] = ()
+    slots: Tuple[int, ...] = ()
+    scales: Tuple[float, ...] = ()
+    activation: str = ""
+    use_fused: bool = False
+    accum_dtype: Optional[torch.dtype] = None
+
+
+def _eager_route(reason: str) -> CompiledRoute:
+    return CompiledRoute(EAGER, f"eager tiled call (a graph break): {reason}")
+
+
+def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> CompiledRoute:
+    """The route of a call of ``module`` on an input of ``shape``, ``dtype`` and ``device``, by the eager
+    call's own decision. ``default_inputs``: the module's class takes its hidden states alone (the
+    ``TiledMLP`` default ``tiled_inputs``)."""
+    state = tiling_of(module)
+    if not default_inputs:
+        return _eager_route(f"{type(module).__name__} passes other sharded inputs to the tiled call")
+    if state.instance_forward is not None:
+        return _eager_route("an instance forward is installed (what each shard runs is not the class's forward)")
+    strategy = module_strategy(module)
+    strategy.check_supported(module)
+    if not (_is_base(strategy.gathered, _BASE_GATHERED) and _is_base(strategy.deliver_grads, _BASE_DELIVER_GRADS)):
+        return _eager_route(f"the {strategy.name} strategy gathers parameters or delivers gradients itself")
+    # A stand-in input: the decision reads the input's sizes, dtype and device, never its values.
+    x = torch.empty((), dtype=dtype, device=device).expand(shape)
+    decision = decide_map_call(module, strategy, x, functools.partial(original_forward, module), ())
+    kernel = decision.kernel
+    if kernel is None:
+        return CompiledRoute(UNTILED, f"{decision.reason} (traced as the module's own forward)")
+    if decision.kernel_name != "fast" or getattr(kernel, "layout", None) is None:
+        return _eager_route(f"the {decision.kernel_name} kernel runs the call (only the gated fast kernel is an op)")
+    if strategy.local_view(module, kernel.params) is not None:
+        return _eager_route("the parameters are distributed (tensor parallelism)")
+    names = {id(p): name for name, p in module.named_parameters()}
+    if any(id(p) not in names for p in kernel.params):
+        return _eager_route("a parameter the kernel reads is not the module's own")
+    slots, scales = kernel.layout.as_args()
+    assert decision.num_shards is not None, "a decision with a kernel has a shard count"
+    return CompiledRoute(GATED_OP, f"{decision.reason} (traced as one op, tiled_mlp::gated_mlp)", decision.num_shards,
+                         tuple(names[id(p)] for p in kernel.params), tuple(slots), tuple(scales),
+                         kernel.activation.name, state.use_fused_kernel, state.grad_accum_dtype)
+
+
+@torch._dynamo.assume_constant_result
+def _traced_route(module: nn.Module, default_inputs: bool, forward: Any, activation_class: Any,
+                  shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> CompiledRoute:
+    """``decide_route``, run by Dynamo where it traces the call and kept as a constant of the graph.
+    ``forward`` and ``activation_class`` are passed only so that Dynamo guards on them: the graph is
+    traced again when the class's forward or the activation's class changes."""
+    route = decide_route(module, default_inputs, shape, dtype, device)
+    # Report fields (as ``MapSite.record`` writes them): the compiled call runs what was decided here, and
+    # the op cannot write them when it runs. An eager route writes its own at each call.
+    fields = tiling_of(module).__dict__
+    fields["compiled_reason"] = route.reason
+    if route.kind != EAGER:
+        fields["last_path"] = "fast" if route.kind == GATED_OP else "untiled"
+        fields["last_num_shards"], fields["last_reason"] = route.num_shards, route.reason
+    return route
+
+
+def _param(module: nn.Module, name: str) -> torch.Tensor:
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module  # type: ignore[return-value]  # the last part names a parameter
+
+
+@torch.compiler.disable
+def _eager_call(module: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return module._tiled_forward(*args, **kwargs)  # type: ignore[operator]  # TiledMLP's
+
+
+def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
+    """The call as Dynamo traces it (see the module doc)."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+        return _eager_call(module, *args, **kwargs)
+    x = args[0]
+    if not all(type(size) is int for size in x.shape):
+        return _eager_call(module, x)  # symbolic sizes: decided at each call, eagerly
+    activation = getattr(module, "act_fn", None)
+    route = _traced_route(module, default_inputs, type(module)._tiled_base.forward,  # type: ignore[attr-defined]
+                          type(activation), tuple(x.shape), x.dtype, x.device)
+    if route.kind == UNTILED:
+        return type(module)._tiled_base.forward(module, x)  # type: ignore[attr-defined]
+    if route.kind == GATED_OP:
+        tensors = [_param(module, name) for name in route.param_names]
+        return gated_mlp(x, tensors, list(route.slots), list(route.scales), route.activation, route.use_fused,
+                         route.num_shards, route.accum_dtype)
+    return _eager_call(module, x)

@@ -1,0 +1,95 @@
+"""``torch.ops.tiled_mlp.gated_mlp``: the gated fast kernel (``kernels/gated.py``) over token shards, as
+one custom op with a registered backward (``gated_mlp_backward``), so that a compiled model traces a
+tiled gated MLP without a graph break.
+
+Its arguments say everything the kernel needs, as plain values: the input, the projections' tensors,
+where each sits among them (``GatedLayout.as_args``), the activation's name, the shard count and the
+dtype the weight gradients are summed in. So the op is a pure function of its arguments, as a graph
+node must be: nothing is looked up from a module or a table at run time.
+
+Autograd saves the input and the tensors with ``save_for_backward``, which checks their versions in
+backward as for any op (an input edited in place after the forward is an error, not a wrong gradient).
+Backward recomputes gate and up one shard at a time and never down's forward, as the eager kernel does.
+Backward of the backward is not registered: a double backward through it is refused by autograd.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..activations import gated_activation
+from ..grad_accum import GradAccumulator
+from ..kernels.gated import GatedLayout, GatedShardKernel
+from ..shard_loops import backward_shards, forward_shards
+from ..shard_plan import make_shard_plan
+
+NOT_NEEDED = 0  # an output slot of the backward op that holds no gradient: a 0-element tensor (ops return tensors)
+
+
+def _kernel(tensors: Sequence[torch.Tensor], slots: Sequence[int], scales: Sequence[float], activation: str,
+            use_fused: bool, device: torch.device) -> GatedShardKernel:
+    return GatedShardKernel(GatedLayout.from_args(slots, scales), gated_activation(activation, device, use_fused),
+                            list(tensors))
+
+
+def _down_rows(tensors: Sequence[torch.Tensor], slots: Sequence[int]) -> int:
+    """The output width: the down projection's rows (its weight's slot is the seventh: ``GatedLayout.as_args``)."""
+    return tensors[slots[6]].shape[0]
+
+
+@torch.library.custom_op("tiled_mlp::gated_mlp", mutates_args=())
+def gated_mlp(x: torch.Tensor, tensors: List[torch.Tensor], slots: List[int], scales: List[float], activation: str,
+              use_fused: bool, num_shards: int, accum_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """``down(act(gate(x) * gs) * (up(x) * us)) * ds`` over ``num_shards`` token shards, no intermediate kept."""
+    x_flat = x.reshape(-1, x.shape[-1])
+    out = x.new_empty((*x.shape[:-1], _down_rows(tensors, slots)))
+    plan = make_shard_plan(x_flat.shape[0], num_shards)
+    kernel = _kernel(tensors, slots, scales, activation, use_fused, x.device)
+    forward_shards(kernel, x_flat, out.view(-1, out.shape[-1]), plan.slice_tuple, tensors)
+    return out
+
+
+@gated_mlp.register_fake
+def _gated_mlp_fake(x, tensors, slots, scales, activation, use_fused, num_shards, accum_dtype):
+    return x.new_empty((*x.shape[:-1], _down_rows(tensors, slots)))
+
+
+@torch.library.custom_op("tiled_mlp::gated_mlp_backward", mutates_args=())
+def gated_mlp_backward(grad_out: torch.Tensor, x: torch.Tensor, tensors: List[torch.Tensor], slots: List[int],
+                       scales: List[float], activation: str, use_fused: bool, num_shards: int,
+                       accum_dtype: Optional[torch.dtype], needs: List[bool]) -> List[torch.Tensor]:
+    """``[dx, *d tensors]``, each recomputed shard by shard; ``needs[i]`` False: a 0-element placeholder."""
+    x_flat = x.reshape(-1, x.shape[-1])
+    dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+    dx_flat = torch.empty_like(x_flat) if needs[0] else None
+    grads = GradAccumulator(tensors, needs[1:], accum_dtype)
+    plan = make_shard_plan(x_flat.shape[0], num_shards)
+    kernel = _kernel(tensors, slots, scales, activation, use_fused, x.device)
+    backward_shards(kernel, plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, tensors)
+    # Every needed gradient exists (the gated formula uses every tensor); a copy where the kernel kept none
+    # of its own would alias nothing an op may not return.
+    dx = x.new_empty(NOT_NEEDED) if dx_flat is None else dx_flat.view_as(x)
+    return [dx, *(t.new_empty(NOT_NEEDED) if g is None else g for t, g in zip(tensors, grads.results(), strict=True))]
+
+
+@gated_mlp_backward.register_fake
+def _gated_mlp_backward_fake(grad_out, x, tensors, slots, scales, activation, use_fused, num_shards, accum_dtype, needs):
+    return [torch.empty_like(t) if need else t.new_empty(NOT_NEEDED) for t, need in zip((x, *tensors), needs, strict=True)]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, tensors, slots, scales, activation, use_fused, num_shards, accum_dtype = inputs
+    ctx.save_for_backward(x, *tensors)
+    ctx.options = (slots, scales, activation, use_fused, num_shards, accum_dtype)
+
+
+def _backward(ctx, grad_out):
+    x, *tensors = ctx.saved_tensors
+    needs = [ctx.needs_input_grad[0], *ctx.needs_input_grad[1]]  # a list argument's flags are a list
+    grads = gated_mlp_backward(grad_out, x, tensors, *ctx.options, needs)
+    dx, *dtensors = (g if need else None for g, need in zip(grads, needs, strict=True))
+    return dx, dtensors, None, None, None, None, None, None
+
+
+gated_mlp.register_autograd(_backward, setup_context=_setup_context)
