@@ -120,7 +120,7 @@ class LinearHeadEntry(Kernel):
         return "" if is_plain_linear(call.module) else "the head is not a plain nn.Linear"
 
     def build(self, call: KernelCall) -> LinearHeadKernel:
-        return LinearHeadKernel(call.module, call.options)  # type: ignore[arg-type]  # a plain nn.Linear
+        return LinearHeadKernel.for_head(call.module, call.options)  # type: ignore[arg-type]  # a plain nn.Linear
 
 
 class VocabParallelEntry(Kernel):

@@ -1,9 +1,10 @@
-"""The shard loops every driver of a ``ShardKernel`` runs: the sharded autograd Function
-(``sharded_autograd``) and the custom ops that torch.compile traces as one node (``ops/``).
+"""The shard loops every driver of a kernel runs: the sharded autograd Functions (``sharded_autograd``,
+``sharded_reduce``) and the custom ops that torch.compile traces as one node (``ops/``).
 
 Forward writes each shard's output into its rows of one output; backward recomputes one shard at a
 time, writing its input gradient into its rows and adding its parameters' gradients to one buffer
-each (``GradAccumulator``), replaying a shard's RNG state where one was kept.
+each (``GradAccumulator``), replaying a shard's RNG state where one was kept. A reduction (a loss)
+sums its shards' contributions, each shard forming its gradients at once.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from .grad_accum import GradAccumulator
-from .kernels.base import ShardKernel
+from .kernels.base import ReduceKernel, ShardKernel
 from .rng import replay_rng_state
 
 
@@ -38,3 +39,21 @@ def backward_shards(kernel: ShardKernel, slices: Sequence[slice], x_flat: torch.
             continue
         with replay_rng_state(x_flat.device, rng_state):
             backward_shard(*args)
+
+
+def reduce_shards(kernel: ReduceKernel, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
+                  dx_flat: Optional[torch.Tensor], grads: Optional[GradAccumulator], params: Sequence[torch.Tensor],
+                  slices: Sequence[slice]) -> torch.Tensor:
+    """The sum over shards of the kernel's shard losses of ``x`` (``[..., tokens, hidden]``) against
+    ``targets`` (``[..., tokens]``), each times ``scale``; each shard's input gradient into its rows of
+    ``dx_flat`` and its parameters' added to ``grads``, where given."""
+    x_flat = x.detach().reshape(-1, x.shape[-1])
+    target_flat = targets.reshape(-1)
+    compute = kernel.compute_tensors(x, params)
+    total: Optional[torch.Tensor] = None
+    for shard in slices:
+        loss = kernel.shard(x_flat[shard], target_flat[shard], scale, None if dx_flat is None else dx_flat[shard],
+                            grads, compute)
+        total = loss if total is None else total.add_(loss)
+    assert total is not None  # a plan has at least one shard
+    return total

@@ -18,13 +18,14 @@ shape: a backward that builds a graph (double backward), and a second backward t
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
 from .grad_accum import GradAccumulator
 from .grad_delivery import delivered_grads, needed_grads
 from .kernels.base import ReduceKernel
+from .shard_loops import reduce_shards
 from .sharded_autograd import ShardedRun
 
 LOSS_DOUBLE_BACKWARD_ERROR = (
@@ -48,16 +49,8 @@ class ShardedReduceFunction(torch.autograd.Function):
         needs = [building_graph and need for need in ctx.needs_input_grad]
         needed = needed_grads(run, needs[5:], num_params)
         grads = GradAccumulator(params, needed, run.grad_accum_dtype) if any(needed) else None
-        x_flat = x.detach().reshape(-1, x.shape[-1])
-        target_flat = targets.reshape(-1)
-        dx_flat = torch.empty_like(x_flat) if needs[0] else None
-        total: Optional[torch.Tensor] = None
-        compute = run.kernel.compute_tensors(x, params)
-        for shard in run.plan.slices():
-            loss = run.kernel.shard(x_flat[shard], target_flat[shard], scale, None if dx_flat is None else dx_flat[shard],
-                                    grads, compute)
-            total = loss if total is None else total.add_(loss)
-        assert total is not None  # a plan has at least one shard
+        dx_flat = x.new_empty((x.numel() // x.shape[-1], x.shape[-1])) if needs[0] else None
+        total = reduce_shards(run.kernel, x, targets, scale, dx_flat, grads, params, run.plan.slice_tuple)
         ctx.dx = None if dx_flat is None else dx_flat.view_as(x)
         ctx.param_grads = delivered_grads(run, grads, params, num_params) if grads is not None else [None] * num_params
         return total

@@ -48,11 +48,16 @@ class LinearHeadKernel:
     vocabulary-parallel kernel, ``vocab_parallel.py``); the matmuls are the same, and the shard's
     input gradient is then this slice's part of the sum over slices."""
 
-    def __init__(self, head: nn.Linear, options: CrossEntropyOptions):
-        self.module_name = type(head).__name__
-        self.params: List[torch.Tensor] = [head.weight] if head.bias is None else [head.weight, head.bias]
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], options: CrossEntropyOptions,
+                 module_name: str = "the head", span: VocabSpan = WHOLE_VOCAB):
+        self.module_name = module_name
+        self.params: List[torch.Tensor] = [weight] if bias is None else [weight, bias]
         self.options = options
-        self.span: VocabSpan = WHOLE_VOCAB
+        self.span = span
+
+    @classmethod
+    def for_head(cls, head: nn.Linear, options: CrossEntropyOptions) -> LinearHeadKernel:
+        return cls(head.weight, head.bias, options, type(head).__name__)
 
     def compute_tensors(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
         """The weight (and bias) in the compute dtype: cast once per call, not once per shard."""

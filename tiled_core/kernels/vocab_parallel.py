@@ -20,7 +20,7 @@ holds), so the ranks issue the same collectives in the same order.
 """
 from __future__ import annotations
 
-from typing import Any, List, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -48,11 +48,7 @@ class VocabParallelHeadKernel(LinearHeadKernel):
     """``LinearHeadKernel`` on this rank's rows, its cross-entropy reduced over the group."""
 
     def __init__(self, vocab_slice: VocabSlice, module_name: str, options: CrossEntropyOptions):
-        self.module_name = module_name
-        bias = vocab_slice.bias
-        self.params: List[torch.Tensor] = [vocab_slice.weight] if bias is None else [vocab_slice.weight, bias]
-        self.options = options
-        self.span = group_span(vocab_slice)
+        super().__init__(vocab_slice.weight, vocab_slice.bias, options, module_name, group_span(vocab_slice))
 
 
 @runtime_checkable
