@@ -26,12 +26,14 @@ from torch import nn
 from tiled_mlp.strategies.base import Strategy
 from tiled_mlp.strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg, sums_over_sequence_ranks
 
+from .compiled_loss import traced_loss_route
 from .head_call import foreign_head_hooks, in_head_call
 from .kernel_registry import REDUCE, KernelCall, choose_kernel
 from .kernels.cross_entropy import CrossEntropyOptions, check_targets
 from .kernels.lm_head import loss_dtype
 from .kernels.vocab_parallel import SplitsHeadVocabulary, VocabSlice
 from .loss_shards import loss_num_shards
+from .ops.linear_cross_entropy import linear_cross_entropy
 from .sequence_group import check_group, group_count, sum_over_group
 from .shard_plan import AUTO, NumShards, ShardPlan, check_num_shards
 from .sharded_autograd import ShardedRun
@@ -115,6 +117,17 @@ def tiled_cross_entropy(
             raise ValueError("tiled loss: under sequence parallelism give shift_labels, shifted over the whole sequence "
                              "before it was split (the sequence-parallel sharding step makes them); labels would be "
                              "shifted within this rank's slice")
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile: one op where the head and its backend allow it, else this function run
+        # eagerly behind one graph break (``compiled_loss``).
+        if traced_loss_route(lm_head, strategy, sequence_group is not None).as_op:
+            return _traced_linear_loss(hidden, lm_head, labels, shift_labels, options, reduction, num_items_in_batch,
+                                       num_shards, grad_accum_dtype)
+        return _eager_tiled_cross_entropy(
+            hidden, lm_head, labels, shift_labels=shift_labels, ignore_index=ignore_index, reduction=reduction,
+            num_items_in_batch=num_items_in_batch, label_smoothing=label_smoothing, logit_softcap=logit_softcap,
+            z_loss=z_loss, num_shards=num_shards, strategy=strategy, grad_accum_dtype=grad_accum_dtype,
+            sequence_group=sequence_group, model=model)
     fixed = strategy_from_arg(strategy)
     # Before any work: a backend that cannot carry a loss split across the group refuses here, the
     # strategy given to this call among them.
@@ -145,6 +158,25 @@ def tiled_cross_entropy(
     # Inside the head's own call: a backend's hooks on the head (ZeRO-3's gather and release, forward and
     # backward) surround the loss, as they surround ``lm_head(hidden)`` (``head_call.py``).
     return sum_over_group(in_head_call(lm_head, hidden, site.loss_of), sequence_group, averages)
+
+
+_eager_tiled_cross_entropy = torch.compiler.disable(tiled_cross_entropy)
+
+
+def _traced_linear_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: Optional[torch.Tensor],
+                        shift_labels: Optional[torch.Tensor], options: CrossEntropyOptions, reduction: str,
+                        num_items_in_batch, num_shards: NumShards, grad_accum_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """The loss of a plain linear head as Dynamo traces it: the targets and the denominator as the eager
+    loss forms them, the shards in one op that forms the gradients the call needs."""
+    weight, bias = lm_head.weight, lm_head.bias
+    targets = _shifted_targets(hidden, labels, shift_labels, options.ignore_index)
+    scale = _scale(targets, reduction, num_items_in_batch, options.ignore_index, loss_dtype(weight.dtype), None)
+    grad = torch.is_grad_enabled()
+    loss, *_ = linear_cross_entropy(
+        hidden, targets, scale, weight, bias, options.ignore_index, options.label_smoothing, options.logit_softcap,
+        options.z_loss, loss_num_shards(targets.numel(), weight.shape[0], num_shards), grad_accum_dtype,
+        grad and hidden.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
+    return loss
 
 
 class LossSite:

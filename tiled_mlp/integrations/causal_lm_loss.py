@@ -9,7 +9,8 @@ model *instance* (``model.forward``; no class is swapped, no module added, so ev
 1. runs the model's own forward with ``labels=None`` and an empty ``logits_to_keep``: everything the
    model computes (the decoder, gradient checkpointing, a MoE router's auxiliary loss) is its own code,
    and ``lm_head`` runs on zero tokens;
-2. takes the decoder's final hidden states (a forward hook on ``model.get_decoder()``, removed after);
+2. takes the decoder's final hidden states (a forward hook on ``model.get_decoder()``, registered with the
+   tiled loss and removed with it, which keeps them only while this forward runs the model's);
 3. returns the model's output with ``loss = tiled_cross_entropy(hidden, model.lm_head, labels, ...)``
    (plus ``router_aux_loss_coef * aux_loss`` for the MoE families, as their forward adds it) and no
    ``logits``. The tiled loss runs inside one call of ``lm_head`` (``tiled_core/head_call.py``), so a
@@ -31,9 +32,14 @@ What ``install_tiled_loss`` cannot see is checked at every call, before any work
 model's forward still reaches this one: directly, inside accelerate's device hook and/or mixed-precision
 wrapper (``accelerate_forward``), or bound to the model by accelerate's ``unwrap_model``). Under
 accelerate's device hook (``dispatch_model``, ``cpu_offload``) the tiled forward is what the hook wraps
-(``model._old_forward``), so the hook still moves the inputs and outputs around it. Under
-``torch.compile`` this forward's own frame runs eagerly (binding arguments and a per-call hook are not
-traceable) and the loss kernel with it; the model's forward it calls is compiled.
+(``model._old_forward``), so the hook still moves the inputs and outputs around it.
+
+Under ``torch.compile`` the call is traced into the model's graph: the checks above and the binding of the
+keyword arguments are made once where Dynamo traces it (``_traced_plan``, with the model's forward and loss
+function as arguments, so that Dynamo guards on them and a change traces the call again), and the loss is
+one op (``tiled_core/compiled_loss.py``). A call the op cannot take (positional arguments, sequence
+parallelism, a head that is not a plain ``nn.Linear`` or is gathered by its backend) runs eagerly in a frame
+Dynamo skips: one graph break.
 """
 from __future__ import annotations
 
@@ -50,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tiled_mlp.core import tiled_cross_entropy
+from tiled_mlp.core.compiled_loss import decide_loss_route
 from tiled_mlp.core.shard_plan import NumShards
 
 from .accelerate_forward import (
@@ -186,6 +193,9 @@ class TiledLossForward:
         self.grad_accum_dtype = grad_accum_dtype
         self.sequence_group: Any = None  # set by apply_sequence_parallel
         self.pre_hook: Any = None  # the handle of ``check_call`` on the model (a torch RemovableHandle)
+        self.decoder_hook: Any = None  # the handle of ``capture_decoder_output`` on the decoder
+        self._capturing = False  # inside the model's forward run by this one
+        self._captured: Optional[torch.Tensor] = None  # the decoder's hidden states of that run
 
     def __deepcopy__(self, memo: dict) -> TiledLossForward:
         clone = object.__new__(type(self))
@@ -213,9 +223,19 @@ class TiledLossForward:
         # ``num_items_in_batch``): the model's own.
         return inspect.signature(self._inner())
 
+    def capture_decoder_output(self, _module: nn.Module, _args: Any, out: Any) -> None:
+        """The decoder's forward hook: its final hidden states, while this forward runs the model's."""
+        if self._capturing:
+            self._captured = out[0] if isinstance(out, tuple) else out.last_hidden_state
+
     def check_call(self, _module: nn.Module, _args: Any) -> None:
         """The model's forward pre-hook: a forward set on the model after installing may not call this
         one (the tiled loss would silently never run) or may change what it returns."""
+        if torch.compiler.is_compiling():
+            # Checked where Dynamo traces the call, with the model's instance forward as an argument so that
+            # Dynamo guards on it: one set after compiling traces the call again, and is checked then.
+            _checked_where_traced(self, vars(self.model).get("forward"))
+            return
         self._check_forward()
 
     def _check_forward(self) -> None:
@@ -234,18 +254,37 @@ class TiledLossForward:
             raise RuntimeError(f"tiled loss: {type(self.model).__name__}'s loss function changed after the tiled loss "
                                f"was installed: {why} (remove_tiled_loss(model))")
 
-    # Dynamo skips this frame only: binding the arguments and the per-call hook would each break the
-    # graph, and at such a break Dynamo re-reads the model's bound forward as ``model.forward``, which
-    # is this object (a call to itself without labels, without end). The model's forward it calls is
-    # compiled as usual.
-    @torch.compiler.disable(recursive=False)
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self._traced_call(args, kwargs)
+        return self._eager_call(*args, **kwargs)
+
+    # Dynamo skips this frame only where it runs under torch.compile (a call ``_traced_call`` does not trace):
+    # at a break inside it, Dynamo would re-read the model's bound forward as ``model.forward``, which is this
+    # object (a call to itself without labels, without end). The model's forward it calls is compiled as usual.
+    @torch.compiler.disable(recursive=False)
+    def _eager_call(self, *args, **kwargs):
         if args and args[0] is self.model:  # accelerate's unwrap_model binds this forward to the model
             args = args[1:]
         self._check_forward()
         inner = self._inner()
         arguments = inspect.signature(inner).bind(*args, **kwargs).arguments
         extra = dict(arguments.pop("kwargs", {}))
+        return self._run(inner, args, kwargs, arguments, extra)
+
+    def _traced_call(self, args: tuple, kwargs: dict):
+        """The call as Dynamo traces it: the checks and the binding of the arguments decided once, where it
+        is traced (``_traced_plan``); then the same steps as the eager call, in the graph."""
+        plan = _traced_plan(self, tuple(kwargs), bool(args), self.model.loss_function)
+        if plan.eager:
+            return self._eager_call(*args, **kwargs)
+        arguments = {name: kwargs[name] for name in plan.argument_names}
+        extra = {name: kwargs[name] for name in plan.extra_names}
+        return self._run(self._inner(), args, kwargs, arguments, extra)
+
+    def _run(self, inner: Callable, args: tuple, kwargs: dict, arguments: Dict[str, Any], extra: Dict[str, Any]):
+        """The call once its arguments are bound (``arguments``: the forward's named ones that were given;
+        ``extra``: those its ``**kwargs`` takes)."""
         labels = arguments.get("labels")
         if (labels is None and extra.get("shift_labels") is None) or (
                 not torch.is_grad_enabled() and self.sequence_group is None):
@@ -264,19 +303,24 @@ class TiledLossForward:
         if return_dict is None:
             return_dict = getattr(self.model.config, "return_dict", True)
         arguments.update(labels=None, logits_to_keep=_no_logits(self.model.get_output_embeddings()))
-        hidden: Dict[str, torch.Tensor] = {}
-        handle = self.model.get_decoder().register_forward_hook(
-            lambda _m, _a, out: hidden.__setitem__("h", out[0] if isinstance(out, tuple) else out.last_hidden_state))
+        # The decoder's output reaches the loss through the hook installed with the tiled loss (a hook
+        # registered per call would bump torch's class-level handle counter, which Dynamo does not trace).
+        self._capturing, self._captured = True, None
         try:
             out = inner(**arguments, **extra, return_dict=True)
         finally:
-            handle.remove()
-        why = head_device_hook_refusal(self.model.get_output_embeddings(), hidden["h"].device)
+            self._capturing = False
+        hidden, self._captured = self._captured, None
+        if hidden is None:
+            raise RuntimeError(f"tiled loss: {type(self.model).__name__}'s forward did not call the decoder the tiled "
+                               "loss was installed on, so no hidden states reached the loss (was the decoder replaced? "
+                               "remove_tiled_loss(model) and apply it again)")
+        why = head_device_hook_refusal(self.model.get_output_embeddings(), hidden.device)
         if why:
             raise RuntimeError(f"tiled loss: {why}")
         softcap = getattr(self.model.config, self.form.softcap_attr) if self.form.softcap_attr else None
         loss = _tiled_loss(
-            hidden["h"], self.model.get_output_embeddings(), labels, shift_labels=extra.get("shift_labels"),
+            hidden, self.model.get_output_embeddings(), labels, shift_labels=extra.get("shift_labels"),
             ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
             logit_softcap=softcap, num_shards=self.num_shards, grad_accum_dtype=self.grad_accum_dtype,
             sequence_group=self.sequence_group, model=self.model)
@@ -305,10 +349,49 @@ def _no_logits(head: nn.Module) -> Any:
     return torch.empty(0, dtype=torch.long)
 
 
-@torch.compiler.disable
 def _tiled_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """``tiled_cross_entropy``, never traced by Dynamo: its shards run eagerly inside a compiled model."""
+    """``tiled_cross_entropy`` (under torch.compile: one op, ``compiled_loss``)."""
     return tiled_cross_entropy(*args, **kwargs)
+
+
+@torch._dynamo.assume_constant_result
+def _checked_where_traced(forward: TiledLossForward, instance_forward: Any) -> bool:
+    forward._check_forward()
+    return True
+
+
+@dataclass(frozen=True)
+class TracedPlan:
+    """How a traced call binds its keyword arguments, or that it runs eagerly (``eager``), and why."""
+
+    eager: bool
+    reason: str
+    argument_names: Tuple[str, ...] = ()  # the forward's own parameters
+    extra_names: Tuple[str, ...] = ()  # those its ``**kwargs`` takes
+
+
+@torch._dynamo.assume_constant_result
+def _traced_plan(forward: TiledLossForward, names: Tuple[str, ...], positional: bool, loss_function: Any) -> TracedPlan:
+    """Run by Dynamo where it traces a call of the tiled loss's forward, and kept as a constant of the graph:
+    the checks the eager call makes at every call (``loss_function`` is passed so that Dynamo guards on it:
+    one set after compiling traces the call again, and is checked then), and how ``names`` bind."""
+    forward._check_forward()
+    model = forward.model
+    if positional:
+        return TracedPlan(True, "positional arguments (the traced call binds keyword arguments only)")
+    if forward.sequence_group is not None:
+        return TracedPlan(True, "sequence parallelism (the loss is summed over ranks)")
+    route = decide_loss_route(model.get_output_embeddings(), "auto", False)
+    if not route.as_op:
+        return TracedPlan(True, route.reason)
+    parameters = inspect.signature(forward._inner()).parameters
+    var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    own = [n for n in names if n in parameters and parameters[n].kind not in (inspect.Parameter.VAR_KEYWORD,
+                                                                               inspect.Parameter.VAR_POSITIONAL)]
+    extra = [n for n in names if n not in own]
+    if extra and not var_keyword:
+        return TracedPlan(True, f"arguments the forward does not take ({', '.join(extra)})")
+    return TracedPlan(False, route.reason, tuple(own), tuple(extra))
 
 
 def _accelerate_layers(causal_lm: nn.Module) -> Tuple[Optional[MixedPrecisionForward], Optional[DeviceHookForward],
@@ -373,6 +456,7 @@ def install_tiled_loss(model: nn.Module, num_shards: NumShards = "auto",
             forward = TiledLossForward(causal_lm, form, vars(causal_lm).get("forward"), num_shards, grad_accum_dtype)
             causal_lm.__dict__["forward"] = forward
         forward.pre_hook = causal_lm.register_forward_pre_hook(forward.check_call)
+        forward.decoder_hook = causal_lm.get_decoder().register_forward_hook(forward.capture_decoder_output)
     return causal_lm
 
 
@@ -409,4 +493,5 @@ def remove_tiled_loss(model: nn.Module) -> bool:
     else:
         del causal_lm.__dict__["forward"]
     installed.pre_hook.remove()
+    installed.decoder_hook.remove()
     return True

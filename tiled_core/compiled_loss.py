@@ -1,0 +1,66 @@
+"""What the tiled loss becomes when ``torch.compile`` traces it: one op, ``tiled_mlp::linear_cross_entropy``
+(``ops/``), for a plain linear head whose backend owns nothing around the call, else the eager tiled loss
+behind one graph break.
+
+The route is decided once where the call is traced, from what the head and its backend *are*:
+
+- the op: a plain ``nn.Linear`` head (``is_plain_linear``) with no hooks of its own, whole local tensors,
+  a backend whose ``gathered`` and ``deliver_grads`` are the base no-ops (a single device, DDP, FSDP2 with the
+  head inside a unit whose hooks ran already), no autocast and no sequence group;
+- the eager loss otherwise: ZeRO-3 gathers the head in its hooks, a tensor-parallel head splits the
+  vocabulary, a PEFT head runs its own forward per shard, sequence parallelism sums over ranks.
+
+Everything else the loss does (the labels' shift, the denominator, the checks of the arguments) is traced
+as written in ``tiled_loss``; the labels' values are checked by the op at every call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiled_mlp.strategies.resolver import resolve_strategy, strategy_from_arg
+
+from .autocast_state import autocast_enabled
+from .head_call import foreign_head_hooks
+from .kernels.lm_head import is_plain_linear
+from .kernels.vocab_parallel import SplitsHeadVocabulary
+from .tiled_call import _BASE_DELIVER_GRADS, _BASE_GATHERED, _is_base
+
+
+@dataclass(frozen=True)
+class LossRoute:
+    as_op: bool
+    reason: str
+
+
+def _eager(reason: str) -> LossRoute:
+    return LossRoute(False, f"eager tiled loss (a graph break): {reason}")
+
+
+def decide_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool) -> LossRoute:
+    """Whether a call of the tiled loss on ``lm_head`` may be the op, and why (not)."""
+    if has_group:
+        return _eager("a sequence group (the loss is summed over ranks)")
+    if not is_plain_linear(lm_head):
+        return _eager(f"the head ({type(lm_head).__name__}) is not a plain nn.Linear")
+    fixed = strategy_from_arg(strategy)
+    backend = fixed if fixed is not None else resolve_strategy(lm_head)
+    backend.check_supported(lm_head)
+    if isinstance(backend, SplitsHeadVocabulary) or any(type(p).__name__ == "DTensor" for p in lm_head.parameters()):
+        return _eager("the head's parameters are distributed")
+    if not (_is_base(backend.gathered, _BASE_GATHERED) and _is_base(backend.deliver_grads, _BASE_DELIVER_GRADS)):
+        return _eager(f"the {backend.name} strategy gathers parameters or delivers gradients itself")
+    if foreign_head_hooks(lm_head, lambda hook: False):
+        return _eager("the head carries hooks (they would fire around the eager loss's call of the head)")
+    if autocast_enabled(lm_head.weight.device.type):
+        return _eager("autocast is enabled")
+    return LossRoute(True, "one op, tiled_mlp::linear_cross_entropy")
+
+
+@torch._dynamo.assume_constant_result
+def traced_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool) -> LossRoute:
+    """``decide_loss_route``, run by Dynamo where it traces the call and kept as a constant of the graph."""
+    return decide_loss_route(lm_head, strategy, has_group)

@@ -1,0 +1,88 @@
+"""``torch.ops.tiled_mlp.linear_cross_entropy``: the tiled loss of a plain linear head (``LinearHeadKernel``
+over token shards), as one custom op, so that a compiled model traces the loss without a graph break.
+
+The op returns the loss *and* its gradients, formed shard by shard in the forward as the eager loss
+forms them (``sharded_reduce``): no ``[tokens, vocab]`` tensor outlives its shard and nothing is
+recomputed. Its registered backward scales those gradients by the gradient that reaches the loss (the
+loss is a scalar, so that is exact for the input and the head alike). Which gradients to form is an
+argument (the traced call knows what requires grad); the gradients' outputs are 0-element tensors where
+none is formed.
+
+Labels out of the vocabulary are refused inside the op, at every call (their values are data, which a
+traced graph cannot check before it runs).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ..grad_accum import GradAccumulator
+from ..kernels.cross_entropy import CrossEntropyOptions, check_targets
+from ..kernels.lm_head import LinearHeadKernel, loss_dtype
+from ..shard_loops import reduce_shards
+from ..shard_plan import make_shard_plan
+
+NONE = 0  # the length of a gradient output that holds no gradient
+
+
+@torch.library.custom_op("tiled_mlp::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+                         bias: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
+                         logit_softcap: Optional[float], z_loss: float, num_shards: int,
+                         accum_dtype: Optional[torch.dtype], grad_x: bool, grad_weight: bool,
+                         grad_bias: bool) -> List[torch.Tensor]:
+    """``[loss, dx, d weight, d bias]``: the loss of ``x @ weight.T (+ bias)`` against ``targets`` (shifted
+    already), times ``scale``, summed over tokens; each gradient where asked for, else a 0-element tensor."""
+    options = CrossEntropyOptions(ignore_index, label_smoothing, logit_softcap, z_loss)
+    check_targets(targets, weight.shape[0], ignore_index)
+    params = [weight] if bias is None else [weight, bias]
+    needed = [grad_weight] if bias is None else [grad_weight, grad_bias]
+    grads = GradAccumulator(params, needed, accum_dtype) if any(needed) else None
+    dx_flat = x.new_empty((x.numel() // x.shape[-1], x.shape[-1])) if grad_x else None
+    kernel = LinearHeadKernel(weight, bias, options)
+    plan = make_shard_plan(targets.numel(), num_shards)
+    loss = reduce_shards(kernel, x, targets, scale, dx_flat, grads, params, plan.slice_tuple)
+    found = grads.results() if grads is not None else [None] * len(params)
+    d_bias = found[1] if bias is not None else None
+    return [loss,
+            x.new_empty(NONE) if dx_flat is None else dx_flat.view_as(x),
+            weight.new_empty(NONE) if found[0] is None else found[0],
+            weight.new_empty(NONE) if d_bias is None else d_bias]
+
+
+@linear_cross_entropy.register_fake
+def _linear_cross_entropy_fake(x, targets, scale, weight, bias, ignore_index, label_smoothing, logit_softcap, z_loss,
+                               num_shards, accum_dtype, grad_x, grad_weight, grad_bias):
+    return [x.new_empty((), dtype=loss_dtype(weight.dtype)),
+            torch.empty_like(x) if grad_x else x.new_empty(NONE),
+            torch.empty_like(weight) if grad_weight else weight.new_empty(NONE),
+            torch.empty_like(bias) if bias is not None and grad_bias else weight.new_empty(NONE)]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, targets, scale, weight, bias, *_ = inputs
+    _, dx, d_weight, d_bias = output
+    ctx.save_for_backward(dx, d_weight, d_bias)
+    ctx.shapes = (x.shape, weight.shape, None if bias is None else bias.shape)
+
+
+def _backward(ctx, output_grads):
+    grad_loss = output_grads[0]  # the op returns a list: its gradients arrive as one (those of the gradients unused)
+    needs = ctx.needs_input_grad
+    scaled = []
+    for formed, shape, need, name in zip(ctx.saved_tensors, ctx.shapes, (needs[0], needs[3], needs[4]),
+                                         ("hidden states", "weight", "bias"), strict=True):
+        if not need:
+            scaled.append(None)
+            continue
+        if formed.shape != shape:
+            raise RuntimeError(f"tiled_mlp::linear_cross_entropy: the {name}' gradient is needed but was not formed in "
+                               "forward (its grad_* argument was False); pass True where the tensor requires grad")
+        # As the eager loss: the product with the 0-dim gradient in the gradient's own dtype.
+        scaled.append(formed * grad_loss)
+    dx, d_weight, d_bias = scaled
+    return dx, None, None, d_weight, d_bias, None, None, None, None, None, None, None, None, None
+
+
+linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
