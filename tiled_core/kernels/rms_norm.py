@@ -14,8 +14,9 @@ Everything the kernel needs is plain values (``NormLayout``), so a custom op car
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -52,6 +53,29 @@ def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
     return h * torch.rsqrt(variance + eps)
+
+
+_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in ("AutogradCPU", "AutogradOther",
+                                                                        "AutogradNestedTensor"))
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[None]:
+    """Autograd records the recompute, wherever the kernel runs. A custom op's implementation
+    (``ops/rms_norm.py``) runs below autograd: its dispatcher excludes the autograd keys, so that
+    ``enable_grad`` alone records nothing there. They are let in again for the shard (removing one
+    per-backend autograd key removes autograd's functionality for every backend); everything else
+    excluded (autocast) stays excluded. In the eager Function's backward nothing is excluded: a no-op."""
+    C = torch._C
+    exclude = C._dispatch_tls_local_exclude_set()
+    if not any(exclude.has(key) for key in _AUTOGRAD_KEYS):
+        with torch.enable_grad():
+            yield
+        return
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    with C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
 
 
 class RMSNormShardKernel:
@@ -91,7 +115,7 @@ class RMSNormShardKernel:
                        grads: GradAccumulator, tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> None:
         weight = tensors[WEIGHT].detach()
         need_dw = grads.needed[WEIGHT]
-        with torch.enable_grad():
+        with _recording():
             x = x_shard.detach().requires_grad_(grad_in_shard is not None)
             normed = _normed(x, self.layout.eps)
             if grad_in_shard is not None:
