@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm  # noqa: E402
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
 from integration_tests.tiny_models import VOCAB, grads_by_key, tiny_model  # noqa: E402

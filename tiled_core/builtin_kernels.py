@@ -19,8 +19,8 @@ from .gated_spec import foreign_child_hooks
 from .kernel_registry import MAP, REDUCE, Kernel, KernelCall, register_kernel
 from .kernels import GatedShardKernel, GenericShardKernel
 from .kernels.generic import generic_layout
-from .kernels.rms_norm import NormLayout, RMSNormShardKernel
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
+from .kernels.rms_norm import NormLayout, RMSNormShardKernel
 from .kernels.vocab_parallel import VocabParallelHeadKernel
 from .module_forward import forward_function
 from .norm_forms import norm_generation, norm_spec
