@@ -1,5 +1,5 @@
 """Tiled RMSNorms: ``apply_tiled_mlp(model, norms=True)`` tiles a decoder's RMSNorms (each layer's two and
-the final one, found by class and structure) on the generic path. Exact in float64 (loss or logits, the
+the final one, found by class and structure) on the norm kernel (a registered body). Exact in float64 (loss or logits, the
 input's gradient, every parameter's) against the untiled model, with and without Hugging Face's
 non-reentrant checkpointing, beside the tiled MLPs and the tiled loss; "auto" tiles every norm call
 (~hidden tokens a shard: a norm has no intermediate size); and the planner's '+norms' setting is a real
@@ -111,7 +111,7 @@ def test_only_hidden_sized_rmsnorms_are_norms_and_exclude_applies():
     llama = tiny_model("llama")
     report = apply_tiled_mlp(llama, include=[], norms=True, exclude="model.norm", path="fast")
     assert [b.name for b in report.patched] == NORMS[:-1] and report.skipped == [("model.norm", "excluded by pattern")]
-    assert all(b.tiled.tiling.path == "generic" for b in report.patched)
+    assert all(b.tiled.tiling.path == "auto" for b in report.patched)
 
 
 @pytest.mark.parametrize("num_shards", ["auto", 5])
@@ -127,7 +127,7 @@ def test_tiled_norms_mlps_and_loss_are_exact_in_float64(family, checkpointing, n
     ids, embeds = _inputs()
     _assert_exact(reference, tiled, ids, embeds, loss=True)
     for name, norm in _norms_of(tiled).items():
-        assert norm.tiling.last_path == "generic", name
+        assert norm.tiling.last_path == "norm", name
         assert norm.tiling.last_num_shards == (3 if num_shards == "auto" else 5), name
 
 
@@ -139,7 +139,7 @@ def test_tiled_norms_alone_give_the_same_logits(family, checkpointing):
     apply_tiled_mlp(tiled, include=[], num_shards=4, norms=True)
     ids, embeds = _inputs(3)
     _assert_exact(reference, tiled, ids, embeds, loss=False)
-    assert {n.tiling.last_path for n in _norms_of(tiled).values()} == {"generic"}
+    assert {n.tiling.last_path for n in _norms_of(tiled).values()} == {"norm"}
 
 
 def test_auto_tiles_a_long_norm_call_hidden_tokens_a_shard():
@@ -158,7 +158,7 @@ def test_auto_tiles_a_long_norm_call_hidden_tokens_a_shard():
         x = torch.empty(1, 500_000, 4096, dtype=torch.bfloat16, requires_grad=True)
     TiledMLP(norm)
     norm(x).sum().backward()
-    assert norm.tiling.last_path == "generic" and norm.tiling.last_num_shards == 123
+    assert norm.tiling.last_path == "norm" and norm.tiling.last_num_shards == 123
     assert auto_decision(4096, size).num_shards is None
     norm(x[:, :4096]).sum().backward()
     assert norm.tiling.last_path == "untiled" and "no more than the hidden size" in norm.tiling.last_reason
@@ -249,7 +249,7 @@ def test_a_real_step_with_tiled_norms_is_predicted_to_the_byte(name):
     assert planner.point(setting, seq).peak_bytes == measured.peak()[0]
     for model in (real, planner.model(setting)):
         norms = [m for n, m in model.named_modules() if n.endswith("layernorm") or n == "model.norm"]
-        assert len(norms) == 7 and all(m.tiling.last_path == "generic" and m.tiling.last_num_shards == 4
+        assert len(norms) == 7 and all(m.tiling.last_path == "norm" and m.tiling.last_num_shards == 4
                                        for m in norms)
     if setting.offload_checkpoints:
         assert planner.point(setting, seq).host_parts[OFFLOADED] == 2 * seq * config.hidden_size * 4

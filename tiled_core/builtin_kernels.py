@@ -1,5 +1,5 @@
-"""The built-in kernels, as registry entries (``kernel_registry``): the gated fast kernel and the
-generic kernel for token-wise modules, the vocabulary-parallel, the linear and the module head for the loss.
+"""The built-in kernels, as registry entries (``kernel_registry``): the gated fast kernel, the norm kernel
+and the generic kernel for token-wise modules, the vocabulary-parallel, the linear and the module head for the loss.
 
 Each answers whether it applies to a call from what the module *is* (its forward's function object,
 its structure, its class), never from a numeric probe.
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .activations import gated_activation
+from .autocast_state import autocast_enabled
 from .fast_path import decide_fast_path
 from .gated_forms import check_attributes, torch_functions_intact
 from .gated_spec import foreign_child_hooks
@@ -19,8 +20,10 @@ from .kernel_registry import MAP, REDUCE, Kernel, KernelCall, register_kernel
 from .kernels import GatedShardKernel, GenericShardKernel
 from .kernels.generic import generic_layout
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
+from .kernels.rms_norm import NormLayout, RMSNormShardKernel
 from .kernels.vocab_parallel import VocabParallelHeadKernel
 from .module_forward import forward_function
+from .norm_forms import norm_generation, norm_spec
 from .tiling_state import tiling_of
 
 TOKEN_INPUTS_DECLINED = "the call has other sharded inputs besides the hidden states"
@@ -72,6 +75,50 @@ def _fast_decision_stale(module: nn.Module, plan) -> bool:
     if spec is None:
         return False
     return not torch_functions_intact() or bool(check_attributes(module, spec.form))
+
+
+class NormEntry(Kernel):
+    """A proven RMSNorm (``norm_forms``: its forward a registered body, its weight and eps where the body
+    reads them) computed by the body's own operations per shard (``kernels/rms_norm.py``): no per-shard
+    module call, no check of what the forward reads, the weight gradient summed straight into one buffer."""
+
+    name = "norm"
+    shape = MAP
+    keeps_grad_buffers = True  # the weight's gradient buffer beside the module's, as the generic kernel's
+
+    def why_not(self, call: KernelCall) -> str:
+        if call.token_inputs:
+            return TOKEN_INPUTS_DECLINED
+        module, x = call.module, call.x
+        # Per plan (its key covers the forward's code, the module's attributes and parameters) and registry
+        # generation; ``norm_spec`` itself is cheap, and reads the helpers' functions and torch's again.
+        key = f"norm.spec.{norm_generation()}"
+        cached = call.cache.kernel_cache
+        spec, why_not = norm_spec(module, forward_function(module))
+        if spec is None:
+            cached.pop(key, None)
+            return why_not
+        if autocast_enabled(x.device.type):
+            return "autocast is enabled (the norm kernel computes in the body's own dtypes)"
+        if not x.is_floating_point():
+            return f"the input is {x.dtype}, not floating point"
+        if x.device != spec.weight.device:
+            return f"the input is on {x.device} but the weight is on {spec.weight.device}"
+        if tuple(spec.weight.shape) != (x.shape[-1],):
+            return f"the weight's shape {tuple(spec.weight.shape)} is not the input's width ({x.shape[-1]},)"
+        if call.strategy.local_view(module, [spec.weight]) is not None:
+            return "the weight is distributed (the generic kernel runs the module's own forward on it)"
+        cached[key] = spec
+        return ""
+
+    def build(self, call: KernelCall) -> RMSNormShardKernel:
+        cached = call.cache.kernel_cache
+        spec = cached[f"norm.spec.{norm_generation()}"]
+        kernel = cached.get("norm.kernel")
+        if kernel is None or kernel.layout != NormLayout.of(spec) or kernel.params[0] is not spec.weight:
+            kernel = cached["norm.kernel"] = RMSNormShardKernel(NormLayout.of(spec), spec.weight,
+                                                                type(call.module).__name__)
+        return kernel
 
 
 class GenericEntry(Kernel):
@@ -152,6 +199,6 @@ class ModuleHeadEntry(Kernel):
         return ModuleHeadKernel(call.module, call.trainable, call.options)
 
 
-for _kernel, _priority in ((GatedEntry(), 10), (GenericEntry(), 0), (VocabParallelEntry(), 20), (LinearHeadEntry(), 10),
+for _kernel, _priority in ((GatedEntry(), 10), (NormEntry(), 5), (GenericEntry(), 0), (VocabParallelEntry(), 20), (LinearHeadEntry(), 10),
                           (ModuleHeadEntry(), 0)):
     register_kernel(_kernel, priority=_priority)

@@ -8,6 +8,8 @@ call), so the call is decided once, where it is traced, by the same decision the
   forward, traced like any module (nothing of it is hidden from the compiler);
 - ``gated_op``: the gated fast kernel as one node, ``torch.ops.tiled_mlp.gated_mlp`` (``ops/``), on the
   module's own parameters, over the decided shard count;
+- ``norm_op``: a proven RMSNorm (the norm kernel, ``norm_forms``) as one node, ``torch.ops.tiled_mlp.rms_norm``,
+  on the module's own weight (read by name), with the form's eps, offset and multiply dtype as constants;
 - ``eager``: everything else runs the eager tiled call in a frame Dynamo skips, one graph break, with
   the reason kept in ``module.tiling.compiled_reason``: the generic kernel (a module's own forward must
   run per shard), a backend that gathers parameters or delivers gradients itself (ZeRO, whose hooks
@@ -34,16 +36,20 @@ from .call_decision import decide_map_call
 from .module_forward import original_forward
 from .module_strategy import module_strategy
 from .ops.gated_mlp import gated_mlp
+from .ops.rms_norm import rms_norm
 from .tiled_call import _BASE_DELIVER_GRADS, _BASE_GATHERED, _is_base
 from .tiling_state import tiling_of
 
-EAGER, UNTILED, GATED_OP = "eager", "untiled", "gated_op"
+EAGER, UNTILED, GATED_OP, NORM_OP = "eager", "untiled", "gated_op", "norm_op"
+# The ops' routes, by the kernel the eager decision chose: what ``last_path`` reports for them.
+_OP_KERNELS = {GATED_OP: "fast", NORM_OP: "norm"}
 
 
 @dataclass(frozen=True)
 class CompiledRoute:
     """What a traced call runs (``kind``), why, and for the gated op everything it is given besides
-    the input: its parameters by name on the module, their layout, the activation, the shard count."""
+    the input: its parameters by name on the module, their layout, the activation, the shard count; for
+    the norm op, its weight by name and the formula's plain values (``kernels.rms_norm.NormLayout``)."""
 
     kind: str
     reason: str
@@ -54,6 +60,9 @@ class CompiledRoute:
     activation: str = ""
     use_fused: bool = False
     accum_dtype: Optional[torch.dtype] = None
+    norm_eps: float = 0.0
+    norm_offset: float = 0.0
+    norm_multiply: str = ""
 
 
 def _eager_route(reason: str) -> CompiledRoute:
@@ -80,15 +89,21 @@ def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...]
     kernel = decision.kernel
     if kernel is None:
         return CompiledRoute(UNTILED, f"{decision.reason} (traced as the module's own forward)")
-    if decision.kernel_name != "fast" or getattr(kernel, "layout", None) is None:
-        return _eager_route(f"the {decision.kernel_name} kernel runs the call (only the gated fast kernel is an op)")
+    if decision.kernel_name not in _OP_KERNELS.values() or getattr(kernel, "layout", None) is None:
+        return _eager_route(f"the {decision.kernel_name} kernel runs the call (only the gated fast kernel and the "
+                            "norm kernel are ops)")
     if strategy.local_view(module, kernel.params) is not None:
         return _eager_route("the parameters are distributed (tensor parallelism)")
     names = {id(p): name for name, p in module.named_parameters()}
     if any(id(p) not in names for p in kernel.params):
         return _eager_route("a parameter the kernel reads is not the module's own")
-    slots, scales = kernel.layout.as_args()
     assert decision.num_shards is not None, "a decision with a kernel has a shard count"
+    if decision.kernel_name == "norm":
+        layout = kernel.layout
+        return CompiledRoute(NORM_OP, f"{decision.reason} (traced as one op, tiled_mlp::rms_norm)", decision.num_shards,
+                             (names[id(kernel.params[0])],), accum_dtype=state.grad_accum_dtype, norm_eps=layout.eps,
+                             norm_offset=layout.offset, norm_multiply=layout.multiply)
+    slots, scales = kernel.layout.as_args()
     return CompiledRoute(GATED_OP, f"{decision.reason} (traced as one op, tiled_mlp::gated_mlp)", decision.num_shards,
                          tuple(names[id(p)] for p in kernel.params), tuple(slots), tuple(scales),
                          kernel.activation.name, state.use_fused_kernel, state.grad_accum_dtype)
@@ -106,7 +121,7 @@ def _traced_route(module: nn.Module, default_inputs: bool, forward: Any, activat
     fields = tiling_of(module).__dict__
     fields["compiled_reason"] = route.reason
     if route.kind != EAGER:
-        fields["last_path"] = "fast" if route.kind == GATED_OP else "untiled"
+        fields["last_path"] = _OP_KERNELS.get(route.kind, "untiled")
         fields["last_num_shards"], fields["last_reason"] = route.num_shards, route.reason
     return route
 
@@ -138,4 +153,7 @@ def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], 
         tensors = [_param(module, name) for name in route.param_names]
         return gated_mlp(x, tensors, list(route.slots), list(route.scales), route.activation, route.use_fused,
                          route.num_shards, route.accum_dtype)
+    if route.kind == NORM_OP:
+        return rms_norm(x, _param(module, route.param_names[0]), route.norm_eps, route.norm_offset, route.norm_multiply,
+                        route.num_shards, route.accum_dtype)
     return _eager_call(module, x)

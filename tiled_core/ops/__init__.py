@@ -4,5 +4,6 @@ registered here. The shards run eagerly inside the node, through the same kernel
 the sharded autograd Function (``shard_loops``). Which calls take an op is decided where the call is
 traced (``compiled_route``)."""
 from .gated_mlp import gated_mlp
+from .rms_norm import rms_norm
 
-__all__ = ["gated_mlp"]
+__all__ = ["gated_mlp", "rms_norm"]

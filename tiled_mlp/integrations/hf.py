@@ -60,8 +60,8 @@ def apply_tiled_mlp(
     ``loss_num_shards`` shards per loss call: checked before any block is tiled.
 
     ``norms=True`` also tiles the model's RMSNorms of the hidden size (``norms.norm_names``: for Llama
-    each decoder layer's two and the final one; none inside an MLP tiled here), on the generic path
-    (``path`` is the MLPs'), with ``num_shards`` and weight gradients summed in float32 or wider: a tiled
+    each decoder layer's two and the final one; none inside an MLP tiled here), on the norm kernel where
+    the forward is a registered norm body, else the generic path (``path`` is the MLPs'), with ``num_shards`` and weight gradients summed in float32 or wider: a tiled
     norm keeps only its input for backward (Hugging Face's RMSNorm keeps float32 copies of the whole
     ``[tokens, hidden]``) and recomputes a shard at a time. ``exclude`` applies to them too.
 
@@ -86,8 +86,9 @@ def apply_tiled_mlp(
         seen.add(id(candidate.module))
         mixin = {"experts": TiledExperts, "norm": TiledNorm}.get(candidate.kind, TiledMLP)
         block_path, accum = path, grad_accum_dtype
-        if candidate.kind == "norm":  # no fast kernel (path='fast' is the MLPs'); its weight sums every token
-            block_path, accum = "generic", grad_accum_dtype or NORM_ACCUM_DTYPE
+        if candidate.kind == "norm":  # path='fast' is the MLPs'; its weight sums every token
+            # "auto": the norm kernel where the forward is a registered norm body (``hf_norm_forms``), else generic.
+            block_path, accum = "auto", grad_accum_dtype or NORM_ACCUM_DTYPE
         # With the ancestors, a backend already wrapping the model (FSDP1 is rejected) is caught now;
         # so is path='fast' on a block whose forward or structure cannot take it.
         try:

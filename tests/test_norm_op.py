@@ -1,0 +1,221 @@
+"""The norm kernel and its custom op (``tiled_mlp::rms_norm``): a tiled Hugging Face RMSNorm whose forward is a
+registered body runs the body's own operations per shard, eagerly and as one op under ``torch.compile``.
+
+Against the untiled module: float64 output, input gradient and weight gradient; bf16 output and input
+gradient bit for bit. Gemma computes in float32 whatever the input: its weight gradient is checked against
+the module's own per-token products summed in float64 (the untiled module sums them in float32). A forward
+that is not a registered body (patched, edited, torch's ``nn.RMSNorm``) declines to the generic kernel.
+A tiny Llama with tiled MLPs and norms traces as one graph with no break, and its compiled float64 loss and
+every parameter's gradient equal the untiled model's.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+
+from integration_tests.tiny_models import VOCAB, grads_by_key, tiny_model  # noqa: E402
+from tiled_mlp.core import TiledMLP  # noqa: E402
+from tiled_mlp.core.ops import rms_norm  # noqa: E402
+from tiled_mlp.integrations import apply_tiled_mlp  # noqa: E402
+from tiled_mlp.integrations.norms import NORM_ACCUM_DTYPE, TiledNorm  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+HIDDEN = 16
+BOUND = 1e-12
+NORMS = {"llama": LlamaRMSNorm, "gemma": GemmaRMSNorm, "gemma3": Gemma3RMSNorm}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _norm(name: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    norm = NORMS[name](HIDDEN, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()  # neither Llama's ones nor Gemma's zeros: every product matters
+    return norm
+
+
+def _data(dtype: torch.dtype, seed: int = 1, shape=(2, 13, HIDDEN)):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype),
+            torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype))
+
+
+def _run(module, x, dy, call=None):
+    xi = x.clone().requires_grad_()
+    y = (call or module)(xi)
+    y.backward(dy)
+    return y.detach(), xi.grad, module.weight.grad
+
+
+def _tiled(norm, num_shards=3):
+    return TiledNorm(copy.deepcopy(norm), num_shards=num_shards, grad_accum_dtype=NORM_ACCUM_DTYPE)
+
+
+def _gemma_weight_grad(norm, x, dy):
+    """The module's own per-token products (``dy.float() * normed``, float32 as its autograd forms them),
+    summed in float64."""
+    normed = norm._norm(x.float())
+    return (dy.float() * normed).double().sum((0, 1))
+
+
+# -- the op ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("multiply,offset", [("input_dtype", 0.0), ("float32", 1.0)])
+def test_opcheck(multiply, offset):
+    x, _ = _data(torch.float64)
+    weight = torch.randn(HIDDEN, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(rms_norm, (x.requires_grad_(), weight, 1e-5, offset, multiply, 3, torch.float32))
+
+
+@pytest.mark.parametrize("name", list(NORMS))
+def test_the_op_equals_the_module_in_float64(name):
+    norm = _norm(name, torch.float64)
+    x, dy = _data(torch.float64)
+    want = _run(norm, x, dy)
+    form = ("input_dtype", 0.0) if name == "llama" else ("float32", 1.0)
+    eps = norm.variance_epsilon if name == "llama" else norm.eps
+    have_norm = copy.deepcopy(norm)
+    have_norm.weight.grad = None
+    have = _run(have_norm, x, dy, lambda xi: rms_norm(xi, have_norm.weight, eps, form[1], form[0], 4, torch.float32))
+    assert torch.equal(have[0], want[0]) and torch.equal(have[1], want[1])
+    want_dw = want[2] if name == "llama" else _gemma_weight_grad(norm, x, dy)
+    assert (have[2] - want_dw).abs().max().item() < BOUND
+
+
+# -- eager: the norm kernel ---------------------------------------------------------------------------
+@pytest.mark.parametrize("num_shards", [1, 3, 26])
+@pytest.mark.parametrize("name", list(NORMS))
+def test_tiled_norm_equals_the_module_in_float64(name, num_shards):
+    norm = _norm(name, torch.float64)
+    tiled = _tiled(norm, num_shards)
+    x, dy = _data(torch.float64)
+    want, have = _run(norm, x, dy), _run(tiled, x, dy)
+    assert tiled.tiling.last_path == "norm" and tiled.tiling.last_num_shards == num_shards
+    assert torch.equal(have[0], want[0]), "the forward is the body's own op sequence"
+    assert torch.equal(have[1], want[1]), "the input gradient is autograd's through the same sequence"
+    want_dw = want[2] if name == "llama" else _gemma_weight_grad(norm, x, dy)
+    assert (have[2] - want_dw).abs().max().item() < BOUND
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", list(NORMS))
+def test_bf16_output_and_input_gradient_are_bit_for_bit(name, weight_dtype):
+    """A bf16 input with a bf16 or float32 weight (Llama's output is then float32: the promoted dtype)."""
+    norm = _norm(name, weight_dtype)
+    tiled = _tiled(norm)
+    x, _ = _data(torch.bfloat16, shape=(3, 40, HIDDEN))
+    y = norm(x)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.dtype)
+    want, have = _run(norm, x, dy), _run(tiled, x, dy)
+    assert tiled.tiling.last_path == "norm"
+    assert have[0].dtype == want[0].dtype and torch.equal(have[0], want[0])
+    assert torch.equal(have[1], want[1])
+    # The weight gradient is summed in float32 (the untiled one rounds every product to the weight's dtype).
+    exact = (dy.double() * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5))).sum((0, 1))
+    assert have[2].dtype == weight_dtype
+    assert (have[2].double() - exact).abs().max() <= (want[2].double() - exact).abs().max() + 1e-2
+
+
+class _ClampedLlamaNorm(LlamaRMSNorm):
+    def forward(self, hidden_states):
+        return super().forward(hidden_states).clamp(-1.0, 1.0)
+
+
+class _EditedLlamaNorm(LlamaRMSNorm):
+    """Llama's body with one edit (eps outside the rsqrt): another code object."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance) + self.variance_epsilon
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def _declines(norm, x) -> str:
+    tiled = TiledMLP(norm, num_shards=2)
+    norm(x)
+    assert tiled.tiling.last_path == "generic"
+    return tiled.tiling.last_reason
+
+
+@pytest.mark.parametrize("make", [lambda: _ClampedLlamaNorm(HIDDEN), lambda: _EditedLlamaNorm(HIDDEN),
+                                  lambda: torch.nn.RMSNorm(HIDDEN)], ids=["subclass", "edited", "torch-rmsnorm"])
+def test_an_unregistered_forward_declines_to_generic(make):
+    """torch's ``nn.RMSNorm`` declines too: its forward calls ``F.rms_norm``, whose dtypes are aten's
+    (no body of operations to run per shard), so the generic kernel runs it."""
+    x, _ = _data(torch.float64)
+    assert "'norm' declined: its forward is not one the norm kernel is known to compute" in _declines(make().double(), x)
+
+
+def test_a_patched_helper_an_integer_eps_and_a_class_weight_decline(monkeypatch):
+    x, _ = _data(torch.float64)
+    norm = _norm("gemma3", torch.float64)
+    norm.eps = 1
+    assert "eps is not a plain float (int)" in _declines(norm, x)
+
+    class Patched(Gemma3RMSNorm):
+        def _norm(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 2 * self.eps)
+
+    assert "its method _norm is not the one" in _declines(Patched(HIDDEN).double(), x)
+    monkeypatch.setattr(torch, "rsqrt", lambda t: 1 / torch.sqrt(t))
+    assert "its forward is not one the norm kernel" in _declines(_norm("llama", torch.float64), x)
+
+
+def test_autocast_declines():
+    norm = _norm("llama", torch.float32)
+    tiled = TiledMLP(norm, num_shards=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tiled(torch.randn(2, 8, HIDDEN))
+    assert tiled.tiling.last_path == "generic" and "autocast is enabled" in tiled.tiling.last_reason
+
+
+# -- compiled -------------------------------------------------------------------------------------------
+def _tiny_llama_tiled():
+    reference = tiny_model("llama")
+    tiled = copy.deepcopy(reference)
+    apply_tiled_mlp(tiled, num_shards=2, norms=True)
+    return reference, tiled
+
+
+def test_a_tiny_llama_with_tiled_norms_traces_as_one_graph():
+    _, tiled = _tiny_llama_tiled()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    explained = torch._dynamo.explain(tiled)(input_ids=ids, labels=ids)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    norms = [m for n, m in tiled.named_modules() if n.endswith("layernorm") or n == "model.norm"]
+    assert len(norms) == 5
+    assert all("tiled_mlp::rms_norm" in m.tiling.compiled_reason and m.tiling.last_path == "norm" for m in norms)
+
+
+def test_compiled_tiny_llama_equals_the_untiled_model_in_float64():
+    reference, tiled = _tiny_llama_tiled()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=generator)
+    compiled = torch.compile(tiled, backend="aot_eager", fullgraph=True)
+    want = reference(input_ids=ids, labels=ids).loss
+    want.backward()
+    have = compiled(input_ids=ids, labels=ids).loss
+    have.backward()
+    assert abs(have.item() - want.item()) < BOUND
+    want_grads, have_grads = grads_by_key(reference), grads_by_key(tiled)
+    assert want_grads.keys() == have_grads.keys()
+    for key, grad in want_grads.items():
+        assert (grad is None) == (have_grads[key] is None), key
+        if grad is not None:
+            assert (have_grads[key] - grad).abs().max().item() < BOUND, key

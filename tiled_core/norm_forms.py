@@ -1,0 +1,152 @@
+"""Which forwards compute an RMSNorm, and how: proven by what the forward *is*, never by running it.
+
+The norm kernel (``kernels/rms_norm.py``) stands in for a module's forward only where that forward's
+bytecode is a registered body (``code_forms``): the body is registered with the ``NormForm`` it
+computes, by whoever knows a library's text (``tiled_mlp.integrations.hf_norm_forms``); the core knows
+none. A body may call methods of its own class (Gemma's ``self._norm``): each is proven the same way,
+by its own registered body (``NormForm.helpers``).
+
+A ``NormForm`` says the formula, in the dtypes the body computes it:
+
+    n = x.to(float32) * rsqrt(x.to(float32).pow(2).mean(-1, keepdim=True) + eps)
+    MULTIPLY_IN_INPUT_DTYPE:  y = (offset + w) * n.to(x.dtype)            (Llama: offset 0)
+    MULTIPLY_IN_FLOAT32:      y = (n * (offset + w.float())).to(x.dtype)   (Gemma: offset 1)
+
+What the body reads through ``self`` is checked on the module (``norm_spec``): the weight a Parameter
+of the module's own (1-D), eps a plain float in the instance, no class attribute or custom lookup that
+could answer those reads instead, no submodule (so no hook that a shard would have to run).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .code_forms import CodeForm, check_body, matches
+
+MULTIPLY_IN_INPUT_DTYPE = "input_dtype"  # ``weight * normed.to(input_dtype)``: the output in promote(w, x)
+MULTIPLY_IN_FLOAT32 = "float32"  # ``(normed * weight.float()).type_as(x)``: the output in x's dtype
+MULTIPLIES = (MULTIPLY_IN_INPUT_DTYPE, MULTIPLY_IN_FLOAT32)
+
+
+@dataclass(frozen=True)
+class NormForm:
+    """Where an RMSNorm keeps its weight and eps (attribute names), the constant added to the weight
+    (Gemma's ``1 + w``), the dtype the weight multiplies in, and the methods of its class the body
+    calls on ``self`` (name, the body each must have)."""
+
+    weight: str = "weight"
+    eps: str = "variance_epsilon"
+    offset: float = 0.0
+    multiply: str = MULTIPLY_IN_INPUT_DTYPE
+    helpers: Tuple[Tuple[str, CodeForm], ...] = ()
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """A proven norm: its weight (the module's own Parameter) and the formula's plain values."""
+
+    weight: torch.Tensor
+    eps: float
+    offset: float
+    multiply: str
+
+
+# Forward bodies known to compute a form, in registration order (``register_norm_form``).
+_BODIES: List[Tuple[CodeForm, NormForm]] = []
+_GENERATION = [0]
+
+
+def norm_generation() -> int:
+    """Counts changes to the registry: a decision cached on a call plan keys on it."""
+    return _GENERATION[0]
+
+
+def register_norm_form(body: CodeForm, form: NormForm) -> None:
+    """Declare that a forward whose code is exactly ``body`` computes ``form``, so tiled instances of its
+    class may take the norm kernel. Registering a body again replaces its form."""
+    if not isinstance(body, CodeForm):
+        raise TypeError(f"register_norm_form takes a CodeForm body, got {type(body).__name__}")
+    if not isinstance(form, NormForm):
+        raise TypeError(f"register_norm_form takes a NormForm, got {type(form).__name__}")
+    if form.multiply not in MULTIPLIES:
+        raise ValueError(f"NormForm.multiply is one of {MULTIPLIES}, got {form.multiply!r}")
+    if not (form.weight.isidentifier() and form.eps.isidentifier()):
+        raise ValueError(f"NormForm names attributes: weight={form.weight!r}, eps={form.eps!r}")
+    if isinstance(form.offset, bool) or not isinstance(form.offset, (int, float)):
+        raise TypeError(f"NormForm.offset is a number, got {form.offset!r}")
+    check_body(body)
+    for name, helper in form.helpers:
+        if not name.isidentifier():
+            raise ValueError(f"a helper is named by a method name, got {name!r}")
+        check_body(helper)
+    unregister_norm_form(body)
+    _BODIES.append((body, form))
+
+
+def unregister_norm_form(body: CodeForm) -> None:
+    """Withdraw ``register_norm_form(body, ...)`` (an equal body)."""
+    _BODIES[:] = [(known, form) for known, form in _BODIES if known != body]
+    _GENERATION[0] += 1
+
+
+def known_norm_form(fn: Any) -> Optional[NormForm]:
+    """The form the plain function ``fn`` (a class's forward) is known to compute, or None."""
+    if fn is None:
+        return None
+    for body, form in _BODIES:
+        if matches(fn, body):
+            return form
+    return None
+
+
+UNKNOWN_NORM = ("its forward is not one the norm kernel is known to compute (a registered RMSNorm body, "
+                "tiled_mlp.core.norm_forms.register_norm_form)")
+
+
+def _custom_lookup(cls: type) -> bool:
+    return (cls.__getattribute__ is not object.__getattribute__
+            or getattr(cls, "__getattr__", None) is not nn.Module.__getattr__)
+
+
+def _class_attribute(cls: type, name: str) -> Any:
+    """What ``name`` is on the class, by its MRO, without running a descriptor (None: absent)."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
+
+
+def norm_spec(module: nn.Module, forward_fn: Optional[Any]) -> Tuple[Optional[NormSpec], str]:
+    """(the spec, "") when ``forward_fn`` (what the module's forward runs, None: not a function of this
+    module) provably computes a registered norm on this module's attributes, else (None, why not)."""
+    form = known_norm_form(forward_fn)
+    if form is None:
+        return None, UNKNOWN_NORM
+    cls = type(module)
+    if _custom_lookup(cls):
+        return None, "its class has a custom attribute lookup"
+    attributes = module.__dict__
+    for name, helper in form.helpers:
+        if name in attributes:
+            return None, f"an instance attribute replaces the method {name}"
+        if not matches(_class_attribute(cls, name), helper):
+            return None, f"its method {name} is not the one the form's body calls (patched or edited)"
+    shadowed = [n for n in (form.weight, form.eps) if _class_attribute(cls, n) is not None]
+    if shadowed:
+        return None, f"its class defines {', '.join(shadowed)}, which the forward reads from the instance"
+    if next(iter(attributes["_modules"]), None) is not None:
+        return None, "it has submodules (a norm has none: their hooks would not run)"
+    weight = attributes["_parameters"].get(form.weight)
+    if not isinstance(weight, nn.Parameter) or form.weight in attributes:
+        return None, f"{form.weight} is not a Parameter of the module"
+    if [p for p in attributes["_parameters"].values() if p is not None] != [weight]:
+        return None, f"it has parameters besides {form.weight}"
+    if weight.dim() != 1:
+        return None, f"{form.weight} is {weight.dim()}-D (a norm's weight is [hidden])"
+    eps = attributes.get(form.eps)
+    if type(eps) is not float:
+        return None, f"{form.eps} is not a plain float ({type(eps).__name__})"
+    return NormSpec(weight, eps, float(form.offset), form.multiply), ""

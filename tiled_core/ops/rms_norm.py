@@ -1,0 +1,87 @@
+"""``torch.ops.tiled_mlp.rms_norm``: the norm kernel (``kernels/rms_norm.py``) over token shards, as one
+custom op with a registered backward (``rms_norm_backward``), so that a compiled model traces a tiled
+RMSNorm without a graph break.
+
+Its arguments say everything the kernel needs, as plain values: the input, the weight, eps, the offset
+added to the weight, the dtype it multiplies in (``norm_forms``), the shard count and the dtype the
+weight gradient is summed in. Nothing is looked up from a module at run time: a pure function of its
+arguments, as a graph node must be.
+
+Autograd saves the input and the weight with ``save_for_backward`` (an input edited in place after the
+forward is autograd's error, not a wrong gradient). Backward recomputes one shard at a time. Backward of
+the backward is not registered: a double backward through it is refused by autograd.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ..grad_accum import GradAccumulator
+from ..kernels.rms_norm import WEIGHT, NormLayout, RMSNormShardKernel
+from ..shard_loops import backward_shards, forward_shards
+from ..shard_plan import make_shard_plan
+
+NOT_NEEDED = 0  # an output slot of the backward op that holds no gradient: a 0-element tensor (ops return tensors)
+
+
+def _output_like(x: torch.Tensor, weight: torch.Tensor, layout: NormLayout) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=layout.output_dtype(x.dtype, weight.dtype))
+
+
+@torch.library.custom_op("tiled_mlp::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, multiply: str, num_shards: int,
+             accum_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """The registered norm formula (``norm_forms``) over ``num_shards`` token shards."""
+    layout = NormLayout(eps, offset, multiply)
+    x_flat = x.reshape(-1, x.shape[-1])
+    out = _output_like(x, weight, layout)
+    plan = make_shard_plan(x_flat.shape[0], num_shards)
+    forward_shards(RMSNormShardKernel(layout, weight), x_flat, out.view(-1, out.shape[-1]), plan.slice_tuple, [weight])
+    return out
+
+
+@rms_norm.register_fake
+def _rms_norm_fake(x, weight, eps, offset, multiply, num_shards, accum_dtype):
+    return _output_like(x, weight, NormLayout(eps, offset, multiply))
+
+
+@torch.library.custom_op("tiled_mlp::rms_norm_backward", mutates_args=())
+def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                      multiply: str, num_shards: int, accum_dtype: Optional[torch.dtype],
+                      needs: List[bool]) -> List[torch.Tensor]:
+    """``[dx, dweight]``, recomputed shard by shard; ``needs[i]`` False: a 0-element placeholder."""
+    x_flat = x.reshape(-1, x.shape[-1])
+    dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+    dx_flat = torch.empty_like(x_flat) if needs[0] else None
+    grads = GradAccumulator([weight], needs[1:], accum_dtype)
+    plan = make_shard_plan(x_flat.shape[0], num_shards)
+    kernel = RMSNormShardKernel(NormLayout(eps, offset, multiply), weight)
+    backward_shards(kernel, plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, [weight])
+    dx = x.new_empty(NOT_NEEDED) if dx_flat is None else dx_flat.view_as(x)
+    dweight = grads.results()[WEIGHT]
+    # A call with no token (0 shards' worth of sums) leaves no buffer: its gradient is zeros, as untiled.
+    if needs[1] and dweight is None:
+        dweight = torch.zeros_like(weight)
+    return [dx, weight.new_empty(NOT_NEEDED) if dweight is None else dweight]
+
+
+@rms_norm_backward.register_fake
+def _rms_norm_backward_fake(grad_out, x, weight, eps, offset, multiply, num_shards, accum_dtype, needs):
+    return [torch.empty_like(t) if need else t.new_empty(NOT_NEEDED) for t, need in zip((x, weight), needs, strict=True)]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, eps, offset, multiply, num_shards, accum_dtype = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.options = (eps, offset, multiply, num_shards, accum_dtype)
+
+
+def _backward(ctx, grad_out):
+    x, weight = ctx.saved_tensors
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
+    dx, dweight = rms_norm_backward(grad_out, x, weight, *ctx.options, needs)
+    return (dx if needs[0] else None), (dweight if needs[1] else None), None, None, None, None, None
+
+
+rms_norm.register_autograd(_backward, setup_context=_setup_context)
