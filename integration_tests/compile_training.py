@@ -17,8 +17,17 @@ from torch import nn
 
 from tiled_mlp import TiledMLP, apply_tiled_mlp
 
-from .compile_cases import (NUM_SHARDS, STEPS, CompileCase, base_model, batch, blocks_of, canonical, loss_of,
-                            make_optimizer)
+from .compile_cases import (
+    NUM_SHARDS,
+    STEPS,
+    CompileCase,
+    base_model,
+    batch,
+    blocks_of,
+    canonical,
+    loss_of,
+    make_optimizer,
+)
 
 
 def recording_backend(graphs: List[Dict[str, List[str]]]) -> Callable:
