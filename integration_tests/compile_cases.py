@@ -35,10 +35,15 @@ BOUND = 1e-10
 @dataclass(frozen=True)
 class CompileCase:
     name: str
-    model: str = "toy"  # "toy" (toy_models.ToyModel: 2 blocks) or "llama" (tiny HF Llama: 2 decoder layers)
+    model: str = "toy"  # "toy" (toy_models.ToyModel: 2 blocks) or "llama" (tiny HF Llama, 1 decoder layer)
     wrapper: str = "fsdp2"  # "fsdp2": fully_shard each compiled block, then the root; "ddp": DDP(model)
     optimizer: str = "sgd"  # "sgd" or "adamw"
     reshard_after_forward: bool = True  # FSDP2's option
+
+    @property
+    def blocks(self) -> int:
+        """How many decoder blocks (each one tiled gated MLP) the model has: ``blocks_of`` holds them."""
+        return 2 if self.model == "toy" else 1
 
 
 CASES = {case.name: case for case in (
@@ -58,6 +63,10 @@ def base_model(case: CompileCase) -> nn.Module:
     # scores (the tiled sums) can round differently there, and the runs then differ by ~1e-8 (measured).
     # SDPA computes in the input's dtype, so the whole model is float64.
     model.set_attn_implementation("sdpa")
+    # One decoder layer: compiling a layer is most of the run's time (~5 s a layer and rank on two cores),
+    # and a second identical layer would test nothing more.
+    del model.model.layers[1:]
+    model.config.num_hidden_layers = 1
     return model
 
 

@@ -27,7 +27,6 @@ from .spawn import run_distributed
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
-BLOCKS = 2  # both models have two decoder blocks, each with one gated MLP
 OP, BACKWARD_OP = "tiled_mlp.gated_mlp.default", "tiled_mlp.gated_mlp_backward.default"
 
 
@@ -55,14 +54,14 @@ def check_op_ran(case: CompileCase, rank: int, record: Dict) -> None:
     assert record["graph_breaks"] == {}, f"{where}: graph breaks {record['graph_breaks']}"
     graphs = record["graphs"]
     # One graph per block for all the steps: nothing retraced the block (FSDP2's resharding included).
-    assert len(graphs) == BLOCKS, f"{where}: {len(graphs)} Dynamo graphs for {BLOCKS} blocks"
+    assert len(graphs) == case.blocks, f"{where}: {len(graphs)} Dynamo graphs for {case.blocks} blocks"
     for graph in graphs:
         assert graph["dynamo"].count(OP) == 1, f"{where}: Dynamo graph without the op: {graph['dynamo']}"
         assert graph["forward"].count(OP) == 1, f"{where}: AOT forward: {graph['forward']}"
         assert graph["backward"].count(BACKWARD_OP) == 1, f"{where}: AOT backward: {graph['backward']}"
         if case.model == "toy":  # the block's only Linears are the MLP's: none may be traced as a matmul
             assert not [t for t in graph["forward"] + graph["backward"] if "mm" in t.split(".")[1:2]], where
-    assert len(record["tiled"]) == BLOCKS, where
+    assert len(record["tiled"]) == case.blocks, where
     for tiled in record["tiled"]:
         assert tiled["path"] == "fast" and tiled["num_shards"] == NUM_SHARDS, (where, tiled)
         assert "tiled_mlp::gated_mlp" in (tiled["compiled_reason"] or ""), (where, tiled)
