@@ -1,5 +1,5 @@
-"""torch.compile traces the tiled MLP's fast path and the tiled loss with no graph break (issue 29):
-``torch._dynamo.explain`` finds one graph for a tiny Llama with tiled MLPs and the tiled loss, and
+"""torch.compile traces the tiled MLP's fast path, the tiled norms and the tiled loss with no graph break:
+``torch._dynamo.explain`` finds one graph for a tiny Llama with tiled MLPs, norms and the tiled loss, and
 ``torch.compile(fullgraph=True)`` (which raises at any break) gives, in float64, the untiled model's loss
 and every gradient. Calls that cannot be one op run eagerly behind one break, and say why.
 
@@ -45,7 +45,7 @@ def _batch(seed: int = 0):
 def _tiled_llama():
     model = tiny_model("llama")
     reference = copy.deepcopy(model)
-    apply_tiled_mlp(model, num_shards=2, loss=True, loss_num_shards=3)
+    apply_tiled_mlp(model, num_shards=2, loss=True, loss_num_shards=3, norms=True)
     return reference, model
 
 
@@ -64,13 +64,14 @@ def _compiled_step(model, ids, labels, **compile_kwargs):
     return out.loss.detach(), [p.grad for p in model.parameters()]
 
 
-def test_tiny_llama_with_tiled_mlps_and_loss_traces_as_one_graph():
+def test_tiny_llama_with_tiled_mlps_norms_and_loss_traces_as_one_graph():
     _, model = _tiled_llama()
     ids, labels = _batch()
     explained = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-    mlps = [m for m in model.modules() if isinstance(m, TiledMLP)]
-    assert mlps and all("tiled_mlp::gated_mlp" in m.tiling.compiled_reason for m in mlps)
+    tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
+    ops = sorted({m.tiling.compiled_reason.split("tiled_mlp::")[1].rstrip(")") for m in tiled})
+    assert ops == ["gated_mlp", "rms_norm"], [m.tiling.compiled_reason for m in tiled]
 
 
 def test_fullgraph_compile_equals_the_untiled_model_in_float64():
