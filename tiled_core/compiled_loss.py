@@ -55,7 +55,8 @@ def decide_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool) -> Los
         return _eager(f"the {backend.name} strategy gathers parameters or delivers gradients itself")
     if foreign_head_hooks(lm_head, lambda hook: False):
         return _eager("the head carries hooks (they would fire around the eager loss's call of the head)")
-    if autocast_enabled(lm_head.weight.device.type):
+    weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]  # a plain nn.Linear's
+    if autocast_enabled(weight.device.type):
         return _eager("autocast is enabled")
     return LossRoute(True, "one op, tiled_mlp::linear_cross_entropy")
 

@@ -8,8 +8,9 @@ report (``KernelChoice.describe``, which ``module.tiling.last_reason`` ends with
 Two shapes, the two shapes of the sharded autograd:
 
 - ``"map"``: a token-wise module (``TiledMLP``): the kernel is a ``kernels.base.ShardKernel``, run by
-  ``sharded_apply``. Built in: ``"fast"`` (the gated kernel, priority 10) and ``"generic"`` (the
-  module's own forward per shard, priority 0, which applies to every module).
+  ``sharded_apply``. Built in: ``"fast"`` (the gated kernel, priority 10), ``"norm"`` (a proven RMSNorm
+  form, ``norm_forms``, priority 5) and ``"generic"`` (the module's own forward per shard, priority 0,
+  which applies to every module).
 - ``"reduce"``: the loss (``tiled_cross_entropy``): a ``kernels.base.ReduceKernel``, run by
   ``sharded_reduce``. Built in: ``"vocab_parallel"`` (priority 20, a plain linear head whose vocabulary
   is split over ranks), ``"linear_head"`` (priority 10) and ``"module_head"`` (priority 0, every head

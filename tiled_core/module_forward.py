@@ -34,7 +34,7 @@ class TiledForward:
             return module._tiled_forward(*args, **kwargs)
 
         if signature is not None:
-            forward.__signature__ = signature.replace(
+            forward.__signature__ = signature.replace(  # type: ignore[attr-defined]  # read by inspect.signature
                 parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
                             *signature.parameters.values()])
         self.function = forward

@@ -168,7 +168,9 @@ def _traced_linear_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: Option
                         num_items_in_batch, num_shards: NumShards, grad_accum_dtype: Optional[torch.dtype]) -> torch.Tensor:
     """The loss of a plain linear head as Dynamo traces it: the targets and the denominator as the eager
     loss forms them, the shards in one op that forms the gradients the call needs."""
-    weight, bias = lm_head.weight, lm_head.bias
+    # A plain nn.Linear (``compiled_loss`` decided it).
+    weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]
+    bias: Optional[torch.Tensor] = lm_head.bias  # type: ignore[assignment]
     targets = _shifted_targets(hidden, labels, shift_labels, options.ignore_index)
     scale = _scale(targets, reduction, num_items_in_batch, options.ignore_index, loss_dtype(weight.dtype), None)
     grad = torch.is_grad_enabled()

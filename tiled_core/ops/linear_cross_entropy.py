@@ -70,7 +70,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, output_grads):
     grad_loss = output_grads[0]  # the op returns a list: its gradients arrive as one (those of the gradients unused)
     needs = ctx.needs_input_grad
-    scaled = []
+    scaled: List[Optional[torch.Tensor]] = []
     for formed, shape, need, name in zip(ctx.saved_tensors, ctx.shapes, (needs[0], needs[3], needs[4]),
                                          ("hidden states", "weight", "bias"), strict=True):
         if not need:

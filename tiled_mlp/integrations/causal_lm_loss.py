@@ -456,7 +456,8 @@ def install_tiled_loss(model: nn.Module, num_shards: NumShards = "auto",
             forward = TiledLossForward(causal_lm, form, vars(causal_lm).get("forward"), num_shards, grad_accum_dtype)
             causal_lm.__dict__["forward"] = forward
         forward.pre_hook = causal_lm.register_forward_pre_hook(forward.check_call)
-        forward.decoder_hook = causal_lm.get_decoder().register_forward_hook(forward.capture_decoder_output)
+        decoder: nn.Module = causal_lm.get_decoder()  # type: ignore[operator]  # a transformers PreTrainedModel
+        forward.decoder_hook = decoder.register_forward_hook(forward.capture_decoder_output)
     return causal_lm
 
 

@@ -36,7 +36,8 @@ import torch
 # The kernel interface the shard loops call, one call per shard (``tiled_core/kernels/base.py``), and
 # the modules that define the kernels.
 KERNEL_METHODS = ("forward_shard", "backward_shard", "shard")
-KERNEL_MODULES = ("tiled_mlp.core.kernels.gated", "tiled_mlp.core.kernels.generic", "tiled_mlp.core.kernels.lm_head")
+KERNEL_MODULES = ("tiled_mlp.core.kernels.gated", "tiled_mlp.core.kernels.generic", "tiled_mlp.core.kernels.lm_head",
+                  "tiled_mlp.core.kernels.rms_norm")
 
 # One call's slice of the log, as a pattern: ("A", bytes, kind, what, host kind) for an allocation,
 # ("F", bytes, index of the allocation in the slice) for a free.
