@@ -66,10 +66,10 @@ def check_exact(case: WideCase, outcomes: List[Dict]) -> List[str]:
         worst = max(worst, *errs.values())
         sp_rank = rank % case.sp
         # Every MLP and norm tiled this rank's slice in its own shard count (the MLPs on the fast path, the norms
-        # on the generic one), and the loss made one tiled call over it in its own.
+        # on the norm kernel), and the loss made one tiled call over it in its own.
         if record["patched"] != TILED_BLOCKS or record["shards"] != [[MLP_SHARDS[sp_rank]] * TILED_BLOCKS] * STEPS:
             failures.append(f"{case.name}: rank {rank}: {record['patched']} blocks tiled, shards {record['shards']}")
-        if record["paths"] != {"fast", "generic"}:
+        if record["paths"] != {"fast", "norm"}:
             failures.append(f"{case.name}: rank {rank}: paths {record['paths']}")
         loss_calls = [[(call["tokens"], call["shards"]) for call in calls] for calls in record["loss_calls"]]
         if loss_calls != [[(TOKENS // case.sp, LOSS_SHARDS[sp_rank])]] * STEPS:
