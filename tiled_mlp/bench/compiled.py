@@ -101,8 +101,8 @@ def allocated_peak_bytes(module: Callable, mlp: nn.Module, x_data, grad_out) -> 
 
 
 def interleaved_seconds(modules: Dict[str, Callable], mlp, x_data, grad_out, repeats: int,
-                        on_round: Callable[[int], None]) -> Dict[str, float]:
-    """Median seconds per step; round r starts at variant r mod 4 and runs each once."""
+                        on_round: Callable[[int], None]) -> Dict[str, List[float]]:
+    """Seconds of each timed step per variant; round r starts at variant r mod 4 and runs each once."""
     names = list(modules)
     times: Dict[str, List[float]] = {name: [] for name in names}
     for r in range(repeats):
@@ -113,7 +113,7 @@ def interleaved_seconds(modules: Dict[str, Callable], mlp, x_data, grad_out, rep
             _synchronize(x_data.device)
             times[name].append(time.perf_counter() - start)
         on_round(r)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def _explain(module: nn.Module, x_data) -> Dict[str, object]:
@@ -170,7 +170,9 @@ def run_compile_bench(cfg: CompileBenchConfig, show_progress: bool = True) -> di
     finally:
         progress.close()
     for name, row in rows.items():
-        row["ms"] = seconds[name] * 1e3
+        # The median, and every round (two cores drift by tens of percent: the spread says how much here).
+        row["ms"] = statistics.median(seconds[name]) * 1e3
+        row["rounds_ms"] = [t * 1e3 for t in seconds[name]]
     shards = getattr(modules["eager_tiled"].tiling, "last_num_shards", None) or 1
     return dict(variants=rows, explain=explain, **_verdicts(cfg, rows, shards))
 
@@ -204,6 +206,10 @@ def format_compile_report(result: dict, config: dict) -> str:
                  f"buffers ({mem['num_shards']} shards of {mem['shard_tokens']} tokens): {mem['one_shard_buffers_mb']:.1f} MB"
                  f" -> {'within' if mem['within_one_shard'] else 'MORE than'} one shard")
     ex = result["explain"]
-    lines.append(f"dynamo explain (compiled tiled): {ex['graph_count']} graph(s), {ex['graph_break_count']} break(s)"
-                 + (f": {'; '.join(ex['break_reasons'])}" if ex["break_reasons"] else ""))
+    if ex["graph_count"] == 0:  # explain then reports -1 breaks
+        lines.append("dynamo explain (compiled tiled): no graph captured: the tiled call ran outside dynamo "
+                     "(a torch.compiler.disable frame), eagerly")
+    else:
+        lines.append(f"dynamo explain (compiled tiled): {ex['graph_count']} graph(s), {ex['graph_break_count']} "
+                     "break(s)" + (f": {'; '.join(ex['break_reasons'])}" if ex["break_reasons"] else ""))
     return "\n".join(lines)
