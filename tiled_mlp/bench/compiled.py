@@ -29,7 +29,7 @@ from torch import nn
 from tiled_mlp.core import TiledMLP
 
 from .cpu_allocator import keep_freed_memory_in_process
-from .measure import make_inputs, max_relative_error
+from .measure import make_inputs, max_relative_error, shards_used
 from .mlp import SwiGLUMLP
 from .progress import Progress
 
@@ -123,7 +123,7 @@ def _explain(module: nn.Module, x_data) -> Dict[str, object]:
                 break_reasons=sorted({str(getattr(b, "reason", b)).splitlines()[0] for b in out.break_reasons}))
 
 
-def _build(cfg: CompileBenchConfig) -> Tuple[nn.Module, Dict[str, Callable]]:
+def _build(cfg: CompileBenchConfig) -> Tuple[nn.Module, Dict[str, nn.Module]]:
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
     mlp = SwiGLUMLP(cfg.hidden, cfg.intermediate, dtype=cfg.dtype, device=device)
@@ -142,13 +142,14 @@ def run_compile_bench(cfg: CompileBenchConfig, show_progress: bool = True) -> di
     if device.type == "cpu":
         keep_freed_memory_in_process()  # steady CPU timings (see cpu_allocator)
     torch._dynamo.reset()
-    mlp, modules = _build(cfg)
+    mlp, built = _build(cfg)
+    modules: Dict[str, Callable] = dict(built)
     x_data, grad_out = make_inputs(cfg.seq, cfg.hidden, cfg.dtype, device, cfg.batch, cfg.seed)
     x_data.requires_grad_(False)
     steps = 1 + len(VARIANTS) * (cfg.warmup + 1) + cfg.repeats
     progress = Progress(steps, f"bench --compile ({cfg.backend})", enabled=show_progress)
     try:
-        explain = _explain(modules["compiled_tiled"], x_data)
+        explain = _explain(built["compiled_tiled"], x_data)
         progress.step("dynamo explain of the compiled tiled module")
         # The same modules, compiled: the eager variants keep calling them uncompiled.
         for name in ("compiled_untiled", "compiled_tiled"):
@@ -173,7 +174,7 @@ def run_compile_bench(cfg: CompileBenchConfig, show_progress: bool = True) -> di
         # The median, and every round (two cores drift by tens of percent: the spread says how much here).
         row["ms"] = statistics.median(seconds[name]) * 1e3
         row["rounds_ms"] = [t * 1e3 for t in seconds[name]]
-    shards = getattr(modules["eager_tiled"].tiling, "last_num_shards", None) or 1
+    shards = shards_used(built["eager_tiled"], 1)  # what its last call ran
     return dict(variants=rows, explain=explain, **_verdicts(cfg, rows, shards))
 
 
