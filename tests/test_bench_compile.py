@@ -110,8 +110,9 @@ def test_bad_combinations_are_refused_by_name(capsys, no_work, extra, expect):
         assert "aot_eager" in err and "inductor" in err
 
 
-def test_backend_without_compile_is_refused(capsys, no_work):
-    err = _error(capsys, ["bench", "--compile-backend", "aot_eager"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_backend_without_compile_is_refused(capsys, no_work, backend):
+    err = _error(capsys, ["bench", "--compile-backend", backend])
     assert "--compile-backend chooses the backend of --compile: add --compile" in err
 
 

@@ -38,7 +38,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--compile", action="store_true",
                    help="eager vs torch.compile, untiled vs tiled, at one length: time ratios against issue 29's "
                         "targets, allocator peaks, gradient error, dynamo graph breaks")
-    p.add_argument("--compile-backend", default="inductor", help="with --compile: torch.compile backend "
+    p.add_argument("--compile-backend", default=None, help="with --compile: torch.compile backend "
                    "(default inductor; aot_eager traces the same graphs without generating code, for a fast check)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", metavar="PNG", help="draw memory (and time) against sequence length")
@@ -136,7 +136,7 @@ def run(args, parser_error) -> int:
         bench_compile_cmd.check(args, device, parser_error)
         _check_memory(args, device, dtype, parser_error)
         return bench_compile_cmd.run(args, dtype)
-    if args.compile_backend != "inductor":
+    if args.compile_backend is not None:
         parser_error("--compile-backend chooses the backend of --compile: add --compile")
     impls = _impls(args.impls, parser_error)
     if args.plot:

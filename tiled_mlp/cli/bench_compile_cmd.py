@@ -10,7 +10,7 @@ from ..bench.compiled import CompileBenchConfig, format_compile_report, run_comp
 from . import json_stdout
 
 # This mode's sizes where the user gave none (issue 29's measurement); the table mode keeps its own.
-DEFAULTS = dict(hidden=1024, intermediate=2816, seq=[8192])
+DEFAULTS = dict(hidden=1024, intermediate=2816, seq=[8192], compile_backend="inductor")
 
 
 def _backends() -> list:
