@@ -12,16 +12,17 @@ from ..bench.impls import available_impls
 from ..bench.model_memory import modeled_peak_bytes, modeled_step
 from ..bench.report import format_table, plot, to_json
 from ..bench.runner import BenchConfig, run_bench
-from . import parsing
+from . import bench_compile_cmd, parsing
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="time and memory of tiled vs untiled MLP over sequence lengths",
                               description=__doc__)
-    p.add_argument("--hidden", type=parsing.positive_int, default=512)
-    p.add_argument("--intermediate", type=parsing.positive_int, default=1408)
-    p.add_argument("--seq", type=parsing.seq_list, default=[1024, 2048, 4096, 8192],
-                   help="comma-separated sequence lengths (default 1024,2048,4096,8192)")
+    # Defaults are filled in by run(): --compile has its own (bench_compile_cmd.DEFAULTS).
+    p.add_argument("--hidden", type=parsing.positive_int, default=None, help="default 512 (1024 with --compile)")
+    p.add_argument("--intermediate", type=parsing.positive_int, default=None, help="default 1408 (2816 with --compile)")
+    p.add_argument("--seq", type=parsing.seq_list, default=None,
+                   help="comma-separated sequence lengths (default 1024,2048,4096,8192; 8192 with --compile)")
     p.add_argument("--batch", type=parsing.positive_int, default=1)
     p.add_argument("--dtype", type=parsing.dtype, default=None, help="default: float32 on CPU, bfloat16 elsewhere")
     p.add_argument("--device", default="cpu", help="cpu, cuda, npu, ...")
@@ -34,6 +35,11 @@ def add_parser(subparsers) -> None:
                    help="model peak memory with fake tensors (no allocation, no timing): any size on any machine")
     p.add_argument("--tp", type=parsing.positive_int, default=1,
                    help="with --model-memory: one rank of tensor parallelism over N ranks (local weights, its collectives)")
+    p.add_argument("--compile", action="store_true",
+                   help="eager vs torch.compile, untiled vs tiled, at one length: time ratios against issue 29's "
+                        "targets, allocator peaks, gradient error, dynamo graph breaks")
+    p.add_argument("--compile-backend", default=None, help="with --compile: torch.compile backend "
+                   "(default inductor; aot_eager traces the same graphs without generating code, for a fast check)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", metavar="PNG", help="draw memory (and time) against sequence length")
     p.add_argument("--no-progress", action="store_true")
@@ -110,13 +116,28 @@ def _check_memory(args, device: torch.device, dtype: torch.dtype, parser_error) 
                      "sizes, or --model-memory to model them without allocating")
 
 
+def _fill_defaults(args) -> None:
+    defaults = bench_compile_cmd.DEFAULTS if args.compile else dict(hidden=512, intermediate=1408,
+                                                                      seq=[1024, 2048, 4096, 8192])
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def run(args, parser_error) -> int:
     # Every argument is checked before the benchmark starts: a mistake must not cost a run.
+    _fill_defaults(args)
     try:
         device = parsing.check_device(args.device, model_memory=args.model_memory)
     except ValueError as error:
         parser_error(str(error))
     dtype = args.dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    if args.compile:
+        bench_compile_cmd.check(args, device, parser_error)
+        _check_memory(args, device, dtype, parser_error)
+        return bench_compile_cmd.run(args, dtype)
+    if args.compile_backend is not None:
+        parser_error("--compile-backend chooses the backend of --compile: add --compile")
     impls = _impls(args.impls, parser_error)
     if args.plot:
         _check_plot(args.plot, parser_error)
