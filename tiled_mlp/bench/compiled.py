@@ -30,7 +30,7 @@ from tiled_mlp.core import TiledMLP
 
 from .cpu_allocator import keep_freed_memory_in_process
 from .measure import make_inputs, max_relative_error, shards_used
-from .mlp import SwiGLUMLP
+from .mlp import seeded_mlp
 from .progress import Progress
 
 MiB = 2**20
@@ -125,11 +125,7 @@ def _explain(module: nn.Module, x_data) -> Dict[str, object]:
 
 def _build(cfg: CompileBenchConfig) -> Tuple[nn.Module, Dict[str, nn.Module]]:
     device = torch.device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    mlp = SwiGLUMLP(cfg.hidden, cfg.intermediate, dtype=cfg.dtype, device=device)
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+    mlp = seeded_mlp(cfg.hidden, cfg.intermediate, cfg.dtype, device, cfg.seed)
     # Tiling is in place: each tiled variant tiles its own shallow copy (same weights), as impls.py does.
     tiled = {name: TiledMLP(copy.copy(mlp), num_shards=cfg.num_shards, path="auto")
              for name in ("eager_tiled", "compiled_tiled")}

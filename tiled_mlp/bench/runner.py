@@ -9,7 +9,7 @@ import torch
 
 from .impls import IMPLS
 from .measure import make_inputs, max_relative_error, peak_bytes, shards_used, step_outputs, step_seconds
-from .mlp import SwiGLUMLP
+from .mlp import seeded_mlp
 from .model_memory import modeled_step
 from .progress import Progress
 
@@ -43,11 +43,7 @@ def shards_for(impl: str, cfg: BenchConfig, seq: int) -> Union[int, str]:
 
 def _measure_real(cfg: BenchConfig, seq: int, impls: List[str], progress: Progress) -> List[dict]:
     device = torch.device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    mlp = SwiGLUMLP(cfg.hidden, cfg.intermediate, dtype=cfg.dtype, device=device)
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+    mlp = seeded_mlp(cfg.hidden, cfg.intermediate, cfg.dtype, device, cfg.seed)
     x, grad_out = make_inputs(seq, cfg.hidden, cfg.dtype, device, cfg.batch, cfg.seed)
     reference = step_outputs(IMPLS["untiled"](mlp, 1), mlp, x, grad_out)
     rows: List[Dict[str, Any]] = []
