@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from tiled_mlp.bench.compiled import VARIANTS, CompileBenchConfig, _build, allocated_peak_bytes
+from tiled_mlp.bench.compiled import VARIANTS, CompileBenchConfig, allocated_peak_bytes, build_variants
 from tiled_mlp.bench.measure import make_inputs, peak_bytes
 from tiled_mlp.cli.main import main
 
@@ -69,7 +69,7 @@ def test_allocator_peak_equals_the_live_storage_peak_of_eager_steps(name):
     """Where the dispatch-mode tracker sees every buffer (eager ops), the profiler's allocator peak agrees
     to the byte: same accounting (input, grad_output, weights, grads), so its compiled peaks compare."""
     cfg = CompileBenchConfig(hidden=32, intermediate=88, seq=256, num_shards=4)
-    mlp, modules = _build(cfg)
+    mlp, modules = build_variants(cfg)
     x, grad_out = make_inputs(cfg.seq, cfg.hidden, cfg.dtype, "cpu")
     assert allocated_peak_bytes(modules[name], mlp, x.detach(), grad_out) == peak_bytes(modules[name], mlp, x, grad_out)
 

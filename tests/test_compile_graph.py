@@ -207,3 +207,51 @@ def test_double_backward_through_the_op_is_refused():
     (grad,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError):
         grad.sum().backward()
+
+
+def test_an_instance_forward_or_a_changed_setting_traces_the_call_again():
+    """What the route rests on is guarded: an instance forward, then another shard count and path, each take
+    effect at the next compiled call."""
+    torch.manual_seed(0)
+    mlp = GatedMLP(8, 20).double()
+    TiledMLP(mlp, num_shards=2)
+    x = torch.randn(1, 9, 8, dtype=torch.float64)
+    compiled = torch.compile(mlp, backend="aot_eager")
+    want = compiled(x)
+    assert mlp.tiling.last_path == "fast"
+    mlp.forward = lambda h: GatedMLP.forward(mlp, h) * 0.5
+    assert (compiled(x) - 0.5 * want).abs().max().item() < BOUND
+    assert "an instance forward is installed" in mlp.tiling.compiled_reason
+    del mlp.forward
+    mlp.tiling.num_shards, mlp.tiling.path = 3, "generic"
+    assert (compiled(x) - want).abs().max().item() < BOUND
+    assert (mlp.tiling.last_path, mlp.tiling.last_num_shards) == ("generic", 3)
+
+
+def test_a_forward_bound_into_the_instance_dict_before_compiling_runs_eagerly():
+    """Liger binds a forward by writing the instance's dict: the eager call adopts it, so the route does not take
+    the op."""
+    torch.manual_seed(0)
+    mlp = GatedMLP(8, 20).double()
+    TiledMLP(mlp, num_shards=2)
+    x = torch.randn(1, 9, 8, dtype=torch.float64)
+    mlp.__dict__["forward"] = lambda h: GatedMLP.forward(mlp, h) * 0.5
+    want = 0.5 * GatedMLP.forward(mlp, x)
+    assert (torch.compile(mlp, backend="aot_eager")(x) - want).abs().max().item() < BOUND
+    assert "an instance forward is installed" in mlp.tiling.compiled_reason
+
+
+def test_a_failed_call_keeps_no_hidden_states():
+    _, model = _tiled_llama()
+    ids, labels = _batch()
+
+    def fail(_module, _args, _out):
+        raise RuntimeError("boom")
+
+    handle = model.get_decoder().register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(input_ids=ids, labels=labels)
+    handle.remove()
+    forward = vars(model)["forward"]
+    assert forward._captured is None and not forward._capturing
+    copy.deepcopy(model)  # a kept graph tensor would refuse the deep copy

@@ -62,6 +62,14 @@ def decide_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool) -> Los
 
 
 @torch._dynamo.assume_constant_result
-def traced_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool) -> LossRoute:
-    """``decide_loss_route``, run by Dynamo where it traces the call and kept as a constant of the graph."""
+def _traced_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool, hooks: int) -> LossRoute:
+    """``decide_loss_route``, run by Dynamo where it traces the call and kept as a constant of the graph.
+    ``hooks`` is passed only so that Dynamo guards on it: a hook added to the head traces the call again."""
     return decide_loss_route(lm_head, strategy, has_group)
+
+
+def traced_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool) -> LossRoute:
+    """The route of a traced call, with the head's hooks counted in traced code (so that Dynamo guards them)."""
+    hooks = (len(lm_head._forward_hooks) + len(lm_head._forward_pre_hooks) + len(lm_head._backward_hooks)
+             + len(lm_head._backward_pre_hooks))
+    return _traced_loss_route(lm_head, strategy, has_group, hooks)

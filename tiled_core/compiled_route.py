@@ -77,7 +77,8 @@ def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...]
     state = tiling_of(module)
     if not default_inputs:
         return _eager_route(f"{type(module).__name__} passes other sharded inputs to the tiled call")
-    if state.instance_forward is not None:
+    # One written into the instance's dict (Liger's ``_bind_method_to_module``) is adopted by the eager call.
+    if state.instance_forward is not None or "forward" in vars(module):
         return _eager_route("an instance forward is installed (what each shard runs is not the class's forward)")
     strategy = module_strategy(module)
     strategy.check_supported(module)
@@ -110,11 +111,11 @@ def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...]
 
 
 @torch._dynamo.assume_constant_result
-def _traced_route(module: nn.Module, default_inputs: bool, forward: Any, activation_class: Any,
-                  shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> CompiledRoute:
+def _traced_route(module: nn.Module, default_inputs: bool, watched: Tuple[Any, ...], shape: Tuple[int, ...],
+                  dtype: torch.dtype, device: torch.device) -> CompiledRoute:
     """``decide_route``, run by Dynamo where it traces the call and kept as a constant of the graph.
-    ``forward`` and ``activation_class`` are passed only so that Dynamo guards on them: the graph is
-    traced again when the class's forward or the activation's class changes."""
+    ``watched`` (``_watched``) is passed only so that Dynamo guards on it: the graph is traced again when
+    anything in it changes."""
     route = decide_route(module, default_inputs, shape, dtype, device)
     # Report fields (as ``MapSite.record`` writes them): the compiled call runs what was decided here, and
     # the op cannot write them when it runs. An eager route writes its own at each call.
@@ -133,20 +134,37 @@ def _param(module: nn.Module, name: str) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def _eager_call(module: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _eager_call(module: nn.Module, reason: str, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
+    if reason:  # a route decided where traced wrote its own
+        tiling_of(module).__dict__["compiled_reason"] = _eager_route(reason).reason
     return module._tiled_forward(*args, **kwargs)  # type: ignore[operator]  # TiledMLP's
+
+
+def _hook_counts(module: nn.Module) -> Tuple[int, ...]:
+    """How many hooks each of ``module``'s modules carries (a hook on a projection rules the fast kernel out)."""
+    return tuple(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) + len(m._backward_pre_hooks)
+                 for m in module.modules())
+
+
+def _watched(module: nn.Module) -> Tuple[Any, ...]:
+    """What the route rests on besides the module and the input, read in traced code so that Dynamo guards
+    on each: the tiling's settings, whether a forward was put on the instance, the class's forward, the
+    activation's class, the hooks on every submodule."""
+    state = tiling_of(module)
+    return (state.path, state.num_shards, state.grad_accum_dtype, state.use_fused_kernel,
+            state.instance_forward is None, vars(module).get("forward") is None,
+            type(module)._tiled_base.forward, type(getattr(module, "act_fn", None)),  # type: ignore[attr-defined]
+            _hook_counts(module))
 
 
 def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
     """The call as Dynamo traces it (see the module doc)."""
     if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
-        return _eager_call(module, *args, **kwargs)
+        return _eager_call(module, "the call passes keyword arguments or more than the hidden states", args, kwargs)
     x = args[0]
-    if not all(type(size) is int for size in x.shape):
-        return _eager_call(module, x)  # symbolic sizes: decided at each call, eagerly
-    activation = getattr(module, "act_fn", None)
-    route = _traced_route(module, default_inputs, type(module)._tiled_base.forward,  # type: ignore[attr-defined]
-                          type(activation), tuple(x.shape), x.dtype, x.device)
+    # Symbolic sizes (dynamic shapes) cannot be a constant's argument: Dynamo breaks the graph at this call
+    # (an error under fullgraph=True) and the decision is made at each call, eagerly.
+    route = _traced_route(module, default_inputs, _watched(module), tuple(x.shape), x.dtype, x.device)
     if route.kind == UNTILED:
         return type(module)._tiled_base.forward(module, x)  # type: ignore[attr-defined]
     if route.kind == GATED_OP:
@@ -156,4 +174,4 @@ def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], 
     if route.kind == NORM_OP:
         return rms_norm(x, _param(module, route.param_names[0]), route.norm_eps, route.norm_offset, route.norm_multiply,
                         route.num_shards, route.accum_dtype)
-    return _eager_call(module, x)
+    return _eager_call(module, "", (x,), {})

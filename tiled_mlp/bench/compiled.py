@@ -123,7 +123,7 @@ def _explain(module: nn.Module, x_data) -> Dict[str, object]:
                 break_reasons=sorted({str(getattr(b, "reason", b)).splitlines()[0] for b in out.break_reasons}))
 
 
-def _build(cfg: CompileBenchConfig) -> Tuple[nn.Module, Dict[str, nn.Module]]:
+def build_variants(cfg: CompileBenchConfig) -> Tuple[nn.Module, Dict[str, nn.Module]]:
     device = torch.device(cfg.device)
     mlp = seeded_mlp(cfg.hidden, cfg.intermediate, cfg.dtype, device, cfg.seed)
     # Tiling is in place: each tiled variant tiles its own shallow copy (same weights), as impls.py does.
@@ -138,7 +138,7 @@ def run_compile_bench(cfg: CompileBenchConfig, show_progress: bool = True) -> di
     if device.type == "cpu":
         keep_freed_memory_in_process()  # steady CPU timings (see cpu_allocator)
     torch._dynamo.reset()
-    mlp, built = _build(cfg)
+    mlp, built = build_variants(cfg)
     modules: Dict[str, Callable] = dict(built)
     x_data, grad_out = make_inputs(cfg.seq, cfg.hidden, cfg.dtype, device, cfg.batch, cfg.seed)
     x_data.requires_grad_(False)

@@ -309,8 +309,8 @@ class TiledLossForward:
         try:
             out = inner(**arguments, **extra, return_dict=True)
         finally:
-            self._capturing = False
-        hidden, self._captured = self._captured, None
+            # Taken off the forward whatever happened: a failed call must not keep its hidden states (and graph).
+            hidden, self._capturing, self._captured = self._captured, False, None
         if hidden is None:
             raise RuntimeError(f"tiled loss: {type(self.model).__name__}'s forward did not call the decoder the tiled "
                                "loss was installed on, so no hidden states reached the loss (was the decoder replaced? "
