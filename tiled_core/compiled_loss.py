@@ -24,10 +24,10 @@ from torch import nn
 from tiled_mlp.strategies.resolver import resolve_strategy, strategy_from_arg
 
 from .autocast_state import autocast_enabled
-from .head_call import foreign_head_hooks
+from .head_call import hook_count
 from .kernels.lm_head import is_plain_linear
 from .kernels.vocab_parallel import SplitsHeadVocabulary
-from .tiled_call import _BASE_DELIVER_GRADS, _BASE_GATHERED, _is_base
+from .tiled_call import autograd_carries_the_call
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,9 @@ def decide_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool) -> Los
     backend.check_supported(lm_head)
     if isinstance(backend, SplitsHeadVocabulary) or any(type(p).__name__ == "DTensor" for p in lm_head.parameters()):
         return _eager("the head's parameters are distributed")
-    if not (_is_base(backend.gathered, _BASE_GATHERED) and _is_base(backend.deliver_grads, _BASE_DELIVER_GRADS)):
+    if not autograd_carries_the_call(backend):
         return _eager(f"the {backend.name} strategy gathers parameters or delivers gradients itself")
-    if foreign_head_hooks(lm_head, lambda hook: False):
+    if hook_count(lm_head):
         return _eager("the head carries hooks (they would fire around the eager loss's call of the head)")
     weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]  # a plain nn.Linear's
     if autocast_enabled(weight.device.type):
@@ -70,6 +70,4 @@ def _traced_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool, hooks
 
 def traced_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool) -> LossRoute:
     """The route of a traced call, with the head's hooks counted in traced code (so that Dynamo guards them)."""
-    hooks = (len(lm_head._forward_hooks) + len(lm_head._forward_pre_hooks) + len(lm_head._backward_hooks)
-             + len(lm_head._backward_pre_hooks))
-    return _traced_loss_route(lm_head, strategy, has_group, hooks)
+    return _traced_loss_route(lm_head, strategy, has_group, hook_count(lm_head))

@@ -33,11 +33,12 @@ import torch
 from torch import nn
 
 from .call_decision import decide_map_call
+from .head_call import hook_count
 from .module_forward import original_forward
 from .module_strategy import module_strategy
 from .ops.gated_mlp import gated_mlp
 from .ops.rms_norm import rms_norm
-from .tiled_call import _BASE_DELIVER_GRADS, _BASE_GATHERED, _is_base
+from .tiled_call import autograd_carries_the_call
 from .tiling_state import tiling_of
 
 EAGER, UNTILED, GATED_OP, NORM_OP = "eager", "untiled", "gated_op", "norm_op"
@@ -82,7 +83,7 @@ def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...]
         return _eager_route("an instance forward is installed (what each shard runs is not the class's forward)")
     strategy = module_strategy(module)
     strategy.check_supported(module)
-    if not (_is_base(strategy.gathered, _BASE_GATHERED) and _is_base(strategy.deliver_grads, _BASE_DELIVER_GRADS)):
+    if not autograd_carries_the_call(strategy):
         return _eager_route(f"the {strategy.name} strategy gathers parameters or delivers gradients itself")
     # A stand-in input: the decision reads the input's sizes, dtype and device, never its values.
     x = torch.empty((), dtype=dtype, device=device).expand(shape)
@@ -142,8 +143,7 @@ def _eager_call(module: nn.Module, reason: str, args: Sequence[Any], kwargs: dic
 
 def _hook_counts(module: nn.Module) -> Tuple[int, ...]:
     """How many hooks each of ``module``'s modules carries (a hook on a projection rules the fast kernel out)."""
-    return tuple(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) + len(m._backward_pre_hooks)
-                 for m in module.modules())
+    return tuple(hook_count(m) for m in module.modules())
 
 
 def _watched(module: nn.Module) -> Tuple[Any, ...]:

@@ -58,6 +58,12 @@ def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Te
         forward.put_back()  # where a pre-hook raised before the forward ran
 
 
+def hook_count(module: nn.Module) -> int:
+    """How many hooks ``module`` itself carries, of the four kinds its call runs (read in traced code by the
+    compiled routes, so that Dynamo may guard the count)."""
+    return sum(len(getattr(module, name)) for name in _HOOK_DICTS)
+
+
 def foreign_head_hooks(head: nn.Module, is_backend_hook: Callable[[Any], bool]) -> List[str]:
     """The hooks on ``head`` itself that are not its backend's, by name: they would fire around the loss."""
     return [getattr(hook, "__qualname__", type(hook).__qualname__)

@@ -82,6 +82,13 @@ def _is_base(method: Any, base_function: Any) -> bool:
     return getattr(method, "__func__", None) is base_function
 
 
+def autograd_carries_the_call(strategy: Strategy) -> bool:
+    """Whether the strategy neither gathers parameters around a call nor delivers gradients itself (its
+    ``gathered`` and ``deliver_grads`` are the base class's no-ops): autograd alone carries a call's tensors
+    and gradients, as for any op (what a custom op needs, ``compiled_route``)."""
+    return _is_base(strategy.gathered, _BASE_GATHERED) and _is_base(strategy.deliver_grads, _BASE_DELIVER_GRADS)
+
+
 def tiled_call(site: CallSite) -> torch.Tensor:
     """Run one tiled call of ``site``: strategy, gathered region, decision, shard plan, run."""
     strategy = site.strategy()

@@ -25,6 +25,8 @@ from ..grad_accum import GradAccumulator
 from .base import no_substitution
 
 ROLES = ("gate", "up", "gate_up", "down")
+# Where the down projection's weight index sits in ``GatedLayout.as_args``' ints (two per role, weight first).
+DOWN_WEIGHT_ARG = 2 * ROLES.index("down")
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,10 @@ import torch
 
 from ..activations import gated_activation
 from ..grad_accum import GradAccumulator
-from ..kernels.gated import GatedLayout, GatedShardKernel
+from ..kernels.gated import DOWN_WEIGHT_ARG, GatedLayout, GatedShardKernel
 from ..shard_loops import backward_shards, forward_shards
 from ..shard_plan import make_shard_plan
-
-NOT_NEEDED = 0  # an output slot of the backward op that holds no gradient: a 0-element tensor (ops return tensors)
+from .gradient_slots import fake_slots, needed_only, slot
 
 
 def _kernel(tensors: Sequence[torch.Tensor], slots: Sequence[int], scales: Sequence[float], activation: str,
@@ -34,8 +33,8 @@ def _kernel(tensors: Sequence[torch.Tensor], slots: Sequence[int], scales: Seque
 
 
 def _down_rows(tensors: Sequence[torch.Tensor], slots: Sequence[int]) -> int:
-    """The output width: the down projection's rows (its weight's slot is the seventh: ``GatedLayout.as_args``)."""
-    return tensors[slots[6]].shape[0]
+    """The output width: the down projection's rows."""
+    return tensors[slots[DOWN_WEIGHT_ARG]].shape[0]
 
 
 @torch.library.custom_op("tiled_mlp::gated_mlp", mutates_args=())
@@ -59,7 +58,7 @@ def _gated_mlp_fake(x, tensors, slots, scales, activation, use_fused, num_shards
 def gated_mlp_backward(grad_out: torch.Tensor, x: torch.Tensor, tensors: List[torch.Tensor], slots: List[int],
                        scales: List[float], activation: str, use_fused: bool, num_shards: int,
                        accum_dtype: Optional[torch.dtype], needs: List[bool]) -> List[torch.Tensor]:
-    """``[dx, *d tensors]``, each recomputed shard by shard; ``needs[i]`` False: a 0-element placeholder."""
+    """``[dx, *d tensors]``, each recomputed shard by shard; ``needs[i]`` False: an empty slot."""
     x_flat = x.reshape(-1, x.shape[-1])
     dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
     dx_flat = torch.empty_like(x_flat) if needs[0] else None
@@ -67,15 +66,13 @@ def gated_mlp_backward(grad_out: torch.Tensor, x: torch.Tensor, tensors: List[to
     plan = make_shard_plan(x_flat.shape[0], num_shards)
     kernel = _kernel(tensors, slots, scales, activation, use_fused, x.device)
     backward_shards(kernel, plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, tensors)
-    # Every needed gradient exists (the gated formula uses every tensor); a copy where the kernel kept none
-    # of its own would alias nothing an op may not return.
-    dx = x.new_empty(NOT_NEEDED) if dx_flat is None else dx_flat.view_as(x)
-    return [dx, *(t.new_empty(NOT_NEEDED) if g is None else g for t, g in zip(tensors, grads.results(), strict=True))]
+    dx = None if dx_flat is None else dx_flat.view_as(x)
+    return [slot(dx, x), *(slot(g, t) for t, g in zip(tensors, grads.results(), strict=True))]
 
 
 @gated_mlp_backward.register_fake
 def _gated_mlp_backward_fake(grad_out, x, tensors, slots, scales, activation, use_fused, num_shards, accum_dtype, needs):
-    return [torch.empty_like(t) if need else t.new_empty(NOT_NEEDED) for t, need in zip((x, *tensors), needs, strict=True)]
+    return fake_slots((x, *tensors), needs)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -88,7 +85,7 @@ def _backward(ctx, grad_out):
     x, *tensors = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], *ctx.needs_input_grad[1]]  # a list argument's flags are a list
     grads = gated_mlp_backward(grad_out, x, tensors, *ctx.options, needs)
-    dx, *dtensors = (g if need else None for g, need in zip(grads, needs, strict=True))
+    dx, *dtensors = needed_only(grads, needs)
     return dx, dtensors, None, None, None, None, None, None
 
 

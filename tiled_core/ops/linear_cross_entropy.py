@@ -22,8 +22,7 @@ from ..kernels.cross_entropy import CrossEntropyOptions, check_targets
 from ..kernels.lm_head import LinearHeadKernel, loss_dtype
 from ..shard_loops import reduce_shards
 from ..shard_plan import make_shard_plan
-
-NONE = 0  # the length of a gradient output that holds no gradient
+from .gradient_slots import fake_slots, slot
 
 
 @torch.library.custom_op("tiled_mlp::linear_cross_entropy", mutates_args=())
@@ -45,19 +44,14 @@ def linear_cross_entropy(x: torch.Tensor, targets: torch.Tensor, scale: torch.Te
     loss = reduce_shards(kernel, x, targets, scale, dx_flat, grads, params, plan.slice_tuple)
     found = grads.results() if grads is not None else [None] * len(params)
     d_bias = found[1] if bias is not None else None
-    return [loss,
-            x.new_empty(NONE) if dx_flat is None else dx_flat.view_as(x),
-            weight.new_empty(NONE) if found[0] is None else found[0],
-            weight.new_empty(NONE) if d_bias is None else d_bias]
+    return [loss, slot(None if dx_flat is None else dx_flat.view_as(x), x), slot(found[0], weight), slot(d_bias, weight)]
 
 
 @linear_cross_entropy.register_fake
 def _linear_cross_entropy_fake(x, targets, scale, weight, bias, ignore_index, label_smoothing, logit_softcap, z_loss,
                                num_shards, accum_dtype, grad_x, grad_weight, grad_bias):
     return [x.new_empty((), dtype=loss_dtype(weight.dtype)),
-            torch.empty_like(x) if grad_x else x.new_empty(NONE),
-            torch.empty_like(weight) if grad_weight else weight.new_empty(NONE),
-            torch.empty_like(bias) if bias is not None and grad_bias else weight.new_empty(NONE)]
+            *fake_slots((x, weight, weight if bias is None else bias), (grad_x, grad_weight, bias is not None and grad_bias))]
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -21,8 +21,7 @@ from ..grad_accum import GradAccumulator
 from ..kernels.rms_norm import WEIGHT, NormLayout, RMSNormShardKernel
 from ..shard_loops import backward_shards, forward_shards
 from ..shard_plan import make_shard_plan
-
-NOT_NEEDED = 0  # an output slot of the backward op that holds no gradient: a 0-element tensor (ops return tensors)
+from .gradient_slots import fake_slots, needed_only, slot
 
 
 def _output_like(x: torch.Tensor, weight: torch.Tensor, layout: NormLayout) -> torch.Tensor:
@@ -50,7 +49,7 @@ def _rms_norm_fake(x, weight, eps, offset, multiply, num_shards, accum_dtype):
 def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
                       multiply: str, num_shards: int, accum_dtype: Optional[torch.dtype],
                       needs: List[bool]) -> List[torch.Tensor]:
-    """``[dx, dweight]``, recomputed shard by shard; ``needs[i]`` False: a 0-element placeholder."""
+    """``[dx, dweight]``, recomputed shard by shard; ``needs[i]`` False: an empty slot."""
     x_flat = x.reshape(-1, x.shape[-1])
     dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
     dx_flat = torch.empty_like(x_flat) if needs[0] else None
@@ -58,17 +57,17 @@ def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     plan = make_shard_plan(x_flat.shape[0], num_shards)
     kernel = RMSNormShardKernel(NormLayout(eps, offset, multiply), weight)
     backward_shards(kernel, plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, [weight])
-    dx = x.new_empty(NOT_NEEDED) if dx_flat is None else dx_flat.view_as(x)
+    dx = None if dx_flat is None else dx_flat.view_as(x)
     dweight = grads.results()[WEIGHT]
     # A call with no token (0 shards' worth of sums) leaves no buffer: its gradient is zeros, as untiled.
     if needs[1] and dweight is None:
         dweight = torch.zeros_like(weight)
-    return [dx, weight.new_empty(NOT_NEEDED) if dweight is None else dweight]
+    return [slot(dx, x), slot(dweight, weight)]
 
 
 @rms_norm_backward.register_fake
 def _rms_norm_backward_fake(grad_out, x, weight, eps, offset, multiply, num_shards, accum_dtype, needs):
-    return [torch.empty_like(t) if need else t.new_empty(NOT_NEEDED) for t, need in zip((x, weight), needs, strict=True)]
+    return fake_slots((x, weight), needs)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -80,8 +79,8 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_out):
     x, weight = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
-    dx, dweight = rms_norm_backward(grad_out, x, weight, *ctx.options, needs)
-    return (dx if needs[0] else None), (dweight if needs[1] else None), None, None, None, None, None
+    dx, dweight = needed_only(rms_norm_backward(grad_out, x, weight, *ctx.options, needs), needs)
+    return dx, dweight, None, None, None, None, None
 
 
 rms_norm.register_autograd(_backward, setup_context=_setup_context)

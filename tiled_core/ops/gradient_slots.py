@@ -1,0 +1,25 @@
+"""How the ops hand gradients back. A custom op returns tensors only, so a gradient it did not form is an
+empty slot (a 0-element tensor of its input's dtype and device), and the registered backward gives autograd
+None for it."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+NOT_FORMED = 0  # the length of a slot that holds no gradient
+
+
+def slot(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """``grad``, or an empty slot like ``like`` where none was formed."""
+    return like.new_empty(NOT_FORMED) if grad is None else grad
+
+
+def fake_slots(tensors: Sequence[torch.Tensor], formed: Sequence[bool]) -> List[torch.Tensor]:
+    """A fake kernel's gradients: one shaped like each tensor where it is formed, else an empty slot."""
+    return [torch.empty_like(t) if f else t.new_empty(NOT_FORMED) for t, f in zip(tensors, formed, strict=True)]
+
+
+def needed_only(grads: Sequence[torch.Tensor], needs: Sequence[bool]) -> List[Optional[torch.Tensor]]:
+    """What the backward gives autograd: each gradient that is needed, None for the others."""
+    return [g if need else None for g, need in zip(grads, needs, strict=True)]
