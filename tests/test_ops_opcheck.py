@@ -1,0 +1,49 @@
+"""``torch.library.opcheck`` on the gated MLP and loss ops (schema, fake kernel, autograd registration, and
+the op against its own eager call), over the layouts and options they carry. The norm op's are in
+``test_norm_op.py``."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tiled_mlp.core.kernels.gated import GatedLayout, _Slots
+from tiled_mlp.core.ops import gated_mlp  # noqa: F401  # registers the ops
+from tiled_mlp.core.ops.linear_cross_entropy import linear_cross_entropy  # noqa: F401
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _gated_args(fused: bool, bias: bool):
+    generator = torch.Generator().manual_seed(0)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64, requires_grad=True)
+
+    hidden, inner = 6, 10
+    tensors = [t(2 * inner, hidden)] if fused else [t(inner, hidden), t(inner, hidden)]
+    tensors += [t(hidden, inner)] + ([t(hidden)] if bias else [])
+    roles = (("gate_up", _Slots(0, None)), ("down", _Slots(1, 2 if bias else None))) if fused else (
+        ("gate", _Slots(0, None)), ("up", _Slots(1, None)), ("down", _Slots(2, 3 if bias else None)))
+    slots, scales = GatedLayout(roles, 0.5, 1.0, 2.0).as_args()
+    return t(2, 7, hidden), tensors, slots, scales
+
+
+@pytest.mark.parametrize("fused,bias", [(False, False), (False, True), (True, False)])
+def test_gated_mlp_op_passes_opcheck(fused, bias):
+    x, tensors, slots, scales = _gated_args(fused, bias)
+    torch.library.opcheck(torch.ops.tiled_mlp.gated_mlp.default, (x, tensors, slots, scales, "gelu_tanh", False, 3, None))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cross_entropy_op_passes_opcheck(bias):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(11, generator=generator, dtype=torch.float64, requires_grad=True) if bias else None
+    labels = torch.randint(0, 11, (2, 7), generator=generator)
+    labels[0, 2] = -100
+    targets = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    scale = (targets != -100).sum().double().reciprocal()
+    torch.library.opcheck(torch.ops.tiled_mlp.linear_cross_entropy.default,
+                          (x, targets, scale, weight, b, -100, 0.1, 5.0, 1e-3, 3, None, True, True, bias))
