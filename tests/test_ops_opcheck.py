@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tiled_mlp.core.kernels.gated import GatedLayout, _Slots
+from tiled_mlp.core.kernels.gated import GatedLayout, Slots
 from tiled_mlp.core.ops import gated_mlp  # noqa: F401  # registers the ops
 from tiled_mlp.core.ops.linear_cross_entropy import linear_cross_entropy  # noqa: F401
 
@@ -23,8 +23,8 @@ def _gated_args(fused: bool, bias: bool):
     hidden, inner = 6, 10
     tensors = [t(2 * inner, hidden)] if fused else [t(inner, hidden), t(inner, hidden)]
     tensors += [t(hidden, inner)] + ([t(hidden)] if bias else [])
-    roles = (("gate_up", _Slots(0, None)), ("down", _Slots(1, 2 if bias else None))) if fused else (
-        ("gate", _Slots(0, None)), ("up", _Slots(1, None)), ("down", _Slots(2, 3 if bias else None)))
+    roles = (("gate_up", Slots(0, None)), ("down", Slots(1, 2 if bias else None))) if fused else (
+        ("gate", Slots(0, None)), ("up", Slots(1, None)), ("down", Slots(2, 3 if bias else None)))
     slots, scales = GatedLayout(roles, 0.5, 1.0, 2.0).as_args()
     return t(2, 7, hidden), tensors, slots, scales
 

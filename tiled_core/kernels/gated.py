@@ -30,7 +30,7 @@ DOWN_WEIGHT_ARG = 2 * ROLES.index("down")
 
 
 @dataclass(frozen=True)
-class _Slots:
+class Slots:
     """Where one projection's weight and bias sit in the kernel's tensors."""
 
     weight: int
@@ -47,7 +47,7 @@ class GatedLayout:
     form's fixed factors. Plain ints and floats (``as_args``), so that a custom op carries it as arguments
     (``ops/gated_mlp.py``) and rebuilds it (``from_args``)."""
 
-    slots: Tuple[Tuple[str, _Slots], ...]
+    slots: Tuple[Tuple[str, Slots], ...]
     gate_scale: float = 1.0
     up_scale: float = 1.0
     down_scale: float = 1.0
@@ -56,7 +56,7 @@ class GatedLayout:
     def of(cls, spec: GatedMLPSpec) -> GatedLayout:
         index = {id(p): i for i, p in enumerate(spec.params)}
         roles = {"gate": spec.gate, "up": spec.up, "gate_up": spec.gate_up, "down": spec.down}
-        slots = tuple((role, _Slots(index[id(linear.weight)], None if linear.bias is None else index[id(linear.bias)]))
+        slots = tuple((role, Slots(index[id(linear.weight)], None if linear.bias is None else index[id(linear.bias)]))
                       for role, linear in roles.items() if linear is not None)
         return cls(slots, spec.gate_scale, spec.up_scale, spec.down_scale)
 
@@ -73,7 +73,7 @@ class GatedLayout:
     def from_args(cls, flat: Sequence[int], scales: Sequence[float]) -> GatedLayout:
         if len(flat) != 2 * len(ROLES) or len(scales) != 3:
             raise ValueError(f"a gated layout is {2 * len(ROLES)} slot indices and 3 factors, got {list(flat)}, {list(scales)}")
-        slots = tuple((role, _Slots(flat[2 * i], None if flat[2 * i + 1] < 0 else flat[2 * i + 1]))
+        slots = tuple((role, Slots(flat[2 * i], None if flat[2 * i + 1] < 0 else flat[2 * i + 1]))
                       for i, role in enumerate(ROLES) if flat[2 * i] >= 0)
         roles = {role for role, _ in slots}
         if "down" not in roles or not ({"gate", "up"} <= roles) ^ ("gate_up" in roles):
