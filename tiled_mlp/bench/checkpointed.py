@@ -10,7 +10,7 @@ ours 3 + 8 = 11.
 Two regions, each one non-reentrant checkpoint (``torch.utils.checkpoint``, as HF and torchtitan use
 it): the MLP half of a decoder layer (RMSNorm, gated MLP, residual add) and a whole HF Llama decoder
 layer (attention too). Per implementation: fwd+bwd time (rounds interleaved, as ``tiled-mlp bench``),
-exact peak memory (the live-storage tracker), and the MLP forwards per step, counted as passes of
+exact peak memory (the live-storage tracker; the allocator's peak on CUDA), and the MLP forwards per step, counted as passes of
 the gate projection over all tokens.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ class LlamaLayer(nn.Module):
         self.mlp = self.layer.mlp
 
     def forward(self, x):
-        positions = torch.arange(x.shape[1]).unsqueeze(0)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         return self.layer(x, position_ids=positions, position_embeddings=self.rotary(x, positions))
 
 
@@ -77,9 +77,10 @@ class Checkpointed(nn.Module):
 
 
 def build(region: str, impl: str, hidden: int, intermediate: int, dtype: torch.dtype, seq: int,
-          num_shards, heads: int) -> Checkpointed:
+          num_shards, heads: int, device: torch.device) -> Checkpointed:
     torch.manual_seed(0)
     inner = MLPHalf(hidden, intermediate, dtype) if region == "mlp-half" else LlamaLayer(hidden, intermediate, dtype, heads)
+    inner.to(device)
     for p in inner.parameters():  # the same weights for every implementation
         with torch.no_grad():
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1])) if p.dim() > 1 else p.fill_(1.0)
@@ -124,9 +125,10 @@ def mlp_forwards(module: Checkpointed, x: torch.Tensor, dy: torch.Tensor) -> flo
 
 
 def run(region: str, impls: List[str], hidden: int, intermediate: int, seq: int, dtype: torch.dtype,
-        repeats: int, heads: int, num_shards, on_step: Callable[[str], None]) -> List[Dict[str, Any]]:
-    x, dy = make_inputs(seq, hidden, dtype, "cpu")
-    modules = {impl: build(region, impl, hidden, intermediate, dtype, seq, num_shards, heads) for impl in impls}
+        repeats: int, heads: int, num_shards, on_step: Callable[[str], None],
+        device: torch.device = torch.device("cpu")) -> List[Dict[str, Any]]:
+    x, dy = make_inputs(seq, hidden, dtype, device)
+    modules = {impl: build(region, impl, hidden, intermediate, dtype, seq, num_shards, heads, device) for impl in impls}
     rows: List[Dict[str, Any]] = []
     for impl, module in modules.items():
         forwards = mlp_forwards(module, x, dy)
@@ -157,7 +159,7 @@ def format_rows(rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_rows(rows: List[Dict], path: str) -> None:
+def plot_rows(rows: List[Dict], path: str, what: str = "CPU fp32") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,6 +181,6 @@ def plot_rows(rows: List[Dict], path: str) -> None:
         ax.set_title(label, fontsize=10)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
-    fig.suptitle("checkpointed regions (non-reentrant), CPU fp32; labels: MLP forwards per step", fontsize=10)
+    fig.suptitle(f"checkpointed regions (non-reentrant), {what}; labels: MLP forwards per step", fontsize=10)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=120)

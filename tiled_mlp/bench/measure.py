@@ -1,7 +1,8 @@
 """One forward+backward step of an implementation: its peak memory, its time, its gradient error.
 
-Memory: ``torch.cuda.max_memory_allocated`` on CUDA (everything live counts: input, grad_output,
-weights, grads), the live-storage tracker elsewhere (same accounting, exact). Time: the median of
+Memory: the live-storage tracker (input, grad_output, weights, grads and everything the step makes;
+exact); on CUDA the allocator's peak over what the process held before the step, plus the same input,
+grad_output and weights, so that both count the same things. Time: the median of
 ``repeats`` steps after ``warmup`` steps, interleaved across implementations and reported as a ratio
 against the untiled module in the same run, so machine speed cancels out; on CPU with freed memory
 kept in the process (``cpu_allocator``).
@@ -39,11 +40,16 @@ def peak_bytes(step_fn: Callable, mlp: nn.Module, x: torch.Tensor, grad_out: tor
     mlp.zero_grad(set_to_none=True)
     x.grad = None
     if x.device.type == "cuda":
+        # The allocator counts everything the process holds: the bench's reference outputs, the other
+        # implementations' leftovers. The step's own peak is what it adds to that, and the tracker's
+        # accounting (input, grad_output, weights) is added back, so both devices count the same things.
         _synchronize(x.device)
         torch.cuda.reset_peak_memory_stats(x.device)
+        held = torch.cuda.memory_allocated(x.device)
         one_step(step_fn, mlp, x, grad_out)
         _synchronize(x.device)
-        return torch.cuda.max_memory_allocated(x.device)
+        counted = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (x, grad_out, *mlp.parameters())}
+        return torch.cuda.max_memory_allocated(x.device) - held + sum(counted.values())
     tracker = LiveMemoryTracker()
     tracker.track(x, grad_out, *mlp.parameters())
     with tracker:

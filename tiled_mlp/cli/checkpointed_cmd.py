@@ -20,6 +20,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seq", type=parsing.positive_int, default=8192)
     p.add_argument("--heads", type=parsing.positive_int, default=8)
     p.add_argument("--num-shards", type=parsing.shards, default="auto")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, ...")
+    p.add_argument("--dtype", type=parsing.dtype, default=torch.float32)
     p.add_argument("--repeats", type=parsing.positive_int, default=5, help="timed steps per cell (median)")
     p.add_argument("--plot", metavar="PNG")
     p.set_defaults(run=run_command)
@@ -51,13 +53,14 @@ def run_command(args, parser_error) -> int:
     progress = Progress(len(regions) * (len(impls) + args.repeats), "bench-checkpointed")
     rows = []
     for region in regions:
-        rows += run(region, impls, args.hidden, args.intermediate, args.seq, torch.float32, args.repeats, args.heads,
-                    args.num_shards, progress.step)
+        rows += run(region, impls, args.hidden, args.intermediate, args.seq, args.dtype, args.repeats, args.heads,
+                    args.num_shards, progress.step, torch.device(args.device))
     progress.close()
-    print(f"CPU fp32, hidden {args.hidden}, intermediate {args.intermediate}, {args.seq} tokens, one non-reentrant "
+    what = f"{args.device} {str(args.dtype).removeprefix('torch.')}"
+    print(f"{what}, hidden {args.hidden}, intermediate {args.intermediate}, {args.seq} tokens, one non-reentrant "
           "checkpoint per region")
     print(format_rows(rows))
     if args.plot:
-        plot_rows(rows, args.plot)
+        plot_rows(rows, args.plot, what)
         print(f"plot written to {args.plot}")
     return 0
