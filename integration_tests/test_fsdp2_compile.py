@@ -22,9 +22,10 @@ import torch
 
 from .compile_cases import BOUND, CASES, NUM_SHARDS, CompileCase, reference_run
 from .compile_training import train_compiled
+from .dynamo_versions import traced_as_ops
 from .spawn import run_distributed
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, traced_as_ops]
 
 WORLD = 2
 OP, BACKWARD_OP = "tiled_mlp.gated_mlp.default", "tiled_mlp.gated_mlp_backward.default"

@@ -17,12 +17,14 @@ import torch.nn.functional as F
 from reference import GatedMLP
 from torch import nn
 
+from integration_tests.dynamo_versions import traced_as_ops
+
 pytest.importorskip("transformers")
 
 from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
 from tiled_mlp import TiledMLP, apply_tiled_mlp, tiled_cross_entropy  # noqa: E402
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), traced_as_ops]
 
 BOUND = 1e-12  # float64: tiled sums run over shards in another order than the untiled ones
 

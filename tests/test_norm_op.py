@@ -15,6 +15,8 @@ import copy
 import pytest
 import torch
 
+from integration_tests.dynamo_versions import traced_as_ops
+
 pytest.importorskip("transformers")
 
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
@@ -193,6 +195,7 @@ def _tiny_llama_tiled():
     return reference, tiled
 
 
+@traced_as_ops
 def test_a_tiny_llama_with_tiled_norms_traces_as_one_graph():
     _, tiled = _tiny_llama_tiled()
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -203,6 +206,7 @@ def test_a_tiny_llama_with_tiled_norms_traces_as_one_graph():
     assert all("tiled_mlp::rms_norm" in m.tiling.compiled_reason and m.tiling.last_path == "norm" for m in norms)
 
 
+@traced_as_ops
 def test_compiled_tiny_llama_equals_the_untiled_model_in_float64():
     reference, tiled = _tiny_llama_tiled()
     generator = torch.Generator().manual_seed(0)

@@ -8,7 +8,8 @@ The route is decided once where the call is traced, from what the head and its b
   a backend whose ``gathered`` and ``deliver_grads`` are the base no-ops (a single device, DDP, FSDP2 with the
   head inside a unit whose hooks ran already), no autocast and no sequence group;
 - the eager loss otherwise: ZeRO-3 gathers the head in its hooks, a tensor-parallel head splits the
-  vocabulary, a PEFT head runs its own forward per shard, sequence parallelism sums over ranks.
+  vocabulary, a PEFT head runs its own forward per shard, sequence parallelism sums over ranks, and every
+  call on torch < 2.12 (``dynamo_support``).
 
 Everything else the loss does (the labels' shift, the denominator, the checks of the arguments) is traced
 as written in ``tiled_loss``; the labels' values are checked by the op at every call.
@@ -23,6 +24,7 @@ from torch import nn
 
 from tiled_mlp.strategies.resolver import resolve_strategy, strategy_from_arg
 
+from . import dynamo_support
 from .autocast_state import autocast_enabled
 from .head_call import hook_count
 from .kernels.lm_head import is_plain_linear
@@ -70,4 +72,6 @@ def _traced_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool, hooks
 
 def traced_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool) -> LossRoute:
     """The route of a traced call, with the head's hooks counted in traced code (so that Dynamo guards them)."""
+    if not dynamo_support.TRACES_OBJECT_ARGUMENTS:
+        return _eager(dynamo_support.OLD_DYNAMO)
     return _traced_loss_route(lm_head, strategy, has_group, hook_count(lm_head))

@@ -15,7 +15,7 @@ call), so the call is decided once, where it is traced, by the same decision the
   run per shard), a backend that gathers parameters or delivers gradients itself (ZeRO, whose hooks
   run inside the call), a distributed parameter (tensor parallelism), an instance forward, a module
   with other sharded inputs (MoE), an input whose sizes are symbolic (dynamic shapes), a call with
-  keyword arguments.
+  keyword arguments, and every call on torch < 2.12 (``dynamo_support``).
 
 The decision rests on the module as it is when traced; the compiled graph keeps it while Dynamo's guards
 hold: the module and its class, the parameters the op reads (identity, shape, dtype, device), the class's
@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from . import dynamo_support
 from .call_decision import decide_map_call
 from .head_call import hook_count
 from .module_forward import original_forward
@@ -159,6 +160,8 @@ def _watched(module: nn.Module) -> Tuple[Any, ...]:
 
 def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
     """The call as Dynamo traces it (see the module doc)."""
+    if not dynamo_support.TRACES_OBJECT_ARGUMENTS:
+        return _eager_call(module, dynamo_support.OLD_DYNAMO, args, kwargs)
     if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
         return _eager_call(module, "the call passes keyword arguments or more than the hidden states", args, kwargs)
     x = args[0]

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiled_mlp.core import tiled_cross_entropy
+from tiled_mlp.core import dynamo_support, tiled_cross_entropy
 from tiled_mlp.core.compiled_loss import decide_loss_route
 from tiled_mlp.core.shard_plan import NumShards
 
@@ -231,12 +231,14 @@ class TiledLossForward:
     def check_call(self, _module: nn.Module, _args: Any) -> None:
         """The model's forward pre-hook: a forward set on the model after installing may not call this
         one (the tiled loss would silently never run) or may change what it returns."""
-        if torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():
+            self._check_forward()
+        elif dynamo_support.TRACES_OBJECT_ARGUMENTS:
             # Checked where Dynamo traces the call, with the model's instance forward as an argument so that
             # Dynamo guards on it: one set after compiling traces the call again, and is checked then.
             _checked_where_traced(self, vars(self.model).get("forward"))
-            return
-        self._check_forward()
+        else:  # torch < 2.12 (``dynamo_support``): checked at every call, behind a graph break
+            _checked_eagerly(self)
 
     def _check_forward(self) -> None:
         reached = forward_reaching(self.model)
@@ -255,7 +257,7 @@ class TiledLossForward:
                                f"was installed: {why} (remove_tiled_loss(model))")
 
     def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and dynamo_support.TRACES_OBJECT_ARGUMENTS:
             return self._traced_call(args, kwargs)
         return self._eager_call(*args, **kwargs)
 
@@ -358,6 +360,11 @@ def _tiled_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
 def _checked_where_traced(forward: TiledLossForward, instance_forward: Any) -> bool:
     forward._check_forward()
     return True
+
+
+@torch.compiler.disable
+def _checked_eagerly(forward: TiledLossForward) -> None:
+    forward._check_forward()
 
 
 @dataclass(frozen=True)
