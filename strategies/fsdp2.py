@@ -10,8 +10,10 @@ Claiming: a module is FSDP2's when it, a submodule, or a recorded ancestor is an
 when one of its parameters is managed by an FSDP2 parameter group. The last test finds the enclosing
 unit with no recorded ancestors (``fully_shard(decoder_layer)`` around an MLP that was tiled first):
 FSDP2 keeps a process-wide module -> state map, and each of its parameters knows the module that
-owns it. That map is private API; if it moves, the claim falls back to the single-device strategy,
-which is equally correct here (its ``gathered`` is the same no-op), only less well named.
+owns it. That map is private API: a state holds a list of parameter groups from torch 2.12 on
+(``_fsdp_param_groups``) and one group before (``_fsdp_param_group``), both read here; a layout neither
+has is refused with the torch version named, never taken for "no FSDP2" (a unit missed that way would
+skip the checks FSDP2 needs under sequence parallelism).
 
 Rejected: Linears inside the MLP that are FSDP2 units of their own (per-Linear ``fully_shard``).
 Their hooks would all-gather and reshard once per token shard (a shard-count-dependent number of
@@ -84,23 +86,37 @@ def _fsdp2_states() -> Iterator[Any]:
             yield state
 
 
-def params_managed_by_fsdp2(module: nn.Module) -> bool:
-    """Is a parameter of ``module`` (or of a submodule) sharded by some FSDP2 unit, wherever it is?"""
+def _param_groups(state: Any) -> List[Any]:
+    """A state's parameter groups: a list from torch 2.12 on, at most one before."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):
+        return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    import torch
+
+    raise RuntimeError(f"tiled-mlp cannot read FSDP2's parameter groups on torch {torch.__version__} (neither "
+                       "_fsdp_param_groups nor _fsdp_param_group), so it cannot tell which FSDP2 unit manages a tiled "
+                       "module; pass strategy='fsdp2' to TiledMLP / apply_tiled_mlp, or use a torch release "
+                       "tiled-mlp was tested with (.ci/constraints.txt)")
+
+
+def _managing_groups(module: nn.Module) -> Iterator[Any]:
+    """The FSDP2 parameter groups that manage a parameter of ``module`` (or of a submodule)."""
     owners = {id(m) for m in module.modules() if m._parameters}
     if not owners:
-        return False
-    try:
-        for state in _fsdp2_states():
-            for group in state._fsdp_param_groups:
-                for fp in group.fsdp_params:
-                    info = fp._module_info
-                    # A shared parameter (tied embeddings) is recorded on its first owner, with the
-                    # other owners (lm_head) as ``shared_modules``.
-                    if any(id(m) in owners for m in (info.module, *getattr(info, "shared_modules", ()))):
-                        return True
-    except (ImportError, AttributeError):  # FSDP2's internals moved: see the module docstring
-        return False
-    return False
+        return
+    for state in _fsdp2_states():
+        for group in _param_groups(state):
+            # A shared parameter (tied embeddings) is recorded on its first owner, with the other owners
+            # (lm_head) as ``shared_modules``.
+            if any(id(m) in owners for fp in group.fsdp_params
+                   for m in (fp._module_info.module, *getattr(fp._module_info, "shared_modules", ()))):
+                yield group
+
+
+def params_managed_by_fsdp2(module: nn.Module) -> bool:
+    """Is a parameter of ``module`` (or of a submodule) sharded by some FSDP2 unit, wherever it is?"""
+    return next(_managing_groups(module), None) is not None
 
 
 def _averaging_ranks(mesh_info) -> List[int]:
@@ -147,19 +163,8 @@ class FSDP2Reduction:
 def fsdp2_reductions(module: nn.Module) -> List[FSDP2Reduction]:
     """For every FSDP2 parameter group managing a parameter of ``module``: the ranks it adds and whether it
     averages over them (a divide factor set, ``set_gradient_divide_factor``, replaces the group's size)."""
-    owners = {id(m) for m in module.modules() if m._parameters}
-    found = []
-    try:
-        for state in _fsdp2_states():
-            for group in state._fsdp_param_groups:
-                if any(id(m) in owners for fp in group.fsdp_params
-                       for m in (fp._module_info.module, *getattr(fp._module_info, "shared_modules", ()))):
-                    found.append(FSDP2Reduction(_averaging_ranks(group.mesh_info), _default_divisor(group.mesh_info),
-                                                getattr(group, "gradient_divide_factor", None)))
-    except (ImportError, AttributeError):  # FSDP2's internals moved: the parameters' own meshes (public API)
-        found = [FSDP2Reduction(p.device_mesh.mesh.flatten().tolist()) for p in module.parameters()
-                 if hasattr(p, "device_mesh")]
-    return found
+    return [FSDP2Reduction(_averaging_ranks(group.mesh_info), _default_divisor(group.mesh_info),
+                           getattr(group, "gradient_divide_factor", None)) for group in _managing_groups(module)]
 
 
 class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
