@@ -33,20 +33,26 @@ def report(tmp_path_factory):
     return json.loads(out.getvalue()), plot
 
 
+# torch's own chunked F.linear_cross_entropy, a method of the table where this torch has it (>= 2.13).
+TORCH_METHOD = ["torch"] if hasattr(torch.nn, "LinearCrossEntropyOptions") else []
+
+
 def test_every_method_has_a_row(report):
     result, _ = report
     names = [row["method"] for row in result["rows"]]
-    expected = ["untiled", "torch", "deepspeed", "ours", "ours_fp32"]
+    expected = ["untiled", *TORCH_METHOD, "deepspeed", "ours", "ours_fp32"]
     if importlib.util.find_spec("deepspeed") is None:
         expected.remove("deepspeed")
         assert "deepspeed" in result["skipped"]
+    if not TORCH_METHOD:
+        assert "torch" in result["skipped"]
     assert names == expected
 
 
 def test_gradient_errors_are_float32_rounding_except_deepspeed_dw(report):
     result, _ = report
     rows = {row["method"]: row for row in result["rows"]}
-    for name in ("torch", "ours", "ours_fp32"):
+    for name in (*TORCH_METHOD, "ours", "ours_fp32"):
         assert max(rows[name]["errors"].values()) < 1e-5, (name, rows[name]["errors"])
     if "deepspeed" in rows:
         valid = (TOKENS - 1) - (TOKENS - 1) // 10  # shifted labels, every 10th label ignored
@@ -60,7 +66,7 @@ def test_peaks_count_everything_alive(report):
     floor = result["reference"]["floor_bytes"]
     rows = {row["method"]: row for row in result["rows"]}
     labels = 1024 * 8  # int64
-    for name in ("untiled", "torch", "ours", "ours_fp32"):
+    for name in ("untiled", *TORCH_METHOD, "ours", "ours_fp32"):
         assert rows[name]["peak_bytes"] >= floor + labels, name  # x, dx, W, dW and labels are all alive at the end
         alive = {buffer["what"] for buffer in rows[name]["largest_at_peak"]}
         assert {"x", "W"} <= alive, (name, alive)
@@ -70,9 +76,10 @@ def test_peaks_count_everything_alive(report):
 
 def test_targets_and_timing_are_reported(report):
     result, plot = report
-    assert [t["met"] in (True, False) for t in result["targets"]] == [True] * 4
+    # A target against torch's method is unmeasured (None) where this torch lacks it.
+    assert [t["met"] in (True, False) for t in result["targets"]].count(True) == (4 if TORCH_METHOD else 2)
     timed = [row for row in result["rows"] if row["seconds"] is not None]
-    assert {row["method"] for row in timed} >= {"untiled", "torch", "ours"}
+    assert {row["method"] for row in timed} >= {"untiled", *TORCH_METHOD, "ours"}
     assert next(r for r in result["rows"] if r["method"] == "untiled")["time_ratio"] == 1.0
     if importlib.util.find_spec("matplotlib"):
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -144,6 +144,8 @@ def available_methods() -> Tuple[Dict[str, LossMethod], Dict[str, str]]:
     reason = deepspeed_unavailable()
     if reason is not None:
         skipped["deepspeed"] = reason
+    if not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        skipped["torch"] = f"torch {torch.__version__} has no F.linear_cross_entropy (added in torch 2.13)"
     return {k: m for k, m in METHODS.items() if k not in skipped}, skipped
 
 
