@@ -59,7 +59,7 @@ def _synchronize(device: torch.device) -> None:
         torch.get_device_module(device.type).synchronize()
 
 
-def _step(module: Callable, mlp: nn.Module, x_data: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+def variant_step(module: Callable, mlp: nn.Module, x_data: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     """One step on a fresh leaf input (sharing ``x_data``'s storage: no copy); returns that input."""
     mlp.zero_grad(set_to_none=True)
     x = x_data.detach().requires_grad_(True)
@@ -67,7 +67,7 @@ def _step(module: Callable, mlp: nn.Module, x_data: torch.Tensor, grad_out: torc
     return x
 
 
-def _outputs(module: Callable, mlp: nn.Module, x_data, grad_out) -> List[torch.Tensor]:
+def variant_outputs(module: Callable, mlp: nn.Module, x_data, grad_out) -> List[torch.Tensor]:
     mlp.zero_grad(set_to_none=True)
     x = x_data.detach().requires_grad_(True)
     y = module(x)
@@ -89,7 +89,7 @@ def allocated_peak_bytes(module: Callable, mlp: nn.Module, x_data, grad_out) -> 
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     _synchronize(device)
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        _step(module, mlp, x_data, grad_out)
+        variant_step(module, mlp, x_data, grad_out)
         _synchronize(device)
     events = [e for e in prof.profiler.kineto_results.events()
               if e.name() == "[memory]" and e.device_type().name.lower() == device.type]
@@ -109,7 +109,7 @@ def interleaved_seconds(modules: Dict[str, Callable], mlp, x_data, grad_out, rep
         for name in names[r % len(names):] + names[:r % len(names)]:
             _synchronize(x_data.device)
             start = time.perf_counter()
-            _step(modules[name], mlp, x_data, grad_out)
+            variant_step(modules[name], mlp, x_data, grad_out)
             _synchronize(x_data.device)
             times[name].append(time.perf_counter() - start)
         on_round(r)
@@ -153,12 +153,12 @@ def run_compile_bench(cfg: CompileBenchConfig, show_progress: bool = True) -> di
         for name in VARIANTS:
             for i in range(cfg.warmup):
                 what = "compiling + warm-up" if name.startswith("compiled") and i == 0 else "warm-up"
-                _step(modules[name], mlp, x_data, grad_out)
+                variant_step(modules[name], mlp, x_data, grad_out)
                 progress.step(f"{name}: {what} {i + 1}/{cfg.warmup}")
-        reference = _outputs(modules["eager_untiled"], mlp, x_data, grad_out)
+        reference = variant_outputs(modules["eager_untiled"], mlp, x_data, grad_out)
         rows: Dict[str, dict] = {}
         for name in VARIANTS:
-            error = max_relative_error(_outputs(modules[name], mlp, x_data, grad_out), reference)
+            error = max_relative_error(variant_outputs(modules[name], mlp, x_data, grad_out), reference)
             peak = allocated_peak_bytes(modules[name], mlp, x_data, grad_out)
             rows[name] = dict(peak_mb=peak / MiB, grad_rel_err=error)
             progress.step(f"{name}: gradients and memory")
@@ -171,10 +171,10 @@ def run_compile_bench(cfg: CompileBenchConfig, show_progress: bool = True) -> di
         row["ms"] = statistics.median(seconds[name]) * 1e3
         row["rounds_ms"] = [t * 1e3 for t in seconds[name]]
     shards = shards_used(built["eager_tiled"], 1)  # what its last call ran
-    return dict(variants=rows, explain=explain, **_verdicts(cfg, rows, shards))
+    return dict(variants=rows, explain=explain, **verdicts(cfg, rows, shards))
 
 
-def _verdicts(cfg: CompileBenchConfig, rows: Dict[str, dict], shards: int) -> dict:
+def verdicts(cfg: CompileBenchConfig, rows: Dict[str, dict], shards: int) -> dict:
     ratios = {"compiled_tiled/compiled_untiled": rows["compiled_tiled"]["ms"] / rows["compiled_untiled"]["ms"],
               "compiled_tiled/eager_tiled": rows["compiled_tiled"]["ms"] / rows["eager_tiled"]["ms"]}
     time_checks = {k: dict(ratio=v, target=TARGETS[k], verdict="PASS" if v <= TARGETS[k] else "MISS")
