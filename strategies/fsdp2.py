@@ -74,9 +74,23 @@ def inner_fsdp_units(module: nn.Module) -> List[str]:
     return [name for name, m in module.named_modules() if name and isinstance(m, fsdp_module)]
 
 
+def _unreadable(what: str) -> RuntimeError:
+    import torch
+
+    return RuntimeError(f"tiled-mlp cannot read FSDP2's {what} on torch {torch.__version__}, so it cannot tell which "
+                        "FSDP2 unit manages a tiled module (it reads them as torch 2.11 to 2.13 lay them out); "
+                        "use one of those torch releases with FSDP2")
+
+
 def _fsdp2_states() -> Iterator[Any]:
-    from torch.distributed._composable_state import _module_state_mapping
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        # ``fully_shard`` gives each unit a class of its own under FSDPModule: with none, no FSDP2 state exists.
+        if _fsdp_module_class().__subclasses__():
+            raise _unreadable("state map") from None
+        return
 
     seen = set()
     for ref in list(_module_state_mapping.values()):
@@ -92,12 +106,7 @@ def _param_groups(state: Any) -> List[Any]:
         return list(state._fsdp_param_groups)
     if hasattr(state, "_fsdp_param_group"):
         return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-    import torch
-
-    raise RuntimeError(f"tiled-mlp cannot read FSDP2's parameter groups on torch {torch.__version__} (neither "
-                       "_fsdp_param_groups nor _fsdp_param_group), so it cannot tell which FSDP2 unit manages a tiled "
-                       "module; pass strategy='fsdp2' to TiledMLP / apply_tiled_mlp, or use a torch release "
-                       "tiled-mlp was tested with (.ci/constraints.txt)")
+    raise _unreadable("parameter groups (neither _fsdp_param_groups nor _fsdp_param_group)")
 
 
 def _managing_groups(module: nn.Module) -> Iterator[Any]:
