@@ -1,7 +1,7 @@
 """``tiled-mlp bench --compile``'s four variants, with the compiled tiled step calling the op
 ``tiled_mlp::gated_mlp`` directly, on the route the tiled module's own decision gives (``decide_route``, run
-eagerly here). This is what a traced tiled call becomes on torch >= 2.12. On torch 2.11 (the CUDA machine
-lent to measure this) Dynamo cannot decide the route where it traces (``tiled_mlp.core.dynamo_support``), so
+eagerly here). This is what a traced tiled call becomes on torch >= 2.12. On torch 2.11 (docs/gpu.md's
+machine) Dynamo cannot decide the route where it traces (``tiled_mlp.core.dynamo_support``), so
 the bench's own compiled tiled variant would measure the eager fallback instead. The op, its autograd and its
 fake kernel trace on 2.11 as they are.
 
