@@ -11,22 +11,16 @@ import json
 
 import pytest
 import torch
+from cli_errors import refuse_bench_work, usage_error
 
 from tiled_mlp.bench.compiled import VARIANTS, CompileBenchConfig, allocated_peak_bytes, build_variants
 from tiled_mlp.bench.measure import make_inputs, peak_bytes
 from tiled_mlp.cli.main import main
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("fresh_dynamo")]
 
 TINY = ["--hidden", "16", "--intermediate", "40", "--seq", "64", "--num-shards", "4", "--repeats", "2",
         "--compile-backend", "aot_eager"]
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("dtype, bound", [("float32", 1e-5), ("float64", 1e-12)])
@@ -77,22 +71,7 @@ def test_allocator_peak_equals_the_live_storage_peak_of_eager_steps(name):
 # -- flags refused before any work ---------------------------------------------------------------------
 @pytest.fixture
 def no_work(monkeypatch):
-    from tiled_mlp.cli import bench_cmd, bench_compile_cmd
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("benchmark work ran before the argument error")
-
-    monkeypatch.setattr(bench_compile_cmd, "run_compile_bench", refuse)
-    monkeypatch.setattr(bench_cmd, "run_bench", refuse)
-
-
-def _error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err
+    refuse_bench_work(monkeypatch)
 
 
 @pytest.mark.parametrize("extra, expect", [
@@ -104,7 +83,7 @@ def _error(capsys, argv) -> str:
     (["--compile-backend", "no_such_backend"], "unknown torch.compile backend 'no_such_backend'; available: "),
 ])
 def test_bad_combinations_are_refused_by_name(capsys, no_work, extra, expect):
-    err = _error(capsys, ["bench", "--compile", "--hidden", "16", "--intermediate", "40", *extra])
+    err = usage_error(capsys, ["bench", "--compile", "--hidden", "16", "--intermediate", "40", *extra])
     assert expect in err
     if "available" in expect:
         assert "aot_eager" in err and "inductor" in err
@@ -112,7 +91,7 @@ def test_bad_combinations_are_refused_by_name(capsys, no_work, extra, expect):
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_backend_without_compile_is_refused(capsys, no_work, backend):
-    err = _error(capsys, ["bench", "--compile-backend", backend])
+    err = usage_error(capsys, ["bench", "--compile-backend", backend])
     assert "--compile-backend chooses the backend of --compile: add --compile" in err
 
 

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from cli_errors import refuse_bench_work, usage_error
 
 from tiled_mlp.bench.measure import make_inputs, peak_bytes
 from tiled_mlp.bench.mlp import SwiGLUMLP
@@ -14,44 +15,37 @@ from tiled_mlp.core import TiledMLP
 pytestmark = pytest.mark.timeout(120)
 
 
-def _error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
-
-
 def test_negative_sequence_length_is_named(capsys):
-    err = _error(capsys, ["bench", "--seq", "2048,-5"])
+    err = usage_error(capsys, ["bench", "--seq", "2048,-5"])
     assert "sequence lengths must be positive integers" in err and "-5" in err
 
 
 def test_unknown_dtype_lists_the_known_ones(capsys):
-    err = _error(capsys, ["plan", "--hidden", "64", "--intermediate", "128", "--seq", "64", "--dtype", "fp8"])
+    err = usage_error(capsys, ["plan", "--hidden", "64", "--intermediate", "128", "--seq", "64", "--dtype", "fp8"])
     assert "unknown dtype 'fp8'" in err and "bfloat16" in err
 
 
 def test_budget_too_small_even_at_one_token_per_shard(capsys):
-    err = _error(capsys, ["plan", "--hidden", "4096", "--intermediate", "12288", "--seq", "131072", "--budget", "3GiB"])
+    err = usage_error(capsys, ["plan", "--hidden", "4096", "--intermediate", "12288", "--seq", "131072", "--budget", "3GiB"])
     assert "too small even with one token per shard" in err and "4.56 GiB" in err
 
 
 def test_malformed_budget_and_unknown_impl(capsys):
-    assert "expected a size: 80 (GiB), 80GiB" in _error(
+    assert "expected a size: 80 (GiB), 80GiB" in usage_error(
         capsys, ["plan", "--hidden", "64", "--intermediate", "128", "--seq", "64", "--budget", "lots"])
-    assert "unknown or unavailable implementation(s) nope" in _error(capsys, ["bench", "--impls", "untiled,nope"])
+    assert "unknown or unavailable implementation(s) nope" in usage_error(capsys, ["bench", "--impls", "untiled,nope"])
 
 
 def test_demo_strategy_needs_several_processes(capsys):
     pytest.importorskip("transformers")
-    assert "needs --nproc 2 or more" in _error(capsys, ["demo", "--strategy", "fsdp2"])
+    assert "needs --nproc 2 or more" in usage_error(capsys, ["demo", "--strategy", "fsdp2"])
 
 
 def test_demo_sequence_parallelism_shares_one_sequence(capsys):
     """The one-process run the SP demo is compared with trains one sequence a step: --nproc must equal --sp."""
     pytest.importorskip("transformers")
-    assert "needs --nproc 2" in _error(capsys, ["demo", "--sp", "2", "--nproc", "4"])
-    assert "must divide the demo's 4 attention heads" in _error(capsys, ["demo", "--sp", "3", "--nproc", "3"])
+    assert "needs --nproc 2" in usage_error(capsys, ["demo", "--sp", "2", "--nproc", "4"])
+    assert "must divide the demo's 4 attention heads" in usage_error(capsys, ["demo", "--sp", "3", "--nproc", "3"])
 
 
 def test_bench_json_parses_and_reports_matching_gradients(capsys, tmp_path):
@@ -94,13 +88,7 @@ def test_plan_agrees_with_a_measured_peak(capsys, seq):
 @pytest.fixture
 def no_bench_work(monkeypatch):
     """Running the benchmark or drawing its plot fails the test: the errors below must come before them."""
-    from tiled_mlp.cli import bench_cmd
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("benchmark work ran before the argument error")
-
-    monkeypatch.setattr(bench_cmd, "run_bench", refuse)
-    monkeypatch.setattr(bench_cmd, "plot", refuse)
+    refuse_bench_work(monkeypatch)
 
 
 @pytest.mark.parametrize("hidden, expect", [
@@ -108,7 +96,7 @@ def no_bench_work(monkeypatch):
     ("1e8", "argument --hidden: expected a positive integer, got '1e8'"),
 ])
 def test_bench_sizes_no_machine_holds_are_refused_before_the_run(capsys, no_bench_work, hidden, expect):
-    err = _error(capsys, ["bench", "--hidden", hidden])
+    err = usage_error(capsys, ["bench", "--hidden", hidden])
     assert expect in err and "Traceback" not in err
 
 
@@ -119,7 +107,7 @@ def test_demo_hidden_must_split_into_its_heads(capsys, monkeypatch, hidden, expe
     from tiled_mlp.cli import demo_train
 
     monkeypatch.setattr(demo_train, "report", lambda *a, **k: pytest.fail("the demo trained before the error"))
-    err = _error(capsys, ["demo", "--hidden", hidden])
+    err = usage_error(capsys, ["demo", "--hidden", hidden])
     assert expect in err and "use a multiple of 8, e.g. 128" in err
 
 
@@ -127,9 +115,9 @@ def test_bench_checkpointed_heads_must_split_hidden(capsys, monkeypatch):
     from tiled_mlp.cli import checkpointed_cmd
 
     monkeypatch.setattr(checkpointed_cmd, "run", lambda *a, **k: pytest.fail("the benchmark ran before the error"))
-    err = _error(capsys, ["bench-checkpointed", "--hidden", "100", "--heads", "8"])
+    err = usage_error(capsys, ["bench-checkpointed", "--hidden", "100", "--heads", "8"])
     assert "the llama-layer region: --hidden 100 is not a multiple of --heads (8)" in err
-    assert "llama-layer" in _error(capsys, ["bench-checkpointed", "--hidden", "24", "--heads", "8"])
+    assert "llama-layer" in usage_error(capsys, ["bench-checkpointed", "--hidden", "24", "--heads", "8"])
     # The MLP-only region has no heads to split.
     monkeypatch.setattr(checkpointed_cmd, "run", lambda *a, **k: [])
     monkeypatch.setattr(checkpointed_cmd, "format_rows", lambda rows: "")
@@ -138,33 +126,33 @@ def test_bench_checkpointed_heads_must_split_hidden(capsys, monkeypatch):
 
 @pytest.mark.parametrize("impls", [",", "", " , ,"])
 def test_empty_impls_list_the_known_ones(capsys, no_bench_work, impls):
-    err = _error(capsys, ["bench", "--impls", impls])
+    err = usage_error(capsys, ["bench", "--impls", impls])
     assert "--impls names no implementation" in err and "untiled, " in err and "fast" in err
 
 
 @pytest.mark.parametrize("device", ["nonsense", "cuda0", "gpu"])
 def test_unknown_device_names_what_is_available(capsys, no_bench_work, device):
-    err = _error(capsys, ["bench", "--device", device])
+    err = usage_error(capsys, ["bench", "--device", device])
     assert f"unknown device {device!r}" in err and "available here: cpu" in err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("tiled-mlp bench: error: unknown device")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_unavailable_device_names_what_is_available(capsys, no_bench_work):
-    err = _error(capsys, ["bench", "--device", "cuda"])
+    err = usage_error(capsys, ["bench", "--device", "cuda"])
     assert "device 'cuda' is not available" in err and "available here: cpu" in err
 
 
 def test_device_index_out_of_range(capsys, monkeypatch, no_bench_work):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    err = _error(capsys, ["bench", "--device", "cuda:2"])
+    err = usage_error(capsys, ["bench", "--device", "cuda:2"])
     assert "device 'cuda:2' does not exist" in err and "cuda:0" in err and "cuda:1" in err
 
 
 @pytest.mark.skipif(torch.backends.cuda.is_built(), reason="fake CUDA tensors work where torch is built with CUDA")
 def test_model_memory_on_a_device_torch_cannot_fake(capsys, no_bench_work):
-    err = _error(capsys, ["bench", "--model-memory", "--device", "cuda", "--hidden", "16", "--intermediate", "32",
+    err = usage_error(capsys, ["bench", "--model-memory", "--device", "cuda", "--hidden", "16", "--intermediate", "32",
                           "--seq", "64"])
     assert "--model-memory cannot model device 'cuda'" in err
 
@@ -173,22 +161,22 @@ def test_plot_without_matplotlib_fails_before_the_benchmark(capsys, monkeypatch,
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a, **k: None if name.split(".")[0] == "matplotlib" else find_spec(name, *a, **k))
-    err = _error(capsys, ["bench", "--plot", str(tmp_path / "out.png")])
+    err = usage_error(capsys, ["bench", "--plot", str(tmp_path / "out.png")])
     assert "--plot needs matplotlib" in err and "pip install 'tiled-mlp[bench]'" in err
 
 
 def test_plot_to_a_missing_folder_or_unknown_format_fails_before_the_benchmark(capsys, no_bench_work, tmp_path):
     pytest.importorskip("matplotlib")
-    err = _error(capsys, ["bench", "--plot", str(tmp_path / "missing" / "out.png")])
+    err = usage_error(capsys, ["bench", "--plot", str(tmp_path / "missing" / "out.png")])
     assert "--plot" in err and "no such folder" in err
-    err = _error(capsys, ["bench", "--plot", str(tmp_path / "out.docx")])
+    err = usage_error(capsys, ["bench", "--plot", str(tmp_path / "out.docx")])
     assert "--plot" in err and "'docx'" in err and "png" in err
 
 
 @pytest.mark.parametrize("command", [["bench"], ["demo"]])
 @pytest.mark.parametrize("shards, words", [("2.7", ["whole number"]), ("0", [">= 1"]), ("many", ["'many'", "'auto'"])])
 def test_num_shards_goes_through_the_one_parser(capsys, no_bench_work, command, shards, words):
-    err = _error(capsys, [*command, "--num-shards", shards])
+    err = usage_error(capsys, [*command, "--num-shards", shards])
     assert "argument --num-shards: num_shards must be" in err and all(w in err for w in words), err
 
 
@@ -203,7 +191,7 @@ def test_demo_learning_rate_must_be_a_positive_finite_number(capsys, monkeypatch
     from tiled_mlp.cli import demo_train
 
     monkeypatch.setattr(demo_train, "report", lambda *a, **k: pytest.fail("the demo trained before the error"))
-    err = _error(capsys, ["demo", "--lr", lr])
+    err = usage_error(capsys, ["demo", "--lr", lr])
     assert "argument --lr: expected a positive number" in err and repr(lr) in err
 
 
@@ -221,8 +209,8 @@ def test_bench_checkpointed_counts_mlp_forwards_per_step(capsys, tmp_path):
 
 
 def test_bench_checkpointed_names_bad_regions_and_needs_untiled(capsys):
-    assert "unknown or empty" in _error(capsys, ["bench-checkpointed", "--regions", "attention"])
-    assert "must include untiled" in _error(capsys, ["bench-checkpointed", "--impls", "ours"])
+    assert "unknown or empty" in usage_error(capsys, ["bench-checkpointed", "--regions", "attention"])
+    assert "must include untiled" in usage_error(capsys, ["bench-checkpointed", "--impls", "ours"])
 
 
 def test_bench_overhead_reports_every_measurement(capsys):

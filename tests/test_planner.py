@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from cli_errors import usage_error
 
 pytest.importorskip("transformers")
 
@@ -217,12 +218,7 @@ def _error(capsys, argv, monkeypatch) -> str:
 
     monkeypatch.setattr(plan_module, "step_timeline", no_work)
     monkeypatch.setattr(check, "step_timeline", no_work)
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err
+    return usage_error(capsys, argv)
 
 
 def test_a_missing_config_path_is_named(capsys, monkeypatch, tmp_path):
