@@ -1,6 +1,8 @@
 import os
 from pathlib import Path
 
+import pytest
+
 from integration_tests.deepspeed_cpu import pin_fp16_support
 
 # DeepSpeed JIT-builds a shared-memory op the first time a process initialises it (~40 s with g++):
@@ -28,3 +30,14 @@ def pytest_sessionstart(session):
             f"TILED_MLP_REQUIRE_EXTRAS=1 but {', '.join(missing)} cannot be imported: their tests would be "
             "skipped. Install the extras (bash .ci/setup) or unset the variable to run the core alone."
         )
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied around a test (``pytest.mark.usefixtures("fresh_dynamo")``): a graph compiled by
+    one test, and the guards it rests on, never serve another."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

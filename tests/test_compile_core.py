@@ -20,17 +20,10 @@ from torch import nn
 
 from tiled_mlp.core import TiledCrossEntropy, TiledMLP, tiled_cross_entropy
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("fresh_dynamo")]
 
 HIDDEN, VOCAB = 8, 13
 BOUND = 1e-12  # float64: the tiled loss sums shards in another order than the untiled one
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _inputs(seed: int = 0):

@@ -24,16 +24,9 @@ pytest.importorskip("transformers")
 from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
 from tiled_mlp import TiledMLP, apply_tiled_mlp, tiled_cross_entropy  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(60), traced_as_ops]
+pytestmark = [pytest.mark.timeout(60), traced_as_ops, pytest.mark.usefixtures("fresh_dynamo")]
 
 BOUND = 1e-12  # float64: tiled sums run over shards in another order than the untiled ones
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _batch(seed: int = 0):

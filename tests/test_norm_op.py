@@ -29,18 +29,11 @@ from tiled_mlp.core.ops import rms_norm  # noqa: E402
 from tiled_mlp.integrations import apply_tiled_mlp  # noqa: E402
 from tiled_mlp.integrations.norms import NORM_ACCUM_DTYPE, TiledNorm  # noqa: E402
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("fresh_dynamo")]
 
 HIDDEN = 16
 BOUND = 1e-12
 NORMS = {"llama": LlamaRMSNorm, "gemma": GemmaRMSNorm, "gemma3": Gemma3RMSNorm}
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _norm(name: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
