@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Sequence
 
+import torch
 from torch import nn
 
 from .base import (
@@ -75,8 +76,6 @@ def inner_fsdp_units(module: nn.Module) -> List[str]:
 
 
 def _unreadable(what: str) -> RuntimeError:
-    import torch
-
     return RuntimeError(f"tiled-mlp cannot read FSDP2's {what} on torch {torch.__version__}, so it cannot tell which "
                         "FSDP2 unit manages a tiled module (it reads them as torch 2.11 to 2.13 lay them out); "
                         "use one of those torch releases with FSDP2")

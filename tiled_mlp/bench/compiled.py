@@ -29,7 +29,7 @@ from torch import nn
 from tiled_mlp.core import TiledMLP
 
 from .cpu_allocator import keep_freed_memory_in_process
-from .measure import make_inputs, max_relative_error, shards_used
+from .measure import make_inputs, max_relative_error, shards_used, storage_bytes
 from .mlp import seeded_mlp
 from .progress import Progress
 
@@ -82,8 +82,7 @@ def allocated_peak_bytes(module: Callable, mlp: nn.Module, x_data, grad_out) -> 
     highest running sum of the allocations and frees the allocator reports to the profiler in it."""
     mlp.zero_grad(set_to_none=True)
     device = x_data.device
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (x_data, grad_out, *mlp.parameters())}
-    before = sum(storages.values())
+    before = storage_bytes(x_data, grad_out, *mlp.parameters())
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -35,6 +35,11 @@ def _synchronize(device: torch.device) -> None:
         torch.get_device_module(device.type).synchronize()
 
 
+def storage_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes of the distinct storages under ``tensors`` (a view or a shared weight counted once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def peak_bytes(step_fn: Callable, mlp: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> int:
     """Peak live bytes of one step, counting the input, grad_output, weights and gradients."""
     mlp.zero_grad(set_to_none=True)
@@ -48,8 +53,7 @@ def peak_bytes(step_fn: Callable, mlp: nn.Module, x: torch.Tensor, grad_out: tor
         held = torch.cuda.memory_allocated(x.device)
         one_step(step_fn, mlp, x, grad_out)
         _synchronize(x.device)
-        counted = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (x, grad_out, *mlp.parameters())}
-        return torch.cuda.max_memory_allocated(x.device) - held + sum(counted.values())
+        return torch.cuda.max_memory_allocated(x.device) - held + storage_bytes(x, grad_out, *mlp.parameters())
     tracker = LiveMemoryTracker()
     tracker.track(x, grad_out, *mlp.parameters())
     with tracker:
