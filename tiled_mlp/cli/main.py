@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 from . import bench_cmd, bench_loss_cmd, checkpointed_cmd, norms_cmd, offload_cmd, overhead_cmd, plan_cmd
 
@@ -32,5 +34,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     return args.run(args, args.parser_error)
 
 
+def run() -> NoReturn:
+    """The ``tiled-mlp`` command: ``main()``, then out of the process without finalising the interpreter.
+
+    Finalising the modules of torch, transformers and DeepSpeed takes about 0.9 s after the answer is out
+    (of a 7.7 s ``plan --model llama-3.1-8b``), time nothing needs; mypy's command leaves the same way.
+    What an exit must do is done first: the functions registered with ``atexit`` (logging's flush,
+    multiprocessing's joins, temporary directories' removal) and the streams' flush. An error (an
+    exception, argparse's exit) leaves the ordinary way."""
+    code = main()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
