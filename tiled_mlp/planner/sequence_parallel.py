@@ -30,6 +30,7 @@ import itertools
 from typing import Any, Iterator
 
 from . import attention
+from .heads import check_degree, head_counts
 
 _NAMES = itertools.count()
 
@@ -101,15 +102,12 @@ def comm_for(group: Any) -> contextlib.AbstractContextManager:
 
 def check(config, sp: int) -> None:
     """A ValueError when ``sp`` ranks cannot share the heads of ``config`` as DeepSpeed's class needs."""
-    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
-        raise ValueError(f"--sp {sp!r}: sequence parallelism takes a whole number of ranks, 1 or more")
+    check_degree("--sp", sp, "sequence")
     if sp == 1:
         return
     from ..integrations.ulysses import shares_heads
 
-    text = config.get_text_config()
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    heads, kv_heads = head_counts(config)
     queries_shared, kv_shared = shares_heads(heads, kv_heads, sp)
     if not queries_shared:
         raise ValueError(f"--sp {sp}: {config.model_type} has {heads} query heads, which {sp} ranks cannot share "

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .heads import check_degree, head_counts
 from .timeline import stored_in
 
 _NAMES = itertools.count()
@@ -67,13 +68,11 @@ def check_ranks(tp: int, sp: int, world_size: int, backend: Any, parser_error) -
 
 def check(config, tp: int) -> None:
     """A ValueError when ``tp`` ranks cannot share ``config``'s layers as ``parallelize_module`` divides them."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"--tp {tp!r}: tensor parallelism takes a whole number of ranks, 1 or more")
+    check_degree("--tp", tp, "tensor")
     if tp == 1:
         return
     text = config.get_text_config()
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    heads, kv_heads = head_counts(config)
     if heads % tp or kv_heads % tp:
         raise ValueError(f"--tp {tp}: {config.model_type} has {heads} query and {kv_heads} key/value heads; "
                          f"ColwiseParallel gives each rank whole heads only when {tp} divides both")
