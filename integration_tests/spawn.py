@@ -7,12 +7,15 @@ back to the test; an exception in any rank fails the test with that rank's trace
 Ranks are forked from a server process (multiprocessing's ``forkserver``) that has imported torch,
 transformers, accelerate, peft and tiled_mlp, once per test process: a spawned rank spent 1.5 to 4.7 s
 importing them, most of what a distributed test cost on 2 cores (the suite: 8 min 41 s spawned, 4 min
-34 s forked, on 2 cores). The server only imports: it runs no op and makes no process group (the
-one thread torch starts at import is the one every forked DataLoader worker's parent has), so a forked
-rank starts from a fresh interpreter's state with those modules loaded. DeepSpeed
-is not among them: the library's DeepSpeed paths begin by asking whether it is imported, and a rank
-imports it only where its test does, as a user's process would. A rank's environment is the server's,
-taken when the first run starts: a run refuses to start where the environment has changed since.
+34 s forked, on 2 cores). The server only imports: it runs no op and makes no process group (the one
+thread torch starts at import is the one every forked DataLoader worker's parent has). What a fork
+shares that a spawn would not is made per rank again: the environment is the test process's at the
+run (only the preloaded modules' imports read the server's, taken when it started), and torch's and
+NumPy's generators are seeded afresh, as a new interpreter's are (Python's ``random`` reseeds itself at
+a fork). Python's string hashing seed cannot be: the ranks of one test process share it, so a set of
+names iterates in the same order on every rank, where spawned ranks could differ. DeepSpeed is not
+preloaded: the library's DeepSpeed paths begin by asking whether it is imported, and a rank imports it
+only where its test does, as a user's process would.
 """
 from __future__ import annotations
 
@@ -21,16 +24,23 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, fn: Callable, workdir: str, args: tuple) -> None:
+def _worker(rank: int, world_size: int, fn: Callable, workdir: str, args: tuple, environment: Dict[str, str]) -> None:
     import torch.distributed as dist
 
     from .deepspeed_cpu import pin_fp16_support
+
+    os.environ.clear()
+    os.environ.update(environment)
+    torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
 
     pin_fp16_support()  # as in the test process (conftest.py): DeepSpeed behaves alike on every CPU
     torch.set_num_threads(1)
@@ -62,28 +72,14 @@ def _worker(rank: int, world_size: int, fn: Callable, workdir: str, args: tuple)
 # Imported once by the server; one that is not installed is skipped (the server ignores ImportError).
 _PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama", "accelerate",
             "peft", "tiled_mlp", "integration_tests.spawn"]
-_server_environment: Optional[Dict[str, str]] = None
-
-
-def _check_environment_unchanged() -> None:
-    """A changed variable would reach no rank: it has the server's environment, not this process's."""
-    global _server_environment
-    now = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # pytest's, set per test
-    if _server_environment is None:
-        _server_environment = now
-    changed = sorted(k for k in now.keys() | _server_environment.keys() if now.get(k) != _server_environment.get(k))
-    if changed:
-        raise RuntimeError(f"environment variables changed since the ranks' server started, which no rank would see: "
-                           f"{', '.join(changed)}; pass the values to the ranks as arguments")
 
 
 def run_distributed(fn: Callable, world_size: int, tmp_path, *args: Any, timeout: float = 120.0) -> List[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` processes; returns each rank's result."""
     workdir = Path(tmp_path) / f"dist-{time.monotonic_ns()}"
     workdir.mkdir(parents=True)
-    _check_environment_unchanged()
     mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-    ctx = mp.start_processes(_worker, args=(world_size, fn, str(workdir), args), nprocs=world_size,
+    ctx = mp.start_processes(_worker, args=(world_size, fn, str(workdir), args, dict(os.environ)), nprocs=world_size,
                              join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout
     try:
