@@ -41,15 +41,18 @@ def test_plan_json_of_one_mlp_is_json_on_stdout():
     assert json.loads(done.stdout)["hidden"] == 64
 
 
-def test_the_command_runs_the_exit_functions_and_keeps_its_code_when_it_leaves_early(tmp_path):
-    # ``run`` leaves with os._exit: what an exit must do still happens, and the command's code is kept.
+@pytest.mark.parametrize("returned, code", [(3, 3), (None, 0), (True, 1), ("a message", 1)])
+def test_the_command_runs_the_exit_functions_and_keeps_its_code_when_it_leaves_early(returned, code):
+    # ``run`` leaves with os._exit: what an exit must do still happens, and the code is what sys.exit makes of
+    # what the command returned (a message goes to stderr).
     script = ("import atexit, sys\n"
               "from tiled_mlp.cli import main\n"
               "atexit.register(lambda: print('exit functions ran', flush=True))\n"
-              "main.main = lambda: (print('the answer'), 3)[1]\n"
+              f"main.main = lambda: (print('the answer'), {returned!r})[1]\n"
               "main.run()\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode == 3, done.stderr
+    assert done.returncode == code, done.stderr
     assert done.stdout.splitlines() == ["the answer", "exit functions ran"]
+    assert ("a message" in done.stderr.splitlines()) == (returned == "a message"), done.stderr
