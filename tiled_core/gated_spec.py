@@ -56,6 +56,8 @@ def no_hook_is_backend(hook) -> bool:
     return False
 
 
+# The hook dicts a module call runs: each module's own, and those registered for every module.
+MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                       "_global_backward_pre_hooks")
 
@@ -68,8 +70,7 @@ def global_module_hooks() -> List[dict]:
 
 def _module_hooks(module: nn.Module) -> tuple:
     """Forward, forward-pre and (full) backward hooks registered on this one module."""
-    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return tuple(hook for name in names for hook in getattr(module, name, {}).values())
+    return tuple(hook for name in MODULE_HOOK_DICTS for hook in getattr(module, name, {}).values())
 
 
 def foreign_child_hooks(module: nn.Module, is_backend_hook=no_hook_is_backend) -> List[str]:

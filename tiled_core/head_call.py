@@ -22,7 +22,7 @@ from typing import Any, Callable, List
 import torch
 from torch import nn
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+from .gated_spec import MODULE_HOOK_DICTS
 
 
 class _ForwardForOneCall:
@@ -61,10 +61,10 @@ def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Te
 def hook_count(module: nn.Module) -> int:
     """How many hooks ``module`` itself carries, of the four kinds its call runs (read in traced code by the
     compiled routes, so that Dynamo may guard the count)."""
-    return sum(len(getattr(module, name)) for name in _HOOK_DICTS)
+    return sum(len(getattr(module, name)) for name in MODULE_HOOK_DICTS)
 
 
 def foreign_head_hooks(head: nn.Module, is_backend_hook: Callable[[Any], bool]) -> List[str]:
     """The hooks on ``head`` itself that are not its backend's, by name: they would fire around the loss."""
     return [getattr(hook, "__qualname__", type(hook).__qualname__)
-            for name in _HOOK_DICTS for hook in getattr(head, name, {}).values() if not is_backend_hook(hook)]
+            for name in MODULE_HOOK_DICTS for hook in getattr(head, name, {}).values() if not is_backend_hook(hook)]

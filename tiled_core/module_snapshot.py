@@ -26,11 +26,10 @@ from typing import Any, Callable, List, Tuple
 import torch
 from torch import nn
 
-from .gated_spec import global_module_hooks
+from .gated_spec import MODULE_HOOK_DICTS, global_module_hooks
 
 # The dicts of one module the snapshot compares, besides its ``__dict__`` (which holds each of them).
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 _forward_of = operator.attrgetter("forward")
 
@@ -61,7 +60,7 @@ class ModuleSnapshot:
             modules.append(sub)
             dicts.append(d)
             dicts.extend(d[name] for name in _REGISTRIES)
-            dicts.extend(d[name] for name in _HOOK_DICTS)
+            dicts.extend(d[name] for name in MODULE_HOOK_DICTS)
             tensors.extend(t for t in itertools.chain(d["_parameters"].values(), d["_buffers"].values()) if t is not None)
             # Every child, duplicates and all (one module reached twice is still one more call).
             stack.extend(child for child in d["_modules"].values() if child is not None)
