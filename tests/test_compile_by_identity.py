@@ -1,9 +1,9 @@
-"""torch.compile on a torch whose Dynamo cannot hand a module to the route's decision (torch < 2.12,
-``tiled_mlp.core.dynamo_support``): every tiled call runs eagerly behind a graph break, says why, and stays
-exact; ``fullgraph=True`` raises at the break instead of compiling something else.
+"""The routes' decisions given objects by their ids (``tiled_mlp.core.dynamo_support``): how every torch before
+2.12 traces them, forced here on any torch. A tiny Llama with everything tiled compiles as one graph and
+equals the untiled model; each decision sees the very object its call traced, is traced again for another
+object, and is not for the same one.
 
-On torch >= 2.12 the old path is forced by setting the flag the routes read, so CI proves it too; on an older
-torch the flag is already off and these run as they are.
+``tests/test_compile_graph.py`` runs all its cases both ways (its ``passing`` fixture).
 """
 from __future__ import annotations
 
@@ -14,41 +14,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiled_mlp import TiledMLP, tiled_cross_entropy
-from tiled_mlp.core import compiled_loss, compiled_route, dynamo_support
+from integration_tests.dynamo_versions import traced_as_ops
+from tiled_mlp import TiledMLP
+from tiled_mlp.core import dynamo_support
 
-try:
-    from tiled_mlp.integrations import causal_lm_loss
-except ImportError:  # without transformers: the loss alone still runs here
-    causal_lm_loss = None  # type: ignore[assignment]
-
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), traced_as_ops, pytest.mark.usefixtures("fresh_dynamo")]
 
 BOUND = 1e-12  # float64
 
 
-# Not traced (a traced raise would only abort the trace, and the frame would then run eagerly, unseen):
-# called at run time, so reaching it fails the test.
-@torch.compiler.disable
-def _unreachable(*args, **kwargs):
-    raise AssertionError("a route decided by assume_constant_result was reached on the old-Dynamo path")
+@pytest.fixture
+def resolved(monkeypatch):
+    """The id path forced, and every object it turns back from an id, in order."""
+    monkeypatch.setattr(dynamo_support, "PASSES_OBJECTS", False)
+    seen = []
+    object_at = dynamo_support._object_at
+
+    def spy(address):
+        seen.append(object_at(address))
+        return seen[-1]
+
+    monkeypatch.setattr(dynamo_support, "_object_at", spy)
+    return seen
 
 
-@pytest.fixture(autouse=True)
-def old_dynamo(monkeypatch):
-    monkeypatch.setattr(dynamo_support, "TRACES_OBJECT_ARGUMENTS", False)
-    # On a torch that can trace them these would run; the fallback must not reach any of them.
-    monkeypatch.setattr(compiled_route, "_traced_route", _unreachable)
-    monkeypatch.setattr(compiled_loss, "_traced_loss_route", _unreachable)
-    if causal_lm_loss is not None:
-        monkeypatch.setattr(causal_lm_loss, "_traced_plan", _unreachable)
-        monkeypatch.setattr(causal_lm_loss, "_checked_where_traced", _unreachable)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _tiled_llama():
+def test_a_tiny_llama_traces_as_one_graph_by_ids_and_equals_the_untiled_model(resolved):
     pytest.importorskip("transformers")
     from integration_tests.tiny_models import VOCAB, tiny_model
     from tiled_mlp import apply_tiled_mlp
@@ -56,51 +46,81 @@ def _tiled_llama():
     model = tiny_model("llama")
     reference = copy.deepcopy(model)
     apply_tiled_mlp(model, num_shards=2, loss=True, loss_num_shards=3, norms=True)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (2, 13), generator=generator)
-    return reference, model, ids, VOCAB
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
+    # Every tiled module, the tiled loss's forward and the head were handed over by id.
+    assert {id(m) for m in tiled} <= {id(o) for o in resolved}
+    assert any(o is model.get_output_embeddings() for o in resolved)
+    torch._dynamo.reset()
 
-
-def test_a_compiled_tiny_llama_runs_every_tiled_call_eagerly_and_equals_the_untiled_model():
-    reference, model, ids, vocab = _tiled_llama()
     logits = reference(input_ids=ids).logits  # the untiled loss in float64 (transformers' own is float32)
-    want = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     (want * 3).backward()
-    out = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids)
+    out = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=ids, labels=ids)
     assert out.logits is None  # the tiled loss ran
     (out.loss * 3).backward()
     assert abs(out.loss - want).item() < BOUND
     for (name, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
         assert q.grad is not None and (q.grad - p.grad).abs().max().item() < BOUND, name
-    tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
-    assert tiled and all(dynamo_support.OLD_DYNAMO in m.tiling.compiled_reason for m in tiled)
 
 
-def test_the_breaks_are_there_and_fullgraph_refuses_them():
-    _, model, ids, _ = _tiled_llama()
-    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
-    assert explained.graph_break_count > 0
-    torch._dynamo.reset()
-    with pytest.raises(torch._dynamo.exc.Unsupported):
-        torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=ids, labels=ids)
+class _Scaled(nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x):
+        return x * _scale_of(self, x.shape)
 
 
-def test_the_tiled_loss_alone_runs_eagerly_and_is_exact():
-    torch.manual_seed(0)
-    head = nn.Linear(8, 50, bias=False).double()
-    reference = copy.deepcopy(head)
-    hidden = torch.randn(2, 7, 8, dtype=torch.float64)
-    labels = torch.randint(0, 50, (2, 7))
+_decided = []
 
-    def loss_fn(h, lm_head, y):
-        return tiled_cross_entropy(h, lm_head, y, num_shards=3, label_smoothing=0.1)
 
-    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
-    have = torch.compile(loss_fn, backend="aot_eager")(h1, head, labels)
-    have.backward()
-    # Position t predicts label t + 1 (the tiled loss shifts the labels as Hugging Face's causal loss does).
-    want = F.cross_entropy(reference(h2)[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), label_smoothing=0.1)
-    want.backward()
-    assert abs(have - want).item() < BOUND
-    assert (h1.grad - h2.grad).abs().max().item() < BOUND
-    assert (head.weight.grad - reference.weight.grad).abs().max().item() < BOUND
+@dynamo_support.decided_where_traced
+def _scale_of(module: _Scaled, shape: tuple) -> float:
+    _decided.append((module, shape))
+    return module.scale
+
+
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = _Scaled(2.0), _Scaled(5.0)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_each_decision_sees_its_own_object_and_is_traced_again_only_for_another(resolved):
+    _decided.clear()
+    pair = _Pair()
+    compiled = torch.compile(pair, backend="eager", fullgraph=True)
+    x = torch.ones(3)
+    assert torch.equal(compiled(x), x * 10)
+    assert {id(m) for m, _ in _decided} == {id(pair.first), id(pair.second)}
+    assert len(resolved) == len(_decided) and all(m is o for (m, _), o in zip(_decided, resolved, strict=True))
+    count = len(_decided)
+    assert torch.equal(compiled(x), x * 10)
+    assert len(_decided) == count  # the same objects: the graph's constants serve
+    pair.first = _Scaled(7.0)  # another object, the same class and attributes but its scale
+    assert torch.equal(compiled(x), x * 35)
+    assert any(m is pair.first for m, _ in _decided[count:])
+
+
+def test_a_symbolic_size_is_specialized_for_the_decision(resolved):
+    _decided.clear()
+    module = _Scaled(3.0)
+    compiled = torch.compile(module, backend="eager", dynamic=True)
+    for n in (5, 7):
+        assert torch.equal(compiled(torch.ones(n)), torch.full((n,), 3.0))
+    shapes = {shape for _, shape in _decided}
+    assert shapes == {(5,), (7,)} and all(type(n) is int for shape in shapes for n in shape)
+
+
+def test_outside_a_trace_the_decision_is_a_plain_call(resolved):
+    _decided.clear()
+    module = _Scaled(4.0)
+    assert _scale_of(module, (2,)) == 4.0
+    assert _decided == [(module, (2,))] and resolved == []

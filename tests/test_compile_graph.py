@@ -1,7 +1,8 @@
 """torch.compile traces the tiled MLP's fast path, the tiled norms and the tiled loss with no graph break:
 ``torch._dynamo.explain`` finds one graph for a tiny Llama with tiled MLPs, norms and the tiled loss, and
 ``torch.compile(fullgraph=True)`` (which raises at any break) gives, in float64, the untiled model's loss
-and every gradient. Calls that cannot be one op run eagerly behind one break, and say why.
+and every gradient. Calls that cannot be one op run eagerly behind one break, and say why. Every test runs
+with the routes' decisions given objects and given ids (the ``passing`` fixture).
 
 ``aot_eager`` traces what inductor is given (Dynamo, then AOT autograd's graphs) without generating code.
 The untiled reference computes its loss from its logits in float64: transformers' own loss upcasts logits
@@ -23,10 +24,20 @@ pytest.importorskip("transformers")
 
 from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
 from tiled_mlp import TiledMLP, apply_tiled_mlp, tiled_cross_entropy  # noqa: E402
+from tiled_mlp.core import dynamo_support  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(60), traced_as_ops, pytest.mark.usefixtures("fresh_dynamo")]
+pytestmark = [pytest.mark.timeout(60), traced_as_ops, pytest.mark.usefixtures("fresh_dynamo", "passing")]
 
 BOUND = 1e-12  # float64: tiled sums run over shards in another order than the untiled ones
+
+
+@pytest.fixture(params=["objects", "ids"])
+def passing(request, monkeypatch):
+    """Each test twice: the routes' decisions given the objects themselves (torch >= 2.12) and given their
+    ids (how every older release traces them, ``dynamo_support``), which any release can run."""
+    if request.param == "objects" and not dynamo_support.PASSES_OBJECTS:
+        pytest.skip(f"torch {torch.__version__} cannot pass an object to assume_constant_result")
+    monkeypatch.setattr(dynamo_support, "PASSES_OBJECTS", request.param == "objects")
 
 
 def _batch(seed: int = 0):

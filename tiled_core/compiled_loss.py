@@ -9,7 +9,7 @@ The route is decided once where the call is traced, from what the head and its b
   head inside a unit whose hooks ran already), no autocast and no sequence group;
 - the eager loss otherwise: ZeRO-3 gathers the head in its hooks, a tensor-parallel head splits the
   vocabulary, a PEFT head runs its own forward per shard, sequence parallelism sums over ranks, and every
-  call on torch < 2.12 (``dynamo_support``).
+  call on torch < 2.9 (``dynamo_support``).
 
 Everything else the loss does (the labels' shift, the denominator, the checks of the arguments) is traced
 as written in ``tiled_loss``; the labels' values are checked by the op at every call.
@@ -63,7 +63,7 @@ def decide_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool) -> Los
     return LossRoute(True, "one op, tiled_mlp::linear_cross_entropy")
 
 
-@torch._dynamo.assume_constant_result
+@dynamo_support.decided_where_traced
 def _traced_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool, hooks: int) -> LossRoute:
     """``decide_loss_route``, run by Dynamo where it traces the call and kept as a constant of the graph.
     ``hooks`` is passed only so that Dynamo guards on it: a hook added to the head traces the call again."""
@@ -72,6 +72,6 @@ def _traced_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool, hooks
 
 def traced_loss_route(lm_head: nn.Module, strategy: Any, has_group: bool) -> LossRoute:
     """The route of a traced call, with the head's hooks counted in traced code (so that Dynamo guards them)."""
-    if not dynamo_support.TRACES_OBJECT_ARGUMENTS:
-        return _eager(dynamo_support.OLD_DYNAMO)
+    if not dynamo_support.TRACES_TILED_CALLS:
+        return _eager(dynamo_support.REASON)
     return _traced_loss_route(lm_head, strategy, has_group, hook_count(lm_head))

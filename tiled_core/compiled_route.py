@@ -15,7 +15,7 @@ call), so the call is decided once, where it is traced, by the same decision the
   run per shard), a backend that gathers parameters or delivers gradients itself (ZeRO, whose hooks
   run inside the call), a distributed parameter (tensor parallelism), an instance forward, a module
   with other sharded inputs (MoE), an input whose sizes are symbolic (dynamic shapes), a call with
-  keyword arguments, and every call on torch < 2.12 (``dynamo_support``).
+  keyword arguments, and every call on torch < 2.9 (``dynamo_support``).
 
 The decision rests on the module as it is when traced; the compiled graph keeps it while Dynamo's guards
 hold: the module and its class, the parameters the op reads (identity, shape, dtype, device), the class's
@@ -112,7 +112,7 @@ def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...]
                          kernel.activation.name, state.use_fused_kernel, state.grad_accum_dtype)
 
 
-@torch._dynamo.assume_constant_result
+@dynamo_support.decided_where_traced
 def _traced_route(module: nn.Module, default_inputs: bool, watched: Tuple[Any, ...], shape: Tuple[int, ...],
                   dtype: torch.dtype, device: torch.device) -> CompiledRoute:
     """``decide_route``, run by Dynamo where it traces the call and kept as a constant of the graph.
@@ -160,13 +160,14 @@ def _watched(module: nn.Module) -> Tuple[Any, ...]:
 
 def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
     """The call as Dynamo traces it (see the module doc)."""
-    if not dynamo_support.TRACES_OBJECT_ARGUMENTS:
-        return _eager_call(module, dynamo_support.OLD_DYNAMO, args, kwargs)
+    if not dynamo_support.TRACES_TILED_CALLS:
+        return _eager_call(module, dynamo_support.REASON, args, kwargs)
     if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
         return _eager_call(module, "the call passes keyword arguments or more than the hidden states", args, kwargs)
     x = args[0]
-    # Symbolic sizes (dynamic shapes) cannot be a constant's argument: Dynamo breaks the graph at this call
-    # (an error under fullgraph=True) and the decision is made at each call, eagerly.
+    # Symbolic sizes (dynamic shapes) cannot be a constant's argument: from torch 2.12 on Dynamo breaks the
+    # graph at this call (an error under fullgraph=True) and the decision is made at each call, eagerly;
+    # before, each size is specialized (``dynamo_support``).
     route = _traced_route(module, default_inputs, _watched(module), tuple(x.shape), x.dtype, x.device)
     if route.kind == UNTILED:
         return type(module)._tiled_base.forward(module, x)  # type: ignore[attr-defined]

@@ -1,20 +1,98 @@
-"""What this torch's Dynamo can do that the traced routes (``compiled_route``, ``compiled_loss`` and the HF
-tiled loss's forward) rest on.
+"""One way to decide something once, where Dynamo traces a call, from the objects the call sees.
 
-Each route is decided by a function marked ``torch._dynamo.assume_constant_result`` that is given the module
-(or the head, the strategy, the loss's forward) it decides for. From torch 2.12 on, Dynamo hands such a
-function the objects it is given and guards on their identity. torch 2.11 and older convert every argument
-to a Python constant, which a module is not, and stop the compile with an internal error
-(``UnspecializedNNModuleVariable is not a constant``), read in torch's own ``invoke_and_store_as_constant``
-of each release. There, the tiled calls run eagerly behind one graph break each: a compiled model trains,
-exact, with a break per tiled call (an error under ``fullgraph=True``, which says so).
+The traced routes (``compiled_route``, ``compiled_loss``, the HF tiled loss's forward) are each decided by
+a Python function that must see objects (the module, its head, its strategy, the loss's forward), run once
+at trace time, its answer a constant of the graph that Dynamo keeps while the objects are the same ones.
+``torch._dynamo.assume_constant_result`` runs a function at trace time, but what it may be given differs
+by release (``invoke_and_store_as_constant``, read in 2.11, 2.12 and 2.13):
+
+- torch 2.12 and later hand it a user-defined object itself and guard on its identity (``ID_MATCH``);
+- torch 2.11 and earlier convert every argument to a Python constant, which an object is not, and stop the
+  compile (``UnspecializedNNModuleVariable ... is not a constant``).
+
+There (from 2.9, ``TRACES_TILED_CALLS``), each object is given as its ``id``, which those releases trace as
+a constant with the same guard
+(``BuiltinVariable.call_id``: ``ID_MATCH`` on a user-defined object with a source, an nn.Module by its
+submodule, and no other kind of object: a bound method is a graph break, as it is for 2.12's argument), and
+the decision turns it back into the object (``_object_at``). That is exact while the object lives, and it
+does: the id those releases trace is the id of the very object Dynamo holds while it traces the frame, and
+the decision runs then (Dynamo calls it only from ``invoke_and_store_as_constant``). From 2.12 on ``id()``
+of an object Dynamo has no source for is a made-up number (``FakeIdVariable``), so the objects themselves
+are passed there. Outside a trace the wrapper is a plain call.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import operator
+import types
+from typing import Any, Callable, List, Tuple, TypeVar
+
 import torch
 
-# A pre-release of 2.12 (2.12.0a0) compares below 2.12: it takes the eager routes, which every release runs.
-TRACES_OBJECT_ARGUMENTS: bool = torch.__version__ >= "2.12"
+T = TypeVar("T")
 
-OLD_DYNAMO = (f"torch {torch.__version__}'s Dynamo cannot pass a module to the route's decision (torch >= 2.12 "
-              "can: upgrade to trace the call as one op)")
+# The releases whose Dynamo traces a tiled model as one graph (checked on 2.9, 2.10, 2.11, 2.13 and 2.15).
+# Before 2.9 it cannot: 2.8 has no ``vars()`` of a module, and 2.6 stops with an internal error where a
+# decision returns a route. There every tiled call (MLP, norm, loss) runs eagerly behind a graph break, exact,
+# and says why (``REASON``; ``tests/test_compile_eager_fallback.py`` forces it on any torch).
+TRACES_TILED_CALLS: bool = torch.__version__ >= "2.9"
+REASON = f"torch {torch.__version__}'s Dynamo cannot trace a tiled call as one op (torch >= 2.9 can)"
+
+# A pre-release (2.12.0a0) compares below its release and takes the older path, which that release also runs.
+PASSES_OBJECTS: bool = torch.__version__ >= "2.12"
+
+# What ``assume_constant_result`` converts itself on every release: the constants, and the functions and
+# classes it passes as themselves. Any other object goes by its id below 2.12.
+_AS_IS = (type(None), bool, int, float, str, tuple, torch.dtype, torch.device, type, types.FunctionType)
+
+
+def _object_at(address: int) -> Any:
+    return ctypes.cast(address, ctypes.py_object).value
+
+
+def _specialized(value: Any) -> Any:
+    """``value`` with each int in it (it or a tuple's item) made a constant. Those releases stop the compile
+    on a symbolic int given to ``assume_constant_result`` (an internal error, not a graph break), and
+    cannot tell it from an int (Dynamo shows a SymInt as an int): ``operator.index`` specializes it,
+    guarded (``int()`` does not), so dynamic shapes trace again for each new size there."""
+    if type(value) is int:
+        return operator.index(value)
+    if type(value) in (tuple, torch.Size):
+        return type(value)([operator.index(v) if type(v) is int else v for v in value])
+    return value
+
+
+def decided_where_traced(decide: Callable[..., T]) -> Callable[..., T]:
+    """``decide(*args)``, run by Dynamo where it traces the call and kept as a constant of the graph, traced
+    again when an object among ``args`` is another one or a constant among them changes (tuples of
+    constants only). Positional arguments only. Outside a trace it is a plain call."""
+
+    @torch._dynamo.assume_constant_result
+    def by_object(*args: Any) -> T:
+        return decide(*args)
+
+    @torch._dynamo.assume_constant_result
+    def by_identity(by_id: Tuple[bool, ...], *args: Any) -> T:
+        return decide(*[_object_at(a) if i else a for i, a in zip(by_id, args, strict=True)])
+
+    @functools.wraps(decide)
+    def traced(*args: Any) -> T:
+        if not torch.compiler.is_compiling():
+            return decide(*args)
+        if PASSES_OBJECTS:
+            return by_object(*args)
+        by_id = tuple([not isinstance(a, _AS_IS) for a in args])
+        passed: List[Any] = [id(args[k]) if by_id[k] else _specialized(args[k]) for k in range(len(args))]
+        return by_identity(by_id, *passed)
+
+    return traced
+
+
+def bound(function: Callable, obj: Any) -> Callable:
+    """``function`` bound to ``obj``: eagerly its own binding (a method, as every reader expects); where Dynamo
+    traces, a ``functools.partial``, which every release traces, while ``function.__get__`` is a graph
+    break before torch 2.12 and a method built by hand (``types.MethodType``) is one on every release."""
+    if torch.compiler.is_compiling():
+        return functools.partial(function, obj)
+    return function.__get__(obj, type(obj))

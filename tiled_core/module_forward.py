@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from .dynamo_support import bound
 from .tiling_state import tiling_of
 
 
@@ -40,9 +41,8 @@ class TiledForward:
         self.function = forward
 
     def __get__(self, module, owner=None):
-        # The function's own binding (a ``types.MethodType``), which Dynamo traces; constructing the
-        # method type by hand is a call it does not.
-        return self.function if module is None else self.function.__get__(module, owner)
+        # Dynamo traces the read in ``nn.Module._call_impl`` (``self.forward``).
+        return self.function if module is None else bound(self.function, module)
 
     def __set__(self, module, value) -> None:
         # ``module.forward = module._old_forward`` (accelerate removing its hook; unpickling a bound

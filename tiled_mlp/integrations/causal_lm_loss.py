@@ -215,7 +215,7 @@ class TiledLossForward:
         return dict(vars(self))
 
     def _inner(self) -> Callable:
-        return self.previous if self.previous is not None else type(self.model).forward.__get__(self.model)
+        return self.previous if self.previous is not None else dynamo_support.bound(type(self.model).forward, self.model)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -233,11 +233,11 @@ class TiledLossForward:
         one (the tiled loss would silently never run) or may change what it returns."""
         if not torch.compiler.is_compiling():
             self._check_forward()
-        elif dynamo_support.TRACES_OBJECT_ARGUMENTS:
+        elif dynamo_support.TRACES_TILED_CALLS:
             # Checked where Dynamo traces the call, with the model's instance forward as an argument so that
             # Dynamo guards on it: one set after compiling traces the call again, and is checked then.
             _checked_where_traced(self, vars(self.model).get("forward"))
-        else:  # torch < 2.12 (``dynamo_support``): checked at every call, behind a graph break
+        else:  # torch < 2.9 (``dynamo_support``): checked at every call, behind a graph break
             _checked_eagerly(self)
 
     def _check_forward(self) -> None:
@@ -257,7 +257,7 @@ class TiledLossForward:
                                f"was installed: {why} (remove_tiled_loss(model))")
 
     def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling() and dynamo_support.TRACES_OBJECT_ARGUMENTS:
+        if torch.compiler.is_compiling() and dynamo_support.TRACES_TILED_CALLS:
             return self._traced_call(args, kwargs)
         return self._eager_call(*args, **kwargs)
 
@@ -356,7 +356,7 @@ def _tiled_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
     return tiled_cross_entropy(*args, **kwargs)
 
 
-@torch._dynamo.assume_constant_result
+@dynamo_support.decided_where_traced
 def _checked_where_traced(forward: TiledLossForward, instance_forward: Any) -> bool:
     forward._check_forward()
     return True
@@ -377,7 +377,7 @@ class TracedPlan:
     extra_names: Tuple[str, ...] = ()  # those its ``**kwargs`` takes
 
 
-@torch._dynamo.assume_constant_result
+@dynamo_support.decided_where_traced
 def _traced_plan(forward: TiledLossForward, names: Tuple[str, ...], positional: bool, loss_function: Any) -> TracedPlan:
     """Run by Dynamo where it traces a call of the tiled loss's forward, and kept as a constant of the graph:
     the checks the eager call makes at every call (``loss_function`` is passed so that Dynamo guards on it:
