@@ -8,6 +8,7 @@ object, and is not for the same one.
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -124,3 +125,31 @@ def test_outside_a_trace_the_decision_is_a_plain_call(resolved):
     module = _Scaled(4.0)
     assert _scale_of(module, (2,)) == 4.0
     assert _decided == [(module, (2,))] and resolved == []
+
+
+def test_an_object_not_of_the_class_the_trace_saw_is_refused(resolved, monkeypatch):
+    monkeypatch.setattr(dynamo_support, "_object_at", lambda address: object())
+    with pytest.raises(Exception, match="cannot be decided where traced"):
+        torch.compile(_Scaled(2.0), backend="eager", fullgraph=True)(torch.ones(3))
+
+
+def test_a_forward_read_eagerly_under_an_active_compile_is_the_method():
+    """Dynamo compiles the frames a skipped frame calls: ``bound`` and ``TiledForward.__get__`` must still
+    give the method there (a partial only where Dynamo traces the read)."""
+    from reference import GatedMLP
+
+    mlp = GatedMLP(8, 20).double()
+    TiledMLP(mlp, num_shards=2)
+    seen = []
+
+    @torch.compiler.disable(recursive=False)
+    def eager_part(y):
+        seen.append(type(mlp.forward))
+        return mlp.forward(y)
+
+    def f(x):
+        return eager_part(x * 2)
+
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    assert torch.equal(torch.compile(f, backend="eager")(x), mlp(x * 2))
+    assert seen == [types.MethodType]

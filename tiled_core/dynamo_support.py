@@ -11,14 +11,23 @@ by release (``invoke_and_store_as_constant``, read in 2.11, 2.12 and 2.13):
   compile (``UnspecializedNNModuleVariable ... is not a constant``).
 
 There (from 2.9, ``TRACES_TILED_CALLS``), each object is given as its ``id``, which those releases trace as
-a constant with the same guard
-(``BuiltinVariable.call_id``: ``ID_MATCH`` on a user-defined object with a source, an nn.Module by its
-submodule, and no other kind of object: a bound method is a graph break, as it is for 2.12's argument), and
-the decision turns it back into the object (``_object_at``). That is exact while the object lives, and it
-does: the id those releases trace is the id of the very object Dynamo holds while it traces the frame, and
-the decision runs then (Dynamo calls it only from ``invoke_and_store_as_constant``). From 2.12 on ``id()``
-of an object Dynamo has no source for is a made-up number (``FakeIdVariable``), so the objects themselves
-are passed there. Outside a trace the wrapper is a plain call.
+a constant (``BuiltinVariable.call_id``): an nn.Module by its submodule, a user-defined object read from
+the frame (it has a source) with an identity guard (``ID_MATCH``), the guard 2.12 installs for an object
+argument. The decision turns the id back into the object (``_object_at``) while Dynamo traces the frame
+that holds it (Dynamo calls it only from ``invoke_and_store_as_constant``), and checks that it is of the
+class the traced code saw. What those releases give for other kinds of objects, and what the routes pass
+them for:
+
+- a ``functools.partial`` is given as a placeholder of Dynamo's own, without a guard: the routes pass
+  partials (an accelerate hook's instance forward) only to be guarded where 2.12 guards them, never read;
+- an object built inside the compiled function is given before its ``__init__`` ran (Dynamo builds it
+  without running it, on every release): a strategy or module made inside the compiled region must be made
+  outside it;
+- a bound method is a graph break at ``id()``, as it is for 2.12's argument.
+
+From 2.12 on ``id()`` of a value Dynamo has no source for is a made-up number (``FakeIdVariable``), so the
+objects themselves are passed there; a test that forces the ids there passes only objects read from the
+frame. Outside a trace the wrapper is a plain call.
 """
 from __future__ import annotations
 
@@ -26,7 +35,7 @@ import ctypes
 import functools
 import operator
 import types
-from typing import Any, Callable, List, Tuple, TypeVar
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -73,8 +82,13 @@ def decided_where_traced(decide: Callable[..., T]) -> Callable[..., T]:
         return decide(*args)
 
     @torch._dynamo.assume_constant_result
-    def by_identity(by_id: Tuple[bool, ...], *args: Any) -> T:
-        return decide(*[_object_at(a) if i else a for i, a in zip(by_id, args, strict=True)])
+    def by_identity(classes: Tuple[Optional[type], ...], *args: Any) -> T:
+        objects = [a if cls is None else _object_at(a) for cls, a in zip(classes, args, strict=True)]
+        for cls, obj in zip(classes, objects, strict=True):
+            if cls is not None and type(obj) is not cls:
+                raise RuntimeError(f"{decide.__name__}: Dynamo gave a {type(obj).__name__} for an argument that is a "
+                                   f"{cls.__name__} where the call was traced; it cannot be decided where traced")
+        return decide(*objects)
 
     @functools.wraps(decide)
     def traced(*args: Any) -> T:
@@ -82,9 +96,9 @@ def decided_where_traced(decide: Callable[..., T]) -> Callable[..., T]:
             return decide(*args)
         if PASSES_OBJECTS:
             return by_object(*args)
-        by_id = tuple([not isinstance(a, _AS_IS) for a in args])
-        passed: List[Any] = [id(args[k]) if by_id[k] else _specialized(args[k]) for k in range(len(args))]
-        return by_identity(by_id, *passed)
+        classes = tuple([None if isinstance(a, _AS_IS) else type(a) for a in args])
+        passed: List[Any] = [_specialized(args[k]) if classes[k] is None else id(args[k]) for k in range(len(args))]
+        return by_identity(classes, *passed)
 
     return traced
 
@@ -96,3 +110,17 @@ def bound(function: Callable, obj: Any) -> Callable:
     if torch.compiler.is_compiling():
         return functools.partial(function, obj)
     return function.__get__(obj, type(obj))
+
+
+def run_eagerly_at_top_level(code: types.CodeType) -> None:
+    """Dynamo compiles every frame it meets while a compile is active, even one called from a frame it skips
+    (``torch.compiler.disable(recursive=False)``, code after a graph break); there ``is_compiling()`` is true
+    in eager code. Frames of ``code`` are skipped at the top level, and still inlined where Dynamo traces
+    their caller (``torch._dynamo.eval_frame.skip_code``, private: where it is missing, nothing is skipped)."""
+    skip_code = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
+    if skip_code is not None:
+        skip_code(code)
+
+
+# ``bound`` read eagerly under an active compile gives the method, not the partial.
+run_eagerly_at_top_level(bound.__code__)

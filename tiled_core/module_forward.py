@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .dynamo_support import bound
+from .dynamo_support import bound, run_eagerly_at_top_level
 from .tiling_state import tiling_of
 
 
@@ -54,18 +54,10 @@ class TiledForward:
         tiling_of(module).instance_forward = None
 
 
-def _run_get_eagerly_at_top_level() -> None:
-    """Where a tiled module is called eagerly under an active ``torch.compile`` (after a graph break in an
-    outer frame), Dynamo would compile ``__get__``'s own frame, and rebuild the method it returns by reading
-    ``module.forward``: ``__get__`` again, without end. Its code is skipped as a top-level frame; Dynamo still
-    inlines it where it traces a call of the module (``torch._dynamo.eval_frame.skip_code``, private: where it
-    is missing, nothing is skipped)."""
-    skip_code = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
-    if skip_code is not None:
-        skip_code(TiledForward.__get__.__code__)
-
-
-_run_get_eagerly_at_top_level()
+# Where a tiled module is called eagerly under an active ``torch.compile`` (after a graph break in an outer
+# frame), Dynamo would compile ``__get__``'s own frame, and rebuild the method it returns by reading
+# ``module.forward``: ``__get__`` again, without end.
+run_eagerly_at_top_level(TiledForward.__get__.__code__)
 
 
 def forward_signature(base: type) -> Optional[inspect.Signature]:
