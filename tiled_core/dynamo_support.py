@@ -61,10 +61,10 @@ def _object_at(address: int) -> Any:
 
 
 def _specialized(value: Any) -> Any:
-    """``value`` with each int in it (it or a tuple's item) made a constant. Those releases stop the compile
-    on a symbolic int given to ``assume_constant_result`` (an internal error, not a graph break), and
-    cannot tell it from an int (Dynamo shows a SymInt as an int): ``operator.index`` specializes it,
-    guarded (``int()`` does not), so dynamic shapes trace again for each new size there."""
+    """``value`` with each int in it (it or a tuple's item) made a constant. torch 2.9 to 2.11 stop the
+    compile on a symbolic int given to ``assume_constant_result`` (an internal error, not a graph break), and
+    traced code cannot tell it from an int (Dynamo shows a SymInt as an int): ``operator.index`` specializes
+    it, guarded (``int()`` does not), so dynamic shapes trace again for each new size there."""
     if type(value) is int:
         return operator.index(value)
     if type(value) in (tuple, torch.Size):
