@@ -18,13 +18,14 @@ import torch
 from tiled_mlp.core.shard_plan import NumShards
 
 from ..bench.progress import Progress
-from ..planner import alst, attention, check, report, sequence_parallel, tensor_parallel
+from ..planner import alst, attention, check, report, sequence_parallel, tensor_parallel, workers
 from ..planner.advice import what_to_change
 from ..planner.backends import BACKENDS, Backend
 from ..planner.collector import collector_paused
 from ..planner.plan import Planner, Point, Request
 from ..planner.presets import PRESETS, load_config
 from ..planner.search import Longest
+from ..planner.settings_side_by_side import plan_settings
 from ..planner.step import Setting
 from . import json_stdout, parsing
 
@@ -83,8 +84,11 @@ def add_arguments(p) -> None:
                         "output)")
     g.add_argument("--alst", action="store_true",
                    help="ALST's ladder: Llama-3.1-8B at 80 GiB a rank (or --budget), each row of ALST's ablation "
-                        "beside the length ALST measured (other options but --budget and --host-budget are ignored; --json for records)")
+                        "beside the length ALST measured (other options but --budget, --host-budget and --workers are ignored; --json for records)")
     g.add_argument("--plot", default=None, metavar="PNG", help="held memory against sequence length, budget and max lengths")
+    g.add_argument("--workers", type=parsing.positive_int, default=None, metavar="N",
+                   help="processes that model the settings side by side, forked from the planner (default: the CPUs "
+                        "this process may use; 1: all in this process). The plan is the same for any N")
 
 
 def default_budget() -> Tuple[int, str]:
@@ -199,8 +203,8 @@ def _run(args, parser_error) -> int:
         fail(problem)
     for _ in range((len(seqs) + SEARCH_SLOTS) * (len(settings) - len(request.settings))):
         progress.step("tiled loss: left out")  # the left-out settings' slots, so that the bar ends at 100%
-    progress.step("full-depth probe")
-    points, longest, advice = _plan(planner, progress)
+    progress.step("probe")
+    points, longest, advice = _plan(planner, progress, args.workers or workers.available())
     progress.close()
     _output(args, planner, points, longest, advice, budget_from, warnings, attention_from)
     return 0
@@ -242,7 +246,8 @@ def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) 
     last, one short step; what is left out of the plan is said in ``warnings``."""
     request, config = planner.request, planner.request.config
     try:
-        model = check.build(config, args.dtype, lambda: planner.model(Setting(tiled=False, checkpointing=False)))
+        plain = Setting(tiled=False, checkpointing=False)
+        model = check.build(config, args.dtype, functools.partial(planner.model, plain))
         sizes = planner.param_sizes()
     except ValueError as error:
         return f"--model {args.model}: {error}"
@@ -281,8 +286,10 @@ def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) 
         if problem:
             return problem
         with_loss = None
+    # Each probe runs the model the setting's steps run first (``Planner.stepped_first``: two layers where
+    # the step is composed from shallow ones), which the plan then reuses.
     try:
-        check.probe(model, config)
+        check.probe(check.build(config, args.dtype, functools.partial(planner.stepped_first, plain)), config)
     except ValueError as error:
         return f"--model {args.model}: {error}"
     # SP, checkpoint offload and the tiled norms are code of their own on the step: probed on the first
@@ -292,37 +299,24 @@ def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) 
               next((s for s in request.settings if s.tiled_norms), None)]
     for parallel in dict.fromkeys(s for s in firsts if s is not None):
         try:
-            check.probe(check.build(config, args.dtype, functools.partial(planner.model, parallel)), config)
+            check.probe(check.build(config, args.dtype, functools.partial(planner.stepped_first, parallel)), config)
         except ValueError as error:
             return f"--model {args.model}, {parallel.name}: {error}"
     if with_loss is None:
         return ""
     try:  # the tiled loss is code of its own on the loss path: probed on a setting the plan models
-        check.probe(check.build(config, args.dtype, lambda: planner.model(with_loss)), config)
+        check.probe(check.build(config, args.dtype, functools.partial(planner.stepped_first, with_loss)), config)
     except ValueError as error:
         return _leave_out_tiled_loss(args, planner, f"with the tiled loss, {error}", warnings)
     return ""
 
 
-def _plan(planner: Planner, progress: Progress) -> Tuple[List[Point], Dict[str, Longest], List[str]]:
+def _plan(planner: Planner, progress: Progress, processes: int) -> Tuple[List[Point], Dict[str, Longest], List[str]]:
     """The table's points, each setting's longest sequence, and what to change when nothing fits."""
     request = planner.request
-    planner.on_point = progress.step
+    found = plan_settings(planner, processes, progress.step, SEARCH_SLOTS)
     points = [planner.point(s, seq) for seq in request.seqs for s in request.settings]
-    longest: Dict[str, Longest] = {}
-    for setting in request.settings:
-        used = [0]
-
-        def counted(label: str, used=used) -> None:
-            used[0] += 1
-            if used[0] <= SEARCH_SLOTS:
-                progress.step(label)
-
-        planner.on_point = counted
-        longest[setting.name] = planner.longest(setting)
-        for _ in range(SEARCH_SLOTS - min(used[0], SEARCH_SLOTS)):
-            progress.step(f"{setting.name}: longest found")
-    planner.on_point = lambda label: None
+    longest = {s.name: found[s] for s in request.settings}
     advice: List[str] = []
     if all(found.seq == 0 for found in longest.values()):
         best = min(request.settings, key=lambda s: planner.point(s, request.seq_step).load())
@@ -377,7 +371,8 @@ def _run_alst(args, parser_error) -> int:
     progress = Progress(5 * len(alst.RUNGS), "plan --alst", enabled=not args.json)
     start = time.monotonic()
     try:
-        climbed = alst.climb(config, alst.RUNGS, budget, on_point=progress.step, node_host=args.host_budget)
+        climbed = alst.climb(config, alst.RUNGS, budget, on_point=progress.step, node_host=args.host_budget,
+                             processes=args.workers or workers.available())
     finally:
         progress.close()
     seconds = time.monotonic() - start

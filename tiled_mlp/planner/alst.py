@@ -21,17 +21,19 @@ guides the search (``search.py`` draws its line through it), so it costs one ste
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-from . import attention
+from . import attention, sequence_parallel
 from .backends import Backend
 from .plan import OFFLOADED, Planner, Point, Request
 from .search import Longest
 from .step import Setting
+from .workers import run_tasks
 
 GiB = 2**30
 BUDGET = 80 * GiB
@@ -108,20 +110,28 @@ def alst_seq(planner: Planner, rung: Rung) -> int:
 
 
 def climb(config, rungs: List[Rung] = RUNGS, budget: float = BUDGET,
-          on_point: Callable[[str], None] = lambda label: None, node_host: Optional[float] = None) -> List[Climbed]:
-    out = []
-    for rung in rungs:
-        planner = planner_for(config, rung, budget, node_host)
-        planner.on_point = on_point
-        # First: it guides the search. Described, for what its peak holds where it does not fit.
-        at_alst, at_alst_peak = planner.point_and_peak(rung.setting, alst_seq(planner, rung))
-        found = planner.longest(rung.setting)
-        point = planner.point(rung.setting, found.seq) if found.seq else None
-        climbed = Climbed(rung, found, point, at_alst)
-        if not at_alst.device_fits:  # what the device holds at its peak there (the host's is one term)
-            climbed.at_alst_peak = at_alst_peak
-        out.append(climbed)
-    return out
+          on_point: Callable[[str], None] = lambda label: None, node_host: Optional[float] = None,
+          processes: int = 1) -> List[Climbed]:
+    """Each rung's row, the rungs modelled side by side by up to ``processes`` processes (``workers.py``);
+    ``on_point`` gets a label for each point modelled."""
+    if any(rung.setting.sp > 1 for rung in rungs):
+        sequence_parallel.load_deepspeed()
+    tasks = [functools.partial(_climb_rung, config, rung, budget, node_host) for rung in rungs]
+    return run_tasks(tasks, on_point, processes)
+
+
+def _climb_rung(config, rung: Rung, budget: float, node_host: Optional[float],
+                on_point: Callable[[str], None]) -> Climbed:
+    planner = planner_for(config, rung, budget, node_host)
+    planner.on_point = on_point
+    # First: it guides the search. Described, for what its peak holds where it does not fit.
+    at_alst, at_alst_peak = planner.point_and_peak(rung.setting, alst_seq(planner, rung))
+    found = planner.longest(rung.setting)
+    point = planner.point(rung.setting, found.seq) if found.seq else None
+    climbed = Climbed(rung, found, point, at_alst)
+    if not at_alst.device_fits:  # what the device holds at its peak there (the host's is one term)
+        climbed.at_alst_peak = at_alst_peak
+    return climbed
 
 
 def families(config, allocations: Dict[str, float], sp: int) -> Dict[str, float]:

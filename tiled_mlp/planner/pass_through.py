@@ -22,7 +22,7 @@ holds the shared step equal to the tiled setting's own at every length around th
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -44,6 +44,16 @@ def untiled_twin(setting: Setting) -> Optional[Setting]:
     if not setting.tiled or setting.tiled_norms or setting.num_shards != "auto" or setting.tp > 1:
         return None
     return replace(setting, tiled=False)
+
+
+def twin_groups(settings: Sequence[Setting]) -> List[List[Setting]]:
+    """``settings``, each beside its untiled twin where both are among them (the two may share steps),
+    in the order given: the parts of a plan that can be modelled apart (``workers.py``)."""
+    groups: Dict[Setting, List[Setting]] = {}
+    for setting in settings:
+        twin = untiled_twin(setting)
+        groups.setdefault(twin if twin is not None and twin in settings else setting, []).append(setting)
+    return list(groups.values())
 
 
 def mlps_pass_through(model: nn.Module, layers: int, tokens: int, hidden: int, dtype: torch.dtype) -> bool:

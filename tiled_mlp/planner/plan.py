@@ -32,7 +32,7 @@ from .timeline import ACTIVATIONS, GENERATOR_STATES, GRADS, HOST, LOGITS, WEIGHT
 
 IN_FLIGHT = "backend in flight"
 OFFLOADED = "offloaded checkpoints"  # host memory: the layer inputs checkpoint offload moved there
-__all__ = ["IN_FLIGHT", "OFFLOADED", "OPTIMIZER", "LOGITS_KNOB", "Point", "Request", "Planner"]
+__all__ = ["IN_FLIGHT", "OFFLOADED", "OPTIMIZER", "LOGITS_KNOB", "Point", "Planned", "Request", "Planner"]
 # The knob is this library's own tiled loss, modelled as a setting (``step.py``), so the plan can show
 # what it leaves rather than only name it.
 LOGITS_KNOB = ("the tiled loss, which never holds the logits (the 'tiled-loss' settings, --tiled-loss; in training "
@@ -105,6 +105,18 @@ class Point:
                     host_bytes=int(self.host_bytes), host_parts={k: int(v) for k, v in self.host_parts.items()},
                     host_budget=None if self.host_budget is None else int(self.host_budget), host_fits=self.host_fits,
                     device_fits=self.device_fits)
+
+
+@dataclass
+class Planned:
+    """What planning one setting left in its planner: its points in the order they were modelled, its
+    longest length, and whether its answer failed the full-depth check (it was then planned at full
+    depth, its own steps)."""
+
+    points: Dict[int, Point]
+    longest: Longest
+    full_depth_only: bool = False
+    unshared: bool = False
 
 
 @dataclass
@@ -191,6 +203,12 @@ class Planner:
         if self.composable(setting) and setting in self._shallow:
             return list(self._shallow[setting])
         return [self.model(setting)]
+
+    def stepped_first(self, setting: Setting) -> torch.nn.Module:
+        """The model ``setting``'s modelled steps run first: the shallower of the pair where the step is
+        composed, else the full-depth model. Every decoder layer runs the same code in both where the
+        layers are alike."""
+        return self.shallow_pair(setting)[0] if self.composable(setting) else self.model(setting)
 
     def shallow_pair(self, setting: Setting) -> Tuple[torch.nn.Module, torch.nn.Module]:
         """The ``SHALLOW``- and ``SHALLOW + 1``-layer models of ``setting``, built once."""
@@ -347,6 +365,28 @@ class Planner:
             timeline = self.timeline(setting, seq, full_depth=True)
             self._full_records[key] = self.point_of(setting, seq, timeline, self.request.backend).record()
         return self._full_records[key]
+
+    def planned(self, setting: Setting, found: Longest) -> Planned:
+        """``setting``'s part of this plan, ``found`` its longest length (``longest``)."""
+        return Planned({seq: p for (s, seq), p in self._points.items() if s == setting}, found,
+                       setting in self._full_depth_only, setting in self._unshared)
+
+    def adopt(self, planned: Dict[Setting, Planned]) -> None:
+        """Settings planned apart (by forked copies of this planner, ``workers.py``) made this plan's, their
+        points in the order one planner modelling them in turn keeps: the table's (``request.seqs``, by
+        setting, in ``planned``'s order), then each setting's search."""
+        points: Dict[Tuple[Setting, int], Point] = {}
+        for seq in self.request.seqs:
+            for setting, part in planned.items():
+                points[(setting, seq)] = part.points[seq]
+        for setting, part in planned.items():
+            for seq, point in part.points.items():
+                points.setdefault((setting, seq), point)
+            if part.full_depth_only:
+                self._full_depth_only.add(setting)
+            if part.unshared:
+                self._unshared.add(setting)
+        self._points = points
 
     def max_seq(self, setting: Setting) -> int:
         return self.longest(setting).seq

@@ -133,6 +133,16 @@ def refusal(model) -> str:
     return ""
 
 
+def load_deepspeed() -> None:
+    """DeepSpeed's Ulysses attention imported, and its accelerator chosen, in this process: what DeepSpeed
+    logs then ("Setting accelerator to CPU") is logged once, here, and not again by each worker forked
+    after (``workers.py``), which inherits both."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # noqa: F401
+
+    get_accelerator()
+
+
 def register(config, sp: int, batch: int, group: Any) -> str:
     """DeepSpeed's ``UlyssesSPAttentionHF`` of ``sp`` ranks around the planner's causal attention, registered
     with transformers under a new name (returned), for ``batch`` sequences per step (the class fixes it)."""

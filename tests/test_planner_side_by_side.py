@@ -1,0 +1,85 @@
+"""A plan's settings modelled side by side (``tiled_mlp/planner/settings_side_by_side.py``) are the plan
+one planner makes modelling them in turn: every point of the table and the searches, in the same order
+(what ``report.dips`` and the plot read), the longest lengths; and ``tiled-mlp plan`` prints the same
+bytes for any ``--workers``."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import LlamaConfig  # noqa: E402
+
+from tiled_mlp.planner.backends import Backend  # noqa: E402
+from tiled_mlp.planner.pass_through import twin_groups  # noqa: E402
+from tiled_mlp.planner.plan import Planner, Request  # noqa: E402
+from tiled_mlp.planner.settings_side_by_side import plan_settings  # noqa: E402
+from tiled_mlp.planner.step import Setting  # noqa: E402
+from tiled_mlp.planner.workers import can_fork  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = [Setting(tiled=tiled, checkpointing=ckpt, tiled_loss=loss)
+            for ckpt in (False, True) for loss in (False, True) for tiled in (False, True)]
+SETTINGS.append(Setting(tiled=True, checkpointing=True, tiled_loss=True, tiled_norms=True, offload_checkpoints=True))
+
+
+def tiny_llama() -> LlamaConfig:
+    # Four alike layers: composed from the 2- and 3-layer steps, the answers checked at full depth.
+    return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=8192)
+
+
+def planner() -> Planner:
+    return Planner(Request(tiny_llama(), [256, 1024], list(SETTINGS), Backend("single", 1), dtype=torch.bfloat16,
+                           budget=6 * 2**20, seq_step=128, seq_cap=8192))
+
+
+def in_turn() -> tuple:
+    one = planner()
+    for seq in one.request.seqs:
+        for setting in SETTINGS:
+            one.point(setting, seq)
+    longest = {s: one.longest(s) for s in SETTINGS}
+    return [p.record() for p in one.modelled()], longest
+
+
+def test_each_tiled_setting_goes_with_its_untiled_twin():
+    groups = twin_groups(SETTINGS)
+    assert [len(g) for g in groups] == [2, 2, 2, 2, 1]
+    assert all(not g[0].tiled and g[1].tiled and g[1].tiled_loss == g[0].tiled_loss for g in groups[:4])
+
+
+@pytest.mark.parametrize("processes", [1, pytest.param(3, marks=pytest.mark.skipif(not can_fork(), reason="no fork"))])
+def test_the_plan_modelled_side_by_side_is_the_plan_modelled_in_turn(processes):
+    records, longest = in_turn()
+    assert 0 < min(found.seq for found in longest.values()) and max(found.seq for found in longest.values()) < 8192
+    side = planner()
+    labels = []
+    found = plan_settings(side, processes, labels.append, search_labels=6)
+    assert found == longest
+    assert [p.record() for p in side.modelled()] == records, "the same points, in the same order"
+    assert len(labels) == len(SETTINGS) * (2 + 6), "a label a table point, six a search"
+
+
+def test_the_command_prints_the_same_plan_for_any_number_of_workers(tmp_path):
+    tiny_llama().save_pretrained(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+    def plan(workers: int, *extra: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "tiled_mlp.cli.main", "plan", "--model", str(tmp_path), "--seq",
+                               "256,1024", "--budget", "6MiB", "--workers", str(workers), *extra],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    table = plan(1)
+    assert "longest sequence" in table and table == plan(4)
+    assert json.loads(plan(1, "--json")) == json.loads(plan(2, "--json"))

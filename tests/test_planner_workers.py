@@ -1,0 +1,58 @@
+"""The forked workers that model a plan's parts side by side (``tiled_mlp/planner/workers.py``): results
+in the tasks' order from other processes, every progress label shown here, a task's error raised here,
+a dead worker an error rather than a hang, and one worker meaning this process."""
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures.process import BrokenProcessPool
+
+import pytest
+
+from tiled_mlp.planner.workers import can_fork, run_tasks
+
+pytestmark = pytest.mark.timeout(120)
+forking = pytest.mark.skipif(not can_fork(), reason="no fork start method on this platform")
+
+
+def _task(index: int, report) -> tuple:
+    report(f"task {index} begins")
+    report(f"task {index} ends")
+    return index * index, os.getpid()
+
+
+def _failing(report) -> None:
+    raise ValueError("a step of this setting cannot be modelled: named here")
+
+
+def _dying(report) -> None:
+    os._exit(3)
+
+
+@forking
+def test_results_come_in_the_tasks_order_from_forked_processes_with_every_label():
+    labels = []
+    done = run_tasks([functools.partial(_task, k) for k in range(5)], labels.append, workers=2)
+    assert [value for value, _ in done] == [k * k for k in range(5)]
+    pids = {pid for _, pid in done}
+    assert os.getpid() not in pids and 1 <= len(pids) <= 2
+    assert sorted(labels) == sorted(f"task {k} {when}" for k in range(5) for when in ("begins", "ends"))
+
+
+@forking
+def test_a_tasks_error_is_raised_here_with_its_message():
+    with pytest.raises(ValueError, match="cannot be modelled: named here"):
+        run_tasks([functools.partial(_task, 0), _failing], lambda label: None, workers=2)
+
+
+@forking
+def test_a_worker_that_dies_stops_the_run_with_an_error():
+    with pytest.raises(BrokenProcessPool):
+        run_tasks([_dying, functools.partial(_task, 1)], lambda label: None, workers=2)
+
+
+def test_one_worker_runs_every_task_here_in_order():
+    labels = []
+    done = run_tasks([functools.partial(_task, k) for k in range(3)], labels.append, workers=1)
+    assert done == [(k * k, os.getpid()) for k in range(3)]
+    assert labels == [f"task {k} {when}" for k in range(3) for when in ("begins", "ends")]
