@@ -47,8 +47,9 @@ def test_a_tasks_error_is_raised_here_with_its_message():
 
 @forking
 def test_a_worker_that_dies_stops_the_run_with_an_error():
-    with pytest.raises(BrokenProcessPool):
+    with pytest.raises(RuntimeError, match="worker process modelling the plan died") as raised:
         run_tasks([_dying, functools.partial(_task, 1)], lambda label: None, workers=2)
+    assert isinstance(raised.value.__cause__, BrokenProcessPool)
 
 
 def test_one_worker_runs_every_task_here_in_order():

@@ -87,8 +87,9 @@ def add_arguments(p) -> None:
                         "beside the length ALST measured (other options but --budget, --host-budget and --workers are ignored; --json for records)")
     g.add_argument("--plot", default=None, metavar="PNG", help="held memory against sequence length, budget and max lengths")
     g.add_argument("--workers", type=parsing.positive_int, default=None, metavar="N",
-                   help="processes that model the settings side by side, forked from the planner (default: the CPUs "
-                        "this process may use; 1: all in this process). The plan is the same for any N")
+                   help="processes that model the settings (with --alst, the rows) side by side, forked from the "
+                        "planner, each holding its own steps' logs (about 1.5 GiB at ALST's million-token rows) "
+                        "(default: the CPUs this process may use; 1: all in this process). The plan is the same for any N")
 
 
 def default_budget() -> Tuple[int, str]:

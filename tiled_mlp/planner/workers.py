@@ -14,11 +14,12 @@ pool or device lock, and it never returns to the parent's code (the pool's worke
 ``os._exit``). Where workers are not forked (``can_fork``) or one worker is asked for, the tasks run
 in this process, in order: the same code and the same results.
 
-A worker that dies (killed, out of memory) stops the plan with ``BrokenProcessPool``, never a hang.
+A worker that dies (killed, out of memory) stops the plan with an error that says so, never a hang.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.process
 import multiprocessing
 import os
 import sys
@@ -72,7 +73,13 @@ def run_tasks(tasks: Sequence[Callable[[Callable[[str], None]], R]], on_label: C
                     break
             # A worker puts its labels (synchronously) before its result is sent: all are here now.
             _show(on_label)
-            return [f.result() for f in futures]
+            try:
+                return [f.result() for f in futures]
+            except concurrent.futures.process.BrokenProcessPool as error:
+                raise RuntimeError(
+                    f"a worker process modelling the plan died ({error}); each holds its own steps' logs, about "
+                    "1.5 GiB at ALST's million-token rows: give fewer workers (tiled-mlp plan --workers N), or 1 to "
+                    "model everything in this process") from error
     finally:
         _tasks, _labels = (), None
 
