@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 
 from tiled_mlp.planner.workers import can_fork, run_tasks
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 forking = pytest.mark.skipif(not can_fork(), reason="no fork start method on this platform")
 
 
@@ -57,3 +58,40 @@ def test_one_worker_runs_every_task_here_in_order():
     done = run_tasks([functools.partial(_task, k) for k in range(3)], labels.append, workers=1)
     assert done == [(k * k, os.getpid()) for k in range(3)]
     assert labels == [f"task {k} {when}" for k in range(3) for when in ("begins", "ends")]
+
+
+def _reporting(count: int, report, after_s: float = 0.0) -> int:
+    time.sleep(after_s)
+    for k in range(count):
+        report(f"a label long enough to fill a pipe when sent often enough: {k:06d}")
+    return count
+
+
+@forking
+def test_a_tasks_error_waits_for_the_running_tasks_without_a_hang_and_skips_the_rest():
+    # The other worker sends far more than a pipe holds (64 KiB), starting after the first task failed.
+    labels = []
+    tasks = [_failing, functools.partial(_reporting, 5000, after_s=0.5)] + [_sleeping] * 20
+    with pytest.raises(ValueError, match="cannot be modelled"):
+        run_tasks(tasks, labels.append, workers=2)
+    assert sum(1 for label in labels if label.endswith("004999")) == 1, "the running task's labels all came"
+    # The pool queues a few tasks ahead of its workers (those run); the other 15 or more are cancelled.
+    assert labels.count("slept") < 8, "tasks not started when the error came were not run"
+
+
+def _sleeping(report) -> None:
+    time.sleep(0.5)
+    report("slept")
+
+
+def _unpicklable(report) -> None:
+    class Local(Exception):  # a class pickle cannot find by name
+        pass
+
+    raise Local("what went wrong, kept")
+
+
+@forking
+def test_an_exception_that_cannot_be_sent_back_keeps_its_type_and_message():
+    with pytest.raises(RuntimeError, match="Local: what went wrong, kept"):
+        run_tasks([_unpicklable, functools.partial(_task, 1)], lambda label: None, workers=2)

@@ -244,11 +244,10 @@ def _leave_out_tiled_loss(args, planner: Planner, why: str, warnings: List[str])
 
 def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) -> str:
     """Why the model cannot be planned as asked ('' when it can), from its full-depth meta build and,
-    last, one short step; what is left out of the plan is said in ``warnings``."""
+    last, short steps (probes); what is left out of the plan is said in ``warnings``."""
     request, config = planner.request, planner.request.config
     try:
-        plain = Setting(tiled=False, checkpointing=False)
-        model = check.build(config, args.dtype, functools.partial(planner.model, plain))
+        model = check.build(config, args.dtype, lambda: planner.model(Setting(tiled=False, checkpointing=False)))
         sizes = planner.param_sizes()
     except ValueError as error:
         return f"--model {args.model}: {error}"
@@ -287,14 +286,14 @@ def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) 
         if problem:
             return problem
         with_loss = None
-    # Each probe runs the model the setting's steps run first (``Planner.stepped_first``: two layers where
-    # the step is composed from shallow ones), which the plan then reuses.
+    # The full-depth model's step, so that what only a deep model breaks (a layer by its index) breaks here.
     try:
-        check.probe(check.build(config, args.dtype, functools.partial(planner.stepped_first, plain)), config)
+        check.probe(model, config)
     except ValueError as error:
         return f"--model {args.model}: {error}"
-    # SP, checkpoint offload and the tiled norms are code of their own on the step: probed on the first
-    # setting with each.
+    # SP, checkpoint offload, the tiled norms and the tiled loss are code of their own on the step: probed on
+    # the first setting with each, on the model its steps run first (``Planner.stepped_first``: two layers
+    # where the step is composed from shallow ones), which the plan then reuses.
     firsts = [next((s for s in request.settings if s.sp > 1), None),
               next((s for s in request.settings if s.offload_checkpoints), None),
               next((s for s in request.settings if s.tiled_norms), None)]
@@ -305,7 +304,7 @@ def _check_model(args, planner: Planner, budget_from: str, warnings: List[str]) 
             return f"--model {args.model}, {parallel.name}: {error}"
     if with_loss is None:
         return ""
-    try:  # the tiled loss is code of its own on the loss path: probed on a setting the plan models
+    try:  # the tiled loss, on a setting the plan models
         check.probe(check.build(config, args.dtype, functools.partial(planner.stepped_first, with_loss)), config)
     except ValueError as error:
         return _leave_out_tiled_loss(args, planner, f"with the tiled loss, {error}", warnings)

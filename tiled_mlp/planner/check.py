@@ -70,7 +70,7 @@ def position_limit(model: Any, config) -> Optional[int]:
 
 
 def build(config, dtype: torch.dtype, builder: Callable[[], nn.Module]) -> nn.Module:
-    """``builder()``: the full-depth model on the meta device; a ValueError naming what failed, or a
+    """``builder()``: a model of the config on the meta device; a ValueError naming what failed, or a
     dtype its experts cannot be modelled in."""
     try:
         model = builder()
@@ -81,8 +81,8 @@ def build(config, dtype: torch.dtype, builder: Callable[[], nn.Module]) -> nn.Mo
 
 
 def probe(model: nn.Module, config) -> None:
-    """One short step of the full-depth model, so that whatever else breaks the step breaks here, in a
-    clear error, before the plan's steps."""
+    """One short step of ``model`` (the full-depth model, or the shallow one a setting's steps run first),
+    so that whatever else breaks the step breaks here, in a clear error, before the plan's steps."""
     try:
         step_timeline(model, PROBE_TOKENS, 1)
     except Exception as error:  # the same, for the step

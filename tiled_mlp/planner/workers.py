@@ -22,6 +22,7 @@ import concurrent.futures
 import concurrent.futures.process
 import multiprocessing
 import os
+import pickle
 import sys
 import warnings
 from typing import Any, Callable, List, Optional, Sequence, TypeVar
@@ -51,8 +52,9 @@ def can_fork() -> bool:
 def run_tasks(tasks: Sequence[Callable[[Callable[[str], None]], R]], on_label: Callable[[str], None],
               workers: int) -> List[R]:
     """Each ``task(report)``'s result, in the order of ``tasks``, computed by up to ``workers`` forked
-    processes; ``on_label`` gets every label a task reports, in this process, as the tasks run. A task's
-    exception is raised here."""
+    processes; ``on_label`` gets every label a task reports, in this process, as the tasks run. The first
+    task (in their order) that raised has its exception raised here, once the running tasks are done; the
+    tasks not started by then are not run."""
     global _tasks, _labels
     if workers <= 1 or len(tasks) <= 1 or not can_fork():
         return [task(on_label) for task in tasks]
@@ -66,15 +68,17 @@ def run_tasks(tasks: Sequence[Callable[[Callable[[str], None]], R]], on_label: C
             futures = [pool.submit(_run, index) for index in range(len(tasks))]
             pending = set(futures)
             while pending:
-                _, pending = concurrent.futures.wait(pending, timeout=_POLL_S,
-                                                     return_when=concurrent.futures.FIRST_EXCEPTION)
+                # The labels are read until every task is done, even after one failed: a worker whose labels
+                # filled the pipe would otherwise wait on it for ever.
+                _, pending = concurrent.futures.wait(pending, timeout=_POLL_S)
                 _show(on_label)
-                if any(f.done() and f.exception() is not None for f in futures):
-                    break
+                if any(f.done() and not f.cancelled() and f.exception() is not None for f in futures):
+                    for future in pending:
+                        future.cancel()  # those not started; the running ones end on their own
             # A worker puts its labels (synchronously) before its result is sent: all are here now.
             _show(on_label)
             try:
-                return [f.result() for f in futures]
+                return [f.result() for f in futures if not f.cancelled()]
             except concurrent.futures.process.BrokenProcessPool as error:
                 raise RuntimeError(
                     f"a worker process modelling the plan died ({error}); each holds its own steps' logs, about "
@@ -87,7 +91,16 @@ def run_tasks(tasks: Sequence[Callable[[Callable[[str], None]], R]], on_label: C
 def _run(index: int) -> Any:
     labels = _labels
     assert labels is not None, "a worker is forked after the tasks are set"
-    return _tasks[index](labels.put)
+    try:
+        return _tasks[index](labels.put)
+    except Exception as error:
+        try:
+            pickle.dumps(error)
+        except Exception:
+            # What cannot be sent back (an exception holding a torch op, say) is sent as its type and message,
+            # which the parent would otherwise lose to a pickling error.
+            raise RuntimeError(f"{type(error).__module__}.{type(error).__qualname__}: {error}") from None
+        raise
 
 
 def _show(on_label: Callable[[str], None]) -> None:
