@@ -8,8 +8,8 @@ importing torch and transformers again, which is most of a spawned process's fir
 Only a task's index goes to a worker, and what it returns (points, plain data) comes back pickled.
 
 Forking a process with threads is safe only when the child needs nothing those threads hold. torch
-starts native threads at import (Python 3.12 and later warn at every such fork, as PyTorch's own
-``DataLoader`` workers do); a worker here runs meta-device steps only, which take no intra-op thread
+starts native threads at import (Python 3.12 and later warn at every such fork, PyTorch's own
+``DataLoader`` workers' included); a worker here runs meta-device steps only, which take no intra-op thread
 pool or device lock, and it never returns to the parent's code (the pool's worker loop ends in
 ``os._exit``). Where workers are not forked (``can_fork``) or one worker is asked for, the tasks run
 in this process, in order: the same code and the same results.
