@@ -339,11 +339,14 @@ class Planner:
         found = longest_fitting(lambda seq: self.point(setting, seq).load(), 1.0, self.seq_step(setting),
                                 self.seq_cap(setting), known)
         if req.verify_full_depth and self.composable(setting) and not self._full_depth_agrees(setting, found):
-            # Not seen in any test; should it happen, the setting is planned again at full depth, its own steps.
+            # Never seen unless forced (``tests/test_planner_side_by_side.py``); should it happen, the setting is
+            # planned again at full depth, its own steps: the table's lengths first, as a plan models them.
             self._full_depth_only.add(setting)
             self._unshared.add(setting)
             for key in [key for key in self._points if key[0] == setting]:
                 del self._points[key]
+            for seq in req.seqs:
+                self.point(setting, seq)
             return self.longest(setting)
         return found
 

@@ -49,14 +49,8 @@ def _plan_group(planner: Planner, group: List[Setting], search_labels: int,
                 on_label(label)
 
         planner.on_point = counted
-        found = planner.longest(setting)
+        parts[setting] = planner.planned(setting, planner.longest(setting))
         for _ in range(search_labels - min(used[0], search_labels)):
             on_label(f"{setting.name}: longest found")
-        # A setting whose composed answer failed its full-depth check was planned again at full depth, its
-        # earlier points dropped: its table points are modelled again the same way.
-        planner.on_point = lambda label: None
-        for seq in planner.request.seqs:
-            planner.point(setting, seq)
-        parts[setting] = planner.planned(setting, found)
     planner.on_point = lambda label: None
     return parts
