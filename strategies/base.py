@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .tensor_parallel import is_tensor_parallel_hook, local_param_bytes, per_shard_problem, tensor_parallel_view
+
 _DISTRIBUTED_BUILT = dist.is_available()
 
 
@@ -117,8 +119,6 @@ class Strategy(ABC):
         ``gathered`` (or the ``local_view``) stands in for inside the tiled call? Then the fast kernel,
         which bypasses the submodules' ``__call__``, loses nothing by skipping it. Default: a
         tensor-parallel hook of ``parallelize_module`` (``tensor_parallel.py``), nothing else."""
-        from .tensor_parallel import is_tensor_parallel_hook
-
         return is_tensor_parallel_hook(hook)
 
     def local_view(self, module: nn.Module, params: Sequence[torch.Tensor]) -> Optional[Any]:
@@ -127,8 +127,6 @@ class Strategy(ABC):
         ("" where it applies), ``enter(x) -> x_local``, ``params(tensors) -> local tensors`` and
         ``leave(out_local) -> out`` (``tiled_core/local_view.py``). Default: tensor parallelism composed
         beside this strategy (``tensor_parallel.tensor_parallel_view``)."""
-        from .tensor_parallel import tensor_parallel_view
-
         return tensor_parallel_view(module, params)
 
     def per_shard_problem(self, module: nn.Module, token_dims: int) -> str:
@@ -136,8 +134,6 @@ class Strategy(ABC):
         compute what one call does under this backend ("" where it would); ``token_dims``: the input's
         dimensions before the hidden one. Default: tensor-parallel layouts composed beside this strategy
         that shard a token dimension (``tensor_parallel.per_shard_problem``)."""
-        from .tensor_parallel import per_shard_problem
-
         return per_shard_problem(module, token_dims)
 
     def allows_untiled_call(self, module: nn.Module) -> bool:
@@ -156,8 +152,6 @@ class Strategy(ABC):
     def param_bytes(self, module: nn.Module) -> int:
         """Bytes of the module's whole (gathered) parameters, for the auto shard policy: under tensor
         parallelism, the rank's local shards (what its memory holds)."""
-        from .tensor_parallel import local_param_bytes
-
         return local_param_bytes(module)
 
     # -- 4. gradient semantics ----------------------------------------------------------------------

@@ -133,11 +133,11 @@ def is_tensor_parallel_hook(hook: Any) -> bool:
 
 
 # A plain tensor or parameter is no DTensor: asked at every tiled call, answered by type before anything else.
-_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+_PLAIN_TYPES = frozenset((torch.Tensor, nn.Parameter))
 
 
 def has_dtensor(tensors: Sequence[torch.Tensor]) -> bool:
-    if all(type(t) in _PLAIN_TYPES for t in tensors):
+    if _PLAIN_TYPES.issuperset(map(type, tensors)):
         return False
     from torch.distributed.tensor import DTensor
 
