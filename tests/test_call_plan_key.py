@@ -128,6 +128,16 @@ def test_a_child_swapped_after_a_fast_call_is_seen():
     assert tiled.tiling.call_plan.fast[0].activation == "gelu"
 
 
+def test_an_instance_attribute_hiding_a_child_after_a_fast_call_is_seen():
+    # The fast decision's own staleness check reads only the class: the plan's snapshot of the module's
+    # dicts must see an instance attribute that the forward now reads instead of the registered child.
+    tiled = _tiled_after_a_fast_call(8)
+    # Into the instance dict directly: nn.Module.__setattr__ would replace the registered child instead.
+    tiled.__dict__["up_proj"] = seeded(nn.Linear, 9, HIDDEN, INTER, bias=False)
+    _assert_matches_untiled(tiled, "generic")
+    assert "hides the submodule up_proj" in tiled.tiling.last_reason
+
+
 def test_train_eval_toggle_keeps_exact_results():
     tiled = _tiled_after_a_fast_call(7)
     tiled.eval()

@@ -14,7 +14,7 @@ from torch import nn
 from .activations import gated_activation
 from .autocast_state import autocast_enabled
 from .fast_path import decide_fast_path
-from .gated_forms import check_attributes, torch_functions_intact
+from .gated_forms import class_shadows_form, torch_functions_intact
 from .gated_spec import foreign_child_hooks
 from .kernel_registry import MAP, REDUCE, Kernel, KernelCall, register_kernel
 from .kernels import GatedShardKernel, GenericShardKernel
@@ -50,12 +50,13 @@ class GatedEntry(Kernel):
         if plan.fast is None or _fast_decision_stale(module, plan):
             plan.fast = decide_fast_path(module, forward_function(module), call.x, call.strategy.is_backend_hook)
             plan.fast_kernel = None
+            plan.fast_params = plan.fast[0].params if plan.fast[0] is not None else None
         spec, why_not = plan.fast
         if spec is None:
             return why_not
         # Distributed parameters (tensor parallelism): the kernel runs on the strategy's local view of them,
         # where one stands in for the module exactly (``tiled_call`` enters it).
-        view = call.strategy.local_view(module, spec.params)
+        view = call.strategy.local_view(module, plan.fast_params)
         return "" if view is None else view.why_not
 
     def build(self, call: KernelCall) -> GatedShardKernel:
@@ -68,13 +69,14 @@ class GatedEntry(Kernel):
 
 
 def _fast_decision_stale(module: nn.Module, plan) -> bool:
-    """Whether a cached fast decision may no longer hold. The key names objects by identity, the forward's
-    code included; a class attribute added since (``MyMLP.up_proj = property(...)``) changes what the
-    forward reads without changing any of them."""
+    """Whether a cached fast decision may no longer hold. The plan holds, so its key (the forward and its
+    code by identity) and its snapshot of the module's own dicts (its attributes, children, parameters)
+    are what they were; what neither sees: a class attribute added since (``MyMLP.up_proj =
+    property(...)``), which changes what the forward reads, and a torch function patched."""
     spec = plan.fast[0] if plan.fast is not None else None
     if spec is None:
         return False
-    return not torch_functions_intact() or bool(check_attributes(module, spec.form))
+    return not torch_functions_intact() or class_shadows_form(module, spec.form)
 
 
 class NormEntry(Kernel):

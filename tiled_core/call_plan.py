@@ -48,6 +48,8 @@ class CallPlan:
     # context) and kept with the plan.
     fast: Optional[Tuple[Optional[GatedMLPSpec], str]] = None
     fast_kernel: Optional[Any] = field(default=None, repr=False)
+    # The proven spec's parameters, read once with the decision: the snapshot fixes them while the plan holds.
+    fast_params: Optional[List[torch.Tensor]] = field(default=None, repr=False)
     # The generic kernel's view of the module's structure (``kernels.generic.GenericLayout``).
     generic_layout: Optional[Any] = field(default=None, repr=False)
     # What other registered kernels derive from the module, by kernel name (``kernel_registry``).

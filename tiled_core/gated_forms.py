@@ -294,9 +294,16 @@ def resolve_scale(module: nn.Module, scale: Scale) -> Optional[float]:
     return float(value)
 
 
+def class_shadows_form(module: nn.Module, form: GatedForm) -> bool:
+    """Whether ``module``'s class (a class attribute or property, a custom attribute lookup) may hide what
+    the form's forward reads: the half of ``check_attributes`` that a snapshot of the module's own
+    dicts (``module_snapshot``) cannot see."""
+    return _shadowed(module, form.read_names)
+
+
 def check_attributes(module: nn.Module, form: GatedForm) -> str:
     """Why ``module``'s attributes may not be what the form's forward reads ("" when they are)."""
-    if _shadowed(module, form.read_names):
+    if class_shadows_form(module, form):
         return "its class defines an attribute the forward reads, or a custom attribute lookup"
     names = form.module_names
     attributes = module.__dict__
