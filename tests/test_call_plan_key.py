@@ -138,6 +138,27 @@ def test_an_instance_attribute_hiding_a_child_after_a_fast_call_is_seen():
     assert "hides the submodule up_proj" in tiled.tiling.last_reason
 
 
+def test_a_shallow_copy_hiding_a_child_is_seen():
+    # ``copy.copy`` shares the tiling state, and with it the call plan, but not the instance dict.
+    tiled = _tiled_after_a_fast_call(12)
+    twin = copy.copy(tiled)
+    twin.__dict__["up_proj"] = seeded(nn.Linear, 13, HIDDEN, INTER, bias=False)
+    _assert_matches_untiled(twin, "generic")
+    _assert_matches_untiled(tiled, "fast")
+
+
+def test_an_instance_dict_replaced_after_a_fast_call_is_seen():
+    tiled = _tiled_after_a_fast_call(14)
+    replaced = dict(tiled.__dict__)
+    replaced["up_proj"] = seeded(nn.Linear, 15, HIDDEN, INTER, bias=False)
+    tiled.__dict__ = replaced
+    _assert_matches_untiled(tiled, "generic")
+    child = tiled.gate_proj
+    child.__dict__ = {**child.__dict__, "_parameters": {"weight": nn.Parameter(torch.randn(INTER, HIDDEN, dtype=torch.float64)),
+                                                        "bias": None}}
+    _assert_matches_untiled(tiled, "generic")
+
+
 def test_train_eval_toggle_keeps_exact_results():
     tiled = _tiled_after_a_fast_call(7)
     tiled.eval()

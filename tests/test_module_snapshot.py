@@ -6,6 +6,8 @@ tiled call that a stale plan is never used (the gradient goes to the parameter t
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from reference import GatedMLP, seeded
@@ -27,11 +29,24 @@ def _same_hook(module, args, out):
     return None
 
 
+def test_another_root_or_a_replaced_instance_dict_does_not_hold():
+    mlp = _mlp()
+    snapshot = ModuleSnapshot(mlp)
+    # A shallow copy holds the same children, parameters and attributes, in a dict of its own.
+    assert not snapshot.holds(copy.copy(mlp))
+    for module in (mlp, mlp.up_proj):
+        kept = module.__dict__
+        module.__dict__ = dict(kept)  # equal contents, another dict: later writes go to it, not the snapshot's
+        assert not snapshot.holds(mlp)
+        module.__dict__ = kept
+    assert snapshot.holds(mlp)
+
+
 def test_an_unchanged_tree_holds():
     mlp = _mlp()
     snapshot = ModuleSnapshot(mlp)
     mlp(torch.randn(2, TOKENS, HIDDEN, dtype=torch.float64))
-    assert snapshot.holds()
+    assert snapshot.holds(mlp)
 
 
 def test_an_attribute_renamed_with_the_same_value_is_seen():
@@ -41,7 +56,7 @@ def test_an_attribute_renamed_with_the_same_value_is_seen():
     snapshot = ModuleSnapshot(mlp)
     del mlp.first
     mlp.second = value  # same size, same value in the same place: only the name differs
-    assert not snapshot.holds()
+    assert not snapshot.holds(mlp)
 
 
 def test_a_hook_removed_and_registered_again_is_seen():
@@ -50,14 +65,14 @@ def test_a_hook_removed_and_registered_again_is_seen():
     snapshot = ModuleSnapshot(mlp)
     handle.remove()
     mlp.up_proj.register_forward_hook(_same_hook, with_kwargs=True)  # the same function under a new handle
-    assert not snapshot.holds()
+    assert not snapshot.holds(mlp)
 
 
 def test_a_hook_on_a_child_whose_hooks_were_empty_is_seen():
     mlp = _mlp()
     snapshot = ModuleSnapshot(mlp)
     mlp.act_fn.register_forward_pre_hook(lambda module, args: None)
-    assert not snapshot.holds()
+    assert not snapshot.holds(mlp)
 
 
 def test_a_global_module_hook_is_seen():
@@ -65,10 +80,10 @@ def test_a_global_module_hook_is_seen():
     snapshot = ModuleSnapshot(mlp)
     handle = nn.modules.module.register_module_forward_hook(_same_hook)
     try:
-        assert not snapshot.holds()
+        assert not snapshot.holds(mlp)
     finally:
         handle.remove()
-    assert snapshot.holds()
+    assert snapshot.holds(mlp)
 
 
 @pytest.mark.parametrize("change", ["dtype", "requires_grad", "parameter", "buffer", "training", "child"])
@@ -88,7 +103,7 @@ def test_a_change_inside_a_submodule_is_seen(change):
         mlp.act_fn.eval()
     else:
         mlp.act_fn = nn.GELU()
-    assert not snapshot.holds()
+    assert not snapshot.holds(mlp)
 
 
 def test_a_class_or_its_forward_changed_is_seen():
@@ -99,14 +114,14 @@ def test_a_class_or_its_forward_changed_is_seen():
         pass
 
     mlp.act_fn.__class__ = OtherSiLU
-    assert not snapshot.holds()
+    assert not snapshot.holds(mlp)
     mlp.act_fn.__class__ = nn.SiLU
-    assert snapshot.holds()
+    assert snapshot.holds(mlp)
     OtherSiLU.forward = lambda self, x: x  # patched on a class in the tree
     mlp.act_fn.__class__ = OtherSiLU
     later = ModuleSnapshot(mlp)
     OtherSiLU.forward = lambda self, x: 2 * x
-    assert not later.holds()
+    assert not later.holds(mlp)
 
 
 def test_a_parameter_swapped_after_a_fast_call_gets_the_gradient():

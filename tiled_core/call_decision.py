@@ -128,7 +128,7 @@ def current_plan(module: nn.Module, strategy: Strategy, x: torch.Tensor) -> Call
     state = tiling_of(module)
     config, keep_alive = plan_config(module, strategy, x, current_forward(module))
     plan = state.call_plan
-    if plan is None or not plan_holds(plan, config):
+    if plan is None or not plan_holds(plan, config, module):
         plan = CallPlan(config, keep_alive, ModuleSnapshot(module), shallow_key(module, strategy, x),
                         strategy.trainable_params(module),
                         intermediate_size(module), strategy.param_bytes(module), list(module.named_buffers()))

@@ -112,6 +112,6 @@ def plan_config(module: nn.Module, strategy: Any, x: torch.Tensor, forward: Any)
     return config, (forward, code)
 
 
-def plan_holds(plan: CallPlan, config: tuple) -> bool:
-    """Whether ``plan`` was made for this configuration and the module tree it was made from."""
-    return plan.config == config and plan.snapshot.holds()
+def plan_holds(plan: CallPlan, config: tuple, module: nn.Module) -> bool:
+    """Whether ``plan`` was made for this configuration and for ``module``'s tree as it is now."""
+    return plan.config == config and plan.snapshot.holds(module)

@@ -11,6 +11,8 @@ and the hooks registered for every module (``register_module_forward_hook``).
 their sizes, their keys and their values, the objects held (so no compared object can be freed while
 the snapshot lives). ``holds`` compares the columns with what the dicts hold now, a few C-level passes
 (``map``/``itertools.chain`` over the dicts, ``operator.is_``): the tree is the same as long as the
+module asked about is the root it was taken from (a shallow copy shares its original's tiling state, and
+so its snapshot), every module's ``__dict__`` is the dict it was (not one assigned in its place), and the
 root's dicts hold the same objects, and so, child by child, does every dict below. Values are compared
 by identity: anything rebound, even to an equal value, counts as a change (a needless re-decision, never
 a missed one). Keys (attribute names, hook ids) are compared by equality, the dicts' own notion of the
@@ -32,6 +34,7 @@ from .gated_spec import MODULE_HOOK_DICTS, global_module_hooks
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 
 _forward_of = operator.attrgetter("forward")
+_dict_of = operator.attrgetter("__dict__")
 
 
 # A tensor's (dtype, device, requires_grad), read in C: no Python frame per tensor.
@@ -46,8 +49,8 @@ def _global_hook_keys() -> List[tuple]:
 class ModuleSnapshot:
     """The module tree below (and including) one module, as it is now (see the module doc)."""
 
-    __slots__ = ("_modules", "_classes", "_forwards", "_dicts", "_sizes", "_filled", "_filled_values", "_keys",
-                 "_values", "_tensors", "_tensor_states", "_global_hooks")
+    __slots__ = ("_modules", "_module_dicts", "_classes", "_forwards", "_dicts", "_sizes", "_filled", "_filled_values",
+                 "_keys", "_values", "_tensors", "_tensor_states", "_global_hooks")
 
     def __init__(self, module: nn.Module):
         modules: List[nn.Module] = []
@@ -65,6 +68,7 @@ class ModuleSnapshot:
             # Every child, duplicates and all (one module reached twice is still one more call).
             stack.extend(child for child in d["_modules"].values() if child is not None)
         self._modules = tuple(modules)
+        self._module_dicts = tuple(map(_dict_of, modules))
         self._classes = tuple(map(type, modules))
         # The class's forward by identity: a forward patched on the class.
         self._forwards = tuple(map(_forward_of, self._classes))
@@ -80,9 +84,13 @@ class ModuleSnapshot:
         self._tensor_states = list(map(_tensor_state, tensors))
         self._global_hooks = _global_hook_keys()
 
-    def holds(self) -> bool:
-        """Whether the tree is still what it was when the snapshot was taken."""
-        return (all(map(operator.is_, map(type, self._modules), self._classes))
+    def holds(self, root: nn.Module) -> bool:
+        """Whether the tree below ``root`` is still what it was when the snapshot was taken: the same root
+        (a shallow copy of a module shares its tiling state, and so this snapshot, but not its ``__dict__``),
+        each module's ``__dict__`` the same dict (one replaced wholesale holds other attributes)."""
+        return (self._modules[0] is root
+                and all(map(operator.is_, map(_dict_of, self._modules), self._module_dicts))
+                and all(map(operator.is_, map(type, self._modules), self._classes))
                 and all(map(operator.is_, map(_forward_of, self._classes), self._forwards))
                 # Same sizes first: the flat columns below then line up entry for entry.
                 and list(map(len, self._dicts)) == self._sizes
