@@ -139,7 +139,6 @@ def test_an_instance_attribute_hiding_a_child_after_a_fast_call_is_seen():
 
 
 def test_a_shallow_copy_hiding_a_child_is_seen():
-    # ``copy.copy`` shares the tiling state, and with it the call plan, but not the instance dict.
     tiled = _tiled_after_a_fast_call(12)
     twin = copy.copy(tiled)
     twin.__dict__["up_proj"] = seeded(nn.Linear, 13, HIDDEN, INTER, bias=False)
@@ -156,6 +155,34 @@ def test_an_instance_dict_replaced_after_a_fast_call_is_seen():
     child = tiled.gate_proj
     child.__dict__ = {**child.__dict__, "_parameters": {"weight": nn.Parameter(torch.randn(INTER, HIDDEN, dtype=torch.float64)),
                                                         "bias": None}}
+    _assert_matches_untiled(tiled, "generic")
+
+
+def _doubled_weight(linear):
+    return linear._parameters["weight"] * 2
+
+
+@pytest.mark.parametrize("change", ["activation class attribute", "projection class attribute",
+                                    "projection class attribute lookup"])
+def test_a_child_class_changed_after_a_fast_call_is_seen(monkeypatch, change):
+    # The snapshot sees each child's class by identity, not what is added to that class later: the fast
+    # decision's staleness check must read the children's classes as well as the module's.
+    mlp = seeded(GatedMLP, 16, HIDDEN, INTER, "gelu")
+    tiled = TiledMLP(mlp, num_shards=3)
+    tiled(fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)[0])
+    assert tiled.tiling.last_path == "fast"
+    if change == "activation class attribute":  # GELU's forward now reads "tanh": not what was proven
+        monkeypatch.setattr(nn.GELU, "approximate", property(lambda self: "tanh"), raising=False)
+    elif change == "projection class attribute":  # found before the registered parameter
+        monkeypatch.setattr(nn.Linear, "weight", property(_doubled_weight), raising=False)
+    else:  # the lookup the registered parameter is found by
+        original = nn.Module.__getattr__
+        monkeypatch.setattr(nn.Linear, "__getattr__",
+                            lambda self, name: _doubled_weight(self) if name == "weight" else original(self, name),
+                            raising=False)
+    _assert_matches_untiled(tiled, "generic")
+    monkeypatch.undo()
+    # A refused decision is not re-made for a class restored (the generic path stays exact).
     _assert_matches_untiled(tiled, "generic")
 
 

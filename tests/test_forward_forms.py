@@ -170,6 +170,16 @@ def test_a_class_attribute_shadowing_a_child_is_not_fast():
         del Shadowed.up_proj
 
 
+def test_a_projection_class_shadowing_its_weight_is_not_fast(monkeypatch):
+    # nn.Linear's forward reads ``self.weight``: a class attribute of that name is what it finds, not the
+    # registered parameter the fast kernel would compute with.
+    torch.manual_seed(0)
+    mlp = Swiglu()  # built first: registering a parameter refuses a name the class already has
+    monkeypatch.setattr(nn.Linear, "weight", property(lambda self: self._parameters["weight"] * 2), raising=False)
+    tiled = _check_path_and_exact(mlp, "generic")
+    assert "nn.Linear's class defines weight" in tiled.tiling.last_reason
+
+
 def test_the_signature_of_a_tiled_forward_is_the_original():
     tiled = TiledMLP(Swiglu())
     assert list(inspect.signature(tiled.forward).parameters) == ["x"]

@@ -14,7 +14,7 @@ from torch import nn
 from .activations import gated_activation
 from .autocast_state import autocast_enabled
 from .fast_path import decide_fast_path
-from .gated_forms import class_shadows_form, torch_functions_intact
+from .gated_forms import torch_functions_intact
 from .gated_spec import foreign_child_hooks
 from .kernel_registry import MAP, REDUCE, Kernel, KernelCall, register_kernel
 from .kernels import GatedShardKernel, GenericShardKernel
@@ -70,13 +70,14 @@ class GatedEntry(Kernel):
 
 def _fast_decision_stale(module: nn.Module, plan) -> bool:
     """Whether a cached fast decision may no longer hold. The plan holds, so its key (the forward and its
-    code by identity) and its snapshot of the module's own dicts (its attributes, children, parameters)
-    are what they were; what neither sees: a class attribute added since (``MyMLP.up_proj =
-    property(...)``), which changes what the forward reads, and a torch function patched."""
+    code by identity) and its snapshot of the module tree's own dicts (attributes, children, parameters,
+    and each module's class by identity) are what they were; what neither sees: a class changed since
+    (``MyMLP.up_proj = property(...)``, ``nn.GELU.approximate = ...``, ``nn.Linear.__getattr__``), which
+    changes what a forward reads, and a torch function patched."""
     spec = plan.fast[0] if plan.fast is not None else None
     if spec is None:
         return False
-    return not torch_functions_intact() or class_shadows_form(module, spec.form)
+    return not torch_functions_intact() or spec.class_reads is None or spec.class_reads.shadowed()
 
 
 class NormEntry(Kernel):

@@ -17,9 +17,10 @@ class and the code of their forward, any other class by a registered body (``reg
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch.nn.functional as F
 from torch import nn
@@ -251,42 +252,83 @@ def _function_name(fn: Any) -> Optional[str]:
 
 def activation_name(act: Any) -> Optional[str]:
     """"silu", "gelu" or "gelu_tanh" when ``act`` provably computes it, else None."""
+    return activation_reads(act)[0]
+
+
+def activation_reads(act: Any) -> Tuple[Optional[str], Tuple[str, ...]]:
+    """What ``act`` provably computes (as ``activation_name``), and the attributes its forward reads by
+    name: what its class must not shadow for as long as the answer is relied on."""
     if not isinstance(act, nn.Module) or "forward" in act.__dict__:
-        return None
+        return None, ()
     cls = type(act)
     forward = cls.forward
     torch_form = _TORCH_ACTIVATIONS.get(cls)
+    reads: Tuple[str, ...]
     if torch_form is not None:
-        if not matches(forward, torch_form) or _shadowed(act, ("inplace", "approximate")):
-            return None
+        reads = ("inplace", "approximate")
+        if not matches(forward, torch_form) or shadowed(act, reads):
+            return None, reads
         if cls is nn.SiLU:
-            return "silu"
+            return "silu", reads
         approximate = act.__dict__.get("approximate")
-        return {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate) if isinstance(approximate, str) else None
+        name = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate) if isinstance(approximate, str) else None
+        return name, reads
     for body, form in _ACTIVATION_BODIES:
         if not matches(forward, body):
             continue
         if form.computes is not None:
-            return form.computes
-        attribute = form.function_attribute or ""
-        return None if _shadowed(act, (attribute,)) else _function_name(act.__dict__.get(attribute))
-    return None
+            return form.computes, ()
+        reads = (form.function_attribute or "",)
+        return (None if shadowed(act, reads) else _function_name(act.__dict__.get(reads[0]))), reads
+    return None, ()
 
 
-def _shadowed(module: nn.Module, names: Tuple[str, ...]) -> bool:
+# How a class finds attributes: its lookup methods and its MRO (a class's bases can be reassigned).
+_lookup_of = operator.attrgetter("__getattribute__", "__getattr__", "__mro__")
+_isdisjoint: Callable[[Any, Any], bool] = type({}.keys()).isdisjoint
+
+
+class ClassReads:
+    """Attributes that instances of some module classes read by name, and whether a class now shadows
+    one: a class attribute or property of that name anywhere in the class's MRO, or a custom attribute
+    lookup (``__getattribute__``, ``__getattr__``). Built once per decision, checked at every call that
+    reuses it: a snapshot of the modules' own dicts cannot see a class changed since."""
+
+    __slots__ = ("_classes", "_lookups", "_key_views", "_names")
+
+    def __init__(self, reads: Iterable[Tuple[type, Tuple[str, ...]]]):
+        names_by_class: Dict[type, Set[str]] = {}
+        for cls, names in reads:
+            names_by_class.setdefault(cls, set()).update(names)
+        self._classes = tuple(names_by_class)
+        self._lookups = [(object.__getattribute__, nn.Module.__getattr__, cls.__mro__) for cls in self._classes]
+        # Every class of every MRO once, with the names any instance of a class below it reads, as its
+        # dict's live key view: the check is C passes, with no Python call per class.
+        wanted: Dict[type, Set[str]] = {}
+        for cls, class_names in names_by_class.items():
+            for klass in cls.__mro__:
+                wanted.setdefault(klass, set()).update(class_names)
+        self._key_views = tuple(vars(klass).keys() for klass in wanted)
+        self._names = tuple(map(frozenset, wanted.values()))
+
+    def shadowed(self) -> bool:
+        # Equal lookups: the same two functions (compared by identity) and an equal MRO (the same classes,
+        # so the same dicts whose keys are read below).
+        return (list(map(_lookup_of, self._classes)) != self._lookups
+                or not all(map(_isdisjoint, self._key_views, self._names)))
+
+
+def shadowed(module: nn.Module, names: Tuple[str, ...]) -> bool:
     """Whether reading one of ``names`` on ``module`` could find something other than what it holds
     itself (a class attribute or property of that name, or a custom attribute lookup)."""
-    cls = type(module)
-    if cls.__getattribute__ is not object.__getattribute__ or getattr(cls, "__getattr__", None) is not nn.Module.__getattr__:
-        return True
-    return any(not vars(klass).keys().isdisjoint(names) for klass in cls.__mro__)
+    return ClassReads(((type(module), names),)).shadowed()
 
 
 def resolve_scale(module: nn.Module, scale: Scale) -> Optional[float]:
     """The factor's value, or None when the named attribute is not a plain number."""
     if not isinstance(scale, str):
         return float(scale)
-    if _shadowed(module, (scale,)):
+    if shadowed(module, (scale,)):
         return None
     value = module.__dict__.get(scale)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -294,16 +336,9 @@ def resolve_scale(module: nn.Module, scale: Scale) -> Optional[float]:
     return float(value)
 
 
-def class_shadows_form(module: nn.Module, form: GatedForm) -> bool:
-    """Whether ``module``'s class (a class attribute or property, a custom attribute lookup) may hide what
-    the form's forward reads: the half of ``check_attributes`` that a snapshot of the module's own
-    dicts (``module_snapshot``) cannot see."""
-    return _shadowed(module, form.read_names)
-
-
 def check_attributes(module: nn.Module, form: GatedForm) -> str:
     """Why ``module``'s attributes may not be what the form's forward reads ("" when they are)."""
-    if class_shadows_form(module, form):
+    if shadowed(module, form.read_names):
         return "its class defines an attribute the forward reads, or a custom attribute lookup"
     names = form.module_names
     attributes = module.__dict__

@@ -18,7 +18,15 @@ from torch import nn
 from torch.nn.modules import module as _module_globals
 
 from .code_forms import CodeForm, matches
-from .gated_forms import GatedForm, activation_name, check_attributes, linear_is_a_linear, resolve_scale
+from .gated_forms import (
+    ClassReads,
+    GatedForm,
+    activation_reads,
+    check_attributes,
+    linear_is_a_linear,
+    resolve_scale,
+    shadowed,
+)
 
 
 @dataclass
@@ -36,6 +44,9 @@ class GatedMLPSpec:
     up_scale: float = 1.0
     down_scale: float = 1.0
     form: GatedForm = GatedForm()  # the names the forward reads them by
+    # What the module's, the projections' and the activation's classes must go on not shadowing (checked
+    # at every call that reuses the decision; the plan's snapshot sees each class only by identity).
+    class_reads: Optional[ClassReads] = None
 
     @property
     def linears(self) -> List[nn.Linear]:
@@ -95,6 +106,7 @@ def foreign_child_hooks(module: nn.Module, is_backend_hook=no_hook_is_backend) -
 
 
 _LINEAR = CodeForm("return F.linear({x}, self.weight, self.bias)", {"F": F})
+_LINEAR_READS = ("weight", "bias")
 
 
 def _is_plain_linear(module) -> bool:
@@ -144,7 +156,7 @@ def structural_spec(module: nn.Module, form: GatedForm,
         return None, problem
     parts = module._modules
     act_module = parts[form.activation]
-    act = activation_name(act_module)
+    act, act_reads = activation_reads(act_module)
     if act is None:
         return None, f"{form.activation} ({type(act_module).__name__}) is not a recognised activation (silu, gelu, gelu tanh)"
     scales = [resolve_scale(module, s) for s in (form.gate_scale, form.up_scale, form.down_scale)]
@@ -158,6 +170,8 @@ def structural_spec(module: nn.Module, form: GatedForm,
                         gate_scale=gate_scale, up_scale=up_scale, down_scale=down_scale, form=form)
     if not all(_is_plain_linear(m) for m in spec.linears):
         return None, "projections are not plain nn.Linear (LoRA or quantised wrappers)"
+    if any(shadowed(m, _LINEAR_READS) for m in spec.linears):
+        return None, "nn.Linear's class defines weight or bias, or a custom attribute lookup, which its forward would read"
     if _has_dropout(module):
         return None, "the module has dropout"
     if spec.gate_up is not None and spec.gate_up.out_features % 2:
@@ -168,4 +182,6 @@ def structural_spec(module: nn.Module, form: GatedForm,
     dtypes = {p.dtype for p in spec.params}
     if len(dtypes) > 1:
         return None, f"the projections' weights have different dtypes ({sorted(map(str, dtypes))})"
+    spec.class_reads = ClassReads(((type(module), form.read_names), (type(act_module), act_reads),
+                                   *((type(linear), _LINEAR_READS) for linear in spec.linears)))
     return spec, ""
