@@ -146,6 +146,26 @@ def test_a_shallow_copy_hiding_a_child_is_seen():
     _assert_matches_untiled(tiled, "fast")
 
 
+def test_a_shallow_copy_tiles_on_its_own():
+    # ``copy.copy`` shares the module's registries (torch's shallow copy) but not its tiling: its own
+    # configuration, plan and report, so two copies called in turn keep their plans.
+    tiled = _tiled_after_a_fast_call(17)
+    twin = copy.copy(tiled)
+    assert twin.tiling is not tiled.tiling and twin.tiling.call_plan is None
+    assert (twin.tiling.num_shards, twin.tiling.path) == (tiled.tiling.num_shards, tiled.tiling.path)
+    assert twin.up_proj is tiled.up_proj
+    x, _ = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
+    twin(x)
+    plans = tiled.tiling.call_plan, twin.tiling.call_plan
+    twin.tiling.num_shards = 2
+    tiled(x)
+    twin(x)
+    assert (tiled.tiling.last_num_shards, twin.tiling.last_num_shards) == (3, 2)
+    assert tiled.tiling.call_plan is plans[0]  # not re-made after the twin's call
+    _assert_matches_untiled(twin, "fast")
+    _assert_matches_untiled(tiled, "fast")
+
+
 def test_an_instance_dict_replaced_after_a_fast_call_is_seen():
     tiled = _tiled_after_a_fast_call(14)
     replaced = dict(tiled.__dict__)

@@ -88,8 +88,12 @@ class TiledMLP(nn.Module):
         self.__dict__[STATE_ATTR] = TilingState()
 
     def __reduce_ex__(self, protocol):
+        # copy, deepcopy and pickle. The copy tiles on its own: its own ``TilingState`` (the configuration
+        # and the last report copied, no cached plan), where ``copy.copy`` would otherwise share the original's.
         cls = type(self)
-        return rebuild, (cls._tiled_mixin, cls._tiled_base), self.__getstate__()
+        state = self.__getstate__()  # nn.Module's: a copy of the instance dict
+        state[STATE_ATTR] = state[STATE_ATTR].copied()
+        return rebuild, (cls._tiled_mixin, cls._tiled_base), state
 
     def extra_repr(self) -> str:
         state: TilingState = self.tiling

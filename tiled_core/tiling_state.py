@@ -101,6 +101,12 @@ class TilingState:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
 
+    def copied(self) -> TilingState:
+        """A new state with this one's configuration, as a copy of the module gets it (``__getstate__``)."""
+        new = object.__new__(TilingState)
+        new.__setstate__(self.__getstate__())
+        return new
+
 
 def tiling_of(module: nn.Module) -> TilingState:
     """A tiled module's ``TilingState`` (its ``tiling`` attribute)."""
