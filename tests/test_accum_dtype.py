@@ -60,3 +60,21 @@ def test_generic_path_honours_the_accumulation_dtype():
     print(f"generic 64 shards: bf16 sums {max(e_bf16.values()):.4f}, fp32 sums {max(e_fp32.values()):.4f}")
     assert max(e_fp32.values()) <= FP32_SUM_BOUND, e_fp32
     assert sum(e_bf16.values()) > 1.5 * sum(e_fp32.values())
+
+
+@pytest.mark.parametrize("path", ["fast", "generic"])
+def test_an_accumulation_dtype_set_after_a_call_is_the_next_calls(path):
+    # A call reuses what it decided before (its plan, its decision, the run made from them): the
+    # accumulation dtype, set on the state between calls, must still reach the gradient sums.
+    mlp = seeded(GatedMLP, 0, HIDDEN, INTER, "silu", dtype=torch.bfloat16)
+    x, dy = fresh_inputs((BATCH, TOKENS, HIDDEN), HIDDEN, dtype=torch.bfloat16, seed=3)
+    default, tiled = tiled_run(mlp, x, dy, num_shards=64, path=path)
+    fp32, _ = tiled_run(mlp, x, dy, num_shards=64, path=path, grad_accum_dtype=torch.float32)
+    assert any(not torch.equal(default.grads[k], fp32.grads[k]) for k in default.grads)  # the setting shows
+    for setting, want in ((torch.float32, fp32), (None, default)):
+        tiled.tiling.grad_accum_dtype = setting
+        tiled.zero_grad(set_to_none=True)
+        tiled(x.detach().clone().requires_grad_()).backward(dy)
+        assert tiled.tiling.last_path == path
+        for name, p in tiled.named_parameters():
+            assert torch.equal(p.grad, want.grads[name]), (setting, name)

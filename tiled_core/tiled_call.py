@@ -18,8 +18,8 @@ what differs: how its strategy is found, how it decides, which Function runs, wh
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, List, Optional, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -40,6 +40,8 @@ class CallDecision:
     num_tokens: int = 0
     num_shards: Optional[int] = None
     trainable: Sequence[torch.Tensor] = ()  # the parameters owed a gradient
+    # The runs made for this decision, by the call settings they also depend on (``_run_for``).
+    runs: Dict[tuple, ShardedRun] = field(default_factory=dict, compare=False, repr=False)
 
 
 class CallSite(Protocol):
@@ -108,27 +110,47 @@ def _decide_and_run(site: CallSite, strategy: Strategy, gathered: Optional[Calla
     if kernel is None:
         site.record(decision, None)
         return site.untiled(decision)
-    assert decision.num_shards is not None, "a decision with a kernel has a shard count"
-    plan = make_shard_plan(decision.num_tokens, decision.num_shards)
     deliver_grads = strategy.deliver_grads
+    deliver = None if _is_base(deliver_grads, _BASE_DELIVER_GRADS) else deliver_grads
     # A kernel that computes on local tensors sees distributed parameters through the strategy's view.
     view = strategy.local_view(site.owner, kernel.params) if getattr(kernel, "runs_on_local_view", False) else None
     if view is not None and view.why_not:
         raise RuntimeError(f"{decision.kernel_name} kernel chosen for {type(site.owner).__name__}, whose local view "
                            f"declines it: {view.why_not}")
+    run = _run_for(decision, site, strategy, gathered, deliver, view)
+    out = site.run(run)
+    site.record(decision, run.plan)
+    return out
+
+
+def _run_for(decision: CallDecision, site: CallSite, strategy: Strategy, gathered: Optional[Callable[[], ContextManager]],
+             deliver: Optional[Callable], view: Any) -> ShardedRun:
+    """The run of ``decision``. Where the strategy brings nothing made for this call (no gathered region, no
+    gradient delivery, no local view: a single device, DDP), the run an earlier call of the same decision made
+    with the same settings: a run holds nothing of a call, and a decision is reused only while its plan holds
+    and everything it was formed from is the same (``call_decision._tiled``)."""
+    kernel = decision.kernel
+    assert kernel is not None and decision.num_shards is not None, "a decision with a kernel has a shard count"
+    swaps = strategy.swaps_param_storage(site.owner)
+    key = (site.grad_accum_dtype, strategy.unused_grads_as_zeros, swaps)
+    reusable = gathered is None and deliver is None and view is None
+    if reusable:
+        run = decision.runs.get(key)
+        if run is not None:
+            return run
     run = ShardedRun(
         kernel=kernel,
-        plan=plan,
+        plan=make_shard_plan(decision.num_tokens, decision.num_shards),
         gathered=gathered,
         grad_accum_dtype=site.grad_accum_dtype,
         # A kernel that provably draws no random numbers (the gated one) has none to replay.
         replay_rng=getattr(kernel, "replays_rng", True),
         param_mask=membership(kernel.params, decision.trainable),
         zeros_for_unused=strategy.unused_grads_as_zeros,
-        deliver_grads=None if _is_base(deliver_grads, _BASE_DELIVER_GRADS) else deliver_grads,
-        params_swap_storage=strategy.swaps_param_storage(site.owner),
+        deliver_grads=deliver,
+        params_swap_storage=swaps,
         local_view=view,
     )
-    out = site.run(run)
-    site.record(decision, plan)
-    return out
+    if reusable:
+        decision.runs[key] = run
+    return run
