@@ -138,9 +138,12 @@ def test_an_instance_attribute_hiding_a_child_after_a_fast_call_is_seen():
     assert "hides the submodule up_proj" in tiled.tiling.last_reason
 
 
-def test_a_shallow_copy_hiding_a_child_is_seen():
+@pytest.mark.parametrize("state", ["its own (copy.copy)", "handed over"])
+def test_a_shallow_copy_hiding_a_child_is_seen(state):
     tiled = _tiled_after_a_fast_call(12)
     twin = copy.copy(tiled)
+    if state == "handed over":  # the original's state, and so its plan and snapshot, on the copy
+        twin.__dict__["tiling"] = tiled.tiling
     twin.__dict__["up_proj"] = seeded(nn.Linear, 13, HIDDEN, INTER, bias=False)
     _assert_matches_untiled(twin, "generic")
     _assert_matches_untiled(tiled, "fast")

@@ -11,8 +11,8 @@ and the hooks registered for every module (``register_module_forward_hook``).
 their sizes, their keys and their values, the objects held (so no compared object can be freed while
 the snapshot lives). ``holds`` compares the columns with what the dicts hold now, a few C-level passes
 (``map``/``itertools.chain`` over the dicts, ``operator.is_``): the tree is the same as long as the
-module asked about is the root it was taken from (a shallow copy shares its original's tiling state, and
-so its snapshot), every module's ``__dict__`` is the dict it was (not one assigned in its place), and the
+module asked about is the root it was taken from (a state moved to another module, which would bring
+its snapshot along), every module's ``__dict__`` is the dict it was (not one assigned in its place), and the
 root's dicts hold the same objects, and so, child by child, does every dict below. Values are compared
 by identity: anything rebound, even to an equal value, counts as a change (a needless re-decision, never
 a missed one). Keys (attribute names, hook ids) are compared by equality, the dicts' own notion of the
@@ -86,7 +86,8 @@ class ModuleSnapshot:
 
     def holds(self, root: nn.Module) -> bool:
         """Whether the tree below ``root`` is still what it was when the snapshot was taken: the same root
-        (a shallow copy of a module shares its tiling state, and so this snapshot, but not its ``__dict__``),
+        (a tiling state handed to another module, ``twin.__dict__["tiling"] = tiled.tiling``, brings this
+        snapshot with it; ``copy.copy`` gives the copy a state of its own),
         each module's ``__dict__`` the same dict (one replaced wholesale holds other attributes)."""
         return (self._modules[0] is root
                 and all(map(operator.is_, map(_dict_of, self._modules), self._module_dicts))
