@@ -8,9 +8,12 @@ them by reusing the stale fast decision.
 from __future__ import annotations
 
 import copy
+import sys
+import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from reference import GatedMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
 from torch import nn
 
@@ -186,7 +189,8 @@ def _doubled_weight(linear):
 
 
 @pytest.mark.parametrize("change", ["activation class attribute", "projection class attribute",
-                                    "projection class attribute lookup"])
+                                    "projection class attribute lookup", "torch's attribute lookup",
+                                    "projection call", "projection module global"])
 def test_a_child_class_changed_after_a_fast_call_is_seen(monkeypatch, change):
     # The snapshot sees each child's class by identity, not what is added to that class later: the fast
     # decision's staleness check must read the children's classes as well as the module's.
@@ -198,11 +202,21 @@ def test_a_child_class_changed_after_a_fast_call_is_seen(monkeypatch, change):
         monkeypatch.setattr(nn.GELU, "approximate", property(lambda self: "tanh"), raising=False)
     elif change == "projection class attribute":  # found before the registered parameter
         monkeypatch.setattr(nn.Linear, "weight", property(_doubled_weight), raising=False)
-    else:  # the lookup the registered parameter is found by
+    elif change == "projection class attribute lookup":  # the lookup the registered parameter is found by
         original = nn.Module.__getattr__
         monkeypatch.setattr(nn.Linear, "__getattr__",
                             lambda self, name: _doubled_weight(self) if name == "weight" else original(self, name),
                             raising=False)
+    elif change == "torch's attribute lookup":  # nn.Module's own, as the forward finds its children
+        original, tanh = nn.Module.__getattr__, nn.Tanh()
+        monkeypatch.setattr(nn.Module, "__getattr__", lambda self, name: tanh if name == "act_fn" else original(self, name))
+    elif change == "projection call":  # the root's forward calls each child through its class's __call__
+        call = nn.Module.__call__
+        monkeypatch.setattr(nn.Linear, "__call__", lambda self, *args, **kwargs: 2 * call(self, *args, **kwargs),
+                            raising=False)
+    else:  # the module global nn.Linear's forward calls F.linear through
+        linear_module = sys.modules[nn.Linear.__module__]
+        monkeypatch.setattr(linear_module, "F", types.SimpleNamespace(linear=lambda x, w, b: 2 * F.linear(x, w, b)))
     _assert_matches_untiled(tiled, "generic")
     monkeypatch.undo()
     # A refused decision is not re-made for a class restored (the generic path stays exact).

@@ -180,6 +180,17 @@ def test_a_projection_class_shadowing_its_weight_is_not_fast(monkeypatch):
     assert "nn.Linear's class defines weight" in tiled.tiling.last_reason
 
 
+def test_a_projection_called_through_a_patched_call_is_not_fast(monkeypatch):
+    # The fast kernel calls no submodule: a __call__ patched on a child's class would never run.
+    torch.manual_seed(0)
+    mlp = Swiglu()
+    call = nn.Module.__call__
+    monkeypatch.setattr(nn.Linear, "__call__", lambda self, *args, **kwargs: 2 * call(self, *args, **kwargs),
+                        raising=False)
+    tiled = _check_path_and_exact(mlp, "generic")
+    assert "patched __call__" in tiled.tiling.last_reason
+
+
 def test_the_signature_of_a_tiled_forward_is_the_original():
     tiled = TiledMLP(Swiglu())
     assert list(inspect.signature(tiled.forward).parameters) == ["x"]

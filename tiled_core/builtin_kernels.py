@@ -72,12 +72,13 @@ def _fast_decision_stale(module: nn.Module, plan) -> bool:
     """Whether a cached fast decision may no longer hold. The plan holds, so its key (the forward and its
     code by identity) and its snapshot of the module tree's own dicts (attributes, children, parameters,
     and each module's class by identity) are what they were; what neither sees: a class changed since
-    (``MyMLP.up_proj = property(...)``, ``nn.GELU.approximate = ...``, ``nn.Linear.__getattr__``), which
-    changes what a forward reads, and a torch function patched."""
+    (``MyMLP.up_proj = property(...)``, ``nn.GELU.approximate = ...``, ``nn.Linear.__getattr__``, a patched
+    ``nn.Module.__call__``), a module global a forward's code reads rebound, and a torch function patched.
+    (``gated_forms.ProofReads``)."""
     spec = plan.fast[0] if plan.fast is not None else None
     if spec is None:
         return False
-    return not torch_functions_intact() or spec.class_reads is None or spec.class_reads.shadowed()
+    return not torch_functions_intact() or spec.proof_reads is None or spec.proof_reads.stale()
 
 
 class NormEntry(Kernel):

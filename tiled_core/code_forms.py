@@ -81,7 +81,7 @@ def matches(fn: Any, form: CodeForm) -> bool:
             _CACHE.clear()
         cached = (code, form, same_code(code, form, fn.__doc__))
         _CACHE[key] = cached
-    return cached[2] and _globals_hold(fn, form)
+    return cached[2] and globals_hold(fn, form)
 
 
 def same_code(code: types.CodeType, form: CodeForm, doc: Optional[str]) -> bool:
@@ -97,9 +97,10 @@ def same_code(code: types.CodeType, form: CodeForm, doc: Optional[str]) -> bool:
             and code.co_flags & _KIND_FLAGS == want.co_flags & _KIND_FLAGS)
 
 
-def _globals_hold(fn: types.FunctionType, form: CodeForm) -> bool:
-    # Read at every call: a module's globals, or a function of a module, can be rebound after the code
-    # was checked.
+def globals_hold(fn: types.FunctionType, form: CodeForm) -> bool:
+    """Whether the module globals ``fn`` reads are still the objects ``form`` names. Read again wherever a
+    match is relied on: a module's globals, or a function of a module, can be rebound after the code was
+    checked."""
     for path, obj in form.globals.items():
         head, *attrs = path.split(".")
         value = fn.__globals__.get(head, _MISSING)

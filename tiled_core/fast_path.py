@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .autocast_state import autocast_enabled
-from .gated_forms import known_form
+from .gated_forms import known_form_and_body
 from .gated_spec import GatedMLPSpec, no_hook_is_backend, structural_spec
 from .module_forward import forward_function, is_tiled
 
@@ -36,10 +36,10 @@ def structural_decision(module: nn.Module, forward_fn: Optional[Callable],
                         is_backend_hook: Callable = no_hook_is_backend) -> Tuple[Optional[GatedMLPSpec], str]:
     """What the forward (the plain function it runs, None when it is not a function of this module) and
     the structure decide, before any call: (the spec, "") or (None, why not)."""
-    form = known_form(forward_fn)
+    form, body = known_form_and_body(forward_fn)
     if form is None:
         return None, UNKNOWN_FORWARD
-    return structural_spec(module, form, is_backend_hook)
+    return structural_spec(module, form, is_backend_hook, None if body is None else (forward_fn, body))
 
 
 UNKNOWN_FORWARD = ("its forward is not one the fast kernel is known to compute (a known library body, or a class "

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .activations import ACTIVATIONS
-from .code_forms import CodeForm, check_body, matches
+from .code_forms import CodeForm, check_body, globals_hold, matches
 
 Scale = Union[float, str]  # a fixed factor, or the name of a float attribute the forward multiplies by
 
@@ -137,15 +137,20 @@ def unregister_gated_mlp(cls: type) -> None:
 def known_form(fn: Any) -> Optional[GatedForm]:
     """The form the plain function ``fn`` (a class's forward, or the function of a method bound to the
     module itself) is known to compute, or None."""
+    return known_form_and_body(fn)[0]
+
+
+def known_form_and_body(fn: Any) -> Tuple[Optional[GatedForm], Optional[CodeForm]]:
+    """``known_form``, and the registered body ``fn``'s code matched (None for a registered class)."""
     if fn is None:
-        return None
+        return None, None
     registered = _REGISTERED.get(fn)
     if registered is not None:
-        return registered
+        return registered, None
     for body, form in KNOWN_BODIES:
         if matches(fn, body):
-            return form
-    return None
+            return form, body
+    return None, None
 
 
 # -- torch's functions ---------------------------------------------------------------------------------
@@ -255,11 +260,15 @@ def activation_name(act: Any) -> Optional[str]:
     return activation_reads(act)[0]
 
 
-def activation_reads(act: Any) -> Tuple[Optional[str], Tuple[str, ...]]:
-    """What ``act`` provably computes (as ``activation_name``), and the attributes its forward reads by
-    name: what its class must not shadow for as long as the answer is relied on."""
+CodeRead = Tuple[Any, CodeForm]  # a forward function and the body its code matched
+
+
+def activation_reads(act: Any) -> Tuple[Optional[str], Tuple[str, ...], Optional[CodeRead]]:
+    """What ``act`` provably computes (as ``activation_name``), the attributes its forward reads by name
+    (what its class must not shadow), and its forward with the body it matched (whose globals must hold),
+    for as long as the answer is relied on."""
     if not isinstance(act, nn.Module) or "forward" in act.__dict__:
-        return None, ()
+        return None, (), None
     cls = type(act)
     forward = cls.forward
     torch_form = _TORCH_ACTIVATIONS.get(cls)
@@ -267,41 +276,57 @@ def activation_reads(act: Any) -> Tuple[Optional[str], Tuple[str, ...]]:
     if torch_form is not None:
         reads = ("inplace", "approximate")
         if not matches(forward, torch_form) or shadowed(act, reads):
-            return None, reads
+            return None, reads, None
         if cls is nn.SiLU:
-            return "silu", reads
+            return "silu", reads, (forward, torch_form)
         approximate = act.__dict__.get("approximate")
         name = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate) if isinstance(approximate, str) else None
-        return name, reads
+        return name, reads, (forward, torch_form)
     for body, form in _ACTIVATION_BODIES:
         if not matches(forward, body):
             continue
         if form.computes is not None:
-            return form.computes, ()
+            return form.computes, (), (forward, body)
         reads = (form.function_attribute or "",)
-        return (None if shadowed(act, reads) else _function_name(act.__dict__.get(reads[0]))), reads
-    return None, ()
+        name = None if shadowed(act, reads) else _function_name(act.__dict__.get(reads[0]))
+        return name, reads, (forward, body)
+    return None, (), None
 
 
-# How a class finds attributes: its lookup methods and its MRO (a class's bases can be reassigned).
+# How torch's modules find attributes and are called, as this process first saw them: a lookup or a call
+# patched on ``nn.Module`` itself is not torch's.
+TORCH_MODULE_GETATTR = nn.Module.__getattr__
+_TORCH_CALLS = (nn.Module.__call__, nn.Module._call_impl, nn.Module._wrapped_call_impl)
 _lookup_of = operator.attrgetter("__getattribute__", "__getattr__", "__mro__")
+_calls_of = operator.attrgetter("__call__", "_call_impl", "_wrapped_call_impl")
 _isdisjoint: Callable[[Any, Any], bool] = type({}.keys()).isdisjoint
 
 
-class ClassReads:
-    """Attributes that instances of some module classes read by name, and whether a class now shadows
-    one: a class attribute or property of that name anywhere in the class's MRO, or a custom attribute
-    lookup (``__getattribute__``, ``__getattr__``). Built once per decision, checked at every call that
-    reuses it: a snapshot of the modules' own dicts cannot see a class changed since."""
+def called_as_torch_calls(cls: type) -> bool:
+    """Whether calling an instance of ``cls`` runs torch's own ``nn.Module.__call__`` (hooks, then forward),
+    not a ``__call__`` patched on the class or on ``nn.Module`` (which a kernel calling no submodule skips)."""
+    return _calls_of(cls) == _TORCH_CALLS
 
-    __slots__ = ("_classes", "_lookups", "_key_views", "_names")
 
-    def __init__(self, reads: Iterable[Tuple[type, Tuple[str, ...]]]):
+class ProofReads:
+    """What a decision proven from forwards' code read outside the module tree's own dicts (which the plan's
+    snapshot compares), and whether any of it changed since:
+    - the attributes instances of some classes read by name: shadowed by a class attribute or property of
+      that name anywhere in the class's MRO, or by a custom attribute lookup (``__getattribute__``,
+      ``__getattr__`` other than torch's);
+    - classes whose instances the forward calls: called through a ``__call__`` other than torch's;
+    - forwards whose code matched a body: the module globals that body names rebound.
+    Built once per decision, checked at every call that reuses it."""
+
+    __slots__ = ("_classes", "_lookups", "_key_views", "_names", "_called", "_codes")
+
+    def __init__(self, reads: Iterable[Tuple[type, Tuple[str, ...]]], called: Iterable[type] = (),
+                 codes: Iterable[Optional[CodeRead]] = ()):
         names_by_class: Dict[type, Set[str]] = {}
         for cls, names in reads:
             names_by_class.setdefault(cls, set()).update(names)
         self._classes = tuple(names_by_class)
-        self._lookups = [(object.__getattribute__, nn.Module.__getattr__, cls.__mro__) for cls in self._classes]
+        self._lookups = [(object.__getattribute__, TORCH_MODULE_GETATTR, cls.__mro__) for cls in self._classes]
         # Every class of every MRO once, with the names any instance of a class below it reads, as its
         # dict's live key view: the check is C passes, with no Python call per class.
         wanted: Dict[type, Set[str]] = {}
@@ -310,18 +335,22 @@ class ClassReads:
                 wanted.setdefault(klass, set()).update(class_names)
         self._key_views = tuple(vars(klass).keys() for klass in wanted)
         self._names = tuple(map(frozenset, wanted.values()))
+        self._called = tuple(dict.fromkeys(called))
+        self._codes = tuple(code for code in codes if code is not None)
 
-    def shadowed(self) -> bool:
+    def stale(self) -> bool:
         # Equal lookups: the same two functions (compared by identity) and an equal MRO (the same classes,
         # so the same dicts whose keys are read below).
         return (list(map(_lookup_of, self._classes)) != self._lookups
-                or not all(map(_isdisjoint, self._key_views, self._names)))
+                or not all(map(_isdisjoint, self._key_views, self._names))
+                or not all(map(called_as_torch_calls, self._called))
+                or not all(globals_hold(fn, form) for fn, form in self._codes))
 
 
 def shadowed(module: nn.Module, names: Tuple[str, ...]) -> bool:
     """Whether reading one of ``names`` on ``module`` could find something other than what it holds
     itself (a class attribute or property of that name, or a custom attribute lookup)."""
-    return ClassReads(((type(module), names),)).shadowed()
+    return ProofReads(((type(module), names),)).stale()
 
 
 def resolve_scale(module: nn.Module, scale: Scale) -> Optional[float]:

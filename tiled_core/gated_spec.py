@@ -19,9 +19,11 @@ from torch.nn.modules import module as _module_globals
 
 from .code_forms import CodeForm, matches
 from .gated_forms import (
-    ClassReads,
+    CodeRead,
     GatedForm,
+    ProofReads,
     activation_reads,
+    called_as_torch_calls,
     check_attributes,
     linear_is_a_linear,
     resolve_scale,
@@ -44,9 +46,10 @@ class GatedMLPSpec:
     up_scale: float = 1.0
     down_scale: float = 1.0
     form: GatedForm = GatedForm()  # the names the forward reads them by
-    # What the module's, the projections' and the activation's classes must go on not shadowing (checked
-    # at every call that reuses the decision; the plan's snapshot sees each class only by identity).
-    class_reads: Optional[ClassReads] = None
+    # What the decision read outside the module tree's own dicts (its classes, how its children are
+    # called, its forwards' module globals): checked at every call that reuses it, which the plan's
+    # snapshot (each class by identity only) cannot see.
+    proof_reads: Optional[ProofReads] = None
 
     @property
     def linears(self) -> List[nn.Linear]:
@@ -145,9 +148,10 @@ def _beyond_spec(module: nn.Module, spec: GatedMLPSpec, act_module) -> str:
     return ""
 
 
-def structural_spec(module: nn.Module, form: GatedForm,
-                    is_backend_hook=no_hook_is_backend) -> Tuple[Optional[GatedMLPSpec], str]:
-    """The spec if the module's structure lets the fast kernel compute ``form``, else None and why not."""
+def structural_spec(module: nn.Module, form: GatedForm, is_backend_hook=no_hook_is_backend,
+                    forward_code: Optional[CodeRead] = None) -> Tuple[Optional[GatedMLPSpec], str]:
+    """The spec if the module's structure lets the fast kernel compute ``form``, else None and why not;
+    ``forward_code``: the module's forward and the registered body it matched (None: a registered class)."""
     hooks = foreign_child_hooks(module, is_backend_hook)
     if hooks:
         return None, f"submodules have hooks that the fast kernel would skip ({', '.join(hooks)})"
@@ -156,7 +160,7 @@ def structural_spec(module: nn.Module, form: GatedForm,
         return None, problem
     parts = module._modules
     act_module = parts[form.activation]
-    act, act_reads = activation_reads(act_module)
+    act, act_reads, act_code = activation_reads(act_module)
     if act is None:
         return None, f"{form.activation} ({type(act_module).__name__}) is not a recognised activation (silu, gelu, gelu tanh)"
     scales = [resolve_scale(module, s) for s in (form.gate_scale, form.up_scale, form.down_scale)]
@@ -172,6 +176,9 @@ def structural_spec(module: nn.Module, form: GatedForm,
         return None, "projections are not plain nn.Linear (LoRA or quantised wrappers)"
     if any(shadowed(m, _LINEAR_READS) for m in spec.linears):
         return None, "nn.Linear's class defines weight or bias, or a custom attribute lookup, which its forward would read"
+    called = (*map(type, spec.linears), type(act_module))
+    if not all(map(called_as_torch_calls, called)):
+        return None, "a submodule's class is called through a patched __call__, which the fast kernel (calling no submodule) would skip"
     if _has_dropout(module):
         return None, "the module has dropout"
     if spec.gate_up is not None and spec.gate_up.out_features % 2:
@@ -182,6 +189,8 @@ def structural_spec(module: nn.Module, form: GatedForm,
     dtypes = {p.dtype for p in spec.params}
     if len(dtypes) > 1:
         return None, f"the projections' weights have different dtypes ({sorted(map(str, dtypes))})"
-    spec.class_reads = ClassReads(((type(module), form.read_names), (type(act_module), act_reads),
-                                   *((type(linear), _LINEAR_READS) for linear in spec.linears)))
+    spec.proof_reads = ProofReads(((type(module), form.read_names), (type(act_module), act_reads),
+                                   *((type(linear), _LINEAR_READS) for linear in spec.linears)),
+                                  called=called,
+                                  codes=(forward_code, act_code, (nn.Linear.forward, _LINEAR)))
     return spec, ""

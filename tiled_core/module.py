@@ -91,8 +91,10 @@ class TiledMLP(nn.Module):
         # copy, deepcopy and pickle. The copy tiles on its own: its own ``TilingState`` (the configuration
         # and the last report copied, no cached plan), where ``copy.copy`` would otherwise share the original's.
         cls = type(self)
-        state = self.__getstate__()  # nn.Module's: a copy of the instance dict
-        state[STATE_ATTR] = state[STATE_ATTR].copied()
+        # A copy of what the class's ``__getstate__`` returns (a user's MLP class may return its live
+        # ``__dict__``, or leave out the tiling), with the copy's own tiling state.
+        state = dict(self.__getstate__())
+        state[STATE_ATTR] = self.__dict__[STATE_ATTR].copied()
         return rebuild, (cls._tiled_mixin, cls._tiled_base), state
 
     def extra_repr(self) -> str:

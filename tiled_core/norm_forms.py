@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .code_forms import CodeForm, check_body, matches
+from .gated_forms import TORCH_MODULE_GETATTR
 
 MULTIPLY_IN_INPUT_DTYPE = "input_dtype"  # ``weight * normed.to(input_dtype)``: the output in promote(w, x)
 MULTIPLY_IN_FLOAT32 = "float32"  # ``(normed * weight.float()).type_as(x)``: the output in x's dtype
@@ -108,7 +109,7 @@ UNKNOWN_NORM = ("its forward is not one the norm kernel is known to compute (a r
 
 def _custom_lookup(cls: type) -> bool:
     return (cls.__getattribute__ is not object.__getattribute__
-            or getattr(cls, "__getattr__", None) is not nn.Module.__getattr__)
+            or getattr(cls, "__getattr__", None) is not TORCH_MODULE_GETATTR)
 
 
 def _class_attribute(cls: type, name: str) -> Any:
