@@ -16,6 +16,7 @@ against is not known here: they are registered by whoever knows a library's text
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from dataclasses import dataclass, field
@@ -38,6 +39,13 @@ class CodeForm:
 
     body: str
     globals: Mapping[str, Any] = field(default_factory=dict)
+
+    # Each global's path split once (``globals_hold`` reads them at every call that relies on a match); a
+    # form is not changed once used, as the match cache below also assumes.
+    @functools.cached_property
+    def global_paths(self) -> Tuple[Tuple[str, Tuple[str, ...], Any], ...]:
+        return tuple((head, tuple(attrs), obj) for path, obj in self.globals.items()
+                     for head, *attrs in (path.split("."),))
 
 
 def _compiled(form: CodeForm, arg: str, doc: Optional[str]) -> types.CodeType:
@@ -101,9 +109,9 @@ def globals_hold(fn: types.FunctionType, form: CodeForm) -> bool:
     """Whether the module globals ``fn`` reads are still the objects ``form`` names. Read again wherever a
     match is relied on: a module's globals, or a function of a module, can be rebound after the code was
     checked."""
-    for path, obj in form.globals.items():
-        head, *attrs = path.split(".")
-        value = fn.__globals__.get(head, _MISSING)
+    module_globals = fn.__globals__
+    for head, attrs, obj in form.global_paths:
+        value = module_globals.get(head, _MISSING)
         for attr in attrs:
             value = getattr(value, attr, _MISSING)
         if value is not obj:
