@@ -90,9 +90,9 @@ class TiledMLP(nn.Module):
     def __reduce_ex__(self, protocol):
         # copy, deepcopy and pickle. The copy tiles on its own: its own ``TilingState`` (the configuration
         # and the last report copied, no cached plan), where ``copy.copy`` would otherwise share the original's.
+        # Set in a copy of what the class's ``__getstate__`` returns: a user's MLP class may return its live
+        # ``__dict__``, or leave the tiling out.
         cls = type(self)
-        # A copy of what the class's ``__getstate__`` returns (a user's MLP class may return its live
-        # ``__dict__``, or leave out the tiling), with the copy's own tiling state.
         state = dict(self.__getstate__())
         state[STATE_ATTR] = self.__dict__[STATE_ATTR].copied()
         return rebuild, (cls._tiled_mixin, cls._tiled_base), state
