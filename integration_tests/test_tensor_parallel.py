@@ -1,7 +1,8 @@
 """The tiled MLP under DTensor tensor parallelism (``parallelize_module``), 2 gloo processes, float64,
 against one process running the whole untiled MLP (``tp_cases.py``): the gated fast kernel runs on each
 rank's local weights through the strategy's local view and matches, on a replicated and on a
-sequence-sharded (torchtitan) layout; what it cannot prove declines or is refused with the reason."""
+sequence-sharded (torchtitan) layout; where it declines, the generic kernel runs the module's own forward,
+collectives included, once per shard and matches too; what neither can prove is refused with the reason."""
 from __future__ import annotations
 
 import pytest
@@ -33,17 +34,37 @@ def test_fast_kernel_on_local_weights_matches_one_process_under_tensor_paralleli
             # The auto policy sizes shards from the rank's local weights: its slice of the intermediate dim.
             local_weights = 3 * HIDDEN * INTERMEDIATE // WORLD
             assert (result["intermediate"], result["param_bytes"]) == (INTERMEDIATE // WORLD, 8 * local_weights), result
+            assert result["pending_works"] == 0, result
 
 
 @pytest.mark.timeout(60)
-def test_what_the_local_view_cannot_prove_declines_and_the_generic_kernel_refuses_tp_modules(tmp_path):
-    # The tiled norm under SequenceParallel computes (its exactness: test_tensor_parallel_norms.py).
-    cases = [("down_bias", "auto"), ("dtensor_activations", "auto"), ("sequence", "generic"), ("replicate", "generic")]
+def test_generic_kernel_runs_tensor_parallel_collectives_per_shard_and_matches_one_process(tmp_path):
+    # Each forward shard all-reduces its partial sum (RowwiseParallel's output hook) and so does each shard's
+    # recompute: gloo still holds a reduced tensor for a moment after some of those waits, which the check that no
+    # shard's tensor outlives its shard must wait out on every rank alike (a rank refusing alone deadlocks the
+    # other), and the recompute's all-reduces must be waited for (else c10d's registry keeps each one's work).
+    cases = [("replicate", "generic"), ("sequence_input", "generic"), ("down_bias", "auto"), ("dtensor_activations", "auto"),
+             ("gelu", "auto")]
+    for rank_results in run_distributed(run_tp_cases, WORLD, tmp_path, cases, timeout=50):
+        for case in cases:
+            result = rank_results[case]
+            _exact(result, case)
+            assert result["path"] == "generic" and result["num_shards"] == 3, (case, result)
+            assert result["pending_works"] == 0, (case, result)
+        # Why the fast kernel declined, where it was asked.
+        assert "down_proj has a bias" in rank_results["down_bias", "auto"]["reason"]
+        assert "gate_proj's output is (Shard(dim=-1),) (use_local_output=False)" in rank_results[
+            "dtensor_activations", "auto"]["reason"]
+
+
+@pytest.mark.timeout(60)
+def test_what_no_kernel_proves_under_tensor_parallelism_is_refused_on_every_rank(tmp_path):
+    # The tiled norm under SequenceParallel computes (its exactness: test_tensor_parallel_norms.py). A hook that
+    # keeps each shard's all-reduced output is refused on both ranks, with no rank left in the next collective.
+    cases = [("sequence", "generic"), ("gelu_stashed", "auto")]
     for rank_results in run_distributed(run_tp_refusals, WORLD, tmp_path, cases, timeout=50):
-        bias, activations, sequence, replicate = (rank_results[case]["raised"] for case in cases)
+        sequence, stashed = (rank_results[case]["raised"] for case in cases)
         norm = rank_results["norm"]
         assert norm == "returned (2, 6, 8) through generic", norm
-        assert "down_proj has a bias" in bias and "the generic kernel would run its collectives" in bias
-        assert "gate_proj's output is (Shard(dim=-1),) (use_local_output=False)" in activations
         assert "over a token dimension" in sequence and "down_proj's output hook (RowwiseParallel)" in sequence
-        assert "the generic kernel would run its collectives once per token shard" in replicate
+        assert "were kept after their shard" in stashed and "_ToTorchTensorBackward" in stashed, stashed

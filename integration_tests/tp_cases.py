@@ -32,6 +32,20 @@ class GatedMLP(torch.nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GeluMLP(torch.nn.Module):
+    """GPT-2's MLP shape (``c_fc``, tanh GELU, ``c_proj``, with biases): no gated form, so only the generic
+    kernel (the module's own forward per shard) runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(HIDDEN, INTERMEDIATE, dtype=torch.float64)
+        self.proj = torch.nn.Linear(INTERMEDIATE, HIDDEN, dtype=torch.float64)
+        self.act = torch.nn.GELU(approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
 def gated_mlp(bias: bool = False) -> torch.nn.Module:
     from tiled_mlp import register_gated_mlp
 
@@ -54,6 +68,8 @@ def tp_plan(layout: str) -> Dict[str, object]:
     if layout == "sequence":  # torchtitan's: sequence-sharded input and output
         return {**sequence_input, "gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
                 "down_proj": RowwiseParallel(output_layouts=Shard(1))}
+    if layout in ("gelu", "gelu_stashed"):  # the generic kernel's own: a module with no gated form
+        return {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
     if layout == "dtensor_activations":  # gate and up hand DTensors on: a layout the local view does not prove
         return {"gate_proj": ColwiseParallel(use_local_output=False), "up_proj": ColwiseParallel(use_local_output=False),
                 "down_proj": RowwiseParallel()}
@@ -100,10 +116,17 @@ def _run_case(rank: int, world: int, layout: str, path: str, num_shards: int) ->
 
     from tiled_mlp import TiledMLP
 
-    untiled = gated_mlp(bias=layout == "down_bias")
+    if layout.startswith("gelu"):
+        torch.manual_seed(0)
+        untiled = GeluMLP()
+    else:
+        untiled = gated_mlp(bias=layout == "down_bias")
     reference = reference_steps(copy.deepcopy(untiled))
     mesh = init_device_mesh("cpu", (world,))
     mlp = parallelize_module(untiled, mesh, tp_plan(layout))
+    if layout == "gelu_stashed":  # after the style's own output hook: it is handed the shard's reduced output
+        stash = []
+        mlp.proj.register_forward_hook(lambda module, inputs, output: stash.append(output))
     TiledMLP(mlp, num_shards=num_shards, path=path)
     optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
     tokens = SEQ // world
@@ -125,7 +148,14 @@ def _run_case(rank: int, world: int, layout: str, path: str, num_shards: int) ->
     tiling = mlp.tiling
     sizes = tiling.call_sizes
     return {"errors": errors, "path": tiling.last_path, "reason": tiling.last_reason, "num_shards": tiling.last_num_shards,
-            "intermediate": sizes.intermediate, "param_bytes": sizes.param_bytes}
+            "intermediate": sizes.intermediate, "param_bytes": sizes.param_bytes, "pending_works": _pending_works()}
+
+
+def _pending_works() -> int:
+    """Collectives whose work c10d's functional registry still holds (never waited for)."""
+    from torch._C._distributed_c10d import _get_work_registry_size
+
+    return _get_work_registry_size()
 
 
 def run_tp_cases(rank: int, world: int, cases: Sequence[Tuple[str, str]], num_shards: int = 3) -> dict:

@@ -13,8 +13,12 @@ inside a shard outlives it (``core/sharded_autograd.py``, ``_check_nothing_kept`
 gloo ``all_reduce`` returns while the communication thread still holds the tensor it reduced: measured
 in 2 gloo processes, the reduced tensor was still alive right after the call in 45 of 300 calls, so the
 check refuses some calls and not others (a rank that raises while the other goes on to the next shard's
-all-reduce deadlocks). The numbers themselves were exact where the call ran (docs/backends.md). The fast
-kernel declines these layers by class (they are not ``nn.Linear``), so it cannot stand in.
+all-reduce deadlocks). The numbers themselves were exact where the call ran (docs/backends.md). Under DTensor
+tensor parallelism the same check waits for the backend to let go (``core/collectives.py``), because it sees
+the collective: DTensor all-reduces through torch's functional collective ops, which the tiled call's torch
+function mode is handed. ``LinearAllreduce`` calls ``torch.distributed.all_reduce``, a process-group method
+that no function mode sees, so nothing tells its reduced tensor from one a hook kept. The fast kernel declines
+these layers by class (they are not ``nn.Linear``), so it cannot stand in.
 
 Why a head built of them is refused: it holds only this rank's rows of the vocabulary, and the tiled
 loss reads the vocabulary size from the weight it is given.
@@ -38,7 +42,9 @@ MLP_ERROR = (
     "The tiled call runs the module once per shard, so LinearAllreduce's all-reduce runs inside every shard, and "
     "the communication backend still holds the reduced tensor for a while after a synchronous all_reduce returns: "
     "the tiled forward's check that no shard's tensor outlives its shard would fail on some calls and not others "
-    "(one rank raising while another waits in the next all-reduce). Leave these blocks untiled "
+    "(one rank raising while another waits in the next all-reduce): that all_reduce is a process-group call, which "
+    "the tiled call cannot see as a collective, as it sees DTensor's. Use DTensor tensor parallelism "
+    "(parallelize_module), which composes; or leave these blocks untiled "
     "(apply_tiled_mlp(model, exclude=...)), or train with tensor_parallel.autotp_size 1"
 )
 HEAD_ERROR = (

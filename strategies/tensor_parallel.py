@@ -279,20 +279,9 @@ TOKEN_LAYOUT_DECLINED = (
 )
 
 
-PER_SHARD_COLLECTIVES_REFUSED = (
-    "tensor parallelism: {name} carries a tensor-parallel hook ({style}), and the generic kernel would run its "
-    "collectives once per token shard. Its results matched one process within 1e-15, but 2-rank gloo runs "
-    "deadlocked in about one run of three: a synchronous gloo all-reduce returns while gloo's worker thread still "
-    "holds the reduced tensor (measured: alive right after the call in about 1 call of 7), so the check that no "
-    "shard's tensor outlives its shard refuses on one rank while the other waits in the next shard's all-reduce. "
-    "The gated fast kernel (ColwiseParallel gate_proj/up_proj, RowwiseParallel down_proj without a bias) runs under "
-    "tensor parallelism with one collective per call: use path='auto' on such an MLP, or tile the module "
-    "without tensor-parallel hooks inside it"
-)
-
-
 DTENSOR_PARAMS_REFUSED = (
     "tensor parallelism: {module}'s parameters are DTensors (parallelize_module, distribute_module) "
+    "where no ColwiseParallel or RowwiseParallel hook of a submodule lays them out ({where}), "
     "and the tiled call would take its input and build its output as the module's own hooks hand them over "
     "(a sequence-sharded DTensor: shards of the global sequence, an output of the wrong length, measured), which "
     "the generic kernel is not proven to compute exactly: refused. Leave this module untiled (its activations "
@@ -434,17 +423,21 @@ def sequence_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) ->
 
 def per_shard_problem(module: nn.Module, token_dims: int) -> str:
     """Why the generic kernel (``module``'s own forward once per token shard) is refused under tensor
-    parallelism ("" where the module has no tensor-parallel hook): a proven style's hook that shards a token
-    dimension (``RowwiseParallel(output_layouts=Shard(1))``: not what one call computes), else any such hook
-    (per-shard collectives: see ``PER_SHARD_COLLECTIVES_REFUSED``), else DTensor parameters with the hooks on
-    the tiled module itself (``DTENSOR_PARAMS_REFUSED``). The token dimensions of an input
+    parallelism ("" where it computes what one call does): a proven style's hook that shards a token dimension
+    (``RowwiseParallel(output_layouts=Shard(1))``: it would split each shard's tokens, not the call's), else
+    DTensor parameters that no proven style's hook of their own submodule lays out (the hooks on the tiled
+    module itself, or a bare ``distribute_module``: ``DTENSOR_PARAMS_REFUSED``). Proven styles that keep the
+    tokens whole run their collectives once per shard, each over that shard's tokens alone, as one call does
+    over all of them: exact, and the check that no shard's tensor outlives it waits for what the
+    communication backend still holds (``tiled_core/collectives.py``). The token dimensions of an input
     ``[..., tokens, hidden]`` are all but the last (``token_dims`` of them)."""
     from torch.distributed.tensor import Shard
 
-    first = ""
+    unlaid = []
     for name, sub in module.named_modules():
         if not name:
             continue
+        styled = False
         for kind, hooks in zip(("input", "output"), _hooks(sub), strict=True):
             for hook in hooks:
                 found = style_hook(hook)
@@ -455,13 +448,17 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
                 style = found.function.__qualname__.split(".")[0]
                 if any(isinstance(p, Shard) and 0 <= p.dim < token_dims for p in layouts):
                     return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=style, layouts=found.layouts)
-                first = first or PER_SHARD_COLLECTIVES_REFUSED.format(name=name, style=style)
-    if not first and has_dtensor(list(module.parameters())):
-        if is_sequence_parallel_module(module):
-            # The generic kernel runs it on the sequence-parallel view (its own refusal where declined).
-            return sequence_parallel_view(module, [p for p in module.parameters() if p.requires_grad]).why_not
-        return DTENSOR_PARAMS_REFUSED.format(module=type(module).__name__)
-    return first
+                styled = True
+        if not styled and has_dtensor([p for p in sub._parameters.values() if p is not None]):
+            unlaid.append(name)
+    own = [p for p in module._parameters.values() if p is not None]
+    if not unlaid and has_dtensor(own) and is_sequence_parallel_module(module):
+        # The generic kernel runs it on the sequence-parallel view (its own refusal where declined).
+        return sequence_parallel_view(module, [p for p in module.parameters() if p.requires_grad]).why_not
+    if unlaid or has_dtensor(own):
+        where = ", ".join(unlaid + (["the module itself"] if has_dtensor(own) else []))
+        return DTENSOR_PARAMS_REFUSED.format(module=type(module).__name__, where=where)
+    return ""
 
 
 def local_param_bytes(module: nn.Module) -> int:

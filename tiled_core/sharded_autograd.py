@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
+import weakref
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Generic, List, Optional, Sequence, TypeVar
 
@@ -36,6 +36,7 @@ import torch
 
 from .autocast_state import AutocastState
 from .checks import DOUBLE_BACKWARD_ERROR, INPUT_EDITED_ERROR, TensorVersions
+from .collectives import completed, wait_released
 from .grad_accum import GradAccumulator
 from .grad_delivery import delivered_grads, needed_grads
 from .kernels.base import ReduceKernel, ShardKernel, no_substitution
@@ -116,34 +117,19 @@ def _watch(known: Optional[Sequence[torch.Tensor]], grad_only: bool = True) -> O
     return TensorReads(known=known, watch_kept=True, grad_only=grad_only) if known is not None else None
 
 
-def completed(out: torch.Tensor) -> torch.Tensor:
-    """``out`` as a tensor whose value is there: a collective's pending result (``AsyncCollectiveTensor``,
-    what a tensor-parallel output hook returns: it redistributes with ``async_op=True``) is waited for.
-    Until then the collective's work registry holds the tensor the collective writes (made in the shard),
-    which is the output's own data, not a tensor the shard kept; every later shard's output is copied
-    into the call's output, which waits the same way."""
-    pending = _pending_collective_class()
-    if pending is not None and isinstance(out, pending):
-        return out.wait()  # type: ignore[attr-defined]  # an AsyncCollectiveTensor
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def _pending_collective_class() -> Optional[type]:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return AsyncCollectiveTensor
-
-
 def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = ()) -> None:
     kept = reads.kept(expected)
-    if kept:
+    if kept and not all(map(reads.held_by_collective, kept)):
         # A reference cycle (a custom Function that stores its output on ctx, in a shard's transient
         # graph) keeps a tensor only until the collector runs: collect once before refusing.
         gc.collect()
         kept = reads.kept(expected)
+    if kept and all(map(reads.held_by_collective, kept)):
+        # Only tensors a collective took or made: its backend lets go of them a moment after the wait
+        # (``collectives.py``). Every rank waits alike, so none is left alone in the next shard's collective.
+        refs = [weakref.ref(t) for t in kept]
+        del kept
+        kept = [] if wait_released(refs) else reads.kept(expected)
     if kept:
         raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=describe(kept)))
 

@@ -15,6 +15,8 @@ from typing import Dict, Iterable, Iterator, List, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .collectives import is_collective
+
 
 def _tensors(args, kwargs) -> Iterator[torch.Tensor]:
     # One level of lists and tuples covers torch.cat/stack/einsum operands; deeper nesting does not
@@ -59,6 +61,9 @@ class TensorReads(TorchFunctionMode):
                  watch_kept: bool = False):
         super().__init__()
         self._made_refs: Optional[List[weakref.ref]] = [] if watch_kept else None
+        # Where kept tensors are watched: the ids of the tensors a collective op took or made, which its
+        # backend may hold a moment after the op is waited for (``collectives.py``).
+        self._collective_ids: set = set()
         self._known = {id(t) for t in known}
         self._grad_only = grad_only
         self._made_since = made_since
@@ -101,7 +106,10 @@ class TensorReads(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         # An in-place op returns its own input (a buffer's ``add_``): that tensor was not made here.
         input_ids = {id(t) for t in inputs}
-        made = [t for t in _tensors(out if isinstance(out, (list, tuple)) else (out,), None) if id(t) not in input_ids]
+        outputs = list(_tensors(out if isinstance(out, (list, tuple)) else (out,), None))
+        made = [t for t in outputs if id(t) not in input_ids]
+        if self._made_refs is not None and is_collective(func):
+            self._collective_ids.update(input_ids, map(id, outputs))
         if self._made_refs is not None:
             self._made_refs.extend(weakref.ref(t) for t in made)
         # Kept alive so that no id is reused, unless the block watches for kept tensors (then each must
@@ -121,7 +129,8 @@ class TensorReads(TorchFunctionMode):
 
     def kept(self, expected: Iterable[torch.Tensor] = ()) -> List[torch.Tensor]:
         """Tensors made inside the block that are still alive, besides ``expected`` and their views:
-        something (a hook, the forward itself) kept them, e.g. an activation stashed for a loss."""
+        something (a hook, the forward itself) kept them, e.g. an activation stashed for a loss; or, for one
+        a collective took or made (``held_by_collective``), its communication backend, for a moment."""
         allowed = {id(t) for t in expected}
         # Views of the weights (an expert's slice ``w[e]``) hold no activation; torch may keep them alive.
         bases = {id(t._base) for t in expected if t._base is not None} | allowed | self._known
@@ -132,6 +141,12 @@ class TensorReads(TorchFunctionMode):
                 continue
             alive[id(t)] = t
         return list(alive.values())
+
+    def held_by_collective(self, t: torch.Tensor) -> bool:
+        """Whether ``t``, made in the block and alive, is a tensor a collective op took or made. (An id is
+        recorded while its tensor lives; one reused by a later tensor can only make the caller wait for that
+        tensor too, never let one go unchecked.)"""
+        return id(t) in self._collective_ids
 
 
 def next_sequence_nr() -> int:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..checks import CHANGED_READ_ERROR, PlainValues, TensorVersions
+from ..collectives import wait_pending
 from ..grad_accum import GradAccumulator
 from ..plain_values import snapshot
 from ..rng import capture_rng_state, replay_rng_state
@@ -206,6 +207,9 @@ class GenericShardKernel:
         with torch.enable_grad():
             x_leaf = x_shard.detach().requires_grad_(grad_in_shard is not None)
             y = self._recompute(x_leaf, tensors, shard)
+        # A collective in the forward (a tensor-parallel output hook's all-reduce) runs again here; only its
+        # graph is needed, but its work stays registered until waited for.
+        wait_pending(y)
         inputs = ([x_leaf] if grad_in_shard is not None else []) + [tensors[i] for i in wanted]
         if not inputs or not y.requires_grad:
             if grad_in_shard is not None:
