@@ -266,3 +266,13 @@ def test_a_hook_added_between_forward_and_backward_is_named_in_the_error_on_the_
     with pytest.raises(RuntimeError, match="changed between its forward and backward.*fc1"):
         out.sum().backward()
     assert x.grad is None and all(p.grad is None for p in mlp.parameters())
+
+
+def test_a_saved_tiling_state_with_a_bad_shard_count_is_refused_on_load():
+    # The call does not check the configured count again: every way it enters the state does, and unpickling
+    # (pickle, deepcopy, torch.load) sets a state through __setstate__.
+    from tiled_mlp.core.tiling_state import TilingState
+
+    saved = {**TilingState(num_shards=4).__getstate__(), "num_shards": 0}
+    with pytest.raises(ValueError, match="num_shards must be >= 1"):
+        object.__new__(TilingState).__setstate__(saved)

@@ -14,7 +14,7 @@ from .buffer_guard import buffers_kept
 from .call_decision import decide_map_call
 from .module_forward import adopt_instance_forward, base_forward, original_forward
 from .module_strategy import module_strategy
-from .shard_plan import ShardPlan, check_num_shards
+from .shard_plan import ShardPlan
 from .sharded_autograd import ShardedRun, sharded_apply
 from .tiled_call import CallDecision, tiled_call
 from .tiling_state import TilingState, tiling_of
@@ -49,7 +49,8 @@ class MapSite:
     def __init__(self, module: nn.Module, inputs: TiledInputs):
         state: TilingState = module.tiling  # type: ignore[assignment]
         x = inputs.hidden_states
-        check_num_shards(state.num_shards)
+        # The configured shard count needs no check here: the state checks it wherever it is set, unpickling
+        # included (``TilingState``).
         check_input(x, module if inputs.check_hidden else None)
         self.owner = module
         self.state = state

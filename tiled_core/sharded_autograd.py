@@ -94,7 +94,7 @@ class ShardedRun(Generic[KernelT]):
     local_view: Optional[LocalView] = None
 
 
-@dataclass
+@dataclass(slots=True)
 class FirstShard:
     """The first shard's output and RNG state, computed before the Function (see the module doc), or
     only what the Function needs to know about its input where the first shard runs inside it."""

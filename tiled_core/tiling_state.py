@@ -99,6 +99,9 @@ class TilingState:
         return state
 
     def __setstate__(self, state: dict) -> None:
+        # A saved state is checked as a set one is (a path is checked at its call instead: its kernel may be
+        # registered only after the state is loaded).
+        check_num_shards(state.get("num_shards", "auto"))
         self.__dict__.update(state)
 
     def copied(self) -> TilingState:
