@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from .spawn import run_distributed
-from .tp_cases import HIDDEN, INTERMEDIATE, run_tp_cases, run_tp_refusals
+from .tp_cases import HIDDEN, INTERMEDIATE, run_tp_cases, run_tp_refusals, run_uneven_auto
 
 pytestmark = pytest.mark.distributed
 
@@ -58,13 +58,25 @@ def test_generic_kernel_runs_tensor_parallel_collectives_per_shard_and_matches_o
 
 
 @pytest.mark.timeout(60)
+def test_auto_shard_count_is_the_same_on_ranks_holding_uneven_slices(tmp_path):
+    # The generic kernel all-reduces once per shard: ranks that chose different counts would fail or hang.
+    for result in run_distributed(run_uneven_auto, WORLD, tmp_path, timeout=50):
+        _exact(result, "uneven")
+        assert result["path"] == "generic" and result["num_shards"] == 4, result
+        assert result["pending_works"] == 0, result
+
+
+@pytest.mark.timeout(60)
 def test_what_no_kernel_proves_under_tensor_parallelism_is_refused_on_every_rank(tmp_path):
     # The tiled norm under SequenceParallel computes (its exactness: test_tensor_parallel_norms.py). A hook that
     # keeps each shard's all-reduced output is refused on both ranks, with no rank left in the next collective.
-    cases = [("sequence", "generic"), ("gelu_stashed", "auto")]
+    cases = [("sequence", "generic"), ("sequence_negative", "generic"), ("gelu_stashed", "auto"),
+             ("gelu_dtensor_output", "auto")]
     for rank_results in run_distributed(run_tp_refusals, WORLD, tmp_path, cases, timeout=50):
-        sequence, stashed = (rank_results[case]["raised"] for case in cases)
+        sequence, negative, stashed, dtensor_output = (rank_results[case]["raised"] for case in cases)
+        assert "returned a DTensor" in dtensor_output and "use_local_output=True" in dtensor_output, dtensor_output
         norm = rank_results["norm"]
         assert norm == "returned (2, 6, 8) through generic", norm
-        assert "over a token dimension" in sequence and "down_proj's output hook (RowwiseParallel)" in sequence
+        for refusal in (sequence, negative):  # Shard(1) and Shard(-2) name the same token dim
+            assert "over a token dimension" in refusal and "down_proj's output hook (RowwiseParallel)" in refusal
         assert "were kept after their shard" in stashed and "_ToTorchTensorBackward" in stashed, stashed

@@ -10,7 +10,7 @@ takes an SGD step; the parameters after the last step are compared too.
 from __future__ import annotations
 
 import copy
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Sequence, Tuple, Union
 
 import torch
 
@@ -33,17 +33,17 @@ class GatedMLP(torch.nn.Module):
 
 
 class GeluMLP(torch.nn.Module):
-    """GPT-2's MLP shape (``c_fc``, tanh GELU, ``c_proj``, with biases): no gated form, so only the generic
-    kernel (the module's own forward per shard) runs it."""
+    """GPT-2's MLP (``c_fc``, tanh GELU, ``c_proj``, with biases): no gated form, so only the generic kernel (the
+    module's own forward per shard) runs it."""
 
-    def __init__(self):
+    def __init__(self, intermediate: int = INTERMEDIATE):
         super().__init__()
-        self.fc = torch.nn.Linear(HIDDEN, INTERMEDIATE, dtype=torch.float64)
-        self.proj = torch.nn.Linear(INTERMEDIATE, HIDDEN, dtype=torch.float64)
+        self.c_fc = torch.nn.Linear(HIDDEN, intermediate, dtype=torch.float64)
+        self.c_proj = torch.nn.Linear(intermediate, HIDDEN, dtype=torch.float64)
         self.act = torch.nn.GELU(approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.act(self.fc(x)))
+        return self.c_proj(self.act(self.c_fc(x)))
 
 
 def gated_mlp(bias: bool = False) -> torch.nn.Module:
@@ -68,16 +68,24 @@ def tp_plan(layout: str) -> Dict[str, object]:
     if layout == "sequence":  # torchtitan's: sequence-sharded input and output
         return {**sequence_input, "gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
                 "down_proj": RowwiseParallel(output_layouts=Shard(1))}
+    if layout == "sequence_negative":  # the same, the sequence dim counted from the end
+        return {"": PrepareModuleInput(input_layouts=(Shard(-2),), desired_input_layouts=(Replicate(),)),
+                "gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                "down_proj": RowwiseParallel(output_layouts=Shard(-2))}
     if layout in ("gelu", "gelu_stashed"):  # the generic kernel's own: a module with no gated form
-        return {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
+        return {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()}
+    if layout == "gelu_uneven":  # rows split unevenly: only DTensor activations keep their global shape
+        return {"c_fc": ColwiseParallel(use_local_output=False), "c_proj": RowwiseParallel()}
+    if layout == "gelu_dtensor_output":  # the module hands a DTensor on, which no tiled call returns
+        return {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel(use_local_output=False)}
     if layout == "dtensor_activations":  # gate and up hand DTensors on: a layout the local view does not prove
         return {"gate_proj": ColwiseParallel(use_local_output=False), "up_proj": ColwiseParallel(use_local_output=False),
                 "down_proj": RowwiseParallel()}
     raise ValueError(layout)
 
 
-SEQUENCE_SHARDED_INPUT = ("sequence_input", "sequence")
-SEQUENCE_SHARDED_OUTPUT = ("sequence",)
+SEQUENCE_SHARDED_INPUT = ("sequence_input", "sequence", "sequence_negative")
+SEQUENCE_SHARDED_OUTPUT = ("sequence", "sequence_negative")
 
 
 def _data(step: int):
@@ -110,7 +118,7 @@ def rel_error(want: torch.Tensor, have: torch.Tensor) -> float:
     return float((want - have).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
-def _run_case(rank: int, world: int, layout: str, path: str, num_shards: int) -> dict:
+def _run_case(rank: int, world: int, layout: str, path: str, num_shards: Union[int, str]) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -118,7 +126,7 @@ def _run_case(rank: int, world: int, layout: str, path: str, num_shards: int) ->
 
     if layout.startswith("gelu"):
         torch.manual_seed(0)
-        untiled = GeluMLP()
+        untiled = GeluMLP(UNEVEN_INTERMEDIATE if layout == "gelu_uneven" else INTERMEDIATE)
     else:
         untiled = gated_mlp(bias=layout == "down_bias")
     reference = reference_steps(copy.deepcopy(untiled))
@@ -126,7 +134,7 @@ def _run_case(rank: int, world: int, layout: str, path: str, num_shards: int) ->
     mlp = parallelize_module(untiled, mesh, tp_plan(layout))
     if layout == "gelu_stashed":  # after the style's own output hook: it is handed the shard's reduced output
         stash = []
-        mlp.proj.register_forward_hook(lambda module, inputs, output: stash.append(output))
+        mlp.c_proj.register_forward_hook(lambda module, inputs, output: stash.append(output))
     TiledMLP(mlp, num_shards=num_shards, path=path)
     optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
     tokens = SEQ // world
@@ -151,6 +159,25 @@ def _run_case(rank: int, world: int, layout: str, path: str, num_shards: int) ->
             "intermediate": sizes.intermediate, "param_bytes": sizes.param_bytes, "pending_works": _pending_works()}
 
 
+# Over 2 ranks, 7 rows on one and 6 on the other.
+UNEVEN_INTERMEDIATE = 13
+
+
+def run_uneven_auto(rank: int, world: int) -> dict:
+    """The GELU MLP with an intermediate size that does not split evenly, ``num_shards="auto"``, the policy's
+    constants set so that it tiles these few tokens with one shard per ``392 // (8 * rows)`` tokens: 4 shards of
+    the 24 tokens for 7 rows, 3 for 6. Ranks holding 7 and 6 rows must still run the same count of shards, and
+    so of all-reduces: each sizes them for the largest share, 7 rows."""
+    from tiled_mlp.core import auto_shards
+
+    auto_shards.MIN_SAVED_BYTES = auto_shards.MIN_INTERMEDIATE_SHARE = 0
+    auto_shards.MIN_TOKENS_PER_SHARD = 1
+    auto_shards.WORKING_SET_SHARE = 1e9
+    auto_shards.SHARD_INTERMEDIATE_BYTES = 392
+    auto_shards.estimated_saved_bytes = lambda num_tokens, size, num_shards: 1.0  # tiling pays, at any size
+    return run_tp_cases(rank, world, [("gelu_uneven", "auto")], num_shards="auto")["gelu_uneven", "auto"]
+
+
 def _pending_works() -> int:
     """Collectives whose work c10d's functional registry still holds (never waited for)."""
     from torch._C._distributed_c10d import _get_work_registry_size
@@ -158,14 +185,14 @@ def _pending_works() -> int:
     return _get_work_registry_size()
 
 
-def run_tp_cases(rank: int, world: int, cases: Sequence[Tuple[str, str]], num_shards: int = 3) -> dict:
+def run_tp_cases(rank: int, world: int, cases: Sequence[Tuple[str, str]], num_shards: Union[int, str] = 3) -> dict:
     """Per case (layout, path), on this rank: the largest relative error of each compared quantity, and
     the tiled call's report; or the error the call raised."""
     results = {}
     for layout, path in cases:
         try:
             results[layout, path] = _run_case(rank, world, layout, path, num_shards)
-        except (RuntimeError, ValueError) as error:
+        except (RuntimeError, ValueError, TypeError) as error:
             results[layout, path] = {"raised": str(error)}
     return results
 
@@ -196,3 +223,25 @@ def tiled_norm_outcome(norm: torch.nn.Module, x: torch.Tensor) -> str:
 def run_tp_refusals(rank: int, world: int, cases: Sequence[Tuple[str, str]]) -> dict:
     """``run_tp_cases`` for ``cases``, and the tiled norm under ``SequenceParallel`` as ``"norm"``."""
     return {**run_tp_cases(rank, world, cases), "norm": run_norm_refusal(rank, world)}
+
+
+def collectives_seen(rank: int, world: int) -> Dict[str, object]:
+    """What the kept-tensor watch (``TensorReads``) records of a collective, on each rank: torch.distributed's own
+    in-place ``all_reduce`` (what DeepSpeed AutoTP's layers call) and a functional one (what DTensor
+    redistributes with), against a plain op; and whose memory it reports while the results are alive."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from tiled_mlp.core.tensor_reads import TensorReads
+
+    x = torch.ones(4, dtype=torch.float64)
+    reads = TensorReads(known=[x], watch_kept=True)
+    with reads:
+        in_place = x * 2
+        dist.all_reduce(in_place)
+        functional = funcol.all_reduce(x * 3, "sum", dist.group.WORLD)
+        plain = x * 5
+    result = functional.wait()
+    return {"in_place": reads.held_by_collective(in_place), "functional": reads.held_by_collective(functional.elem),
+            "plain": reads.held_by_collective(plain), "memory_alive": len(reads.collective_memory()),
+            "memory_expected": len(reads.collective_memory(expected=[in_place, result]))}

@@ -29,8 +29,9 @@ and ``h_r Wd_r^T``, a *partial* sum of the output. Exact by construction, with t
 
 **The local view of a norm under ``SequenceParallel``** (``SequenceParallelView``): each rank tiles its own
 tokens with the generic kernel, on the local input and weight (see the class). It is the only view the
-generic kernel runs on; every other module with tensor-parallel hooks or DTensor parameters is refused by
-it (``per_shard_problem``).
+generic kernel runs on. Any other module whose DTensor parameters proven styles' hooks of their own submodules
+lay out runs its own forward per shard, hooks and collectives included, with no view; a style that lays out a
+token dimension, or DTensor parameters no such hook lays out, are refused (``per_shard_problem``).
 
 Declined for the gated view, with the reason: a fused
 ``gate_up_proj``, a bias on the rowwise down_proj, placements other than ``Shard(0)`` (gate, up) and
@@ -41,6 +42,7 @@ local ``Shard(-1)``, or any hook not proven above.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -145,10 +147,19 @@ def has_dtensor(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def local_numel(t: torch.Tensor) -> int:
-    """Elements this rank holds: a DTensor's local shard, else the tensor's own."""
+    """Elements the largest share of a DTensor's ranks holds (each sharded dim split as ``torch.chunk`` does: the
+    first ranks hold ceil(size / ranks)), else the tensor's own: uneven splits aside, what this rank holds. The
+    largest share, so that every rank of the group sizes its shards alike (``auto_shards._local_rows``)."""
     from torch.distributed.tensor import DTensor
 
-    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+    if not isinstance(t, DTensor):
+        return t.numel()
+    shape = list(t.shape)
+    for ranks, placement in zip(t.device_mesh.shape, t.placements, strict=True):
+        if placement.is_shard():
+            dim = placement.dim % len(shape)  # type: ignore[attr-defined]  # a Shard placement
+            shape[dim] = -(-shape[dim] // ranks)
+    return math.prod(shape)
 
 
 @dataclass
@@ -446,7 +457,8 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
                 # Input hooks bind (input layouts, desired layouts); output hooks (output layouts, use_local_output).
                 layouts = [p for group in found.layouts if isinstance(group, tuple) for p in group]
                 style = found.function.__qualname__.split(".")[0]
-                if any(isinstance(p, Shard) and 0 <= p.dim < token_dims for p in layouts):
+                # A layout's dim counts from the end where negative: the input is [..., tokens, hidden].
+                if any(isinstance(p, Shard) and p.dim % (token_dims + 1) < token_dims for p in layouts):
                     return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=style, layouts=found.layouts)
                 styled = True
         if not styled and has_dtensor([p for p in sub._parameters.values() if p is not None]):

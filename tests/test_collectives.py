@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from tiled_mlp.core.collectives import is_collective, wait_released
 from tiled_mlp.core.tensor_reads import TensorReads
@@ -26,15 +26,17 @@ def test_a_collective_is_known_by_its_operator_namespace():
 
 def test_the_wait_ends_when_another_thread_lets_go_and_gives_up_at_its_bound():
     held = [torch.ones(3)]
-    ref = weakref.ref(held[0])
+    memory = StorageWeakRef(held[0].untyped_storage())
     threading.Timer(0.05, held.clear).start()  # as gloo's worker thread drops its reference, a moment later
     start = time.monotonic()
-    assert wait_released([ref], bound_s=5.0)
+    assert wait_released([memory], bound_s=5.0)
     assert time.monotonic() - start < 2.0
 
     kept = torch.ones(3)
+    alias = kept.view(3, 1)  # what is watched is the memory: a view keeps it as the tensor does
+    del kept
     start = time.monotonic()
-    assert not wait_released([weakref.ref(kept)], bound_s=0.1)
+    assert not wait_released([StorageWeakRef(alias.untyped_storage())], bound_s=0.1)
     assert 0.1 <= time.monotonic() - start < 1.0
 
 

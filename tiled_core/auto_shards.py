@@ -54,7 +54,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-import torch
 from torch import nn
 
 from .validation import INPUT_PROJECTIONS
@@ -111,16 +110,23 @@ def intermediate_size(module: nn.Module) -> Optional[int]:
 
 
 def _local_rows(projection: Any, out_features: int) -> int:
-    """The rows of the projection's weight this rank holds: under tensor parallelism (a DTensor weight,
-    ``to_local``) its slice of the intermediate dimension, which is what a shard's activations take."""
+    """The rows of the projection's weight the largest share of its ranks holds: under tensor parallelism (a
+    DTensor weight, read through its ``placements`` and ``device_mesh``) the slice of the intermediate dimension a
+    shard's activations take. The largest share, not this rank's: where the rows do not split evenly, every rank
+    of the group must still decide the same shard count (the generic kernel runs the module's collectives once
+    per shard, and ranks running different counts of them fail or hang)."""
     # The registered parameter, never ``projection.weight``: a parametrized weight (spectral norm) is computed
     # by that read, and its power iteration updates buffers.
     parameters = getattr(projection, "_parameters", None) or {}
-    to_local = getattr(parameters.get("weight"), "to_local", None)
-    if to_local is None:
+    weight = parameters.get("weight")
+    placements, mesh = getattr(weight, "placements", None), getattr(weight, "device_mesh", None)
+    if weight is None or placements is None or mesh is None:
         return out_features
-    with torch.no_grad():
-        return int(to_local().shape[0])
+    rows = int(weight.shape[0])
+    for ranks, placement in zip(mesh.shape, placements, strict=True):
+        if placement.is_shard(0):
+            rows = -(-rows // ranks)  # the first ranks hold ceil(rows / ranks), as torch.chunk splits
+    return rows
 
 
 def fixed_bytes(size: MLPSize, num_tokens: int) -> int:

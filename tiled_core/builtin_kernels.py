@@ -151,8 +151,9 @@ class GenericEntry(Kernel):
         kernel = GenericShardKernel(call.shard_forward, type(module).__name__, plan.trainable, prefix,
                                     plan.generic_layout, hooks, grad_mode=torch.is_grad_enabled(),
                                     token_inputs=call.token_inputs)
-        # Distributed parameters that passed ``per_shard_problem``: only a view under which the module's own
-        # forward computes on the local tensors (sequence parallelism on a norm) runs the generic kernel.
+        # Distributed parameters that passed ``per_shard_problem``: a view under which the module's own forward
+        # computes on the local tensors (sequence parallelism on a norm) is entered; a module whose submodules'
+        # tensor-parallel hooks hand it local tensors runs with none.
         view = call.strategy.local_view(module, plan.trainable)
         kernel.runs_on_local_view = view is not None and getattr(view, "runs_module_forward", False)
         return kernel

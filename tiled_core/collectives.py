@@ -17,16 +17,21 @@ shard kept:
   outlives it must wait for that reference to go (``wait_released``), and only for tensors that a collective
   op took or made: anything else still alive is kept by the code that ran, and refused at once.
 
-A collective op is recognised by what it is: an ``OpOverload`` of one of c10d's operator namespaces.
+A collective is recognised by what it is: an ``OpOverload`` of one of c10d's operator namespaces (how DTensor
+redistributes), or a function of ``torch.distributed.distributed_c10d`` (``torch.distributed.all_reduce`` and the
+other collectives hand themselves to torch function modes; DeepSpeed's AutoTP layers call them). What such a
+call took or made is watched by its memory, not only by the tensor object: a collective's pending result hands
+out its value through views made below any torch function mode (``AsyncCollectiveTensor.wait()``), and a view
+kept by a hook keeps the memory alive after the tensor the mode saw is gone.
 """
 from __future__ import annotations
 
 import functools
 import time
-import weakref
 from typing import Any, Optional, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 # torch's operator namespaces of collectives: the functional ones DTensor redistributes with, their autograd
 # variants, and the in-place ops ``torch.distributed``'s calls dispatch to.
@@ -37,25 +42,35 @@ COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autogra
 RELEASE_BOUND_S = 2.0
 
 
+# The module whose public functions (the collectives and point-to-point calls of ``torch.distributed``) hand
+# themselves to torch function modes.
+_C10D_PYTHON_MODULE = "torch.distributed.distributed_c10d"
+
+
 def is_collective(func: Any) -> bool:
-    """Whether ``func`` (what a torch function mode is handed) is an operator of c10d's namespaces."""
-    return isinstance(func, torch._ops.OpOverload) and func.namespace in COLLECTIVE_NAMESPACES
+    """Whether ``func`` (what a torch function mode is handed) is an operator of c10d's namespaces or one of
+    ``torch.distributed``'s own collective functions."""
+    if isinstance(func, torch._ops.OpOverload):
+        return func.namespace in COLLECTIVE_NAMESPACES
+    return getattr(func, "__module__", None) == _C10D_PYTHON_MODULE
 
 
 def completed(out: torch.Tensor) -> torch.Tensor:
     """``out`` as a tensor whose value is there: a collective's pending result (``AsyncCollectiveTensor``, what
     a tensor-parallel output hook returns) is waited for, and its value returned; anything else as it is."""
+    return out.wait() if is_pending(out) else out  # type: ignore[attr-defined]  # an AsyncCollectiveTensor
+
+
+def is_pending(out: torch.Tensor) -> bool:
+    """Whether ``out`` is a collective's pending result (an ``AsyncCollectiveTensor``)."""
     pending = _pending_collective_class()
-    if pending is not None and isinstance(out, pending):
-        return out.wait()  # type: ignore[attr-defined]  # an AsyncCollectiveTensor
-    return out
+    return pending is not None and isinstance(out, pending)
 
 
 def wait_pending(out: torch.Tensor) -> None:
     """Wait for the collective ``out`` is the pending result of (if it is one), keeping ``out`` itself: the
     backward recompute differentiates through it and needs its graph, not its value."""
-    pending = _pending_collective_class()
-    if pending is not None and isinstance(out, pending):
+    if is_pending(out):
         out.trigger_wait()  # type: ignore[attr-defined]  # an AsyncCollectiveTensor
 
 
@@ -68,13 +83,14 @@ def _pending_collective_class() -> Optional[type]:
     return AsyncCollectiveTensor
 
 
-def wait_released(refs: Sequence[weakref.ref], bound_s: float = RELEASE_BOUND_S) -> bool:
-    """Whether every tensor behind ``refs`` is freed within ``bound_s`` seconds, polled with growing sleeps from
-    a few microseconds. Sleeping, not spinning: the backend's thread drops its last reference to a tensor that
-    Python knows by freeing the Python object too, which takes the interpreter's lock."""
+def wait_released(storages: Sequence[StorageWeakRef], bound_s: float = RELEASE_BOUND_S) -> bool:
+    """Whether the memory behind every one of ``storages`` is freed within ``bound_s`` seconds, polled with
+    growing sleeps from a few microseconds. Sleeping, not spinning: the backend's thread drops its last
+    reference to a tensor that Python knows by freeing the Python object too, which takes the interpreter's
+    lock."""
     deadline = time.monotonic() + bound_s
     pause = 1e-5
-    while any(ref() is not None for ref in refs):
+    while not all(storage.expired() for storage in storages):
         if time.monotonic() >= deadline:
             return False
         time.sleep(pause)

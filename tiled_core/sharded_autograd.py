@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import weakref
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Generic, List, Optional, Sequence, TypeVar
 
@@ -121,17 +120,20 @@ def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = (
     kept = reads.kept(expected)
     if kept and not all(map(reads.held_by_collective, kept)):
         # A reference cycle (a custom Function that stores its output on ctx, in a shard's transient
-        # graph) keeps a tensor only until the collector runs: collect once before refusing.
+        # graph) keeps a tensor only until the collector runs: collect once (holding none of them) before refusing.
+        del kept
         gc.collect()
         kept = reads.kept(expected)
-    if kept and all(map(reads.held_by_collective, kept)):
-        # Only tensors a collective took or made: its backend lets go of them a moment after the wait
-        # (``collectives.py``). Every rank waits alike, so none is left alone in the next shard's collective.
-        refs = [weakref.ref(t) for t in kept]
-        del kept
-        kept = [] if wait_released(refs) else reads.kept(expected)
-    if kept:
+    if kept and not all(map(reads.held_by_collective, kept)):
         raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=describe(kept)))
+    del kept
+    # Only memory a collective took or made is left: its backend lets go of it a moment after the wait
+    # (``collectives.py``), and every rank waits alike, so none is left alone in the next shard's collective.
+    # Still alive after the bound, it is kept: by the tensor itself or by a view of it.
+    held = reads.collective_memory(expected)
+    if held and not wait_released([storage for storage, _ in held]):
+        still = [what for storage, what in held if not storage.expired()]
+        raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=", ".join(still)))
 
 
 def _watched_forward(run: ShardedRun[ShardKernel], first: FirstShard, x_flat: torch.Tensor, out_flat: torch.Tensor,

@@ -10,9 +10,10 @@ without a gradient must still be the same, unchanged, when the backward recomput
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Iterable, Iterator, List, Optional
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 from .collectives import is_collective
@@ -45,6 +46,18 @@ def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
     return found
 
 
+def _storages(t: torch.Tensor) -> List[StorageWeakRef]:
+    """Weak references to the memory ``t`` holds: its own storage, or a wrapper subclass's inner tensors'
+    (a ``DTensor`` has none of its own)."""
+    found = []
+    for plain in _inner_tensors(t) or [t]:
+        try:
+            found.append(StorageWeakRef(plain.untyped_storage()))
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue  # a wrapper itself, or a layout without one storage (sparse)
+    return found
+
+
 class TensorReads(TorchFunctionMode):
     """Records the tensors read by torch calls inside the ``with`` block that are not ``known``.
 
@@ -61,10 +74,14 @@ class TensorReads(TorchFunctionMode):
                  watch_kept: bool = False):
         super().__init__()
         self._made_refs: Optional[List[weakref.ref]] = [] if watch_kept else None
-        # Where kept tensors are watched: the ids of the tensors a collective op took or made, which its
-        # backend may hold a moment after the op is waited for (``collectives.py``).
-        self._collective_ids: set = set()
+        known = list(known)
         self._known = {id(t) for t in known}
+        # Where kept tensors are watched, what a collective took or made (``collectives.py``): the tensors' ids
+        # and their memory, by storage, with a description for an error; the known tensors' storages are never
+        # counted (an in-place collective on a buffer).
+        self._collective_ids: set = set()
+        self._collective_storages: Dict[int, Tuple[StorageWeakRef, str]] = {}
+        self._known_tensors = known
         self._grad_only = grad_only
         self._made_since = made_since
         # Outputs are kept alive while the block runs, so their ids cannot be reused by a new tensor.
@@ -109,9 +126,10 @@ class TensorReads(TorchFunctionMode):
         outputs = list(_tensors(out if isinstance(out, (list, tuple)) else (out,), None))
         made = [t for t in outputs if id(t) not in input_ids]
         if self._made_refs is not None and is_collective(func):
-            self._collective_ids.update(input_ids, map(id, outputs))
+            self._record_collective([*inputs, *outputs])
         if self._made_refs is not None:
-            self._made_refs.extend(weakref.ref(t) for t in made)
+            # A made wrapper's inner tensors too (a DTensor's local tensor): a hook can keep one alone.
+            self._made_refs.extend(weakref.ref(i) for t in made for i in (t, *_inner_tensors(t)))
         # Kept alive so that no id is reused, unless the block watches for kept tensors (then each must
         # be free to die); a tensor that existed before the block never shares an id with one made inside
         # it while both live, so a stale id can only be another one made inside. (Made tensors need a
@@ -123,6 +141,13 @@ class TensorReads(TorchFunctionMode):
         # the op's dispatch and read later through ``to_local``): never a tensor from outside.
         self._made_ids.update(id(i) for t in made for i in _inner_tensors(t))
         return out
+
+    def _record_collective(self, tensors: List[torch.Tensor]) -> None:
+        for t in tensors:
+            self._collective_ids.add(id(t))
+            for storage in _storages(t):
+                if storage.cdata not in self._collective_storages:
+                    self._collective_storages[storage.cdata] = (storage, f"{describe([t])} a collective took or made")
 
     def foreign_tensors(self) -> List[torch.Tensor]:
         return list(self.foreign.values())
@@ -143,10 +168,20 @@ class TensorReads(TorchFunctionMode):
         return list(alive.values())
 
     def held_by_collective(self, t: torch.Tensor) -> bool:
-        """Whether ``t``, made in the block and alive, is a tensor a collective op took or made. (An id is
+        """Whether ``t``, made in the block and alive, is a tensor a collective took or made. (An id is
         recorded while its tensor lives; one reused by a later tensor can only make the caller wait for that
         tensor too, never let one go unchecked.)"""
         return id(t) in self._collective_ids
+
+    def collective_memory(self, expected: Iterable[torch.Tensor] = ()) -> List[Tuple[StorageWeakRef, str]]:
+        """The memory a collective in the block took or made that is still alive, besides that of ``expected``
+        and of the known tensors: the backend holds it for a moment, or something kept it (the tensor itself,
+        or a view of it, such as ``AsyncCollectiveTensor.wait()``'s, which no torch function mode is handed)."""
+        if not self._collective_storages:
+            return []
+        allowed = {storage.cdata for t in (*expected, *self._known_tensors) for storage in _storages(t)}
+        return [(storage, what) for cdata, (storage, what) in self._collective_storages.items()
+                if cdata not in allowed and not storage.expired()]
 
 
 def next_sequence_nr() -> int:

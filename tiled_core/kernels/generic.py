@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..checks import CHANGED_READ_ERROR, PlainValues, TensorVersions
-from ..collectives import wait_pending
+from ..collectives import is_pending, wait_pending
 from ..grad_accum import GradAccumulator
 from ..plain_values import snapshot
 from ..rng import capture_rng_state, replay_rng_state
@@ -24,6 +24,12 @@ HOOKS_CHANGED_ERROR = (
     "TiledMLP: the hooks on submodules of {module} changed between its forward and backward ({hooks}). The "
     "backward recomputes the forward through the submodules, so it would not compute what the forward did. "
     "Add or remove hooks before a forward, not between it and its backward."
+)
+WRAPPED_OUTPUT_ERROR = (
+    "TiledMLP: {module} returned a {kind}, a tensor subclass that wraps others (a DTensor: a tensor-parallel layer "
+    "with use_local_output=False last). The tiled call's output is one plain tensor that each shard's values are "
+    "copied into, which is not what the module returns. Return a plain tensor (use_local_output=True on the last "
+    "layer's style), or leave the module untiled"
 )
 EXTERNAL_TENSOR_ERROR = (
     "TiledMLP: the backward recompute of {module} read tensors that require grad but were not read by its "
@@ -129,6 +135,8 @@ class GenericShardKernel:
                 f"TiledMLP's generic path needs a module that returns one tensor, got {type(y).__name__}; "
                 "wrap the module so that it returns only the hidden states"
             )
+        if getattr(type(y), "__tensor_flatten__", None) is not None and not is_pending(y):
+            raise TypeError(WRAPPED_OUTPUT_ERROR.format(module=self.module_name, kind=type(y).__name__))
         if y.shape[:-1] != (*self.shard_prefix, x_shard.shape[0]):
             raise ValueError(
                 f"TiledMLP needs a token-wise module ([..., tokens, hidden] -> [..., tokens, out]), but a shard "
