@@ -1,8 +1,9 @@
 """What one rank of a DeepSpeed AutoTP engine (tensor_parallel.autotp_size 2, ZeRO stage 0, float32) does
-with tiled MLPs and the tiled loss: each attempt's outcome, as (error class name, message), or "ran"."""
+with tiled MLPs and the tiled loss: two training steps of a model with tiled MLPs against the same engine
+untiled, and the loss's outcome, as (error class name, message), or "ran"."""
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -46,20 +47,47 @@ def _outcome(attempt) -> Tuple[str, str]:
     return "ran", ""
 
 
-def tiled_blocks_under_autotp(rank: int, world_size: int) -> Dict[str, object]:
+def _steps(tiled: bool) -> Tuple[List[float], List[Dict[str, torch.Tensor]], object]:
+    """Two steps of the engine (SGD, lr 0.1) on fixed ids: each step's loss and every gradient, and the engine."""
     import tiled_mlp
 
     model = tiny_llama()
-    tiled_mlp.apply_tiled_mlp(model, num_shards=3)  # before initialize: AutoTP then replaces the Linears inside
+    if tiled:
+        tiled_mlp.apply_tiled_mlp(model, num_shards=3)  # before initialize: AutoTP then replaces the Linears inside
     engine = autotp_engine(model)
+    torch.manual_seed(1)
+    batches = [torch.randint(0, VOCAB, (1, TOKENS)) for _ in range(STEPS)]
+    losses, grads = [], []
+    for ids in batches:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None})
+        engine.step()
+    return losses, grads, engine
+
+
+STEPS = 2
+
+
+def tiled_blocks_under_autotp(rank: int, world_size: int) -> Dict[str, object]:
+    import tiled_mlp
+
+    want_losses, want_grads, _ = _steps(tiled=False)
+    losses, grads, engine = _steps(tiled=True)
     mlp = engine.module.model.layers[0].mlp
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (1, TOKENS))
     hidden = torch.randn(1, TOKENS, HIDDEN, requires_grad=True)
+    grad_errors = [max(float((want[n] - have[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)) for n in want)
+                   for want, have in zip(want_grads, grads, strict=True)]
     return {
         "mlp_layers": {name: type(child).__name__ for name, child in mlp.named_children()},
         "head_layer": type(engine.module.lm_head).__name__,
-        "mlp": _outcome(lambda: mlp(torch.randn(1, TOKENS, HIDDEN, requires_grad=True))),
+        "loss_errors": [abs(w - h) / abs(w) for w, h in zip(want_losses, losses, strict=True)],
+        "grad_errors": grad_errors,
+        "grads_compared": len(want_grads[0]) == len(grads[0]),
         "mlp_last_path": mlp.tiling.last_path,
+        "mlp_num_shards": mlp.tiling.last_num_shards,
         "loss": _outcome(lambda: tiled_mlp.tiled_cross_entropy(hidden, engine.module.lm_head, ids, num_shards=2)),
     }

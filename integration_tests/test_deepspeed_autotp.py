@@ -1,5 +1,7 @@
-"""DeepSpeed AutoTP (training tensor parallelism) on 2 gloo processes: tiled MLP blocks and the tiled loss
-are refused, on every rank alike, before any work (``strategies/deepspeed_autotp.py`` says why)."""
+"""DeepSpeed AutoTP (training tensor parallelism) on 2 gloo processes, float32 (an AutoTP engine cannot reduce
+float64 gradients): a model whose MLPs are tiled trains as the same engine untiled does, the generic kernel
+running each block's own forward and ``LinearAllreduce``'s all-reduce once per shard; an AutoTP ``lm_head``
+given to the tiled loss is refused on every rank alike, before any work (``strategies/deepspeed_autotp.py``)."""
 from __future__ import annotations
 
 import pytest
@@ -10,19 +12,22 @@ from .spawn import run_distributed
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
+# float32 against float32: the tiled forward and backward sum the same products in another order (per shard).
+# Measured: the losses equal, every gradient within 2.2e-7 of its largest entry.
+BOUND = 2e-6
 
-def test_autotp_mlp_and_head_are_refused_before_any_work(tmp_path):
-    ranks = run_distributed(tiled_blocks_under_autotp, 2, tmp_path, timeout=90)
+
+@pytest.mark.timeout(120)
+def test_tiled_mlps_train_under_autotp_as_untiled_and_the_head_is_refused(tmp_path):
+    ranks = run_distributed(tiled_blocks_under_autotp, 2, tmp_path, timeout=110)
     for rank in ranks:
         # Not vacuous: AutoTP did replace the MLP's Linears and the head.
         assert rank["mlp_layers"] == {"gate_proj": "LinearLayer", "up_proj": "LinearLayer",
                                       "down_proj": "LinearAllreduce", "act_fn": "SiLUActivation"}, rank["mlp_layers"]
         assert rank["head_layer"] == "LinearLayer"
-        kind, message = rank["mlp"]
-        assert kind == "UnsupportedBackendError", rank["mlp"]
-        assert "DeepSpeed AutoTP" in message and "down_proj (LinearAllreduce)" in message, message
-        assert "exclude=" in message
-        assert rank["mlp_last_path"] is None  # refused before the shard loop
+        assert rank["mlp_last_path"] == "generic" and rank["mlp_num_shards"] == 3, rank
+        assert rank["grads_compared"], rank
+        assert all(e <= BOUND for e in rank["loss_errors"] + rank["grad_errors"]), rank
         kind, message = rank["loss"]
         assert kind == "UnsupportedBackendError", rank["loss"]
         assert "AutoTP's LinearLayer" in message and "(32, 16)" in message, message
