@@ -1,6 +1,7 @@
 """What one rank of a DeepSpeed AutoTP engine (tensor_parallel.autotp_size 2, ZeRO stage 0, float32) does
-with tiled MLPs and the tiled loss: two training steps of a model with tiled MLPs against the same engine
-untiled, and the loss's outcome, as (error class name, message), or "ran"."""
+with tiled MLPs and the tiled loss: two training steps of a model with tiled MLPs and the tiled loss against the
+same engine untiled, and the outcome of a layer that does not gather its output given as the loss's head, as
+(error class name, message), or "ran"."""
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -47,13 +48,26 @@ def _outcome(attempt) -> Tuple[str, str]:
     return "ran", ""
 
 
-def _steps(tiled: bool) -> Tuple[List[float], List[Dict[str, torch.Tensor]], object]:
-    """Two steps of the engine (SGD, lr 0.1) on fixed ids: each step's loss and every gradient, and the engine."""
+def _steps(tiled: bool) -> Tuple[List[float], List[Dict[str, torch.Tensor]], object, List[str]]:
+    """Two steps of the engine (SGD, lr 0.1) on fixed ids: each step's loss and every gradient, the engine, and
+    the kernel of each tiled loss call."""
+    import sys
+
     import tiled_mlp
 
     model = tiny_llama()
+    loss_kernels: List[str] = []
     if tiled:
-        tiled_mlp.apply_tiled_mlp(model, num_shards=3)  # before initialize: AutoTP then replaces the Linears inside
+        # Before initialize: AutoTP then replaces the Linears inside the MLPs, and lm_head.
+        tiled_mlp.apply_tiled_mlp(model, num_shards=3, loss=True, loss_num_shards=2)
+        loss_module = sys.modules["tiled_mlp.core.tiled_loss"]
+        reduce = loss_module.sharded_reduce
+
+        def recorded(hidden, targets, scale, run, params):
+            loss_kernels.append(type(run.kernel).__name__)
+            return reduce(hidden, targets, scale, run, params)
+
+        loss_module.sharded_reduce = recorded
     engine = autotp_engine(model)
     torch.manual_seed(1)
     batches = [torch.randint(0, VOCAB, (1, TOKENS)) for _ in range(STEPS)]
@@ -64,7 +78,7 @@ def _steps(tiled: bool) -> Tuple[List[float], List[Dict[str, torch.Tensor]], obj
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None})
         engine.step()
-    return losses, grads, engine
+    return losses, grads, engine, loss_kernels
 
 
 STEPS = 2
@@ -73,8 +87,8 @@ STEPS = 2
 def tiled_blocks_under_autotp(rank: int, world_size: int) -> Dict[str, object]:
     import tiled_mlp
 
-    want_losses, want_grads, _ = _steps(tiled=False)
-    losses, grads, engine = _steps(tiled=True)
+    want_losses, want_grads, _, _ = _steps(tiled=False)
+    losses, grads, engine, loss_kernels = _steps(tiled=True)
     mlp = engine.module.model.layers[0].mlp
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (1, TOKENS))
@@ -89,5 +103,7 @@ def tiled_blocks_under_autotp(rank: int, world_size: int) -> Dict[str, object]:
         "grads_compared": len(want_grads[0]) == len(grads[0]),
         "mlp_last_path": mlp.tiling.last_path,
         "mlp_num_shards": mlp.tiling.last_num_shards,
-        "loss": _outcome(lambda: tiled_mlp.tiled_cross_entropy(hidden, engine.module.lm_head, ids, num_shards=2)),
+        "loss_kernels": loss_kernels,
+        # up_proj keeps its rows' outputs on this rank: as a head, each rank would see a slice of the logits.
+        "split_head": _outcome(lambda: tiled_mlp.tiled_cross_entropy(hidden, mlp.up_proj, ids, num_shards=2)),
     }

@@ -149,6 +149,15 @@ class Strategy(ABC):
         Default: no."""
         return False
 
+    def head_weight_is_whole(self, lm_head: nn.Module) -> bool:
+        """Does the loss's head hold its whole vocabulary in its weight (its rows are the logits' columns)? The
+        tiled loss then sizes the vocabulary, and checks the labels against it, before any work; else each
+        shard's logits show it. Default: yes, unless the head is a DeepSpeed AutoTP layer, which holds this
+        rank's rows and gathers the logits (``deepspeed_autotp.gathers_logits``)."""
+        from .deepspeed_autotp import gathers_logits  # that file's strategy is built on this base class
+
+        return not gathers_logits(lm_head)
+
     def param_bytes(self, module: nn.Module) -> int:
         """Bytes of the module's whole (gathered) parameters, for the auto shard policy: under tensor
         parallelism, the rank's local shards (what its memory holds)."""

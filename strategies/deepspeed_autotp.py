@@ -18,8 +18,11 @@ the same tokens, and "auto" sizes shards for the largest share of an uneven spli
 is needed there: the one that claims the engine's parameters (ZeRO's, or the single device's for stage 0)
 delivers their gradients.
 
-An AutoTP layer as the loss's head is refused: it holds only this rank's rows of the vocabulary, and the tiled
-loss reads the vocabulary size from the weight it is given.
+The loss's head: AutoTP's ``LinearLayer`` for ``lm_head`` holds this rank's rows of the vocabulary and gathers
+the logits (``gather_output``), so its own forward, run once per shard by the tiled loss's module kernel, hands
+every rank the whole vocabulary's logits, as untiled; the tiled loss reads the vocabulary from those logits,
+not from the weight (``Strategy.head_weight_is_whole``). Any other AutoTP layer handed to the tiled call itself
+(one that keeps its logits split, a row-parallel one) is claimed and refused.
 
 Every rank holds the same layer classes, so every rank refuses at the same point: no collective is left
 waiting. deepspeed is never imported here: the layers are recognised by their class's qualified name.
@@ -36,24 +39,33 @@ from .deepspeed_sp import is_instance_of
 AUTOTP_LAYER_CLASS = ("deepspeed.module_inject.layers", "TensorParallel_Layer")
 
 HEAD_ERROR = (
-    "tiled loss: lm_head is DeepSpeed AutoTP's {layer}, which holds only this rank's rows of the vocabulary "
-    "(weight {local} here): the tiled loss reads the vocabulary from the weight it is given, so it would size "
-    "and check the vocabulary wrongly. Compute the loss from the model's logits, or train with "
-    "tensor_parallel.autotp_size 1 (a block holding AutoTP layers, an MLP, is tiled as usual: tile the block, "
-    "not the layer)"
+    "DeepSpeed AutoTP's {layer} was handed to the tiled call itself, and it does not gather its output (weight "
+    "{local} here): as the tiled loss's lm_head it would give each rank only its rows of the vocabulary's logits, "
+    "and a tiled module would be one layer of a tensor-parallel pair. Compute the loss from the model's logits, "
+    "keep AutoTP's gathering lm_head, or train with tensor_parallel.autotp_size 1 (a block holding AutoTP layers, "
+    "an MLP, is tiled as usual: tile the block, not the layer)"
 )
+# The column-parallel layer whose ``gather_output`` hands every rank the whole output (AutoTP's lm_head).
+AUTOTP_COLUMN_CLASS = ("deepspeed.module_inject.layers", "LinearLayer")
+
+
+def gathers_logits(module: nn.Module) -> bool:
+    """Whether ``module`` is AutoTP's column-parallel layer that gathers its output: its weight holds this rank's
+    rows, its output every rank's."""
+    return is_instance_of(module, AUTOTP_COLUMN_CLASS) and getattr(module, "gather_output", False) is True
 
 
 class DeepSpeedAutoTPStrategy(Strategy):
-    """Claims an AutoTP layer handed to the tiled call itself (ahead of the ZeRO strategy, which claims the same
-    engine's modules) so that ``check_supported`` refuses it; a block holding such layers is not its own."""
+    """Claims an AutoTP layer handed to the tiled call itself that does not gather its output (ahead of the ZeRO
+    strategy, which claims the same engine's modules) so that ``check_supported`` refuses it; a block holding
+    such layers, and AutoTP's gathering lm_head, are not its own."""
 
     name = "deepspeed_autotp"
     priority = 210
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        return process_group_ready() and is_instance_of(module, AUTOTP_LAYER_CLASS)
+        return process_group_ready() and is_instance_of(module, AUTOTP_LAYER_CLASS) and not gathers_logits(module)
 
     def check_supported(self, module: nn.Module) -> None:
         weight = getattr(module, "weight", None)

@@ -227,7 +227,9 @@ class LossSite:
                                f"{choice.describe()}")
         self.params = list(choice.kernel.params)
         dtype = loss_dtype(self.params[0].dtype if self.params else x.dtype)
-        vocab = _vocab_size(lm_head)
+        # A head whose weight holds a slice of the vocabulary but whose logits hold all of it (DeepSpeed AutoTP's
+        # gathering lm_head): the vocabulary shows in the logits only.
+        vocab = _vocab_size(lm_head) if strategy.head_weight_is_whole(lm_head) else None
         if vocab is not None:  # else the module kernel checks each shard once its logits show the vocabulary
             check_targets(targets, vocab, self.options.ignore_index)
         self.scale = _scale(targets, self.reduction, self.num_items_in_batch, self.options.ignore_index, dtype,
