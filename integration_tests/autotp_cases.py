@@ -103,7 +103,27 @@ def tiled_blocks_under_autotp(rank: int, world_size: int) -> Dict[str, object]:
         "grads_compared": len(want_grads[0]) == len(grads[0]),
         "mlp_last_path": mlp.tiling.last_path,
         "mlp_num_shards": mlp.tiling.last_num_shards,
-        "loss_kernels": loss_kernels,
+        "loss_kernels": list(loss_kernels),  # the two steps' (the calls below add theirs)
         # up_proj keeps its rows' outputs on this rank: as a head, each rank would see a slice of the logits.
         "split_head": _outcome(lambda: tiled_mlp.tiled_cross_entropy(hidden, mlp.up_proj, ids, num_shards=2)),
+        "row_head_errors": _row_head_errors(mlp.down_proj),
     }
+
+
+def _row_head_errors(row_layer: torch.nn.Module) -> List[float]:
+    """A row-parallel layer (``LinearAllreduce``: every output row, its output all-reduced) as the loss's head,
+    its outputs taken for a vocabulary of HIDDEN: the tiled loss and its input gradient against the plain
+    cross-entropy of the layer's own output (relative errors)."""
+    import torch.nn.functional as F
+
+    import tiled_mlp
+
+    torch.manual_seed(2)
+    local_in = torch.randn(1, TOKENS, row_layer.weight.shape[1], requires_grad=True)
+    labels = torch.randint(0, HIDDEN, (1, TOKENS))
+    logits = row_layer(local_in)
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, HIDDEN), labels[:, 1:].reshape(-1))
+    (want_dx,) = torch.autograd.grad(want, local_in)
+    have = tiled_mlp.tiled_cross_entropy(local_in, row_layer, labels, num_shards=3)
+    (have_dx,) = torch.autograd.grad(have, local_in)
+    return [float((want - have).abs() / want.abs()), float((want_dx - have_dx).abs().max() / want_dx.abs().max())]

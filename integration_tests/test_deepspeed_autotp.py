@@ -1,8 +1,9 @@
 """DeepSpeed AutoTP (training tensor parallelism) on 2 gloo processes, float32 (an AutoTP engine cannot reduce
 float64 gradients): a model whose MLPs and loss are tiled trains as the same engine untiled does, the generic
 kernel running each block's own forward and ``LinearAllreduce``'s all-reduce once per shard, the loss's module
-kernel AutoTP's gathering ``lm_head`` once per shard; an AutoTP layer that does not gather its output, given as
-the loss's head, is refused on every rank alike, before any work (``strategies/deepspeed_autotp.py``)."""
+kernel AutoTP's gathering ``lm_head`` once per shard, and a row-parallel layer as a head likewise; an AutoTP layer
+whose output stays split, given as the loss's head, is refused on every rank alike, before any work
+(``strategies/deepspeed_autotp.py``)."""
 from __future__ import annotations
 
 import pytest
@@ -32,4 +33,5 @@ def test_tiled_mlps_and_loss_train_under_autotp_as_untiled_and_a_split_head_is_r
         assert all(e <= BOUND for e in rank["loss_errors"] + rank["grad_errors"]), rank
         kind, message = rank["split_head"]
         assert kind == "UnsupportedBackendError", rank["split_head"]
-        assert "AutoTP's LinearLayer" in message and "does not gather its output" in message, message
+        assert "AutoTP's LinearLayer" in message and "its output stays split over the ranks" in message, message
+        assert all(e <= BOUND for e in rank["row_head_errors"]), rank["row_head_errors"]

@@ -223,25 +223,3 @@ def tiled_norm_outcome(norm: torch.nn.Module, x: torch.Tensor) -> str:
 def run_tp_refusals(rank: int, world: int, cases: Sequence[Tuple[str, str]]) -> dict:
     """``run_tp_cases`` for ``cases``, and the tiled norm under ``SequenceParallel`` as ``"norm"``."""
     return {**run_tp_cases(rank, world, cases), "norm": run_norm_refusal(rank, world)}
-
-
-def collectives_seen(rank: int, world: int) -> Dict[str, object]:
-    """What the kept-tensor watch (``TensorReads``) records of a collective, on each rank: torch.distributed's own
-    in-place ``all_reduce`` (what DeepSpeed AutoTP's layers call) and a functional one (what DTensor
-    redistributes with), against a plain op; and whose memory it reports while the results are alive."""
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-
-    from tiled_mlp.core.tensor_reads import TensorReads
-
-    x = torch.ones(4, dtype=torch.float64)
-    reads = TensorReads(known=[x], watch_kept=True)
-    with reads:
-        in_place = x * 2
-        dist.all_reduce(in_place)
-        functional = funcol.all_reduce(x * 3, "sum", dist.group.WORLD)
-        plain = x * 5
-    result = functional.wait()
-    return {"in_place": reads.held_by_collective(in_place), "functional": reads.held_by_collective(functional.elem),
-            "plain": reads.held_by_collective(plain), "memory_alive": len(reads.collective_memory()),
-            "memory_expected": len(reads.collective_memory(expected=[in_place, result]))}

@@ -160,7 +160,8 @@ class Strategy(ABC):
 
     def param_bytes(self, module: nn.Module) -> int:
         """Bytes of the module's whole (gathered) parameters, for the auto shard policy: under tensor
-        parallelism, the rank's local shards (what its memory holds)."""
+        parallelism, the largest share of the ranks' local shards (what a rank's memory holds, alike on every
+        rank of the group, so that they all choose one shard count)."""
         return local_param_bytes(module)
 
     # -- 4. gradient semantics ----------------------------------------------------------------------

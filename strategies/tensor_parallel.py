@@ -474,5 +474,6 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
 
 
 def local_param_bytes(module: nn.Module) -> int:
-    """Bytes of the parameters this rank holds (a DTensor's local shard): what its memory sees."""
+    """Bytes of the parameters the largest share of their ranks holds (``local_numel``): what this rank's memory
+    sees, uneven splits aside, where every rank of the group must size its shards alike."""
     return sum(local_numel(p) * p.element_size() for p in module.parameters())

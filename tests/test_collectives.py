@@ -18,7 +18,10 @@ def test_a_collective_is_known_by_its_operator_namespace():
     if not torch.distributed.is_available():
         pytest.skip("torch built without torch.distributed")
     assert is_collective(torch.ops._c10d_functional.all_reduce.default)
+    assert is_collective(torch.ops._c10d_functional.all_reduce)  # the packet, as DTensor calls it
     assert is_collective(torch.ops._c10d_functional.wait_tensor.default)
+    assert is_collective(torch.distributed.all_reduce) and is_collective(torch.distributed.all_gather)
+    assert not is_collective(torch.ops.aten.add)
     assert not is_collective(torch.ops.aten.add.Tensor)
     assert not is_collective(torch.add)  # a torch function, not an operator of c10d's
     assert not is_collective(lambda t: t)

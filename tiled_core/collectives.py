@@ -17,8 +17,8 @@ shard kept:
   outlives it must wait for that reference to go (``wait_released``), and only for tensors that a collective
   op took or made: anything else still alive is kept by the code that ran, and refused at once.
 
-A collective is recognised by what it is: an ``OpOverload`` of one of c10d's operator namespaces (how DTensor
-redistributes), or a function of ``torch.distributed.distributed_c10d`` (``torch.distributed.all_reduce`` and the
+A collective is recognised by what it is: an operator (an ``OpOverload``, or the ``OpOverloadPacket`` DTensor calls)
+of one of c10d's operator namespaces (how DTensor redistributes), or a function of ``torch.distributed.distributed_c10d`` (``torch.distributed.all_reduce`` and the
 other collectives hand themselves to torch function modes; DeepSpeed's AutoTP layers call them). What such a
 call took or made is watched by its memory, not only by the tensor object: a collective's pending result hands
 out its value through views made below any torch function mode (``AsyncCollectiveTensor.wait()``), and a view
@@ -52,6 +52,8 @@ def is_collective(func: Any) -> bool:
     ``torch.distributed``'s own collective functions."""
     if isinstance(func, torch._ops.OpOverload):
         return func.namespace in COLLECTIVE_NAMESPACES
+    if isinstance(func, torch._ops.OpOverloadPacket):  # ``torch.ops._c10d_functional.all_reduce(...)``, as DTensor calls
+        return func._qualified_op_name.split("::", 1)[0] in COLLECTIVE_NAMESPACES
     return getattr(func, "__module__", None) == _C10D_PYTHON_MODULE
 
 

@@ -46,6 +46,10 @@ def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
     return found
 
 
+# Tensors that wrap no others: what most calls make, answered by type before any attribute is read.
+_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
 def _storages(t: torch.Tensor) -> List[StorageWeakRef]:
     """Weak references to the memory ``t`` holds: its own storage, or a wrapper subclass's inner tensors'
     (a ``DTensor`` has none of its own)."""
@@ -76,9 +80,9 @@ class TensorReads(TorchFunctionMode):
         self._made_refs: Optional[List[weakref.ref]] = [] if watch_kept else None
         known = list(known)
         self._known = {id(t) for t in known}
-        # Where kept tensors are watched, what a collective took or made (``collectives.py``): the tensors' ids
-        # and their memory, by storage, with a description for an error; the known tensors' storages are never
-        # counted (an in-place collective on a buffer).
+        # Where kept tensors are watched, what a collective took or made in the block (``collectives.py``): the
+        # tensors' ids and their memory, by storage, with a description for an error (the memory of the known
+        # tensors, and of what they are views of, is never counted).
         self._collective_ids: set = set()
         self._collective_storages: Dict[int, Tuple[StorageWeakRef, str]] = {}
         self._known_tensors = known
@@ -125,26 +129,32 @@ class TensorReads(TorchFunctionMode):
         input_ids = {id(t) for t in inputs}
         outputs = list(_tensors(out if isinstance(out, (list, tuple)) else (out,), None))
         made = [t for t in outputs if id(t) not in input_ids]
-        if self._made_refs is not None and is_collective(func):
-            self._record_collective([*inputs, *outputs])
+        # What a made wrapper holds was made with it (a DTensor op's local result, made below this mode by
+        # the op's dispatch and read later through ``to_local``): never a tensor from outside.
+        inner = [i for t in made if type(t) not in _PLAIN_TYPES for i in _inner_tensors(t)]
         if self._made_refs is not None:
-            # A made wrapper's inner tensors too (a DTensor's local tensor): a hook can keep one alone.
-            self._made_refs.extend(weakref.ref(i) for t in made for i in (t, *_inner_tensors(t)))
+            # The inner tensors are watched too: a hook can keep a DTensor's local tensor alone.
+            self._made_refs.extend(map(weakref.ref, made))
+            self._made_refs.extend(map(weakref.ref, inner))
         # Kept alive so that no id is reused, unless the block watches for kept tensors (then each must
         # be free to die); a tensor that existed before the block never shares an id with one made inside
         # it while both live, so a stale id can only be another one made inside. (Made tensors need a
         # gradient too where the block runs with grad mode on: the generic forward in training.)
         if self._made_refs is None:
             self._made.extend(made)
-        self._made_ids.update(id(t) for t in made)
-        # What a made wrapper holds was made with it (a DTensor op's local result, made below this mode by
-        # the op's dispatch and read later through ``to_local``): never a tensor from outside.
-        self._made_ids.update(id(i) for t in made for i in _inner_tensors(t))
+        self._made_ids.update(map(id, made))
+        self._made_ids.update(map(id, inner))
+        if self._made_refs is not None and is_collective(func):
+            # Only what was made in the block: a buffer or the call's input that a collective reads or
+            # writes in place existed before it, and outlives it by right.
+            self._record_collective([t for t in (*inputs, *outputs) if id(t) in self._made_ids])
         return out
 
     def _record_collective(self, tensors: List[torch.Tensor]) -> None:
         for t in tensors:
             self._collective_ids.add(id(t))
+            if t._base is not None and id(t._base) not in self._made_ids:
+                continue  # a view made here of memory from before the block (the call's input): not this block's
             for storage in _storages(t):
                 if storage.cdata not in self._collective_storages:
                     self._collective_storages[storage.cdata] = (storage, f"{describe([t])} a collective took or made")
