@@ -55,16 +55,20 @@ class GatherInputMLP(nn.Module):
     module that reshapes its input makes), a local MLP, this rank's slice of its output added to the input.
     Token-wise."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, keep_what_was_sent: bool = False):
         super().__init__()
         self.world = world
+        self.keep_what_was_sent = keep_what_was_sent
         # Not named as a first projection (``fc1``): its input is the gathered width, not the call's.
         self.inner = nn.Linear(HIDDEN * world, INTERMEDIATE, dtype=torch.float64)
         self.outer = nn.Linear(INTERMEDIATE, HIDDEN * world, dtype=torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x.view(x.shape))
+        sent = x.view(x.shape)
+        dist.all_gather(parts, sent)
+        if self.keep_what_was_sent:  # a stash: one shard's view of the input, kept past the shard
+            self.sent = sent
         y = self.outer(torch.relu(self.inner(torch.cat(parts, dim=-1))))
         rank = dist.get_rank()
         return x + y[..., rank * HIDDEN:(rank + 1) * HIDDEN]  # the residual: the input's own gradient
@@ -103,3 +107,17 @@ def long_lived_memory_runs(rank: int, world: int) -> Dict[str, float]:
         errors[name] = worst
         errors[name + "_path"] = float(tiled.tiling.last_path == "generic")
     return errors
+
+
+def kept_input_view(rank: int, world: int) -> str:
+    """The error a forward that keeps the view of its input it all-gathered raises when tiled (it is no memory the
+    shard made, but the view itself must not outlive the shard), or what the call returned."""
+    from tiled_mlp import TiledMLP
+
+    torch.manual_seed(0)
+    module = TiledMLP(GatherInputMLP(world, keep_what_was_sent=True), num_shards=3, path="generic")
+    try:
+        module(torch.randn(2, 12, HIDDEN, dtype=torch.float64, requires_grad=True)).sum().backward()
+    except RuntimeError as error:
+        return f"raised: {error}"
+    return "returned"

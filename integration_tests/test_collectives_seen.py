@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .collective_cases import collectives_seen, long_lived_memory_runs
+from .collective_cases import collectives_seen, kept_input_view, long_lived_memory_runs
 from .spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -25,3 +25,10 @@ def test_a_collective_on_a_buffer_or_the_input_is_no_kept_tensor(tmp_path):
     for errors in run_distributed(long_lived_memory_runs, 2, tmp_path, timeout=50):
         assert errors.pop("broadcast_buffer_path") == 1.0 and errors.pop("gather_input_path") == 1.0, errors
         assert all(error <= 1e-12 for error in errors.values()), errors
+
+
+@pytest.mark.timeout(60)
+def test_a_kept_view_of_the_input_a_collective_took_is_refused_on_every_rank(tmp_path):
+    for outcome in run_distributed(kept_input_view, 2, tmp_path, timeout=50):
+        assert outcome.startswith("raised: ") and "were kept after their shard" in outcome, outcome
+        assert "a collective took" in outcome, outcome

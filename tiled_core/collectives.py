@@ -9,13 +9,14 @@ shard kept:
 - **the pending result.** The hook hands back an ``AsyncCollectiveTensor``; until someone waits for it,
   c10d's work registry holds the collective's work and the tensor it writes. A forward waits when it copies
   the shard's output into the call's; the backward recompute needs only the output's graph, never its value,
-  so it must wait itself (``completed``), or every recomputed shard leaves one registered work behind.
+  so it must wait itself (``wait_pending``), or every recomputed shard leaves one registered work behind.
 - **the backend's own reference.** Gloo runs a collective on a worker thread that marks the work complete
   (waking the waiter) before it drops its reference to the work and so to the tensors: right after the wait,
   the reduced tensor is still alive for a moment (measured: in about 1 call of 7 on 2 ranks). NCCL's watchdog
-  keeps a copy of the work without its outputs. The tiled forward's check that no tensor made in a shard
-  outlives it must wait for that reference to go (``wait_released``), and only for tensors that a collective
-  op took or made: anything else still alive is kept by the code that ran, and refused at once.
+  keeps a copy of the work without its outputs (``ProcessGroupNCCL.hpp``'s copy constructor; not measured
+  here). The tiled forward's check that no tensor made in a shard outlives it must wait for that reference to
+  go (``wait_released``), and only for what a collective took or made in the shard: anything else still alive
+  is kept by the code that ran, and refused at once.
 
 A collective is recognised by what it is: an operator (an ``OpOverload``, or the ``OpOverloadPacket`` DTensor calls)
 of one of c10d's operator namespaces (how DTensor redistributes), or a function of ``torch.distributed.distributed_c10d`` (``torch.distributed.all_reduce`` and the
@@ -31,7 +32,6 @@ import time
 from typing import Any, Optional, Sequence
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 # torch's operator namespaces of collectives: the functional ones DTensor redistributes with, their autograd
 # variants, and the in-place ops ``torch.distributed``'s calls dispatch to.
@@ -85,9 +85,9 @@ def _pending_collective_class() -> Optional[type]:
     return AsyncCollectiveTensor
 
 
-def wait_released(storages: Sequence[StorageWeakRef], bound_s: float = RELEASE_BOUND_S) -> bool:
-    """Whether the memory behind every one of ``storages`` is freed within ``bound_s`` seconds, polled with
-    growing sleeps from a few microseconds. Sleeping, not spinning: the backend's thread drops its last
+def wait_released(storages: Sequence[Any], bound_s: float = RELEASE_BOUND_S) -> bool:
+    """Whether what every one of ``storages`` refers to (a ``StorageWeakRef``, or anything else with
+    ``expired()``) is freed within ``bound_s`` seconds, polled with growing sleeps from a few microseconds. Sleeping, not spinning: the backend's thread drops its last
     reference to a tensor that Python knows by freeing the Python object too, which takes the interpreter's
     lock."""
     deadline = time.monotonic() + bound_s

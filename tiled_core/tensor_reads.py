@@ -10,7 +10,7 @@ without a gradient must still be the same, unchanged, when the backward recomput
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -45,6 +45,21 @@ def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
             found.extend(_inner_tensors(inner))
     return found
 
+
+class _TensorRef:
+    """A weak reference to one tensor, asked as a storage's is (``expired``)."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, t: torch.Tensor):
+        self._ref = weakref.ref(t)
+
+    def expired(self) -> bool:
+        return self._ref() is None
+
+
+# What the bounded wait polls: a storage's weak reference, or one tensor's.
+Released = Union[StorageWeakRef, _TensorRef]
 
 # Tensors that wrap no others: what most calls make, answered by type before any attribute is read.
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
@@ -85,6 +100,7 @@ class TensorReads(TorchFunctionMode):
         # tensors, and of what they are views of, is never counted).
         self._collective_ids: set = set()
         self._collective_storages: Dict[int, Tuple[StorageWeakRef, str]] = {}
+        self._collective_views: Dict[int, Tuple[_TensorRef, str]] = {}
         self._known_tensors = known
         self._grad_only = grad_only
         self._made_since = made_since
@@ -154,7 +170,10 @@ class TensorReads(TorchFunctionMode):
         for t in tensors:
             self._collective_ids.add(id(t))
             if t._base is not None and id(t._base) not in self._made_ids:
-                continue  # a view made here of memory from before the block (the call's input): not this block's
+                # A view made here of memory from before the block (the call's input): the memory outlives the
+                # block by right, the view must not.
+                self._collective_views.setdefault(id(t), (_TensorRef(t), f"{describe([t])} a collective took"))
+                continue
             for storage in _storages(t):
                 if storage.cdata not in self._collective_storages:
                     self._collective_storages[storage.cdata] = (storage, f"{describe([t])} a collective took or made")
@@ -183,15 +202,21 @@ class TensorReads(TorchFunctionMode):
         tensor too, never let one go unchecked.)"""
         return id(t) in self._collective_ids
 
-    def collective_memory(self, expected: Iterable[torch.Tensor] = ()) -> List[Tuple[StorageWeakRef, str]]:
+    def collective_memory(self, expected: Iterable[torch.Tensor] = ()) -> List[Tuple[Released, str]]:
         """The memory a collective in the block took or made that is still alive, besides that of ``expected``
-        and of the known tensors: the backend holds it for a moment, or something kept it (the tensor itself,
-        or a view of it, such as ``AsyncCollectiveTensor.wait()``'s, which no torch function mode is handed)."""
-        if not self._collective_storages:
+        and of the known tensors, and the views of older memory it took that are still alive: the backend holds
+        them for a moment, or something kept them (the tensor itself, or a view of it, such as
+        ``AsyncCollectiveTensor.wait()``'s, which no torch function mode is handed)."""
+        if not self._collective_storages and not self._collective_views:
             return []
+        expected = list(expected)
         allowed = {storage.cdata for t in (*expected, *self._known_tensors) for storage in _storages(t)}
-        return [(storage, what) for cdata, (storage, what) in self._collective_storages.items()
-                if cdata not in allowed and not storage.expired()]
+        expected_ids = set(map(id, expected))
+        memory: List[Tuple[Released, str]] = [(storage, what) for cdata, (storage, what) in self._collective_storages.items()
+                                              if cdata not in allowed and not storage.expired()]
+        memory += [(view, what) for view_id, (view, what) in self._collective_views.items()
+                   if view_id not in expected_ids and not view.expired()]
+        return memory
 
 
 def next_sequence_nr() -> int:
