@@ -44,7 +44,7 @@ def test_generic_kernel_runs_tensor_parallel_collectives_per_shard_and_matches_o
     # shard's tensor outlives its shard must wait out on every rank alike (a rank refusing alone deadlocks the
     # other), and the recompute's all-reduces must be waited for (else c10d's registry keeps each one's work).
     cases = [("replicate", "generic"), ("sequence_input", "generic"), ("down_bias", "auto"), ("dtensor_activations", "auto"),
-             ("gelu", "auto")]
+             ("gelu", "auto"), ("gelu_hidden_input", "auto")]
     for rank_results in run_distributed(run_tp_cases, WORLD, tmp_path, cases, timeout=50):
         for case in cases:
             result = rank_results[case]

@@ -74,6 +74,8 @@ def tp_plan(layout: str) -> Dict[str, object]:
                 "down_proj": RowwiseParallel(output_layouts=Shard(-2))}
     if layout in ("gelu", "gelu_stashed"):  # the generic kernel's own: a module with no gated form
         return {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()}
+    if layout == "gelu_hidden_input":  # each rank holds a slice of the hidden dim, which c_fc's hook gathers
+        return {"c_fc": ColwiseParallel(input_layouts=Shard(-1)), "c_proj": RowwiseParallel()}
     if layout == "gelu_uneven":  # rows split unevenly: only DTensor activations keep their global shape
         return {"c_fc": ColwiseParallel(use_local_output=False), "c_proj": RowwiseParallel()}
     if layout == "gelu_dtensor_output":  # the module hands a DTensor on, which no tiled call returns
@@ -140,15 +142,17 @@ def _run_case(rank: int, world: int, layout: str, path: str, num_shards: Union[i
     tokens = SEQ // world
     local_in = slice(rank * tokens, (rank + 1) * tokens) if layout in SEQUENCE_SHARDED_INPUT else slice(None)
     local_out = slice(rank * tokens, (rank + 1) * tokens) if layout in SEQUENCE_SHARDED_OUTPUT else slice(None)
+    width = HIDDEN // world
+    local_hidden = slice(rank * width, (rank + 1) * width) if layout == "gelu_hidden_input" else slice(None)
     errors: Dict[str, float] = {}
     for step in range(STEPS):
         x, weight = _data(step)
-        x_in = x[:, local_in].clone().requires_grad_(True)
+        x_in = x[:, local_in, local_hidden].clone().requires_grad_(True)
         y = mlp(x_in)
         (y * weight[:, local_out]).sum().backward()
         want = reference[step]
         errors[f"step {step} y"] = rel_error(want["y"][:, local_out], y.detach())
-        errors[f"step {step} dx"] = rel_error(want["dx"][:, local_in], x_in.grad)
+        errors[f"step {step} dx"] = rel_error(want["dx"][:, local_in, local_hidden], x_in.grad)
         for name, p in mlp.named_parameters():
             errors[f"step {step} grad {name}"] = rel_error(want["grads"][name], p.grad.full_tensor())
         optimizer.step()

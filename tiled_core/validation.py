@@ -11,15 +11,21 @@ INPUT_PROJECTIONS = ("gate_proj", "up_proj", "gate_up_proj", "fc1", "c_fc", "w1"
 
 
 def expected_hidden_size(module: nn.Module) -> Optional[int]:
-    """The input feature count the module needs, when it can be known without running it."""
-    if isinstance(module, nn.Linear):
-        return module.in_features
-    for name in INPUT_PROJECTIONS:
-        proj = getattr(module, name, None)
-        in_features = getattr(proj, "in_features", None)
-        if isinstance(in_features, int):
-            return in_features
-    return None
+    """The input feature count the module needs, when it can be known without running it: not where the
+    projection's weight is distributed (a DTensor, read through its ``placements``), whose own hooks decide what
+    input it takes (``ColwiseParallel(input_layouts=Shard(-1))`` takes each rank's slice of ``in_features``)."""
+    projection: Optional[nn.Module] = module if isinstance(module, nn.Linear) else None
+    for name in () if projection is not None else INPUT_PROJECTIONS:
+        candidate = getattr(module, name, None)
+        if isinstance(getattr(candidate, "in_features", None), int):
+            projection = candidate
+            break
+    if projection is None:
+        return None
+    weight = getattr(projection, "_parameters", {}).get("weight")
+    if getattr(weight, "placements", None) is not None:
+        return None
+    return projection.in_features  # type: ignore[return-value]  # an int, checked above
 
 
 def check_input(x, module: Optional[nn.Module]) -> None:
