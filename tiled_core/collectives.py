@@ -18,9 +18,10 @@ shard kept:
   go (``wait_released``), and only for what a collective took or made in the shard: anything else still alive
   is kept by the code that ran, and refused at once.
 
-A collective is recognised by what it is: an operator (an ``OpOverload``, or the ``OpOverloadPacket`` DTensor calls)
-of one of c10d's operator namespaces (how DTensor redistributes), or a function of ``torch.distributed.distributed_c10d`` (``torch.distributed.all_reduce`` and the
-other collectives hand themselves to torch function modes; DeepSpeed's AutoTP layers call them). What such a
+A collective is recognised by what it is: an operator (an ``OpOverload``, or the ``OpOverloadPacket`` DTensor
+calls) of one of c10d's operator namespaces (how DTensor redistributes), or a function of
+``torch.distributed.distributed_c10d`` (``torch.distributed.all_reduce`` and the other collectives hand
+themselves to torch function modes; DeepSpeed's AutoTP layers call them). What such a
 call took or made is watched by its memory, not only by the tensor object: a collective's pending result hands
 out its value through views made below any torch function mode (``AsyncCollectiveTensor.wait()``), and a view
 kept by a hook keeps the memory alive after the tensor the mode saw is gone.
@@ -34,7 +35,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 # torch's operator namespaces of collectives: the functional ones DTensor redistributes with, their autograd
-# variants, and the in-place ops ``torch.distributed``'s calls dispatch to.
+# variants, and the in-place ops ``torch.distributed``'s calls dispatch to (a function mode sees those only where
+# Python calls them through ``torch.ops.c10d``; ``torch.distributed``'s own functions are recognised as such).
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d"})
 
 # How long a tensor a collective took or made may stay alive after its shard, held by the communication
@@ -85,14 +87,14 @@ def _pending_collective_class() -> Optional[type]:
     return AsyncCollectiveTensor
 
 
-def wait_released(storages: Sequence[Any], bound_s: float = RELEASE_BOUND_S) -> bool:
-    """Whether what every one of ``storages`` refers to (a ``StorageWeakRef``, or anything else with
-    ``expired()``) is freed within ``bound_s`` seconds, polled with growing sleeps from a few microseconds. Sleeping, not spinning: the backend's thread drops its last
-    reference to a tensor that Python knows by freeing the Python object too, which takes the interpreter's
-    lock."""
+def wait_released(refs: Sequence[Any], bound_s: float = RELEASE_BOUND_S) -> bool:
+    """Whether what every one of ``refs`` refers to (a ``StorageWeakRef``, or anything else with ``expired()``)
+    is freed within ``bound_s`` seconds, polled with growing sleeps from a few microseconds. Sleeping, not
+    spinning: the backend's thread drops its last reference to a tensor that Python knows by freeing the Python
+    object too, which takes the interpreter's lock."""
     deadline = time.monotonic() + bound_s
     pause = 1e-5
-    while not all(storage.expired() for storage in storages):
+    while not all(ref.expired() for ref in refs):
         if time.monotonic() >= deadline:
             return False
         time.sleep(pause)

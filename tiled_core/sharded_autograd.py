@@ -117,25 +117,28 @@ def _watch(known: Optional[Sequence[torch.Tensor]], grad_only: bool = True) -> O
 
 
 def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = ()) -> None:
-    kept = reads.kept(expected)
-    if kept and not all(map(reads.held_by_collective, kept)):
+    if not _only_collectives_keep(reads, expected):
         # A reference cycle (a custom Function that stores its output on ctx, in a shard's transient
         # graph) keeps a tensor only until the collector runs: collect once (holding none of them) before refusing.
-        del kept
         gc.collect()
         kept = reads.kept(expected)
-    if kept and not all(map(reads.held_by_collective, kept)):
-        raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=describe(kept)))
-    del kept
+        if not all(map(reads.held_by_collective, kept)):
+            raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=describe(kept)))
     # Only memory a collective took or made is left: its backend lets go of it a moment after the wait
     # (``collectives.py``), and every rank waits alike, so none is left alone in the next shard's collective.
     # Still alive after the bound, it is kept: by the tensor itself or by a view of it.
     held = reads.collective_memory(expected)
-    if held and not wait_released([storage for storage, _ in held]):
+    if held and not wait_released([ref for ref, _ in held]):
         gc.collect()  # a reference cycle holding it, as above (collected only now: the backend's hold is common)
-        still = [what for storage, what in held if not storage.expired()]
+        still = [what for ref, what in held if not ref.expired()]
         if still:
             raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=", ".join(still)))
+
+
+def _only_collectives_keep(reads: TensorReads, expected: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor made in the block that is still alive (none included) is one a collective took or
+    made. The tensors are held by this frame alone, which is gone when it returns."""
+    return all(map(reads.held_by_collective, reads.kept(expected)))
 
 
 def _watched_forward(run: ShardedRun[ShardKernel], first: FirstShard, x_flat: torch.Tensor, out_flat: torch.Tensor,
