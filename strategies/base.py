@@ -52,8 +52,8 @@ _DISTRIBUTED_BUILT = dist.is_available()
 
 
 def process_group_ready() -> bool:
-    """Every distributed backend (DDP, FSDP1/2, DeepSpeed) runs on an initialised process group: where
-    there is none, their ``claims`` answer "not mine" at once (this runs at every tiled call)."""
+    """Whether ``torch.distributed`` has an initialised default process group (what every distributed
+    backend runs on: ``Strategy.needs_process_group``)."""
     return _DISTRIBUTED_BUILT and dist.is_initialized()
 
 
@@ -88,13 +88,18 @@ class Strategy(ABC):
     #: leaves it None; but here it is an input of the tiled Function, reachable from the output, so a
     #: backend that waits for a gradient of every reachable parameter needs one.
     unused_grads_as_zeros: ClassVar[bool] = False
+    #: The backend runs on an initialised ``torch.distributed`` process group (DDP, FSDP1/2, DeepSpeed):
+    #: where there is none, the resolver does not ask its ``claims`` (which then never sees that case).
+    needs_process_group: ClassVar[bool] = False
 
     # -- 1. claiming ------------------------------------------------------------------------------
     @classmethod
     @abstractmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         """Is ``module`` (the tiled MLP, at a forward) run by this backend? ``ancestors`` are the
-        modules above it, outermost first, where known (``apply_tiled_mlp`` records them)."""
+        modules above it, outermost first, where known (``apply_tiled_mlp`` records them). Asked at
+        every tiled call of an "auto" module, and, for a class that ``needs_process_group``, only
+        while one is initialised."""
 
     @classmethod
     def configured_for(cls, module: nn.Module, ancestors: Sequence[nn.Module] = (), **init_kwargs: Any) -> Strategy:

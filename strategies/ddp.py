@@ -39,6 +39,7 @@ def _active_ddp_module():
 class DDPStrategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
     name = "ddp"
     priority = 50
+    needs_process_group = True
 
     def __init__(self, process_group: Optional[Any] = None):
         #: The process group DDP averages gradients over; None: the running DDP module's, where one runs.
@@ -46,8 +47,6 @@ class DDPStrategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        if not process_group_ready():
-            return False
         from torch.nn.parallel import DistributedDataParallel
 
         if any(isinstance(m, DistributedDataParallel) for m in ancestors):

@@ -35,7 +35,7 @@ from typing import Sequence
 
 from torch import nn
 
-from .base import Strategy, UnsupportedBackendError, process_group_ready
+from .base import Strategy, UnsupportedBackendError
 from .deepspeed_sp import is_instance_of
 
 AUTOTP_LAYER_CLASS = ("deepspeed.module_inject.layers", "TensorParallel_Layer")
@@ -73,10 +73,11 @@ class DeepSpeedAutoTPStrategy(Strategy):
 
     name = "deepspeed_autotp"
     priority = 210
+    needs_process_group = True
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        return process_group_ready() and is_instance_of(module, AUTOTP_LAYER_CLASS) and not output_is_whole(module)
+        return is_instance_of(module, AUTOTP_LAYER_CLASS) and not output_is_whole(module)
 
     def check_supported(self, module: nn.Module) -> None:
         weight = getattr(module, "weight", None)

@@ -87,11 +87,10 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
 
     name = "deepspeed_zero"
     priority = 200
+    needs_process_group = True
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        if not process_group_ready():
-            return False
         if any(is_zero3_param(p) or is_zero12_param(p) for p in module.parameters()):
             return True
         return any(is_instance_of(m, ENGINE_CLASS) for m in ancestors)

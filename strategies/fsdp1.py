@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, process_group_ready
+from .base import SequenceParallelAware, Strategy, UnsupportedBackendError
 
 FSDP1_ERROR = (
     "TiledMLP does not support FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel): it flattens "
@@ -49,10 +49,11 @@ class FSDP1Strategy(SequenceParallelAware, Strategy):
 
     name = "fsdp1"
     priority = 1000  # ask first: a rejection must win over any strategy that would run it
+    needs_process_group = True
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        return process_group_ready() and is_under_fsdp1(module, ancestors)
+        return is_under_fsdp1(module, ancestors)
 
     def check_supported(self, module: nn.Module) -> None:
         raise UnsupportedBackendError(FSDP1_ERROR)

@@ -181,6 +181,7 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
 
     name = "fsdp2"
     priority = 100
+    needs_process_group = True
 
     def __init__(self, mesh: Optional[Any] = None):
         if mesh is not None and mesh.ndim > 2:
@@ -190,8 +191,6 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        if not process_group_ready():
-            return False
         fsdp_module = _fsdp_module_class()
         if any(isinstance(m, fsdp_module) for m in (*ancestors, *module.modules())):
             return True

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
 
 from torch import nn
 
-from .base import SequenceParallelAware, Strategy
+from .base import SequenceParallelAware, Strategy, process_group_ready
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,16 @@ class Registration:
 
 
 _REGISTRY: Dict[str, Registration] = {}
-# The resolver's order, kept sorted as registrations come and go (it is read at every tiled call).
+# The resolver's order, kept sorted as registrations come and go (it is read at every tiled call), and the
+# same without the classes that need a process group (``Strategy.needs_process_group``), read where none is
+# initialised: the class attributes are read once, at registration, as ``priority`` is.
 _BY_PRIORITY: List[Registration] = []
+_WITHOUT_PROCESS_GROUP: List[Registration] = []
 
 
 def _reorder() -> None:
     _BY_PRIORITY[:] = sorted(_REGISTRY.values(), key=lambda entry: -entry.cls.priority)
+    _WITHOUT_PROCESS_GROUP[:] = [entry for entry in _BY_PRIORITY if not entry.cls.needs_process_group]
 
 
 def register_strategy(cls: Type[Strategy], override: bool = False, *, name: Optional[str] = None,
@@ -171,4 +175,6 @@ def get_strategy(name: str) -> Strategy:
 
 
 def registrations_by_priority() -> List[Registration]:
-    return _BY_PRIORITY
+    """The registrations "auto" may resolve to now, highest priority first: where no process group is
+    initialised, none whose class needs one."""
+    return _BY_PRIORITY if process_group_ready() else _WITHOUT_PROCESS_GROUP
