@@ -37,6 +37,7 @@ class ManualDataParallel(WaitsForEveryParameter, Strategy):
 
     name = "test_manual_dp"
     priority = 500
+    needs_process_group = True  # asked only where one is initialised, as here
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
