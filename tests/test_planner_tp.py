@@ -4,6 +4,8 @@ named in the output, and what is not modelled refused before any step."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -76,3 +78,18 @@ def test_tp_that_splits_a_head_or_ties_the_lm_head_is_refused(tmp_path, capsys):
 def test_tp_with_zero3_is_refused(tmp_path, capsys):
     err = _refusal(capsys, "--model", _config_file(tmp_path), "--tp", "2", "--world-size", "4", "--backend", "zero3")
     assert "--backend zero3 is not modelled" in err
+
+
+@pytest.mark.timeout(60)
+def test_the_planners_fake_group_is_registered_again_after_destroy_process_group(tmp_path):
+    # ``destroy_process_group()`` unregisters every group by name, the planner's fake group too: a plan made
+    # after it must still resolve its mesh's group (in a process of its own: the registry is global).
+    code = (
+        "import torch.distributed as dist\n"
+        "from tiled_mlp.planner.tensor_parallel import meta_mesh\n"
+        "group = meta_mesh(2).get_group()\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
+        "dist.destroy_process_group()\n"
+        "assert meta_mesh(2).get_group() is group\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=50)

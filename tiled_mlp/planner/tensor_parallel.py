@@ -142,7 +142,7 @@ def meta_mesh(tp: int) -> Any:
     from torch._C._distributed_c10d import FakeProcessGroup
     from torch.distributed import HashStore, ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.distributed_c10d import GroupName, _register_process_group
+    from torch.distributed.distributed_c10d import GroupName, _register_process_group, _resolve_process_group
 
     name = GroupName(f"tiled_mlp_planner_tp{tp}")
     if name not in _GROUPS:
@@ -154,8 +154,13 @@ def meta_mesh(tp: int) -> Any:
             group._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM,
                                     FakeProcessGroup._create_internal(0, tp))
         group._set_group_name(name)
-        _register_process_group(name, group)
         _GROUPS[name] = group
+    try:
+        _resolve_process_group(name)
+    except RuntimeError:
+        # Not registered yet, or no longer: ``destroy_process_group()`` unregisters every group by name, this
+        # one too, after an earlier plan registered it.
+        _register_process_group(name, _GROUPS[name])
     mesh = DeviceMesh("cpu", torch.arange(tp), _init_backend=False, _rank=0)
     mesh._dim_group_names = [name]
     mesh._pg_registry[name] = _GROUPS[name]
