@@ -175,6 +175,10 @@ def get_strategy(name: str) -> Strategy:
 
 
 def registrations_by_priority() -> List[Registration]:
+    return _BY_PRIORITY
+
+
+def claimable_registrations() -> List[Registration]:
     """The registrations "auto" may resolve to now, highest priority first: where no process group is
     initialised, none whose class needs one."""
     return _BY_PRIORITY if process_group_ready() else _WITHOUT_PROCESS_GROUP

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Sequence, Union
 from torch import nn
 
 from .base import SequenceParallelAware, Strategy, UnsupportedBackendError
-from .registry import get_strategy, registrations_by_priority
+from .registry import claimable_registrations, get_strategy, registrations_by_priority
 
 StrategyArg = Union[str, Strategy]
 
@@ -21,7 +21,7 @@ SEQUENCE_PARALLEL_UNAWARE_ERROR = (
 
 
 def resolve_strategy(module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> Strategy:
-    for entry in registrations_by_priority():
+    for entry in claimable_registrations():
         if entry.cls.claims(module, ancestors):
             return entry.build_for(module, ancestors)
     raise RuntimeError("no registered strategy claims the module (the single_device fallback was unregistered?)")
@@ -46,14 +46,17 @@ def _sequence_parallel_strategies(module: nn.Module, fixed: Optional[Strategy]) 
         found.append(fixed)
     # Per class, the registration "auto" would resolve (the first by priority); another registration
     # of the same class, under its own name and arguments, runs only where a caller names it.
+    # An aware class answers from its backend's own state, claimed or not; an unaware one is asked to claim
+    # only where "auto" would ask it.
     asked = set()
+    claimable = claimable_registrations()
     for entry in registrations_by_priority():
         if entry.cls in asked:
             continue
         asked.add(entry.cls)
         if issubclass(entry.cls, SequenceParallelAware):
             found.append(entry.build())  # type: ignore[arg-type]  # an aware class builds an aware instance
-        elif entry.cls.claims(module):
+        elif entry in claimable and entry.cls.claims(module):
             raise _unaware(entry.name, entry.cls, f"claims {type(module).__name__}")
     return found
 

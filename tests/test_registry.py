@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from reference import GatedMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
 
 from tiled_mlp import Strategy, TiledMLP, available_strategies, get_strategy, register_strategy, unregister_strategy
@@ -85,36 +87,32 @@ def test_lower_priority_loses_to_the_builtin_backends_but_beats_the_fallback(rec
         unregister_strategy("test_lower")
 
 
-class NeedsProcessGroup(RecordingStrategy):
-    """Claims marked modules, and counts how often it is asked."""
-
-    name = "test_needs_process_group"
-    needs_process_group = True
-    asked = 0
-
-    @classmethod
-    def claims(cls, module, ancestors=()):
-        cls.asked += 1
-        return getattr(module, "claimed_by_test", False)
-
-
+@pytest.mark.timeout(60)
 def test_a_strategy_that_needs_a_process_group_is_asked_only_while_one_is_initialised(tmp_path):
-    NeedsProcessGroup.asked = 0
-    register_strategy(NeedsProcessGroup)
-    try:
-        tiled = TiledMLP(MarkedMLP(HIDDEN, INTER), num_shards=2)
-        tiled(torch.randn(1, TOKENS, HIDDEN))
-        assert NeedsProcessGroup.asked == 0
-        assert isinstance(tiled.tiling.last_strategy, SingleDeviceStrategy)
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-        try:
-            tiled(torch.randn(1, TOKENS, HIDDEN))
-        finally:
-            dist.destroy_process_group()
-        assert NeedsProcessGroup.asked == 1
-        assert type(tiled.tiling.last_strategy) is NeedsProcessGroup
-    finally:
-        unregister_strategy(NeedsProcessGroup.name)
+    # In a process of its own: initialising and destroying the default group is global state.
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from reference import GatedMLP\n"
+        "from tiled_mlp import Strategy, TiledMLP, register_strategy\n"
+        "from tiled_mlp.strategies import SingleDeviceStrategy\n"
+        "class NeedsProcessGroup(Strategy):\n"
+        "    name, priority, needs_process_group, asked = 'test_needs_process_group', 50, True, 0\n"
+        "    @classmethod\n"
+        "    def claims(cls, module, ancestors=()):\n"
+        "        cls.asked += 1\n"
+        "        return True\n"
+        "register_strategy(NeedsProcessGroup)\n"
+        f"tiled = TiledMLP(GatedMLP({HIDDEN}, {INTER}), num_shards=2)\n"
+        f"tiled(torch.randn(1, {TOKENS}, {HIDDEN}))\n"
+        "assert NeedsProcessGroup.asked == 0, NeedsProcessGroup.asked\n"
+        "assert isinstance(tiled.tiling.last_strategy, SingleDeviceStrategy)\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
+        f"tiled(torch.randn(1, {TOKENS}, {HIDDEN}))\n"
+        "dist.destroy_process_group()\n"
+        "assert NeedsProcessGroup.asked == 1, NeedsProcessGroup.asked\n"
+        "assert type(tiled.tiling.last_strategy) is NeedsProcessGroup\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=50, cwd=os.path.dirname(__file__))
 
 
 def test_strategy_by_name_instance_and_class(recording):
