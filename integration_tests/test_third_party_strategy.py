@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tiled_mlp import TiledMLP
-from tiled_mlp.strategies import Strategy, WaitsForEveryParameter, register_strategy
+from tiled_mlp.strategies import Strategy, WaitsForEveryParameter, claims_need_process_group, register_strategy
 
 from .spawn import run_distributed
 from .toy_models import GatedMLP, Residual, add_lora
@@ -37,9 +37,9 @@ class ManualDataParallel(WaitsForEveryParameter, Strategy):
 
     name = "test_manual_dp"
     priority = 500
-    needs_process_group = True  # asked only where one is initialised, as here
 
     @classmethod
+    @claims_need_process_group  # asked only where one is initialised, as here
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         return any(getattr(p, MARK, False) for p in module.parameters())
 

@@ -1,6 +1,12 @@
 """Pluggable parallel backends for TiledMLP (strategy instances, optional capabilities as mixins), a
 registry of classes with their constructor arguments, and a resolver."""
-from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, WaitsForEveryParameter
+from .base import (
+    SequenceParallelAware,
+    Strategy,
+    UnsupportedBackendError,
+    WaitsForEveryParameter,
+    claims_need_process_group,
+)
 from .ddp import DDPStrategy
 from .deepspeed_autotp import DeepSpeedAutoTPStrategy
 from .deepspeed_zero import DeepSpeedZeroStrategy
@@ -26,6 +32,7 @@ __all__ = [
     "UnsupportedBackendError",
     "WaitsForEveryParameter",
     "SequenceParallelAware",
+    "claims_need_process_group",
     "SingleDeviceStrategy",
     "DDPStrategy",
     "FSDP1Strategy",

@@ -38,9 +38,10 @@ split across ranks refuses a backend in play that lacks it, ``resolver.sums_over
 from __future__ import annotations
 
 import contextlib
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, ContextManager, List, Optional, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, List, Optional, Sequence, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -53,8 +54,30 @@ _DISTRIBUTED_BUILT = dist.is_available()
 
 def process_group_ready() -> bool:
     """Whether ``torch.distributed`` has an initialised default process group (what every distributed
-    backend runs on: ``Strategy.needs_process_group``)."""
+    backend runs on: ``claims_need_process_group``)."""
     return _DISTRIBUTED_BUILT and dist.is_initialized()
+
+
+ClaimsFunction = TypeVar("ClaimsFunction", bound=Callable[..., bool])
+
+
+def claims_need_process_group(claims: ClaimsFunction) -> ClaimsFunction:
+    """Decorates a strategy's ``claims`` (under ``@classmethod``) for a backend that runs only on an
+    initialised process group (DDP, FSDP1/2, DeepSpeed): without one it answers False, and the resolver,
+    which reads the mark this leaves on the function when the class is registered, does not ask it at all
+    (it runs at every tiled call). The mark belongs to the function: a subclass that writes its own
+    ``claims`` is asked as any other."""
+    @functools.wraps(claims)
+    def claims_where_a_process_group_is(cls: Any, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
+        return process_group_ready() and claims(cls, module, ancestors)
+
+    claims_where_a_process_group_is.needs_process_group = True  # type: ignore[attr-defined]  # read by the registry
+    return cast(ClaimsFunction, claims_where_a_process_group_is)
+
+
+def claims_need_a_process_group(cls: type[Strategy]) -> bool:
+    """Whether ``cls``'s ``claims`` is one ``claims_need_process_group`` made."""
+    return getattr(cls.claims, "needs_process_group", False) is True
 
 
 class UnsupportedBackendError(RuntimeError):
@@ -88,9 +111,6 @@ class Strategy(ABC):
     #: leaves it None; but here it is an input of the tiled Function, reachable from the output, so a
     #: backend that waits for a gradient of every reachable parameter needs one.
     unused_grads_as_zeros: ClassVar[bool] = False
-    #: The backend runs on an initialised ``torch.distributed`` process group (DDP, FSDP1/2, DeepSpeed):
-    #: where there is none, the resolver does not ask its ``claims`` (which then never sees that case).
-    needs_process_group: ClassVar[bool] = False
 
     # -- 1. claiming ------------------------------------------------------------------------------
     @classmethod
@@ -98,8 +118,8 @@ class Strategy(ABC):
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         """Is ``module`` (the tiled MLP, at a forward) run by this backend? ``ancestors`` are the
         modules above it, outermost first, where known (``apply_tiled_mlp`` records them). Asked at
-        every tiled call of an "auto" module, and, for a class that ``needs_process_group``, only
-        while one is initialised."""
+        every tiled call of an "auto" module; one made with ``claims_need_process_group`` only while a
+        process group is initialised."""
 
     @classmethod
     def configured_for(cls, module: nn.Module, ancestors: Sequence[nn.Module] = (), **init_kwargs: Any) -> Strategy:

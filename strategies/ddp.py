@@ -26,6 +26,7 @@ from .base import (
     Strategy,
     WaitsForEveryParameter,
     check_spans_sequence_group,
+    claims_need_process_group,
     process_group_ready,
 )
 
@@ -39,13 +40,13 @@ def _active_ddp_module():
 class DDPStrategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
     name = "ddp"
     priority = 50
-    needs_process_group = True
 
     def __init__(self, process_group: Optional[Any] = None):
         #: The process group DDP averages gradients over; None: the running DDP module's, where one runs.
         self.process_group = process_group
 
     @classmethod
+    @claims_need_process_group
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -35,7 +35,7 @@ from typing import Sequence
 
 from torch import nn
 
-from .base import Strategy, UnsupportedBackendError
+from .base import Strategy, UnsupportedBackendError, claims_need_process_group
 from .deepspeed_sp import is_instance_of
 
 AUTOTP_LAYER_CLASS = ("deepspeed.module_inject.layers", "TensorParallel_Layer")
@@ -73,9 +73,9 @@ class DeepSpeedAutoTPStrategy(Strategy):
 
     name = "deepspeed_autotp"
     priority = 210
-    needs_process_group = True
 
     @classmethod
+    @claims_need_process_group
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         return is_instance_of(module, AUTOTP_LAYER_CLASS) and not output_is_whole(module)
 

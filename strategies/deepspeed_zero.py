@@ -39,7 +39,13 @@ from typing import Any, ContextManager, Dict, Iterator, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from .base import SequenceParallelAware, Strategy, WaitsForEveryParameter, process_group_ready
+from .base import (
+    SequenceParallelAware,
+    Strategy,
+    WaitsForEveryParameter,
+    claims_need_process_group,
+    process_group_ready,
+)
 from .deepspeed_sp import ENGINE_CLASS, deepspeed_sums_over_sequence_ranks, is_instance_of
 
 _ZERO3_HOOK_OWNER = "DeepSpeedZeRoOffload."  # qualname prefix of the hooks ZeRO-3 puts on every module
@@ -87,9 +93,9 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
 
     name = "deepspeed_zero"
     priority = 200
-    needs_process_group = True
 
     @classmethod
+    @claims_need_process_group
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         if any(is_zero3_param(p) or is_zero12_param(p) for p in module.parameters()):
             return True

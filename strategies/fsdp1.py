@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .base import SequenceParallelAware, Strategy, UnsupportedBackendError
+from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, claims_need_process_group
 
 FSDP1_ERROR = (
     "TiledMLP does not support FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel): it flattens "
@@ -49,9 +49,9 @@ class FSDP1Strategy(SequenceParallelAware, Strategy):
 
     name = "fsdp1"
     priority = 1000  # ask first: a rejection must win over any strategy that would run it
-    needs_process_group = True
 
     @classmethod
+    @claims_need_process_group
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         return is_under_fsdp1(module, ancestors)
 

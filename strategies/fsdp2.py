@@ -41,6 +41,7 @@ from .base import (
     UnsupportedBackendError,
     WaitsForEveryParameter,
     check_spans_sequence_group,
+    claims_need_process_group,
     process_group_ready,
 )
 
@@ -181,7 +182,6 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
 
     name = "fsdp2"
     priority = 100
-    needs_process_group = True
 
     def __init__(self, mesh: Optional[Any] = None):
         if mesh is not None and mesh.ndim > 2:
@@ -190,6 +190,7 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
         self.mesh = mesh
 
     @classmethod
+    @claims_need_process_group
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         fsdp_module = _fsdp_module_class()
         if any(isinstance(m, fsdp_module) for m in (*ancestors, *module.modules())):

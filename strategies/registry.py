@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
 
 from torch import nn
 
-from .base import SequenceParallelAware, Strategy, process_group_ready
+from .base import SequenceParallelAware, Strategy, claims_need_a_process_group, process_group_ready
 
 
 @dataclass(frozen=True)
@@ -46,15 +46,15 @@ class Registration:
 
 _REGISTRY: Dict[str, Registration] = {}
 # The resolver's order, kept sorted as registrations come and go (it is read at every tiled call), and the
-# same without the classes that need a process group (``Strategy.needs_process_group``), read where none is
-# initialised: the class attributes are read once, at registration, as ``priority`` is.
+# same without the classes whose ``claims`` needs a process group (``claims_need_process_group``), read where
+# none is initialised: each class is read at registration, as its ``priority`` is.
 _BY_PRIORITY: List[Registration] = []
 _WITHOUT_PROCESS_GROUP: List[Registration] = []
 
 
 def _reorder() -> None:
     _BY_PRIORITY[:] = sorted(_REGISTRY.values(), key=lambda entry: -entry.cls.priority)
-    _WITHOUT_PROCESS_GROUP[:] = [entry for entry in _BY_PRIORITY if not entry.cls.needs_process_group]
+    _WITHOUT_PROCESS_GROUP[:] = [entry for entry in _BY_PRIORITY if not claims_need_a_process_group(entry.cls)]
 
 
 def register_strategy(cls: Type[Strategy], override: bool = False, *, name: Optional[str] = None,

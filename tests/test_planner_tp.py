@@ -93,3 +93,22 @@ def test_the_planners_fake_group_is_registered_again_after_destroy_process_group
         "assert meta_mesh(2).get_group() is group\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=50)
+
+
+@pytest.mark.timeout(60)
+def test_a_group_of_another_registered_under_the_planners_name_is_refused(tmp_path):
+    code = (
+        "import torch.distributed as dist\n"
+        "from torch.distributed.distributed_c10d import _register_process_group\n"
+        "from tiled_mlp.planner.tensor_parallel import meta_mesh\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
+        "_register_process_group('tiled_mlp_planner_tp4', dist.new_group([0]))\n"
+        "try:\n"
+        "    meta_mesh(4)\n"
+        "except RuntimeError as error:\n"
+        "    assert 'another process group is registered under that name' in str(error), error\n"
+        "else:\n"
+        "    raise AssertionError('a foreign group was used as the planner\\'s')\n"
+        "dist.destroy_process_group()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=50)

@@ -88,29 +88,38 @@ def test_lower_priority_loses_to_the_builtin_backends_but_beats_the_fallback(rec
 
 
 @pytest.mark.timeout(60)
-def test_a_strategy_that_needs_a_process_group_is_asked_only_while_one_is_initialised(tmp_path):
-    # In a process of its own: initialising and destroying the default group is global state.
+def test_a_claims_that_needs_a_process_group_is_asked_only_while_one_is_initialised(tmp_path):
+    # A subclass that writes its own claims is asked as any other (the mark belongs to the function). In a
+    # process of its own: initialising and destroying the default group is global state.
     code = (
         "import torch, torch.distributed as dist\n"
         "from reference import GatedMLP\n"
         "from tiled_mlp import Strategy, TiledMLP, register_strategy\n"
-        "from tiled_mlp.strategies import SingleDeviceStrategy\n"
+        "from tiled_mlp.strategies import claims_need_process_group\n"
         "class NeedsProcessGroup(Strategy):\n"
-        "    name, priority, needs_process_group, asked = 'test_needs_process_group', 50, True, 0\n"
+        "    name, priority, asked = 'test_needs_process_group', 50, 0\n"
+        "    @classmethod\n"
+        "    @claims_need_process_group\n"
+        "    def claims(cls, module, ancestors=()):\n"
+        "        NeedsProcessGroup.asked += 1\n"
+        "        return True\n"
+        "class OwnClaims(NeedsProcessGroup):\n"
+        "    name, priority = 'test_own_claims', 40\n"
         "    @classmethod\n"
         "    def claims(cls, module, ancestors=()):\n"
-        "        cls.asked += 1\n"
         "        return True\n"
         "register_strategy(NeedsProcessGroup)\n"
+        "register_strategy(OwnClaims)\n"
         f"tiled = TiledMLP(GatedMLP({HIDDEN}, {INTER}), num_shards=2)\n"
         f"tiled(torch.randn(1, {TOKENS}, {HIDDEN}))\n"
+        "assert type(tiled.tiling.last_strategy) is OwnClaims, tiled.tiling.last_strategy\n"
+        "assert NeedsProcessGroup.claims(tiled) is False\n"
         "assert NeedsProcessGroup.asked == 0, NeedsProcessGroup.asked\n"
-        "assert isinstance(tiled.tiling.last_strategy, SingleDeviceStrategy)\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
         f"tiled(torch.randn(1, {TOKENS}, {HIDDEN}))\n"
         "dist.destroy_process_group()\n"
         "assert NeedsProcessGroup.asked == 1, NeedsProcessGroup.asked\n"
-        "assert type(tiled.tiling.last_strategy) is NeedsProcessGroup\n"
+        "assert type(tiled.tiling.last_strategy) is NeedsProcessGroup, tiled.tiling.last_strategy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=50, cwd=os.path.dirname(__file__))
 

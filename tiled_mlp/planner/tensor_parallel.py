@@ -156,11 +156,15 @@ def meta_mesh(tp: int) -> Any:
         group._set_group_name(name)
         _GROUPS[name] = group
     try:
-        _resolve_process_group(name)
+        registered = _resolve_process_group(name)
     except RuntimeError:
         # Not registered yet, or no longer: ``destroy_process_group()`` unregisters every group by name, this
         # one too, after an earlier plan registered it.
         _register_process_group(name, _GROUPS[name])
+    else:
+        if registered is not _GROUPS[name]:
+            raise RuntimeError(f"the planner's fake tensor-parallel group is named {name!r}, and another process group "
+                               "is registered under that name: rename that group, or plan in a process of its own")
     mesh = DeviceMesh("cpu", torch.arange(tp), _init_backend=False, _rank=0)
     mesh._dim_group_names = [name]
     mesh._pg_registry[name] = _GROUPS[name]
