@@ -167,6 +167,14 @@ def tiled_run(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, seed: Option
     return _collect(tiled, out, x_in), tiled
 
 
+def laid_out(t: torch.Tensor, memory: str) -> torch.Tensor:
+    """``t``'s values in another memory layout: ``"transposed"`` swaps the strides of the first two dims (an
+    input ``[batch, tokens, hidden]`` made from ``[tokens, batch, hidden]``; a column-major weight)."""
+    if memory == "contiguous":
+        return t
+    return t.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_(t.requires_grad)
+
+
 def max_rel_error(want: torch.Tensor, have: torch.Tensor) -> float:
     """``max|have - want| / max(max|want|, tiny)``, in float64."""
     want, have = want.double(), have.double()

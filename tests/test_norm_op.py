@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from reference import laid_out
 
 from integration_tests.dynamo_versions import traced_as_ops
 
@@ -69,11 +70,16 @@ def _gemma_weight_grad(norm, x, dy):
 
 
 # -- the op ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("memory", ["contiguous", "transposed"])
 @pytest.mark.parametrize("multiply,offset", [("input_dtype", 0.0), ("float32", 1.0)])
-def test_opcheck(multiply, offset):
-    x, _ = _data(torch.float64)
+def test_opcheck(multiply, offset, memory):
+    # A transposed input too: the fake kernels must give the strides the ops return (a contiguous gradient).
+    x, dy = _data(torch.float64)
+    x, dy = laid_out(x, memory), laid_out(dy, memory)
     weight = torch.randn(HIDDEN, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(rms_norm, (x.requires_grad_(), weight, 1e-5, offset, multiply, 3, torch.float32))
+    torch.library.opcheck(torch.ops.tiled_mlp.rms_norm_backward.default,
+                          (dy, x.detach(), weight.detach(), 1e-5, offset, multiply, 3, torch.float32, [True, True]))
 
 
 @pytest.mark.parametrize("name", list(NORMS))

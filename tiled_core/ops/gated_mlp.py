@@ -23,7 +23,7 @@ from ..grad_accum import GradAccumulator
 from ..kernels.gated import DOWN_WEIGHT_ARG, GatedLayout, GatedShardKernel
 from ..shard_loops import backward_shards, forward_shards
 from ..shard_plan import make_shard_plan
-from .gradient_slots import fake_slots, needed_only, slot
+from .gradient_slots import fake_slots, flat_like, needed_only, slot
 
 
 def _kernel(tensors: Sequence[torch.Tensor], slots: Sequence[int], scales: Sequence[float], activation: str,
@@ -61,7 +61,7 @@ def gated_mlp_backward(grad_out: torch.Tensor, x: torch.Tensor, tensors: List[to
     """``[dx, *d tensors]``, each recomputed shard by shard; ``needs[i]`` False: an empty slot."""
     x_flat = x.reshape(-1, x.shape[-1])
     dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-    dx_flat = torch.empty_like(x_flat) if needs[0] else None
+    dx_flat = flat_like(x_flat) if needs[0] else None
     grads = GradAccumulator(tensors, needs[1:], accum_dtype)
     plan = make_shard_plan(x_flat.shape[0], num_shards)
     kernel = _kernel(tensors, slots, scales, activation, use_fused, x.device)

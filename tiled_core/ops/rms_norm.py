@@ -21,7 +21,7 @@ from ..grad_accum import GradAccumulator
 from ..kernels.rms_norm import WEIGHT, NormLayout, RMSNormShardKernel
 from ..shard_loops import backward_shards, forward_shards
 from ..shard_plan import make_shard_plan
-from .gradient_slots import fake_slots, needed_only, slot
+from .gradient_slots import fake_slots, flat_like, needed_only, slot
 
 
 def _output_like(x: torch.Tensor, weight: torch.Tensor, layout: NormLayout) -> torch.Tensor:
@@ -52,7 +52,7 @@ def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     """``[dx, dweight]``, recomputed shard by shard; ``needs[i]`` False: an empty slot."""
     x_flat = x.reshape(-1, x.shape[-1])
     dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-    dx_flat = torch.empty_like(x_flat) if needs[0] else None
+    dx_flat = flat_like(x_flat) if needs[0] else None
     grads = GradAccumulator([weight], needs[1:], accum_dtype)
     plan = make_shard_plan(x_flat.shape[0], num_shards)
     kernel = RMSNormShardKernel(NormLayout(eps, offset, multiply), weight)
