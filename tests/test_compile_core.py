@@ -116,10 +116,13 @@ class _Block(nn.Module):
         return x + self.mlp(self.norm(x)) * 0.5
 
 
-@pytest.mark.parametrize("path", ["fast", "generic"])
-def test_compiled_block_with_tiled_mlp_equals_eager_untiled(path):
+@pytest.mark.parametrize("path,tied", [("fast", False), ("generic", False), ("fast", True)])
+def test_compiled_block_with_tiled_mlp_equals_eager_untiled(path, tied):
+    # tied: gate and up share one weight, which the op takes once and both roles' gradients are summed into.
     torch.manual_seed(0)
     plain = _Block(GatedMLP(HIDDEN, 20)).double()
+    if tied:
+        plain.mlp.up_proj.weight = plain.mlp.gate_proj.weight
     tiled = copy.deepcopy(plain)
     TiledMLP(tiled.mlp, num_shards=3, path=path)
     x = torch.randn(2, 9, HIDDEN, dtype=torch.float64)

@@ -10,7 +10,7 @@ has no dropout, and the activation is one we differentiate exactly. Any doubt me
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -58,12 +58,14 @@ class GatedMLPSpec:
 
     @property
     def params(self) -> List[torch.Tensor]:
-        out = []
+        """The projections' weights and biases, each tensor once: projections that share one (gate and up tied)
+        point to its one place, and the kernel sums both roles' gradients into its one buffer."""
+        once: Dict[int, torch.Tensor] = {}
         for linear in self.linears:
-            out.append(linear.weight)
-            if linear.bias is not None:
-                out.append(linear.bias)
-        return out
+            for tensor in (linear.weight, linear.bias):
+                if tensor is not None:
+                    once.setdefault(id(tensor), tensor)
+        return list(once.values())
 
 
 def no_hook_is_backend(hook) -> bool:
