@@ -80,6 +80,20 @@ def test_compiled_tiled_loss_function_equals_eager_untiled(head_name, num_shards
     _assert_close(want, have)
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_double_backward_through_the_compiled_tiled_loss_is_refused(backend):
+    # The loss's gradients are formed in forward: a second-order term through them would be zero. backend
+    # "eager" runs the op's registered backward itself (the loss's own refusal); AOT autograd refuses double
+    # backward through a graph whose backward reads a tensor that requires grad (the head's weight).
+    head = HEADS["linear"]()
+    hidden, labels = _inputs()
+    h = hidden.clone().requires_grad_()
+    loss = torch.compile(lambda x: tiled_cross_entropy(x, head, labels, num_shards=3), backend=backend)(h)
+    with pytest.raises(RuntimeError, match="double backward"):
+        (dh,) = torch.autograd.grad(loss, h, create_graph=True)
+        torch.autograd.grad(dh.pow(2).sum(), [h, head.weight], allow_unused=True)
+
+
 class _HeadWithLoss(nn.Module):
     def __init__(self):
         super().__init__()

@@ -4,9 +4,12 @@ over token shards), as one custom op, so that a compiled model traces the loss w
 The op returns the loss *and* its gradients, formed shard by shard in the forward as the eager loss
 forms them (``sharded_reduce``): no ``[tokens, vocab]`` tensor outlives its shard and nothing is
 recomputed. Its registered backward scales those gradients by the gradient that reaches the loss (the
-loss is a scalar, so that is exact for the input and the head alike). Which gradients to form is an
-argument (the traced call knows what requires grad); the gradients' outputs are 0-element tensors where
-none is formed.
+loss is a scalar, so that is exact for the input and the head alike), in an op of its own
+(``linear_cross_entropy_backward``): it runs where the backward runs, compiled or not, and so refuses a
+backward that builds a graph (``create_graph=True``), as the eager loss does, where a traced product would
+have handed back first-order gradients with every second-order term silently zero. Which gradients to form
+is an argument (the traced call knows what requires grad); the gradients' outputs are 0-element tensors
+where none is formed.
 
 Labels out of the vocabulary are refused inside the op, at every call (their values are data, which a
 traced graph cannot check before it runs).
@@ -22,6 +25,7 @@ from ..kernels.cross_entropy import CrossEntropyOptions, check_targets
 from ..kernels.lm_head import LinearHeadKernel, loss_dtype
 from ..shard_loops import reduce_shards
 from ..shard_plan import make_shard_plan
+from ..sharded_reduce import LOSS_DOUBLE_BACKWARD_ERROR
 from .gradient_slots import fake_slots, slot
 
 
@@ -54,28 +58,45 @@ def _linear_cross_entropy_fake(x, targets, scale, weight, bias, ignore_index, la
             *fake_slots((x, weight, weight if bias is None else bias), (grad_x, grad_weight, bias is not None and grad_bias))]
 
 
+@torch.library.custom_op("tiled_mlp::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(formed: List[torch.Tensor], grad_loss: torch.Tensor,
+                                  weight: torch.Tensor) -> List[torch.Tensor]:
+    """Each gradient the forward formed times the gradient that reaches the loss (0-dim: the product in the
+    formed gradient's own dtype, as the eager loss takes it). ``weight``, the head's, is read by nothing: it
+    ties the backward to a tensor that requires grad, so that a backward of this backward reaches an op with no
+    autograd formula, or AOT autograd's refusal of double backward, and stops there."""
+    return [gradient * grad_loss for gradient in formed]
+
+
+@linear_cross_entropy_backward.register_fake
+def _linear_cross_entropy_backward_fake(formed, grad_loss, weight):
+    return [gradient.new_empty(gradient.shape) for gradient in formed]
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, targets, scale, weight, bias, *_ = inputs
     _, dx, d_weight, d_bias = output
     ctx.save_for_backward(dx, d_weight, d_bias)
     ctx.shapes = (x.shape, weight.shape, None if bias is None else bias.shape)
+    ctx.weight = weight  # a parameter, alive anyway: held for ``linear_cross_entropy_backward``
 
 
 def _backward(ctx, output_grads):
+    if torch.is_grad_enabled():  # run by autograd itself (not traced): grad mode is on where it builds a graph
+        raise RuntimeError(LOSS_DOUBLE_BACKWARD_ERROR)
     grad_loss = output_grads[0]  # the op returns a list: its gradients arrive as one (those of the gradients unused)
     needs = ctx.needs_input_grad
-    scaled: List[Optional[torch.Tensor]] = []
-    for formed, shape, need, name in zip(ctx.saved_tensors, ctx.shapes, (needs[0], needs[3], needs[4]),
-                                         ("hidden states", "weight", "bias"), strict=True):
-        if not need:
-            scaled.append(None)
-            continue
-        if formed.shape != shape:
+    wanted = (needs[0], needs[3], needs[4])
+    formed = []
+    for gradient, shape, need, name in zip(ctx.saved_tensors, ctx.shapes, wanted, ("hidden states", "weight", "bias"),
+                                           strict=True):
+        if need and gradient.shape != shape:
             raise RuntimeError(f"tiled_mlp::linear_cross_entropy: the {name}' gradient is needed but was not formed in "
                                "forward (its grad_* argument was False); pass True where the tensor requires grad")
-        # As the eager loss: the product with the 0-dim gradient in the gradient's own dtype.
-        scaled.append(formed * grad_loss)
-    dx, d_weight, d_bias = scaled
+        if need:
+            formed.append(gradient)
+    scaled = iter(linear_cross_entropy_backward(formed, grad_loss, ctx.weight))
+    dx, d_weight, d_bias = (next(scaled) if need else None for need in wanted)
     return dx, None, None, d_weight, d_bias, None, None, None, None, None, None, None, None, None
 
 
