@@ -94,6 +94,13 @@ def test_a_double_backward_through_the_compiled_tiled_loss_is_refused(backend):
         torch.autograd.grad(dh.pow(2).sum(), [h, head.weight], allow_unused=True)
 
 
+def test_an_input_the_eager_call_refuses_is_refused_compiled():
+    # A 1-D input: the op would flatten it into one token; the eager call refuses it before any work.
+    tiled = TiledMLP(GatedMLP(HIDDEN, 20).double(), num_shards=2)
+    with pytest.raises(ValueError, match="2 dims or more"):
+        torch.compile(tiled, backend="aot_eager")(torch.randn(HIDDEN, dtype=torch.float64))
+
+
 class _HeadWithLoss(nn.Module):
     def __init__(self):
         super().__init__()

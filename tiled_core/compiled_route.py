@@ -41,6 +41,7 @@ from .ops.gated_mlp import gated_mlp
 from .ops.rms_norm import rms_norm
 from .tiled_call import autograd_carries_the_call
 from .tiling_state import tiling_of
+from .validation import check_input
 
 EAGER, UNTILED, GATED_OP, NORM_OP = "eager", "untiled", "gated_op", "norm_op"
 # The ops' routes, by the kernel the eager decision chose: what ``last_path`` reports for them.
@@ -165,6 +166,9 @@ def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], 
     if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
         return _eager_call(module, "the call passes keyword arguments or more than the hidden states", args, kwargs)
     x = args[0]
+    # The eager call's input checks (``MapSite``), traced: an input it refuses is refused compiled too (the op would
+    # flatten a 1-D input into one token).
+    check_input(x, module)
     # Symbolic sizes (dynamic shapes) cannot be a constant's argument: from torch 2.12 on Dynamo breaks the
     # graph at this call (an error under fullgraph=True) and the decision is made at each call, eagerly;
     # before, each size is specialized (``dynamo_support``).
