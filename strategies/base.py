@@ -75,7 +75,7 @@ def claims_need_process_group(claims: ClaimsFunction) -> ClaimsFunction:
     return cast(ClaimsFunction, claims_where_a_process_group_is)
 
 
-def claims_need_a_process_group(cls: type[Strategy]) -> bool:
+def claims_only_with_process_group(cls: type[Strategy]) -> bool:
     """Whether ``cls``'s ``claims`` is one ``claims_need_process_group`` made."""
     return getattr(cls.claims, "needs_process_group", False) is True
 

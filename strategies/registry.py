@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
 
 from torch import nn
 
-from .base import SequenceParallelAware, Strategy, claims_need_a_process_group, process_group_ready
+from .base import SequenceParallelAware, Strategy, claims_only_with_process_group, process_group_ready
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ _WITHOUT_PROCESS_GROUP: List[Registration] = []
 
 def _reorder() -> None:
     _BY_PRIORITY[:] = sorted(_REGISTRY.values(), key=lambda entry: -entry.cls.priority)
-    _WITHOUT_PROCESS_GROUP[:] = [entry for entry in _BY_PRIORITY if not claims_need_a_process_group(entry.cls)]
+    _WITHOUT_PROCESS_GROUP[:] = [entry for entry in _BY_PRIORITY if not claims_only_with_process_group(entry.cls)]
 
 
 def register_strategy(cls: Type[Strategy], override: bool = False, *, name: Optional[str] = None,

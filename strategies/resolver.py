@@ -45,9 +45,9 @@ def _sequence_parallel_strategies(module: nn.Module, fixed: Optional[Strategy]) 
             raise _unaware(fixed, type(fixed), "was given as the strategy")
         found.append(fixed)
     # Per class, the registration "auto" would resolve (the first by priority); another registration
-    # of the same class, under its own name and arguments, runs only where a caller names it.
-    # An aware class answers from its backend's own state, claimed or not; an unaware one is asked to claim
-    # only where "auto" would ask it.
+    # of the same class, under its own name and arguments, runs only where a caller names it. An aware class
+    # answers from its backend's own state, claimed or not; an unaware one is asked to claim only where "auto"
+    # would ask it.
     asked = set()
     claimable = claimable_registrations()
     for entry in registrations_by_priority():

@@ -5,11 +5,12 @@ The op returns the loss *and* its gradients, formed shard by shard in the forwar
 forms them (``sharded_reduce``): no ``[tokens, vocab]`` tensor outlives its shard and nothing is
 recomputed. Its registered backward scales those gradients by the gradient that reaches the loss (the
 loss is a scalar, so that is exact for the input and the head alike), in an op of its own
-(``linear_cross_entropy_backward``): it runs where the backward runs, compiled or not, and so refuses a
-backward that builds a graph (``create_graph=True``), as the eager loss does, where a traced product would
-have handed back first-order gradients with every second-order term silently zero. Which gradients to form
-is an argument (the traced call knows what requires grad); the gradients' outputs are 0-element tensors
-where none is formed.
+(``linear_cross_entropy_backward``) that reads the head's weight. A backward that builds a graph
+(``create_graph=True``) is refused, as the eager loss refuses it: by the registered backward itself where
+autograd runs it, and by AOT autograd where it traced it (a double backward through a graph whose backward
+reads a tensor that requires grad). A traced product of the formed gradients alone would have let it
+through, with every second-order term silently zero. Which gradients to form is an argument (the traced
+call knows what requires grad); the gradients' outputs are 0-element tensors where none is formed.
 
 Labels out of the vocabulary are refused inside the op, at every call (their values are data, which a
 traced graph cannot check before it runs).
@@ -90,10 +91,10 @@ def _backward(ctx, output_grads):
     formed = []
     for gradient, shape, need, name in zip(ctx.saved_tensors, ctx.shapes, wanted, ("hidden states", "weight", "bias"),
                                            strict=True):
-        if need and gradient.shape != shape:
-            raise RuntimeError(f"tiled_mlp::linear_cross_entropy: the {name}' gradient is needed but was not formed in "
-                               "forward (its grad_* argument was False); pass True where the tensor requires grad")
         if need:
+            if gradient.shape != shape:
+                raise RuntimeError(f"tiled_mlp::linear_cross_entropy: the {name}' gradient is needed but was not formed "
+                                   "in forward (its grad_* argument was False); pass True where the tensor requires grad")
             formed.append(gradient)
     scaled = iter(linear_cross_entropy_backward(formed, grad_loss, ctx.weight))
     dx, d_weight, d_bias = (next(scaled) if need else None for need in wanted)
