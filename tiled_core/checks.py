@@ -74,14 +74,13 @@ class TensorVersions:
     def changed(self) -> List[int]:
         return [i for i, (t, v) in enumerate(zip(self.tensors, self.versions, strict=True)) if t._version != v]
 
-    def check(self, where: str, message: str = MODIFIED_ERROR) -> None:
-        """Raise ``message`` (formatted with the tensor, its versions and ``where``) if one changed."""
+    def check(self, where: str) -> None:
         # One C-level pass where nothing changed (every call of every tiled backward); the index only on a miss.
         if list(map(_version_of, self.tensors)) == self.versions:
             return
         i = self.changed()[0]
-        raise RuntimeError(message.format(tensor=describe([self.tensors[i]]), now=self.tensors[i]._version,
-                                          then=self.versions[i], where=where))
+        raise RuntimeError(MODIFIED_ERROR.format(tensor=describe([self.tensors[i]]), now=self.tensors[i]._version,
+                                                 then=self.versions[i], where=where))
 
 
 _version_of = operator.attrgetter("_version")

@@ -22,7 +22,6 @@ from typing import Sequence
 
 import torch
 
-from .checks import TensorVersions
 from .grad_accum import GradAccumulator
 from .grad_delivery import delivered_grads, needed_grads
 from .kernels.base import ReduceKernel
@@ -33,12 +32,6 @@ LOSS_DOUBLE_BACKWARD_ERROR = (
     "the tiled loss does not support double backward: a backward with create_graph=True reached it (a Hessian, "
     "a gradient penalty). Its gradients were formed in forward without a graph, so every second-order term "
     "through it would be zero. Compute this loss untiled for second-order gradients."
-)
-LOSS_MODIFIED_ERROR = (
-    "one of the variables needed for gradient computation has been modified by an inplace operation: {tensor} is at "
-    "version {now}; expected version {then} instead. {where} formed its gradients in forward, from the values this "
-    "tensor had then, and untiled autograd refuses this backward (it would compute from the new ones). Make the "
-    "in-place change after the backward (an optimizer step after backward()), or on a copy."
 )
 SECOND_BACKWARD_ERROR = (
     "tiled loss: backward was run a second time through the same call (retain_graph=True). Its gradients were "
@@ -60,11 +53,6 @@ class ShardedReduceFunction(torch.autograd.Function):
         total = reduce_shards(run.kernel, x, targets, scale, dx_flat, grads, params, run.plan.slice_tuple)
         ctx.dx = None if dx_flat is None else dx_flat.view_as(x)
         ctx.param_grads = delivered_grads(run, grads, params, num_params) if grads is not None else [None] * num_params
-        # The parameters' versions, compared in backward as autograd compares what it saved (not where the backend
-        # re-gathers their storage in between). The input's are not: keeping it for that would keep a
-        # [tokens, hidden] tensor alive until the backward.
-        ctx.versions = TensorVersions(params) if building_graph and not run.params_swap_storage else None
-        ctx.head_name = run.kernel.module_name
         return total
 
     @staticmethod
@@ -73,8 +61,6 @@ class ShardedReduceFunction(torch.autograd.Function):
             raise RuntimeError(LOSS_DOUBLE_BACKWARD_ERROR)
         if ctx.param_grads is None:
             raise RuntimeError(SECOND_BACKWARD_ERROR)
-        if ctx.versions is not None:
-            ctx.versions.check(f"The tiled loss of {ctx.head_name}", LOSS_MODIFIED_ERROR)
         # Handed over to autograd: no second reference keeps them alive after this backward.
         dx, param_grads = ctx.dx, ctx.param_grads
         ctx.dx = ctx.param_grads = None
