@@ -166,9 +166,10 @@ def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], 
     if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
         return _eager_call(module, "the call passes keyword arguments or more than the hidden states", args, kwargs)
     x = args[0]
-    # The eager call's input checks (``MapSite``), traced: an input it refuses is refused compiled too (the op would
-    # flatten a 1-D input into one token).
-    check_input(x, module)
+    if default_inputs:
+        # The eager call's input checks (``MapSite``), traced: an input it refuses is refused compiled too (the op
+        # would flatten a 1-D input into one token). A module with inputs of its own checks them in its eager call.
+        check_input(x, module)
     # Symbolic sizes (dynamic shapes) cannot be a constant's argument: from torch 2.12 on Dynamo breaks the
     # graph at this call (an error under fullgraph=True) and the decision is made at each call, eagerly;
     # before, each size is specialized (``dynamo_support``).

@@ -4,13 +4,14 @@ over token shards), as one custom op, so that a compiled model traces the loss w
 The op returns the loss *and* its gradients, formed shard by shard in the forward as the eager loss
 forms them (``sharded_reduce``): no ``[tokens, vocab]`` tensor outlives its shard and nothing is
 recomputed. Its registered backward scales those gradients by the gradient that reaches the loss (the
-loss is a scalar, so that is exact for the input and the head alike), in an op of its own
-(``linear_cross_entropy_backward``) that reads the head's weight. A backward that builds a graph
-(``create_graph=True``) is refused, as the eager loss refuses it: by the registered backward itself where
-autograd runs it, and by AOT autograd where it traced it (a double backward through a graph whose backward
-reads a tensor that requires grad). A traced product of the formed gradients alone would have let it
-through, with every second-order term silently zero. Which gradients to form is an argument (the traced
-call knows what requires grad); the gradients' outputs are 0-element tensors where none is formed.
+loss is a scalar, so that is exact for the input and the head alike), a traced product that inductor
+takes in place. A backward that builds a graph (``create_graph=True``) is refused, as the eager loss
+refuses it: by the registered backward itself where autograd runs it, and by AOT autograd where it traced
+it, since the factor comes through an op that reads the head's weight (``loss_gradient_scale``): AOT
+refuses a double backward through a graph whose backward reads a tensor that requires grad. A product of
+the formed gradients alone would have let it through, with every second-order term silently zero. Which
+gradients to form is an argument (the traced call knows what requires grad); the gradients' outputs are
+0-element tensors where none is formed.
 
 Labels out of the vocabulary are refused inside the op, at every call (their values are data, which a
 traced graph cannot check before it runs).
@@ -59,19 +60,18 @@ def _linear_cross_entropy_fake(x, targets, scale, weight, bias, ignore_index, la
             *fake_slots((x, weight, weight if bias is None else bias), (grad_x, grad_weight, bias is not None and grad_bias))]
 
 
-@torch.library.custom_op("tiled_mlp::linear_cross_entropy_backward", mutates_args=())
-def linear_cross_entropy_backward(formed: List[torch.Tensor], grad_loss: torch.Tensor,
-                                  weight: torch.Tensor) -> List[torch.Tensor]:
-    """Each gradient the forward formed times the gradient that reaches the loss (0-dim: the product in the
-    formed gradient's own dtype, as the eager loss takes it). ``weight``, the head's, is read by nothing: it
-    ties the backward to a tensor that requires grad, so that a backward of this backward reaches an op with no
-    autograd formula, or AOT autograd's refusal of double backward, and stops there."""
-    return [gradient * grad_loss for gradient in formed]
+@torch.library.custom_op("tiled_mlp::loss_gradient_scale", mutates_args=())
+def loss_gradient_scale(grad_loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The gradient that reaches the loss (a copy: an op returns no alias of its input). ``weight``, the head's,
+    is read by nothing: it ties the backward to a tensor that requires grad, so that a backward of this backward
+    reaches an op with no autograd formula, or AOT autograd's refusal of double backward, and stops there. The
+    weight is a parameter, alive anyway; AOT saves it for the backward as the untiled head's matmul does."""
+    return grad_loss.clone()
 
 
-@linear_cross_entropy_backward.register_fake
-def _linear_cross_entropy_backward_fake(formed, grad_loss, weight):
-    return [gradient.new_empty(gradient.shape) for gradient in formed]
+@loss_gradient_scale.register_fake
+def _loss_gradient_scale_fake(grad_loss, weight):
+    return torch.empty_like(grad_loss)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -79,7 +79,7 @@ def _setup_context(ctx, inputs, output) -> None:
     _, dx, d_weight, d_bias = output
     ctx.save_for_backward(dx, d_weight, d_bias)
     ctx.shapes = (x.shape, weight.shape, None if bias is None else bias.shape)
-    ctx.weight = weight  # a parameter, alive anyway: held for ``linear_cross_entropy_backward``
+    ctx.weight = weight  # a parameter, alive anyway: held for ``loss_gradient_scale``
 
 
 def _backward(ctx, output_grads):
@@ -87,17 +87,19 @@ def _backward(ctx, output_grads):
         raise RuntimeError(LOSS_DOUBLE_BACKWARD_ERROR)
     grad_loss = output_grads[0]  # the op returns a list: its gradients arrive as one (those of the gradients unused)
     needs = ctx.needs_input_grad
-    wanted = (needs[0], needs[3], needs[4])
-    formed = []
-    for gradient, shape, need, name in zip(ctx.saved_tensors, ctx.shapes, wanted, ("hidden states", "weight", "bias"),
-                                           strict=True):
-        if need:
-            if gradient.shape != shape:
-                raise RuntimeError(f"tiled_mlp::linear_cross_entropy: the {name}' gradient is needed but was not formed "
-                                   "in forward (its grad_* argument was False); pass True where the tensor requires grad")
-            formed.append(gradient)
-    scaled = iter(linear_cross_entropy_backward(formed, grad_loss, ctx.weight))
-    dx, d_weight, d_bias = (next(scaled) if need else None for need in wanted)
+    factor = loss_gradient_scale(grad_loss, ctx.weight)
+    scaled: List[Optional[torch.Tensor]] = []
+    for formed, shape, need, name in zip(ctx.saved_tensors, ctx.shapes, (needs[0], needs[3], needs[4]),
+                                         ("hidden states", "weight", "bias"), strict=True):
+        if not need:
+            scaled.append(None)
+            continue
+        if formed.shape != shape:
+            raise RuntimeError(f"tiled_mlp::linear_cross_entropy: the {name}' gradient is needed but was not formed in "
+                               "forward (its grad_* argument was False); pass True where the tensor requires grad")
+        # As the eager loss: the product with the 0-dim gradient in the gradient's own dtype.
+        scaled.append(formed * factor)
+    dx, d_weight, d_bias = scaled
     return dx, None, None, d_weight, d_bias, None, None, None, None, None, None, None, None, None
 
 
