@@ -188,6 +188,27 @@ def test_apply_failing_on_the_second_block_leaves_the_model_unchanged():
     assert model.blocks[1].tiling == "the user's own attribute"
 
 
+def test_attributes_another_library_adds_to_every_module_class_do_not_block_tiling():
+    # DeepSpeed's zero.Init (HF from_pretrained under ZeRO-3) leaves ``_old_init`` on every nn.Module subclass
+    # that defines __init__, TiledMLP and the module's class alike: not a name tiling adds. A name tiling does add
+    # (a method of the mixin) is still refused where the module has it.
+    added = [cls for cls in (TiledMLP, GatedMLP) if "_old_init" not in vars(cls)]
+    for cls in added:
+        cls._old_init = cls.__init__
+    try:
+        tiled = TiledMLP(GatedMLP(HIDDEN, INTER).double(), num_shards=2)
+        x, dy = fresh_inputs((2, 5, HIDDEN), HIDDEN)
+        tiled(x).backward(dy)
+        assert tiled.tiling.last_num_shards == 2
+    finally:
+        for cls in added:
+            del cls._old_init
+    mlp = GatedMLP(HIDDEN, INTER)
+    mlp.tiled_inputs = "the user's own attribute"
+    with pytest.raises(TypeError, match=r"already has attributes named \['tiled_inputs'\]"):
+        TiledMLP(mlp)
+
+
 # -- a refused configuration ---------------------------------------------------------------------
 class FcMLP(nn.Module):
     def __init__(self):

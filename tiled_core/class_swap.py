@@ -8,7 +8,7 @@ is left as it was.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -42,13 +42,24 @@ def rebuild(mixin: type, base: type) -> nn.Module:
     return object.__new__(tiled_class(mixin, base))
 
 
+# The names each tiling mixin defines in its own class body, taken when the class is made (``record_own_names``):
+# another library may add attributes to every nn.Module subclass afterwards (DeepSpeed's ``zero.Init`` leaves
+# ``_old_init`` on each one that defines ``__init__``), which are not names tiling adds, and must not make every
+# module look as if tiling would hide one of its names.
+_OWN_NAMES: Dict[type, FrozenSet[str]] = {}
+
+
+def record_own_names(mixin: type) -> None:
+    _OWN_NAMES[mixin] = frozenset(n for n in vars(mixin) if not (n.startswith("__") and n.endswith("__")))
+
+
 def own_names(mixin: type) -> List[str]:
     """Names a tiled class adds on top of its base (which must not hide one of the base's)."""
     names: set = set()
     for cls in mixin.__mro__:
         if cls is nn.Module:
             break
-        names.update(n for n in vars(cls) if not (n.startswith("__") and n.endswith("__")))
+        names.update(_OWN_NAMES[cls])
     return sorted(names - {"forward", "extra_repr", "_tiled_base", "_tiled_mixin"})
 
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from tiled_mlp.strategies.resolver import StrategyArg
 
-from .class_swap import install_tiling, prepare_tiling, rebuild
+from .class_swap import install_tiling, prepare_tiling, rebuild, record_own_names
 from .compiled_route import compiled_call
 from .module_call import TiledInputs, module_forward
 from .module_forward import hidden_states_argument
@@ -80,6 +80,11 @@ class TiledMLP(nn.Module):
         assert mlp is not None  # prepare_tiling refused anything but a module
         return install_tiling(cls, mlp, TilingState(num_shards, path, grad_accum_dtype, use_fused_kernel, fixed))
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "_tiled_base" not in vars(cls):  # a tiling mixin (TiledNorm, a third party's), not a generated class
+            record_own_names(cls)
+
     def __init__(self, *args, **kwargs):
         if STATE_ATTR in self.__dict__:
             return  # tiled in place by __new__: the module was built long ago
@@ -120,6 +125,9 @@ class TiledMLP(nn.Module):
         other sharded inputs, which no op takes."""
         default_inputs = type(self).tiled_inputs is TiledMLP.tiled_inputs
         return compiled_call(self, default_inputs, args, kwargs)
+
+
+record_own_names(TiledMLP)
 
 
 def tile(module: nn.Module, *, strategy: StrategyArg = "auto", num_shards: NumShards = "auto", path: str = "auto",
