@@ -209,6 +209,26 @@ def test_attributes_another_library_adds_to_every_module_class_do_not_block_tili
         TiledMLP(mlp)
 
 
+def test_a_module_that_ran_under_a_backend_with_a_process_group_is_copied_and_pickled():
+    # Under DDP the last call's strategy holds DDP's process group, which cannot be pickled (a lock stands in
+    # for it): deepcopy (an EMA copy) and torch.save(model) work as untiled, and the copy resolves its own.
+    import pickle
+    import threading
+
+    from tiled_mlp.strategies import DDPStrategy
+
+    tiled = TiledMLP(GatedMLP(HIDDEN, INTER).double(), num_shards=2)
+    x, dy = fresh_inputs((2, 5, HIDDEN), HIDDEN)
+    tiled(x).backward(dy)
+    for field in ("last_strategy", "forward_strategy"):
+        tiled.tiling.__dict__[field] = DDPStrategy(process_group=threading.Lock())
+    copied = copy.deepcopy(tiled)
+    pickle.loads(pickle.dumps(tiled))
+    assert copied.tiling.last_strategy is None and isinstance(tiled.tiling.last_strategy, DDPStrategy)
+    copied(x)
+    assert copied.tiling.last_strategy is not None
+
+
 # -- a refused configuration ---------------------------------------------------------------------
 class FcMLP(nn.Module):
     def __init__(self):

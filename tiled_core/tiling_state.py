@@ -89,12 +89,15 @@ class TilingState:
 
     def __getstate__(self):
         # pickle, deepcopy and torch.save(model): weak references cannot be saved, and a copy must not
-        # point at the original's ancestors; the cached decision is re-made on the copy.
+        # point at the original's ancestors; the cached decision is re-made on the copy. The strategies the
+        # last calls resolved belong to the runtime they ran in (DDP's holds its process group, which cannot
+        # be saved): the copy resolves its own.
         state = dict(self.__dict__)
         state["ancestor_refs"] = ()
         state["call_plan"] = None
         state["call_sizes"] = None
         state["forward_strategy"] = None
+        state["last_strategy"] = None
         state["shard_depth"] = 0
         return state
 
