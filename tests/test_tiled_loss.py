@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from loss_reference import (
+    HIDDEN,
+    VOCAB,
     LargestTensor,
     assert_same_run,
     batch,
@@ -20,6 +22,7 @@ from loss_reference import (
     shifted,
     single_thread,
 )
+from torch import nn
 
 from tiled_mlp.core import TiledCrossEntropy, tiled_cross_entropy
 
@@ -220,3 +223,31 @@ def test_logits_are_never_held():
     with LargestTensor() as one_shard, torch.no_grad():  # the forward alone is enough to see it
         tiled_cross_entropy(hidden, head, labels, num_shards=1)
     assert one_shard.numel >= tokens * vocab
+
+
+class ReportsOtherSizes(nn.Module):
+    """A wrapper whose ``in_features`` and ``out_features`` are another module's, swapped (PEFT's
+    ``modules_to_save`` on a tied embedding reports the embedding's), around a head that computes right."""
+
+    def __init__(self, head: nn.Linear):
+        super().__init__()
+        self.head = head
+        self.in_features, self.out_features = head.out_features, head.in_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def test_a_head_that_reports_sizes_its_weight_contradicts_is_sized_by_what_it_computes():
+    # The sizes a head reports are trusted where its weight agrees; here they are not, and the head's logits
+    # show the vocabulary instead (labels up to VOCAB - 1 are valid, HIDDEN < VOCAB).
+    hidden, labels = batch(seed=5)
+    assert int(labels.max()) >= HIDDEN
+    head = ReportsOtherSizes(linear_head())
+    want = run(lambda x, m: hf_loss(m(x), labels), hidden, head)
+    assert_same_run(want, run(tiled(labels, num_shards=3), hidden, head))
+    assert head.in_features == VOCAB

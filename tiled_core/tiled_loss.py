@@ -314,16 +314,29 @@ def _check_call(hidden, lm_head, options: CrossEntropyOptions, reduction: str) -
     if not isinstance(lm_head, nn.Module):
         raise TypeError(f"tiled loss: lm_head must be an nn.Module (the output head), got {type(lm_head).__name__}")
     _check_reduction(reduction)
-    in_features = getattr(lm_head, "in_features", None)
-    if isinstance(in_features, int) and hidden.shape[-1] != in_features:
+    in_features = _declared_width(lm_head, "in_features", 1)
+    if in_features is not None and hidden.shape[-1] != in_features:
         raise ValueError(f"tiled loss: hidden size {hidden.shape[-1]} does not match {type(lm_head).__name__}'s "
                          f"in_features {in_features}")
 
 
+def _declared_width(lm_head: nn.Module, name: str, weight_dim: int) -> Optional[int]:
+    """The head's ``name`` (``in_features``, ``out_features``) where it says what the head computes: on an
+    ``nn.Linear`` always; on another head only where its 2-D weight agrees (dim ``weight_dim``). A wrapper can
+    report another module's sizes (PEFT's ``modules_to_save`` on a tied embedding reports the embedding's,
+    swapped); then None: the head's own forward checks its input, and its logits show the vocabulary."""
+    value = getattr(lm_head, name, None)
+    if not isinstance(value, int) or isinstance(lm_head, nn.Linear):
+        return value if isinstance(value, int) else None
+    weight = getattr(lm_head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[weight_dim] != value:
+        return None
+    return value
+
+
 def _vocab_size(lm_head: nn.Module) -> Optional[int]:
-    out = getattr(lm_head, "out_features", None)
-    if isinstance(out, int):
-        return out
+    if isinstance(getattr(lm_head, "out_features", None), int):
+        return _declared_width(lm_head, "out_features", 0)
     weight = getattr(lm_head, "weight", None)
     return weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
