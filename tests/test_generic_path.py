@@ -251,3 +251,28 @@ def test_a_reference_cycle_left_by_the_forward_is_collected_not_refused():
     finally:
         gc.enable()
     assert_runs_close(want, have)
+
+
+def test_a_weight_a_parametrization_cache_keeps_across_shards_is_refused_by_name():
+    # parametrize.cached() around the call keeps the weight the first shard computed for the whole call
+    # (PEFT's LoRA on target_parameters turns it on around the model's forward): refused, naming the cache.
+    from torch.nn.utils import parametrize
+
+    from tiled_mlp import TiledMLP
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.factor = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+
+        def forward(self, weight):
+            return weight * self.factor
+
+    mlp = GatedMLP(8, 12).double()
+    parametrize.register_parametrization(mlp.up_proj, "weight", Scaled())
+    tiled = TiledMLP(mlp, num_shards=2)
+    x = torch.randn(1, 6, 8, dtype=torch.float64, requires_grad=True)
+    tiled(x).sum().backward()  # without the cache: the generic kernel, every shard computing the weight anew
+    assert tiled.tiling.last_path == "generic"
+    with parametrize.cached(), pytest.raises(RuntimeError, match=r"parametrize\.cached\(\) was on"):
+        tiled(x)

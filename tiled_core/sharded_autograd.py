@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager, Generic, List, Optional, Sequence, TypeVar
 
 import torch
+from torch.nn.utils import parametrize
 
 from .autocast_state import AutocastState
 from .checks import DOUBLE_BACKWARD_ERROR, INPUT_EDITED_ERROR, TensorVersions
@@ -53,6 +54,14 @@ KEPT_TENSOR_ERROR = (
     "a hook on the tiled module itself (it then sees the whole output, with autograd, once per call). A custom "
     "autograd Function that keeps its output on ctx (not through save_for_backward) does this too: its graph is a "
     "reference cycle the collector cannot free (it leaks untiled as well); save it with ctx.save_for_backward."
+)
+PARAMETRIZATION_CACHE_ERROR = (
+    "TiledMLP: a forward inside the tiled call computed a parametrized weight ({tensors}) while "
+    "torch.nn.utils.parametrize.cached() was on (PEFT's LoRA on target_parameters, fused MoE experts' weights "
+    "included, turns it on around the model's forward), and the cache keeps it until that context ends: every later "
+    "shard and the backward's recompute would reuse the first shard's weight, whose graph the tiled call does not "
+    "keep, so the parametrization's gradients would be lost. Leave this module untiled: untile(module), or exclude "
+    "it when tiling the model."
 )
 LATE_TENSOR_ERROR = (
     "TiledMLP: shard {shard} of the forward read tensors that require grad which the first shard did not: "
@@ -116,6 +125,11 @@ def _watch(known: Optional[Sequence[torch.Tensor]], grad_only: bool = True) -> O
     return TensorReads(known=known, watch_kept=True, grad_only=grad_only) if known is not None else None
 
 
+def _held_by_parametrization_cache(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a value ``torch.nn.utils.parametrize.cached()`` keeps (by identity)."""
+    return parametrize._cache_enabled > 0 and any(value is tensor for value in parametrize._cache.values())
+
+
 def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = ()) -> None:
     if not _only_collectives_keep(reads, expected):
         # A reference cycle (a custom Function that stores its output on ctx, in a shard's transient
@@ -123,6 +137,9 @@ def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = (
         gc.collect()
         kept = reads.kept(expected)
         if not all(map(reads.held_by_collective, kept)):
+            cached = [t for t in kept if _held_by_parametrization_cache(t)]
+            if cached:
+                raise RuntimeError(PARAMETRIZATION_CACHE_ERROR.format(tensors=describe(cached)))
             raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=describe(kept)))
     # Only memory a collective took or made is left: its backend lets go of it a moment after the wait
     # (``collectives.py``), and every rank waits alike, so none is left alone in the next shard's collective.
