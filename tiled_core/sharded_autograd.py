@@ -57,8 +57,8 @@ KEPT_TENSOR_ERROR = (
 )
 PARAMETRIZATION_CACHE_ERROR = (
     "TiledMLP: a forward inside the tiled call computed a parametrized weight ({tensors}) while "
-    "torch.nn.utils.parametrize.cached() was on (PEFT's LoRA on target_parameters, fused MoE experts' weights "
-    "included, turns it on around the model's forward), and the cache keeps it until that context ends: every later "
+    "torch.nn.utils.parametrize.cached() was on (an adapter put on a parameter as a parametrization may turn it on "
+    "around the model's forward), and the cache keeps it until that context ends: every later "
     "shard and the backward's recompute would reuse the first shard's weight, whose graph the tiled call does not "
     "keep, so the parametrization's gradients would be lost. Leave this module untiled: untile(module), or exclude "
     "it when tiling the model."
@@ -126,7 +126,8 @@ def _watch(known: Optional[Sequence[torch.Tensor]], grad_only: bool = True) -> O
 
 
 def _held_by_parametrization_cache(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a value ``torch.nn.utils.parametrize.cached()`` keeps (by identity)."""
+    """Whether ``tensor`` is a value ``torch.nn.utils.parametrize.cached()`` keeps (by identity): PEFT's LoRA on a
+    parameter (``target_parameters``, fused MoE experts' weights) is such a parametrization."""
     return parametrize._cache_enabled > 0 and any(value is tensor for value in parametrize._cache.values())
 
 
