@@ -305,6 +305,21 @@ def test_from_config_with_a_shard_count_keeps_the_configured_path():
     assert [(t.path, t.num_shards) for t in tilings] == [("generic", 5)] * len(tilings)
 
 
+def test_a_shard_count_given_alone_replaces_the_saved_one_or_is_refused(tmp_path):
+    # Without use_tiled_mlp, the count applies where the config asks for tiling; where nothing does, it is refused
+    # rather than dropped.
+    pytest.importorskip("transformers")
+    from transformers import LlamaForCausalLM
+
+    model = tiny("llama")
+    enable_tiled_mlp(model.config, num_shards=2)
+    model.save_pretrained(tmp_path / "ckpt")
+    reloaded = from_pretrained(LlamaForCausalLM, tmp_path / "ckpt", tiled_mlp_num_shards=4)
+    assert {layer.mlp.tiling.num_shards for layer in reloaded.model.layers} == {4}
+    with pytest.raises(ValueError, match="nothing asks for tiling"):
+        from_config(LlamaForCausalLM, copy.deepcopy(tiny("llama").config), tiled_mlp_num_shards=4)
+
+
 def test_a_bad_setting_with_path_fast_is_reported_as_itself():
     """apply_tiled_mlp lists the blocks path='fast' cannot take; a bad shard count is another error."""
     model = tiny("llama")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import glob
 import logging
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from torch import nn
 
@@ -25,7 +25,7 @@ from tiled_mlp.core import FastPathRefused, TiledMLP, TilingState, install_tilin
 from tiled_mlp.core.shard_plan import NumShards
 from tiled_mlp.strategies.resolver import StrategyArg
 
-from .args import TiledMLPFlags, read_tiled_mlp_flags
+from .args import read_tiled_mlp_flags
 from .causal_lm_loss import check_tiled_loss, install_tiled_loss, remove_tiled_loss
 from .matching import Patterns, Scan, find_tiled, scan
 from .moe import TiledExperts
@@ -208,16 +208,27 @@ def maybe_apply_tiled_mlp(model: nn.Module, **kwargs) -> Optional[TilingReport]:
     return apply_tiled_mlp(model, **kwargs)
 
 
-def _pop_request(kwargs: dict) -> Optional[TiledMLPFlags]:
-    """The tiling request among ``from_*`` keyword arguments (removed from them); None if there is none."""
+def _pop_request(kwargs: dict) -> Dict[str, Any]:
+    """The tiling request among ``from_*`` keyword arguments (removed from them; empty if there is none), its
+    values checked before any work."""
     given = {key: kwargs.pop(key) for key in (CONFIG_FLAG, CONFIG_NUM_SHARDS) if key in kwargs}
-    return read_tiled_mlp_flags(given) if CONFIG_FLAG in given else None
+    read_tiled_mlp_flags(given)
+    return given
 
 
-def _apply_request(request: Optional[TiledMLPFlags], config: Any) -> None:
-    """An explicit ``use_tiled_mlp`` decides, either way, over what the config says."""
-    if request is None:
+def _apply_request(given: Dict[str, Any], config: Any) -> None:
+    """An explicit ``use_tiled_mlp`` decides, either way, over what the config says. A shard count given alone
+    replaces the config's where the config asks for tiling, and is refused where nothing does (it would be
+    dropped without a word)."""
+    if not given:
         return
+    if CONFIG_FLAG not in given:
+        saved = getattr(config, CONFIG_FLAG, None)
+        if not read_tiled_mlp_flags({} if saved is None else {CONFIG_FLAG: saved}).use_tiled_mlp:
+            raise ValueError(f"{CONFIG_NUM_SHARDS}={given[CONFIG_NUM_SHARDS]!r} was given, but nothing asks for tiling "
+                             f"(the config does not, and {CONFIG_FLAG} was not passed): pass {CONFIG_FLAG}=True too")
+        given = {CONFIG_FLAG: True, **given}
+    request = read_tiled_mlp_flags(given)
     if request.use_tiled_mlp:
         # The path saved with the model (``enable_tiled_mlp(config, path="generic")``) stays.
         enable_tiled_mlp(config, request.num_shards, path=getattr(config, CONFIG_PATH, "auto"))
