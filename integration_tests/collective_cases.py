@@ -26,9 +26,13 @@ def collectives_seen(rank: int, world: int) -> Dict[str, object]:
     with reads:
         in_place = x * 2
         dist.all_reduce(in_place)
-        packet = torch.ops._c10d_functional.all_reduce(x * 3, "sum", dist.group.WORLD.group_name)
-        functional = funcol.all_reduce(x * 4, "sum", dist.group.WORLD)
+        # The inputs held until the plain tensor is made: the watch records tensors by id while they live, and a
+        # dead input's id taken by the plain one would count it as the collective's (a wait, in a tiled call).
+        packet_input, functional_input = x * 3, x * 4
+        packet = torch.ops._c10d_functional.all_reduce(packet_input, "sum", dist.group.WORLD.group_name)
+        functional = funcol.all_reduce(functional_input, "sum", dist.group.WORLD)
         plain = x * 5
+    del packet_input, functional_input
     results = [funcol.wait_tensor(packet), functional.wait()]
     return {"in_place": reads.held_by_collective(in_place), "packet": reads.held_by_collective(packet),
             "functional": reads.held_by_collective(functional.elem), "plain": reads.held_by_collective(plain),
