@@ -326,8 +326,10 @@ def _declared_width(lm_head: nn.Module, name: str, weight_dim: int) -> Optional[
     report another module's sizes (PEFT's ``modules_to_save`` on a tied embedding reports the embedding's,
     swapped); then None: the head's own forward checks its input, and its logits show the vocabulary."""
     value = getattr(lm_head, name, None)
-    if not isinstance(value, int) or isinstance(lm_head, nn.Linear):
-        return value if isinstance(value, int) else None
+    if not isinstance(value, int):
+        return None
+    if isinstance(lm_head, nn.Linear):
+        return value
     weight = getattr(lm_head, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[weight_dim] != value:
         return None

@@ -25,7 +25,7 @@ from tiled_mlp.core import FastPathRefused, TiledMLP, TilingState, install_tilin
 from tiled_mlp.core.shard_plan import NumShards
 from tiled_mlp.strategies.resolver import StrategyArg
 
-from .args import read_tiled_mlp_flags
+from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .causal_lm_loss import check_tiled_loss, install_tiled_loss, remove_tiled_loss
 from .matching import Patterns, Scan, find_tiled, scan
 from .moe import TiledExperts
@@ -198,14 +198,18 @@ def enable_tiled_mlp(config: Any, num_shards: NumShards = "auto", path: str = "a
 def maybe_apply_tiled_mlp(model: nn.Module, **kwargs) -> Optional[TilingReport]:
     """Tile ``model`` if its config says ``use_tiled_mlp``; ``kwargs`` go to ``apply_tiled_mlp``."""
     config = getattr(model, "config", None)
-    # A config read from JSON or YAML may say "false" or "4": parsed, never passed to bool() or used raw.
-    flags = read_tiled_mlp_flags({key: getattr(config, key) for key in (CONFIG_FLAG, CONFIG_NUM_SHARDS)
-                                  if getattr(config, key, None) is not None})
+    flags = _config_flags(config)
     if not flags.use_tiled_mlp:
         return None
     kwargs.setdefault("num_shards", flags.num_shards)
     kwargs.setdefault("path", getattr(config, CONFIG_PATH, "auto"))
     return apply_tiled_mlp(model, **kwargs)
+
+
+def _config_flags(config: Any, keys=(CONFIG_FLAG, CONFIG_NUM_SHARDS)) -> TiledMLPFlags:
+    """The tiling flags a model's config holds (of ``keys``; the others at their defaults). A config read from
+    JSON or YAML may say "false" or "4": parsed, never passed to bool() or used raw."""
+    return read_tiled_mlp_flags({key: getattr(config, key) for key in keys if getattr(config, key, None) is not None})
 
 
 def _pop_request(kwargs: dict) -> Dict[str, Any]:
@@ -223,8 +227,7 @@ def _apply_request(given: Dict[str, Any], config: Any) -> None:
     if not given:
         return
     if CONFIG_FLAG not in given:
-        saved = getattr(config, CONFIG_FLAG, None)
-        if not read_tiled_mlp_flags({} if saved is None else {CONFIG_FLAG: saved}).use_tiled_mlp:
+        if not _config_flags(config, (CONFIG_FLAG,)).use_tiled_mlp:
             raise ValueError(f"{CONFIG_NUM_SHARDS}={given[CONFIG_NUM_SHARDS]!r} was given, but nothing asks for tiling "
                              f"(the config does not, and {CONFIG_FLAG} was not passed): pass {CONFIG_FLAG}=True too")
         given = {CONFIG_FLAG: True, **given}
