@@ -125,8 +125,11 @@ class Strategy(ABC):
     def configured_for(cls, module: nn.Module, ancestors: Sequence[nn.Module] = (), **init_kwargs: Any) -> Strategy:
         """The instance that runs ``module`` once this class claimed it, built from the registered
         ``init_kwargs``. A backend that can read its configuration from the runtime (the process group
-        of the DDP wrapper running the call) fills in what was not given. Asked at every tiled call of
-        an "auto" module: it must stay cheap."""
+        of the DDP wrapper running the call) fills in what was not given; such an override is asked at
+        every tiled call of an "auto" module, and must stay cheap. Where a class keeps this default, the
+        instance rests on the registered arguments alone, and the registration builds it once: every call
+        "auto" resolves to it shares it, as every call of a module given a fixed instance shares that one.
+        An instance holds configuration, never the state of a call."""
         return cls(**init_kwargs)
 
     # -- 2. refusing ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ instance the registry builds: ``register_strategy(MyStrategy, mesh=tp_mesh)``, u
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
 
 from torch import nn
@@ -22,6 +22,10 @@ class Registration:
     name: str
     cls: Type[Strategy]
     init_kwargs: Mapping[str, Any]
+    # The instance "auto" resolves to, kept where the class builds it from the registered arguments alone (its
+    # ``configured_for`` is the base class's): nothing of the runtime goes into it, so every call it claims
+    # shares it, as every call of a module given a fixed instance shares that one.
+    _shared: List[Strategy] = field(default_factory=list, compare=False, repr=False)
 
     def build(self) -> Strategy:
         """An instance configured with the stored arguments alone (a name given to ``TiledMLP``)."""
@@ -36,13 +40,22 @@ class Registration:
     def build_for(self, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> Strategy:
         """The instance "auto" resolves for ``module``: the stored arguments, and what the class reads
         from the runtime for the rest (``Strategy.configured_for``)."""
-        return self._named(self.cls.configured_for(module, ancestors, **self.init_kwargs))
+        shared = self._shared
+        if shared:
+            return shared[0]
+        strategy = self._named(self.cls.configured_for(module, ancestors, **self.init_kwargs))
+        if getattr(self.cls.configured_for, "__func__", None) is _BASE_CONFIGURED_FOR:
+            shared.append(strategy)
+        return strategy
 
     def _named(self, strategy: Strategy) -> Strategy:
         if strategy.name != self.name:
             strategy.name = self.name
         return strategy
 
+
+# The base class's ``configured_for``, as defined: a class that keeps it builds from its arguments alone.
+_BASE_CONFIGURED_FOR = Strategy.__dict__["configured_for"].__func__
 
 _REGISTRY: Dict[str, Registration] = {}
 # The resolver's order, kept sorted as registrations come and go (it is read at every tiled call), and the

@@ -232,3 +232,34 @@ def test_a_patched_base_gathered_is_entered_around_the_call_and_the_backward(mon
     tiled = TiledMLP(GatedMLP(HIDDEN, INTER).double(), num_shards=2)
     tiled(torch.randn(1, 6, HIDDEN, dtype=torch.float64, requires_grad=True)).sum().backward()
     assert entered == ["TiledGatedMLP", "TiledGatedMLP"]  # around the forward, and around the recompute
+
+
+def test_auto_shares_the_instance_a_registration_builds_from_its_arguments_alone(registered):
+    """A class that keeps the base ``configured_for`` builds from the registered arguments alone: every call "auto"
+    resolves to it shares one instance (as every call shares a fixed one); a class that reads the runtime in its
+    own ``configured_for`` is built at every call."""
+
+    class Fixed(Strategy):
+        name, priority = "test_fixed_arguments", 70
+
+        def __init__(self, mesh="stored"):
+            self.mesh = mesh
+
+        @classmethod
+        def claims(cls, module, ancestors=()):
+            return isinstance(module, MeshMLP) and not hasattr(module, "read_runtime")
+
+    registered(Fixed)
+    registered(MeshStrategy)
+    x = torch.randn(1, TOKENS, HIDDEN)
+    shared = [TiledMLP(MeshMLP(HIDDEN, INTER), num_shards=2) for _ in range(2)]
+    for tiled in shared * 2:
+        tiled(x)
+    assert shared[0].tiling.last_strategy is shared[1].tiling.last_strategy
+    assert type(shared[0].tiling.last_strategy) is Fixed
+    runtime = TiledMLP(MeshMLP(HIDDEN, INTER), num_shards=2)
+    runtime.read_runtime = True
+    runtime(x)
+    first = runtime.tiling.last_strategy
+    runtime(x)
+    assert type(first) is MeshStrategy and runtime.tiling.last_strategy is not first
