@@ -151,3 +151,55 @@ def test_a_kernel_declaring_an_output_width_does_not_size_the_output():
         torch.testing.assert_close(tiled(x), plain(x), rtol=1e-12, atol=1e-12)
     finally:
         unregister_kernel("test_claims_eight")
+
+
+class CountingDecline(Kernel):
+    """Declines every call and counts how often it was asked; ``answers_per_plan`` as given."""
+
+    name = "test_counting"
+
+    def __init__(self, answers_per_plan: bool):
+        self.answers_per_plan = answers_per_plan
+        self.asked = 0
+
+    def why_not(self, call: KernelCall) -> str:
+        self.asked += 1
+        return ALWAYS_DECLINES
+
+
+def _asked_per_call(answers_per_plan: bool, calls: int = 3) -> int:
+    kernel = register_kernel(CountingDecline(answers_per_plan), priority=200)
+    try:
+        gated = TiledMLP(GatedMLP(8, 20).double(), num_shards=2)
+        x = torch.randn(1, 6, 8, dtype=torch.float64)
+        for _ in range(calls):
+            gated(x)
+            assert gated.tiling.last_path == "fast"
+        return kernel.asked
+    finally:
+        unregister_kernel("test_counting")
+
+
+def test_a_choice_made_only_by_kernels_answering_per_plan_is_remembered_while_the_plan_holds():
+    """The gated kernel answers per plan: with another such kernel ahead of it, both are asked once over three
+    calls; a kernel that does not say so (the default) is asked at every call, and so is every kernel then."""
+    assert _asked_per_call(answers_per_plan=True) == 1
+    assert _asked_per_call(answers_per_plan=False) == 3
+
+
+def test_a_remembered_choice_is_made_again_when_the_kernels_or_the_module_change():
+    gated = TiledMLP(GatedMLP(8, 20).double(), num_shards=2)
+    x = torch.randn(1, 6, 8, dtype=torch.float64)
+    gated(x)
+    assert gated.tiling.last_path == "fast"
+    register_kernel(TanhMLPKernel(), priority=200)  # registered after the first call: asked at the next
+    try:
+        gated(x)
+        assert f"{NAME!r} declined: {NOT_MINE}" in gated.tiling.last_reason
+    finally:
+        unregister_kernel(NAME)
+    gated(x)
+    assert NAME not in gated.tiling.last_reason
+    gated.up_proj.register_forward_hook(lambda *args: None)  # a hook the fast kernel would skip
+    gated(x)
+    assert gated.tiling.last_path == "generic"

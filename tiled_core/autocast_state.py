@@ -24,11 +24,13 @@ class AutocastState:
 
     @classmethod
     def capture(cls, device: torch.device) -> AutocastState:
-        device_type = device.type
+        # The state with autocast off, one per device, is captured at every tiled forward; it also holds the
+        # device's type (``device.type`` builds a new string at every read).
+        off = _OFF.get(device)
+        device_type = device.type if off is None else off.device_type
         if not autocast_enabled(device_type):
-            off = _OFF.get(device_type)
-            if off is None:  # one per device type: captured at every tiled forward
-                off = _OFF[device_type] = cls(device_type, False, torch.float32)
+            if off is None:
+                off = _OFF[device] = cls(device_type, False, torch.float32)
             return off
         return cls(device_type, True, torch.get_autocast_dtype(device_type))
 
@@ -43,4 +45,4 @@ class AutocastState:
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
 
 
-_OFF: Dict[str, AutocastState] = {}
+_OFF: Dict[torch.device, AutocastState] = {}

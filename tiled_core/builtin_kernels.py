@@ -9,12 +9,10 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
 
 from .activations import gated_activation
 from .autocast_state import autocast_enabled
 from .fast_path import decide_fast_path
-from .gated_forms import torch_functions_intact
 from .gated_spec import foreign_child_hooks
 from .kernel_registry import MAP, REDUCE, Kernel, KernelCall, register_kernel
 from .kernels import GatedShardKernel, GenericShardKernel
@@ -39,6 +37,9 @@ class GatedEntry(Kernel):
     name = "fast"
     shape = MAP
     keeps_grad_buffers = False  # weight gradients go straight into one buffer per weight
+    # The decision rests on the plan (the module tree, the forward, the input's dtype and device, autocast),
+    # and on what the proof read besides, which the plan is guarded by.
+    answers_per_plan = True
 
     def why_not(self, call: KernelCall) -> str:
         if call.token_inputs:
@@ -47,10 +48,18 @@ class GatedEntry(Kernel):
         unfit = type(module).tiled_no_fast_path  # type: ignore[attr-defined]  # TiledMLP's class attribute
         if unfit:
             return unfit
-        if plan.fast is None or _fast_decision_stale(module, plan):
+        if plan.fast is None:
             plan.fast = decide_fast_path(module, forward_function(module), call.x, call.strategy.is_backend_hook)
-            plan.fast_kernel = None
-            plan.fast_params = plan.fast[0].params if plan.fast[0] is not None else None
+            spec = plan.fast[0]
+            plan.fast_params = spec.params if spec is not None else None
+            if spec is not None:
+                assert spec.proof_reads is not None, "a proven spec carries what its proof read"
+                # What neither the plan's key nor its snapshot sees: a class changed since
+                # (``MyMLP.up_proj = property(...)``, ``nn.GELU.approximate = ...``, ``nn.Linear.__getattr__``, a
+                # patched ``nn.Module.__call__``), a module global a forward's code reads rebound, a torch
+                # function patched. The proof's reads guard the plan: where one changed, the plan, and this decision
+                # with it, is made again.
+                plan.add_guards(spec.proof_reads.holds)
         spec, why_not = plan.fast
         if spec is None:
             return why_not
@@ -66,19 +75,6 @@ class GatedEntry(Kernel):
             activation = gated_activation(spec.activation, call.x.device, tiling_of(module).use_fused_kernel)
             plan.fast_kernel = GatedShardKernel.for_spec(spec, activation, type(module).__name__)
         return plan.fast_kernel
-
-
-def _fast_decision_stale(module: nn.Module, plan) -> bool:
-    """Whether a cached fast decision may no longer hold. The plan holds, so its key (the forward and its
-    code by identity) and its snapshot of the module tree's own dicts (attributes, children, parameters,
-    and each module's class by identity) are what they were; what neither sees: a class changed since
-    (``MyMLP.up_proj = property(...)``, ``nn.GELU.approximate = ...``, ``nn.Linear.__getattr__``, a patched
-    ``nn.Module.__call__``), a module global a forward's code reads rebound, and a torch function patched.
-    (``gated_forms.ProofReads``)."""
-    spec = plan.fast[0] if plan.fast is not None else None
-    if spec is None:
-        return False
-    return not torch_functions_intact() or spec.proof_reads is None or spec.proof_reads.stale()
 
 
 class NormEntry(Kernel):

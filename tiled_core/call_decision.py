@@ -24,14 +24,13 @@ from .kernel_registry import MAP, KernelCall, KernelChoice, available_kernels, c
 from .module_forward import current_forward
 from .module_snapshot import ModuleSnapshot
 from .tiled_call import CallDecision
-from .tiling_state import TilingState, tiling_of
+from .tiling_state import TilingState
 
 
-def decide_map_call(module: nn.Module, strategy: Strategy, x: torch.Tensor, shard_forward: Callable,
+def decide_map_call(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor, shard_forward: Callable,
                     token_inputs: Sequence[torch.Tensor]) -> CallDecision:
-    """What this call of ``module`` on ``x`` runs (inside the strategy's gathered region, where a
-    kernel's decision can read the parameters)."""
-    state = tiling_of(module)
+    """What this call of ``module`` (``state``: its tiling) on ``x`` runs (inside the strategy's gathered
+    region, where a kernel's decision can read the parameters)."""
     num_tokens = x.numel() // x.shape[-1]
     # A configured count never passes a call through for its length: only the auto policy asks the sizes.
     by_policy = not isinstance(state.num_shards, int)
@@ -43,7 +42,7 @@ def decide_map_call(module: nn.Module, strategy: Strategy, x: torch.Tensor, shar
         decision = shard_count(state, last, x, num_tokens, generic=last.generic)
         if decision.num_shards is None:
             return _untiled(decision.reason)
-    plan = current_plan(module, strategy, x)
+    plan = current_plan(module, state, strategy, x)
     if untiled_allowed and num_tokens == 0:
         return _untiled("untiled: no tokens")
     if untiled_allowed and by_policy:
@@ -123,10 +122,9 @@ def shard_count(state: TilingState, sizes: Union[PlanSizes, CallPlan], x: torch.
 _CONFIGURED: Dict[int, AutoDecision] = {}
 
 
-def current_plan(module: nn.Module, strategy: Strategy, x: torch.Tensor) -> CallPlan:
+def current_plan(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor) -> CallPlan:
     """The cached plan while its key holds, else a new one (see ``call_plan.py``)."""
-    state = tiling_of(module)
-    config, keep_alive = plan_config(module, strategy, x, current_forward(module))
+    config, keep_alive = plan_config(module, strategy, x, current_forward(module, state))
     plan = state.call_plan
     if plan is None or not plan_holds(plan, config, module):
         plan = CallPlan(config, keep_alive, ModuleSnapshot(module), shallow_key(module, strategy, x),

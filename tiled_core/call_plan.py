@@ -1,11 +1,13 @@
 """What a tiled call decides before it touches a tensor, kept while nothing it rests on changes.
 
-A tiled call needs the trainable parameters, the module's sizes, its hooks and the fast-path decision
-(what the forward is, ``gated_forms``). A plan is kept while two things hold: its configuration (the
-path asked for, the forward and its code by identity, the form registry's generation, the strategy's
-type, the input's dtype and device, autocast: ``plan_config``) and a snapshot of the module tree
-(``module_snapshot``: its parameters, buffers, submodules, hooks, training modes, settings), compared
-by identity at every call without building a key. The
+A tiled call needs the trainable parameters, the module's sizes, its hooks, the fast-path decision
+(what the forward is, ``gated_forms``) and the kernel chosen (``kernel_registry``). A plan is kept while
+three things hold: its configuration (the path asked for and the kernels the module's class allows, the
+forward and its code by identity, the form registry's generation, the strategy's type, the input's dtype
+and device, autocast: ``plan_config``), a snapshot of the module tree (``module_snapshot``: its parameters,
+buffers, submodules, hooks, training modes, settings), compared by identity at every call without building
+a key, and the guards a kernel added on what else its answer read (the fast kernel's proof reads classes,
+module globals and torch's functions: ``gated_forms.ProofReads``). The
 strategy itself is resolved at every call (a model is usually wrapped by its backend after it was
 tiled, and a warm-up forward must not pin the single-device fallback); without a process group that
 costs a few attribute reads.
@@ -22,13 +24,13 @@ only until the next tiled call, which walks the module and re-decides with fresh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .activations import fused_generation
-from .autocast_state import autocast_enabled
+from .autocast_state import AutocastState
 from .gated_forms import registry_generation
 from .gated_spec import GatedMLPSpec
 from .module_snapshot import ModuleSnapshot
@@ -54,6 +56,11 @@ class CallPlan:
     generic_layout: Optional[Any] = field(default=None, repr=False)
     # What other registered kernels derive from the module, by kernel name (``kernel_registry``).
     kernel_cache: Dict[str, Any] = field(default_factory=dict, repr=False)
+    # The kernel choices the registry remembers for this plan (``kernel_registry.choose_kernel``).
+    choices: Dict[tuple, Any] = field(default_factory=dict, repr=False)
+    # What kernels' answers read outside the module tree and the configuration, each True while it still
+    # holds (``add_guards``): the plan holds only while they all do.
+    guards: List[Callable[[], bool]] = field(default_factory=list, repr=False)
     # Whether the last kernel chosen keeps gradient buffers of its own (the auto policy's generic rule).
     generic: bool = False
     # The last tiled decision made from this plan (``call_decision._tiled``): (what it was formed from,
@@ -61,6 +68,10 @@ class CallPlan:
     last_decision: Optional[tuple] = field(default=None, repr=False)
     _trainable_bytes: Optional[int] = field(default=None, repr=False)
     _sizes: Optional[PlanSizes] = field(default=None, repr=False)
+
+    def add_guards(self, *guards: Callable[[], bool]) -> None:
+        """Hold this plan only while each of ``guards`` answers True (checked at every call, with the snapshot)."""
+        self.guards.extend(guards)
 
     @property
     def trainable_bytes(self) -> int:
@@ -103,15 +114,22 @@ def plan_config(module: nn.Module, strategy: Any, x: torch.Tensor, forward: Any)
     besides the module tree; ``forward`` is what the module's forward is now (the instance forward, else
     the class's: patched on the class or not)."""
     tiling: Any = module.tiling  # the path asked for and the kernels allowed decide the fast path too
+    no_fast_path = type(module).tiled_no_fast_path  # type: ignore[attr-defined]  # the module class's own refusal of the fast kernel
     code = getattr(getattr(forward, "__func__", forward), "__code__", None)  # ``__code__`` swapped in place
     device = x.device
     # The strategy answers trainable_params and param_bytes: another backend, another plan. (Its type:
     # "auto" makes a new instance at every call.)
-    config = (tiling.path, tiling.use_fused_kernel, id(forward), id(code), registry_generation(), fused_generation(), type(strategy),
-              x.dtype, device, autocast_enabled(device.type))
+    config = (tiling.path, tiling.use_fused_kernel, no_fast_path, id(forward), id(code), registry_generation(), fused_generation(), type(strategy),
+              x.dtype, device, AutocastState.capture(device).enabled)
     return config, (forward, code)
 
 
 def plan_holds(plan: CallPlan, config: tuple, module: nn.Module) -> bool:
-    """Whether ``plan`` was made for this configuration and for ``module``'s tree as it is now."""
-    return plan.config == config and plan.snapshot.holds(module)
+    """Whether ``plan`` was made for this configuration and for ``module``'s tree as it is now, and every
+    guard a kernel added still holds."""
+    if plan.config != config or not plan.snapshot.holds(module):
+        return False
+    for guard in plan.guards:
+        if not guard():
+            return False
+    return True

@@ -83,13 +83,13 @@ def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...]
     # One written into the instance's dict (Liger's ``_bind_method_to_module``) is adopted by the eager call.
     if state.instance_forward is not None or "forward" in vars(module):
         return _eager_route("an instance forward is installed (what each shard runs is not the class's forward)")
-    strategy = module_strategy(module)
+    strategy = module_strategy(module, state)
     strategy.check_supported(module)
     if not autograd_carries_the_call(strategy):
         return _eager_route(f"the {strategy.name} strategy gathers parameters or delivers gradients itself")
     # A stand-in input: the decision reads the input's sizes, dtype and device, never its values.
     x = torch.empty((), dtype=dtype, device=device).expand(shape)
-    decision = decide_map_call(module, strategy, x, functools.partial(original_forward, module), ())
+    decision = decide_map_call(module, state, strategy, x, functools.partial(original_forward, module), ())
     kernel = decision.kernel
     if kernel is None:
         return CompiledRoute(UNTILED, f"{decision.reason} (traced as the module's own forward)")

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .activations import ACTIVATIONS
-from .code_forms import CodeForm, check_body, globals_hold, matches
+from .code_forms import CodeForm, GlobalReads, check_body, matches
 
 Scale = Union[float, str]  # a fixed factor, or the name of a float attribute the forward multiplies by
 
@@ -193,7 +193,7 @@ def linear_is_a_linear(fn: Any) -> bool:
 def torch_functions_intact() -> bool:
     """Whether the torch functions the accepted forms call are still what they were proven to be
     (checked at every call that reuses a cached fast decision: patching one changes no key)."""
-    return F.silu is F_SILU and F.gelu is F_GELU and linear_is_a_linear(F.linear)
+    return F.silu is F_SILU and F.gelu is F_GELU and (F.linear is F_LINEAR or linear_is_a_linear(F.linear))
 
 
 # -- the activation -----------------------------------------------------------------------------------
@@ -315,13 +315,15 @@ class ProofReads:
       that name anywhere in the class's MRO, or by a custom attribute lookup (``__getattribute__``,
       ``__getattr__`` other than torch's);
     - classes whose instances the forward calls: called through a ``__call__`` other than torch's;
-    - forwards whose code matched a body: the module globals that body names rebound.
-    Built once per decision, checked at every call that reuses it."""
+    - forwards whose code matched a body: the module globals that body names rebound;
+    - the torch functions the accepted forms call, patched (``torch_functions``: ``torch_functions_intact``).
+    Built once per decision, checked at every call that reuses it (a guard on its call plan)."""
 
-    __slots__ = ("_classes", "_lookups", "_key_views", "_names", "_called", "_codes")
+    __slots__ = ("_classes", "_lookups", "_key_views", "_names", "_called", "_torch_calls", "_globals",
+                 "_torch_functions")
 
     def __init__(self, reads: Iterable[Tuple[type, Tuple[str, ...]]], called: Iterable[type] = (),
-                 codes: Iterable[Optional[CodeRead]] = ()):
+                 codes: Iterable[Optional[CodeRead]] = (), torch_functions: bool = False):
         names_by_class: Dict[type, Set[str]] = {}
         for cls, names in reads:
             names_by_class.setdefault(cls, set()).update(names)
@@ -336,21 +338,25 @@ class ProofReads:
         self._key_views = tuple(vars(klass).keys() for klass in wanted)
         self._names = tuple(map(frozenset, wanted.values()))
         self._called = tuple(dict.fromkeys(called))
-        self._codes = tuple(code for code in codes if code is not None)
+        self._torch_calls = (_TORCH_CALLS,) * len(self._called)  # what each class's calls must be
+        self._globals = GlobalReads([code for code in codes if code is not None])
+        self._torch_functions = torch_functions  # the decision relies on the torch functions the forms call
 
-    def stale(self) -> bool:
+    def holds(self) -> bool:
+        """Whether everything read is still what it was (a guard on the call plan the decision is kept in)."""
         # Equal lookups: the same two functions (compared by identity) and an equal MRO (the same classes,
-        # so the same dicts whose keys are read below).
-        return (list(map(_lookup_of, self._classes)) != self._lookups
-                or not all(map(_isdisjoint, self._key_views, self._names))
-                or not all(map(called_as_torch_calls, self._called))
-                or not all(globals_hold(fn, form) for fn, form in self._codes))
+        # so the same dicts whose keys are read below). Each class's calls as ``called_as_torch_calls`` asks.
+        return (list(map(_lookup_of, self._classes)) == self._lookups
+                and all(map(_isdisjoint, self._key_views, self._names))
+                and tuple(map(_calls_of, self._called)) == self._torch_calls
+                and self._globals.hold()
+                and (not self._torch_functions or torch_functions_intact()))
 
 
 def shadowed(module: nn.Module, names: Tuple[str, ...]) -> bool:
     """Whether reading one of ``names`` on ``module`` could find something other than what it holds
     itself (a class attribute or property of that name, or a custom attribute lookup)."""
-    return ProofReads(((type(module), names),)).stale()
+    return not ProofReads(((type(module), names),)).holds()
 
 
 def resolve_scale(module: nn.Module, scale: Scale) -> Optional[float]:

@@ -10,6 +10,7 @@ has no dropout, and the activation is one we differentiate exactly. Any doubt me
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -81,7 +82,7 @@ _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_gl
 def global_module_hooks() -> List[dict]:
     """The hooks registered for every module's calls (``register_module_forward_hook``, ...), by
     handle id: they fire at each submodule call, and the fast kernel makes none."""
-    return [getattr(_module_globals, name, {}) for name in _GLOBAL_HOOK_DICTS]
+    return list(map(getattr, repeat(_module_globals), _GLOBAL_HOOK_DICTS, repeat({})))  # read at every tiled call
 
 
 def _module_hooks(module: nn.Module) -> tuple:
@@ -194,5 +195,5 @@ def structural_spec(module: nn.Module, form: GatedForm, is_backend_hook=no_hook_
     spec.proof_reads = ProofReads(((type(module), form.read_names), (type(act_module), act_reads),
                                    *((type(linear), _LINEAR_READS) for linear in spec.linears)),
                                   called=called,
-                                  codes=(forward_code, act_code, (nn.Linear.forward, _LINEAR)))
+                                  codes=(forward_code, act_code, (nn.Linear.forward, _LINEAR)), torch_functions=True)
     return spec, ""

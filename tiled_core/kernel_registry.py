@@ -18,6 +18,12 @@ Two shapes, the two shapes of the sharded autograd:
 
 A kernel registered with the default priority (100) is asked before every built-in one; one registered
 below 0 is never reached, since the last built-in of each shape always applies.
+
+A choice is asked for at every call, and remembered only where nothing could change it: every kernel that
+answered says its answer rests on the call's plan alone (``Kernel.answers_per_plan``), and the chosen one
+serves many calls. It is then kept with the plan, for as long as the plan holds, keyed by the registry's
+generation, the kernel asked for, the input's number of dimensions and whether the call has other sharded
+inputs; no kernel is asked again for such a call.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ SHAPES = (MAP, REDUCE)
 DEFAULT_PRIORITY = 100
 
 
-@dataclass
+@dataclass(slots=True)
 class KernelCall:
     """What a kernel is asked about: one call of one module, inside its backend's gathered region
     (the parameters are whole here)."""
@@ -52,7 +58,8 @@ class KernelCall:
     # (``kernels.vocab_parallel.VocabSlice``); None: the head's vocabulary is whole here.
     vocab_slice: Any = None
     # map: the module's call plan (``call_plan.CallPlan``), valid while nothing the call rests on
-    # changes; a kernel may keep what it derives from the module in ``cache.kernel_cache[name]``.
+    # changes; a kernel may keep what it derives from the module in ``cache.kernel_cache[name]``, and
+    # add a guard on anything else its answer read (``cache.add_guards``).
     cache: Any = None
 
 
@@ -66,6 +73,13 @@ class Kernel:
     #: map only: the kernel keeps a gradient buffer per trainable parameter beside the module's (the
     #: generic kernel does): the auto shard policy counts those bytes.
     keeps_grad_buffers: bool = True
+    #: map only: ``why_not`` answers from nothing but the call's plan (``call.cache``: the module tree its
+    #: snapshot holds, and its configuration: the forward, the path asked for, the kernels the module's class
+    #: allows, the strategy's type, the input's dtype and device, autocast), the input's number of dimensions and
+    #: whether the call has other sharded inputs, and from what the guards it added to the plan watch
+    #: (``CallPlan.add_guards``); and ``build`` makes the same kernel for every such call. The registry may then
+    #: answer for it while the plan holds.
+    answers_per_plan: bool = False
 
     def why_not(self, call: KernelCall) -> str:
         return ""
@@ -96,6 +110,8 @@ class KernelChoice:
 _REGISTERED: Dict[str, Tuple[int, int, Kernel]] = {}  # name -> (priority, registration order, kernel)
 _ORDERED: Dict[str, Tuple[Kernel, ...]] = {shape: () for shape in SHAPES}
 _COUNTER = [0]
+# Counts registrations and removals: a choice remembered with a plan holds only for the kernels it was made among.
+_GENERATION = [0]
 
 
 def _reorder() -> None:
@@ -120,6 +136,7 @@ def register_kernel(kernel: Kernel, *, priority: int = DEFAULT_PRIORITY, overrid
     _COUNTER[0] += 1
     _REGISTERED[kernel.name] = (priority, _COUNTER[0], kernel)
     _reorder()
+    _GENERATION[0] += 1
     return kernel
 
 
@@ -129,6 +146,7 @@ def unregister_kernel(name: str) -> None:
         raise KeyError(f"no kernel named {name!r}; registered: {available_kernels()}")
     del _REGISTERED[name]
     _reorder()
+    _GENERATION[0] += 1
 
 
 def available_kernels(shape: Optional[str] = None) -> List[str]:
@@ -139,11 +157,27 @@ def available_kernels(shape: Optional[str] = None) -> List[str]:
 
 def choose_kernel(shape: str, call: KernelCall, only: Optional[str] = None) -> KernelChoice:
     """The first kernel of ``shape`` that applies to ``call`` (only the one named ``only``, when given:
-    the others decline as not asked for), built for it."""
+    the others decline as not asked for), built for it; the one its plan remembers, where it may (see the
+    module doc)."""
+    plan = call.cache
+    key = None
+    if plan is not None:
+        key = (_GENERATION[0], shape, only, call.x.dim(), not call.token_inputs)
+        remembered = plan.choices.get(key)
+        if remembered is not None:
+            return remembered
     declined: List[Tuple[str, str]] = []
+    per_plan = key is not None
     for entry in _ORDERED[shape]:
-        why = f"path={only!r} was asked for" if only is not None and entry.name != only else entry.why_not(call)
+        if only is not None and entry.name != only:
+            declined.append((entry.name, f"path={only!r} was asked for"))
+            continue
+        per_plan = per_plan and entry.answers_per_plan
+        why = entry.why_not(call)
         if not why:
-            return KernelChoice(entry, entry.build(call), tuple(declined))
+            choice = KernelChoice(entry, entry.build(call), tuple(declined))
+            if per_plan and getattr(choice.kernel, "serves_many_calls", False):
+                plan.choices[key] = choice
+            return choice
         declined.append((entry.name, why))
     return KernelChoice(None, None, tuple(declined))

@@ -34,20 +34,20 @@ class TiledInputs(NamedTuple):
 
 def module_forward(module: nn.Module, *args, **kwargs) -> torch.Tensor:
     """The forward of every tiled class (``TiledForward`` calls it)."""
-    if tiling_of(module).shard_depth:
+    state = tiling_of(module)
+    if state.shard_depth:
         # Called from inside one of its own shards: an instance forward wrapping the tiled forward
         # (accelerate's hooks: ``old = m.forward; m.forward = wrapper(old)``) reaches here; the shard
         # computes the module's own forward.
         return base_forward(module)(module, *args, **kwargs)
-    adopt_instance_forward(module)
-    return tiled_call(MapSite(module, module.tiled_inputs(*args, **kwargs)))  # type: ignore[operator]
+    adopt_instance_forward(module, state)
+    return tiled_call(MapSite(module, state, module.tiled_inputs(*args, **kwargs)))  # type: ignore[operator]
 
 
 class MapSite:
     """A token-wise module's side of ``tiled_call``: a ``sharded_apply`` over its hidden states."""
 
-    def __init__(self, module: nn.Module, inputs: TiledInputs):
-        state: TilingState = module.tiling  # type: ignore[assignment]
+    def __init__(self, module: nn.Module, state: TilingState, inputs: TiledInputs):
         x = inputs.hidden_states
         # The configured shard count needs no check here: the state checks it wherever it is set, unpickling
         # included (``TilingState``).
@@ -61,13 +61,13 @@ class MapSite:
         self.shard_forward = functools.partial(original_forward, module)
 
     def strategy(self) -> Strategy:
-        strategy = module_strategy(self.owner)
+        strategy = module_strategy(self.owner, self.state)
         strategy.check_supported(self.owner)
         self.state.__dict__["last_strategy"] = strategy  # a report field (see ``record``)
         return strategy
 
     def decide(self, strategy: Strategy) -> CallDecision:
-        return decide_map_call(self.owner, strategy, self.x, self.shard_forward, self.flat_token_inputs)
+        return decide_map_call(self.owner, self.state, strategy, self.x, self.shard_forward, self.flat_token_inputs)
 
     def untiled(self, decision: CallDecision) -> torch.Tensor:
         # Nothing to split, or too short for tiling to lower the peak: the plain module (only where the

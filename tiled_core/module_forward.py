@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .dynamo_support import bound, run_eagerly_at_top_level
-from .tiling_state import tiling_of
+from .tiling_state import TilingState, tiling_of
 
 
 class TiledForward:
@@ -89,9 +89,9 @@ def base_forward(module: nn.Module) -> Callable:
     return type(module)._tiled_base.forward  # type: ignore[attr-defined]  # set on every tiled class
 
 
-def current_forward(module: nn.Module) -> Callable:
-    """What the module's forward is now: the instance forward, else the original class's."""
-    installed = tiling_of(module).instance_forward
+def current_forward(module: nn.Module, state: TilingState) -> Callable:
+    """What the module's forward is now (``state``: its tiling): the instance forward, else the original class's."""
+    installed = state.instance_forward
     return installed if installed is not None else base_forward(module)
 
 
@@ -120,13 +120,14 @@ def original_forward(module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
         state.shard_depth -= 1
 
 
-def adopt_instance_forward(module: nn.Module) -> None:
+def adopt_instance_forward(module: nn.Module, state: TilingState) -> None:
     """A forward written into the instance's __dict__ after tiling (Liger's _bind_method_to_module) is
     what the module computes now, so each shard runs it; untiling puts it back. An instance forward that
-    is the tiled forward itself (unpickled ``getattr(module, "forward")``) is dropped by the same rule."""
+    is the tiled forward itself (unpickled ``getattr(module, "forward")``) is dropped by the same rule.
+    ``state``: the module's tiling."""
     installed = module.__dict__.pop("forward", None)
     if installed is None:
-        installed = tiling_of(module).instance_forward
+        installed = state.instance_forward
         if installed is None:
             return
     tiled_forward_descriptor(type(module)).__set__(module, installed)

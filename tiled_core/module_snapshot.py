@@ -41,9 +41,6 @@ _dict_of = operator.attrgetter("__dict__")
 _tensor_state: Callable[[torch.Tensor], Tuple[Any, Any, bool]] = operator.attrgetter("dtype", "device", "requires_grad")
 
 
-def _global_hook_keys() -> List[tuple]:
-    # The hooks registered for every module, by handle id (never reused).
-    return list(map(tuple, global_module_hooks()))
 
 
 class ModuleSnapshot:
@@ -82,7 +79,8 @@ class ModuleSnapshot:
         self._values = tuple(itertools.chain.from_iterable(self._filled_values))
         self._tensors = tuple(tensors)
         self._tensor_states = list(map(_tensor_state, tensors))
-        self._global_hooks = _global_hook_keys()
+        # The hooks registered for every module, by handle id (never reused).
+        self._global_hooks = list(map(tuple, global_module_hooks()))
 
     def holds(self, root: nn.Module) -> bool:
         """Whether the tree below ``root`` is still what it was when the snapshot was taken: the same root
@@ -100,4 +98,4 @@ class ModuleSnapshot:
                 and tuple(itertools.chain.from_iterable(self._filled)) == self._keys
                 and all(map(operator.is_, itertools.chain.from_iterable(self._filled_values), self._values))
                 and list(map(_tensor_state, self._tensors)) == self._tensor_states
-                and _global_hook_keys() == self._global_hooks)
+                and list(map(tuple, global_module_hooks())) == self._global_hooks)

@@ -7,7 +7,7 @@ from torch import nn
 from tiled_mlp.strategies.base import Strategy
 from tiled_mlp.strategies.resolver import resolve_strategy
 
-from .tiling_state import tiling_of
+from .tiling_state import TilingState
 
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 
@@ -17,11 +17,10 @@ def inside_backward() -> bool:
     return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
 
 
-def module_strategy(module: nn.Module) -> Strategy:
-    """The fixed strategy, or "auto" resolved now. Not cached across calls: a forward before
-    ``fully_shard``, ``deepspeed.initialize``, a DDP or an FSDP1 wrap must not pin the single-device
-    fallback (FSDP1 would then lose every gradient silently)."""
-    state = tiling_of(module)
+def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
+    """The fixed strategy, or "auto" resolved now (``state``: the module's tiling). Not cached across calls:
+    a forward before ``fully_shard``, ``deepspeed.initialize``, a DDP or an FSDP1 wrap must not pin the
+    single-device fallback (FSDP1 would then lose every gradient silently)."""
     if state.fixed_strategy is not None:
         return state.fixed_strategy
     in_backward = inside_backward()
