@@ -20,7 +20,7 @@ from tiled_mlp.strategies.base import Strategy
 from .auto_shards import AutoDecision, intermediate_size, remembered_auto_decision
 from .call_plan import CallPlan, PlanSizes, plan_config, plan_holds, shallow_key
 from .fast_path import fast_refused
-from .kernel_registry import MAP, KernelCall, KernelChoice, available_kernels, choose_kernel
+from .kernel_registry import MAP, KernelCall, KernelChoice, available_kernels, choose_kernel, remembered_choice
 from .module_forward import current_forward
 from .module_snapshot import ModuleSnapshot
 from .tiled_call import CallDecision
@@ -50,7 +50,9 @@ def decide_map_call(module: nn.Module, state: TilingState, strategy: Strategy, x
         if decision.num_shards is None:
             return _untiled(decision.reason)
     only = None if state.path == "auto" else state.path
-    choice = choose_kernel(MAP, KernelCall(module, x, strategy, plan.trainable, shard_forward, token_inputs, cache=plan), only)
+    choice = (remembered_choice(plan, MAP, only, x, token_inputs)
+              or choose_kernel(MAP, KernelCall(module, x, strategy, plan.trainable, shard_forward, token_inputs, cache=plan),
+                               only))
     if choice.entry is None:
         if state.path == "fast":
             raise fast_refused(module, dict(choice.declined).get("fast", "it declined"))

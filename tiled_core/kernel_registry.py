@@ -155,17 +155,23 @@ def available_kernels(shape: Optional[str] = None) -> List[str]:
     return [kernel.name for s in shapes for kernel in _ORDERED[s]]
 
 
+def _choice_key(shape: str, only: Optional[str], x: torch.Tensor, token_inputs: Sequence[torch.Tensor]) -> tuple:
+    return (_GENERATION[0], shape, only, x.dim(), not token_inputs)
+
+
+def remembered_choice(plan: Any, shape: str, only: Optional[str], x: torch.Tensor,
+                      token_inputs: Sequence[torch.Tensor]) -> Optional[KernelChoice]:
+    """The choice ``choose_kernel`` remembered with ``plan`` (a held call plan) for such a call, or None: asked
+    before a ``KernelCall`` is made (see the module doc)."""
+    return plan.choices.get(_choice_key(shape, only, x, token_inputs))
+
+
 def choose_kernel(shape: str, call: KernelCall, only: Optional[str] = None) -> KernelChoice:
     """The first kernel of ``shape`` that applies to ``call`` (only the one named ``only``, when given:
-    the others decline as not asked for), built for it; the one its plan remembers, where it may (see the
-    module doc)."""
+    the others decline as not asked for), built for it; remembered with the call's plan where it may (see
+    the module doc, and ``remembered_choice``)."""
     plan = call.cache
-    key = None
-    if plan is not None:
-        key = (_GENERATION[0], shape, only, call.x.dim(), not call.token_inputs)
-        remembered = plan.choices.get(key)
-        if remembered is not None:
-            return remembered
+    key = None if plan is None else _choice_key(shape, only, call.x, call.token_inputs)
     declined: List[Tuple[str, str]] = []
     per_plan = key is not None
     for entry in _ORDERED[shape]:
