@@ -1,4 +1,4 @@
-"""``tiled-mlp bench --compile``: the four variants, the ratios against issue 29's targets, the gradient
+"""``tiled-mlp bench --compile``: the four variants, the ratios against the compile targets, the gradient
 error, the allocator peak (checked against the exact live-storage tracker where both can see), and the
 flags the mode refuses before any work.
 
@@ -96,7 +96,7 @@ def test_backend_without_compile_is_refused(capsys, no_work, backend):
 
 
 def test_defaults_differ_by_mode(monkeypatch):
-    """--compile measures issue 29's size unless told otherwise; the table mode keeps its own defaults."""
+    """--compile measures the size its targets were set at unless told otherwise; the table mode keeps its own defaults."""
     from tiled_mlp.cli import bench_cmd, bench_compile_cmd
 
     seen = {}

@@ -36,8 +36,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tp", type=parsing.positive_int, default=1,
                    help="with --model-memory: one rank of tensor parallelism over N ranks (local weights, its collectives)")
     p.add_argument("--compile", action="store_true",
-                   help="eager vs torch.compile, untiled vs tiled, at one length: time ratios against issue 29's "
-                        "targets, allocator peaks, gradient error, dynamo graph breaks")
+                   help="eager vs torch.compile, untiled vs tiled, at one length: time ratios against the "
+                        "compile targets, allocator peaks, gradient error, dynamo graph breaks")
     p.add_argument("--compile-backend", default=None, help="with --compile: torch.compile backend "
                    "(default inductor; aot_eager traces the same graphs without generating code, for a fast check)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")

@@ -9,7 +9,7 @@ import torch
 from ..bench.compiled import CompileBenchConfig, format_compile_report, run_compile_bench
 from . import json_stdout
 
-# This mode's sizes where the user gave none (issue 29's measurement); the table mode keeps its own.
+# This mode's sizes where the user gave none (the size the compile targets were set at); the table mode keeps its own.
 DEFAULTS = dict(hidden=1024, intermediate=2816, seq=[8192], compile_backend="inductor")
 
 
