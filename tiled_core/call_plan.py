@@ -114,13 +114,14 @@ def plan_config(module: nn.Module, strategy: Any, x: torch.Tensor, forward: Any)
     besides the module tree; ``forward`` is what the module's forward is now (the instance forward, else
     the class's: patched on the class or not)."""
     tiling: Any = module.tiling  # the path asked for and the kernels allowed decide the fast path too
-    no_fast_path = type(module).tiled_no_fast_path  # type: ignore[attr-defined]  # the module class's own refusal of the fast kernel
+    # The module class's own refusal of the fast kernel (``TiledMLP.tiled_no_fast_path``).
+    no_fast_path = type(module).tiled_no_fast_path  # type: ignore[attr-defined]  # set on every tiled class
     code = getattr(getattr(forward, "__func__", forward), "__code__", None)  # ``__code__`` swapped in place
     device = x.device
-    # The strategy answers trainable_params and param_bytes: another backend, another plan. (Its type:
-    # "auto" makes a new instance at every call.)
-    config = (tiling.path, tiling.use_fused_kernel, no_fast_path, id(forward), id(code), registry_generation(), fused_generation(), type(strategy),
-              x.dtype, device, AutocastState.capture(device).enabled)
+    # The strategy answers trainable_params and param_bytes: another backend, another plan. (Its type: "auto"
+    # may build a new instance at every call, DDP's with the process group of the wrapper running it.)
+    config = (tiling.path, tiling.use_fused_kernel, no_fast_path, id(forward), id(code), registry_generation(),
+              fused_generation(), type(strategy), x.dtype, device, AutocastState.capture(device).enabled)
     return config, (forward, code)
 
 

@@ -154,9 +154,6 @@ def globals_hold(fn: types.FunctionType, form: CodeForm) -> bool:
     checked."""
     module_globals = fn.__globals__
     for head, attrs, obj in form.global_paths:
-        value = module_globals.get(head, _MISSING)
-        for attr in attrs:
-            value = getattr(value, attr, _MISSING)
-        if value is not obj:
+        if not _path_holds(module_globals, head, attrs, obj):
             return False
     return True
