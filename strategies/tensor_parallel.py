@@ -49,6 +49,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from . import hf_tensor_parallel as hf_tp
+
 
 def _distribute_module_lambdas() -> frozenset:
     from torch.distributed.tensor import _api
@@ -130,8 +132,9 @@ def colwise_input_hook(module: nn.Module) -> Optional[StyleHook]:
 
 
 def is_tensor_parallel_hook(hook: Any) -> bool:
-    """A ColwiseParallel / RowwiseParallel hook on a Linear: the local view stands in for it."""
-    return style_hook(hook) is not None
+    """A ColwiseParallel / RowwiseParallel hook on a Linear, or the forward Hugging Face's own Linear styles put
+    on one (``hf_tensor_parallel.py``): the local view stands in for it."""
+    return style_hook(hook) is not None or hf_tp.is_hf_tensor_parallel_forward(hook)
 
 
 # A plain tensor or parameter is no DTensor: asked at every tiled call, answered by type before anything else.
@@ -247,6 +250,8 @@ def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> O
         bias = getattr(linear, "bias", None)
         if bias is not None and tuple(bias.placements) != (Shard(0),):
             return _declined(f"{name}.bias is {tuple(bias.placements)}, not (Shard(dim=0),)")
+    if any(hf_tp.installed_style(linear) is not None for linear in (gate, up, down)):
+        return _hf_view(gate, up, down, mesh)
     found = {}
     for linear, name, fn_in, fn_out in ((gate, "gate_proj", col_in, col_out), (up, "up_proj", col_in, col_out),
                                         (down, "down_proj", row_in, row_out)):
@@ -278,6 +283,45 @@ def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> O
     if tuple(down_in.layouts[0]) != (Shard(-1),) or tuple(down_in.layouts[1]) != (Shard(-1),):
         return _declined(f"down_proj's input is prepared as {down_in.layouts}, not Shard(-1) kept as it is")
     return TensorParallelView(gate=gate, input_hook=gate_in.hook, down=down, output_hook=found["down_proj", "output"].hook,
+                              mesh=mesh)
+
+
+def _hf_view(gate: nn.Module, up: nn.Module, down: nn.Module, mesh: Any) -> TensorParallelView:
+    """The local view of a gated MLP whose projections Hugging Face's own styles laid out (``from_pretrained(...,
+    tp_plan=...)``: each Linear's forward replaced, no hook), with the same checks as torch's styles get above:
+    its ColwiseParallel gate and up, its RowwiseParallel down, their layouts read from the style instances."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    styles = []
+    for linear, name, kind in ((gate, "gate_proj", "colwise"), (up, "up_proj", "colwise"), (down, "down_proj", "rowwise")):
+        style = hf_tp.linear_style(linear)
+        if style is None or style.kind != kind:
+            found = hf_tp.installed_style(linear)
+            what = "no tensor-parallel forward" if found is None else f"Hugging Face's {type(found).__name__}"
+            return _declined(f"{name}'s forward is {what}, not the proven Hugging Face {kind} style on a Linear "
+                             "(transformers " + ", ".join(hf_tp.CHECKED_VERSIONS) + ") the fast kernel computes")
+        pre, post = _hooks(linear)
+        if pre or post:
+            return _declined(f"{name} carries module hooks besides Hugging Face's tensor-parallel forward")
+        if style.mesh != mesh:
+            return _declined(f"{name}'s tensor-parallel forward is on another mesh than its parameters")
+        styles.append(style)
+    gate_style, up_style, down_style = styles
+    if gate_style.input_layouts != up_style.input_layouts:
+        return _declined(f"gate_proj and up_proj read their input differently ({gate_style.input_layouts} vs "
+                         f"{up_style.input_layouts})")
+    # As for torch's styles: the call is planned on the tokens the module is handed.
+    if gate_style.input_layouts != (Replicate(),):
+        return _declined(f"gate_proj's forward reads a plain input as {gate_style.input_layouts} and gathers it: the "
+                         "call is planned on this rank's tokens, not the gathered ones")
+    for style, name in ((gate_style, "gate_proj"), (up_style, "up_proj")):
+        if style.output_layouts != (Shard(-1),) or not style.use_local_output:
+            return _declined(f"{name}'s output is {style.output_layouts} (use_local_output={style.use_local_output}), "
+                             "not the local Shard(-1) the rowwise down_proj takes")
+    if down_style.input_layouts != (Shard(-1),):
+        return _declined(f"down_proj reads its input as {down_style.input_layouts}, not this rank's Shard(-1)")
+    return TensorParallelView(gate=gate, input_hook=lambda _module, inputs: gate_style.replicated_input(inputs[0]),
+                              down=down, output_hook=lambda _module, _inputs, out: down_style.reduced_output(out),
                               mesh=mesh)
 
 
@@ -461,8 +505,16 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
                 if any(isinstance(p, Shard) and p.dim % (token_dims + 1) < token_dims for p in layouts):
                     return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=style, layouts=found.layouts)
                 styled = True
+        hf_style = hf_tp.linear_style(sub)
+        if hf_style is not None:
+            for kind, placements in (("input", hf_style.input_layouts), ("output", hf_style.output_layouts)):
+                if any(isinstance(p, Shard) and p.dim % (token_dims + 1) < token_dims for p in placements):
+                    return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=f"Hugging Face's {hf_style.kind}",
+                                                        layouts=placements)
+            styled = True
         if not styled and has_dtensor([p for p in sub._parameters.values() if p is not None]):
-            unlaid.append(name)
+            other = hf_tp.installed_style(sub)
+            unlaid.append(name if other is None else f"{name} (Hugging Face's {type(other).__name__})")
     own = [p for p in module._parameters.values() if p is not None]
     if not unlaid and has_dtensor(own) and is_sequence_parallel_module(module):
         # The generic kernel runs it on the sequence-parallel view (its own refusal where declined).
@@ -471,6 +523,12 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
         where = ", ".join(unlaid + (["the module itself"] if has_dtensor(own) else []))
         return DTENSOR_PARAMS_REFUSED.format(module=type(module).__name__, where=where)
     return ""
+
+
+def composed_problem(module: nn.Module) -> str:
+    """Why ``module`` cannot be tiled beside the tensor parallelism that laid it out ("" where it can), decided at
+    tiling: Hugging Face's own, from a transformers version its seam was not checked on."""
+    return hf_tp.version_problem(module)
 
 
 def local_param_bytes(module: nn.Module) -> int:
