@@ -23,17 +23,20 @@ def expected_path(tiled: TiledMLP) -> str:
     unfit = getattr(type(tiled)._tiled_mixin, "tiled_no_fast_path", "")
     spec, why_not = (None, unfit) if unfit else structural_decision(tiled, forward_function(tiled),
                                                                      strategy.is_backend_hook)
+    # A backend that swaps the parameters around its forward (FSDP2, ZeRO-3) holds sharded ones here, not the
+    # ones a call computes with: for it the structure alone is reported.
+    now = not strategy.swaps_param_storage(tiled)
     if spec is not None:
-        view = strategy.local_view(tiled, spec.params)
+        view = strategy.local_view(tiled, spec.params) if now else None
         if view is None:
             return "fast (a known gated forward, and the structure fits)"
         if not view.why_not:
             return "fast (a known gated forward, and the structure fits; on each rank's local weights)"
         why_not = view.why_not
     norm, _ = norm_spec(tiled, forward_function(tiled))
-    if norm is not None and strategy.local_view(tiled, [norm.weight]) is None:
+    if norm is not None and (not now or strategy.local_view(tiled, [norm.weight]) is None):
         return "norm (a registered RMSNorm body)"
-    refused = strategy.per_shard_problem(tiled, 2)
+    refused = strategy.per_shard_problem(tiled, 2) if now else ""
     if refused:
         return f"refused at the first forward: no built-in kernel runs it (fast: {why_not}; generic: {refused})"
     return f"generic ({why_not})"
