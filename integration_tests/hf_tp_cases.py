@@ -114,6 +114,31 @@ def _unchecked_version_refused(path: str) -> Optional[str]:
     return None
 
 
+def _unproven_style_refused(path: str) -> Dict[str, str]:
+    """Layer 0's gate_proj under a subclass of HF's ColwiseParallel (which computes the same, but is not the style
+    the seam proves): the report and the first forward's refusal."""
+    from transformers.distributed import tensor_parallel
+
+    from tiled_mlp.integrations import apply_tiled_mlp
+
+    class MyColwise(tensor_parallel.ColwiseParallel):
+        pass
+
+    model = _load(path, tensor_parallel=True)
+    forward = vars(model.model.layers[0].mlp.gate_proj)["forward"]
+    cell = forward.__closure__[forward.__code__.co_freevars.index("self")]
+    mine = MyColwise()
+    vars(mine).update(vars(cell.cell_contents))
+    cell.cell_contents = mine
+    report = apply_tiled_mlp(model, num_shards=SHARDS)
+    ids = torch.zeros(BATCH, SEQUENCE, dtype=torch.long)
+    try:
+        model(input_ids=ids)
+    except RuntimeError as error:
+        return {"report": report.patched[0].expected_path, "raised": str(error)}
+    return {"report": report.patched[0].expected_path, "raised": ""}
+
+
 def run_hf_tp(rank: int, world_size: int, path: str, cases: List[str]) -> Dict[str, Any]:
     reference = _train(_load(path, tensor_parallel=False))
     result: Dict[str, Any] = {}
@@ -126,6 +151,8 @@ def run_hf_tp(rank: int, world_size: int, path: str, cases: List[str]) -> Dict[s
             for key in ("grads", "params"):
                 run.pop(key)
             result[case] = run
+    if "unproven_style" in cases:
+        result["unproven_style"] = _unproven_style_refused(path)
     if "unchecked_version" in cases:
         result["unchecked_version"] = _unchecked_version_refused(path)
     return result

@@ -2,8 +2,8 @@
 tiled with ``apply_tiled_mlp(model, loss=True, norms=True)``: the gated fast kernel on each rank's local weights,
 the tiled norms and the vocabulary-parallel tiled loss, 2 SGD steps with momentum, against the same checkpoint
 trained untiled in one process: the loss, every gradient (``full_tensor()``) and every parameter after the
-steps. The generic kernel (the MLP's own forward, HF's collectives once per shard) matches too, and a
-transformers version the seam was not checked on is refused at tiling (``hf_tp_cases.py``)."""
+steps. The generic kernel (the MLP's own forward, HF's collectives once per shard) matches too; a style the
+seam does not prove, and a transformers version it was not checked on, are refused (``hf_tp_cases.py``)."""
 from __future__ import annotations
 
 import pytest
@@ -58,7 +58,14 @@ def test_hf_tensor_parallel_mlp_on_the_generic_kernel_equals_one_process(tmp_pat
     need("transformers")
     path = str(tmp_path / "tiny-llama")
     save_tiny_llama(path)
-    for rank_results in run_distributed(_cases_of, WORLD, tmp_path, path, ["generic"], timeout=55):
+    for rank_results in run_distributed(_cases_of, WORLD, tmp_path, path, ["generic", "unproven_style"], timeout=55):
+        # A style the seam does not prove (a subclass of HF's ColwiseParallel) runs on no kernel: refused, as the
+        # report says at tiling, never computed on a layout nothing checked.
+        unproven = rank_results["unproven_style"]
+        assert unproven["report"].startswith("refused at the first forward"), unproven
+        assert "Hugging Face's MyColwise" in unproven["report"], unproven
+        assert "no registered kernel runs TiledLlamaMLP" in unproven["raised"], unproven
+        assert "gate_proj (Hugging Face's MyColwise)" in unproven["raised"], unproven
         generic = rank_results["generic"]
         _exact(generic["errors"], "generic")
         for name in MLPS:
