@@ -11,7 +11,9 @@ and a forward hook ``lambda mod, inputs, outputs: output_fn(mod, outputs, device
 and ``output_fn`` are ``functools.partial`` objects of the style's static ``_prepare_input_fn`` /
 ``_prepare_output_fn`` with its layouts. A hook is recognised by what it is: the lambda's code object is one
 of ``distribute_module``'s, and the partial's function is one of the styles' (compared as objects, never by
-name). A subclass that overrides them is not proven, and the fast kernel declines it.
+name). A subclass that overrides them is not proven, and the fast kernel declines it. Hugging Face's own
+styles (``from_pretrained(..., tp_plan=...)``) register no hook: they replace each Linear's forward, and
+``hf_tensor_parallel.py`` proves them, the views below then reading their layouts from the style instances.
 
 **The local view of the gated fast kernel** (``TensorParallelView``): on a colwise gate and up and a rowwise
 down, each rank computes ``act(x Wg_r^T) * (x Wu_r^T)`` on its slice ``r`` of the intermediate dimension

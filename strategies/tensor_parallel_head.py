@@ -19,7 +19,9 @@ file builds them (``vocab_slice``):
   rank its own rows, with no collective;
 - the mesh's process group and this rank's first vocabulary id.
 
-The head's own hooks are found by what they are: ``distribute_module`` registers lambdas closing over a
+Hugging Face's own ``ColwiseParallel`` (its ``colwise`` and ``colwise_gather_output`` styles, ``tp_plan``)
+puts no hook on the head but replaces its forward; ``hf_tensor_parallel.py`` proves it, and its input is
+made as that style's DTensor path makes it. The head's own hooks are found by what they are: ``distribute_module`` registers lambdas closing over a
 ``functools.partial`` of the style's ``_prepare_input_fn`` / ``_prepare_output_fn``. The output hook
 (which would redistribute the logits) has nothing to do: no logits are made.
 
