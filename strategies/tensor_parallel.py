@@ -478,6 +478,14 @@ def sequence_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) ->
     return SequenceParallelView(mesh=mesh, sequence_dim=sequence_sharding[0].dim)
 
 
+def _shards_tokens(placements: Sequence[Any], token_dims: int) -> bool:
+    """A placement shards a token dimension of an input ``[..., tokens, hidden]`` (``token_dims`` of them before
+    the hidden one; a layout's dim counts from the end where negative)."""
+    from torch.distributed.tensor import Shard
+
+    return any(isinstance(p, Shard) and p.dim % (token_dims + 1) < token_dims for p in placements)
+
+
 def per_shard_problem(module: nn.Module, token_dims: int) -> str:
     """Why the generic kernel (``module``'s own forward once per token shard) is refused under tensor
     parallelism ("" where it computes what one call does): a proven style's hook that shards a token dimension
@@ -488,8 +496,6 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
     over all of them: exact, and the check that no shard's tensor outlives it waits for what the
     communication backend still holds (``tiled_core/collectives.py``). The token dimensions of an input
     ``[..., tokens, hidden]`` are all but the last (``token_dims`` of them)."""
-    from torch.distributed.tensor import Shard
-
     unlaid = []
     for name, sub in module.named_modules():
         if not name:
@@ -503,14 +509,13 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
                 # Input hooks bind (input layouts, desired layouts); output hooks (output layouts, use_local_output).
                 layouts = [p for group in found.layouts if isinstance(group, tuple) for p in group]
                 style = found.function.__qualname__.split(".")[0]
-                # A layout's dim counts from the end where negative: the input is [..., tokens, hidden].
-                if any(isinstance(p, Shard) and p.dim % (token_dims + 1) < token_dims for p in layouts):
+                if _shards_tokens(layouts, token_dims):
                     return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=style, layouts=found.layouts)
                 styled = True
         hf_style = hf_tp.linear_style(sub)
         if hf_style is not None:
             for kind, placements in (("input", hf_style.input_layouts), ("output", hf_style.output_layouts)):
-                if any(isinstance(p, Shard) and p.dim % (token_dims + 1) < token_dims for p in placements):
+                if _shards_tokens(placements, token_dims):
                     return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=f"Hugging Face's {hf_style.kind}",
                                                         layouts=placements)
             styled = True
