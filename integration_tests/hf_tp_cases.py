@@ -88,7 +88,7 @@ def _tiled_run(path: str, tiling: Dict[str, Any]) -> Dict[str, Any]:
     from tiled_mlp.strategies.resolver import resolve_strategy
 
     model = _load(path, tensor_parallel=True)
-    report = apply_tiled_mlp(model, num_shards=SHARDS, loss=True, loss_num_shards=SHARDS, norms=True, **tiling)
+    report = apply_tiled_mlp(model, loss=True, norms=True, **tiling)
     run = _train(model)
     run["report"] = str(report)
     run["expected"] = {block.name: block.expected_path for block in report.patched}
@@ -144,7 +144,9 @@ def run_hf_tp(rank: int, world_size: int, path: str, cases: List[str]) -> Dict[s
     result: Dict[str, Any] = {}
     if "untiled" in cases:  # Hugging Face's tensor parallelism alone, against one process
         result["untiled"] = {"errors": _errors(reference, _train(_load(path, tensor_parallel=True)))}
-    for case, tiling in (("tiled", {}), ("generic", {"path": "generic"})):
+    shards: Dict[str, Any] = {"num_shards": SHARDS, "loss_num_shards": SHARDS}
+    # "defaults": the call as a user writes it (auto shard counts: a call this short may run untiled).
+    for case, tiling in (("tiled", shards), ("generic", dict(shards, path="generic")), ("defaults", {})):
         if case in cases:
             run = _tiled_run(path, tiling)
             run["errors"] = _errors(reference, run)

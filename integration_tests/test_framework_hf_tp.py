@@ -33,9 +33,10 @@ def test_hf_tensor_parallel_model_tiled_with_loss_and_norms_equals_one_process(t
     need("transformers")
     path = str(tmp_path / "tiny-llama")
     save_tiny_llama(path)
-    cases = ["untiled", "tiled", "unchecked_version"]
+    cases = ["untiled", "tiled", "defaults", "unchecked_version"]
     for rank_results in run_distributed(_cases_of, WORLD, tmp_path, path, cases, timeout=55):
         _exact(rank_results["untiled"]["errors"], "HF tensor parallelism untiled")
+        _exact(rank_results["defaults"]["errors"], "apply_tiled_mlp(model, loss=True, norms=True)")
         tiled = rank_results["tiled"]
         _exact(tiled["errors"], "tiled")
         # The report says what runs, before the first forward and after it.
