@@ -9,7 +9,7 @@ Hugging Face's loss casts the logits to float32 (``logits.float()``); every run 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 from unittest import mock
 
 import torch
@@ -98,20 +98,29 @@ def _tiled_run(path: str, tiling: Dict[str, Any]) -> Dict[str, Any]:
     return run
 
 
-def _unchecked_version_refused(path: str) -> Optional[str]:
-    """``apply_tiled_mlp`` on the HF-parallel model while the seam knows another transformers version: the
-    refusal's text (None where it tiled), and that nothing was tiled."""
+def _unchecked_version_refused(path: str) -> Dict[str, Any]:
+    """``apply_tiled_mlp`` on the HF-parallel model under a transformers version the seam was not checked on (the
+    installed one where it is such a version, else the seam told it knows only another): the refusal's text
+    ("" where it tiled), with the versions it should name; a refusal leaves the model as it was."""
+    import contextlib
+
+    import transformers
+
     from tiled_mlp.integrations import apply_tiled_mlp, is_tiled
     from tiled_mlp.strategies import hf_tensor_parallel
 
     model = _load(path, tensor_parallel=True)
-    with mock.patch.object(hf_tensor_parallel, "CHECKED_VERSIONS", ("0.0.0",)):
+    checked = ("0.0.0",) if hf_tensor_parallel.version_checked() else hf_tensor_parallel.CHECKED_VERSIONS
+    seam = (mock.patch.object(hf_tensor_parallel, "CHECKED_VERSIONS", checked) if hf_tensor_parallel.version_checked()
+            else contextlib.nullcontext())
+    refusal = ""
+    with seam:
         try:
-            apply_tiled_mlp(model, num_shards=SHARDS, norms=True)
+            apply_tiled_mlp(model, num_shards=SHARDS, loss=True, norms=True)
         except RuntimeError as error:
             assert not is_tiled(model), "a refusal leaves the model as it was"
-            return str(error)
-    return None
+            refusal = str(error)
+    return {"refusal": refusal, "installed": transformers.__version__, "checked": ", ".join(checked)}
 
 
 def _unproven_style_refused(path: str) -> Dict[str, str]:
@@ -140,7 +149,8 @@ def _unproven_style_refused(path: str) -> Dict[str, str]:
 
 
 def run_hf_tp(rank: int, world_size: int, path: str, cases: List[str]) -> Dict[str, Any]:
-    reference = _train(_load(path, tensor_parallel=False))
+    compared = {"untiled", "tiled", "generic", "defaults"} & set(cases)
+    reference = _train(_load(path, tensor_parallel=False)) if compared else {}
     result: Dict[str, Any] = {}
     if "untiled" in cases:  # Hugging Face's tensor parallelism alone, against one process
         result["untiled"] = {"errors": _errors(reference, _train(_load(path, tensor_parallel=True)))}

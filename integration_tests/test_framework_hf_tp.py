@@ -30,7 +30,7 @@ def _exact(errors: dict, what: str) -> None:
 
 @pytest.mark.timeout(60)
 def test_hf_tensor_parallel_model_tiled_with_loss_and_norms_equals_one_process(tmp_path):
-    need("transformers")
+    _checked_here()
     path = str(tmp_path / "tiny-llama")
     save_tiny_llama(path)
     cases = ["untiled", "tiled", "defaults", "unchecked_version"]
@@ -50,13 +50,12 @@ def test_hf_tensor_parallel_model_tiled_with_loss_and_norms_equals_one_process(t
         assert "loss    LlamaForCausalLM: tiled LM head" in tiled["report"], tiled["report"]
         assert tiled["head_strategy"] == "TensorParallelHeadStrategy"
         assert tiled["logits_returned"] == [False, False]  # the tiled loss computed the loss: no logits
-        refusal = rank_results["unchecked_version"]
-        assert refusal is not None and "transformers 0.0.0 only" in refusal and "5.25.0" in refusal, refusal
+        _refused_naming_versions(rank_results["unchecked_version"])
 
 
 @pytest.mark.timeout(60)
 def test_hf_tensor_parallel_mlp_on_the_generic_kernel_equals_one_process(tmp_path):
-    need("transformers")
+    _checked_here()
     path = str(tmp_path / "tiny-llama")
     save_tiny_llama(path)
     for rank_results in run_distributed(_cases_of, WORLD, tmp_path, path, ["generic", "unproven_style"], timeout=55):
@@ -72,6 +71,35 @@ def test_hf_tensor_parallel_mlp_on_the_generic_kernel_equals_one_process(tmp_pat
         for name in MLPS:
             assert generic["expected"][name] == "generic (requested)", generic["report"]
             assert generic["ran"][name][:2] == ("generic", SHARDS), (name, generic["ran"][name])
+
+
+@pytest.mark.timeout(60)
+def test_hf_tensor_parallel_from_a_transformers_version_not_checked_is_refused_at_tiling(tmp_path):
+    transformers = need("transformers")
+    from tiled_mlp.strategies.hf_tensor_parallel import CHECKED_VERSIONS
+
+    if transformers.__version__ in CHECKED_VERSIONS:
+        pytest.skip(f"transformers {transformers.__version__} is checked (its refusal of another version is in the "
+                    "test above)")
+    path = str(tmp_path / "tiny-llama")
+    save_tiny_llama(path)
+    for rank_results in run_distributed(_cases_of, WORLD, tmp_path, path, ["unchecked_version"], timeout=55):
+        _refused_naming_versions(rank_results["unchecked_version"])
+
+
+def _checked_here() -> None:
+    transformers = need("transformers")
+    from tiled_mlp.strategies.hf_tensor_parallel import CHECKED_VERSIONS
+
+    if transformers.__version__ not in CHECKED_VERSIONS:
+        pytest.skip(f"the seam proves HF's tensor parallelism on transformers {', '.join(CHECKED_VERSIONS)}, not "
+                    f"{transformers.__version__} (refused at tiling: the test below)")
+
+
+def _refused_naming_versions(case: dict) -> None:
+    refusal = case["refusal"]
+    assert f"under transformers {case['installed']};" in refusal, case
+    assert f"on transformers {case['checked']} only" in refusal, case
 
 
 def _cases_of(rank: int, world_size: int, path: str, cases: list) -> dict:
