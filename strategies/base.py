@@ -47,7 +47,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .tensor_parallel import is_tensor_parallel_hook, local_param_bytes, per_shard_problem, tensor_parallel_view
+from .tensor_parallel import (
+    composed_problem,
+    is_tensor_parallel_hook,
+    local_param_bytes,
+    per_shard_problem,
+    tensor_parallel_view,
+)
 
 _DISTRIBUTED_BUILT = dist.is_available()
 
@@ -135,6 +141,14 @@ class Strategy(ABC):
     # -- 2. refusing ------------------------------------------------------------------------------
     def check_supported(self, module: nn.Module) -> None:  # noqa: B027 - optional: most backends refuse nothing
         """Raise a clear error for a configuration this backend cannot tile; called before any work."""
+
+    def check_composed(self, module: nn.Module) -> None:
+        """Raise a clear error, at tiling, for a layout composed beside this backend that the library was not
+        checked on. Default: Hugging Face's own tensor parallelism from a transformers version its seam does not
+        know (``tensor_parallel.composed_problem``)."""
+        problem = composed_problem(module)
+        if problem:
+            raise UnsupportedBackendError(problem)
 
     # -- 3. parameters around the tiled call ----------------------------------------------------------
     def gathered(self, module: nn.Module) -> ContextManager:

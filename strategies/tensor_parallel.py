@@ -11,7 +11,9 @@ and a forward hook ``lambda mod, inputs, outputs: output_fn(mod, outputs, device
 and ``output_fn`` are ``functools.partial`` objects of the style's static ``_prepare_input_fn`` /
 ``_prepare_output_fn`` with its layouts. A hook is recognised by what it is: the lambda's code object is one
 of ``distribute_module``'s, and the partial's function is one of the styles' (compared as objects, never by
-name). A subclass that overrides them is not proven, and the fast kernel declines it.
+name). A subclass that overrides them is not proven, and the fast kernel declines it. Hugging Face's own
+styles (``from_pretrained(..., tp_plan=...)``) register no hook: they replace each Linear's forward, and
+``hf_tensor_parallel.py`` proves them, the views below then reading their layouts from the style instances.
 
 **The local view of the gated fast kernel** (``TensorParallelView``): on a colwise gate and up and a rowwise
 down, each rank computes ``act(x Wg_r^T) * (x Wu_r^T)`` on its slice ``r`` of the intermediate dimension
@@ -48,6 +50,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+from . import hf_tensor_parallel as hf_tp
 
 
 def _distribute_module_lambdas() -> frozenset:
@@ -130,8 +134,9 @@ def colwise_input_hook(module: nn.Module) -> Optional[StyleHook]:
 
 
 def is_tensor_parallel_hook(hook: Any) -> bool:
-    """A ColwiseParallel / RowwiseParallel hook on a Linear: the local view stands in for it."""
-    return style_hook(hook) is not None
+    """A ColwiseParallel / RowwiseParallel hook on a Linear, or the forward Hugging Face's own Linear styles put
+    on one (``hf_tensor_parallel.py``): the local view stands in for it."""
+    return style_hook(hook) is not None or hf_tp.is_hf_tensor_parallel_forward(hook)
 
 
 # A plain tensor or parameter is no DTensor: asked at every tiled call, answered by type before anything else.
@@ -247,6 +252,8 @@ def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> O
         bias = getattr(linear, "bias", None)
         if bias is not None and tuple(bias.placements) != (Shard(0),):
             return _declined(f"{name}.bias is {tuple(bias.placements)}, not (Shard(dim=0),)")
+    if any(hf_tp.installed_style(linear) is not None for linear in (gate, up, down)):
+        return _hf_view(gate, up, down, mesh)
     found = {}
     for linear, name, fn_in, fn_out in ((gate, "gate_proj", col_in, col_out), (up, "up_proj", col_in, col_out),
                                         (down, "down_proj", row_in, row_out)):
@@ -278,6 +285,45 @@ def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> O
     if tuple(down_in.layouts[0]) != (Shard(-1),) or tuple(down_in.layouts[1]) != (Shard(-1),):
         return _declined(f"down_proj's input is prepared as {down_in.layouts}, not Shard(-1) kept as it is")
     return TensorParallelView(gate=gate, input_hook=gate_in.hook, down=down, output_hook=found["down_proj", "output"].hook,
+                              mesh=mesh)
+
+
+def _hf_view(gate: nn.Module, up: nn.Module, down: nn.Module, mesh: Any) -> TensorParallelView:
+    """The local view of a gated MLP whose projections Hugging Face's own styles laid out (``from_pretrained(...,
+    tp_plan=...)``: each Linear's forward replaced, no hook), with the same checks as torch's styles get above:
+    its ColwiseParallel gate and up, its RowwiseParallel down, their layouts read from the style instances."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    styles = []
+    for linear, name, kind in ((gate, "gate_proj", "colwise"), (up, "up_proj", "colwise"), (down, "down_proj", "rowwise")):
+        style = hf_tp.linear_style(linear)
+        if style is None or style.kind != kind:
+            found = hf_tp.installed_style(linear)
+            what = "no tensor-parallel forward" if found is None else f"Hugging Face's {type(found).__name__}"
+            return _declined(f"{name}'s forward is {what}, not the proven Hugging Face {kind} style on a Linear "
+                             "(transformers " + ", ".join(hf_tp.CHECKED_VERSIONS) + ") the fast kernel computes")
+        pre, post = _hooks(linear)
+        if pre or post:
+            return _declined(f"{name} carries module hooks besides Hugging Face's tensor-parallel forward")
+        if style.mesh != mesh:
+            return _declined(f"{name}'s tensor-parallel forward is on another mesh than its parameters")
+        styles.append(style)
+    gate_style, up_style, down_style = styles
+    if gate_style.input_layouts != up_style.input_layouts:
+        return _declined(f"gate_proj and up_proj read their input differently ({gate_style.input_layouts} vs "
+                         f"{up_style.input_layouts})")
+    # As for torch's styles: the call is planned on the tokens the module is handed.
+    if gate_style.input_layouts != (Replicate(),):
+        return _declined(f"gate_proj's forward reads a plain input as {gate_style.input_layouts} and gathers it: the "
+                         "call is planned on this rank's tokens, not the gathered ones")
+    for style, name in ((gate_style, "gate_proj"), (up_style, "up_proj")):
+        if style.output_layouts != (Shard(-1),) or not style.use_local_output:
+            return _declined(f"{name}'s output is {style.output_layouts} (use_local_output={style.use_local_output}), "
+                             "not the local Shard(-1) the rowwise down_proj takes")
+    if down_style.input_layouts != (Shard(-1),):
+        return _declined(f"down_proj reads its input as {down_style.input_layouts}, not this rank's Shard(-1)")
+    return TensorParallelView(gate=gate, input_hook=lambda _module, inputs: gate_style.replicated_input(inputs[0]),
+                              down=down, output_hook=lambda _module, _inputs, out: down_style.reduced_output(out),
                               mesh=mesh)
 
 
@@ -432,6 +478,14 @@ def sequence_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) ->
     return SequenceParallelView(mesh=mesh, sequence_dim=sequence_sharding[0].dim)
 
 
+def _shards_tokens(placements: Sequence[Any], token_dims: int) -> bool:
+    """A placement shards a token dimension of an input ``[..., tokens, hidden]`` (``token_dims`` of them before
+    the hidden one; a layout's dim counts from the end where negative)."""
+    from torch.distributed.tensor import Shard
+
+    return any(isinstance(p, Shard) and p.dim % (token_dims + 1) < token_dims for p in placements)
+
+
 def per_shard_problem(module: nn.Module, token_dims: int) -> str:
     """Why the generic kernel (``module``'s own forward once per token shard) is refused under tensor
     parallelism ("" where it computes what one call does): a proven style's hook that shards a token dimension
@@ -442,8 +496,6 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
     over all of them: exact, and the check that no shard's tensor outlives it waits for what the
     communication backend still holds (``tiled_core/collectives.py``). The token dimensions of an input
     ``[..., tokens, hidden]`` are all but the last (``token_dims`` of them)."""
-    from torch.distributed.tensor import Shard
-
     unlaid = []
     for name, sub in module.named_modules():
         if not name:
@@ -457,12 +509,19 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
                 # Input hooks bind (input layouts, desired layouts); output hooks (output layouts, use_local_output).
                 layouts = [p for group in found.layouts if isinstance(group, tuple) for p in group]
                 style = found.function.__qualname__.split(".")[0]
-                # A layout's dim counts from the end where negative: the input is [..., tokens, hidden].
-                if any(isinstance(p, Shard) and p.dim % (token_dims + 1) < token_dims for p in layouts):
+                if _shards_tokens(layouts, token_dims):
                     return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=style, layouts=found.layouts)
                 styled = True
+        hf_style = hf_tp.linear_style(sub)
+        if hf_style is not None:
+            for kind, placements in (("input", hf_style.input_layouts), ("output", hf_style.output_layouts)):
+                if _shards_tokens(placements, token_dims):
+                    return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=f"Hugging Face's {hf_style.kind}",
+                                                        layouts=placements)
+            styled = True
         if not styled and has_dtensor([p for p in sub._parameters.values() if p is not None]):
-            unlaid.append(name)
+            other = hf_tp.installed_style(sub)
+            unlaid.append(name if other is None else f"{name} (Hugging Face's {type(other).__name__})")
     own = [p for p in module._parameters.values() if p is not None]
     if not unlaid and has_dtensor(own) and is_sequence_parallel_module(module):
         # The generic kernel runs it on the sequence-parallel view (its own refusal where declined).
@@ -471,6 +530,12 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
         where = ", ".join(unlaid + (["the module itself"] if has_dtensor(own) else []))
         return DTENSOR_PARAMS_REFUSED.format(module=type(module).__name__, where=where)
     return ""
+
+
+def composed_problem(module: nn.Module) -> str:
+    """Why ``module`` cannot be tiled beside the tensor parallelism that laid it out ("" where it can), decided at
+    tiling: Hugging Face's own, from a transformers version its seam was not checked on."""
+    return hf_tp.version_problem(module)
 
 
 def local_param_bytes(module: nn.Module) -> int:

@@ -19,7 +19,9 @@ file builds them (``vocab_slice``):
   rank its own rows, with no collective;
 - the mesh's process group and this rank's first vocabulary id.
 
-The head's own hooks are found by what they are: ``distribute_module`` registers lambdas closing over a
+Hugging Face's own ``ColwiseParallel`` (its ``colwise`` and ``colwise_gather_output`` styles, ``tp_plan``)
+puts no hook on the head but replaces its forward; ``hf_tensor_parallel.py`` proves it, and its input is
+made as that style's DTensor path makes it. The head's own hooks are found by what they are: ``distribute_module`` registers lambdas closing over a
 ``functools.partial`` of the style's ``_prepare_input_fn`` / ``_prepare_output_fn``. The output hook
 (which would redistribute the logits) has nothing to do: no logits are made.
 
@@ -35,9 +37,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from . import hf_tensor_parallel as hf_tp
 from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, VocabSlice
 from .tensor_parallel import (
     colwise_input_hook,
+    composed_problem,
     is_sequence_parallel_module,
     is_tensor_parallel_hook,
     layout_of,
@@ -53,6 +57,8 @@ STYLE_FIX = ("Parallelize lm_head with ColwiseParallel(output_layouts=Shard(-1),
              "(input_layouts=Shard(1) for a sequence-parallel input), or compute this loss untiled (loss_parallel()).")
 MESH_FIX = ("A weight over a 2-D mesh is FSDP2's shard of it outside the forward of its unit: keep lm_head out of "
             "fully_shard (or in a unit that does not reshard it after forward), or compute this loss untiled.")
+HF_STYLE_FIX = ("Lay lm_head out with Hugging Face's 'colwise' or 'colwise_gather_output' style (its ColwiseParallel, "
+                "in the model's tp_plan), or compute this loss untiled.")
 NOT_LINEAR_STYLE_ERROR = (
     "{module} is tensor-parallel with {layout}: a tiled call computes under tensor parallelism only as a gated MLP "
     "whose Linears are ColwiseParallel / RowwiseParallel, or as the loss of an lm_head parallelized with "
@@ -122,8 +128,12 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         of torch.distributed's default group: a DTensor's mesh holds its own, and a mesh over a group made
         without the default one (the planner's fake group) is as much a tensor-parallel head."""
         weight = _own_weight(module)
-        if weight is None or type(weight) is nn.Parameter or not _is_dtensor(weight) or not style_hooks_of(module):
+        if weight is None or type(weight) is nn.Parameter or not _is_dtensor(weight):
             return False
+        if not style_hooks_of(module):
+            # Hugging Face's own tensor parallelism replaces the forward and registers no hook: it marks the
+            # modules it laid out (refused in ``check_supported`` where its seam does not prove the style).
+            return bool(vars(module).get("_is_hooked"))
         return isinstance(module, nn.Linear) or not is_sequence_parallel_module(module)
 
     def is_backend_hook(self, hook) -> bool:
@@ -136,8 +146,20 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         weight: Any = getattr(module, "weight", None)  # a DTensor (claims)
         bias: Any = getattr(module, "bias", None)
         bias_text = " and bias" if bias is not None else ""
-        input_hook = colwise_input_hook(module)
-        if input_hook is None or input_hook.mesh != weight.device_mesh:
+        problem = composed_problem(module)
+        if problem:
+            raise UnsupportedBackendError(problem)
+        if not style_hooks_of(module):  # Hugging Face's own styles (``claims``)
+            style = hf_tp.linear_style(module)
+            if style is None or style.kind != "colwise":
+                found = hf_tp.installed_style(module)
+                layout = (f"Hugging Face's {type(found).__name__ if found is not None else 'tensor parallelism'} "
+                          f"(weight {layout_of(weight)})")
+                if not isinstance(module, nn.Linear):
+                    raise UnsupportedBackendError(NOT_LINEAR_STYLE_ERROR.format(module=head, layout=layout))
+                raise UnsupportedBackendError(LAYOUT_ERROR.format(head=head, layout=layout, bias=bias_text,
+                                                                  fix=HF_STYLE_FIX))
+        elif (input_hook := colwise_input_hook(module)) is None or input_hook.mesh != weight.device_mesh:
             style_classes = {style for _, style in style_hooks_of(module)}
             styles = sorted(style.__name__ for style in style_classes)
             if not any(issubclass(style, _linear_styles()) for style in style_classes):
@@ -166,9 +188,13 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
     def vocab_slice(self, head: nn.Module, hidden: torch.Tensor) -> VocabSlice:
         """This rank's view of ``head`` (checked by ``check_supported``) for the loss of ``hidden``."""
         input_hook = colwise_input_hook(head)
-        assert input_hook is not None, "check_supported found ColwiseParallel's input hook"
-        made = input_hook.hook(head, (hidden,))
-        head_input = made[0] if isinstance(made, tuple) else made
+        if input_hook is not None:
+            made = input_hook.hook(head, (hidden,))
+            head_input = made[0] if isinstance(made, tuple) else made
+        else:
+            style = hf_tp.linear_style(head)
+            assert style is not None, "check_supported found ColwiseParallel's input hook or Hugging Face's colwise style"
+            head_input = style.replicated_input(hidden)
         weight: Any = head.weight  # DTensors (check_supported)
         bias: Any = head.bias
         mesh = weight.device_mesh

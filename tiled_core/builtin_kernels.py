@@ -181,7 +181,7 @@ class VocabParallelEntry(Kernel):
     def why_not(self, call: KernelCall) -> str:
         if call.vocab_slice is None:
             return "the head's vocabulary is whole on this rank"
-        return "" if is_plain_linear(call.module) else "the head is not a plain nn.Linear"
+        return "" if is_plain_linear(call.module, call.strategy.is_backend_hook) else "the head is not a plain nn.Linear"
 
     def build(self, call: KernelCall) -> VocabParallelHeadKernel:
         return VocabParallelHeadKernel(call.vocab_slice, type(call.module).__name__, call.options)

@@ -80,6 +80,7 @@ def prepare_tiling(mixin: type, mlp: Optional[nn.Module], strategy: StrategyArg,
     # resolved again at every forward, since the model is usually wrapped after it is tiled.
     resolved = fixed or resolve_strategy(mlp, ancestors)
     resolved.check_supported(mlp)
+    resolved.check_composed(mlp)
     if path == "fast":
         why_not = fast_path_problem(mixin, mlp, resolved.is_backend_hook)
         if why_not:

@@ -103,8 +103,9 @@ def foreign_child_hooks(module: nn.Module, is_backend_hook=no_hook_is_backend) -
     for name, sub in module.named_modules():
         if not name:
             continue
-        # A forward replaced on the instance (accelerate's offload/device hooks do this) is a hook too.
-        if "forward" in sub.__dict__:
+        # A forward replaced on the instance (accelerate's offload/device hooks do this) is a hook too, unless
+        # it is the backend's own (Hugging Face's tensor-parallel styles replace a Linear's forward).
+        if "forward" in sub.__dict__ and not is_backend_hook(sub.__dict__["forward"]):
             found.append(f"{name}: a replaced forward")
         found.extend(f"{name}: {getattr(h, '__qualname__', type(h).__name__)}"
                      for h in _module_hooks(sub) if not is_backend_hook(h))
@@ -115,10 +116,12 @@ _LINEAR = CodeForm("return F.linear({x}, self.weight, self.bias)", {"F": F})
 _LINEAR_READS = ("weight", "bias")
 
 
-def _is_plain_linear(module) -> bool:
+def _is_plain_linear(module, is_backend_hook=no_hook_is_backend) -> bool:
     # Hooks are checked for every submodule by ``foreign_child_hooks``; the code of the class's forward
-    # here (the fast kernel computes ``F.linear`` with the same tensors).
-    return (type(module) is nn.Linear and "forward" not in module.__dict__ and matches(nn.Linear.forward, _LINEAR)
+    # here (the fast kernel computes ``F.linear`` with the same tensors). A forward on the instance is
+    # allowed only where it is the backend's own around the class's (its local view stands in for it).
+    own = module.__dict__.get("forward")
+    return (type(module) is nn.Linear and (own is None or is_backend_hook(own)) and matches(nn.Linear.forward, _LINEAR)
             and linear_is_a_linear(F.linear))
 
 
@@ -175,7 +178,7 @@ def structural_spec(module: nn.Module, form: GatedForm, is_backend_hook=no_hook_
                         up=None if form.up is None else parts[form.up],  # type: ignore[arg-type]
                         gate_up=None if form.gate_up is None else parts[form.gate_up],  # type: ignore[arg-type]
                         gate_scale=gate_scale, up_scale=up_scale, down_scale=down_scale, form=form)
-    if not all(_is_plain_linear(m) for m in spec.linears):
+    if not all(_is_plain_linear(m, is_backend_hook) for m in spec.linears):
         return None, "projections are not plain nn.Linear (LoRA or quantised wrappers)"
     if any(shadowed(m, _LINEAR_READS) for m in spec.linears):
         return None, "nn.Linear's class defines weight or bias, or a custom attribute lookup, which its forward would read"

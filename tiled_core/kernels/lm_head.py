@@ -18,7 +18,7 @@ autograd through ``logits.float()`` does.
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -39,8 +39,13 @@ def loss_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def is_plain_linear(head: nn.Module) -> bool:
-    return isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward and "forward" not in head.__dict__
+def is_plain_linear(head: nn.Module, is_backend_hook: Callable[[Any], bool] = lambda hook: False) -> bool:
+    """``head`` computes ``F.linear`` with its weight and bias: an ``nn.Linear`` with the class's forward, and no
+    forward on the instance unless it is the backend's own around it (``is_backend_hook``: Hugging Face's
+    tensor-parallel styles put one there, which the vocabulary-parallel slice stands in for)."""
+    own = head.__dict__.get("forward")
+    return (isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward
+            and (own is None or is_backend_hook(own)))
 
 
 class LinearHeadKernel:

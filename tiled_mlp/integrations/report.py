@@ -4,18 +4,42 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from tiled_mlp.core import TiledMLP, fast_path_problem
+from tiled_mlp.core import TiledMLP
+from tiled_mlp.core.fast_path import structural_decision
+from tiled_mlp.core.module_forward import forward_function
+from tiled_mlp.core.norm_forms import norm_spec
+from tiled_mlp.strategies.resolver import resolve_strategy
 
 
 def expected_path(tiled: TiledMLP) -> str:
-    """The path the forward and the structure allow, before the first forward settles it (the fast path
-    also needs the input in the weights' dtype and no autocast)."""
-    if tiled.tiling.path == "generic":
-        return "generic (requested)"
-    why_not = fast_path_problem(type(tiled)._tiled_mixin, tiled)
-    if why_not:
-        return f"generic ({why_not})"
-    return "fast (a known gated forward, and the structure fits)"
+    """The kernel the built-in registry's order picks for a ``[batch, tokens, hidden]`` call, as far as the forward,
+    the structure and the backend (its hooks, its local view of distributed weights, its refusal of a per-shard
+    forward) decide before the first forward; that settles the rest (the fast kernel also needs the input in the
+    weights' dtype and no autocast)."""
+    state = tiled.tiling
+    if state.path != "auto":
+        return f"{state.path} (requested)"
+    strategy = state.fixed_strategy or resolve_strategy(tiled, state.ancestors())
+    unfit = getattr(type(tiled)._tiled_mixin, "tiled_no_fast_path", "")
+    spec, why_not = (None, unfit) if unfit else structural_decision(tiled, forward_function(tiled),
+                                                                     strategy.is_backend_hook)
+    # A backend that swaps the parameters around its forward (FSDP2, ZeRO-3) holds sharded ones here, not the
+    # ones a call computes with: for it the structure alone is reported.
+    now = not strategy.swaps_param_storage(tiled)
+    if spec is not None:
+        view = strategy.local_view(tiled, spec.params) if now else None
+        if view is None:
+            return "fast (a known gated forward, and the structure fits)"
+        if not view.why_not:
+            return "fast (a known gated forward, and the structure fits; on each rank's local weights)"
+        why_not = view.why_not
+    norm, _ = norm_spec(tiled, forward_function(tiled))
+    if norm is not None and (not now or strategy.local_view(tiled, [norm.weight]) is None):
+        return "norm (a registered RMSNorm body)"
+    refused = strategy.per_shard_problem(tiled, 2) if now else ""
+    if refused:
+        return f"refused at the first forward: no built-in kernel runs it (fast: {why_not}; generic: {refused})"
+    return f"generic ({why_not})"
 
 
 @dataclass

@@ -1,0 +1,182 @@
+"""Hugging Face's own tensor parallelism (``from_pretrained(..., tp_plan="auto")``): the one seam that reads it.
+
+transformers 5.25 lays a model out with its own styles (``transformers.distributed.tensor_parallel``), not
+with torch's ``parallelize_module``: each parameter becomes a DTensor (``shard_param``: ``Shard(0)`` for
+``ColwiseParallel``, ``Shard(1)`` for ``RowwiseParallel``'s weight) and ``install_forward`` *replaces the
+module's forward* on the instance with a closure ``tp_forward`` over the style (``self``), the module, the
+mesh and the class's own forward (``original_forward``): no module hook is registered. In training (grad
+enabled, a plain ``nn.Linear``, no quantized weight) the two Linear styles compute with DTensors:
+
+- ``ColwiseParallel``: a plain input becomes ``DTensor.from_local(x, mesh, [input_layouts])``, redistributed to
+  ``Replicate``; ``F.linear`` with the ``Shard(0)`` weight gives ``Shard(-1)``, redistributed to
+  ``output_layouts`` and made local where ``use_local_output`` ("colwise": Replicate in, local Shard(-1) out;
+  "colwise_gather_output", the Llama head's: Replicate out);
+- ``RowwiseParallel``: a plain input is this rank's last-dim slice (``Shard(-1)`` of ``in_features``), the
+  product with the ``Shard(1)`` weight is ``Partial``, redistributed to ``output_layouts`` (all-reduce for
+  Replicate) and made local where ``use_local_output``.
+
+That is what torch's ``ColwiseParallel`` / ``RowwiseParallel`` hooks compute around the same ``F.linear``, so
+the gated fast kernel's local view and the vocabulary-parallel loss (``tensor_parallel.py``,
+``tensor_parallel_head.py``) apply to it, with the layouts read from the style instance. Recognised by what it
+is: the forward's code object is ``tp_forward``'s own (taken from ``TensorParallelLayer.install_forward``),
+the style is an instance of exactly HF's ``ColwiseParallel`` or ``RowwiseParallel`` (a subclass such as
+``UnitColwiseParallel`` computes otherwise) whose methods are the ones transformers defines, the original
+forward is ``nn.Linear.forward`` bound to the module the closure was installed on, and its weight is a DTensor
+on the closure's mesh. Without grad (inference) HF takes a local path that computes the same values; the
+views below compute the DTensor path in both modes.
+
+Checked on the transformers versions in ``CHECKED_VERSIONS`` only: 5.6 laid models out with hooks of its own on
+plain local tensors, a different mechanism. A model HF's tensor parallelism laid out (its ``_is_hooked``
+marks) under any other version is refused at tiling (``version_problem``), naming the versions.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import nn
+
+CHECKED_VERSIONS = ("5.25.0",)
+_TP_MODULE = "transformers.distributed.tensor_parallel"
+# What each style's instance holds (``__init__``): anything else on it (a method set on the instance) is not proven.
+_STYLE_FIELDS = frozenset(("input_layouts", "output_layouts", "use_local_output"))
+_STYLE_METHODS = ("transform_inputs_pre_forward", "transform_output_post_forward", "context_around_forward",
+                  "should_use_local_tensors", "install_forward")
+
+VERSION_ERROR = (
+    "tensor parallelism: Hugging Face's tensor parallelism (from_pretrained(..., tp_plan=...)) laid out {where} "
+    "under transformers {version}; the tiled kernels are checked against its layouts on "
+    "transformers {checked} only (its styles replace each Linear's forward there; other versions lay models out "
+    "otherwise). Use transformers {checked}, or leave this module untiled"
+)
+
+
+def transformers_version() -> Optional[str]:
+    """The imported transformers' version, or None where it is not imported (then no model uses it)."""
+    module = sys.modules.get("transformers")
+    return None if module is None else getattr(module, "__version__", "unknown")
+
+
+def version_checked() -> bool:
+    return transformers_version() in CHECKED_VERSIONS
+
+
+_FOUND: dict = {}
+
+
+def _tp_parts() -> Optional[Tuple[Any, type, type]]:
+    """(tp_forward's code object, HF's ColwiseParallel, RowwiseParallel) of the imported transformers, on a
+    checked version; None otherwise (a model laid out by it has imported it)."""
+    tp = sys.modules.get(_TP_MODULE)
+    if tp is None or not version_checked():
+        return None
+    parts = _FOUND.get(tp)
+    if parts is None:
+        install = tp.TensorParallelLayer.install_forward
+        codes = [c for c in install.__code__.co_consts if getattr(c, "co_name", "") == "tp_forward"]
+        if len(codes) != 1:
+            return None
+        parts = _FOUND[tp] = (codes[0], tp.ColwiseParallel, tp.RowwiseParallel)
+    return parts
+
+
+def _cells(forward: Any) -> Optional[dict]:
+    """The closure of HF's ``tp_forward`` by name, or None where ``forward`` is not that function."""
+    parts = _tp_parts()
+    code = getattr(forward, "__code__", None)
+    if parts is None or code is None or code is not parts[0]:
+        return None
+    return dict(zip(code.co_freevars, (cell.cell_contents for cell in forward.__closure__ or ()), strict=True))
+
+
+def installed_style(module: nn.Module) -> Any:
+    """The HF style instance whose ``tp_forward`` is ``module``'s instance forward (any style, proven or not: to
+    name it in a refusal), else None."""
+    cells = _cells(vars(module).get("forward"))
+    return None if cells is None or cells.get("module") is not module else cells.get("self")
+
+
+def _own_methods(cls: type) -> bool:
+    """The style class's methods are transformers' own (not replaced on the class by another library)."""
+    for name in _STYLE_METHODS:
+        fn = getattr(cls, name, None)
+        if getattr(fn, "__module__", None) != _TP_MODULE:
+            return False
+    return True
+
+
+def _placements(layout: Any) -> tuple:
+    return tuple(layout) if isinstance(layout, (tuple, list)) else (layout,)
+
+
+@dataclass(frozen=True)
+class LinearStyle:
+    """HF's ColwiseParallel or RowwiseParallel, proven, on one ``nn.Linear``: what its ``tp_forward`` does."""
+
+    kind: str  # "colwise" or "rowwise"
+    forward: Any  # the tp_forward closure
+    mesh: Any
+    input_layouts: tuple  # how a plain input is read
+    output_layouts: tuple  # what the output is redistributed to
+    use_local_output: bool
+
+    def replicated_input(self, x: torch.Tensor) -> Any:
+        """A colwise style's input as its DTensor path makes it: ``Replicate`` on the mesh."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, self.input_layouts, run_check=False)
+        if tuple(x.placements) != (Replicate(),):
+            x = x.redistribute(placements=[Replicate()])
+        return x
+
+    def reduced_output(self, partial: Any) -> Any:
+        """A rowwise style's ``Partial`` output as its DTensor path hands it on (the linear has no bias)."""
+        if tuple(partial.placements) != self.output_layouts:
+            partial = partial.redistribute(placements=list(self.output_layouts))
+        return partial.to_local() if self.use_local_output else partial
+
+
+def linear_style(module: nn.Module) -> Optional[LinearStyle]:
+    """``module``'s HF tensor-parallel forward, where it is a proven Linear style (module docstring), else None."""
+    cells = _cells(vars(module).get("forward"))
+    if cells is None or cells.get("module") is not module:
+        return None
+    _, colwise, rowwise = _tp_parts()  # type: ignore[misc]  # _cells found them
+    style: Any = cells.get("self")
+    mesh, original = cells.get("mesh"), cells.get("original_forward")
+    kind = {colwise: "colwise", rowwise: "rowwise"}.get(type(style))
+    if kind is None or not _own_methods(type(style)) or set(vars(style)) != _STYLE_FIELDS:
+        return None
+    if type(module) is not nn.Linear or getattr(module, "_hf_quantized_needs_local_tp", False):
+        return None
+    if getattr(original, "__func__", None) is not nn.Linear.forward or getattr(original, "__self__", None) is not module:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    weight = module._parameters.get("weight")
+    if not isinstance(weight, DTensor) or weight.device_mesh != mesh:
+        return None
+    return LinearStyle(kind, vars(module)["forward"], mesh, _placements(style.input_layouts),
+                       _placements(style.output_layouts), bool(style.use_local_output))
+
+
+def is_hf_tensor_parallel_forward(forward: Any) -> bool:
+    """A proven HF Linear style's ``tp_forward`` (installed on its own module): the local views stand in for it."""
+    cells = _cells(forward)
+    module = None if cells is None else cells.get("module")
+    return isinstance(module, nn.Module) and vars(module).get("forward") is forward and linear_style(module) is not None
+
+
+def version_problem(module: nn.Module) -> str:
+    """Why ``module`` cannot be tiled beside HF's tensor parallelism ("" where it can): a module at or below it
+    that HF's tensor parallelism laid out (``_is_hooked``) under a transformers version not checked."""
+    if version_checked() or "transformers" not in sys.modules:
+        return ""
+    hooked = [name or type(module).__name__ for name, sub in module.named_modules() if vars(sub).get("_is_hooked")]
+    if not hooked:
+        return ""
+    return VERSION_ERROR.format(where=", ".join(hooked[:4]) + (", ..." if len(hooked) > 4 else ""),
+                                version=transformers_version(), checked=", ".join(CHECKED_VERSIONS))
