@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import inspect
+import logging
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple, cast
@@ -68,6 +70,9 @@ from .accelerate_forward import (
     mixed_precision_forward,
     wrap_like_prepare,
 )
+from .trl_seam import FusedHead, fused_head
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,27 @@ def _name(thing: Any) -> str:
     return getattr(thing, "__qualname__", None) or type(thing).__qualname__
 
 
+def describe_forward(thing: Any) -> str:
+    """Where a forward was defined, as ``module.qualname``, read from its code and the globals it runs in:
+    ``functools.wraps`` copies another function's names (and ``__wrapped__``) onto a wrapper, its code keeps
+    its own. A wrapper that carries another's name says so."""
+    function = thing.__func__ if isinstance(thing, types.MethodType) else thing
+    if isinstance(function, functools.partial):
+        return f"functools.partial of {describe_forward(function.func)}"
+    code = getattr(function, "__code__", None)
+    if code is None:  # a callable object: its class
+        return f"a {type(function).__module__}.{type(function).__qualname__} object"
+    module = getattr(function, "__globals__", {}).get("__name__", "?")
+    qualname = getattr(code, "co_qualname", None)  # Python 3.11+; before it, the code's bare name
+    defined = f"{module}.{qualname or code.co_name}"
+    shown_module = getattr(function, "__module__", module)
+    shown = getattr(function, "__qualname__", "?")
+    renamed = shown_module != module or (shown != qualname if qualname else getattr(function, "__name__", "") != code.co_name)
+    if renamed:
+        return f"{defined}, which carries the name {shown_module}.{shown} (functools.wraps)"
+    return defined
+
+
 def instance_forward_refusal(model: nn.Module) -> str:
     """Why the forward set on ``model``'s instance stops the tiled loss ('' where there is none, or it is
     the class's forward bound to the model, as it is or inside accelerate's device hook): the tiled loss
@@ -135,18 +161,45 @@ def instance_forward_refusal(model: nn.Module) -> str:
     if mixed_precision_forward(model) is not None:
         return ("accelerate's mixed precision (Accelerator.prepare) wrapped its forward, and the tiled loss would run "
                 "outside that wrapper. Apply the tiled loss before accelerator.prepare(model)")
+    trl_head = fused_head(vars(model).get("forward"))
+    if trl_head is not None and not _is_class_forward(model, trl_head.inner):
+        return (f"{trl_head.describe()} is on its forward, over a forward that is not its class's "
+                f"({describe_forward(trl_head.inner)}). Leave the tiled loss off for this model")
+    if trl_head is not None:
+        return (f"{trl_head.describe()} is on its forward: TRL's trainers compute the loss through it, in tiles, "
+                "without the logits, and never call the forward the tiled loss would be on. apply_tiled_mlp(loss=True) "
+                "and apply_tiled_loss leave the loss to TRL's head and say so in their report; or apply the tiled "
+                "loss before building the trainer (TRL's head then wraps it)")
     hooked = device_hook_forward(model)
     forward = hooked.inner if hooked is not None else vars(model).get("forward")
-    if forward is None or (isinstance(forward, types.MethodType) and forward.__self__ is model
-                           and forward.__func__ is type(model).forward):
+    if forward is None or _is_class_forward(model, forward):
         return ""
     if hooked is not None:
         return (f"accelerate's device hook on it ({hooked.hook!r}: dispatch_model, cpu_offload) wraps a forward "
-                f"that is not its class's ({_name(forward)}); the tiled loss would compute the loss without that "
-                "forward, so what it does to the loss would be lost. Leave the tiled loss off for this model")
-    return (f"its instance has a forward of its own ({_name(forward)}); the tiled loss would compute the loss "
-            "without it, so what it does to the loss would be lost. Take it off (del model.forward) and change the "
-            "loss outside the model, or leave the tiled loss off")
+                f"that is not its class's ({describe_forward(forward)}); the tiled loss would compute the loss without "
+                "that forward, so what it does to the loss would be lost. Leave the tiled loss off for this model")
+    return (f"its instance has a forward of its own ({describe_forward(forward)}); the tiled loss would compute the "
+            "loss without it, so what it does to the loss would be lost. Take it off (del model.forward) and change "
+            "the loss outside the model, or leave the tiled loss off")
+
+
+def _is_class_forward(model: nn.Module, forward: Any) -> bool:
+    return (isinstance(forward, types.MethodType) and forward.__self__ is model
+            and forward.__func__ is type(model).forward)
+
+
+def loss_left_to_trl(model: nn.Module) -> str:
+    """What computes the loss of the causal LM in ``model`` instead of the tiled loss ('' where nothing
+    does): TRL's fused LM head, put on the model's own forward by a TRL trainer built before (it computes
+    the loss without the logits; a tiled loss under it would never run for TRL's calls)."""
+    causal_lm = find_causal_lm(model)
+    if causal_lm is None or _installed_on(causal_lm) is not None:
+        return ""
+    head = fused_head(vars(causal_lm).get("forward"))
+    if head is None or not _is_class_forward(causal_lm, head.inner):
+        return ""
+    return (f"{type(causal_lm).__name__}: computed by {head.describe()} in tiles, without the logits; the tiled "
+            "loss is not installed (TRL's calls with fused_lm_head=True never reach the model's forward)")
 
 
 def _reproduced_loss_function() -> Callable:
@@ -196,6 +249,7 @@ class TiledLossForward:
         self.decoder_hook: Any = None  # the handle of ``capture_decoder_output`` on the decoder
         self._capturing = False  # inside the model's forward run by this one
         self._captured: Optional[torch.Tensor] = None  # the decoder's hidden states of that run
+        self._trl_noted = False  # said once that TRL's fused head wraps this forward
 
     def __deepcopy__(self, memo: dict) -> TiledLossForward:
         clone = object.__new__(type(self))
@@ -241,14 +295,20 @@ class TiledLossForward:
             _checked_eagerly(self)
 
     def _check_forward(self) -> None:
-        reached = forward_reaching(self.model)
-        if reached is not self:
-            forward = vars(self.model).get("forward")
+        layers = forward_layers(self.model)
+        if _reaches(self.model, layers.forward) is not self:
+            replacer = layers.forward if layers.forward is not None else "the class forward"
             raise RuntimeError(
                 f"tiled loss: {type(self.model).__name__}'s forward was replaced after the tiled loss was installed "
-                f"(it is {_name(forward) if forward is not None else 'the class forward'}); the tiled loss cannot tell "
-                "whether it still runs or what the new forward does to the loss. Put the forward back, or remove the "
-                "tiled loss first (remove_tiled_loss(model)) to run it with the model's own loss")
+                f"(it is {_described(replacer)}{_under(layers)}); the tiled loss cannot tell whether it still runs or "
+                "what the new forward does to the loss. Put the forward back, or remove the tiled loss first "
+                "(remove_tiled_loss(model)) to run it with the model's own loss")
+        if layers.trl_head is not None and not self._trl_noted:
+            self._trl_noted = True
+            logger.warning("tiled loss: %s now wraps %s's forward: its calls with fused_lm_head=True (every labelled "
+                           "call of TRL's trainers) compute TRL's loss, in tiles without the logits, and only calls "
+                           "without fused_lm_head reach the tiled loss", layers.trl_head.describe(),
+                           type(self.model).__name__)
 
     def _check_loss_function(self) -> None:
         why = loss_function_refusal(self.model)
@@ -401,24 +461,54 @@ def _traced_plan(forward: TiledLossForward, names: Tuple[str, ...], positional: 
     return TracedPlan(False, route.reason, tuple(own), tuple(extra))
 
 
-def _accelerate_layers(causal_lm: nn.Module) -> Tuple[Optional[MixedPrecisionForward], Optional[DeviceHookForward],
-                                                        Optional[Callable]]:
-    """accelerate's wrappers on ``causal_lm``'s forward, outermost first (mixed precision, then the device
-    hook; each None where absent), and the forward inside them (None: the class's)."""
+@dataclass(frozen=True)
+class ForwardLayers:
+    """The wrappers on a causal LM's forward, outermost first (each None where absent): accelerate's
+    mixed precision, TRL's fused LM head, accelerate's device hook; and the forward inside them all
+    (None: the class's)."""
+
+    mixed_precision: Optional[MixedPrecisionForward]
+    trl_head: Optional[FusedHead]
+    device_hook: Optional[DeviceHookForward]
+    forward: Optional[Callable]
+
+
+def forward_layers(causal_lm: nn.Module) -> ForwardLayers:
+    """``causal_lm``'s forward taken apart (``ForwardLayers``). TRL's trainers add their head before
+    ``Accelerator.prepare`` wraps the forward, and ``dispatch_model`` hooks the model before a trainer is
+    built, which is the order read here."""
     wrapped = mixed_precision_forward(causal_lm)
     forward = wrapped.inner if wrapped is not None else vars(causal_lm).get("forward")
+    trl_head = fused_head(forward)
+    if trl_head is not None:
+        forward = trl_head.inner
     hooked = device_hook_forward(causal_lm, forward) if forward is not None else None
-    return wrapped, hooked, hooked.inner if hooked is not None else forward
+    return ForwardLayers(wrapped, trl_head, hooked, hooked.inner if hooked is not None else forward)
 
 
 def forward_reaching(causal_lm: nn.Module) -> Optional[Any]:
     """The tiled loss that ``causal_lm``'s forward runs (None: none): its instance forward, inside
-    accelerate's device hook and/or mixed-precision wrapper, or bound to the model (accelerate's
-    ``unwrap_model(keep_fp32_wrapper=False)``)."""
-    _, _, forward = _accelerate_layers(causal_lm)
+    accelerate's device hook and/or mixed-precision wrapper and/or TRL's fused LM head (for calls without
+    ``fused_lm_head``), or bound to the model (accelerate's ``unwrap_model(keep_fp32_wrapper=False)``)."""
+    return _reaches(causal_lm, forward_layers(causal_lm).forward)
+
+
+def _reaches(causal_lm: nn.Module, forward: Optional[Callable]) -> Optional[Any]:
     if isinstance(forward, types.MethodType) and forward.__self__ is causal_lm:
         forward = forward.__func__
     return forward if isinstance(forward, TiledLossForward) else None
+
+
+def _described(forward: Any) -> str:
+    return forward if isinstance(forward, str) else describe_forward(forward)
+
+
+def _under(layers: ForwardLayers) -> str:
+    """The wrappers around the forward a message names."""
+    around = [name for name, present in (("accelerate's device hook", layers.device_hook),
+                                         (layers.trl_head.describe() if layers.trl_head else "", layers.trl_head),
+                                         ("accelerate's mixed precision", layers.mixed_precision)) if present]
+    return f", inside {', inside '.join(around)}" if around else ""
 
 
 def find_causal_lm(model: nn.Module) -> Optional[nn.Module]:
@@ -486,7 +576,14 @@ def remove_tiled_loss(model: nn.Module) -> bool:
     if causal_lm is None or installed is None:
         return False
     installed._check_forward()  # a forward put over it since: removing the tiled loss would not undo that
-    wrapped, hooked, _ = _accelerate_layers(causal_lm)
+    layers = forward_layers(causal_lm)
+    if layers.trl_head is not None:
+        # TRL's closure holds the tiled loss as the forward it calls: only a new head could drop it.
+        raise RuntimeError(f"tiled loss: {layers.trl_head.describe()} wraps the tiled loss on "
+                           f"{type(causal_lm).__name__} (it was added after the tiled loss), and holds it as the forward "
+                           "it calls; removing the tiled loss would leave that head calling it. Build the model and the "
+                           "trainer again without the tiled loss")
+    wrapped, hooked = layers.mixed_precision, layers.device_hook
     restored = installed._inner()
     if hooked is not None:
         hook_wrapper = wrapped.inner if wrapped is not None else vars(causal_lm)["forward"]

@@ -5,13 +5,25 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 from tiled_mlp.core import TiledMLP, fast_path_problem
+from tiled_mlp.core.module_forward import forward_function
+from tiled_mlp.core.norm_forms import norm_spec
+
+from .norms import TiledNorm
 
 
 def expected_path(tiled: TiledMLP) -> str:
     """The path the forward and the structure allow, before the first forward settles it (the fast path
-    also needs the input in the weights' dtype and no autocast)."""
+    also needs the input in the weights' dtype and no autocast; the norm kernel, no autocast and a weight
+    that is not distributed)."""
     if tiled.tiling.path == "generic":
         return "generic (requested)"
+    if isinstance(tiled, TiledNorm):
+        # The norm kernel's own structural decision (``builtin_kernels.NormEntry``): the forward is a registered
+        # RMSNorm body, read on this module.
+        spec, why_not = norm_spec(tiled, forward_function(tiled))
+        if spec is None:
+            return f"generic ({why_not})"
+        return "norm (a registered RMSNorm forward: the norm kernel)"
     why_not = fast_path_problem(type(tiled)._tiled_mixin, tiled)
     if why_not:
         return f"generic ({why_not})"
@@ -28,7 +40,7 @@ class TiledBlock:
 
     @property
     def last_path(self) -> str:
-        """The path the last forward ran: "fast", "generic", "untiled" (too short to pay), or pending."""
+        """The path the last forward ran: "fast", "norm", "generic", "untiled" (too short to pay), or pending."""
         return self.tiled.tiling.last_path or "pending (decided at the first forward)"
 
 
@@ -39,6 +51,9 @@ class TilingReport:
     skipped: List[Tuple[str, str]] = field(default_factory=list)
     # The causal LM whose loss now runs through the tiled loss (``loss=True``), by class name; "" if none.
     tiled_loss: str = ""
+    # Where ``loss=True`` found the loss already computed without the logits by another library's head (TRL's
+    # fused LM head), and so left to it: the causal LM and what computes its loss; "" if not.
+    loss_left_to: str = ""
 
     @property
     def blocks(self) -> List[TiledBlock]:
@@ -61,4 +76,6 @@ class TilingReport:
             lines.append(f"  skipped {name}: {why}")
         if self.tiled_loss:
             lines.append(f"  loss    {self.tiled_loss}: tiled LM head + cross-entropy (no logits returned with labels)")
+        if self.loss_left_to:
+            lines.append(f"  loss    {self.loss_left_to}")
         return "\n".join(lines)
