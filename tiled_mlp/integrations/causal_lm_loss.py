@@ -50,6 +50,7 @@ import importlib
 import inspect
 import logging
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple, cast
 
@@ -59,6 +60,7 @@ from torch import nn
 
 from tiled_mlp.core import dynamo_support, tiled_cross_entropy
 from tiled_mlp.core.compiled_loss import decide_loss_route
+from tiled_mlp.core.kernels.cross_entropy import CrossEntropyOptions
 from tiled_mlp.core.shard_plan import NumShards
 
 from .accelerate_forward import (
@@ -250,6 +252,9 @@ class TiledLossForward:
         self._capturing = False  # inside the model's forward run by this one
         self._captured: Optional[torch.Tensor] = None  # the decoder's hidden states of that run
         self._trl_noted = False  # said once that TRL's fused head wraps this forward
+        self._bypass_noted = False  # said once that a training call came without labels
+        # F.cross_entropy's label smoothing, which is Hugging Face's LabelSmoother's (use_tiled_label_smoothing)
+        self.label_smoothing = 0.0
 
     def __deepcopy__(self, memo: dict) -> TiledLossForward:
         clone = object.__new__(type(self))
@@ -348,12 +353,16 @@ class TiledLossForward:
         """The call once its arguments are bound (``arguments``: the forward's named ones that were given;
         ``extra``: those its ``**kwargs`` takes)."""
         labels = arguments.get("labels")
-        if (labels is None and extra.get("shift_labels") is None) or (
-                not torch.is_grad_enabled() and self.sequence_group is None):
-            # No labels, or no graph (evaluation: a Trainer's metrics read the logits, and no backward
-            # will hold them): the model's own forward, logits included. Not under sequence parallelism:
-            # there a rank's logits are a slice and the model's loss a slice's mean, so evaluation takes
-            # the tiled loss too, divided once over the group.
+        if labels is None and extra.get("shift_labels") is None:
+            self._note_bypass()
+            return inner(*args, **kwargs)
+        # No graph (evaluation: a Trainer's metrics read the logits, and no backward will hold them): the
+        # model's own forward, logits included; with label smoothing, its loss is the tiled loss's all the
+        # same (the smoothing the Trainer's label smoother would have applied there). Not under sequence
+        # parallelism: there a rank's logits are a slice and the model's loss a slice's mean, so evaluation
+        # takes the tiled loss too, divided once over the group.
+        evaluating = not torch.is_grad_enabled() and self.sequence_group is None
+        if evaluating and not self.label_smoothing:
             return inner(*args, **kwargs)
         self._check_loss_function()
         keep = arguments.get("logits_to_keep", 0)
@@ -364,7 +373,7 @@ class TiledLossForward:
         return_dict = extra.pop("return_dict", arguments.pop("return_dict", None))
         if return_dict is None:
             return_dict = getattr(self.model.config, "return_dict", True)
-        arguments.update(labels=None, logits_to_keep=_no_logits(self.model.get_output_embeddings()))
+        arguments.update(labels=None, logits_to_keep=0 if evaluating else _no_logits(self.model.get_output_embeddings()))
         # The decoder's output reaches the loss through the hook installed with the tiled loss (a hook
         # registered per call would bump torch's class-level handle counter, which Dynamo does not trace).
         self._capturing, self._captured = True, None
@@ -384,17 +393,32 @@ class TiledLossForward:
         loss = _tiled_loss(
             hidden, self.model.get_output_embeddings(), labels, shift_labels=extra.get("shift_labels"),
             ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
-            logit_softcap=softcap, num_shards=self.num_shards, grad_accum_dtype=self.grad_accum_dtype,
-            sequence_group=self.sequence_group, model=self.model)
+            label_smoothing=self.label_smoothing, logit_softcap=softcap, num_shards=self.num_shards,
+            grad_accum_dtype=self.grad_accum_dtype, sequence_group=self.sequence_group, model=self.model)
         if self.form.router_aux_loss and getattr(out, "aux_loss", None) is not None:
             loss = loss + self.model.router_aux_loss_coef * out.aux_loss.to(loss.device)
-        fields: Dict[str, Any] = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+        dropped = ("loss",) if evaluating else ("loss", "logits")
+        fields: Dict[str, Any] = {k: v for k, v in out.items() if k not in dropped}
         if return_dict:
             return type(out)(loss=loss, **fields)
         # transformers' tuple holds its fields that are not None in order; the logits keep their place
-        # as None, so that ``output[2]`` is what it is without the tiled loss.
-        return tuple(loss if f.name == "loss" else None if f.name == "logits" else fields[f.name]
+        # (None where dropped), so that ``output[2]`` is what it is without the tiled loss.
+        return tuple(loss if f.name == "loss" else fields.get(f.name)
                      for f in dataclasses.fields(out) if f.name in ("loss", "logits") or fields.get(f.name) is not None)
+
+    def _note_bypass(self) -> None:
+        """A training call without labels (grad enabled, the model in training mode): the tiled loss cannot
+        run, and the model forms the whole logits. Whatever computes the loss from them is outside the
+        model, where this forward cannot see why; said once."""
+        if self._bypass_noted or not (torch.is_grad_enabled() and self.model.training) or torch.compiler.is_compiling():
+            return
+        self._bypass_noted = True
+        warnings.warn(
+            f"tiled loss: {type(self.model).__name__} was called in training without labels, so the tiled loss did not "
+            "run and the model formed the whole logits. A loss computed from them outside the model is not tiled: "
+            "transformers' Trainer with label_smoothing_factor (hand the smoothing to the tiled loss: "
+            "tiled_mlp.integrations.use_tiled_label_smoothing(trainer)), a compute_loss_func, or a trainer's own loss",
+            UserWarning, stacklevel=4)
 
 
 def _no_logits(head: nn.Module) -> Any:
@@ -562,6 +586,21 @@ def tiled_loss_forward(model: nn.Module) -> Optional[TiledLossForward]:
     """The tiled loss installed on the causal LM in ``model``, if any."""
     causal_lm = find_causal_lm(model)
     return _installed_on(causal_lm) if causal_lm is not None else None
+
+
+def set_tiled_loss_label_smoothing(model: nn.Module, factor: float) -> None:
+    """Smooth the labels of the tiled loss on the causal LM in ``model`` by ``factor`` (in [0, 1]), as
+    ``F.cross_entropy(label_smoothing=factor)`` and Hugging Face's ``LabelSmoother(epsilon=factor)`` do,
+    in training and in evaluation (there the model's logits are returned too). A Trainer's own setting is
+    handed over with ``use_tiled_label_smoothing(trainer)``."""
+    installed = tiled_loss_forward(model)
+    if installed is None:
+        raise ValueError(f"tiled loss: no tiled loss on {type(model).__name__} to smooth labels in; apply it first "
+                         "(apply_tiled_mlp(model, loss=True) or apply_tiled_loss(model))")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise TypeError(f"tiled loss: label smoothing is a number in [0, 1], got {factor!r}")
+    CrossEntropyOptions(label_smoothing=float(factor))  # its range, checked before anything changes
+    installed.label_smoothing = float(factor)
 
 
 def is_tiled_loss(model: nn.Module) -> bool:
