@@ -30,7 +30,14 @@ reproduces. Anything else is refused: its loss would silently change.
 What ``install_tiled_loss`` cannot see is checked at every call, before any work: the loss function
 (set on the model after installing), and the model's forward (a forward pre-hook checks that the
 model's forward still reaches this one: directly, inside accelerate's device hook and/or mixed-precision
-wrapper (``accelerate_forward``), or bound to the model by accelerate's ``unwrap_model``). Under
+wrapper (``accelerate_forward``), inside TRL's fused LM head (``trl_seam``: a TRL trainer built after
+installing wraps it; TRL's fused calls compute TRL's own loss, without the logits), or bound to the model
+by accelerate's ``unwrap_model``). A message naming a forward that replaced this one names it by where its
+code was defined (``describe_forward``), not by the names ``functools.wraps`` copied onto it.
+
+Label smoothing (``set_tiled_loss_label_smoothing``; from a Trainer, ``trainer_label_smoothing``) is the tiled
+loss's, in training and in evaluation. A training call without labels cannot run the tiled loss: the first
+one warns (whatever computes the loss from the logits is outside the model). Under
 accelerate's device hook (``dispatch_model``, ``cpu_offload``) the tiled forward is what the hook wraps
 (``model._old_forward``), so the hook still moves the inputs and outputs around it.
 

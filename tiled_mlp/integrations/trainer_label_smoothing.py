@@ -29,14 +29,14 @@ anything changes:
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from .causal_lm_loss import set_tiled_loss_label_smoothing, tiled_loss_forward
 
 CHECKED_VERSIONS = ("5.25.0",)
 
 
-def _refuse(why: str) -> None:
+def _refuse(why: str) -> NoReturn:
     raise ValueError(f"use_tiled_label_smoothing: {why}")
 
 
