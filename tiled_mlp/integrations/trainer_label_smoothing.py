@@ -54,9 +54,10 @@ def use_tiled_label_smoothing(trainer: Any) -> float:
                 f"{', '.join(CHECKED_VERSIONS)} only. Install one of those, or keep the Trainer's own label smoothing")
     if not isinstance(trainer, Trainer):
         _refuse(f"{type(trainer).__name__} is not a transformers Trainer")
-    installed = tiled_loss_forward(trainer.model)
+    model: Any = trainer.model
+    installed = tiled_loss_forward(model)
     if installed is None:
-        _refuse(f"no tiled loss on the trainer's model ({type(trainer.model).__name__}); apply it first "
+        _refuse(f"no tiled loss on the trainer's model ({type(model).__name__}); apply it first "
                 "(apply_tiled_mlp(model, loss=True) or apply_tiled_loss(model))")
     smoother = trainer.label_smoother
     if smoother is None:
@@ -81,6 +82,6 @@ def use_tiled_label_smoothing(trainer: Any) -> float:
         _refuse(f"{type(installed.model).__name__} adds its router's auxiliary loss to its loss; the Trainer's label "
                 "smoother computes from the logits alone and leaves it out, so the tiled loss would change the "
                 "numbers. Keep the Trainer's label smoothing for this model")
-    set_tiled_loss_label_smoothing(trainer.model, smoother.epsilon)
+    set_tiled_loss_label_smoothing(model, smoother.epsilon)
     trainer.label_smoother = None
     return installed.label_smoothing
