@@ -247,3 +247,24 @@ def test_set_label_smoothing_refuses_bad_factors(factor, error):
     assert tiled_loss_forward(model).label_smoothing == 0.0
     with pytest.raises(ValueError, match="no tiled loss"):
         set_tiled_loss_label_smoothing(tiny_model("llama"), 0.1)
+
+
+@pytest.mark.timeout(120)
+def test_compiled_model_smooths_labels_as_the_eager_one():
+    """Under torch.compile the tiled loss is one op, which takes the smoothing as the eager loss does."""
+    torch._dynamo.reset()
+    config = tiny_model("llama").config
+    config.num_hidden_layers = 1  # the compile time is per graph
+    torch.manual_seed(0)
+    reference = type(tiny_model("llama"))(config).float()
+    tiled = apply_tiled_loss(reference) and reference
+    set_tiled_loss_label_smoothing(tiled, 0.1)
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    got = torch.compile(tiled, backend="aot_eager")(input_ids=ids, labels=labels).loss
+    torch._dynamo.reset()
+    with torch.no_grad():  # evaluation with smoothing keeps the logits: LabelSmoother on them
+        logits = tiled(input_ids=ids, labels=labels).logits
+    want = hf_label_smoother(logits, labels, 0.1)
+    assert abs(got.item() - want.item()) <= 1e-6
