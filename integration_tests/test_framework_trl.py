@@ -48,13 +48,14 @@ def _dataset(rows=12):
                               for i in range(rows)])
 
 
-def _trainer(model, tmp_path, name, **config):
+def _trainer(model, tmp_path, name, peft_config=None, **config):
     trl = need("trl")
     args = trl.SFTConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          max_steps=3, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", report_to=[],
                          save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
                          logging_steps=1, bf16=False, **config)  # SFTConfig's default bf16 autocast: the generic paths
-    return trl.SFTTrainer(model=model, args=args, train_dataset=_dataset(), processing_class=_tokenizer())
+    return trl.SFTTrainer(model=model, args=args, train_dataset=_dataset(), processing_class=_tokenizer(),
+                          peft_config=peft_config)
 
 
 def _train(trainer):
@@ -100,6 +101,28 @@ def test_tiled_loss_applied_after_the_trainer_is_left_to_trls_head(tmp_path):
     assert "the tiled loss is not installed" in report.loss_left_to
     assert apply_tiled_loss(model).loss_left_to == report.loss_left_to  # the loss alone: the same answer
     _assert_same_training(want, _train(trainer))
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_lora_through_sft_trainer_in_either_order(tmp_path, order):
+    """``peft_config``: TRL wraps the model in PEFT and puts its head on the base model; the tiled loss is
+    found there (applied before) or left to TRL's head (applied after). Every adapter weight compared."""
+    need("peft")
+    from peft import LoraConfig
+
+    def trainer(model, name):
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "up_proj", "down_proj"])
+        return _trainer(model, tmp_path, name, peft_config=lora)
+
+    want = _train(trainer(tiny_model("llama", dtype=torch.float64), "untiled"))
+    model = tiny_model("llama", dtype=torch.float64)
+    if order == "before":
+        _tile(model)
+        built = trainer(model, "tiled")
+    else:
+        built = trainer(model, "tiled")
+        assert "computed by TRL 1.16.0's fused LM head" in _tile(built.model).loss_left_to
+    _assert_same_training(want, _train(built))
 
 
 def test_under_trls_head_calls_without_fused_lm_head_reach_the_tiled_loss(tmp_path):
