@@ -15,7 +15,7 @@ the Trainer shifts the labels, as the tiled loss does). ``LabelSmoother`` sums i
 (``dtype=torch.float32``) whatever the logits' dtype; the tiled loss sums it in the loss dtype (float64 for a
 float64 model), so in float64 the two differ at float32's rounding of that one term.
 
-Read on transformers 5.25.0 (``CHECKED_VERSIONS``): the attribute ``label_smoother``, the ``LabelSmoother``
+Read on transformers 5.25.0 and 5.19.0 (``CHECKED_VERSIONS``; the tests pass on both): the attribute ``label_smoother``, the ``LabelSmoother``
 class and its ``epsilon``/``ignore_index``, and ``Trainer.compute_loss``'s use of them. Refused, before
 anything changes:
 - a trainer whose ``compute_loss`` is not ``Trainer``'s own (TRL's ``SFTTrainer`` smooths from the logits in
@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 from .causal_lm_loss import set_tiled_loss_label_smoothing, tiled_loss_forward
 
-CHECKED_VERSIONS = ("5.25.0",)
+CHECKED_VERSIONS = ("5.19.0", "5.25.0")
 
 
 def _refuse(why: str) -> NoReturn:
