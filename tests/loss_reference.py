@@ -3,7 +3,8 @@
 The reference is Hugging Face's own ``ForCausalLMLoss`` on ``lm_head(hidden)``, in float64: its
 ``logits.float()`` would round float64 logits to float32, so ``Tensor.float`` is patched to the identity
 around that one call (the reference only; the tiled call never runs under the patch). ``hf_loss(..., downcast=True)`` is the unpatched loss.
-Options that
+``hf_label_smoother`` is the Trainer's
+``LabelSmoother``, kept in float64 the same way. Options that
 Hugging Face leaves to the model are written out here from their definitions (``option_reference``).
 
 Every run deep-copies the head and takes a fresh leaf copy of the hidden states, so a reference run and
@@ -78,6 +79,19 @@ def hf_loss(logits: torch.Tensor, labels: Optional[torch.Tensor] = None, *, down
         return ForCausalLMLoss(logits, labels, logits.shape[-1], **kwargs)
     with mock.patch.object(torch.Tensor, "float", lambda self: self):
         return ForCausalLMLoss(logits, labels, logits.shape[-1], **kwargs)
+
+
+def hf_label_smoother(logits: torch.Tensor, labels: torch.Tensor, epsilon: float, *, ignore_index: int = -100,
+                      num_items_in_batch=None, downcast: bool = False) -> torch.Tensor:
+    """transformers' ``LabelSmoother`` as the Trainer calls it on a causal LM (``shift_labels=True``). It sums
+    its smoothing term with ``dtype=torch.float32`` whatever the logits' dtype: patched to float64 around
+    that one call (``torch.float32`` is read at the call), or as it is with ``downcast=True``."""
+    LabelSmoother = pytest.importorskip("transformers.trainer_pt_utils").LabelSmoother
+    smoother = LabelSmoother(epsilon=epsilon, ignore_index=ignore_index)
+    if downcast:
+        return smoother({"logits": logits}, labels, shift_labels=True, num_items_in_batch=num_items_in_batch)
+    with mock.patch.object(torch, "float32", torch.float64):
+        return smoother({"logits": logits}, labels, shift_labels=True, num_items_in_batch=num_items_in_batch)
 
 
 def option_reference(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,

@@ -7,6 +7,7 @@ CPU step to the byte at every allocation, device and host."""
 from __future__ import annotations
 
 import copy
+import types
 from unittest import mock
 
 import pytest
@@ -101,6 +102,22 @@ def test_the_norms_are_found_by_class_and_structure(family):
     assert apply_tiled_mlp(model, norms=True).patched == [], "applying twice is harmless"
     assert sorted(remove_tiled_mlp(model)) == sorted(tiled)
     assert type(model.model.norm).__name__ == f"{family.capitalize()}RMSNorm"
+
+
+def test_the_report_says_the_norm_kernel_runs_a_registered_norm_and_generic_otherwise():
+    """What the report expects before the first forward is what ``last_path`` says after it."""
+    model = tiny_model("llama")
+    own = model.model.layers[0].input_layernorm
+    own.forward = types.MethodType(lambda self, x: type(self).forward(self, x), own)  # no registered body
+    report = apply_tiled_mlp(model, norms=True, num_shards=2)
+    norms = {block.name: block for block in report.patched if block.kind == "norm"}
+    odd = norms.pop("model.layers.0.input_layernorm")
+    assert {block.expected_path for block in norms.values()} == {"norm (a registered RMSNorm forward: the norm kernel)"}
+    assert odd.expected_path.startswith("generic (")
+    assert "norm(s)" in str(report) and "it is a norm, not a gated MLP" not in str(report)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert {block.last_path for block in norms.values()} == {"norm"} and odd.last_path == "generic"
 
 
 def test_only_hidden_sized_rmsnorms_are_norms_and_exclude_applies():

@@ -7,7 +7,7 @@ Hugging Face's gated MLP and activation bodies; ``hf_norm_forms``: its RMSNorm b
 has them; the core alone knows only torch's own modules, functions and kernels."""
 from . import deepspeed_linear, hf_forms, hf_norm_forms, liger_activation  # noqa: F401  (registrations made at import)
 from .args import TiledMLPFlags, add_tiled_mlp_args, read_tiled_mlp_flags
-from .causal_lm_loss import is_tiled_loss, remove_tiled_loss
+from .causal_lm_loss import is_tiled_loss, remove_tiled_loss, set_tiled_loss_label_smoothing
 from .hf import (
     apply_from_flags,
     apply_tiled_loss,
@@ -22,6 +22,7 @@ from .hf import (
 from .offload import apply_checkpoint_offload
 from .report import TiledBlock, TilingReport
 from .stack import LongContextStack, apply_long_context
+from .trainer_label_smoothing import use_tiled_label_smoothing
 from .ulysses import SequenceParallel, apply_sequence_parallel
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "apply_tiled_loss",
     "remove_tiled_loss",
     "is_tiled_loss",
+    "set_tiled_loss_label_smoothing",
+    "use_tiled_label_smoothing",
     "is_tiled",
     "enable_tiled_mlp",
     "maybe_apply_tiled_mlp",

@@ -30,7 +30,14 @@ reproduces. Anything else is refused: its loss would silently change.
 What ``install_tiled_loss`` cannot see is checked at every call, before any work: the loss function
 (set on the model after installing), and the model's forward (a forward pre-hook checks that the
 model's forward still reaches this one: directly, inside accelerate's device hook and/or mixed-precision
-wrapper (``accelerate_forward``), or bound to the model by accelerate's ``unwrap_model``). Under
+wrapper (``accelerate_forward``), inside TRL's fused LM head (``trl_seam``: a TRL trainer built after
+installing wraps it; TRL's fused calls compute TRL's own loss, without the logits), or bound to the model
+by accelerate's ``unwrap_model``). A message naming a forward that replaced this one names it by where its
+code was defined (``describe_forward``), not by the names ``functools.wraps`` copied onto it.
+
+Label smoothing (``set_tiled_loss_label_smoothing``; from a Trainer, ``trainer_label_smoothing``) is the tiled
+loss's, in training and in evaluation. A training call without labels cannot run the tiled loss: the first
+one warns (whatever computes the loss from the logits is outside the model). Under
 accelerate's device hook (``dispatch_model``, ``cpu_offload``) the tiled forward is what the hook wraps
 (``model._old_forward``), so the hook still moves the inputs and outputs around it.
 
@@ -45,9 +52,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import inspect
+import logging
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple, cast
 
@@ -57,6 +67,7 @@ from torch import nn
 
 from tiled_mlp.core import dynamo_support, tiled_cross_entropy
 from tiled_mlp.core.compiled_loss import decide_loss_route
+from tiled_mlp.core.kernels.cross_entropy import CrossEntropyOptions
 from tiled_mlp.core.shard_plan import NumShards
 
 from .accelerate_forward import (
@@ -68,6 +79,9 @@ from .accelerate_forward import (
     mixed_precision_forward,
     wrap_like_prepare,
 )
+from .trl_seam import FusedHead, fused_head
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,27 @@ def _name(thing: Any) -> str:
     return getattr(thing, "__qualname__", None) or type(thing).__qualname__
 
 
+def describe_forward(thing: Any) -> str:
+    """Where a forward was defined, as ``module.qualname``, read from its code and the globals it runs in:
+    ``functools.wraps`` copies another function's names (and ``__wrapped__``) onto a wrapper, its code keeps
+    its own. A wrapper that carries another's name says so."""
+    function = thing.__func__ if isinstance(thing, types.MethodType) else thing
+    if isinstance(function, functools.partial):
+        return f"functools.partial of {describe_forward(function.func)}"
+    code = getattr(function, "__code__", None)
+    if code is None:  # a callable object: its class
+        return f"a {type(function).__module__}.{type(function).__qualname__} object"
+    module = getattr(function, "__globals__", {}).get("__name__", "?")
+    qualname = getattr(code, "co_qualname", None)  # Python 3.11+; before it, the code's bare name
+    defined = f"{module}.{qualname or code.co_name}"
+    shown_module = getattr(function, "__module__", module)
+    shown = getattr(function, "__qualname__", "?")
+    renamed = shown_module != module or (shown != qualname if qualname else getattr(function, "__name__", "") != code.co_name)
+    if renamed:
+        return f"{defined}, which carries the name {shown_module}.{shown} (functools.wraps)"
+    return defined
+
+
 def instance_forward_refusal(model: nn.Module) -> str:
     """Why the forward set on ``model``'s instance stops the tiled loss ('' where there is none, or it is
     the class's forward bound to the model, as it is or inside accelerate's device hook): the tiled loss
@@ -135,18 +170,45 @@ def instance_forward_refusal(model: nn.Module) -> str:
     if mixed_precision_forward(model) is not None:
         return ("accelerate's mixed precision (Accelerator.prepare) wrapped its forward, and the tiled loss would run "
                 "outside that wrapper. Apply the tiled loss before accelerator.prepare(model)")
+    trl_head = fused_head(vars(model).get("forward"))
+    if trl_head is not None and not _is_class_forward(model, trl_head.inner):
+        return (f"{trl_head.describe()} is on its forward, over a forward that is not its class's "
+                f"({describe_forward(trl_head.inner)}). Leave the tiled loss off for this model")
+    if trl_head is not None:
+        return (f"{trl_head.describe()} is on its forward: TRL's trainers compute the loss through it, in tiles, "
+                "without the logits, and never call the forward the tiled loss would be on. apply_tiled_mlp(loss=True) "
+                "and apply_tiled_loss leave the loss to TRL's head and say so in their report; or apply the tiled "
+                "loss before building the trainer (TRL's head then wraps it)")
     hooked = device_hook_forward(model)
     forward = hooked.inner if hooked is not None else vars(model).get("forward")
-    if forward is None or (isinstance(forward, types.MethodType) and forward.__self__ is model
-                           and forward.__func__ is type(model).forward):
+    if forward is None or _is_class_forward(model, forward):
         return ""
     if hooked is not None:
         return (f"accelerate's device hook on it ({hooked.hook!r}: dispatch_model, cpu_offload) wraps a forward "
-                f"that is not its class's ({_name(forward)}); the tiled loss would compute the loss without that "
-                "forward, so what it does to the loss would be lost. Leave the tiled loss off for this model")
-    return (f"its instance has a forward of its own ({_name(forward)}); the tiled loss would compute the loss "
-            "without it, so what it does to the loss would be lost. Take it off (del model.forward) and change the "
-            "loss outside the model, or leave the tiled loss off")
+                f"that is not its class's ({describe_forward(forward)}); the tiled loss would compute the loss without "
+                "that forward, so what it does to the loss would be lost. Leave the tiled loss off for this model")
+    return (f"its instance has a forward of its own ({describe_forward(forward)}); the tiled loss would compute the "
+            "loss without it, so what it does to the loss would be lost. Take it off (del model.forward) and change "
+            "the loss outside the model, or leave the tiled loss off")
+
+
+def _is_class_forward(model: nn.Module, forward: Any) -> bool:
+    return (isinstance(forward, types.MethodType) and forward.__self__ is model
+            and forward.__func__ is type(model).forward)
+
+
+def loss_left_to_trl(model: nn.Module) -> str:
+    """What computes the loss of the causal LM in ``model`` instead of the tiled loss ('' where nothing
+    does): TRL's fused LM head, put on the model's own forward by a TRL trainer built before (it computes
+    the loss without the logits; a tiled loss under it would never run for TRL's calls)."""
+    causal_lm = find_causal_lm(model)
+    if causal_lm is None or _installed_on(causal_lm) is not None:
+        return ""
+    head = fused_head(vars(causal_lm).get("forward"))
+    if head is None or not _is_class_forward(causal_lm, head.inner):
+        return ""
+    return (f"{type(causal_lm).__name__}: computed by {head.describe()} in tiles, without the logits; the tiled "
+            "loss is not installed (TRL's calls with fused_lm_head=True never reach the model's forward)")
 
 
 def _reproduced_loss_function() -> Callable:
@@ -196,6 +258,10 @@ class TiledLossForward:
         self.decoder_hook: Any = None  # the handle of ``capture_decoder_output`` on the decoder
         self._capturing = False  # inside the model's forward run by this one
         self._captured: Optional[torch.Tensor] = None  # the decoder's hidden states of that run
+        self._trl_noted = False  # said once that TRL's fused head wraps this forward
+        self._bypass_noted = False  # said once that a training call came without labels
+        # F.cross_entropy's label smoothing, which is Hugging Face's LabelSmoother's (use_tiled_label_smoothing)
+        self.label_smoothing = 0.0
 
     def __deepcopy__(self, memo: dict) -> TiledLossForward:
         clone = object.__new__(type(self))
@@ -241,14 +307,20 @@ class TiledLossForward:
             _checked_eagerly(self)
 
     def _check_forward(self) -> None:
-        reached = forward_reaching(self.model)
-        if reached is not self:
-            forward = vars(self.model).get("forward")
+        layers = forward_layers(self.model)
+        if _reaches(self.model, layers.forward) is not self:
+            replacer = layers.forward if layers.forward is not None else "the class forward"
             raise RuntimeError(
                 f"tiled loss: {type(self.model).__name__}'s forward was replaced after the tiled loss was installed "
-                f"(it is {_name(forward) if forward is not None else 'the class forward'}); the tiled loss cannot tell "
-                "whether it still runs or what the new forward does to the loss. Put the forward back, or remove the "
-                "tiled loss first (remove_tiled_loss(model)) to run it with the model's own loss")
+                f"(it is {_described(replacer)}{_under(layers)}); the tiled loss cannot tell whether it still runs or "
+                "what the new forward does to the loss. Put the forward back, or remove the tiled loss first "
+                "(remove_tiled_loss(model)) to run it with the model's own loss")
+        if layers.trl_head is not None and not self._trl_noted:
+            self._trl_noted = True
+            logger.warning("tiled loss: %s now wraps %s's forward: its calls with fused_lm_head=True (every labelled "
+                           "call of TRL's trainers) compute TRL's loss, in tiles without the logits, and only calls "
+                           "without fused_lm_head reach the tiled loss", layers.trl_head.describe(),
+                           type(self.model).__name__)
 
     def _check_loss_function(self) -> None:
         why = loss_function_refusal(self.model)
@@ -288,12 +360,16 @@ class TiledLossForward:
         """The call once its arguments are bound (``arguments``: the forward's named ones that were given;
         ``extra``: those its ``**kwargs`` takes)."""
         labels = arguments.get("labels")
-        if (labels is None and extra.get("shift_labels") is None) or (
-                not torch.is_grad_enabled() and self.sequence_group is None):
-            # No labels, or no graph (evaluation: a Trainer's metrics read the logits, and no backward
-            # will hold them): the model's own forward, logits included. Not under sequence parallelism:
-            # there a rank's logits are a slice and the model's loss a slice's mean, so evaluation takes
-            # the tiled loss too, divided once over the group.
+        if labels is None and extra.get("shift_labels") is None:
+            self._note_bypass()
+            return inner(*args, **kwargs)
+        # No graph (evaluation: a Trainer's metrics read the logits, and no backward will hold them): the
+        # model's own forward, logits included; with label smoothing, its loss is the tiled loss's all the
+        # same (the smoothing the Trainer's label smoother would have applied there). Not under sequence
+        # parallelism: there a rank's logits are a slice and the model's loss a slice's mean, so evaluation
+        # takes the tiled loss too, divided once over the group.
+        evaluating = not torch.is_grad_enabled() and self.sequence_group is None
+        if evaluating and not self.label_smoothing:
             return inner(*args, **kwargs)
         self._check_loss_function()
         keep = arguments.get("logits_to_keep", 0)
@@ -304,7 +380,7 @@ class TiledLossForward:
         return_dict = extra.pop("return_dict", arguments.pop("return_dict", None))
         if return_dict is None:
             return_dict = getattr(self.model.config, "return_dict", True)
-        arguments.update(labels=None, logits_to_keep=_no_logits(self.model.get_output_embeddings()))
+        arguments.update(labels=None, logits_to_keep=0 if evaluating else _no_logits(self.model.get_output_embeddings()))
         # The decoder's output reaches the loss through the hook installed with the tiled loss (a hook
         # registered per call would bump torch's class-level handle counter, which Dynamo does not trace).
         self._capturing, self._captured = True, None
@@ -324,17 +400,32 @@ class TiledLossForward:
         loss = _tiled_loss(
             hidden, self.model.get_output_embeddings(), labels, shift_labels=extra.get("shift_labels"),
             ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
-            logit_softcap=softcap, num_shards=self.num_shards, grad_accum_dtype=self.grad_accum_dtype,
-            sequence_group=self.sequence_group, model=self.model)
+            label_smoothing=self.label_smoothing, logit_softcap=softcap, num_shards=self.num_shards,
+            grad_accum_dtype=self.grad_accum_dtype, sequence_group=self.sequence_group, model=self.model)
         if self.form.router_aux_loss and getattr(out, "aux_loss", None) is not None:
             loss = loss + self.model.router_aux_loss_coef * out.aux_loss.to(loss.device)
-        fields: Dict[str, Any] = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+        dropped = ("loss",) if evaluating else ("loss", "logits")
+        fields: Dict[str, Any] = {k: v for k, v in out.items() if k not in dropped}
         if return_dict:
             return type(out)(loss=loss, **fields)
         # transformers' tuple holds its fields that are not None in order; the logits keep their place
-        # as None, so that ``output[2]`` is what it is without the tiled loss.
-        return tuple(loss if f.name == "loss" else None if f.name == "logits" else fields[f.name]
+        # (None where dropped), so that ``output[2]`` is what it is without the tiled loss.
+        return tuple(loss if f.name == "loss" else fields.get(f.name)
                      for f in dataclasses.fields(out) if f.name in ("loss", "logits") or fields.get(f.name) is not None)
+
+    def _note_bypass(self) -> None:
+        """A training call without labels (grad enabled, the model in training mode): the tiled loss cannot
+        run, and the model forms the whole logits. Whatever computes the loss from them is outside the
+        model, where this forward cannot see why; said once."""
+        if self._bypass_noted or not (torch.is_grad_enabled() and self.model.training) or torch.compiler.is_compiling():
+            return
+        self._bypass_noted = True
+        warnings.warn(
+            f"tiled loss: {type(self.model).__name__} was called in training without labels, so the tiled loss did not "
+            "run and the model formed the whole logits. A loss computed from them outside the model is not tiled: "
+            "transformers' Trainer with label_smoothing_factor (hand the smoothing to the tiled loss: "
+            "tiled_mlp.integrations.use_tiled_label_smoothing(trainer)), a compute_loss_func, or a trainer's own loss",
+            UserWarning, stacklevel=4)
 
 
 def _no_logits(head: nn.Module) -> Any:
@@ -401,24 +492,54 @@ def _traced_plan(forward: TiledLossForward, names: Tuple[str, ...], positional: 
     return TracedPlan(False, route.reason, tuple(own), tuple(extra))
 
 
-def _accelerate_layers(causal_lm: nn.Module) -> Tuple[Optional[MixedPrecisionForward], Optional[DeviceHookForward],
-                                                        Optional[Callable]]:
-    """accelerate's wrappers on ``causal_lm``'s forward, outermost first (mixed precision, then the device
-    hook; each None where absent), and the forward inside them (None: the class's)."""
+@dataclass(frozen=True)
+class ForwardLayers:
+    """The wrappers on a causal LM's forward, outermost first (each None where absent): accelerate's
+    mixed precision, TRL's fused LM head, accelerate's device hook; and the forward inside them all
+    (None: the class's)."""
+
+    mixed_precision: Optional[MixedPrecisionForward]
+    trl_head: Optional[FusedHead]
+    device_hook: Optional[DeviceHookForward]
+    forward: Optional[Callable]
+
+
+def forward_layers(causal_lm: nn.Module) -> ForwardLayers:
+    """``causal_lm``'s forward taken apart (``ForwardLayers``). TRL's trainers add their head before
+    ``Accelerator.prepare`` wraps the forward, and ``dispatch_model`` hooks the model before a trainer is
+    built, which is the order read here."""
     wrapped = mixed_precision_forward(causal_lm)
     forward = wrapped.inner if wrapped is not None else vars(causal_lm).get("forward")
+    trl_head = fused_head(forward)
+    if trl_head is not None:
+        forward = trl_head.inner
     hooked = device_hook_forward(causal_lm, forward) if forward is not None else None
-    return wrapped, hooked, hooked.inner if hooked is not None else forward
+    return ForwardLayers(wrapped, trl_head, hooked, hooked.inner if hooked is not None else forward)
 
 
 def forward_reaching(causal_lm: nn.Module) -> Optional[Any]:
     """The tiled loss that ``causal_lm``'s forward runs (None: none): its instance forward, inside
-    accelerate's device hook and/or mixed-precision wrapper, or bound to the model (accelerate's
-    ``unwrap_model(keep_fp32_wrapper=False)``)."""
-    _, _, forward = _accelerate_layers(causal_lm)
+    accelerate's device hook and/or mixed-precision wrapper and/or TRL's fused LM head (for calls without
+    ``fused_lm_head``), or bound to the model (accelerate's ``unwrap_model(keep_fp32_wrapper=False)``)."""
+    return _reaches(causal_lm, forward_layers(causal_lm).forward)
+
+
+def _reaches(causal_lm: nn.Module, forward: Optional[Callable]) -> Optional[Any]:
     if isinstance(forward, types.MethodType) and forward.__self__ is causal_lm:
         forward = forward.__func__
     return forward if isinstance(forward, TiledLossForward) else None
+
+
+def _described(forward: Any) -> str:
+    return forward if isinstance(forward, str) else describe_forward(forward)
+
+
+def _under(layers: ForwardLayers) -> str:
+    """The wrappers around the forward a message names."""
+    around = [name for name, present in (("accelerate's device hook", layers.device_hook),
+                                         (layers.trl_head.describe() if layers.trl_head else "", layers.trl_head),
+                                         ("accelerate's mixed precision", layers.mixed_precision)) if present]
+    return f", inside {', inside '.join(around)}" if around else ""
 
 
 def find_causal_lm(model: nn.Module) -> Optional[nn.Module]:
@@ -474,6 +595,21 @@ def tiled_loss_forward(model: nn.Module) -> Optional[TiledLossForward]:
     return _installed_on(causal_lm) if causal_lm is not None else None
 
 
+def set_tiled_loss_label_smoothing(model: nn.Module, factor: float) -> None:
+    """Smooth the labels of the tiled loss on the causal LM in ``model`` by ``factor`` (in [0, 1]), as
+    ``F.cross_entropy(label_smoothing=factor)`` and Hugging Face's ``LabelSmoother(epsilon=factor)`` do,
+    in training and in evaluation (there the model's logits are returned too). A Trainer's own setting is
+    handed over with ``use_tiled_label_smoothing(trainer)``."""
+    installed = tiled_loss_forward(model)
+    if installed is None:
+        raise ValueError(f"tiled loss: no tiled loss on {type(model).__name__} to smooth labels in; apply it first "
+                         "(apply_tiled_mlp(model, loss=True) or apply_tiled_loss(model))")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise TypeError(f"tiled loss: label smoothing is a number in [0, 1], got {factor!r}")
+    CrossEntropyOptions(label_smoothing=float(factor))  # its range, checked before anything changes
+    installed.label_smoothing = float(factor)
+
+
 def is_tiled_loss(model: nn.Module) -> bool:
     return tiled_loss_forward(model) is not None
 
@@ -486,7 +622,14 @@ def remove_tiled_loss(model: nn.Module) -> bool:
     if causal_lm is None or installed is None:
         return False
     installed._check_forward()  # a forward put over it since: removing the tiled loss would not undo that
-    wrapped, hooked, _ = _accelerate_layers(causal_lm)
+    layers = forward_layers(causal_lm)
+    if layers.trl_head is not None:
+        # TRL's closure holds the tiled loss as the forward it calls: only a new head could drop it.
+        raise RuntimeError(f"tiled loss: {layers.trl_head.describe()} wraps the tiled loss on "
+                           f"{type(causal_lm).__name__} (it was added after the tiled loss), and holds it as the forward "
+                           "it calls; removing the tiled loss would leave that head calling it. Build the model and the "
+                           "trainer again without the tiled loss")
+    wrapped, hooked = layers.mixed_precision, layers.device_hook
     restored = installed._inner()
     if hooked is not None:
         hook_wrapper = wrapped.inner if wrapped is not None else vars(causal_lm)["forward"]

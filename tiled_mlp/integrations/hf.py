@@ -26,7 +26,7 @@ from tiled_mlp.core.shard_plan import NumShards
 from tiled_mlp.strategies.resolver import StrategyArg
 
 from .args import TiledMLPFlags, read_tiled_mlp_flags
-from .causal_lm_loss import check_tiled_loss, install_tiled_loss, remove_tiled_loss
+from .causal_lm_loss import check_tiled_loss, install_tiled_loss, loss_left_to_trl, remove_tiled_loss
 from .matching import Patterns, Scan, find_tiled, scan
 from .moe import TiledExperts
 from .norms import NORM_ACCUM_DTYPE, TiledNorm, norm_names, why_no_norms
@@ -57,7 +57,9 @@ def apply_tiled_mlp(
     """Tile the MLP blocks of ``model`` in place; returns (and logs) what was tiled and skipped.
 
     ``loss=True`` also puts the tiled loss on the causal LM's loss path (``apply_tiled_loss``), with
-    ``loss_num_shards`` shards per loss call: checked before any block is tiled.
+    ``loss_num_shards`` shards per loss call: checked before any block is tiled. Where a TRL trainer built
+    before put its fused LM head on the model's forward (it computes the loss without the logits), the loss
+    is left to it and the report says so (``TilingReport.loss_left_to``).
 
     ``norms=True`` also tiles the model's RMSNorms of the hidden size (``norms.norm_names``: for Llama
     each decoder layer's two and the final one; none inside an MLP tiled here), on the norm kernel where
@@ -71,7 +73,9 @@ def apply_tiled_mlp(
     and checked before any is installed: an error (an unsupported backend, ``path="fast"`` on a block
     that cannot take it) leaves the model unchanged.
     """
-    if loss:
+    # A TRL trainer built before put its fused LM head on the forward: it computes the loss without the logits.
+    loss_elsewhere = loss_left_to_trl(model) if loss else ""
+    if loss and not loss_elsewhere:
         check_tiled_loss(model)  # refused before any block is tiled
     found = scan(model, include, exclude)
     if norms:
@@ -101,7 +105,7 @@ def apply_tiled_mlp(
     if problems:
         raise FastPathRefused("path='fast' cannot apply to these blocks (use path='auto'):\n  " + "\n  ".join(problems))
 
-    report = TilingReport(skipped=found.skipped)
+    report = TilingReport(skipped=found.skipped, loss_left_to=loss_elsewhere)
     installed: List[TiledMLP] = []
     try:
         for candidate, mixin, fixed, block_path, accum in staged:
@@ -111,7 +115,7 @@ def apply_tiled_mlp(
             installed.append(tiled)
             report.patched.append(TiledBlock(candidate.name, type(candidate.module).__name__, candidate.kind, tiled,
                                              expected_path(tiled)))
-        if loss:
+        if loss and not loss_elsewhere:
             report.tiled_loss = type(install_tiled_loss(model, loss_num_shards, grad_accum_dtype)).__name__
     except BaseException:
         for tiled in installed:  # an error leaves the model as it was
@@ -146,8 +150,11 @@ def _add_norms(found: Scan, model: nn.Module, exclude: Patterns) -> None:
 def apply_tiled_loss(model: nn.Module, num_shards: NumShards = "auto", grad_accum_dtype=None) -> TilingReport:
     """Only the tiled loss (no MLP block tiled): the causal LM in ``model`` computes its loss without
     holding the logits. Reversible with ``remove_tiled_loss`` (or ``remove_tiled_mlp``)."""
-    causal_lm = install_tiled_loss(model, num_shards, grad_accum_dtype)
-    report = TilingReport(tiled_loss=type(causal_lm).__name__)
+    loss_elsewhere = loss_left_to_trl(model)
+    if loss_elsewhere:
+        report = TilingReport(loss_left_to=loss_elsewhere)
+    else:
+        report = TilingReport(tiled_loss=type(install_tiled_loss(model, num_shards, grad_accum_dtype)).__name__)
     logger.info("%s", report)
     return report
 

@@ -10,6 +10,8 @@ from tiled_mlp.core.module_forward import forward_function
 from tiled_mlp.core.norm_forms import norm_spec
 from tiled_mlp.strategies.resolver import resolve_strategy
 
+from .norms import TiledNorm
+
 
 def expected_path(tiled: TiledMLP) -> str:
     """The kernel the built-in registry's order picks for a ``[batch, tokens, hidden]`` call, as far as the forward,
@@ -20,12 +22,20 @@ def expected_path(tiled: TiledMLP) -> str:
     if state.path != "auto":
         return f"{state.path} (requested)"
     strategy = state.fixed_strategy or resolve_strategy(tiled, state.ancestors())
-    unfit = getattr(type(tiled)._tiled_mixin, "tiled_no_fast_path", "")
-    spec, why_not = (None, unfit) if unfit else structural_decision(tiled, forward_function(tiled),
-                                                                     strategy.is_backend_hook)
     # A backend that swaps the parameters around its forward (FSDP2, ZeRO-3) holds sharded ones here, not the
     # ones a call computes with: for it the structure alone is reported.
     now = not strategy.swaps_param_storage(tiled)
+    if isinstance(tiled, TiledNorm):
+        # The norm kernel's own structural decision (``builtin_kernels.NormEntry``): the forward is a registered
+        # RMSNorm body, read on this module, and its weight is not a distributed one.
+        norm, why_not = norm_spec(tiled, forward_function(tiled))
+        if norm is not None and (not now or strategy.local_view(tiled, [norm.weight]) is None):
+            return "norm (a registered RMSNorm forward: the norm kernel)"
+        spec, why_not = None, why_not or "the norm's weight is distributed"
+    else:
+        unfit = getattr(type(tiled)._tiled_mixin, "tiled_no_fast_path", "")
+        spec, why_not = (None, unfit) if unfit else structural_decision(tiled, forward_function(tiled),
+                                                                         strategy.is_backend_hook)
     if spec is not None:
         view = strategy.local_view(tiled, spec.params) if now else None
         if view is None:
@@ -33,9 +43,6 @@ def expected_path(tiled: TiledMLP) -> str:
         if not view.why_not:
             return "fast (a known gated forward, and the structure fits; on each rank's local weights)"
         why_not = view.why_not
-    norm, _ = norm_spec(tiled, forward_function(tiled))
-    if norm is not None and (not now or strategy.local_view(tiled, [norm.weight]) is None):
-        return "norm (a registered RMSNorm body)"
     refused = strategy.per_shard_problem(tiled, 2) if now else ""
     if refused:
         return f"refused at the first forward: no built-in kernel runs it (fast: {why_not}; generic: {refused})"
@@ -52,7 +59,7 @@ class TiledBlock:
 
     @property
     def last_path(self) -> str:
-        """The path the last forward ran: "fast", "generic", "untiled" (too short to pay), or pending."""
+        """The path the last forward ran: "fast", "norm", "generic", "untiled" (too short to pay), or pending."""
         return self.tiled.tiling.last_path or "pending (decided at the first forward)"
 
 
@@ -63,6 +70,9 @@ class TilingReport:
     skipped: List[Tuple[str, str]] = field(default_factory=list)
     # The causal LM whose loss now runs through the tiled loss (``loss=True``), by class name; "" if none.
     tiled_loss: str = ""
+    # Where ``loss=True`` found the loss already computed without the logits by another library's head (TRL's
+    # fused LM head), and so left to it: the causal LM and what computes its loss; "" if not.
+    loss_left_to: str = ""
 
     @property
     def blocks(self) -> List[TiledBlock]:
@@ -85,4 +95,6 @@ class TilingReport:
             lines.append(f"  skipped {name}: {why}")
         if self.tiled_loss:
             lines.append(f"  loss    {self.tiled_loss}: tiled LM head + cross-entropy (no logits returned with labels)")
+        if self.loss_left_to:
+            lines.append(f"  loss    {self.loss_left_to}")
         return "\n".join(lines)

@@ -1,0 +1,87 @@
+"""transformers' Trainer with ``label_smoothing_factor``: hand the smoothing to the tiled loss.
+
+With ``label_smoothing_factor > 0`` the Trainer builds ``trainer.label_smoother`` (a ``LabelSmoother``) and,
+in ``Trainer.compute_loss``, takes ``labels`` out of the inputs, calls the model without them and smooths the
+loss from the logits it returns. The tiled loss then never runs (a call without labels), and the model forms
+the whole ``[tokens, vocab]`` logits at every step. The tiled forward says so at the first such call (a
+warning: what computes a loss outside the model cannot be seen from inside it).
+
+``use_tiled_label_smoothing(trainer)`` moves the smoothing into the tiled loss: it gives the tiled loss the
+label smoother's ``epsilon`` and sets ``trainer.label_smoother`` to None, so ``compute_loss`` passes the
+labels (and ``num_items_in_batch``) to the model, whose tiled loss computes the same smoothed loss without the
+logits. The numbers are ``LabelSmoother``'s: per valid token ``(1 - eps) * nll + eps * mean_j(-log p_j)``, the
+sum divided by ``num_items_in_batch`` where the Trainer gives it, else by the valid tokens (for a causal LM
+the Trainer shifts the labels, as the tiled loss does). ``LabelSmoother`` sums its smoothing term in float32
+(``dtype=torch.float32``) whatever the logits' dtype; the tiled loss sums it in the loss dtype (float64 for a
+float64 model), so in float64 the two differ at float32's rounding of that one term.
+
+Read on transformers 5.25.0 and 5.19.0 (``CHECKED_VERSIONS``; the tests pass on both): the attribute ``label_smoother``, the ``LabelSmoother``
+class and its ``epsilon``/``ignore_index``, and ``Trainer.compute_loss``'s use of them. Refused, before
+anything changes:
+- a trainer whose ``compute_loss`` is not ``Trainer``'s own (TRL's ``SFTTrainer`` smooths from the logits in
+  its own ``compute_loss``: dropping its smoother would drop the smoothing), or that has a
+  ``compute_loss_func`` (it computes the loss from the logits, before the smoother);
+- a model that does not take ``num_items_in_batch`` (``trainer.model_accepts_loss_kwargs`` False: the
+  smoother would divide by the whole batch's count and the model by its own);
+- a mixture-of-experts family: the model's loss adds the router's auxiliary loss, which the
+  ``LabelSmoother`` (reading the logits only) leaves out, so the numbers would change;
+- no tiled loss on the trainer's model, a label smoother of another class or another ``ignore_index``.
+"""
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from .causal_lm_loss import set_tiled_loss_label_smoothing, tiled_loss_forward
+
+CHECKED_VERSIONS = ("5.19.0", "5.25.0")
+
+
+def _refuse(why: str) -> NoReturn:
+    raise ValueError(f"use_tiled_label_smoothing: {why}")
+
+
+def use_tiled_label_smoothing(trainer: Any) -> float:
+    """Hand ``trainer``'s label smoothing (``label_smoothing_factor``) to the tiled loss on its model and take
+    it off the trainer; returns the factor the tiled loss smooths with. Call it after building the trainer,
+    before ``trainer.train()``. A trainer without a label smoother (factor 0, or handed over already) is
+    left as it is."""
+    import transformers
+    from transformers import Trainer
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    if transformers.__version__ not in CHECKED_VERSIONS:
+        _refuse(f"transformers here is {transformers.__version__}; the Trainer's label smoothing was read on "
+                f"{', '.join(CHECKED_VERSIONS)} only. Install one of those, or keep the Trainer's own label smoothing")
+    if not isinstance(trainer, Trainer):
+        _refuse(f"{type(trainer).__name__} is not a transformers Trainer")
+    model: Any = trainer.model
+    installed = tiled_loss_forward(model)
+    if installed is None:
+        _refuse(f"no tiled loss on the trainer's model ({type(model).__name__}); apply it first "
+                "(apply_tiled_mlp(model, loss=True) or apply_tiled_loss(model))")
+    smoother = trainer.label_smoother
+    if smoother is None:
+        return installed.label_smoothing
+    owner = next(k for k in type(trainer).__mro__ if "compute_loss" in vars(k))
+    if owner is not Trainer:
+        _refuse(f"{owner.__module__}.{owner.__qualname__} computes the loss in a compute_loss of its own, which uses "
+                "the label smoother its own way; taking the smoother away would change its loss. Keep its label "
+                "smoothing (the tiled loss does not run for it)")
+    if trainer.compute_loss_func is not None:
+        _refuse("the trainer has a compute_loss_func, which computes the loss from the logits (before the label "
+                "smoother); the tiled loss would not run for it")
+    if type(smoother) is not LabelSmoother:
+        _refuse(f"the trainer's label smoother is a {type(smoother).__qualname__}, not transformers' LabelSmoother, "
+                "whose numbers the tiled loss reproduces")
+    if smoother.ignore_index != -100:
+        _refuse(f"the label smoother ignores {smoother.ignore_index}, the model's loss -100")
+    if not trainer.model_accepts_loss_kwargs:
+        _refuse("the trainer does not pass num_items_in_batch to this model (model_accepts_loss_kwargs is False), "
+                "where its label smoother divides by it: the two losses would be normalised differently")
+    if installed.form.router_aux_loss:
+        _refuse(f"{type(installed.model).__name__} adds its router's auxiliary loss to its loss; the Trainer's label "
+                "smoother computes from the logits alone and leaves it out, so the tiled loss would change the "
+                "numbers. Keep the Trainer's label smoothing for this model")
+    set_tiled_loss_label_smoothing(model, smoother.epsilon)
+    trainer.label_smoother = None
+    return installed.label_smoothing
