@@ -11,7 +11,15 @@ import copy
 
 import pytest
 import torch
-from reference import GatedMLP, assert_runs_close, fresh_inputs, run_errors, tiled_run, untiled_run, untiled_shardwise_run
+from reference import (
+    GatedMLP,
+    assert_runs_close,
+    fresh_inputs,
+    run_errors,
+    tiled_run,
+    untiled_run,
+    untiled_shardwise_run,
+)
 
 peft = pytest.importorskip("peft")
 
@@ -81,6 +89,6 @@ def test_recompute_replays_each_shards_own_masks():
     masks.clear()
     out.backward(dy)
     assert len(masks) == len(forward_masks), "the recompute did not run every shard's dropout"
-    for index, (drawn, replayed) in enumerate(zip(forward_masks, masks)):
+    for index, (drawn, replayed) in enumerate(zip(forward_masks, masks, strict=True)):
         assert torch.tensor(drawn).any(), "dropout dropped nothing: the test could not see another mask"
         assert drawn == replayed, f"call {index}: the recompute drew another mask"
