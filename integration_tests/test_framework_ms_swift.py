@@ -81,25 +81,26 @@ def test_swift_sft_tiled_equals_untiled(tmp_path):
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     for name in TILING:
         env.pop(name.upper(), None)
-    tiled = ["--external_plugins", plugin_path(), "--model_kwargs", json.dumps(TILING)]
-    reference = ["--external_plugins", str(REFERENCE_PLUGIN)]
-    runs = {  # name: (dropout, extra arguments)
-        "untiled": ("0", []),
-        "tiled": ("0", tiled),
-        "reference_dropout": ("0.05", reference),
-        "tiled_dropout": ("0.05", tiled),
+    plugin = ["--external_plugins", plugin_path()]
+    # The flags through ms-swift's own --model_kwargs, and (the dropout run) through the environment.
+    env_tiling = dict(env, **{name.upper(): str(value).lower() for name, value in TILING.items()})
+    runs = {  # name: (dropout, extra arguments, environment)
+        "untiled": ("0", [], env),
+        "tiled": ("0", plugin + ["--model_kwargs", json.dumps(TILING)], env),
+        "reference_dropout": ("0.05", ["--external_plugins", str(REFERENCE_PLUGIN)],
+                              dict(env, SHARDWISE_REFERENCE_SHARDS=str(SHARDS))),
+        "tiled_dropout": ("0.05", plugin, env_tiling),
     }
-    env_ref = dict(env, SHARDWISE_REFERENCE_SHARDS=str(SHARDS))
 
     def run(name):
-        dropout, extra = runs[name]
+        dropout, extra, run_env = runs[name]
         args = _sft_args(model, data, tmp_path / name, dropout) + extra
-        return name, _swift(args, tmp_path / f"{name}.log", env_ref if "reference" in name else env)
+        return name, _swift(args, tmp_path / f"{name}.log", run_env)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         logs = dict(pool.map(run, runs))
     for name in ("tiled", "tiled_dropout"):
-        assert f"tiled {2} MLP block(s) and 5 norm(s)" in logs[name], logs[name][-3000:]
+        assert "tiled 2 MLP block(s) and 5 norm(s)" in logs[name], logs[name][-3000:]
     assert "shardwise reference: 2 MLP block(s) in 4 shards" in logs["reference_dropout"]
     history = {name: _history(tmp_path / name) for name in runs}
     _assert_close(history["untiled"], history["tiled"], "lora_dropout 0, tiled against untiled")
