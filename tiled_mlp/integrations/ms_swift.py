@@ -1,0 +1,125 @@
+"""ms-swift: tile the model that ``swift sft`` builds, through ms-swift's ``--external_plugins``.
+
+ms-swift 4.6.0 has no tiling flag of its own (``--use_tiled_mlp`` fails with ``ValueError: remaining_argv``). Its
+``--external_plugins`` imports a Python file before training; the file this package ships for it
+(``python -m tiled_mlp.integrations.ms_swift`` prints its path) wraps ``SwiftSft.prepare_model``, so the model
+ms-swift built and adapted (LoRA by default) is tiled just before its trainer is made::
+
+    swift sft ... --external_plugins "$(python -m tiled_mlp.integrations.ms_swift)" \\
+        --model_kwargs '{"use_tiled_mlp": true, "tiled_mlp_num_shards": 4, "use_tiled_norms": true}'
+
+The flags are ``apply_from_flags``' names, read from ms-swift's own ``--model_kwargs`` (which ms-swift also
+exports to the environment, upper-cased) or from the environment (``USE_TILED_MLP=true TILED_MLP_NUM_SHARDS=4
+swift sft ...``); ``--model_kwargs`` wins where both say something.
+
+This module is the one seam to ms-swift: it touches ``swift.pipelines.train.sft.SwiftSft.prepare_model`` (a
+classmethod taking ``(args, model, **options)`` and returning the model), ``args.model_kwargs`` and
+``swift.__version__``. It tiles only on the ms-swift versions it was checked on and only in ``swift sft``; elsewhere,
+when a flag asks for tiling, it refuses before any work with an error naming the versions.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any, Callable, Dict, Mapping, Optional
+
+from torch import nn
+
+from .args import TiledMLPFlags, read_tiled_mlp_flags
+from .hf import apply_from_flags
+from .stack import LongContextStack
+
+CHECKED_VERSIONS = ("4.6.0",)
+CHECKED_PIPELINES = ("SwiftSft",)  # `swift sft`; RLHF also prepares reward and reference models through it
+# What was checked end to end under ms-swift's trainer: the MLP blocks and the norms.
+FLAGS = ("use_tiled_mlp", "tiled_mlp_num_shards", "use_tiled_norms")
+# Flags of apply_from_flags not checked under ms-swift: its trainer computes the loss and token accuracy from the
+# logits (which the tiled loss never forms), has its own sequence parallelism, and checkpoints reentrantly.
+UNCHECKED_FLAGS = ("use_tiled_loss", "ulysses_sp_size", "use_checkpoint_offload")
+PLUGIN_FILE = Path(__file__).with_name("ms_swift_plugin") / "tiled_mlp_ms_swift.py"
+_MARK = "__tiled_mlp_wrapped__"
+
+
+def plugin_path() -> str:
+    """The file to hand ``swift sft --external_plugins``. It sits in a folder of its own: ms-swift puts a
+    plugin's folder first on ``sys.path``, where this package's modules (``hf``, ``args``, ...) would shadow others."""
+    return str(PLUGIN_FILE)
+
+
+def read_flags(model_kwargs: Optional[Mapping[str, Any]], environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
+    """The flags asked for: each of ``FLAGS`` and ``UNCHECKED_FLAGS`` from ``model_kwargs`` (any key case), else
+    from ``environ`` under its upper-case name; absent ones are left out."""
+    given = {str(key).lower(): value for key, value in (model_kwargs or {}).items()}
+    flags = {}
+    for name in FLAGS + UNCHECKED_FLAGS:
+        if name in given:
+            flags[name] = given[name]
+        elif name.upper() in environ:
+            flags[name] = environ[name.upper()]
+    return flags
+
+
+def check_supported(version: str, pipeline: str, flags: TiledMLPFlags) -> None:
+    """Refuse, before any work, what this seam was not checked on (called once a flag asks for something)."""
+    if version not in CHECKED_VERSIONS:
+        raise RuntimeError(
+            f"tiled-mlp's ms-swift plugin was checked on ms-swift {', '.join(CHECKED_VERSIONS)}, not {version}: "
+            f"install ms-swift=={CHECKED_VERSIONS[-1]}, or leave the tiling flags unset")
+    if pipeline not in CHECKED_PIPELINES:
+        raise RuntimeError(
+            f"tiled-mlp's ms-swift plugin was checked with `swift sft` ({', '.join(CHECKED_PIPELINES)}), not "
+            f"{pipeline}: leave the tiling flags unset there")
+    asked = [name for name, on in (("use_tiled_loss", flags.use_tiled_loss),
+                                   ("ulysses_sp_size", flags.ulysses_sp_size > 1),
+                                   ("use_checkpoint_offload", flags.use_checkpoint_offload)) if on]
+    if asked:
+        raise RuntimeError(
+            f"tiled-mlp's ms-swift plugin does not apply {', '.join(asked)}: not checked under ms-swift's trainer, "
+            f"which computes the loss and token accuracy from the logits and checkpoints reentrantly; it applies "
+            f"{', '.join(FLAGS)} (leave the others unset; ms-swift has its own --sequence_parallel_size)")
+
+
+def tile_prepared_model(model: nn.Module, args: Any, pipeline: str, version: str,
+                        log: Callable[[str], Any] = print) -> Optional[LongContextStack]:
+    """Tile ``model`` (what ``prepare_model`` returned) as the flags ask; returns ``apply_from_flags``' handle,
+    or None when no flag asks for anything. A bad flag value is a ``ValueError`` naming it, before any work."""
+    flags = read_flags(getattr(args, "model_kwargs", None))
+    parsed = read_tiled_mlp_flags(flags)
+    if not parsed.asks_for_anything:
+        return None
+    check_supported(version, pipeline, parsed)
+    handle = apply_from_flags(model, flags)
+    if handle is not None:
+        log(str(handle.report))
+    return handle
+
+
+def install() -> None:
+    """Wrap ``SwiftSft.prepare_model`` (once; importing the plugin file again changes nothing)."""
+    import swift
+    from swift.pipelines.train.sft import SwiftSft
+    from swift.utils import get_logger
+
+    version = str(getattr(swift, "__version__", "unknown"))
+    current = getattr(SwiftSft, "prepare_model", None)
+    if getattr(current, _MARK, False):
+        return
+    original = getattr(current, "__func__", None)  # a classmethod is bound to the class on lookup
+    if original is None:
+        raise RuntimeError(f"tiled-mlp's ms-swift plugin: ms-swift {version} has no classmethod "
+                           f"SwiftSft.prepare_model (checked on {', '.join(CHECKED_VERSIONS)}): "
+                           f"install ms-swift=={CHECKED_VERSIONS[-1]}")
+
+    @functools.wraps(original)
+    def prepare_model(cls, args, model, *rest, **options):
+        model = original(cls, args, model, *rest, **options)
+        tile_prepared_model(model, args, cls.__name__, version, log=get_logger().info)
+        return model
+
+    setattr(prepare_model, _MARK, True)
+    SwiftSft.prepare_model = classmethod(prepare_model)
+
+
+if __name__ == "__main__":
+    print(plugin_path())
