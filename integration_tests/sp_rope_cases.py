@@ -20,12 +20,19 @@ TRAINED = 16  # the length the length-dependent types were "trained" at; past it
 # Past the trained length (dynamic grows to 32), shorter than the longest seen (kept), below the trained
 # length (reset), longer again (grows to 40). Rank 0's slice of the first call ends at 16: unscaled.
 LENGTHS = (32, 24, 8, 40)
-MODELS = ("llama-plain", "llama-dynamic", "phi3-longrope")
+MODELS = ("llama-plain", "llama-dynamic", "phi3-longrope", "gemma3-dynamic")
 
 
 def build(name: str) -> torch.nn.Module:
     """The float64 model, seeded, sdpa attention (DeepSpeed's SP refuses eager)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+    )
 
     torch.manual_seed(0)
     common = dict(_COMMON, max_position_embeddings=TRAINED)
@@ -41,6 +48,13 @@ def build(name: str) -> torch.nn.Module:
         model = Phi3ForCausalLM(Phi3Config(**dict(common, num_key_value_heads=2, max_position_embeddings=4 * TRAINED),
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                            original_max_position_embeddings=TRAINED, rope_parameters=longrope))
+    elif name == "gemma3-dynamic":
+        # One rotary embedding, one rope_type per layer type (called with the layer type as a positional
+        # argument): dynamic on the full-attention layer, plain on the sliding one.
+        per_layer = {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=8, sliding_window=8, rope_parameters=per_layer,
+                                                   layer_types=["sliding_attention", "full_attention"]))
     else:
         raise ValueError(name)
     model = model.to(torch.float64)
