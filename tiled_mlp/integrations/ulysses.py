@@ -152,7 +152,10 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     Refused before any change: ``eager`` (it needs a [tokens, tokens] mask), MoE families (their router
     loss is not a sum over tokens), sizes that do not divide the heads or the world, a sliding window
     under an attention other than sdpa or flash attention, masks other than causal, windowed and padded,
-    DTensor tensor parallelism on the attention (at the first attention call where it is applied after SP).
+    a length-dependent RoPE (``dynamic``, ``longrope``) on a rotary embedding whose forward is not
+    transformers' ``dynamic_rope_update`` (``ulysses_rope.py``; with it, every rank gets the whole
+    sequence's frequencies), DTensor tensor parallelism on the attention (at the first attention call where
+    it is applied after SP).
     """
     import torch.distributed as dist
 
