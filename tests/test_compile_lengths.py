@@ -17,7 +17,7 @@ from integration_tests.sp_cases import hf_loss64  # noqa: E402
 from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
 from tiled_mlp import apply_tiled_mlp  # noqa: E402
 
-BOUND = 1e-10  # float64: the tiled and untiled runs differ by a few ulps (measured worst 4e-16)
+BOUND = 1e-10  # float64: the tiled and untiled runs differ by a few ulps (measured: loss equal, gradients 5.6e-16)
 LENGTHS = (16, 24, 40)  # the second is where automatic dynamic shapes make the length symbolic
 
 
