@@ -152,8 +152,9 @@ def test_a_forward_patched_after_compiling_is_traced_again():
 
 
 def test_symbolic_sizes_stay_exact():
-    """torch 2.12 on decides such a call eagerly behind a break; with ids (2.9 to 2.11) each size is
-    specialized and traced (``tests/test_compile_by_identity.py`` checks the decision sees plain ints)."""
+    """Each size is specialized where the route is decided and the call traced again for it
+    (``tests/test_compile_by_identity.py`` checks the decision sees plain ints; ``tests/test_compile_lengths.py``
+    a whole model under ``fullgraph=True``)."""
     torch.manual_seed(0)
     mlp = GatedMLP(8, 20).double()
     reference = copy.deepcopy(mlp)

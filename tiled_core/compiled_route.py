@@ -14,8 +14,8 @@ call), so the call is decided once, where it is traced, by the same decision the
   the reason kept in ``module.tiling.compiled_reason``: the generic kernel (a module's own forward must
   run per shard), a backend that gathers parameters or delivers gradients itself (ZeRO, whose hooks
   run inside the call), a distributed parameter (tensor parallelism), an instance forward, a module
-  with other sharded inputs (MoE), an input whose sizes are symbolic (dynamic shapes), a call with
-  keyword arguments, and every call on torch < 2.9 (``dynamo_support``).
+  with other sharded inputs (MoE), a call with keyword arguments, and every call on torch < 2.9
+  (``dynamo_support``). A symbolic size (dynamic shapes) is specialized: a new length traces the call again.
 
 The decision rests on the module as it is when traced; the compiled graph keeps it while Dynamo's guards
 hold: the module and its class, the parameters the op reads (identity, shape, dtype, device), the class's
@@ -170,9 +170,8 @@ def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], 
         # The eager call's input checks (``MapSite``), traced: an input it refuses is refused compiled too (the op
         # would flatten a 1-D input into one token). A module with inputs of its own checks them in its eager call.
         check_input(x, module)
-    # Symbolic sizes (dynamic shapes) cannot be a constant's argument: from torch 2.12 on Dynamo breaks the
-    # graph at this call (an error under fullgraph=True) and the decision is made at each call, eagerly;
-    # before, each size is specialized (``dynamo_support``).
+    # Symbolic sizes (dynamic shapes) cannot be a constant's argument: each is specialized, so a new length
+    # traces the call again (``dynamo_support._specialized``).
     route = _traced_route(module, default_inputs, _watched(module), tuple(x.shape), x.dtype, x.device)
     if route.kind == UNTILED:
         return type(module)._tiled_base.forward(module, x)  # type: ignore[attr-defined]

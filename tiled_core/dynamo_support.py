@@ -61,10 +61,15 @@ def _object_at(address: int) -> Any:
 
 
 def _specialized(value: Any) -> Any:
-    """``value`` with each int in it (it or a tuple's item) made a constant. torch 2.9 to 2.11 stop the
-    compile on a symbolic int given to ``assume_constant_result`` (an internal error, not a graph break), and
-    traced code cannot tell it from an int (Dynamo shows a SymInt as an int): ``operator.index`` specializes
-    it, guarded (``int()`` does not), so dynamic shapes trace again for each new size there."""
+    """``value`` with each int in it (it or a tuple's item) made a constant. ``assume_constant_result`` takes
+    no symbolic int (dynamic shapes: ``dynamic=True``, or Dynamo's automatic dynamic shapes from a second
+    input length on): torch 2.9 to 2.11 stop the compile with an internal error, 2.12 and later with
+    ``Unsupported: assume_constant_result argument conversion failed`` (a graph break, an error under
+    ``fullgraph=True``). Traced code cannot tell a SymInt from an int (Dynamo shows it as an int):
+    ``operator.index`` specializes it, guarded (``int()`` does not), so each new size traces the call again,
+    as ``dynamic=False`` does (a route rests on the length: the auto policy's shard count, a call too short
+    to tile). A size marked with ``torch._dynamo.mark_dynamic`` must not be specialized: Dynamo refuses
+    that (``ConstraintViolationError``); ``maybe_mark_dynamic`` is accepted."""
     if type(value) is int:
         return operator.index(value)
     if type(value) in (tuple, torch.Size):
@@ -75,7 +80,8 @@ def _specialized(value: Any) -> Any:
 def decided_where_traced(decide: Callable[..., T]) -> Callable[..., T]:
     """``decide(*args)``, run by Dynamo where it traces the call and kept as a constant of the graph, traced
     again when an object among ``args`` is another one or a constant among them changes (tuples of
-    constants only). Positional arguments only. Outside a trace it is a plain call."""
+    constants only; a symbolic size among them is specialized: ``_specialized``). Positional arguments
+    only. Outside a trace it is a plain call."""
 
     @torch._dynamo.assume_constant_result
     def by_object(*args: Any) -> T:
@@ -95,7 +101,7 @@ def decided_where_traced(decide: Callable[..., T]) -> Callable[..., T]:
         if not torch.compiler.is_compiling():
             return decide(*args)
         if PASSES_OBJECTS:
-            return by_object(*args)
+            return by_object(*[_specialized(a) for a in args])
         classes = tuple([None if isinstance(a, _AS_IS) else type(a) for a in args])
         passed: List[Any] = [_specialized(args[k]) if classes[k] is None else id(args[k]) for k in range(len(args))]
         return by_identity(classes, *passed)

@@ -15,7 +15,9 @@ before the split. What this module adds is the composition:
   ``tiled_core/sequence_group.py``).
 
 - the attention masks DeepSpeed's wrapper drops (a sliding window, a padding mask) are rebuilt for the
-  whole sequence after the all-to-all, or refused where they cannot be (``ulysses_masks.py``).
+  whole sequence after the all-to-all, or refused where they cannot be (``ulysses_masks.py``);
+- a RoPE whose frequencies follow the sequence's length (``dynamic``, ``longrope``) takes the whole
+  sequence's on every rank, not its slice's (``ulysses_rope.py``).
 
 Sequence parallelism is not a parameter strategy: which backend owns the weights (DDP, FSDP2, ZeRO) is
 still resolved per tiled call, and SP composes beside it. The strategies see it at the tiled loss: each
@@ -41,6 +43,7 @@ from torch import nn
 
 from .ulysses_groups import DeepSpeedSlots, check_batch_size, guard_inputs
 from .ulysses_masks import attention_kind, capture_padding, check_masks, whole_sequence_attention
+from .ulysses_rope import length_dependent_rotaries, whole_sequence_rope
 from .ulysses_tp import check_attention_not_tensor_parallel, check_no_tensor_parallel_attention
 
 NO_TILED_LOSS_ERROR = (
@@ -149,7 +152,10 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     Refused before any change: ``eager`` (it needs a [tokens, tokens] mask), MoE families (their router
     loss is not a sum over tokens), sizes that do not divide the heads or the world, a sliding window
     under an attention other than sdpa or flash attention, masks other than causal, windowed and padded,
-    DTensor tensor parallelism on the attention (at the first attention call where it is applied after SP).
+    a length-dependent RoPE (``dynamic``, ``longrope``) on a rotary embedding whose forward is not
+    transformers' ``dynamic_rope_update`` (``ulysses_rope.py``; with it, every rank gets the whole
+    sequence's frequencies), DTensor tensor parallelism on the attention (at the first attention call where
+    it is applied after SP).
     """
     import torch.distributed as dist
 
@@ -190,8 +196,10 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     group = mpu.get_sequence_parallel_group()
     installed.sequence_group = group
     unhook = capture_padding(decoder, group, kind)
+    unrope = whole_sequence_rope(length_dependent_rotaries(installed.model), group)
 
     def undo_all() -> None:
+        unrope()
         unhook()
         undo()
 
@@ -233,6 +241,7 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
     held = ALL_ATTENTION_FUNCTIONS[attention] if attention in ALL_ATTENTION_FUNCTIONS else None
     check_masks(text, attention, attention_kind(held))
     check_no_tensor_parallel_attention(causal_lm, heads)
+    length_dependent_rotaries(causal_lm)  # a length-dependent RoPE it cannot give the whole length: refused
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
