@@ -1,0 +1,212 @@
+"""Rank side of the accelerate tests with the tiled loss: the tiny transformers Llama, tiled by the flags
+(``add_tiled_mlp_args`` -> ``apply_from_flags``, as a training script takes them), prepared by accelerate's
+own ``Accelerator.prepare`` under FSDP2, DeepSpeed ZeRO-3 or DDP, two SGD steps on different tokens per rank.
+
+Each run records its losses, every parameter's full gradient at each step and every full parameter after
+it; the untiled run computes its loss from the logits in float64 by hand (transformers' own loss is float32
+math, ``tiny_models``' note), so a float64 run is compared exactly. The test compares the tiled run with the
+untiled run prepared the same way and with one process untiled (``reference_run``).
+
+On CPU accelerate never turns FSDP on by itself (its state says ``MULTI_CPU``): the distributed type and the
+plugin are set on its state by hand before ``prepare``, which then runs its real FSDP2 path
+(``fsdp2_prepare_model``). DeepSpeed through accelerate on CPU needs ``Accelerator()`` without ``cpu=True``
+(with it, accelerate falls back to DDP) and an explicit ``train_batch_size``.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+STEPS, LR = 2, 0.5
+FLAGS = ["--use_tiled_loss", "true", "--use_tiled_mlp", "true", "--use_tiled_norms", "true",
+         "--tiled_mlp_num_shards", "3"]
+
+
+def token_ids(rank: int, step: int) -> torch.Tensor:
+    """Rank ``rank``'s tokens at ``step``: a different count per rank."""
+    from integration_tests.tiny_models import VOCAB
+
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (1, 9 + 6 * rank), generator=generator)
+
+
+def causal_lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The mean next-token cross-entropy, in the logits' dtype (float64 for a float64 model)."""
+    return F.cross_entropy(logits[0, :-1], ids[0, 1:])
+
+
+def tiled_by_flags(model: torch.nn.Module, flags: List[str]) -> None:
+    from tiled_mlp.integrations import add_tiled_mlp_args, apply_from_flags
+
+    args = add_tiled_mlp_args(argparse.ArgumentParser()).parse_args(flags)
+    assert apply_from_flags(model, args) is not None
+
+
+def reference_run(world_size: int, dtype: torch.dtype = torch.float64) -> Dict:
+    """One process, untiled: each step's loss is the ranks' mean, as data parallelism averages gradients."""
+    from integration_tests.tiny_models import tiny_model
+
+    model = tiny_model("llama", dtype=dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    record: Dict = {"losses": [], "grads": [], "params": []}
+    for step in range(STEPS):
+        losses = [causal_lm_loss(model(input_ids=token_ids(rank, step)).logits, token_ids(rank, step))
+                  for rank in range(world_size)]
+        torch.stack(losses).mean().backward()
+        record["losses"].append([loss.detach() for loss in losses])
+        record["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+        record["params"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return record
+
+
+# -- the backends, each through accelerate's prepare --------------------------------------------------
+def _fsdp2_accelerator(reshard_after_forward: bool = True):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                            reshard_after_forward=reshard_after_forward)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    assert accelerator.is_fsdp2
+    return accelerator
+
+
+def _zero3_accelerator():
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DistributedType
+
+    config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2, "gradient_accumulation_steps": 1,
+              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    assert accelerator.distributed_type == DistributedType.DEEPSPEED
+    return accelerator
+
+
+def _ddp_accelerator():
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.distributed_type == DistributedType.MULTI_CPU
+    return accelerator
+
+
+def _fsdp2_full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _zero3_grad(p: torch.Tensor) -> torch.Tensor:
+    from deepspeed.utils import safe_get_full_grad
+
+    return safe_get_full_grad(p).detach().clone()
+
+
+def _zero3_param(p: torch.Tensor) -> torch.Tensor:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return safe_get_full_fp32_param(p).detach().clone()
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+# backend -> (accelerator factory, model dtype, full gradient, full parameter)
+BACKENDS: Dict[str, Tuple[Callable, torch.dtype, Callable, Callable]] = {
+    "fsdp2": (_fsdp2_accelerator, torch.float64, lambda p: _fsdp2_full(p.grad), _fsdp2_full),
+    "zero3": (_zero3_accelerator, torch.float32, _zero3_grad, _zero3_param),  # ZeRO-3 takes no float64
+    "ddp": (_ddp_accelerator, torch.float64, lambda p: _plain(p.grad), _plain),
+}
+
+
+class CollectiveCount:
+    """Counts the all-gathers and reduce-scatters issued through ``torch.distributed`` while on (FSDP2 calls
+    ``all_gather_single`` / ``reduce_scatter_single`` in torch 2.13, the ``*_tensor`` ones before)."""
+
+    ALL_GATHERS = ("all_gather_into_tensor", "all_gather_single")
+    REDUCE_SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_single")
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.originals = {name: getattr(dist, name) for name in self.ALL_GATHERS + self.REDUCE_SCATTERS
+                          if hasattr(dist, name)}
+        self.counts = dict.fromkeys(("all_gather", "reduce_scatter"), 0)
+
+    def __enter__(self):
+        for name, original in self.originals.items():
+            setattr(self.dist, name, self._counting(name, original))
+        return self
+
+    def _counting(self, name, original):
+        kind = "all_gather" if name in self.ALL_GATHERS else "reduce_scatter"
+
+        def call(*args, **kwargs):
+            self.counts[kind] += 1
+            return original(*args, **kwargs)
+        return call
+
+    def __exit__(self, *exc):
+        for name, original in self.originals.items():
+            setattr(self.dist, name, original)
+
+
+def train(backend: str, tiled: bool, rank: int, flags: List[str] = FLAGS) -> Dict:
+    """Two steps of the tiny Llama prepared by accelerate for ``backend``; the loss tiled by ``flags`` or
+    computed from the logits."""
+    from integration_tests.tiny_models import tiny_model
+
+    make_accelerator, dtype, full_grad, full_param = BACKENDS[backend]
+    accelerator = make_accelerator()
+    model = tiny_model("llama", dtype=dtype)
+    if tiled:
+        tiled_by_flags(model, flags)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    record: Dict = {"losses": [], "grads": [], "params": [], "collectives": [], "layout": describe_layout(model)}
+    named = list(model.named_parameters())
+    for step in range(STEPS):
+        ids = token_ids(rank, step)
+        with CollectiveCount() as count:
+            if tiled:
+                out = model(input_ids=ids, labels=ids)
+                assert out.logits is None  # the tiled loss ran: no logits
+                loss = out.loss
+            else:
+                loss = causal_lm_loss(model(input_ids=ids).logits, ids)
+            accelerator.backward(loss)
+        record["collectives"].append(dict(count.counts))
+        record["losses"].append(loss.detach().clone())
+        record["grads"].append({n: full_grad(p) for n, p in named})
+        optimizer.step()
+        optimizer.zero_grad()
+        record["params"].append({n: full_param(p) for n, p in named})
+    accelerator.free_memory()
+    return record
+
+
+def describe_layout(model: torch.nn.Module) -> Dict:
+    """Which modules share the FSDP2 unit of the output head (empty outside FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from tiled_mlp.strategies.fsdp2 import unit_modules
+
+    head = model.get_output_embeddings()
+    if not isinstance(head, FSDPModule):
+        return {}
+    names = {id(m): n for n, m in model.named_modules()}
+    return {"head_unit": [names[id(m)] for m in unit_modules(head)]}
+
+
+def both_runs(rank: int, world_size: int, backend: str) -> Dict:
+    return {"untiled": train(backend, False, rank), "tiled": train(backend, True, rank)}
