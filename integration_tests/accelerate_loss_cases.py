@@ -65,13 +65,13 @@ def reference_run(world_size: int, dtype: torch.dtype = torch.float64) -> Dict:
 
 
 # -- the backends, each through accelerate's prepare --------------------------------------------------
-def _fsdp2_accelerator(reshard_after_forward: bool = True):
+def _fsdp2_accelerator():
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-                                            reshard_after_forward=reshard_after_forward)
+                                            reshard_after_forward=True)
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
@@ -161,20 +161,20 @@ class CollectiveCount:
             setattr(self.dist, name, original)
 
 
-def train(backend: str, tiled: bool, rank: int, flags: List[str] = FLAGS) -> Dict:
-    """Two steps of the tiny Llama prepared by accelerate for ``backend``; the loss tiled by ``flags`` or
+def train(accelerator, backend: str, tiled: bool, rank: int, flags: List[str] = FLAGS) -> Dict:
+    """Two steps of the tiny Llama prepared by ``accelerator`` for ``backend``; the loss tiled by ``flags`` or
     computed from the logits."""
     from integration_tests.tiny_models import tiny_model
 
-    make_accelerator, dtype, full_grad, full_param = BACKENDS[backend]
-    accelerator = make_accelerator()
+    _, dtype, full_grad, full_param = BACKENDS[backend]
     model = tiny_model("llama", dtype=dtype)
     if tiled:
         tiled_by_flags(model, flags)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
-    record: Dict = {"losses": [], "grads": [], "params": [], "collectives": [], "layout": describe_layout(model)}
-    named = list(model.named_parameters())
+    record: Dict = {"losses": [], "grads": [], "params": [], "collectives": [],
+                    "layout": describe_layout(accelerator.unwrap_model(model))}
+    named = list(accelerator.unwrap_model(model).named_parameters())  # the model's own names
     for step in range(STEPS):
         ids = token_ids(rank, step)
         with CollectiveCount() as count:
@@ -191,7 +191,6 @@ def train(backend: str, tiled: bool, rank: int, flags: List[str] = FLAGS) -> Dic
         optimizer.step()
         optimizer.zero_grad()
         record["params"].append({n: full_param(p) for n, p in named})
-    accelerator.free_memory()
     return record
 
 
@@ -208,5 +207,7 @@ def describe_layout(model: torch.nn.Module) -> Dict:
     return {"head_unit": [names[id(m)] for m in unit_modules(head)]}
 
 
-def both_runs(rank: int, world_size: int, backend: str) -> Dict:
-    return {"untiled": train(backend, False, rank), "tiled": train(backend, True, rank)}
+def one_run(rank: int, world_size: int, backend: str, tiled: bool) -> Dict:
+    """One run per process: accelerate takes one ``Accelerator`` with a plugin per process, and its ZeRO-3
+    ``backward`` stays with the first engine prepared."""
+    return train(BACKENDS[backend][0](), backend, tiled, rank)
