@@ -14,54 +14,11 @@ plugin are set on its state by hand before ``prepare``, which then runs its real
 """
 from __future__ import annotations
 
-import argparse
 from typing import Callable, Dict, List, Tuple
 
 import torch
-import torch.nn.functional as F
 
-STEPS, LR = 2, 0.5
-FLAGS = ["--use_tiled_loss", "true", "--use_tiled_mlp", "true", "--use_tiled_norms", "true",
-         "--tiled_mlp_num_shards", "3"]
-
-
-def token_ids(rank: int, step: int) -> torch.Tensor:
-    """Rank ``rank``'s tokens at ``step``: a different count per rank."""
-    from integration_tests.tiny_models import VOCAB
-
-    generator = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, VOCAB, (1, 9 + 6 * rank), generator=generator)
-
-
-def causal_lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The mean next-token cross-entropy, in the logits' dtype (float64 for a float64 model)."""
-    return F.cross_entropy(logits[0, :-1], ids[0, 1:])
-
-
-def tiled_by_flags(model: torch.nn.Module, flags: List[str]) -> None:
-    from tiled_mlp.integrations import add_tiled_mlp_args, apply_from_flags
-
-    args = add_tiled_mlp_args(argparse.ArgumentParser()).parse_args(flags)
-    assert apply_from_flags(model, args) is not None
-
-
-def reference_run(world_size: int, dtype: torch.dtype = torch.float64) -> Dict:
-    """One process, untiled: each step's loss is the ranks' mean, as data parallelism averages gradients."""
-    from integration_tests.tiny_models import tiny_model
-
-    model = tiny_model("llama", dtype=dtype)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    record: Dict = {"losses": [], "grads": [], "params": []}
-    for step in range(STEPS):
-        losses = [causal_lm_loss(model(input_ids=token_ids(rank, step)).logits, token_ids(rank, step))
-                  for rank in range(world_size)]
-        torch.stack(losses).mean().backward()
-        record["losses"].append([loss.detach() for loss in losses])
-        record["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad()
-        record["params"].append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return record
+from .tiled_loss_steps import FLAGS, LR, run_steps, tiled_by_flags
 
 
 # -- the backends, each through accelerate's prepare --------------------------------------------------
@@ -128,39 +85,6 @@ BACKENDS: Dict[str, Tuple[Callable, torch.dtype, Callable, Callable]] = {
 }
 
 
-class CollectiveCount:
-    """Counts the all-gathers and reduce-scatters issued through ``torch.distributed`` while on (FSDP2 calls
-    ``all_gather_single`` / ``reduce_scatter_single`` in torch 2.13, the ``*_tensor`` ones before)."""
-
-    ALL_GATHERS = ("all_gather_into_tensor", "all_gather_single")
-    REDUCE_SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_single")
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.originals = {name: getattr(dist, name) for name in self.ALL_GATHERS + self.REDUCE_SCATTERS
-                          if hasattr(dist, name)}
-        self.counts = dict.fromkeys(("all_gather", "reduce_scatter"), 0)
-
-    def __enter__(self):
-        for name, original in self.originals.items():
-            setattr(self.dist, name, self._counting(name, original))
-        return self
-
-    def _counting(self, name, original):
-        kind = "all_gather" if name in self.ALL_GATHERS else "reduce_scatter"
-
-        def call(*args, **kwargs):
-            self.counts[kind] += 1
-            return original(*args, **kwargs)
-        return call
-
-    def __exit__(self, *exc):
-        for name, original in self.originals.items():
-            setattr(self.dist, name, original)
-
-
 def train(accelerator, backend: str, tiled: bool, rank: int, flags: List[str] = FLAGS) -> Dict:
     """Two steps of the tiny Llama prepared by ``accelerator`` for ``backend``; the loss tiled by ``flags`` or
     computed from the logits."""
@@ -172,25 +96,9 @@ def train(accelerator, backend: str, tiled: bool, rank: int, flags: List[str] = 
         tiled_by_flags(model, flags)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
-    record: Dict = {"losses": [], "grads": [], "params": [], "collectives": [],
-                    "layout": describe_layout(accelerator.unwrap_model(model))}
     named = list(accelerator.unwrap_model(model).named_parameters())  # the model's own names
-    for step in range(STEPS):
-        ids = token_ids(rank, step)
-        with CollectiveCount() as count:
-            if tiled:
-                out = model(input_ids=ids, labels=ids)
-                assert out.logits is None  # the tiled loss ran: no logits
-                loss = out.loss
-            else:
-                loss = causal_lm_loss(model(input_ids=ids).logits, ids)
-            accelerator.backward(loss)
-        record["collectives"].append(dict(count.counts))
-        record["losses"].append(loss.detach().clone())
-        record["grads"].append({n: full_grad(p) for n, p in named})
-        optimizer.step()
-        optimizer.zero_grad()
-        record["params"].append({n: full_param(p) for n, p in named})
+    record = run_steps(model, named, tiled, rank, accelerator.backward, optimizer, full_grad, full_param)
+    record["layout"] = describe_layout(accelerator.unwrap_model(model))
     return record
 
 

@@ -11,7 +11,6 @@ untiled step (``strategies/fsdp2.py``, ``FSDP2Strategy.head_call_sees_graph``).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from .frameworks import need
 from .spawn import run_distributed
@@ -20,37 +19,19 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 
 
-def _mismatches(got: dict, want: dict, what: str, rank: int, rtol: float, atol: float) -> list:
-    """Every loss, gradient and parameter of ``got`` that differs from ``want`` (``want``'s losses: the ranks'
-    per step, or this rank's own)."""
-    failures = []
-    for step in range(len(want["grads"])):
-        want_loss = want["losses"][step]
-        want_loss = want_loss[rank] if isinstance(want_loss, list) else want_loss
-        if not torch.allclose(got["losses"][step].double(), want_loss.double(), rtol=rtol, atol=atol):
-            failures.append(f"rank {rank} step {step} loss vs {what}: {got['losses'][step]} != {want_loss}")
-        for kind in ("grads", "params"):
-            assert got[kind][step].keys() == want[kind][step].keys()
-            for name, value in want[kind][step].items():
-                have = got[kind][step][name].double()
-                if not torch.allclose(have, value.double(), rtol=rtol, atol=atol):
-                    error = (have - value.double()).abs().max().item()
-                    failures.append(f"rank {rank} step {step} {kind} {name} vs {what}: max error {error:.3g}")
-    return failures
-
-
 def _check(backend: str, tmp_path, rtol: float, atol: float, timeout: float) -> list:
-    from .accelerate_loss_cases import one_run, reference_run
+    from .accelerate_loss_cases import one_run
+    from .tiled_loss_steps import mismatches, reference_run
 
     untiled, tiled = (run_distributed(one_run, WORLD, tmp_path, backend, kind, timeout=timeout / 2)
                       for kind in (False, True))
-    results = [{"untiled": u, "tiled": t} for u, t in zip(untiled, tiled)]
+    results = [{"untiled": u, "tiled": t} for u, t in zip(untiled, tiled, strict=True)]
     reference = reference_run(WORLD)
     failures = []
     for rank, runs in enumerate(results):
-        failures += _mismatches(runs["tiled"], runs["untiled"], "untiled", rank, rtol, atol)
-        failures += _mismatches(runs["tiled"], reference, "one process untiled", rank, rtol, atol)
-        failures += _mismatches(runs["untiled"], reference, "one process untiled (the untiled run)", rank, rtol, atol)
+        failures += mismatches(runs["tiled"], runs["untiled"], "untiled", rank, rtol, atol)
+        failures += mismatches(runs["tiled"], reference, "one process untiled", rank, rtol, atol)
+        failures += mismatches(runs["untiled"], reference, "one process untiled (the untiled run)", rank, rtol, atol)
     assert not failures, "\n".join(failures)
     return results
 
