@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from .tiled_loss_steps import FLAGS, LR, run_steps, tiled_by_flags
+from .tiled_loss_steps import FLAGS, LR, build_model, run_steps, tiled_by_flags
 
 
 # -- the backends, each through accelerate's prepare --------------------------------------------------
@@ -85,13 +85,13 @@ BACKENDS: Dict[str, Tuple[Callable, torch.dtype, Callable, Callable]] = {
 }
 
 
-def train(accelerator, backend: str, tiled: bool, rank: int, flags: List[str] = FLAGS) -> Dict:
-    """Two steps of the tiny Llama prepared by ``accelerator`` for ``backend``; the loss tiled by ``flags`` or
-    computed from the logits."""
-    from integration_tests.tiny_models import tiny_model
+def train(accelerator, backend: str, tiled: bool, rank: int, tied: bool = False, flags: List[str] = FLAGS) -> Dict:
+    """Two steps of the tiny Llama (its head tied to the embeddings or not) prepared by ``accelerator`` for
+    ``backend``; the loss tiled by ``flags`` or computed from the logits."""
+    from tiled_mlp.integrations.norms import TiledNorm
 
     _, dtype, full_grad, full_param = BACKENDS[backend]
-    model = tiny_model("llama", dtype=dtype)
+    model = build_model(dtype, tied)
     if tiled:
         tiled_by_flags(model, flags)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -99,6 +99,7 @@ def train(accelerator, backend: str, tiled: bool, rank: int, flags: List[str] = 
     named = list(accelerator.unwrap_model(model).named_parameters())  # the model's own names
     record = run_steps(model, named, tiled, rank, accelerator.backward, optimizer, full_grad, full_param)
     record["layout"] = describe_layout(accelerator.unwrap_model(model))
+    record["final_norm_tiled"] = isinstance(accelerator.unwrap_model(model).model.norm, TiledNorm)
     return record
 
 
@@ -115,7 +116,7 @@ def describe_layout(model: torch.nn.Module) -> Dict:
     return {"head_unit": [names[id(m)] for m in unit_modules(head)]}
 
 
-def one_run(rank: int, world_size: int, backend: str, tiled: bool) -> Dict:
+def one_run(rank: int, world_size: int, backend: str, tiled: bool, tied: bool = False) -> Dict:
     """One run per process: accelerate takes one ``Accelerator`` with a plugin per process, and its ZeRO-3
     ``backward`` stays with the first engine prepared."""
-    return train(BACKENDS[backend][0](), backend, tiled, rank)
+    return train(BACKENDS[backend][0](), backend, tiled, rank, tied)

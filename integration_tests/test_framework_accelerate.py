@@ -19,14 +19,14 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 
 
-def _check(backend: str, tmp_path, rtol: float, atol: float, timeout: float) -> list:
+def _check(backend: str, tmp_path, rtol: float, atol: float, timeout: float, tied: bool = False) -> list:
     from .accelerate_loss_cases import one_run
     from .tiled_loss_steps import mismatches, reference_run
 
-    untiled, tiled = (run_distributed(one_run, WORLD, tmp_path, backend, kind, timeout=timeout / 2)
+    untiled, tiled = (run_distributed(one_run, WORLD, tmp_path, backend, kind, tied, timeout=timeout / 2)
                       for kind in (False, True))
     results = [{"untiled": u, "tiled": t} for u, t in zip(untiled, tiled, strict=True)]
-    reference = reference_run(WORLD)
+    reference = reference_run(WORLD, tied=tied)
     failures = []
     for rank, runs in enumerate(results):
         failures += mismatches(runs["tiled"], runs["untiled"], "untiled", rank, rtol, atol)
@@ -37,12 +37,15 @@ def _check(backend: str, tmp_path, rtol: float, atol: float, timeout: float) -> 
 
 
 @pytest.mark.timeout(120)
-def test_tiled_loss_under_accelerate_fsdp2(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["own head", "head tied to the embeddings"])
+def test_tiled_loss_under_accelerate_fsdp2(tmp_path, tied):
     need("accelerate")
-    results = _check("fsdp2", tmp_path, rtol=1e-12, atol=1e-14, timeout=100)
+    results = _check("fsdp2", tmp_path, rtol=1e-12, atol=1e-14, timeout=100, tied=tied)
+    # accelerate puts the final norm and the head (with the embeddings where they are tied) in one FSDP2 unit
+    unit = ["model.norm", "model.embed_tokens", "lm_head"] if tied else ["model.norm", "lm_head"]
     for runs in results:
-        # accelerate puts the final norm and the head in one FSDP2 unit of their own
-        assert runs["tiled"]["layout"] == {"head_unit": ["model.norm", "lm_head"]} == runs["untiled"]["layout"]
+        assert runs["tiled"]["layout"] == {"head_unit": unit} == runs["untiled"]["layout"]
+        assert runs["tiled"]["final_norm_tiled"] and not runs["untiled"]["final_norm_tiled"]  # the unit's norm too
         # The loss inside that unit's hooks: the same all-gathers and reduce-scatters as the untiled step.
         assert runs["tiled"]["collectives"] == runs["untiled"]["collectives"]
         assert all(count["reduce_scatter"] > 0 and count["all_gather"] > 0 for count in runs["tiled"]["collectives"])

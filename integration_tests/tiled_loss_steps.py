@@ -39,11 +39,20 @@ def tiled_by_flags(model: torch.nn.Module, flags: List[str] = FLAGS) -> None:
     assert apply_from_flags(model, args) is not None
 
 
-def reference_run(world_size: int, dtype: torch.dtype = torch.float64) -> Dict:
-    """One process, untiled: each step's loss is the ranks' mean, as data parallelism averages gradients."""
+def build_model(dtype: torch.dtype = torch.float64, tied: bool = False) -> torch.nn.Module:
+    """The tiny Llama; ``tied``: its head's weight is the embeddings' (as ``tie_word_embeddings`` makes it)."""
     from integration_tests.tiny_models import tiny_model
 
     model = tiny_model("llama", dtype=dtype)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def reference_run(world_size: int, dtype: torch.dtype = torch.float64, tied: bool = False) -> Dict:
+    """One process, untiled: each step's loss is the ranks' mean, as data parallelism averages gradients."""
+    model = build_model(dtype, tied)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     record: Dict = {"losses": [], "grads": [], "params": []}
     for step in range(STEPS):
