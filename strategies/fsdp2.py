@@ -124,7 +124,7 @@ def _managing_groups(module: nn.Module) -> Iterator[Any]:
                 yield group
 
 
-def _fsdp_state_class() -> Optional[type]:
+def _fsdp_state_class() -> Optional[Any]:
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
     except ImportError:
