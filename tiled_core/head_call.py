@@ -18,8 +18,8 @@ them, and the caller refuses them before any work. Hooks registered for every mo
 A backend whose hooks must not see the hidden states' graph (``Strategy.head_call_sees_graph``: an FSDP2 unit
 of several modules, whose earlier modules made the hidden states) is handed a detached stand-in as the
 head's input: its hooks gather and release the parameters as for any call, and put nothing on the hidden
-states' backward; ``work`` computes with the hidden states themselves, in the dtype the hooks gave the
-stand-in (a mixed-precision cast of the head's inputs).
+states' backward; ``work`` computes with the hidden states themselves, in the dtype and on the device the
+hooks gave the stand-in (a mixed-precision cast of the head's inputs, a root unit's move to its device).
 """
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ class _ForwardForOneCall:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         self.put_back()
-        if self.hidden is not None:
-            hidden = self.hidden if self.hidden.dtype == hidden.dtype else self.hidden.to(hidden.dtype)
+        if self.hidden is not None:  # as the hooks handed over the stand-in: cast, or moved by a root's hook
+            hidden = self.hidden.to(device=hidden.device, dtype=hidden.dtype)
         return self.work(hidden)
 
 
