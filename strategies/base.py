@@ -163,6 +163,27 @@ class Strategy(ABC):
         tensor-parallel hook of ``parallelize_module`` (``tensor_parallel.py``), nothing else."""
         return is_tensor_parallel_hook(hook)
 
+    def is_head_call_hook(self, lm_head: nn.Module, hook) -> bool:
+        """Is this hook on the loss's head the backend's own, which may surround the tiled loss? The loss runs
+        as the forward of one call of the head (``tiled_core/head_call.py``): such a hook sees the hidden states
+        as the head's input and the loss as its output, and must do with them only what it does around
+        ``lm_head(hidden)`` for the parameters (gather them, release them, arrange their backward). Default:
+        ``is_backend_hook``'s answer (ZeRO-3's gather and release, a tensor-parallel style's hooks)."""
+        return self.is_backend_hook(hook)
+
+    def head_call_gathers(self, lm_head: nn.Module) -> bool:
+        """Do the backend's own hooks on the head make its sharded parameters whole for the head's call (and
+        again for its backward)? Then the loss, run inside that call, may be asked for with the head's
+        parameters sharded (DTensors) outside it. Default: no."""
+        return False
+
+    def head_call_sees_graph(self, lm_head: nn.Module) -> bool:
+        """May the backend's hooks on the head see the hidden states, graph and all, as the input of the head's
+        call around the loss? Default: yes (ZeRO-3 learns from it when the hidden states' gradient is out).
+        No: the call is given a detached stand-in, and the loss computes with the hidden states themselves
+        (``tiled_core/head_call.py``)."""
+        return True
+
     def local_view(self, module: nn.Module, params: Sequence[torch.Tensor]) -> Optional[Any]:
         """How a kernel that computes on local tensors (the gated fast kernel) sees one call of ``module``
         whose parameters are ``params``: None where they are plain tensors; else an object with ``why_not``

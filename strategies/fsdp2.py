@@ -29,8 +29,9 @@ the tiled loss's factor assumes FSDP2 averages over them.
 """
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -123,6 +124,64 @@ def _managing_groups(module: nn.Module) -> Iterator[Any]:
                 yield group
 
 
+def _fsdp_state_class() -> Optional[Any]:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        return None
+    return FSDPState
+
+
+def fsdp2_forward_hook_state(hook: Any) -> Optional[Any]:
+    """The FSDP2 state whose forward pre- or post-hook ``hook`` is, else None. ``fully_shard`` registers the
+    state's own methods (``FSDPState._pre_forward``, ``FSDPState._post_forward``, bound to it) on a unit of one
+    module, and on each module of a unit of several (``fully_shard([norm, lm_head])``, as accelerate makes)
+    functions wrapping them, whose ``functools.wraps`` leaves the method as ``__wrapped__``: recognised by
+    what they are (the bound methods' functions and owner), never by name."""
+    state_class = _fsdp_state_class()
+    if state_class is None:
+        return None
+    own = (state_class._pre_forward, state_class._post_forward)
+    for _ in range(4):  # the method under at most the group wrapper and torch.compiler.disable's
+        if isinstance(hook, types.MethodType):
+            owner = hook.__self__
+            return owner if isinstance(owner, state_class) and hook.__func__ in own else None
+        hook = vars(hook).get("__wrapped__") if hasattr(hook, "__dict__") else None
+        if hook is None:
+            return None
+    return None
+
+
+def _state_of(module: nn.Module) -> Optional[Any]:
+    """The FSDP2 state ``fully_shard`` gave ``module`` (alone or as one module of a unit), else None."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:
+        return None
+    ref = _module_state_mapping.get(module)
+    state = ref() if ref is not None else None
+    state_class = _fsdp_state_class()
+    return state if state_class is not None and isinstance(state, state_class) else None
+
+
+def is_head_unit_hook(head: nn.Module, hook: Any) -> bool:
+    """Is ``hook`` FSDP2's forward hook of the unit ``head`` itself belongs to?"""
+    state = fsdp2_forward_hook_state(hook)
+    return state is not None and state is _state_of(head)
+
+
+def unit_modules(module: nn.Module) -> Tuple[nn.Module, ...]:
+    """The modules of the FSDP2 unit ``module`` belongs to (``fully_shard(module)``: itself alone;
+    ``fully_shard([norm, lm_head])``: both), or () outside any."""
+    state = _state_of(module)
+    if state is None:
+        return ()
+    modules = getattr(state, "_modules", None)
+    if modules is None:
+        raise _unreadable("unit's modules (FSDPState._modules)")
+    return tuple(modules)
+
+
 def params_managed_by_fsdp2(module: nn.Module) -> bool:
     """Is a parameter of ``module`` (or of a submodule) sharded by some FSDP2 unit, wherever it is?"""
     return next(_managing_groups(module), None) is not None
@@ -201,6 +260,30 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
         """FSDP2 frees the unsharded parameters after forward and all-gathers them into new storage
         before backward."""
         return True
+
+    def is_head_call_hook(self, lm_head: nn.Module, hook) -> bool:
+        """FSDP2's forward hooks of the unit the head belongs to (a unit of its own, or one module of a unit:
+        accelerate's ``[norm, lm_head]``) surround the loss as they surround ``lm_head(hidden)``: the pre-hook
+        unshards the unit's parameters once for the whole loss and puts the post-backward reduce-scatter on
+        the hidden states, the post-hook reshards (if the unit reshards after forward) and puts the
+        pre-backward unshard on the loss (``docs/backends.md``, FSDP2)."""
+        return is_head_unit_hook(lm_head, hook) or self.is_backend_hook(hook)
+
+    def head_call_gathers(self, lm_head: nn.Module) -> bool:
+        """The head is a module of an FSDP2 unit whose pre-forward hook it carries: that hook unshards it."""
+        hooks = getattr(lm_head, "_forward_pre_hooks", {}).values()
+        return any(is_head_unit_hook(lm_head, hook) for hook in hooks)
+
+    def head_call_sees_graph(self, lm_head: nn.Module) -> bool:
+        """Not where the head is one module of a unit of several (accelerate's ``[norm, lm_head]``). The model's
+        forward ran that unit's pass (the norm, then ``lm_head`` on no tokens), and FSDP2 counts the loss's call
+        of the head as a pass of its own: its pre-hook would put the unit's post-backward on the hidden states,
+        between the loss and the norm, where it would reduce-scatter before the norm's gradient exists and
+        reshard the norm's weight before the norm's backward reads it. Given a detached stand-in, the call puts
+        nothing there and leaves the unit unsharded (a module of it, the norm, has not run in this pass): the
+        loss's backward computes with it and the unit's post-backward of the model's own pass (on the norm's
+        input), or the root's at the end of the backward, reduce-scatters once, every gradient in."""
+        return len(unit_modules(lm_head)) <= 1
 
     def check_supported(self, module: nn.Module) -> None:
         units = inner_fsdp_units(module)

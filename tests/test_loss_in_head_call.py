@@ -69,3 +69,23 @@ def test_a_hook_of_the_head_is_refused_before_any_work(kind):
     with pytest.raises(RuntimeError, match=prefix):
         tiled_cross_entropy(hidden, head, labels)
     assert hidden.grad is None and head.weight.grad is None and "forward" not in vars(head)
+
+
+def test_a_stand_in_for_the_hooks_and_the_hidden_states_for_the_loss():
+    """``sees_graph=False`` (an FSDP2 unit of several modules): the head's hooks see a detached copy of the
+    hidden states, the loss computes with the hidden states themselves (in the dtype the hooks gave the copy),
+    and their gradient arrives."""
+    from tiled_mlp.core.head_call import in_head_call
+
+    head = nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64)
+    hidden, labels = _inputs()
+    seen = []
+    head.register_forward_pre_hook(lambda m, args: seen.append(args[0]) or (args[0].float(),))
+    got = in_head_call(head, hidden, lambda x: (x.dtype, x.sum()), sees_graph=False)
+    assert not seen[0].requires_grad and seen[0].grad_fn is None and torch.equal(seen[0], hidden)
+    dtype, total = got
+    assert dtype == torch.float32 and total.requires_grad
+    total.backward()
+    torch.testing.assert_close(hidden.grad, torch.ones_like(hidden))
+    got = in_head_call(head, hidden, lambda x: x, sees_graph=True)  # the default: the hooks' own input
+    assert got.dtype == torch.float32 and seen[1] is hidden

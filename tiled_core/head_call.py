@@ -14,10 +14,16 @@ calls ``head.forward`` per shard, which must be the real one). Hooks of the head
 backend's would see the loss as the head's output (and could change it): ``foreign_head_hooks`` names
 them, and the caller refuses them before any work. Hooks registered for every module's calls
 (``register_module_forward_hook``: torch's module trackers) are not refused; they see this call too.
+
+A backend whose hooks must not see the hidden states' graph (``Strategy.head_call_sees_graph``: an FSDP2 unit
+of several modules, whose earlier modules made the hidden states) is handed a detached stand-in as the
+head's input: its hooks gather and release the parameters as for any call, and put nothing on the hidden
+states' backward; ``work`` computes with the hidden states themselves, in the dtype and on the device the
+hooks gave the stand-in (a mixed-precision cast of the head's inputs, a root unit's move to its device).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 from torch import nn
@@ -29,9 +35,11 @@ class _ForwardForOneCall:
     """The head's forward for one call: puts back what was there, then runs ``work`` on the input that
     the head's pre-hooks handed over (ZeRO-3 wraps it to learn when its gradient is out)."""
 
-    def __init__(self, head: nn.Module, work: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, head: nn.Module, work: Callable[[torch.Tensor], torch.Tensor],
+                 hidden: Optional[torch.Tensor] = None):
         self.head = head
         self.work = work
+        self.hidden = hidden  # where the head is given a stand-in: the hidden states the loss computes with
         self.had_own = "forward" in vars(head)
         self.previous = vars(head).get("forward")
 
@@ -45,15 +53,19 @@ class _ForwardForOneCall:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         self.put_back()
+        if self.hidden is not None:  # as the hooks handed over the stand-in: cast, or moved by a root's hook
+            hidden = self.hidden.to(device=hidden.device, dtype=hidden.dtype)
         return self.work(hidden)
 
 
-def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``work(hidden)``, run as the forward of one call of ``head`` (``head(hidden)``)."""
-    forward = _ForwardForOneCall(head, work)
+def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Tensor], torch.Tensor],
+                 sees_graph: bool = True) -> Any:
+    """``work(hidden)``, run as the forward of one call of ``head`` (``head(hidden)``); with ``sees_graph``
+    False, the call is given ``hidden.detach()`` and ``work`` the hidden states themselves."""
+    forward = _ForwardForOneCall(head, work, None if sees_graph else hidden)
     head.__dict__["forward"] = forward
     try:
-        return head(hidden)
+        return head(hidden if sees_graph else hidden.detach())
     finally:
         forward.put_back()  # where a pre-hook raised before the forward ran
 

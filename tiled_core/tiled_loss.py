@@ -17,6 +17,7 @@ out. Inside, the strategy's ``gathered`` region surrounds the shard loop (never 
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -137,10 +138,10 @@ def tiled_cross_entropy(
     backend.check_supported(lm_head)
     splits_vocab = isinstance(backend, SplitsHeadVocabulary)
     dtensors = [p for p in lm_head.parameters() if _is_dtensor(p)]
-    if dtensors and not splits_vocab:
+    if dtensors and not splits_vocab and not backend.head_call_gathers(lm_head):
         raise RuntimeError(SHARDED_WEIGHT_ERROR.format(head=type(lm_head).__name__, layout=_layout(dtensors[0]),
                                                        strategy=backend.name))
-    foreign = foreign_head_hooks(lm_head, backend.is_backend_hook)
+    foreign = foreign_head_hooks(lm_head, functools.partial(backend.is_head_call_hook, lm_head))
     if foreign:
         raise RuntimeError(HEAD_HOOKS_ERROR.format(head=type(lm_head).__name__, hooks=", ".join(foreign)))
     if splits_vocab:
@@ -157,7 +158,8 @@ def tiled_cross_entropy(
                     sequence_group)
     # Inside the head's own call: a backend's hooks on the head (ZeRO-3's gather and release, forward and
     # backward) surround the loss, as they surround ``lm_head(hidden)`` (``head_call.py``).
-    return sum_over_group(in_head_call(lm_head, hidden, site.loss_of), sequence_group, averages)
+    loss = in_head_call(lm_head, hidden, site.loss_of, backend.head_call_sees_graph(lm_head))
+    return sum_over_group(loss, sequence_group, averages)
 
 
 _eager_tiled_cross_entropy = torch.compiler.disable(tiled_cross_entropy)
