@@ -1,7 +1,7 @@
 """LLaMA-Factory's own ``run_exp`` on the tiny local checkpoint, tiled (``TiledMLPCallback``) or not.
 
 ``run_sft`` runs ``stage: sft`` on a local alpaca-format dataset with the ``empty`` template, full
-fine-tuning, a few steps on CPU. ``Recorder`` (a callback passed with the tiling one) keeps each step's loss
+fine-tuning (or LoRA: ``**LORA``), a few steps on CPU. ``Recorder`` (a callback passed with the tiling one) keeps each step's loss
 as the model returned it (a forward hook: the logged loss is rounded), the optimizer's parameters at
 ``on_train_begin`` and the weights after the last step.
 """
@@ -32,7 +32,10 @@ def write_dataset(folder: Path, rows: int = STEPS * BATCH) -> Path:
     return folder
 
 
-def sft_args(root: Path, run: str) -> Dict[str, Any]:
+LORA = dict(finetuning_type="lora", lora_target="all", lora_rank=4, lora_dropout=0.0)  # LLaMA-Factory's default kind
+
+
+def sft_args(root: Path, run: str, **overrides: Any) -> Dict[str, Any]:
     model = root / "model"
     if not (model / "config.json").exists():
         save_tiny_checkpoint(model)
@@ -45,7 +48,7 @@ def sft_args(root: Path, run: str) -> Dict[str, Any]:
         output_dir=str(root / run), overwrite_output_dir=True, per_device_train_batch_size=BATCH,
         max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
         save_strategy="no", report_to="none", seed=0, plot_loss=False, dataloader_num_workers=0,
-    )
+    ) | overrides
 
 
 @dataclass
@@ -58,8 +61,9 @@ class Upcast(TrainerCallback):
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         model.to(torch.float64)
-        if self.untiled:
-            model.loss_function = float64_causal_lm_loss
+        if self.untiled:  # on the causal LM itself, under a PEFT wrapper
+            causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+            causal_lm.loss_function = float64_causal_lm_loss
 
 
 @dataclass
@@ -86,11 +90,12 @@ class Recorder(TrainerCallback):
         self.weights = {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
-def run_sft(root: Path, run: str, tiling: Optional[TrainerCallback] = None, float64: bool = False) -> Recorder:
+def run_sft(root: Path, run: str, tiling: Optional[TrainerCallback] = None, float64: bool = False,
+            **overrides: Any) -> Recorder:
     from llamafactory.train.tuner import run_exp
 
     recorder = Recorder()
     callbacks: List[TrainerCallback] = [Upcast(untiled=tiling is None)] if float64 else []
     callbacks += ([tiling] if tiling is not None else []) + [recorder]
-    run_exp(sft_args(root, run), callbacks=callbacks)
+    run_exp(sft_args(root, run, **overrides), callbacks=callbacks)
     return recorder
