@@ -1,0 +1,80 @@
+"""Axolotl: a plugin that tiles the model Axolotl loaded, named under ``plugins:`` in the YAML.
+
+    plugins:
+      - tiled_mlp.integrations.axolotl.TiledMLPPlugin
+    tiled_mlp_lib_num_shards: auto      # optional; the MLPs' and norms' shards
+    tiled_mlp_lib_loss: true            # optional; the tiled LM head + cross entropy
+    tiled_mlp_lib_loss_num_shards: auto # optional
+    tiled_mlp_lib_norms: true           # optional; the RMSNorms
+
+Axolotl's ``ModelLoader.load`` calls each plugin's ``post_model_load(cfg, model)`` once the model is built,
+its adapters attached and moved to its device, and before the trainer (and so its optimizer and
+accelerate's ``prepare``) exists: the plugin tiles the MLP blocks, RMSNorms and loss there, in place
+(``apply_tiled_mlp``), so the optimizer steps the same parameters under the same names. Its config keys
+(``axolotl_args.TiledMLPLibArgs``) are prefixed ``tiled_mlp_lib_``: Axolotl's own ``tiled_mlp`` and
+``tiled_mlp_num_shards`` belong to its built-in tiled MLP, and setting ``tiled_mlp: true`` with this
+plugin is refused when the config is validated.
+
+``TiledMLPPlugin`` subclasses Axolotl's ``BasePlugin`` (so every hook Axolotl calls exists) and is made on
+first use, a lazily resolved module attribute: importing this module does not import Axolotl. The
+Axolotl release is checked in ``pre_model_load`` (before the model is loaded) and again where the model is
+tiled (``framework_versions.AXOLOTL``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from .framework_settings import FrameworkTiling
+from .framework_versions import AXOLOTL
+from .report import TilingReport
+
+ARGS_MODEL = "tiled_mlp.integrations.axolotl_args.TiledMLPLibArgs"
+KEY_PREFIX = "tiled_mlp_lib_"
+
+
+def settings_from(cfg: Any) -> FrameworkTiling:
+    """The tiling a (validated) Axolotl config asks for; absent keys take the defaults."""
+    def get(name: str) -> Any:
+        return cfg.get(KEY_PREFIX + name) if hasattr(cfg, "get") else getattr(cfg, KEY_PREFIX + name, None)
+
+    return FrameworkTiling.parse(get("num_shards"), get("loss"), get("loss_num_shards"), get("norms"),
+                                 prefix=KEY_PREFIX)
+
+
+class _TilesAfterLoad:
+    """The plugin's hooks; ``TiledMLPPlugin`` is this class with Axolotl's ``BasePlugin`` under it."""
+
+    report: Optional[TilingReport] = None  # what the model got
+
+    def get_input_args(self) -> str:
+        return ARGS_MODEL
+
+    def pre_model_load(self, cfg: Any) -> None:
+        AXOLOTL.require()  # refused before Axolotl spends time loading the model
+        settings_from(cfg)
+
+    def post_model_load(self, cfg: Any, model: Any) -> None:
+        AXOLOTL.require()
+        self.report = settings_from(cfg).apply(model)
+
+
+def _plugin_class() -> type:
+    from axolotl.integrations.base import BasePlugin
+
+    return type("TiledMLPPlugin", (_TilesAfterLoad, BasePlugin), {
+        "__module__": __name__,
+        "__qualname__": "TiledMLPPlugin",
+        "__doc__": "Axolotl plugin: tiles the loaded model's MLPs, RMSNorms and loss in post_model_load "
+                   "(see the module docstring).",
+    })
+
+
+_made: Dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TiledMLPPlugin":
+        if name not in _made:
+            _made[name] = _plugin_class()
+        return _made[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
