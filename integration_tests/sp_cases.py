@@ -194,15 +194,24 @@ def _deepspeed_sp_only(model, size: int):
     return SequenceParallel(model, mpu.get_sequence_parallel_group(), mpu, "sdpa", undo)
 
 
-def _trainer_loss(model, batch: Dict, size: int) -> torch.Tensor:
+def _trainer_loss(model, batch: Dict, case: SPCase) -> torch.Tensor:
     """transformers' ``deepspeed_sp_compute_loss``, what ``Trainer.compute_loss`` calls under
-    ``ParallelismConfig(sp_backend="deepspeed")``: each rank's mean re-weighted by its valid tokens, through
-    a differentiable all-gather over DeepSpeed's SP group."""
+    ``ParallelismConfig(sp_backend="deepspeed")``: each rank's mean re-weighted by its valid tokens over
+    DeepSpeed's SP group. It asks ``is_deepspeed_zero3_enabled()`` (from 5.25: ZeRO-3 before DeepSpeed 0.20.2
+    averages the SP ranks' gradients, so each rank's share is scaled by the SP size), which answers from the
+    DeepSpeed config the Trainer holds while it trains: held here for the call, as the Trainer holds it."""
     from types import SimpleNamespace
 
-    from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
+    from transformers.integrations.deepspeed import (HfDeepSpeedConfig, deepspeed_sp_compute_loss,
+                                                     unset_hf_deepspeed_config)
 
-    return deepspeed_sp_compute_loss(None, model, dict(batch), False, SimpleNamespace(sp_backend="deepspeed", sp_size=size))
+    held = HfDeepSpeedConfig(zero_config(case)) if case.backend.startswith("zero") else None
+    try:
+        return deepspeed_sp_compute_loss(None, model, dict(batch), False,
+                                         SimpleNamespace(sp_backend="deepspeed", sp_size=case.sp))
+    finally:
+        if held is not None:
+            unset_hf_deepspeed_config()
 
 
 def zero_config(case: SPCase) -> dict:
@@ -291,7 +300,7 @@ def run_case(case: SPCase, rank: int, world: int) -> Dict:
             batch["num_items_in_batch"] = torch.tensor(num_items(case, step))
         calls: List[Dict] = []
         with tiled_loss_spy(calls):
-            loss = module(**batch).loss if case.loss_path == "group" else _trainer_loss(module, batch, case.sp)
+            loss = module(**batch).loss if case.loss_path == "group" else _trainer_loss(module, batch, case)
         record["loss_calls"].append(calls)
         after_forward = offload.host_bytes.current if offload is not None else None
         # The backends average over every rank; with a global num_items_in_batch each DP group's loss
