@@ -285,7 +285,7 @@ def test_refusals(error_outcomes):
             "size_3": ("ValueError", "does not divide into groups of 3"),
             "size_1": ("ValueError", "size must be an int >= 2"),
             "eager": ("ValueError", "eager attention needs a [tokens, tokens] mask"),
-            "twice": ("RuntimeError", "SP groups already exist"),
+            "twice": ("RuntimeError", "is held, process-wide, by an earlier Ulysses SP stack"),
             "odd_length": ("ValueError", "15 tokens do not split across 2 ranks"),
             "no_input_ids": ("ValueError", "needs input_ids"),
             "moe": ("ValueError", "router auxiliary loss"),
