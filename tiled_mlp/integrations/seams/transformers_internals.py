@@ -117,3 +117,10 @@ def _adapt(function: Callable) -> MaskBuilder:
             f"does not take the arguments the stack passes ({', '.join(_MASK_ARGUMENTS)} and the cache as one "
             f"of {list(_CACHE_KEYWORDS)}), which {CHECKED.describe()} take; install a release in that range")
     return MaskBuilder(function, keyword)
+
+
+def checkpoint_wraps_module_hooks() -> bool:
+    """Whether HF's checkpointing layer runs its checkpoint in ``__call__``, around the module's hooks (the
+    releases up to at least 5.6), rather than in ``forward``, with the hooks outside (5.25). Read from the
+    class, not from the version."""
+    return "__call__" in vars(checkpointing_layer_class())
