@@ -42,17 +42,34 @@ def init_distributed(backend: str) -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
-def register_ulysses(model: nn.Module, attention: str, size: int, micro_batch_size: int) -> Any:
-    """DeepSpeed's Ulysses wrapper around what ``attention`` names, for ``model``'s attention modules;
-    creates the SP groups and returns DeepSpeed's SP state module (its ``mpu``)."""
+def register_ulysses(model: nn.Module, attention: str, size: int, micro_batch_size: int, functions: Any) -> Any:
+    """DeepSpeed's Ulysses wrapper around what ``attention`` names in ``functions`` (transformers'
+    ``ALL_ATTENTION_FUNCTIONS``), for ``model``'s attention modules; creates the SP groups and returns
+    DeepSpeed's SP state module (its ``mpu``). DeepSpeed 0.18 writes its wrapper under every attention name
+    in the process, 0.19 under ``attention`` alone: every other name gets back what it held (its
+    per-instance override, or none)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    return UlyssesSPAttentionHF.register_with_transformers(
+    local = functions._local_mapping
+    before = dict(local)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
         model, core_attn_implementation=attention, sequence_parallel_size=size,
         micro_batch_size=micro_batch_size, seq_length_is_variable=True)
+    for name in [name for name in local if name != attention]:
+        if name in before:
+            local[name] = before[name]
+        else:
+            del local[name]
+    return mpu
+
+
+# DeepSpeed's data-loader adapter: on 0.18.6 its length exchange all-gathers a 0-d tensor, which gloo
+# refuses ("invalid tensor size at index 0 (expected (), got (1))"); checked on 0.19.8.
+DATA_LOADER_CHECKED = CheckedRange("deepspeed", "0.19.8", "0.19.8")
 
 
 def data_loader(loader: Iterable, rank: int, group: Any, size: int, device: torch.device) -> Any:
+    checked_versions.require(DATA_LOADER_CHECKED, "sequence parallelism's data_loader (DeepSpeed's UlyssesSPDataLoaderAdapter)")
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
     return UlyssesSPDataLoaderAdapter(loader, sp_rank=rank, sp_group=group, sp_world_size=size, device=device)
