@@ -3,6 +3,7 @@ bounds, the relative error they hold to them, and the mark for DeepSpeed's cases
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 import torch
@@ -34,3 +35,19 @@ def rel_error(want: torch.Tensor, have: torch.Tensor) -> float:
         return float("inf")
     want, have = want.double(), have.double()
     return float((have - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def _float_kept(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.requires_grad and tensor.is_floating_point():
+        return tensor
+    return tensor.to(torch.float32)
+
+
+def float_kept_float64() -> Any:
+    """A float64 reference through Hugging Face's own code: its ``.float()`` calls keep what autograd
+    tracks (the loss's ``logits.float()``: a float64 model's loss stays float64) and cast the rest as torch
+    does (RoPE's frequencies and positions: float32, as in the model under test, whichever of the two
+    transformers releases puts ``.float()`` on)."""
+    from unittest import mock
+
+    return mock.patch.object(torch.Tensor, "float", _float_kept)

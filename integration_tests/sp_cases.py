@@ -20,14 +20,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Tuple
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 from tiled_mlp import TiledMLP
 
-from .comparison import ZERO_DTYPE
+from .comparison import ZERO_DTYPE, float_kept_float64
 from .loss_cases import tiled_loss_spy
 from .training_record import new_record, note_tiled_calls, record_step, sgd_step
 
@@ -113,7 +112,7 @@ def hf_loss64(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=Non
     """Hugging Face's ``ForCausalLMLoss``, float64 logits kept float64 (its ``.float()`` patched away)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    with mock.patch.object(torch.Tensor, "float", lambda self: self):
+    with float_kept_float64():
         return ForCausalLMLoss(logits, labels, logits.shape[-1], num_items_in_batch=num_items_in_batch)
 
 
@@ -202,8 +201,11 @@ def _trainer_loss(model, batch: Dict, case: SPCase) -> torch.Tensor:
     DeepSpeed config the Trainer holds while it trains: held here for the call, as the Trainer holds it."""
     from types import SimpleNamespace
 
-    from transformers.integrations.deepspeed import (HfDeepSpeedConfig, deepspeed_sp_compute_loss,
-                                                     unset_hf_deepspeed_config)
+    from transformers.integrations.deepspeed import (
+        HfDeepSpeedConfig,
+        deepspeed_sp_compute_loss,
+        unset_hf_deepspeed_config,
+    )
 
     held = HfDeepSpeedConfig(zero_config(case)) if case.backend.startswith("zero") else None
     try:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
-from unittest import mock
 
 import torch
 
+from .comparison import float_kept_float64
 from .sp_cases import hf_loss64, raised
 from .tiny_models import VOCAB
 
@@ -72,7 +72,7 @@ def float64_norms(family: str) -> Iterator[None]:
     if family != "gemma3":
         yield
         return
-    with mock.patch.object(torch.Tensor, "float", lambda self: self):
+    with float_kept_float64():
         yield
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from .comparison import float_kept_float64
 from .spawn import run_distributed
 
 pytest.importorskip("transformers")
@@ -20,9 +21,8 @@ STEPS, SHARDS, LR = 2, 3, 0.5
 
 
 def _train(rank: int, world_size: int, tiled: bool, loss: bool = False) -> dict:
-    from unittest import mock
 
-    with mock.patch.object(torch.Tensor, "float", lambda self: self):
+    with float_kept_float64():
         return _train_steps(rank, world_size, tiled, loss)
 
 

@@ -209,6 +209,10 @@ def test_data_loader_gives_the_batches_and_losses_of_shard(tmp_path):
     """sp.data_loader(DataLoader over full samples with position_ids): each rank's loader holds a
     different step's sample, the adapter hands them out in turn, split across the group. Every batch
     equals shard()'s, and the losses equal those of the same case fed by shard(), bit for bit."""
+    from tiled_mlp.integrations.seams import checked_versions, deepspeed_internals
+
+    if not deepspeed_internals.DATA_LOADER_CHECKED.contains(str(checked_versions.installed("deepspeed"))):
+        pytest.skip("DeepSpeed's data-loader adapter is refused on this release (tests/test_seams.py)")
     results = run_group("sp2-loader", tmp_path, 120)
     failures = check_cases(GROUPS["sp2-loader"], results)
     for case in GROUPS["sp2-loader"]:
@@ -285,7 +289,7 @@ def test_refusals(error_outcomes):
             "size_3": ("ValueError", "does not divide into groups of 3"),
             "size_1": ("ValueError", "size must be an int >= 2"),
             "eager": ("ValueError", "eager attention needs a [tokens, tokens] mask"),
-            "twice": ("RuntimeError", "SP groups already exist"),
+            "twice": ("RuntimeError", "is held, process-wide, by an earlier Ulysses SP stack"),
             "odd_length": ("ValueError", "15 tokens do not split across 2 ranks"),
             "no_input_ids": ("ValueError", "needs input_ids"),
             "moe": ("ValueError", "router auxiliary loss"),

@@ -5,7 +5,6 @@ around the model's own forward. A hook on ``lm_head`` that would load offloaded 
 from __future__ import annotations
 
 import copy
-from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ pytest.importorskip("accelerate")
 from accelerate import dispatch_model  # noqa: E402
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module  # noqa: E402
 
+from integration_tests.comparison import float_kept_float64  # noqa: E402
 from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
 from tiled_mlp import apply_tiled_loss, remove_tiled_loss  # noqa: E402
 from tiled_mlp.integrations import is_tiled_loss  # noqa: E402
@@ -42,7 +42,7 @@ def _assert_equal_loss_and_grads(reference, tiled):
 
     ids, labels = _batch()
     logits = reference(input_ids=ids).logits
-    with mock.patch.object(torch.Tensor, "float", lambda self: self):
+    with float_kept_float64():
         want = ForCausalLMLoss(logits, labels, VOCAB)
     got = tiled(input_ids=ids, labels=labels)
     assert got.logits is None and got.loss.dtype == want.dtype == torch.float64

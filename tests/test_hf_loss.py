@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from integration_tests.comparison import float_kept_float64  # noqa: E402
 from integration_tests.tiny_models import FAMILIES, VOCAB, grads_by_key, tiny_model  # noqa: E402
 from tiled_mlp import TiledMLP, apply_tiled_loss, apply_tiled_mlp, remove_tiled_loss, remove_tiled_mlp  # noqa: E402
 from tiled_mlp.integrations import is_tiled_loss  # noqa: E402
@@ -36,7 +37,7 @@ def _reference_loss(model, ids, labels, **loss_kwargs):
 
     moe = {"output_router_logits": True} if hasattr(model.config, "router_aux_loss_coef") else {}
     out = model(input_ids=ids, **moe)
-    with mock.patch.object(torch.Tensor, "float", lambda self: self):
+    with float_kept_float64():
         loss = ForCausalLMLoss(out.logits, labels, VOCAB, **loss_kwargs)
     if moe:
         loss = loss + model.router_aux_loss_coef * out.aux_loss

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-from unittest import mock
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+from integration_tests.comparison import float_kept_float64  # noqa: E402
 from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
 from tiled_mlp.core import TiledMLP  # noqa: E402
 from tiled_mlp.integrations import (  # noqa: E402
@@ -37,7 +37,7 @@ def _data(seed=0):
 
 def _plain_loss(model, ids, labels):
     """The model's own loss path in float64 (``ForCausalLMLoss``'s ``.float()`` kept float64)."""
-    with mock.patch.object(torch.Tensor, "float", lambda self: self):
+    with float_kept_float64():
         return model(input_ids=ids, labels=labels).loss
 
 

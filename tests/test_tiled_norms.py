@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 from planner_checks import predicted_to_the_byte  # noqa: E402
 from test_planner import tiny_llama  # noqa: E402
 
+from integration_tests.comparison import float_kept_float64  # noqa: E402
 from integration_tests.tiny_models import VOCAB, grads_by_key, tiny_model  # noqa: E402
 from tiled_mlp.core import TiledMLP  # noqa: E402
 from tiled_mlp.core.auto_shards import MLPSize, auto_decision  # noqa: E402
@@ -62,7 +63,7 @@ def _step(model, ids, embeds, loss: bool, reference: bool = False):
     x = embeds.clone().requires_grad_(True)
     if loss and reference:
         logits = model(inputs_embeds=x).logits
-        with mock.patch.object(torch.Tensor, "float", lambda self: self):
+        with float_kept_float64():
             out = ForCausalLMLoss(logits, ids, VOCAB)
         out.backward()
     elif loss:

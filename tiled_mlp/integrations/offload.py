@@ -8,6 +8,7 @@ checkpointing on (``model.gradient_checkpointing_enable()``, which checkpoints `
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, List, Tuple
 
@@ -31,10 +32,12 @@ def checkpointed_layers(model: nn.Module) -> List[nn.Module]:
     if wrappers:
         return wrappers
     try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
+        from .seams import transformers_internals
+
+        layer_class = transformers_internals.checkpointing_layer_class()
     except ImportError:
         return []
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    return [m for m in model.modules() if isinstance(m, layer_class) and m.gradient_checkpointing]
 
 
 def apply_checkpoint_offload(model: nn.Module) -> CheckpointOffload:
@@ -43,7 +46,56 @@ def apply_checkpoint_offload(model: nn.Module) -> CheckpointOffload:
     layers = checkpointed_layers(model)
     if not layers:
         raise ValueError(NO_LAYERS_ERROR.format(model=type(model).__name__))
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    if not isinstance(layers[0], CheckpointWrapper):
+        from .seams import transformers_internals
+
+        if transformers_internals.checkpoint_wraps_module_hooks():
+            return _offload_at_checkpoint_calls(layers)
     return CheckpointOffload(layers)
+
+
+class _CheckpointCall(nn.Module):
+    """Where an HF layer that runs its checkpoint in ``__call__`` (around its own module hooks, so hooks on
+    the layer would sit inside the checkpoint and see none of its saved inputs) calls its checkpoint
+    function: a module of its own, whose hooks sit outside the checkpoint, as the layer's own do where HF
+    checkpoints ``forward``. The layer's input is its first positional argument in both."""
+
+    def __init__(self, checkpoint: Any) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+
+    def forward(self, *args: Any, function: Any) -> Any:
+        return self.checkpoint(function, *args)
+
+
+@dataclass
+class _OffloadAtCheckpointCalls(CheckpointOffload):
+    """The offload on ``_CheckpointCall`` sites; ``remove()`` also gives each layer back its checkpoint function."""
+
+    checkpointed: List[Tuple[nn.Module, Any]] = field(default_factory=list)
+
+    def remove(self) -> None:
+        super().remove()
+        for layer, checkpoint in self.checkpointed:
+            setattr(layer, "_gradient_checkpointing_func", checkpoint)  # noqa: B010 - an HF instance attribute
+        self.checkpointed.clear()
+
+
+def _offload_at_checkpoint_calls(layers: List[nn.Module]) -> CheckpointOffload:
+    sites, checkpointed = [], []
+    for layer in layers:
+        checkpoint = layer._gradient_checkpointing_func
+        site = _CheckpointCall(checkpoint)
+        setattr(layer, "_gradient_checkpointing_func", functools.partial(_call_site, site))  # noqa: B010
+        sites.append(site)
+        checkpointed.append((layer, checkpoint))
+    return _OffloadAtCheckpointCalls(sites, checkpointed=checkpointed)
+
+
+def _call_site(site: _CheckpointCall, function: Any, *args: Any) -> Any:
+    return site(*args, function=function)
 
 
 # Instance attributes transformers sets while turning checkpointing on: the input-gradient hooks'

@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ulysses_groups import DeepSpeedSlots, check_batch_size, guard_inputs
+from .seams import deepspeed_internals, transformers_internals
+from .ulysses_groups import DeepSpeedSlots, check_batch_size, guard_inputs, hold_attention, refuse_held_attention
 from .ulysses_masks import attention_kind, capture_padding, check_masks, whole_sequence_attention
 from .ulysses_rope import length_dependent_rotaries, whole_sequence_rope
 from .ulysses_tp import check_attention_not_tensor_parallel, check_no_tensor_parallel_attention
@@ -114,19 +115,14 @@ class SequenceParallel:
         """DeepSpeed's ``UlyssesSPDataLoaderAdapter`` around ``loader`` (each rank's loader yields its own
         samples; each sample is split across the group in turn). Unlike ``shard``, it requires
         ``position_ids`` in every batch and yields CPU tensors (DeepSpeed keeps the prefill on the host)."""
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
-
         device = device if device is not None else next(self.model.parameters()).device
-        return UlyssesSPDataLoaderAdapter(loader, sp_rank=self.rank, sp_group=self.group, sp_world_size=self.size,
-                                          device=device)
+        return deepspeed_internals.data_loader(loader, self.rank, self.group, self.size, device)
 
     def remove(self) -> None:
         """The model's attention and loss as before; DeepSpeed's SP groups released, and the slots DeepSpeed
         reads its groups from (``deepspeed.utils.groups.mpu``) as they were before SP, so that a later plain
         ``deepspeed.initialize`` builds an engine without SP. Call it once a DeepSpeed engine built with
         ``mpu=self.mpu`` is done with: the engine keeps asking for the released groups."""
-        from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
         from .causal_lm_loss import tiled_loss_forward
 
         if self._undo is not None:
@@ -138,7 +134,7 @@ class SequenceParallel:
         if self._input_guard is not None:
             self._input_guard.remove()
             self._input_guard = None
-        parallel_state_sp._release_sequence_parallel_groups()
+        deepspeed_internals.release_sp_groups()
         self._deepspeed_slots.restore()
 
 
@@ -167,12 +163,8 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
         raise ValueError(NO_TILED_LOSS_ERROR.format(model=type(model).__name__))
     attention = installed.model.config._attn_implementation
 
-    import deepspeed
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    ALL_ATTENTION_FUNCTIONS = transformers_internals.attention_functions()
+    deepspeed_internals.init_distributed(dist.get_backend())
     decoder = installed.model.get_decoder()
     # What the name holds, a user's override included: this model's attention after the all-to-all, and
     # every other model's attention, are what they would be without SP.
@@ -183,14 +175,13 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
         # DeepSpeed wraps what the name holds when it registers: it runs this after its all-to-all.
         ALL_ATTENTION_FUNCTIONS[attention] = whole_sequence_attention(held, kind, decoder.config)
     try:
-        mpu = UlyssesSPAttentionHF.register_with_transformers(
-            installed.model, core_attn_implementation=attention, sequence_parallel_size=size,
-            micro_batch_size=micro_batch_size, seq_length_is_variable=True)
+        mpu = deepspeed_internals.register_ulysses(installed.model, attention, size, micro_batch_size,
+                                                   ALL_ATTENTION_FUNCTIONS)
     except BaseException:
         # DeepSpeed creates its SP groups before its own checks (eager refused, a config mismatch): a
         # refused call must leave nothing behind, or the next apply finds the groups "already exist".
         undo()
-        parallel_state_sp._release_sequence_parallel_groups()
+        deepspeed_internals.release_sp_groups()
         raise
     _scope_to(installed.model, attention, ALL_ATTENTION_FUNCTIONS, held)
     group = mpu.get_sequence_parallel_group()
@@ -215,6 +206,8 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("sequence parallelism: initialize torch.distributed first (every rank calls this)")
+    transformers_internals.require("Ulysses sequence parallelism")
+    deepspeed_internals.require("Ulysses sequence parallelism")
     if isinstance(size, bool) or not isinstance(size, int) or size < 2:
         raise ValueError(f"sequence parallelism: size must be an int >= 2, got {size!r}")
     world = dist.get_world_size()
@@ -235,18 +228,17 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
     if config._attn_implementation in ("eager", "paged|eager"):
         raise ValueError("sequence parallelism: eager attention needs a [tokens, tokens] mask, which Ulysses drops; "
                          "use sdpa, flash_attention_2 or flex_attention (DeepSpeed's rule)")
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    ALL_ATTENTION_FUNCTIONS = transformers_internals.attention_functions()
     attention = config._attn_implementation
     held = ALL_ATTENTION_FUNCTIONS[attention] if attention in ALL_ATTENTION_FUNCTIONS else None
+    refuse_held_attention(attention, held)
     check_masks(text, attention, attention_kind(held))
     check_no_tensor_parallel_attention(causal_lm, heads)
     length_dependent_rotaries(causal_lm)  # a length-dependent RoPE it cannot give the whole length: refused
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
-        raise RuntimeError("sequence parallelism: DeepSpeed's SP groups already exist in this process (an earlier "
-                           "apply_sequence_parallel not removed, or accelerate's ParallelismConfig); remove them first")
+    if deepspeed_internals.sp_groups_exist():
+        raise RuntimeError("sequence parallelism: DeepSpeed's SP groups already exist in this process, process-wide: "
+                           "an earlier apply_sequence_parallel or apply_long_context whose handle was not removed "
+                           "(call its .remove()), or accelerate's ParallelismConfig(sp_backend='deepspeed')")
 
 
 def shares_heads(heads: int, kv_heads: int, size: int) -> Tuple[bool, bool]:
@@ -275,7 +267,7 @@ def _scope_to(model: nn.Module, attention: str, functions: Any, before: Optional
             raise RuntimeError(f"sequence parallelism: no attention function was registered under {attention!r} before SP")
         return before(module, *args, **kwargs)
 
-    functions[attention] = scoped
+    functions[attention] = hold_attention(scoped, model)
 
 
 def undo_attention(model: nn.Module, attention: str, functions: Any) -> Callable[[], None]:

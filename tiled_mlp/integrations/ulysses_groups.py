@@ -7,6 +7,12 @@ at a module with no groups, and the next plain ``deepspeed.initialize`` stops on
 group is not initialized". ``DeepSpeedSlots`` remembers the slots when SP is applied and puts back, on
 removal, each one that still holds the SP state.
 
+The attention registry: transformers' ``ALL_ATTENTION_FUNCTIONS`` is one per process, and SP routes the
+entry of its model's attention name through DeepSpeed's all-to-all for that model. The entry is marked
+with the stack that holds it (``hold_attention``), so that a second apply while it is held says which
+stack holds it and how to free it (``refuse_held_attention``), rather than mistaking the held entry for
+a user's own attention function.
+
 The forward guard: DeepSpeed's Ulysses attention is built for a fixed micro batch (its shape assertion fires
 deep inside the first attention call), and under SP the positions of a rank's slice start where the slice
 starts, which only ``position_ids`` carry (without them each rank's model counts from 0: wrong for every
@@ -17,15 +23,15 @@ from __future__ import annotations
 
 import inspect
 import sys
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
-_SP_STATE_MODULE = "deepspeed.runtime.sequence_parallel.parallel_state_sp"
-# Module-level ``mpu`` slots DeepSpeed reads its parallel groups from.
-_MPU_SLOTS = ("deepspeed.utils.groups", "deepspeed.runtime.activation_checkpointing.checkpointing")
+from .seams.deepspeed_internals import MPU_SLOT_MODULES as _MPU_SLOTS
+from .seams.deepspeed_internals import SP_STATE_MODULE as _SP_STATE_MODULE
 
 BATCH_SIZE_ERROR = (
     "sequence parallelism: a batch of {batch} samples, but DeepSpeed's Ulysses attention was built for micro "
@@ -96,3 +102,32 @@ def guard_inputs(model: nn.Module, micro_batch_size: int) -> Any:
 
     return model.register_forward_pre_hook(check, with_kwargs=True)
 
+
+
+# The attribute marking an attention function that an SP stack put in transformers' registry.
+_HELD_BY = "_tiled_mlp_sequence_parallel_model"
+
+HELD_ATTENTION_ERROR = (
+    "sequence parallelism: transformers' attention under {name!r} is held, process-wide, by an earlier Ulysses SP "
+    "stack (on {holder}), applied and not removed; its entry routes that stack's model through DeepSpeed's "
+    "all-to-all. One SP stack per process at a time: call .remove() on the earlier handle (the LongContextStack "
+    "apply_long_context returned, or the SequenceParallel of apply_sequence_parallel), also after a failed "
+    "forward, then apply again."
+)
+
+
+def hold_attention(function: Callable, model: nn.Module) -> Callable:
+    """``function`` (what SP writes under an attention name) marked as held by the stack on ``model``."""
+    setattr(function, _HELD_BY, weakref.ref(model))
+    return function
+
+
+def refuse_held_attention(name: str, function: Any) -> None:
+    """Refused when ``function`` (what transformers' registry holds under ``name``) was written by an SP
+    stack not yet removed."""
+    holder = getattr(function, _HELD_BY, None)
+    if holder is None:
+        return
+    model = holder()
+    described = f"{type(model).__name__} at {id(model):#x}" if model is not None else "a model since deleted"
+    raise RuntimeError(HELD_ATTENTION_ERROR.format(name=name, holder=described))

@@ -39,6 +39,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from .seams import transformers_internals
+from .seams.transformers_internals import MaskBuilder
+
 WHOLE_SEQUENCE_KWARG = "ulysses_whole_sequence"
 # The names HF decoders pass their cache to their layers under (``deprecate_kwarg`` renames the old ones).
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
@@ -60,11 +63,7 @@ def attention_kind(function: Optional[Callable]) -> str:
     """``"sdpa"`` or ``"flash"`` for the library's own functions (what the masks here are built for);
     ``"other"`` for anything else (flex attention, a registered custom function, a user's function put
     under a library name: it gets DeepSpeed's call as it comes)."""
-    from transformers.integrations.flash_attention import flash_attention_forward
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    kinds: Dict[Any, str] = {sdpa_attention_forward: "sdpa", flash_attention_forward: "flash"}
-    return kinds.get(function, "other")
+    return transformers_internals.library_attention_kind(function)
 
 
 def is_windowed(config: Any) -> bool:
@@ -100,8 +99,7 @@ def capture_padding(decoder: nn.Module, group: Any, kind: str) -> Callable[[], N
     """Hook ``decoder``'s forward: every call all-gathers the padding mask over ``group`` and passes it on
     to the attention as ``WHOLE_SEQUENCE_KWARG``; and hook its layers, which record there whether the
     decoder gave them a cache. Returns what removes the hooks."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
+    checkpointing_layer = transformers_internals.checkpointing_layer_class()
     signature = inspect.signature(decoder.forward)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
@@ -123,7 +121,7 @@ def capture_padding(decoder: nn.Module, group: Any, kind: str) -> Callable[[], N
     # recompute: they see the cache the decoder built its masks with.
     handles = [decoder.register_forward_pre_hook(hook, with_kwargs=True)]
     handles += [m.register_forward_pre_hook(layer_hook, with_kwargs=True)
-                for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
+                for m in decoder.modules() if isinstance(m, checkpointing_layer)]
 
     def remove() -> None:
         for handle in handles:
@@ -177,8 +175,10 @@ def whole_padding(arguments: Dict[str, Any], group: Any) -> Optional[torch.Tenso
 def whole_sequence_attention(library: Callable, kind: str, config: Any) -> Callable:
     """The inner attention DeepSpeed runs after its all-to-all on this model: ``library`` (the function the
     attention's name has in transformers) with the whole sequence's mask where ``kind`` is ``"sdpa"``; the call
-    as it comes otherwise (a padding mask was refused in the decoder's hook, a window at apply)."""
+    as it comes otherwise (a padding mask was refused in the decoder's hook, a window at apply). Called at
+    apply time: transformers' mask builders are adapted to the installed release here, once."""
     windowed = is_windowed(config)
+    builders = transformers_internals.mask_builders()
 
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
              *args: Any, **kwargs: Any) -> Any:
@@ -204,7 +204,7 @@ def whole_sequence_attention(library: Callable, kind: str, config: Any) -> Calla
                                "mask (packed samples told apart or not) is unknown here; not supported under SP")
         mask = whole.masks.get(kwargs.get("sliding_window"), ...)
         if mask is ...:
-            mask = whole.masks[kwargs.get("sliding_window")] = hf_mask(config, query, whole, kwargs)
+            mask = whole.masks[kwargs.get("sliding_window")] = hf_mask(config, query, whole, kwargs, builders)
         return library(module, query, key, value, mask, *args, **kwargs)
 
     return attention
@@ -212,30 +212,27 @@ def whole_sequence_attention(library: Callable, kind: str, config: Any) -> Calla
 
 def _packed(positions: Optional[torch.Tensor]) -> bool:
     """Whether HF would read ``positions`` as several samples packed in a row (its own test)."""
-    from transformers.masking_utils import find_packed_sequence_indices
-
-    return positions is not None and find_packed_sequence_indices(positions) is not None
+    return transformers_internals.packed_sequences(positions)
 
 
-def hf_mask(config: Any, query: torch.Tensor, whole: WholeSequence, kwargs: Dict[str, Any]) -> Any:
+def hf_mask(config: Any, query: torch.Tensor, whole: WholeSequence, kwargs: Dict[str, Any],
+            builders: Tuple[MaskBuilder, MaskBuilder]) -> Any:
     """Hugging Face's sdpa mask for the whole sequence ``query`` covers ([batch, heads, tokens, dim]), for
     the layer whose ``sliding_window`` is in ``kwargs``: what the decoder builds without SP (``None`` where
     sdpa's own causal flag is the mask). ``kwargs["position_ids"]`` are the whole sequence's (DeepSpeed
-    all-gathers them before the attention runs)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
+    all-gathers them before the attention runs). ``builders``: transformers' full and sliding-window mask
+    builders (``transformers_internals.mask_builders``)."""
     window = kwargs.get("sliding_window")
     if window is not None and window != getattr(config, "sliding_window", None):
         raise RuntimeError(f"sequence parallelism: a layer's sliding_window ({window}) is not the config's "
                            f"({getattr(config, 'sliding_window', None)}); HF's mask for it is unknown here")
-    build = create_causal_mask if window is None else create_sliding_window_causal_mask
+    build = builders[0] if window is None else builders[1]
     # The mask functions read only the batch, the length, the dtype and the device of the embeddings.
     shape_only = query.new_empty((query.shape[0], query.shape[2], 0))
     # HF reads position_ids for packed samples only when its decoder holds no cache; with one, the mask is
-    # causal over the row. A fresh cache sizes the mask as no cache does (no past tokens), so cache=None.
+    # causal over the row. A fresh cache sizes the mask as no cache does (no past tokens), so no cache.
     positions = None if whole.cached else kwargs.get("position_ids")
     if not whole.cached and positions is None:
         raise RuntimeError("sequence parallelism: the inner attention got no position_ids (DeepSpeed all-gathers them "
                            "before it); HF's mask for packed samples is unknown here")
-    return build(config=config, inputs_embeds=shape_only, attention_mask=whole.padding, cache=None,
-                 position_ids=positions)
+    return build(config, shape_only, whole.padding, positions)

@@ -33,6 +33,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .seams import transformers_internals
+
 # Classified by reading transformers 5.25.0's ``modeling_rope_utils`` (its ``ROPE_INIT_FUNCTIONS`` and
 # ``dynamic_rope_update``): ``tests/test_ulysses_rope.py`` fails when a release registers a type not here.
 LENGTH_INDEPENDENT = ("default", "linear", "yarn", "llama3", "proportional")
@@ -80,20 +82,11 @@ def _config_rope_types(config: Any) -> List[str]:
     return found
 
 
-def _hf_rope_wrapper_code() -> Optional[Any]:
-    """The code object of ``dynamic_rope_update``'s wrapper (one per release: a constant of the decorator)."""
-    try:
-        from transformers.modeling_rope_utils import dynamic_rope_update
-    except ImportError:
-        return None
-    return dynamic_rope_update(lambda self, x, position_ids: None).__code__
-
-
 def length_dependent_rotaries(model: nn.Module) -> List[nn.Module]:
     """The rotary embeddings of ``model`` whose frequencies follow the call's positions; refuses those it
     cannot give the whole sequence's length (see the module docstring), and a config that asks for a
     length-dependent type no module carries. Changes nothing."""
-    wrapper = _hf_rope_wrapper_code()
+    wrapper = transformers_internals.rope_update_wrapper_code()
     found: List[nn.Module] = []
     for module in model.modules():
         dependent = [t for t in _types_of(getattr(module, "rope_type", None)) if is_length_dependent(t)]

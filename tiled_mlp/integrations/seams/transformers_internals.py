@@ -1,0 +1,137 @@
+"""Every call the long-context stack makes into transformers' internals, and the releases it was checked on.
+
+- the mask builders (``masking_utils.create_causal_mask``, ``create_sliding_window_causal_mask``), which
+  Ulysses SP calls after its all-to-all to rebuild the whole sequence's mask. transformers 5.24 renamed
+  their cache argument from ``past_key_values`` to ``cache``; which one a builder takes is read from its
+  signature once, the first time the stack is applied with that function (``mask_builders``), and kept
+  by the function's identity;
+- packed-sequence detection (``masking_utils.find_packed_sequence_indices``);
+- the attention registry (``ALL_ATTENTION_FUNCTIONS``, an ``AttentionInterface`` with a per-instance
+  mapping over the library-wide one) and the library's own sdpa and flash attention functions, by which
+  the stack tells which masks an attention takes;
+- the decoder layer class whose forward runs HF's checkpointing (``GradientCheckpointingLayer``).
+
+``require`` refuses a transformers release outside ``CHECKED`` when a piece that needs these is applied.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from . import checked_versions
+from .checked_versions import CheckedRange, UncheckedVersionError
+
+# 5.6.0: what LLaMA-Factory 0.9.5 pins (its newest allowed); 5.25.0: what TRL 1.16.0 installs. Every release
+# between was checked for the names below; the suite runs on both ends (.ci/constraints-oldest.txt and
+# .ci/constraints.txt).
+CHECKED = CheckedRange("transformers", "5.6.0", "5.25.0")
+# The cache argument of the mask builders, newest name first (``cache`` from 5.24, ``past_key_values`` before).
+_CACHE_KEYWORDS = ("cache", "past_key_values")
+# What the stack passes every mask builder by name, besides the cache.
+_MASK_ARGUMENTS = ("config", "inputs_embeds", "attention_mask", "position_ids")
+
+
+def require(feature: str) -> str:
+    """The installed transformers version; ``UncheckedVersionError`` outside ``CHECKED``."""
+    return checked_versions.require(CHECKED, feature)
+
+
+def attention_functions() -> Any:
+    """transformers' attention registry (an ``AttentionInterface``): the function each
+    ``attn_implementation`` name runs."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
+def library_attention_kind(function: Optional[Callable]) -> str:
+    """``"sdpa"`` or ``"flash"`` for transformers' own attention functions; ``"other"`` for anything else."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kinds: Dict[Any, str] = {sdpa_attention_forward: "sdpa", flash_attention_forward: "flash"}
+    return kinds.get(function, "other")
+
+
+def rope_update_wrapper_code() -> Optional[Any]:
+    """The code object of ``modeling_rope_utils.dynamic_rope_update``'s wrapper (one per release: a constant of
+    the decorator), what a length-dependent rotary's forward is when transformers' own rule picks its
+    frequencies; ``None`` where the release has no such decorator."""
+    try:
+        from transformers.modeling_rope_utils import dynamic_rope_update
+    except ImportError:
+        return None
+    return dynamic_rope_update(lambda self, x, position_ids: None).__code__
+
+
+def checkpointing_layer_class() -> type:
+    """HF's decoder-layer base class, whose forward runs the layer's checkpoint (and drops the cache)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return GradientCheckpointingLayer
+
+
+def packed_sequences(positions: Optional[torch.Tensor]) -> bool:
+    """Whether transformers reads ``positions`` as several samples packed in a row (its own test)."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    return positions is not None and find_packed_sequence_indices(positions) is not None
+
+
+@dataclass(frozen=True)
+class MaskBuilder:
+    """One of transformers' mask builders, with the name its release gives the cache argument."""
+
+    function: Callable
+    cache_keyword: str
+
+    def __call__(self, config: Any, inputs_embeds: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                 position_ids: Optional[torch.Tensor]) -> Any:
+        """The mask HF's decoder would build without a cache (``None`` where sdpa's causal flag is the mask)."""
+        return self.function(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                             position_ids=position_ids, **{self.cache_keyword: None})
+
+
+_BUILDERS: Dict[Callable, MaskBuilder] = {}  # by the builder function's identity: its signature is read once
+
+
+def mask_builders() -> Tuple[MaskBuilder, MaskBuilder]:
+    """The full-attention and the sliding-window mask builders of the installed transformers, adapted to
+    its cache argument; refused (``UncheckedVersionError``) where a builder takes other arguments than the
+    checked releases' builders do. Call at apply time."""
+    from transformers import masking_utils
+
+    return (_adapted(masking_utils.create_causal_mask), _adapted(masking_utils.create_sliding_window_causal_mask))
+
+
+def _adapted(function: Callable) -> MaskBuilder:
+    builder = _BUILDERS.get(function)
+    if builder is None:
+        builder = _BUILDERS[function] = _adapt(function)
+    return builder
+
+
+def _adapt(function: Callable) -> MaskBuilder:
+    parameters = inspect.signature(function).parameters
+    keyword = next((name for name in _CACHE_KEYWORDS if name in parameters), None)
+    given = set(_MASK_ARGUMENTS) | set(_CACHE_KEYWORDS)
+    missing = [name for name in _MASK_ARGUMENTS if name not in parameters]
+    required = [name for name, p in parameters.items() if name not in given and p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if keyword is None or missing or required:
+        version = checked_versions.installed(CHECKED.package)
+        raise UncheckedVersionError(
+            f"transformers {version}: {function.__module__}.{function.__qualname__}{inspect.signature(function)} "
+            f"does not take the arguments the stack passes ({', '.join(_MASK_ARGUMENTS)} and the cache as one "
+            f"of {list(_CACHE_KEYWORDS)}), which {CHECKED.describe()} take; install a release in that range")
+    return MaskBuilder(function, keyword)
+
+
+def checkpoint_wraps_module_hooks() -> bool:
+    """Whether HF's checkpointing layer runs its checkpoint in ``__call__``, around the module's hooks (the
+    releases up to at least 5.6), rather than in ``forward``, with the hooks outside (5.25). Read from the
+    class, not from the version."""
+    return "__call__" in vars(checkpointing_layer_class())
