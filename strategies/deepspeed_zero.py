@@ -33,7 +33,9 @@ deepspeed is imported lazily, and only once parameters already carry ZeRO-3 attr
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import os
 from typing import Any, ContextManager, Dict, Iterator, List, Sequence, Tuple
 
 import torch
@@ -42,6 +44,7 @@ from torch import nn
 from .base import (
     SequenceParallelAware,
     Strategy,
+    UnsupportedBackendError,
     WaitsForEveryParameter,
     claims_need_process_group,
     process_group_ready,
@@ -87,6 +90,30 @@ def _cell_is_set(cell) -> bool:
     return True
 
 
+# ZeRO-3 is checked from DeepSpeed 0.19 on. On 0.18.6 (Axolotl's floor) the ZeRO-3 suite gave wrong gradients in
+# one case per run, a different one each time (NaN twice, 6e-3 once), unexplained; 0.19.8 is exact. Refused
+# there rather than left silent; TILED_MLP_UNCHECKED_VERSIONS=deepspeed (or all) turns it into the user's risk.
+ZERO3_OLDEST = (0, 19)
+
+
+@functools.cache
+def zero3_version_problem() -> str:
+    """Why ZeRO-3 is refused on the installed DeepSpeed ("" where it is checked); read once per process."""
+    from importlib import metadata
+
+    try:
+        installed = metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        return ""
+    release = tuple(int(part) for part in installed.split("+")[0].split(".")[:2] if part.isdigit())
+    allowed = {name.strip().lower() for name in os.environ.get("TILED_MLP_UNCHECKED_VERSIONS", "").split(",")}
+    if release >= ZERO3_OLDEST or allowed & {"deepspeed", "all"}:
+        return ""
+    return (f"deepspeed_zero: ZeRO-3 is checked on DeepSpeed >= 0.19 and DeepSpeed {installed} is installed (on "
+            "0.18.6 tiled ZeRO-3 steps were seen to give wrong gradients); pip install 'deepspeed>=0.19', use "
+            "ZeRO-1/2, or set TILED_MLP_UNCHECKED_VERSIONS=deepspeed to run it at your own risk")
+
+
 class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
     """ZeRO reduces in buckets filled by per-parameter hooks on every rank alike: each parameter the
     engine saw as reachable must deliver a gradient, whatever this rank's tokens used."""
@@ -100,6 +127,13 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
         if any(is_zero3_param(p) or is_zero12_param(p) for p in module.parameters()):
             return True
         return any(is_instance_of(m, ENGINE_CLASS) for m in ancestors)
+
+    def check_supported(self, module: nn.Module) -> None:
+        """ZeRO-3 on a DeepSpeed release it was not checked on (``zero3_version_problem``): refused before any work.
+        On a checked release this is one cached call."""
+        problem = zero3_version_problem()
+        if problem and any(is_zero3_param(p) for p in module.parameters()):
+            raise UnsupportedBackendError(problem)
 
     def param_bytes(self, module: nn.Module) -> int:
         """Outside the tiled call ZeRO-3 parameters are partitioned (``.data`` is empty): count ``ds_numel``."""
