@@ -27,11 +27,12 @@ def installed(monkeypatch):
     deepspeed_zero.zero3_version_problem.cache_clear()
 
 
-def test_zero3_on_deepspeed_0_18_is_refused_with_the_fix(installed, monkeypatch):
+def test_zero3_before_deepspeed_0_19_8_is_refused_with_the_fix(installed, monkeypatch):
     monkeypatch.delenv("TILED_MLP_UNCHECKED_VERSIONS", raising=False)
-    installed("0.18.6")
-    with pytest.raises(UnsupportedBackendError, match=r"DeepSpeed >= 0.19 .*0\.18\.6.*TILED_MLP_UNCHECKED_VERSIONS"):
-        deepspeed_zero.DeepSpeedZeroStrategy().check_supported(_zero3_like())
+    for version in ("0.18.6", "0.19.0"):
+        installed(version)
+        with pytest.raises(UnsupportedBackendError, match=rf"DeepSpeed >= 0.19.8 .*{version}.*TILED_MLP_UNCHECKED_VERSIONS"):
+            deepspeed_zero.DeepSpeedZeroStrategy().check_supported(_zero3_like())
 
 
 def test_zero12_and_checked_releases_and_the_escape_are_not_refused(installed, monkeypatch):
