@@ -60,7 +60,12 @@ def transformers_version() -> Optional[str]:
 
 
 def version_checked() -> bool:
-    return transformers_version() in CHECKED_VERSIONS
+    """The imported transformers is of a minor series checked (a patch release keeps its layouts)."""
+    return _minor(transformers_version()) in {_minor(v) for v in CHECKED_VERSIONS}
+
+
+def _minor(version: Optional[str]) -> Optional[str]:
+    return None if version is None else ".".join(version.split("+")[0].split(".")[:2])
 
 
 _FOUND: dict = {}

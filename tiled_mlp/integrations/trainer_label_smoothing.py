@@ -15,7 +15,7 @@ the Trainer shifts the labels, as the tiled loss does). ``LabelSmoother`` sums i
 (``dtype=torch.float32``) whatever the logits' dtype; the tiled loss sums it in the loss dtype (float64 for a
 float64 model), so in float64 the two differ at float32's rounding of that one term.
 
-Read on transformers 5.25.0 and 5.19.0 (``CHECKED_VERSIONS``; the tests pass on both): the attribute ``label_smoother``, the ``LabelSmoother``
+Read on transformers 5.25.0 and 5.19.0 (``CHECKED``, with the releases between; the tests pass on both ends): the attribute ``label_smoother``, the ``LabelSmoother``
 class and its ``epsilon``/``ignore_index``, and ``Trainer.compute_loss``'s use of them. Refused, before
 anything changes:
 - a trainer whose ``compute_loss`` is not ``Trainer``'s own (TRL's ``SFTTrainer`` smooths from the logits in
@@ -32,8 +32,9 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 from .causal_lm_loss import set_tiled_loss_label_smoothing, tiled_loss_forward
+from .seams.checked_versions import CheckedRange
 
-CHECKED_VERSIONS = ("5.19.0", "5.25.0")
+CHECKED = CheckedRange("transformers", "5.19.0", "5.25.0")
 
 
 def _refuse(why: str) -> NoReturn:
@@ -49,9 +50,9 @@ def use_tiled_label_smoothing(trainer: Any) -> float:
     from transformers import Trainer
     from transformers.trainer_pt_utils import LabelSmoother
 
-    if transformers.__version__ not in CHECKED_VERSIONS:
+    if not CHECKED.contains(transformers.__version__):
         _refuse(f"transformers here is {transformers.__version__}; the Trainer's label smoothing was read on "
-                f"{', '.join(CHECKED_VERSIONS)} only. Install one of those, or keep the Trainer's own label smoothing")
+                f"{CHECKED.describe()} only. Install one of those, or keep the Trainer's own label smoothing")
     if not isinstance(trainer, Trainer):
         _refuse(f"{type(trainer).__name__} is not a transformers Trainer")
     model: Any = trainer.model
@@ -82,6 +83,17 @@ def use_tiled_label_smoothing(trainer: Any) -> float:
         _refuse(f"{type(installed.model).__name__} adds its router's auxiliary loss to its loss; the Trainer's label "
                 "smoother computes from the logits alone and leaves it out, so the tiled loss would change the "
                 "numbers. Keep the Trainer's label smoothing for this model")
+    # The Trainer shifts the labels for its smoother only where the unwrapped model's class is a causal LM of
+    # transformers' mapping (Trainer.compute_loss); the tiled loss always shifts them.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.trainer import _is_peft_model
+
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    named = unwrapped.base_model.model if _is_peft_model(unwrapped) else unwrapped
+    if named._get_name() not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        _refuse(f"the Trainer smooths {named._get_name()}'s labels unshifted (it shifts them only for the causal LMs "
+                "of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), the tiled loss shifted: the losses would "
+                "differ. Keep the Trainer's label smoothing for this model")
     set_tiled_loss_label_smoothing(model, smoother.epsilon)
     trainer.label_smoother = None
     return installed.label_smoothing

@@ -32,9 +32,11 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, FrozenSet, Optional
 
+from .seams.checked_versions import CheckedRange
+
 # The TRL releases whose ``add_fused_lm_head`` this module was read against (its closure's cell names, and that
 # a fused call computes the loss without calling the forward it wraps).
-CHECKED_VERSIONS = ("1.16.0",)
+CHECKED = CheckedRange("trl", "1.16.0", "1.16.0")  # its patch releases too (the seams' rule)
 _FUNCTION = "add_fused_lm_head"
 _NESTED = "_fused_forward"
 _WRAPPED_CELL = "original_forward"
@@ -77,11 +79,11 @@ def fused_head(forward: Any) -> Optional[FusedHead]:
     if add is None or code is None or code not in _fused_codes(add):
         return None
     version = _version()
-    if version not in CHECKED_VERSIONS:
+    if not CHECKED.contains(version):
         raise RuntimeError(
             f"tiled loss: {type(forward.__self__).__name__}'s forward is TRL's fused LM head (trl.trainer.utils."
-            f"{_FUNCTION}), and TRL here is {version}; the tiled loss knows how that head composes with it on TRL "
-            f"{', '.join(CHECKED_VERSIONS)} only. Install one of those, or leave the tiled loss off (TRL's head "
+            f"{_FUNCTION}), and TRL here is {version}; the tiled loss knows how that head composes with it on "
+            f"{CHECKED.describe()} only. Install one of those, or leave the tiled loss off (TRL's head "
             "already computes the loss without the logits)")
     cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in function.__closure__ or ()), strict=True))
     return FusedHead(forward, cells[_WRAPPED_CELL], version)
