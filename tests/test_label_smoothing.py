@@ -228,6 +228,11 @@ def test_refusals(tmp_path):
     apply_tiled_loss(moe)
     _refused(_trainer(moe, tmp_path, "e"), "router's auxiliary loss")
 
+    # The Trainer smooths the labels of a model whose class is not a causal LM of transformers' mapping unshifted
+    # (here: the same model, its name read as another); the tiled loss shifts them.
+    with mock.patch.object(type(model), "_get_name", lambda self: "SomeoneElsesLM"):
+        _refused(_trainer(model, tmp_path, "f"), "smooths SomeoneElsesLM's labels unshifted")
+
 
 def test_no_smoother_is_left_as_it_is(tmp_path):
     model = tiny_model("llama", dtype=torch.float64)
