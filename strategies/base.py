@@ -117,6 +117,10 @@ class Strategy(ABC):
     #: leaves it None; but here it is an input of the tiled Function, reachable from the output, so a
     #: backend that waits for a gradient of every reachable parameter needs one.
     unused_grads_as_zeros: ClassVar[bool] = False
+    #: Declared capabilities: the call enters ``gathered`` only where ``gathers_params`` is true, and hands
+    #: the summed gradients to ``deliver_grads`` only where ``delivers_grads`` is true.
+    gathers_params: ClassVar[bool] = False
+    delivers_grads: ClassVar[bool] = False
 
     # -- 1. claiming ------------------------------------------------------------------------------
     @classmethod

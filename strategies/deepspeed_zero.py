@@ -152,6 +152,8 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
         backward; stages 1 and 2 keep them as they are."""
         return any(is_zero3_param(p) for p in module.parameters())
 
+    gathers_params = True
+
     def gathered(self, module: nn.Module) -> ContextManager:
         if not any(is_zero3_param(p) for p in module.parameters()):
             return contextlib.nullcontext()  # stages 1 and 2: parameters are whole
