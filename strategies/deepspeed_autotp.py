@@ -73,6 +73,7 @@ class DeepSpeedAutoTPStrategy(Strategy):
 
     name = "deepspeed_autotp"
     priority = 210
+    claims_from_layout = True
 
     @classmethod
     @claims_need_process_group

@@ -122,6 +122,8 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
 
     name = "deepspeed_zero"
     priority = 200
+    claims_from_layout = True
+    gathers_params = True
 
     @classmethod
     @claims_need_process_group
@@ -151,8 +153,6 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
         """ZeRO-3 releases each parameter after forward (``.data`` emptied) and re-gathers it before
         backward; stages 1 and 2 keep them as they are."""
         return any(is_zero3_param(p) for p in module.parameters())
-
-    gathers_params = True
 
     def gathered(self, module: nn.Module) -> ContextManager:
         if not any(is_zero3_param(p) for p in module.parameters()):

@@ -241,6 +241,7 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
 
     name = "fsdp2"
     priority = 100
+    claims_from_layout = True
 
     def __init__(self, mesh: Optional[Any] = None):
         if mesh is not None and mesh.ndim > 2:
