@@ -84,6 +84,17 @@ def is_instance_of(obj: Any, qualified: tuple) -> bool:
     return any((cls.__module__, cls.__name__) == qualified for cls in type(obj).__mro__)
 
 
+def closure_values(fn: Any) -> List[Any]:
+    """What a function's closure cells hold (empty cells left out)."""
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return values
+
+
 def _removed(handle: Any) -> bool:
     hooks = handle.hooks_dict_ref()
     return hooks is None or handle.id not in hooks
@@ -108,11 +119,7 @@ def engines_of(model: nn.Module) -> List[Any]:
     found: List[Any] = []
     for module in model.modules():
         for hook in module._forward_pre_hooks.values():
-            for cell in getattr(hook, "__closure__", None) or ():
-                try:
-                    candidate = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
+            for candidate in closure_values(hook):
                 if (is_instance_of(candidate, ENGINE_CLASS) and getattr(candidate, "module", None) is module
                         and not engine_destroyed(candidate)):
                     found.append(candidate)

@@ -54,17 +54,14 @@ from torch import nn
 from . import hf_tensor_parallel as hf_tp
 
 
-def _distribute_module_lambdas() -> frozenset:
-    from torch.distributed.tensor import _api
-
-    return frozenset(c for c in _api.distribute_module.__code__.co_consts if getattr(c, "co_name", "") == "<lambda>")
-
-
 @functools.lru_cache(maxsize=1)
 def _styles() -> Tuple[frozenset, Any, Any, Any, Any]:
+    """The code objects of ``distribute_module``'s hook lambdas, and the proven styles' hook functions."""
+    from torch.distributed.tensor import _api
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return (_distribute_module_lambdas(), ColwiseParallel._prepare_input_fn, ColwiseParallel._prepare_output_fn,
+    lambdas = frozenset(c for c in _api.distribute_module.__code__.co_consts if getattr(c, "co_name", "") == "<lambda>")
+    return (lambdas, ColwiseParallel._prepare_input_fn, ColwiseParallel._prepare_output_fn,
             RowwiseParallel._prepare_input_fn, RowwiseParallel._prepare_output_fn)
 
 
@@ -78,44 +75,37 @@ class StyleHook:
     mesh: Any
 
 
-def style_hook(hook: Any) -> Optional[StyleHook]:
-    """The parts of a tensor-parallel hook of a proven style, else None."""
-    lambdas, *functions = _styles()
-    code = getattr(hook, "__code__", None)
-    if code is None or code not in lambdas:
-        return None
-    cells = dict(zip(code.co_freevars, (c.cell_contents for c in hook.__closure__ or ()), strict=True))
-    fn = cells.get("input_fn", cells.get("output_fn"))
-    if not isinstance(fn, functools.partial) or fn.func not in functions or fn.keywords:
-        return None
-    return StyleHook(hook, fn.func, tuple(fn.args), cells.get("device_mesh"))
-
-
-def _parallel_style_classes() -> List[type]:
-    from torch.distributed.tensor.parallel.style import ParallelStyle
-
-    found: List[type] = []
-    todo: List[type] = [ParallelStyle]
-    while todo:
-        cls = todo.pop()
-        found.append(cls)
-        todo.extend(cls.__subclasses__())
-    return found
-
-
-def parallel_style_of(hook: Any) -> Optional[type]:
-    """The ParallelStyle class whose method a ``distribute_module`` hook runs, proven or not (to name it in a
-    refusal: ``style_hook`` is what proves one), else None."""
+def _hook_parts(hook: Any) -> Optional[Tuple[functools.partial, Any]]:
+    """The style's partial and the mesh of any ``distribute_module`` hook, proven or not, else None."""
     code = getattr(hook, "__code__", None)
     if code is None or code not in _styles()[0]:
         return None
-    for cell in hook.__closure__ or ():
-        fn = cell.cell_contents
-        if isinstance(fn, functools.partial):
-            func = getattr(fn.func, "__func__", fn.func)
-            for cls in _parallel_style_classes():
-                if any(getattr(attr, "__func__", attr) is func for attr in vars(cls).values()):
-                    return cls
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in hook.__closure__ or ()), strict=True))
+    fn = cells.get("input_fn", cells.get("output_fn"))
+    return (fn, cells.get("device_mesh")) if isinstance(fn, functools.partial) else None
+
+
+def style_hook(hook: Any, functions: Optional[Sequence[Any]] = None) -> Optional[StyleHook]:
+    """The parts of a hook of a proven style (``functions``: ColwiseParallel's and RowwiseParallel's), else None."""
+    parts = _hook_parts(hook)
+    if parts is None or parts[0].func not in (functions or _styles()[1:]) or parts[0].keywords:
+        return None
+    return StyleHook(hook, parts[0].func, tuple(parts[0].args), parts[1])
+
+
+def parallel_style_of(hook: Any) -> Optional[type]:
+    """The ParallelStyle class that defines the function a ``distribute_module`` hook runs, proven or not (to name
+    it in a refusal: ``style_hook`` is what proves one), else None."""
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    parts = _hook_parts(hook)
+    function = getattr(parts[0].func, "__func__", parts[0].func) if parts is not None else None
+    todo: List[type] = [ParallelStyle] if function is not None else []
+    while todo:
+        cls = todo.pop()
+        if any(getattr(attr, "__func__", attr) is function for attr in vars(cls).values()):
+            return cls
+        todo.extend(cls.__subclasses__())
     return None
 
 
@@ -127,9 +117,7 @@ def style_hooks_of(module: nn.Module) -> List[Tuple[Any, type]]:
 
 def colwise_input_hook(module: nn.Module) -> Optional[StyleHook]:
     """``module``'s forward pre-hook that is ColwiseParallel's own input hook (not a subclass's), if any."""
-    col_in = _styles()[1]
-    pre, _ = _hooks(module)
-    found = [parts for parts in map(style_hook, pre) if parts is not None and parts.function is col_in]
+    found = [parts for parts in map(style_hook, _hooks(module)[0]) if parts is not None and parts.function is _styles()[1]]
     return found[0] if len(found) == 1 else None
 
 
@@ -346,24 +334,11 @@ DTENSOR_PARAMS_REFUSED = (
 )
 
 
-@functools.lru_cache(maxsize=1)
-def _sequence_parallel_hooks() -> Tuple[Any, Any]:
-    from torch.distributed.tensor.parallel import SequenceParallel
-
-    return SequenceParallel._prepare_input_fn, SequenceParallel._prepare_output_fn
-
-
 def _sequence_parallel_hook(hook: Any) -> Optional[StyleHook]:
     """The parts of ``SequenceParallel``'s own input or output hook (not a subclass's), else None."""
-    lambdas = _distribute_module_lambdas()
-    code = getattr(hook, "__code__", None)
-    if code is None or code not in lambdas:
-        return None
-    cells = dict(zip(code.co_freevars, (c.cell_contents for c in hook.__closure__ or ()), strict=True))
-    fn = cells.get("input_fn", cells.get("output_fn"))
-    if not isinstance(fn, functools.partial) or fn.func not in _sequence_parallel_hooks() or fn.keywords:
-        return None
-    return StyleHook(hook, fn.func, tuple(fn.args), cells.get("device_mesh"))
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return style_hook(hook, (SequenceParallel._prepare_input_fn, SequenceParallel._prepare_output_fn))
 
 
 def is_sequence_parallel_module(module: nn.Module) -> bool:
