@@ -1,34 +1,19 @@
-"""Tensor parallelism on the output head: ``lm_head`` parallelized with ``ColwiseParallel`` (torchtitan's
-layout: ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``, optionally
-``input_layouts=Shard(1)`` for a sequence-parallel input), its weight a DTensor ``Shard(0)`` over a
-1-D mesh: each rank holds ``[vocab / tp, hidden]`` rows.
+"""Tensor parallelism on the output head: ``lm_head`` parallelized with ``ColwiseParallel`` (torchtitan's layout:
+``output_layouts=Shard(-1), use_local_output=False``, optionally ``input_layouts=Shard(1)``), its weight a DTensor
+``Shard(0)`` over a 1-D mesh: each rank holds ``[vocab / tp, hidden]`` rows. The tiled loss computes with plain
+local tensors (``tiled_core/kernels/vocab_parallel.py``) that ``vocab_slice`` builds:
 
-The tiled loss computes with plain local tensors (``tiled_mlp.core.kernels.vocab_parallel``); this
-file builds them (``vocab_slice``):
-
-- the hidden states as the head's own input hook makes them (the hook ``distribute_module`` registered
-  for ``ColwiseParallel``: it annotates the input with ``input_layouts`` and redistributes it to
-  ``Replicate``, an all-gather for a sequence-parallel input), then ``to_local()`` behind
-  ``SumGradOverGroup``: each rank's input gradient is its part of a sum over the mesh, all-reduced once
-  per call on the way back, in place in the loss's own ``dx`` buffer. Not ``to_local(grad_placements=
-  [Partial()])``: DTensor's redistribution of that Partial gradient is a functional all-reduce that
-  allocates a second ``[tokens, hidden]`` buffer (1 GiB at 131072 tokens x 4096 in bf16), more than a
-  whole loss shard. The reduced gradient is Replicate, which the hook's backward takes as it is (or,
-  for a sequence-parallel input, as this rank's slice of it);
-- the weight and bias by ``to_local()``: their gradients reach the DTensor parameters' ``.grad``, each
-  rank its own rows, with no collective;
+- the hidden states as the head's own input hook makes them (redistributed to ``Replicate``), then ``to_local()``
+  behind ``SumGradOverGroup``: each rank's input gradient, its part of a sum over the mesh, is all-reduced once
+  per call in place in the loss's own ``dx`` buffer (``to_local(grad_placements=[Partial()])`` would allocate a
+  second ``[tokens, hidden]`` buffer, more than a whole loss shard);
+- the weight and bias by ``to_local()``: their gradients reach each rank's own rows, with no collective;
 - the mesh's process group and this rank's first vocabulary id.
 
-Hugging Face's own ``ColwiseParallel`` (its ``colwise`` and ``colwise_gather_output`` styles, ``tp_plan``)
-puts no hook on the head but replaces its forward; ``hf_tensor_parallel.py`` proves it, and its input is
-made as that style's DTensor path makes it. The head's own hooks are found by what they are: ``distribute_module`` registers lambdas closing over a
-``functools.partial`` of the style's ``_prepare_input_fn`` / ``_prepare_output_fn``. The output hook
-(which would redistribute the logits) has nothing to do: no logits are made.
-
-Refused before any work, naming the layout and the fix: a head parallelized by another style (sharded
-on the hidden dimension, ``RowwiseParallel``; replicated), a weight not ``Shard(0)`` over a 1-D mesh
-(a 2-D mesh: FSDP2 over a data-parallel dimension too), a bias not laid out as the weight, and the loss
-split over a sequence-parallel group as well.
+Hugging Face's own ``ColwiseParallel`` (``colwise``, ``colwise_gather_output``) replaces the head's forward instead
+of hooking it; ``hf_tensor_parallel.py`` proves it. Refused before any work, naming the layout and the fix: another
+style, a weight not ``Shard(0)`` over a 1-D mesh, a bias not laid out as the weight, and a loss also split over a
+sequence-parallel group (docs/backends.md).
 """
 from __future__ import annotations
 
