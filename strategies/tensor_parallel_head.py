@@ -28,7 +28,6 @@ from .tensor_parallel import (
     colwise_input_hook,
     composed_problem,
     is_sequence_parallel_module,
-    is_tensor_parallel_hook,
     layout_of,
     style_hooks_of,
 )
@@ -105,13 +104,11 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        """The module itself carries a tensor-parallel style's hooks and a DTensor ``weight`` (an MLP whose
-        Linears are parallelized carries neither: its Linears do), and is a Linear or carries a style other
-        than ``SequenceParallel``. A module that is not a Linear and carries ``SequenceParallel``'s hooks only
-        is a token-wise module on the rank's slice of the sequence (a norm), never a head: the strategy that
-        claims its parameters runs it, through the sequence-parallel view (``tensor_parallel.py``). Not asked
-        of torch.distributed's default group: a DTensor's mesh holds its own, and a mesh over a group made
-        without the default one (the planner's fake group) is as much a tensor-parallel head."""
+        """The module itself carries a tensor-parallel style's hooks and a DTensor ``weight`` (an MLP whose Linears
+        are parallelized carries neither), and is a Linear or carries a style other than ``SequenceParallel`` (a
+        norm on the rank's slice of the sequence is never a head). Not asked of the default process group: a
+        DTensor's mesh holds its own (the planner's fake group). The base ``is_backend_hook`` names the head's
+        ColwiseParallel hooks: the loss runs the input one itself and makes no logits for the output one."""
         weight = _own_weight(module)
         if weight is None or type(weight) is nn.Parameter or not _is_dtensor(weight):
             return False
@@ -120,11 +117,6 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
             # modules it laid out (refused in ``check_supported`` where its seam does not prove the style).
             return bool(vars(module).get("_is_hooked"))
         return isinstance(module, nn.Linear) or not is_sequence_parallel_module(module)
-
-    def is_backend_hook(self, hook) -> bool:
-        """ColwiseParallel's input and output hooks (``tensor_parallel.style_hook``): the loss runs the
-        input one itself, and makes no logits for the output one to redistribute."""
-        return is_tensor_parallel_hook(hook)
 
     def check_supported(self, module: nn.Module) -> None:
         head = type(module).__name__
