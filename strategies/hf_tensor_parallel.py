@@ -31,6 +31,7 @@ marks) under any other version is refused at tiling (``version_problem``), namin
 """
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
@@ -53,19 +54,19 @@ VERSION_ERROR = (
 )
 
 
+@functools.cache
 def transformers_version() -> Optional[str]:
-    """The imported transformers' version, or None where it is not imported (then no model uses it)."""
-    module = sys.modules.get("transformers")
-    return None if module is None else getattr(module, "__version__", "unknown")
+    """The installed transformers' version (None where it is not installed: then no model uses it); read once."""
+    from tiled_mlp.integrations.seams.checked_versions import installed
+
+    return installed("transformers")
 
 
 def version_checked() -> bool:
-    """The imported transformers is of a minor series checked (a patch release keeps its layouts)."""
-    return _minor(transformers_version()) in {_minor(v) for v in CHECKED_VERSIONS}
+    """The installed transformers is of a minor series checked (a patch release keeps its layouts)."""
+    from tiled_mlp.integrations.seams.checked_versions import checked_on, in_any
 
-
-def _minor(version: Optional[str]) -> Optional[str]:
-    return None if version is None else ".".join(version.split("+")[0].split(".")[:2])
+    return in_any(checked_on("transformers", CHECKED_VERSIONS), transformers_version())
 
 
 _FOUND: dict = {}

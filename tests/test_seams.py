@@ -20,6 +20,22 @@ def test_a_range_holds_its_ends_and_the_newest_minor_series(version, inside):
     assert RANGE.contains(version) is inside
 
 
+@pytest.mark.parametrize("checked, version, inside", [
+    # exact: the releases named and their local builds, no later patch (a framework entry point's contract)
+    (CheckedRange("axolotl", "0.21.0", exact=True), "0.21.0", True),
+    (CheckedRange("axolotl", "0.21.0", exact=True), "0.21.0+cpu", True),
+    (CheckedRange("axolotl", "0.21.0", exact=True), "0.21.1", False),
+    (CheckedRange("axolotl", "0.21.0", exact=True), "0.21.0rc1", False),
+    # open above (ZeRO-3's oldest checked DeepSpeed)
+    (CheckedRange("deepspeed", "0.19.8"), "0.19.8", True),
+    (CheckedRange("deepspeed", "0.19.8"), "0.20.1+cpu", True),
+    (CheckedRange("deepspeed", "0.19.8"), "0.19.0", False),
+    (CheckedRange("deepspeed", "0.19.8"), "unknown", False),  # not a version: never inside
+])
+def test_exact_and_open_ranges(checked, version, inside):
+    assert checked.contains(version) is inside
+
+
 def test_outside_the_range_the_refusal_names_both_versions_and_the_fix(monkeypatch):
     monkeypatch.setattr(checked_versions, "installed", lambda package: "5.5.4")
     monkeypatch.delenv(checked_versions.UNCHECKED_ENV, raising=False)

@@ -28,6 +28,7 @@ from torch import nn
 
 from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .hf import apply_from_flags
+from .seams.checked_versions import checked_on, in_any
 from .stack import LongContextStack
 
 CHECKED_VERSIONS = ("4.6.0",)
@@ -62,7 +63,7 @@ def read_flags(model_kwargs: Optional[Mapping[str, Any]], environ: Mapping[str, 
 
 def check_supported(version: str, pipeline: str, flags: TiledMLPFlags) -> None:
     """Refuse, before any work, what this seam was not checked on (called once a flag asks for something)."""
-    if version not in CHECKED_VERSIONS:
+    if not in_any(checked_on("ms-swift", CHECKED_VERSIONS, exact=True), version):
         raise RuntimeError(
             f"tiled-mlp's ms-swift plugin was checked on ms-swift {', '.join(CHECKED_VERSIONS)}, not {version}: "
             f"install ms-swift=={CHECKED_VERSIONS[-1]}, or leave the tiling flags unset")

@@ -1,10 +1,19 @@
-"""The releases of a dependency the stack's calls into its internals were checked on, and the refusal of
-any other at apply time.
+"""The releases of a dependency that the library's calls into it were checked on, and the refusal of any other at
+apply time: the one version lookup (``installed``), the one parser and the one range (``CheckedRange``) that every
+version check of the library uses (the seams, the framework entry points, the strategies' ZeRO-3 and HF tensor
+parallelism checks).
 
-A range names its oldest and newest checked releases; a patch release of the newest minor series is
-inside it (patch releases keep internals), a newer minor series is not. ``TILED_MLP_UNCHECKED_VERSIONS``
-(a comma-separated list of package names, or ``all``) turns a refusal into a warning for those
-packages: for trying a new release before this library has been checked on it, at the user's risk.
+A range names its oldest and newest checked releases. By default a patch release of the newest minor series is
+inside it (patch releases keep internals) and a newer minor series is not; ``exact`` ranges hold only the
+releases named (a framework's entry point relies on when the framework calls it, which a patch may change);
+a range without ``newest`` holds every later release. ``TILED_MLP_UNCHECKED_VERSIONS`` (a comma-separated list of
+package names, or ``all``) turns a refusal into a warning for those packages: for trying a new release before
+this library has been checked on it, at the user's risk.
+
+A framework's entry point (``axolotl.py``, ``llamafactory.py``) relies on how that framework calls it: which hook
+runs when, what it is handed. That contract is read from the framework's source at one release and tested there
+end to end, so each entry point names the releases it was checked on (``CheckedFramework``) and refuses any other
+when it is applied (not when it is imported), naming the installed version, the checked ones and the fix.
 """
 from __future__ import annotations
 
@@ -22,34 +31,73 @@ class UncheckedVersionError(RuntimeError):
     """An installed dependency is outside the releases the stack's calls into it were checked on."""
 
 
+class FrameworkVersionError(RuntimeError):
+    """The framework installed is not a release the entry point was checked on."""
+
+
+def installed(package: str) -> Optional[str]:
+    """The installed version of the distribution ``package`` (None where it is not installed)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _parsed(version: str):
+    """``version`` as a ``packaging`` Version (None for a string that is no version, such as "unknown")."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version)
+    except InvalidVersion:
+        return None
+
+
 def _release(version: str) -> Tuple[int, ...]:
     """The numeric release of ``version`` (``"5.25.0"`` -> (5, 25, 0); ``"2.13.0+cpu"``, ``"5.26.0.dev0"``
-    -> their numeric part)."""
-    from packaging.version import Version
-
-    return Version(version).release
+    -> their numeric part; () for no version)."""
+    parsed = _parsed(version)
+    return () if parsed is None else parsed.release
 
 
 @dataclass(frozen=True)
 class CheckedRange:
     package: str  # the distribution's name, as pip knows it
     oldest: str  # the oldest release the calls were checked on
-    newest: str  # the newest one; later patch releases of its minor series count as checked
+    newest: Optional[str] = None  # the newest one (None: every later release counts as checked)
+    exact: bool = False  # True: only releases from oldest to newest themselves (a local build ``+cpu`` counts)
 
-    def contains(self, version: str) -> bool:
-        release = _release(version)
-        return _release(self.oldest) <= release and release[:2] <= _release(self.newest)[:2]
+    def contains(self, version: Optional[str]) -> bool:
+        parsed = None if version is None else _parsed(version)
+        if parsed is None:
+            return False
+        if self.exact:
+            return _parsed(self.oldest) <= _parsed(parsed.public) <= _parsed(self.newest or self.oldest)
+        release = parsed.release
+        if release < _release(self.oldest):
+            return False
+        return self.newest is None or release[:2] <= _release(self.newest)[:2]
 
     def describe(self) -> str:
+        if self.newest is None:
+            return f"{self.package} >= {self.oldest}"
         newest = ".".join(str(n) for n in _release(self.newest)[:2])
         return f"{self.package} {self.oldest} to {newest}.x"
 
 
-def installed(package: str) -> Optional[str]:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
+def checked_on(package: str, releases: Tuple[str, ...], exact: bool = False) -> Tuple[CheckedRange, ...]:
+    """Each of ``releases`` as a range of its own: the release alone (``exact``), else its minor series from it."""
+    return tuple(CheckedRange(package, release, release, exact) for release in releases)
+
+
+def in_any(ranges: Tuple[CheckedRange, ...], version: Optional[str]) -> bool:
+    return any(checked.contains(version) for checked in ranges)
+
+
+def unchecked_allowed(package: str) -> bool:
+    """``TILED_MLP_UNCHECKED_VERSIONS`` names ``package`` (or ``all``)."""
+    allowed = {name.strip().lower() for name in os.environ.get(UNCHECKED_ENV, "").split(",")}
+    return package.lower() in allowed or "all" in allowed
 
 
 def refusal(checked: CheckedRange, version: Optional[str], feature: str) -> str:
@@ -60,8 +108,8 @@ def refusal(checked: CheckedRange, version: Optional[str], feature: str) -> str:
         return ""
     return (f"{feature} calls internals of {checked.package} that were checked on {checked.describe()}; "
             f"{checked.package} {version} is installed. Install a release in that range "
-            f"(pip install '{checked.package}>={checked.oldest},<{_next_minor(checked.newest)}'), or set "
-            f"{UNCHECKED_ENV}={checked.package} to run on {version} unchecked, at your own risk")
+            f"(pip install '{checked.package}>={checked.oldest},<{_next_minor(checked.newest or checked.oldest)}'), "
+            f"or set {UNCHECKED_ENV}={checked.package} to run on {version} unchecked, at your own risk")
 
 
 def _next_minor(version: str) -> str:
@@ -76,8 +124,7 @@ def require(checked: CheckedRange, feature: str) -> str:
     why = refusal(checked, version, feature)
     if not why:
         return str(version)
-    allowed = {name.strip().lower() for name in os.environ.get(UNCHECKED_ENV, "").split(",")}
-    if version is not None and (checked.package.lower() in allowed or "all" in allowed):
+    if version is not None and unchecked_allowed(checked.package):
         _warn_once(why)
         return version
     raise UncheckedVersionError(why)
@@ -86,3 +133,36 @@ def require(checked: CheckedRange, feature: str) -> str:
 @functools.cache
 def _warn_once(message: str) -> None:
     warnings.warn(f"{message} (allowed by {UNCHECKED_ENV})", stacklevel=3)
+
+
+@dataclass(frozen=True)
+class CheckedFramework:
+    """A framework's distribution name on the package index and the exact releases an entry point was tested on."""
+
+    label: str  # the framework's name in messages ("Axolotl")
+    distribution: str  # its distribution name (``pip install NAME``)
+    checked: Tuple[str, ...]  # exact release strings
+
+    def refusal(self) -> Optional[str]:
+        """Why this entry point may not run with what is installed (None: it may)."""
+        found = installed(self.distribution)
+        wanted = ", ".join(self.checked)
+        pin = f"pip install {self.distribution}=={self.checked[-1]}"
+        if found is None:
+            return f"tiled-mlp's {self.label} entry point needs {self.distribution} ({wanted}); it is not installed: {pin}"
+        if not in_any(checked_on(self.distribution, self.checked, exact=True), found):
+            return (f"tiled-mlp's {self.label} entry point was checked on {self.distribution} {wanted}, not {found}: "
+                    f"how {self.label} calls it may differ, so it refuses rather than tile at the wrong moment. "
+                    f"Install a checked release ({pin}) or a tiled-mlp that lists {found}.")
+        return None
+
+    def require(self) -> str:
+        """The installed version; ``FrameworkVersionError`` where it is not one checked."""
+        problem = self.refusal()
+        if problem is not None:
+            raise FrameworkVersionError(problem)
+        return installed(self.distribution) or ""
+
+
+AXOLOTL = CheckedFramework("Axolotl", "axolotl", ("0.21.0",))
+LLAMAFACTORY = CheckedFramework("LLaMA-Factory", "llamafactory", ("0.9.5",))
