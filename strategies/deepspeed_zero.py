@@ -40,6 +40,7 @@ from typing import Any, ContextManager, Dict, Iterator, List, Sequence, Tuple
 import torch
 from torch import nn
 
+from . import checked_versions as versions
 from .base import (
     SequenceParallelAware,
     Strategy,
@@ -100,8 +101,6 @@ ZERO3_OLDEST = "0.19.8"
 @functools.cache
 def zero3_version_problem() -> str:
     """Why ZeRO-3 is refused on the installed DeepSpeed ("" where it is checked); read once per process."""
-    from tiled_mlp.integrations.seams import checked_versions as versions
-
     installed = versions.installed("deepspeed")
     if installed is None or versions.CheckedRange("deepspeed", ZERO3_OLDEST).contains(installed) \
             or versions.unchecked_allowed("deepspeed"):

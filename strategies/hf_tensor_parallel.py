@@ -39,6 +39,8 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
+from .checked_versions import checked_on, in_any, installed
+
 CHECKED_VERSIONS = ("5.25.0",)
 _TP_MODULE = "transformers.distributed.tensor_parallel"
 # What each style's instance holds (``__init__``): anything else on it (a method set on the instance) is not proven.
@@ -57,15 +59,11 @@ VERSION_ERROR = (
 @functools.cache
 def transformers_version() -> Optional[str]:
     """The installed transformers' version (None where it is not installed: then no model uses it); read once."""
-    from tiled_mlp.integrations.seams.checked_versions import installed
-
     return installed("transformers")
 
 
 def version_checked() -> bool:
     """The installed transformers is of a minor series checked (a patch release keeps its layouts)."""
-    from tiled_mlp.integrations.seams.checked_versions import checked_on, in_any
-
     return in_any(checked_on("transformers", CHECKED_VERSIONS), transformers_version())
 
 

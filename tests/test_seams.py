@@ -7,8 +7,9 @@ import warnings
 import pytest
 import torch
 
-from tiled_mlp.integrations.seams import checked_versions, transformers_internals
-from tiled_mlp.integrations.seams.checked_versions import CheckedRange, UncheckedVersionError
+from tiled_mlp.integrations.seams import transformers_internals
+from tiled_mlp.strategies import checked_versions
+from tiled_mlp.strategies.checked_versions import CheckedRange, UncheckedVersionError
 
 RANGE = CheckedRange("transformers", "5.6.0", "5.25.0")
 

@@ -26,9 +26,10 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 from torch import nn
 
+from tiled_mlp.strategies.checked_versions import checked_on, in_any
+
 from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .hf import apply_from_flags
-from .seams.checked_versions import checked_on, in_any
 from .stack import LongContextStack
 
 CHECKED_VERSIONS = ("4.6.0",)

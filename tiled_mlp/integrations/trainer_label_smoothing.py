@@ -31,8 +31,9 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
+from tiled_mlp.strategies.checked_versions import CheckedRange
+
 from .causal_lm_loss import set_tiled_loss_label_smoothing, tiled_loss_forward
-from .seams.checked_versions import CheckedRange
 
 CHECKED = CheckedRange("transformers", "5.19.0", "5.25.0")
 

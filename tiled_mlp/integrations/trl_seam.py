@@ -32,7 +32,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, FrozenSet, Optional
 
-from .seams.checked_versions import CheckedRange
+from tiled_mlp.strategies.checked_versions import CheckedRange
 
 # The TRL releases whose ``add_fused_lm_head`` this module was read against (its closure's cell names, and that
 # a fused call computes the loss without calling the forward it wraps).
