@@ -1,7 +1,7 @@
 """The releases of a dependency that the library's calls into it were checked on, and the refusal of any other at
 apply time: the one version lookup (``installed``), the one parser and the one range (``CheckedRange``) that every
-version check of the library uses (the seams, the framework entry points, the strategies' ZeRO-3 and HF tensor
-parallelism checks).
+version check of the library uses (the seams into other libraries' internals, the framework entry points'
+``CheckedFramework``, ZeRO-3's and HF tensor parallelism's checks here in ``strategies``).
 
 A range names its oldest and newest checked releases. By default a patch release of the newest minor series is
 inside it (patch releases keep internals) and a newer minor series is not; ``exact`` ranges hold only the
@@ -9,11 +9,6 @@ releases named (a framework's entry point relies on when the framework calls it,
 a range without ``newest`` holds every later release. ``TILED_MLP_UNCHECKED_VERSIONS`` (a comma-separated list of
 package names, or ``all``) turns a refusal into a warning for those packages: for trying a new release before
 this library has been checked on it, at the user's risk.
-
-A framework's entry point (``axolotl.py``, ``llamafactory.py``) relies on how that framework calls it: which hook
-runs when, what it is handed. That contract is read from the framework's source at one release and tested there
-end to end, so each entry point names the releases it was checked on (``CheckedFramework``) and refuses any other
-when it is applied (not when it is imported), naming the installed version, the checked ones and the fix.
 """
 from __future__ import annotations
 
@@ -29,10 +24,6 @@ UNCHECKED_ENV = "TILED_MLP_UNCHECKED_VERSIONS"
 
 class UncheckedVersionError(RuntimeError):
     """An installed dependency is outside the releases the stack's calls into it were checked on."""
-
-
-class FrameworkVersionError(RuntimeError):
-    """The framework installed is not a release the entry point was checked on."""
 
 
 def installed(package: str) -> Optional[str]:
@@ -133,36 +124,3 @@ def require(checked: CheckedRange, feature: str) -> str:
 @functools.cache
 def _warn_once(message: str) -> None:
     warnings.warn(f"{message} (allowed by {UNCHECKED_ENV})", stacklevel=3)
-
-
-@dataclass(frozen=True)
-class CheckedFramework:
-    """A framework's distribution name on the package index and the exact releases an entry point was tested on."""
-
-    label: str  # the framework's name in messages ("Axolotl")
-    distribution: str  # its distribution name (``pip install NAME``)
-    checked: Tuple[str, ...]  # exact release strings
-
-    def refusal(self) -> Optional[str]:
-        """Why this entry point may not run with what is installed (None: it may)."""
-        found = installed(self.distribution)
-        wanted = ", ".join(self.checked)
-        pin = f"pip install {self.distribution}=={self.checked[-1]}"
-        if found is None:
-            return f"tiled-mlp's {self.label} entry point needs {self.distribution} ({wanted}); it is not installed: {pin}"
-        if not in_any(checked_on(self.distribution, self.checked, exact=True), found):
-            return (f"tiled-mlp's {self.label} entry point was checked on {self.distribution} {wanted}, not {found}: "
-                    f"how {self.label} calls it may differ, so it refuses rather than tile at the wrong moment. "
-                    f"Install a checked release ({pin}) or a tiled-mlp that lists {found}.")
-        return None
-
-    def require(self) -> str:
-        """The installed version; ``FrameworkVersionError`` where it is not one checked."""
-        problem = self.refusal()
-        if problem is not None:
-            raise FrameworkVersionError(problem)
-        return installed(self.distribution) or ""
-
-
-AXOLOTL = CheckedFramework("Axolotl", "axolotl", ("0.21.0",))
-LLAMAFACTORY = CheckedFramework("LLaMA-Factory", "llamafactory", ("0.9.5",))
