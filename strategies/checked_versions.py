@@ -26,8 +26,10 @@ class UncheckedVersionError(RuntimeError):
     """An installed dependency is outside the releases the stack's calls into it were checked on."""
 
 
+@functools.cache
 def installed(package: str) -> Optional[str]:
-    """The installed version of the distribution ``package`` (None where it is not installed)."""
+    """The installed version of the distribution ``package`` (None where it is not installed); read once per
+    process (a lookup reads the environment's metadata: about 0.25 ms)."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:

@@ -31,7 +31,6 @@ marks) under any other version is refused at tiling (``version_problem``), namin
 """
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
@@ -56,9 +55,8 @@ VERSION_ERROR = (
 )
 
 
-@functools.cache
 def transformers_version() -> Optional[str]:
-    """The installed transformers' version (None where it is not installed: then no model uses it); read once."""
+    """The installed transformers' version (None where it is not installed: then no model uses it)."""
     return installed("transformers")
 
 
