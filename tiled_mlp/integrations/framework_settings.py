@@ -17,10 +17,10 @@ from typing import Any, Optional, Tuple
 
 from torch import nn
 
-from tiled_mlp.core.shard_plan import NumShards, parse_num_shards
+from tiled_mlp.core.shard_plan import NumShards
 from tiled_mlp.strategies.checked_versions import checked_on, in_any, installed
 
-from .args import parse_bool
+from .args import parse_bool, parse_shards
 from .hf import apply_tiled_mlp
 from .report import TilingReport
 
@@ -37,10 +37,7 @@ class FrameworkTiling:
               prefix: str = "") -> FrameworkTiling:
         """The settings from user input; a ``ValueError`` naming the key (``prefix`` + name) for a bad value."""
         def shards(value: Any, name: str) -> NumShards:
-            try:
-                return parse_num_shards("auto" if value is None else value)
-            except (ValueError, TypeError) as error:
-                raise ValueError(f"{prefix}{name}: {error}") from None
+            return parse_shards("auto" if value is None else value, prefix + name)
 
         def flag(value: Any, name: str) -> bool:
             return True if value is None else parse_bool(value, prefix + name)
