@@ -72,10 +72,18 @@ class CheckedRange:
         return self.newest is None or release[:2] <= _release(self.newest)[:2]
 
     def describe(self) -> str:
+        if self.exact:
+            return f"{self.package} {self.oldest}" + (f" to {self.newest}" if self.newest not in (None, self.oldest) else "")
         if self.newest is None:
             return f"{self.package} >= {self.oldest}"
         newest = ".".join(str(n) for n in _release(self.newest)[:2])
         return f"{self.package} {self.oldest} to {newest}.x"
+
+    def pip_requirement(self) -> str:
+        if self.exact and self.newest in (None, self.oldest):
+            return f"{self.package}=={self.oldest}"
+        below = "" if self.newest is None else f",<{_next_minor(self.newest)}"
+        return f"{self.package}>={self.oldest}{below}"
 
 
 def checked_on(package: str, releases: Tuple[str, ...], exact: bool = False) -> Tuple[CheckedRange, ...]:
@@ -101,8 +109,7 @@ def refusal(checked: CheckedRange, version: Optional[str], feature: str) -> str:
         return ""
     return (f"{feature} calls internals of {checked.package} that were checked on {checked.describe()}; "
             f"{checked.package} {version} is installed. Install a release in that range "
-            f"(pip install '{checked.package}>={checked.oldest},<{_next_minor(checked.newest or checked.oldest)}'), "
-            f"or set {UNCHECKED_ENV}={checked.package} to run on {version} unchecked, at your own risk")
+            f"(pip install '{checked.pip_requirement()}'), or set {UNCHECKED_ENV}={checked.package} to run on {version} unchecked, at your own risk")
 
 
 def _next_minor(version: str) -> str:

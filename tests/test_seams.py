@@ -37,6 +37,14 @@ def test_exact_and_open_ranges(checked, version, inside):
     assert checked.contains(version) is inside
 
 
+def test_each_kind_of_range_names_itself_and_its_pip_requirement():
+    assert (RANGE.describe(), RANGE.pip_requirement()) == ("transformers 5.6.0 to 5.25.x", "transformers>=5.6.0,<5.26")
+    exact = CheckedRange("axolotl", "0.21.0", exact=True)
+    assert (exact.describe(), exact.pip_requirement()) == ("axolotl 0.21.0", "axolotl==0.21.0")
+    above = CheckedRange("deepspeed", "0.19.8")
+    assert (above.describe(), above.pip_requirement()) == ("deepspeed >= 0.19.8", "deepspeed>=0.19.8")
+
+
 def test_outside_the_range_the_refusal_names_both_versions_and_the_fix(monkeypatch):
     monkeypatch.setattr(checked_versions, "installed", lambda package: "5.5.4")
     monkeypatch.delenv(checked_versions.UNCHECKED_ENV, raising=False)
