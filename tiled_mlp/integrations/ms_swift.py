@@ -13,9 +13,9 @@ exports to the environment, upper-cased) or from the environment (``USE_TILED_ML
 swift sft ...``); ``--model_kwargs`` wins where both say something.
 
 This module is the one seam to ms-swift: it touches ``swift.pipelines.train.sft.SwiftSft.prepare_model`` (a
-classmethod taking ``(args, model, **options)`` and returning the model), ``args.model_kwargs`` and
-``swift.__version__``. It tiles only on the ms-swift versions it was checked on and only in ``swift sft``; elsewhere,
-when a flag asks for tiling, it refuses before any work with an error naming the versions.
+classmethod taking ``(args, model, **options)`` and returning the model) and ``args.model_kwargs``. It tiles only
+on the ms-swift releases it was checked on (the installed one, ``checked_versions.installed("ms-swift")``) and only
+in ``swift sft``; elsewhere, when a flag asks for tiling, it refuses before any work with an error naming them.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 from torch import nn
 
+from tiled_mlp.strategies import checked_versions
 from tiled_mlp.strategies.checked_versions import checked_on, in_any
 
 from .args import TiledMLPFlags, read_tiled_mlp_flags
@@ -99,11 +100,10 @@ def tile_prepared_model(model: nn.Module, args: Any, pipeline: str, version: str
 
 def install() -> None:
     """Wrap ``SwiftSft.prepare_model`` (once; importing the plugin file again changes nothing)."""
-    import swift
     from swift.pipelines.train.sft import SwiftSft
     from swift.utils import get_logger
 
-    version = str(getattr(swift, "__version__", "unknown"))
+    version = checked_versions.installed("ms-swift") or "unknown"
     current = getattr(SwiftSft, "prepare_model", None)
     if getattr(current, _MARK, False):
         return
