@@ -72,7 +72,7 @@ def test_unchecked_release_is_refused_at_construction_and_before_tiling(lf, tmp_
 
     from integration_tests.llamafactory_cases import run_sft
     from tiled_mlp.integrations import llamafactory
-    from tiled_mlp.integrations.framework_versions import FrameworkVersionError
+    from tiled_mlp.integrations.framework_settings import FrameworkVersionError
 
     callback = _callback()  # made while the release is one checked
     monkeypatch.setattr(llamafactory, "LLAMAFACTORY", dataclasses.replace(llamafactory.LLAMAFACTORY, checked=("0.0.1",)))

@@ -19,6 +19,7 @@ from integration_tests.frameworks import need
 from integration_tests.tiny_models import VOCAB, tiny_model
 from tiled_mlp import apply_tiled_loss, apply_tiled_mlp, remove_tiled_loss
 from tiled_mlp.integrations import is_tiled_loss, use_tiled_label_smoothing
+from tiled_mlp.strategies import checked_versions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -153,11 +154,17 @@ def test_removing_the_tiled_loss_under_trls_head_is_refused(tmp_path):
     _train(trainer)  # still trains
 
 
+def _trl_release(version: str):
+    """``checked_versions.installed`` as it would answer with TRL ``version`` installed."""
+    real = checked_versions.installed
+    return lambda name: version if name == "trl" else real(name)
+
+
 def test_a_trl_version_not_read_is_refused_in_either_order(tmp_path):
-    trl = need("trl")
+    need("trl")
     model = tiny_model("llama", dtype=torch.float64)
     trainer = _trainer(model, tmp_path, "after")
-    with mock.patch.object(trl, "__version__", "1.15.0"):
+    with mock.patch.object(checked_versions, "installed", _trl_release("1.15.0")):
         with pytest.raises(RuntimeError, match=r"TRL here is 1\.15\.0; .* on trl 1\.16\.0 to 1\.16\.x only"):
             _tile(model)
     assert not is_tiled_loss(model) and not any("Tiled" in type(m).__name__ for m in model.modules())
@@ -165,7 +172,7 @@ def test_a_trl_version_not_read_is_refused_in_either_order(tmp_path):
     model = tiny_model("llama", dtype=torch.float64)
     _tile(model)
     trainer = _trainer(model, tmp_path, "before")
-    with mock.patch.object(trl, "__version__", "1.15.0"):
+    with mock.patch.object(checked_versions, "installed", _trl_release("1.15.0")):
         with pytest.raises(RuntimeError, match=r"TRL here is 1\.15\.0"):
             trainer.train()
 

@@ -209,7 +209,8 @@ def test_data_loader_gives_the_batches_and_losses_of_shard(tmp_path):
     """sp.data_loader(DataLoader over full samples with position_ids): each rank's loader holds a
     different step's sample, the adapter hands them out in turn, split across the group. Every batch
     equals shard()'s, and the losses equal those of the same case fed by shard(), bit for bit."""
-    from tiled_mlp.integrations.seams import checked_versions, deepspeed_internals
+    from tiled_mlp.integrations.seams import deepspeed_internals
+    from tiled_mlp.strategies import checked_versions
 
     if not deepspeed_internals.DATA_LOADER_CHECKED.contains(str(checked_versions.installed("deepspeed"))):
         pytest.skip("DeepSpeed's data-loader adapter is refused on this release (tests/test_seams.py)")

@@ -19,6 +19,8 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
+from .checked_versions import checked_on, in_any, installed
+
 CHECKED_VERSIONS = ("5.25.0",)
 _TP_MODULE = "transformers.distributed.tensor_parallel"
 # What each style's instance holds (``__init__``): anything else on it (a method set on the instance) is not proven.
@@ -35,18 +37,13 @@ VERSION_ERROR = (
 
 
 def transformers_version() -> Optional[str]:
-    """The imported transformers' version, or None where it is not imported (then no model uses it)."""
-    module = sys.modules.get("transformers")
-    return None if module is None else getattr(module, "__version__", "unknown")
+    """The installed transformers' version (None where it is not installed: then no model uses it)."""
+    return installed("transformers")
 
 
 def version_checked() -> bool:
-    """The imported transformers is of a minor series checked (a patch release keeps its layouts)."""
-    return _minor(transformers_version()) in {_minor(v) for v in CHECKED_VERSIONS}
-
-
-def _minor(version: Optional[str]) -> Optional[str]:
-    return None if version is None else ".".join(version.split("+")[0].split(".")[:2])
+    """The installed transformers is of a minor series checked (a patch release keeps its layouts)."""
+    return in_any(checked_on("transformers", CHECKED_VERSIONS), transformers_version())
 
 
 _FOUND: dict = {}

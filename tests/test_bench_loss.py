@@ -1,5 +1,5 @@
 """``tiled-mlp bench-loss`` at small sizes: every method's row, the gradient errors (DeepSpeed's dW off by
-N under ArcticTraining's pattern), peaks that count everything alive, the targets, the plot, and a
+N under ArcticTraining's pattern), peaks that count everything alive, the memory targets, the plot, and a
 fake-tensor failure reported instead of raised."""
 import contextlib
 import importlib.util
@@ -74,10 +74,14 @@ def test_peaks_count_everything_alive(report):
     assert rows["ours"]["answered"] and all("bad.any()" in site for site in rows["ours"]["answered"])
 
 
-def test_targets_and_timing_are_reported(report):
+def test_memory_targets_hold_and_timing_is_reported(report):
     result, plot = report
-    # A target against torch's method is unmeasured (None) where this torch lacks it.
-    assert [t["met"] in (True, False) for t in result["targets"]].count(True) == (4 if TORCH_METHOD else 2)
+    rows = {row["method"]: row for row in result["rows"]}
+    # The project's memory target for the tiled loss (docs/results.md, "Tiled loss"), which holds at any size: ours
+    # adds to x + dx + W + dW no more than one shard's float32 logits and their gradient (5% slack). Its target for
+    # float32 accumulation (<= torch's chunked peak) is a full-size one: here only measured.
+    assert rows["ours"]["peak_bytes"] <= 1.05 * result["reference"]["floor_plus_shard_bytes"]
+    assert all(rows[name]["peak_bytes"] for name in ("ours_fp32", *TORCH_METHOD))
     timed = [row for row in result["rows"] if row["seconds"] is not None]
     assert {row["method"] for row in timed} >= {"untiled", *TORCH_METHOD, "ours"}
     assert next(r for r in result["rows"] if r["method"] == "untiled")["time_ratio"] == 1.0

@@ -15,8 +15,7 @@ import torch
 
 from integration_tests.float64_loss import float64_causal_lm_loss
 from integration_tests.tiny_models import grads_by_key, tiny_model
-from tiled_mlp.integrations.framework_settings import FrameworkTiling
-from tiled_mlp.integrations.framework_versions import CheckedFramework, FrameworkVersionError
+from tiled_mlp.integrations.framework_settings import CheckedFramework, FrameworkTiling, FrameworkVersionError
 
 RELEASE = torch.__version__.split("+")[0]  # a local build (+cpu) counts as its release
 

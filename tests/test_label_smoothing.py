@@ -20,6 +20,7 @@ from tiled_mlp import apply_tiled_loss, apply_tiled_mlp  # noqa: E402
 from tiled_mlp.core import tiled_cross_entropy  # noqa: E402
 from tiled_mlp.integrations import set_tiled_loss_label_smoothing, use_tiled_label_smoothing  # noqa: E402
 from tiled_mlp.integrations.causal_lm_loss import tiled_loss_forward  # noqa: E402
+from tiled_mlp.strategies import checked_versions  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)
@@ -221,7 +222,8 @@ def test_refusals(tmp_path):
     trainer.model_accepts_loss_kwargs = False
     _refused(trainer, "num_items_in_batch")
 
-    with mock.patch("transformers.__version__", "5.0.0"):
+    real = checked_versions.installed
+    with mock.patch.object(checked_versions, "installed", lambda name: "5.0.0" if name == "transformers" else real(name)):
         _refused(_trainer(model, tmp_path, "d"), "transformers here is 5.0.0")
 
     moe = tiny_model("mixtral", dtype=torch.float64)

@@ -37,7 +37,7 @@ CORE_MAY_USE = (f"{STRATEGIES}.base", f"{STRATEGIES}.resolver")
 # deepspeed_sp.py: how a DeepSpeed engine reduces over the SP ranks, read by the DeepSpeed strategy.
 BY_REPOSITORY_NAME = re.compile(r"^\s*(from|import) (tiled_core|strategies)\b", re.MULTILINE)
 STRATEGY_SUPPORT = ("__init__.py", "base.py", "registry.py", "resolver.py", "deepspeed_sp.py", "tensor_parallel.py",
-                    "hf_tensor_parallel.py")
+                    "hf_tensor_parallel.py", "checked_versions.py")
 
 
 def imported_modules(source: str, module: str) -> Iterator[Tuple[str, int]]:

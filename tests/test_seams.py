@@ -7,8 +7,9 @@ import warnings
 import pytest
 import torch
 
-from tiled_mlp.integrations.seams import checked_versions, transformers_internals
-from tiled_mlp.integrations.seams.checked_versions import CheckedRange, UncheckedVersionError
+from tiled_mlp.integrations.seams import transformers_internals
+from tiled_mlp.strategies import checked_versions
+from tiled_mlp.strategies.checked_versions import CheckedRange, UncheckedVersionError
 
 RANGE = CheckedRange("transformers", "5.6.0", "5.25.0")
 
@@ -18,6 +19,30 @@ RANGE = CheckedRange("transformers", "5.6.0", "5.25.0")
     ("5.26.0", False), ("5.5.4", False), ("4.57.6", False), ("6.0.0", False)])
 def test_a_range_holds_its_ends_and_the_newest_minor_series(version, inside):
     assert RANGE.contains(version) is inside
+
+
+@pytest.mark.parametrize("checked, version, inside", [
+    # exact: the releases named and their local builds, no later patch (a framework entry point's contract)
+    (CheckedRange("axolotl", "0.21.0", exact=True), "0.21.0", True),
+    (CheckedRange("axolotl", "0.21.0", exact=True), "0.21.0+cpu", True),
+    (CheckedRange("axolotl", "0.21.0", exact=True), "0.21.1", False),
+    (CheckedRange("axolotl", "0.21.0", exact=True), "0.21.0rc1", False),
+    # open above (ZeRO-3's oldest checked DeepSpeed)
+    (CheckedRange("deepspeed", "0.19.8"), "0.19.8", True),
+    (CheckedRange("deepspeed", "0.19.8"), "0.20.1+cpu", True),
+    (CheckedRange("deepspeed", "0.19.8"), "0.19.0", False),
+    (CheckedRange("deepspeed", "0.19.8"), "unknown", False),  # not a version: never inside
+])
+def test_exact_and_open_ranges(checked, version, inside):
+    assert checked.contains(version) is inside
+
+
+def test_each_kind_of_range_names_itself_and_its_pip_requirement():
+    assert (RANGE.describe(), RANGE.pip_requirement()) == ("transformers 5.6.0 to 5.25.x", "transformers>=5.6.0,<5.26")
+    exact = CheckedRange("axolotl", "0.21.0", exact=True)
+    assert (exact.describe(), exact.pip_requirement()) == ("axolotl 0.21.0", "axolotl==0.21.0")
+    above = CheckedRange("deepspeed", "0.19.8")
+    assert (above.describe(), above.pip_requirement()) == ("deepspeed >= 0.19.8", "deepspeed>=0.19.8")
 
 
 def test_outside_the_range_the_refusal_names_both_versions_and_the_fix(monkeypatch):

@@ -5,7 +5,7 @@ from importlib import metadata
 import pytest
 from torch import nn
 
-from tiled_mlp.strategies import deepspeed_zero
+from tiled_mlp.strategies import checked_versions, deepspeed_zero
 from tiled_mlp.strategies.base import UnsupportedBackendError
 
 
@@ -22,9 +22,11 @@ def installed(monkeypatch):
         real = metadata.version
         monkeypatch.setattr(metadata, "version", lambda name: version if name == "deepspeed" else real(name))
         deepspeed_zero.zero3_version_problem.cache_clear()
+        checked_versions.installed.cache_clear()
 
     yield pretend
     deepspeed_zero.zero3_version_problem.cache_clear()
+    checked_versions.installed.cache_clear()
 
 
 def test_zero3_before_deepspeed_0_19_8_is_refused_with_the_fix(installed, monkeypatch):

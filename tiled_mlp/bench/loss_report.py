@@ -1,4 +1,4 @@
-"""``bench-loss`` results as the printed table (with its reference figures, targets and notes) and a PNG."""
+"""``bench-loss`` results as the printed table (with its reference figures and notes) and a PNG."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
@@ -49,13 +49,7 @@ def format_report(result: Dict[str, Any]) -> str:
         f"floor x + dx + W + dW: {floor / GiB:.3f} GiB",
         f"floor + one shard's fp32 logits and their fp32 gradient ({ref['shard_tokens']} tokens a shard): "
         f"{ref['floor_plus_shard_bytes'] / GiB:.3f} GiB",
-        "",
-        "targets:",
     ]
-    for target in result["targets"]:
-        verdict = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
-        lines.append(f"- [{verdict}] {target['name']}: {_num(target['value'], '.3f')} {target['unit']} "
-                     f"(limit {_num(target['limit'], '.3f')} {target['unit']})")
     lines += _notes(result)
     return "\n".join(lines)
 

@@ -15,7 +15,6 @@ import torch
 from .loss_accuracy import gradient_errors
 from .loss_memory import fake_peak, memory_reference
 from .loss_methods import available_methods, make_case, shard_count
-from .loss_targets import evaluate_targets
 from .loss_timing import medians, timed_rounds
 
 Size = Tuple[int, int, int]  # tokens, hidden, vocab
@@ -80,8 +79,7 @@ def run_loss_bench(cfg: LossBenchConfig, on_step: Optional[Callable[[str], None]
     return dict(config=cfg.as_dict(), torch=torch.__version__, skipped=skipped, rows=list(rows.values()),
                 reference=dict(floor_bytes=reference.floor_bytes, shard_tokens=reference.shard_tokens,
                                shard_pair_bytes=reference.shard_pair_bytes,
-                               floor_plus_shard_bytes=reference.floor_plus_shard),
-                targets=evaluate_targets(rows, reference))
+                               floor_plus_shard_bytes=reference.floor_plus_shard))
 
 
 def total_steps(rounds: int) -> int:

@@ -17,7 +17,7 @@ from . import parsing
 from .bench_cmd import _check_plot
 
 DEFAULT_PLOT = "bench_loss.png"
-# --quick: every measurement small (a test, a first look); targets are still checked, at these sizes.
+# --quick: every measurement small (a test, a first look).
 QUICK = LossBenchConfig(memory_size=(8192, 256, 32000), time_size=(512, 64, 2000), accuracy_size=(256, 32, 1000), rounds=1)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Mapping, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 from tiled_mlp.core.shard_plan import NumShards, parse_num_shards
 
@@ -38,20 +38,26 @@ def parse_bool(value: Any, name: str = "use_tiled_mlp") -> bool:
     raise ValueError(f"{name} must be a bool or one of {_WORDS} (any case), got {value!r}")
 
 
-def _bool_arg(text: str) -> bool:
-    """argparse ``type=`` for ``--use_tiled_mlp VALUE``."""
+def parse_shards(value: Any, name: str) -> NumShards:
+    """A shard count (``parse_num_shards``); a bad one is a ``ValueError`` naming ``name``."""
     try:
-        return parse_bool(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {_WORDS} (any case), got {text!r}") from None
-
-
-def num_shards_arg(text: str) -> NumShards:
-    """argparse ``type=`` for a shard count: ``parse_num_shards``, its errors as argparse errors."""
-    try:
-        return parse_num_shards(text)
+        return parse_num_shards(value)
     except (ValueError, TypeError) as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        raise ValueError(f"{name}: {error}") from None
+
+
+def _argparse_type(parse: Callable[[str], Any], message: Optional[str] = None) -> Callable[[str], Any]:
+    """argparse ``type=`` for ``parse``: its errors as argparse errors (``message``, given the text, where set)."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except (ValueError, TypeError) as error:
+            raise argparse.ArgumentTypeError(message.format(text=text) if message else str(error)) from None
+
+    return convert
+
+
+_bool_arg = _argparse_type(parse_bool, f"expected {_WORDS} (any case), got {{text!r}}")
 
 
 def add_tiled_mlp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -59,7 +65,7 @@ def add_tiled_mlp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--use_tiled_mlp", type=_bool_arg, nargs="?", const=True, default=False, metavar="BOOL",
                        help="run each MLP block in token shards to cut activation memory at long context; "
                             "bare or with true/false, 1/0, yes/no, on/off (default: off)")
-    group.add_argument("--tiled_mlp_num_shards", type=num_shards_arg, default="auto",
+    group.add_argument("--tiled_mlp_num_shards", type=_argparse_type(parse_num_shards), default="auto",
                        help="shards per MLP call: an integer, or 'auto' (sized from the sequence length)")
     group.add_argument("--use_tiled_loss", type=_bool_arg, nargs="?", const=True, default=False, metavar="BOOL",
                        help="compute a causal LM's loss (LM head + cross-entropy) in token shards, never holding "
@@ -70,7 +76,7 @@ def add_tiled_mlp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--use_checkpoint_offload", type=_bool_arg, nargs="?", const=True, default=False,
                        metavar="BOOL", help="keep each checkpointed layer's input (all but the last) in host memory "
                                             "until its backward; turns on non-reentrant layer checkpointing if off")
-    group.add_argument("--ulysses_sp_size", type=_sp_size_arg, default=1, metavar="N",
+    group.add_argument("--ulysses_sp_size", type=_argparse_type(parse_sp_size), default=1, metavar="N",
                        help="Ulysses sequence parallelism (DeepSpeed's): N ranks share each sequence; needs the "
                             "tiled loss (default: 1, off)")
     return parser
@@ -83,13 +89,6 @@ def parse_sp_size(value: Any, name: str = "ulysses_sp_size") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1 (1: no sequence parallelism), got {value!r}")
     return value
-
-
-def _sp_size_arg(text: str) -> int:
-    try:
-        return parse_sp_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -117,20 +116,14 @@ def read_tiled_mlp_flags(source: Union[argparse.Namespace, Mapping[str, Any], No
     if source is None:
         return TiledMLPFlags()
     values = source if isinstance(source, Mapping) else vars(source)
-    use = values.get("use_tiled_mlp")
-    use = False if use is None else parse_bool(use, "use_tiled_mlp")
-    num_shards = values.get("tiled_mlp_num_shards")
-    try:
-        num_shards = "auto" if num_shards is None else parse_num_shards(num_shards)
-    except (ValueError, TypeError) as error:
-        raise ValueError(f"tiled_mlp_num_shards: {error}") from None
-    use_loss = values.get("use_tiled_loss")
-    use_loss = False if use_loss is None else parse_bool(use_loss, "use_tiled_loss")
-    offload = values.get("use_checkpoint_offload")
-    offload = False if offload is None else parse_bool(offload, "use_checkpoint_offload")
-    norms = values.get("use_tiled_norms")
-    norms = False if norms is None else parse_bool(norms, "use_tiled_norms")
-    sp = values.get("ulysses_sp_size")
-    sp = 1 if sp is None else parse_sp_size(sp)
-    return TiledMLPFlags(use, num_shards, use_loss, offload, sp, norms)
 
+    def read(key: str, parse: Callable[[Any, str], Any], default: Any) -> Any:
+        value = values.get(key)
+        return default if value is None else parse(value, key)
+
+    return TiledMLPFlags(use_tiled_mlp=read("use_tiled_mlp", parse_bool, False),
+                         num_shards=read("tiled_mlp_num_shards", parse_shards, "auto"),
+                         use_tiled_loss=read("use_tiled_loss", parse_bool, False),
+                         use_checkpoint_offload=read("use_checkpoint_offload", parse_bool, False),
+                         use_tiled_norms=read("use_tiled_norms", parse_bool, False),
+                         ulysses_sp_size=read("ulysses_sp_size", parse_sp_size, 1))

@@ -18,14 +18,13 @@ plugin is refused when the config is validated.
 ``TiledMLPPlugin`` subclasses Axolotl's ``BasePlugin`` (so every hook Axolotl calls exists) and is made on
 first use, a lazily resolved module attribute: importing this module does not import Axolotl. The
 Axolotl release is checked in ``pre_model_load`` (before the model is loaded) and again where the model is
-tiled (``framework_versions.AXOLOTL``).
+tiled (``framework_settings.AXOLOTL``).
 """
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from .framework_settings import FrameworkTiling
-from .framework_versions import AXOLOTL
+from .framework_settings import AXOLOTL, FrameworkTiling
 from .report import TilingReport
 
 ARGS_MODEL = "tiled_mlp.integrations.axolotl_args.TiledMLPLibArgs"

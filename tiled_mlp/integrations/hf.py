@@ -27,8 +27,7 @@ from tiled_mlp.strategies.resolver import StrategyArg
 
 from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .causal_lm_loss import check_tiled_loss, install_tiled_loss, loss_left_to_trl, remove_tiled_loss
-from .matching import Patterns, Scan, find_tiled, scan
-from .moe import TiledExperts
+from .matching import Patterns, Scan, TiledExperts, find_tiled, scan
 from .norms import NORM_ACCUM_DTYPE, TiledNorm, norm_names, why_no_norms
 from .report import TiledBlock, TilingReport, expected_path
 

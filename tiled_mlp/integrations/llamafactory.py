@@ -17,7 +17,7 @@ never saw ``on_init_end`` with this model, and training it untiled while the use
 refused there, naming the fix.
 
 Importing this module needs transformers (every LLaMA-Factory install has it), not LLaMA-Factory: the
-LLaMA-Factory release is checked when the model is tiled (``framework_versions.LLAMAFACTORY``).
+LLaMA-Factory release is checked when the model is tiled (``framework_settings.LLAMAFACTORY``).
 """
 from __future__ import annotations
 
@@ -27,8 +27,7 @@ from typing import Any, Optional
 from torch import nn
 from transformers import TrainerCallback
 
-from .framework_settings import FrameworkTiling
-from .framework_versions import LLAMAFACTORY
+from .framework_settings import LLAMAFACTORY, FrameworkTiling
 from .report import TilingReport
 
 

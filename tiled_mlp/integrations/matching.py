@@ -3,9 +3,17 @@
 A module is an MLP block when it has Linear-like children named ``gate_proj``/``up_proj``/``down_proj``
 or ``gate_up_proj``/``down_proj`` (every Llama-family, Gemma, Qwen, Mistral and Phi3 text MLP, the
 text MLP of most multimodal models, per-expert MLPs and shared experts). A transformers fused experts
-module (``experts(hidden_states, top_k_index, top_k_weights)``) is tiled through ``TiledExperts``. A
-mixture-of-experts block as a whole is never tiled: its router stays outside the shard loop (see
-``moe.py``). The walk stops at a match, so nothing is tiled twice.
+module (``experts(hidden_states, top_k_index, top_k_weights)``) is tiled through ``TiledExperts``. The walk
+stops at a match, so nothing is tiled twice.
+
+A mixture-of-experts block as a whole is never tiled: its router would run inside the shard loop, whose forward
+builds no autograd graph, so the router logits transformers records for the load-balancing loss
+(``output_router_logits``) would carry no gradient (measured: the tiled Mixtral's ``aux_loss`` had no
+``grad_fn``). The router is small (``[tokens, experts]``); the experts hold the large intermediates. Fused experts
+modules (Mixtral, Qwen3-MoE and ~60 others) take one token a row, with three inputs: ``TiledExperts`` (tiled in
+place, like ``TiledMLP``) shards the hidden states and passes the indices (integers, as they are) and the routing
+weights as the call's other sharded inputs (``token_inputs``). The routing weights need a gradient (it reaches
+the router): the sharded core finds them read by the first shard and makes them an input of its Function.
 
 What the tiled call can run is also checked here, before anything is patched: the block's forward must
 take exactly one argument (``TiledMLP.forward(x)`` passes nothing else) and must not declare a tuple
@@ -19,15 +27,36 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import nn
 
-from tiled_mlp.core import TiledMLP
-
-from .moe import is_fused_experts
+from tiled_mlp.core import TiledInputs, TiledMLP
 
 GATED_LAYOUTS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"))
 
 Patterns = Union[None, str, Iterable[str]]
+FUSED_EXPERTS_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
+# The experts' weights are 3-D parameters, not gated Linears: the gated fast kernel never applies.
+FUSED_EXPERTS = "its weights are not gated nn.Linear projections (fused MoE experts)"
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    try:
+        names = tuple(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names == FUSED_EXPERTS_INPUTS
+
+
+class TiledExperts(TiledMLP):
+    """Tiles a fused experts module in place: same call, same parameters and names."""
+
+    tiled_no_fast_path = FUSED_EXPERTS
+
+    def tiled_inputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> TiledInputs:
+        # The routing is sharded with the hidden states: each shard's rows keep their own experts and weights.
+        return TiledInputs(hidden_states, token_inputs=(top_k_index, top_k_weights), check_hidden=False)
 
 
 @dataclass

@@ -13,9 +13,9 @@ exports to the environment, upper-cased) or from the environment (``USE_TILED_ML
 swift sft ...``); ``--model_kwargs`` wins where both say something.
 
 This module is the one seam to ms-swift: it touches ``swift.pipelines.train.sft.SwiftSft.prepare_model`` (a
-classmethod taking ``(args, model, **options)`` and returning the model), ``args.model_kwargs`` and
-``swift.__version__``. It tiles only on the ms-swift versions it was checked on and only in ``swift sft``; elsewhere,
-when a flag asks for tiling, it refuses before any work with an error naming the versions.
+classmethod taking ``(args, model, **options)`` and returning the model) and ``args.model_kwargs``. It tiles only
+on the ms-swift releases it was checked on (the installed one, ``checked_versions.installed("ms-swift")``) and only
+in ``swift sft``; elsewhere, when a flag asks for tiling, it refuses before any work with an error naming them.
 """
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional
 
 from torch import nn
+
+from tiled_mlp.strategies import checked_versions
+from tiled_mlp.strategies.checked_versions import checked_on, in_any
 
 from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .hf import apply_from_flags
@@ -62,7 +65,7 @@ def read_flags(model_kwargs: Optional[Mapping[str, Any]], environ: Mapping[str, 
 
 def check_supported(version: str, pipeline: str, flags: TiledMLPFlags) -> None:
     """Refuse, before any work, what this seam was not checked on (called once a flag asks for something)."""
-    if version not in CHECKED_VERSIONS:
+    if not in_any(checked_on("ms-swift", CHECKED_VERSIONS, exact=True), version):
         raise RuntimeError(
             f"tiled-mlp's ms-swift plugin was checked on ms-swift {', '.join(CHECKED_VERSIONS)}, not {version}: "
             f"install ms-swift=={CHECKED_VERSIONS[-1]}, or leave the tiling flags unset")
@@ -97,11 +100,10 @@ def tile_prepared_model(model: nn.Module, args: Any, pipeline: str, version: str
 
 def install() -> None:
     """Wrap ``SwiftSft.prepare_model`` (once; importing the plugin file again changes nothing)."""
-    import swift
     from swift.pipelines.train.sft import SwiftSft
     from swift.utils import get_logger
 
-    version = str(getattr(swift, "__version__", "unknown"))
+    version = checked_versions.installed("ms-swift") or "unknown"
     current = getattr(SwiftSft, "prepare_model", None)
     if getattr(current, _MARK, False):
         return

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
+from tiled_mlp.strategies import checked_versions
+from tiled_mlp.strategies.checked_versions import CheckedRange
+
 from .causal_lm_loss import set_tiled_loss_label_smoothing, tiled_loss_forward
-from .seams.checked_versions import CheckedRange
 
 CHECKED = CheckedRange("transformers", "5.19.0", "5.25.0")
 
@@ -46,12 +48,12 @@ def use_tiled_label_smoothing(trainer: Any) -> float:
     it off the trainer; returns the factor the tiled loss smooths with. Call it after building the trainer,
     before ``trainer.train()``. A trainer without a label smoother (factor 0, or handed over already) is
     left as it is."""
-    import transformers
     from transformers import Trainer
     from transformers.trainer_pt_utils import LabelSmoother
 
-    if not CHECKED.contains(transformers.__version__):
-        _refuse(f"transformers here is {transformers.__version__}; the Trainer's label smoothing was read on "
+    version = checked_versions.installed("transformers")
+    if not CHECKED.contains(version):
+        _refuse(f"transformers here is {version}; the Trainer's label smoothing was read on "
                 f"{CHECKED.describe()} only. Install one of those, or keep the Trainer's own label smoothing")
     if not isinstance(trainer, Trainer):
         _refuse(f"{type(trainer).__name__} is not a transformers Trainer")

@@ -32,7 +32,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, FrozenSet, Optional
 
-from .seams.checked_versions import CheckedRange
+from tiled_mlp.strategies import checked_versions
+from tiled_mlp.strategies.checked_versions import CheckedRange
 
 # The TRL releases whose ``add_fused_lm_head`` this module was read against (its closure's cell names, and that
 # a fused call computes the loss without calling the forward it wraps).
@@ -63,8 +64,7 @@ def _fused_codes(add_fused_lm_head: Callable) -> FrozenSet[types.CodeType]:
 
 
 def _version() -> str:
-    trl = sys.modules.get("trl")
-    return str(getattr(trl, "__version__", "unknown"))
+    return checked_versions.installed("trl") or "unknown"
 
 
 def fused_head(forward: Any) -> Optional[FusedHead]:

@@ -42,10 +42,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .seams import deepspeed_internals, transformers_internals
-from .ulysses_groups import DeepSpeedSlots, check_batch_size, guard_inputs, hold_attention, refuse_held_attention
+from .ulysses_groups import (
+    DeepSpeedSlots,
+    check_attention_not_tensor_parallel,
+    check_batch_size,
+    check_no_tensor_parallel_attention,
+    guard_inputs,
+    hold_attention,
+    refuse_held_attention,
+)
 from .ulysses_masks import attention_kind, capture_padding, check_masks, whole_sequence_attention
 from .ulysses_rope import length_dependent_rotaries, whole_sequence_rope
-from .ulysses_tp import check_attention_not_tensor_parallel, check_no_tensor_parallel_attention
 
 NO_TILED_LOSS_ERROR = (
     "sequence parallelism: {model} has no tiled loss. Under SP each rank holds a slice of the sequence, and the "
@@ -260,7 +267,7 @@ def _scope_to(model: nn.Module, attention: str, functions: Any, before: Optional
 
     def scoped(module, *args, **kwargs):
         if module in ours:
-            # Tensor parallelism applied after SP: refused before DeepSpeed's all-to-all (``ulysses_tp.py``).
+            # Tensor parallelism applied after SP: refused before DeepSpeed's all-to-all (``ulysses_groups.py``).
             check_attention_not_tensor_parallel(module, heads)
             return ulysses(module, *args, **kwargs)
         if before is None:

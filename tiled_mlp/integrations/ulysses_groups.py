@@ -18,6 +18,16 @@ deep inside the first attention call), and under SP the positions of a rank's sl
 starts, which only ``position_ids`` carry (without them each rank's model counts from 0: wrong for every
 rank but the first, and the sign of a batch handed to the model whole instead of cut by ``shard()``).
 ``guard_inputs`` refuses both at the model's forward, before any layer runs, naming the fix.
+
+Tensor parallelism on the attention SP wraps is refused: DeepSpeed's ``UlyssesSPAttentionHF`` is built on the
+config's head counts and all-to-alls [its tokens, every head] into [every token, its share of the heads], asserting
+that shape, while under DTensor TP on q/k/v/o a rank holds only its slice of the heads (measured: SP=2 beside TP=2
+on 4 gloo ranks stops at the first attention, naming neither problem nor fix). Composing them would need the
+attention built on local head counts, SP groups orthogonal to TP groups and the TP projections' gradients summed
+over SP ranks, none of which can be set up or checked here. Decided by the parameters: a ``DTensor`` parameter of
+an attention module. At the attention call that is exact (FSDP2 has unsharded its own parameters by then); at
+apply time FSDP2's sharded parameters are DTensors too, so the check there runs only on a model with no FSDP2
+unit (the call check covers ``fully_shard`` applied after SP).
 """
 from __future__ import annotations
 
@@ -25,7 +35,7 @@ import inspect
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -131,3 +141,44 @@ def refuse_held_attention(name: str, function: Any) -> None:
     model = holder()
     described = f"{type(model).__name__} at {id(model):#x}" if model is not None else "a model since deleted"
     raise RuntimeError(HELD_ATTENTION_ERROR.format(name=name, holder=described))
+
+
+TENSOR_PARALLEL_ERROR = (
+    "sequence parallelism: {module}'s parameters {names} are DTensors (tensor parallelism: parallelize_module). "
+    "DeepSpeed's Ulysses attention exchanges whole attention heads across the SP ranks and is built for the "
+    "config's {heads} query heads; under tensor parallelism a rank holds only its slice of the heads, which the "
+    "all-to-all would treat as whole. Ulysses SP and tensor parallelism on the attention do not compose here: "
+    "leave q_proj/k_proj/v_proj/o_proj out of the tensor-parallel plan, or use "
+    "tensor parallelism without sequence parallelism."
+)
+
+
+def dtensor_parameter_names(module: nn.Module) -> List[str]:
+    """The names of ``module``'s parameters that are DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    return [name for name, p in module.named_parameters() if isinstance(p, DTensor)]
+
+
+def check_attention_not_tensor_parallel(attention: nn.Module, heads: object) -> None:
+    """Raise ``TENSOR_PARALLEL_ERROR`` where ``attention`` (a module Ulysses wraps) holds a DTensor parameter."""
+    names = dtensor_parameter_names(attention)
+    if names:
+        raise ValueError(TENSOR_PARALLEL_ERROR.format(module=type(attention).__name__, names=names, heads=heads))
+
+
+def attention_modules(model: nn.Module) -> List[nn.Module]:
+    """The model's attention modules: those carrying ``num_key_value_groups``, the attribute DeepSpeed's Ulysses
+    attention reads and writes on the module it is called with (every Hugging Face attention has it)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "num_key_value_groups", None), int)]
+
+
+def check_no_tensor_parallel_attention(model: nn.Module, heads: object) -> None:
+    """At apply time: refused where an attention module holds a DTensor parameter and no FSDP2 unit is on the
+    model (whose own sharded parameters are DTensors until its forward; the attention call decides there)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return
+    for attention in attention_modules(model):
+        check_attention_not_tensor_parallel(attention, heads)

@@ -4,7 +4,7 @@ Each seam holds every such call into its library, the range of releases the call
 (``CHECKED``), and the adaptations between those releases, decided once at apply time by inspecting
 what the library is (a function's signature, whether a name exists), never per call. A release outside
 the range is refused when the piece that needs it is applied, with an error naming both versions
-(``checked_versions.require``), instead of failing with a TypeError inside a forward.
+(``tiled_mlp.strategies.checked_versions.require``), instead of failing with a TypeError inside a forward.
 
 - ``transformers_internals``: the mask builders (``masking_utils``), the attention registry
   (``ALL_ATTENTION_FUNCTIONS``) and the library's own sdpa / flash attention functions.

@@ -18,8 +18,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from . import checked_versions
-from .checked_versions import CheckedRange
+from tiled_mlp.strategies import checked_versions
+from tiled_mlp.strategies.checked_versions import CheckedRange
 
 # 0.19.8, the release the package declares: on 0.19.0 (and 0.18.6) the sequence-parallel ZeRO-3 cases gave a wrong
 # loss now and then, unexplained (docs/backends.md), so no earlier release counts as checked for SP either. Before 0.18

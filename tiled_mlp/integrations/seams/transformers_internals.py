@@ -21,8 +21,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from . import checked_versions
-from .checked_versions import CheckedRange, UncheckedVersionError
+from tiled_mlp.strategies import checked_versions
+from tiled_mlp.strategies.checked_versions import CheckedRange, UncheckedVersionError
 
 # 5.6.0: what LLaMA-Factory 0.9.5 pins (its newest allowed); 5.25.0: what TRL 1.16.0 installs. Every release
 # between was checked for the names below; the suite runs on both ends (.ci/constraints-oldest.txt and
