@@ -99,7 +99,7 @@ def register_strategy(cls: Type[Strategy], override: bool = False, *, name: Opti
     if not isinstance(cls.priority, int):
         raise TypeError(f"{cls.__name__}.priority must be an int, got {cls.priority!r}")
     check_declarations(cls)
-    entry = Registration(key, cls, dict(init_kwargs), description or (inspect.getdoc(cls) or "").split("\n")[0])
+    entry = Registration(key, cls, dict(init_kwargs), description or " ".join((vars(cls).get("__doc__") or "").split("\n\n")[0].split()))
     _check_init_kwargs(entry)
     held = _REGISTRY.get(key)
     if held is not None and not override and not _same(held, entry):
