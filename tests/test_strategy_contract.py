@@ -3,16 +3,12 @@ registration, and "auto" asking a layout-reading class once per layout of the mo
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from reference import GatedMLP
 from torch import nn
 
-import tiled_mlp
 from tiled_mlp import Strategy, TiledMLP, available_strategies, register_strategy, unregister_strategy
 from tiled_mlp.strategies import SingleDeviceStrategy
 from tiled_mlp.strategies.resolver import resolve_strategy
@@ -111,27 +107,3 @@ def test_auto_asks_a_layout_class_once_per_layout_and_again_when_it_changes(mark
     assert type(resolve_strategy(module, ancestors=(nn.Sequential(),))) is MarkedByLayout
     assert marked_by_layout.asked == 5
 
-
-@pytest.mark.timeout(60)
-def test_a_module_called_before_fully_shard_is_fsdp2s_after_it(tmp_path):
-    """The mainstream case the layout check protects: a forward (a warm-up, a planner run) before the backend
-    wraps the model must not pin the single-device strategy. In a process of its own: the default group is
-    global state."""
-    code = (
-        "import torch, torch.distributed as dist\n"
-        "from reference import GatedMLP\n"
-        "from tiled_mlp import TiledMLP\n"
-        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
-        "from torch.distributed.fsdp import fully_shard\n"
-        "layer = torch.nn.Sequential(TiledMLP(GatedMLP(8, 12), num_shards=2))\n"
-        "layer(torch.randn(1, 5, 8))\n"
-        "assert layer[0].tiling.last_strategy.name == 'single_device', layer[0].tiling.last_strategy\n"
-        "fully_shard(layer)\n"
-        "layer(torch.randn(1, 5, 8))\n"
-        "assert layer[0].tiling.last_strategy.name == 'fsdp2', layer[0].tiling.last_strategy\n"
-        "dist.destroy_process_group()\n"
-    )
-    # The child imports the tiled_mlp this process runs (a checkout's, not another installed copy).
-    root = os.path.dirname(os.path.dirname(os.path.realpath(tiled_mlp.__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=50, cwd=os.path.dirname(__file__), env=env)
