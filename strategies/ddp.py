@@ -1,19 +1,11 @@
-"""DDP (``torch.nn.parallel.DistributedDataParallel``): parameters are local and whole, gradients
-arrive once through autograd and DDP's reducer all-reduces them in buckets.
+"""DDP (``torch.nn.parallel.DistributedDataParallel``): parameters are local and whole, gradients arrive once
+through autograd and DDP's reducer all-reduces them. The one difference from a single device: an unused parameter
+is an input of the tiled Function, so DDP finds it reachable and waits for its gradient: it gets zeros.
 
-The one difference from a single device is an unused parameter. It is an input of the tiled
-Function, so DDP (with or without ``find_unused_parameters``) finds it reachable from the output and
-waits for its gradient: it gets zeros, delivered once like the others.
-
-Claiming: DDP wraps the root, usually after the model was tiled, so no recorded ancestor shows it.
-While a DDP module runs its forward it is ``DistributedDataParallel._active_ddp_module`` (private,
-set by DDP for torch.compile's DDP optimizer); a recorded DDP ancestor also counts. If that attribute
-moves, the claim falls back to the single-device strategy, whose only difference is the unused
-parameter's None.
-
-The instance carries the process group DDP averages over: the one it was given
-(``DDPStrategy(process_group=pg)``, or registered with ``register_strategy(DDPStrategy, process_group=pg,
-override=True)``), else, when "auto" resolves it, the running DDP module's.
+Claiming: DDP wraps the root, usually after tiling, so no recorded ancestor shows it. While a DDP module runs its
+forward it is ``DistributedDataParallel._active_ddp_module`` (private, set for torch.compile's DDP optimizer); a
+recorded DDP ancestor counts too. The instance carries the process group DDP averages over: the one given or
+registered, else, when "auto" resolves it, the running DDP module's.
 """
 from __future__ import annotations
 

@@ -1,33 +1,14 @@
-"""DeepSpeed AutoTP (training tensor parallelism, ``"tensor_parallel": {"autotp_size": N}``): a block holding its
-layers is tiled as any other module; an AutoTP layer handed to the tiled call itself (the tiled loss's
-``lm_head``) is claimed and refused before any work.
+"""DeepSpeed AutoTP (training tensor parallelism, ``"tensor_parallel": {"autotp_size": N}``).
 
-``deepspeed.initialize`` replaces a model's ``nn.Linear`` layers by its own classes
-(``deepspeed.module_inject.layers``): ``LinearLayer`` (column-parallel: the weight's output rows split over
-the TP ranks, the input gradient all-reduced in backward) and ``LinearAllreduce`` (row-parallel: the input
-columns split, the output all-reduced in forward); ``lm_head`` becomes a ``LinearLayer`` that gathers the
-vocabulary-sharded logits (or a ``VocabParallelLinear`` that keeps them sharded).
-
-A block of them (an MLP): the fast kernel declines these layers by class (they are not ``nn.Linear``), and the
-generic kernel runs the block's own forward once per shard, so ``LinearAllreduce`` all-reduces each shard's
-partial sums, as one untiled call does all of them. Gloo holds the reduced tensor a moment after the
-synchronous ``torch.distributed.all_reduce`` returns; the tiled call's check that no shard's tensor outlives
-its shard waits for it, on every rank alike, because it sees the call: ``torch.distributed``'s collectives hand
-themselves to torch function modes (``core/collectives.py``). The ranks run the same shard counts: they hold
-the same tokens, and "auto" sizes shards for the largest share of an uneven split. No strategy of this file's
-is needed there: the one that claims the engine's parameters (ZeRO's, or the single device's for stage 0)
-delivers their gradients.
-
-The loss's head: AutoTP's ``LinearLayer`` for ``lm_head`` holds this rank's rows of the vocabulary and gathers
-the logits (``gather_output``), so its own forward, run once per shard by the tiled loss's module kernel, hands
-every rank the whole vocabulary's logits, as untiled; the tiled loss reads the vocabulary from those logits,
-not from the weight (``Strategy.head_weight_is_whole``). A row-parallel head (``LinearAllreduce``, as AutoTP
-builds one from a row partition spec) holds every vocabulary row and all-reduces the logits: it needs nothing.
-An AutoTP layer whose output stays split (a column-parallel one that does not gather), handed to the tiled call
-itself, is claimed and refused.
-
-Every rank holds the same layer classes, so every rank refuses at the same point: no collective is left
-waiting. deepspeed is never imported here: the layers are recognised by their class's qualified name.
+``deepspeed.initialize`` replaces ``nn.Linear`` layers by its own classes (``deepspeed.module_inject.layers``):
+``LinearLayer`` (column-parallel, the input gradient all-reduced in backward) and ``LinearAllreduce``
+(row-parallel, the output all-reduced in forward). A block of them (an MLP) is tiled as any other module: the fast
+kernel declines them by class, the generic kernel runs the block's forward once per shard, and the strategy that
+claims the engine's parameters delivers their gradients. The loss's head: AutoTP's ``lm_head`` is a ``LinearLayer``
+that gathers the logits (``gather_output``), so the tiled loss reads the vocabulary from the logits, not from the
+weight (``Strategy.head_weight_is_whole``); a row-parallel head needs nothing. An AutoTP layer whose output stays
+split, handed to the tiled call itself, is claimed here and refused on every rank alike (docs/backends.md).
+deepspeed is never imported: the layers are recognised by their class's qualified name.
 """
 from __future__ import annotations
 
@@ -73,6 +54,7 @@ class DeepSpeedAutoTPStrategy(Strategy):
 
     name = "deepspeed_autotp"
     priority = 210
+    claims_from_layout = True
 
     @classmethod
     @claims_need_process_group

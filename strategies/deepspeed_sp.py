@@ -84,6 +84,17 @@ def is_instance_of(obj: Any, qualified: tuple) -> bool:
     return any((cls.__module__, cls.__name__) == qualified for cls in type(obj).__mro__)
 
 
+def closure_values(fn: Any) -> List[Any]:
+    """What a function's closure cells hold (empty cells left out)."""
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return values
+
+
 def _removed(handle: Any) -> bool:
     hooks = handle.hooks_dict_ref()
     return hooks is None or handle.id not in hooks
@@ -108,11 +119,7 @@ def engines_of(model: nn.Module) -> List[Any]:
     found: List[Any] = []
     for module in model.modules():
         for hook in module._forward_pre_hooks.values():
-            for cell in getattr(hook, "__closure__", None) or ():
-                try:
-                    candidate = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
+            for candidate in closure_values(hook):
                 if (is_instance_of(candidate, ENGINE_CLASS) and getattr(candidate, "module", None) is module
                         and not engine_destroyed(candidate)):
                     found.append(candidate)
@@ -149,19 +156,8 @@ def engine_sums_over_sequence_ranks(engine: Any, model: nn.Module, group: Option
         engine_ranks = _ranks(engine.seq_parallel_group)
         if loss_ranks is not None and engine_ranks != loss_ranks:
             raise UnsupportedBackendError(ENGINE_GROUP_ERROR.format(model=name, engine=engine_ranks, loss=loss_ranks))
-    stage = int(engine.zero_optimization_stage())
     optimizer = engine.optimizer
-    if stage == 3 and is_instance_of(optimizer, _STAGE3_CLASS):
-        sums = sp_size > 1 and _zero3_sums(optimizer, model)
-    elif sp_size == 1:
-        sums = False
-    elif stage == 0:
-        sums = True
-    else:
-        factor = float(getattr(optimizer, "gradient_predivide_factor", 1.0))
-        if factor != 1.0:
-            raise UnsupportedBackendError(PREDIVIDE_ERROR.format(stage=stage, factor=factor))
-        sums = True
+    sums = _sums(optimizer, model, sp_size, int(engine.zero_optimization_stage()))
     if not sums and loss_ranks is not None:
         averaged = _ranks(getattr(optimizer, "dp_process_group", None) or engine.seq_data_parallel_group)
         if not set(loss_ranks) <= set(averaged):
@@ -210,16 +206,16 @@ def zero_optimizer_of(model: nn.Module) -> Optional[Any]:
     return None
 
 
-def zero_optimizer_sums_over_sequence_ranks(optimizer: Any, model: nn.Module) -> bool:
-    """The same answer read from a ZeRO optimizer alone (the engine wraps a module above ``model``, such as
-    a PEFT model): its SP size, its reduction paths."""
-    if getattr(optimizer, "sequence_parallel_size", 1) <= 1:
-        return False
+def _sums(optimizer: Any, model: nn.Module, sp_size: int, stage: Any) -> bool:
+    """Does ``optimizer`` (of ZeRO stage ``stage``, "1/2" where only the optimizer is known) sum over its
+    ``sp_size`` SP ranks: ZeRO-3 by its reduction paths, stage 0 and ZeRO-1/2 always (a predivide factor refused)."""
     if is_instance_of(optimizer, _STAGE3_CLASS):
-        return _zero3_sums(optimizer, model)
+        return sp_size > 1 and _zero3_sums(optimizer, model)
+    if sp_size <= 1 or stage == 0:
+        return sp_size > 1
     factor = float(getattr(optimizer, "gradient_predivide_factor", 1.0))
     if factor != 1.0:
-        raise UnsupportedBackendError(PREDIVIDE_ERROR.format(stage="1/2", factor=factor))
+        raise UnsupportedBackendError(PREDIVIDE_ERROR.format(stage=stage, factor=factor))
     return True
 
 
@@ -235,7 +231,7 @@ def deepspeed_sums_over_sequence_ranks(model: nn.Module, group: Optional[Any]) -
         return engine_sums_over_sequence_ranks(engines[-1], model, group)
     optimizer = zero_optimizer_of(model)
     if optimizer is not None:
-        return zero_optimizer_sums_over_sequence_ranks(optimizer, model)
+        return _sums(optimizer, model, getattr(optimizer, "sequence_parallel_size", 1), "1/2")
     holds_sp_groups = deepspeed_holds_sp_groups()
     # destroy() sets every _hp_mapping to None; a live optimizer gives each rank at least one fragment.
     if holds_sp_groups and any(getattr(p, "_hp_mapping", None) is not None for p in model.parameters()):

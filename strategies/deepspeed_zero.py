@@ -1,34 +1,21 @@
 """DeepSpeed ZeRO (stages 1, 2 and 3).
 
-Stage 3 partitions every parameter (it then carries ``ds_id``/``ds_status``) and installs four module
-hooks on every submodule: gather before forward, release after it, and the same pair around the
-module's backward. Around the tiled call those hooks are exactly what is wanted once, and the core
-calls the wrapped MLP once through ``__call__`` for that. Inside it they are not: the generic kernel
-calls the MLP's original forward per shard, which calls each child Linear through *its* ``__call__``,
-so the children's hooks would all-gather and release once per shard, per recompute, and record a
-module trace whose length depends on the shard count. Ranks with different token counts (so
-different shard counts) would then issue different collectives (deadlock) and fail ZeRO's
-trace-agreement check.
+Stages 1 and 2 keep parameters whole and reduce from per-parameter hooks, which the core's single delivery
+satisfies: this strategy only names the backend.
 
-So the strategy registers the children's parameters as ZeRO-3 *external parameters* of the MLP
-(DeepSpeed's ``register_external_parameter``): the MLP's own hooks, which fire once around the tiled
-call, then fetch them before the forward and again before the backward, and release them afterwards
-(after autograd has accumulated their gradients into the full-size buffers). ``gathered`` suspends
-ZeRO-3's module hooks on the MLP's *descendants* for the shard loop and the recompute, and at the very
-first call (before the registration took effect) gathers with ``GatheredParameters``: one coalesced
-all-gather, the same on every rank whatever its shard count. Gradients are not this module's concern:
-the core returns each parameter's summed gradient once, and ZeRO's per-parameter post-accumulate hook
-reduces it once.
+Stage 3 partitions every parameter (``ds_id``/``ds_status``) and puts gather/release hooks around every
+submodule's forward and backward. Around the tiled call they are what is wanted, once. Inside it they are not:
+the generic kernel calls the MLP's forward per shard, so the child Linears' hooks would all-gather once per
+shard and recompute, and ranks with different shard counts would issue different collectives (deadlock, and
+ZeRO's trace check fails). So the children's parameters are registered as ZeRO-3 *external parameters* of
+the MLP, which its own hooks fetch before its forward and its backward and release after them (after autograd
+accumulated their gradients), and ``gathered`` suspends the descendants' ZeRO-3 hooks for the shard loop and
+the recompute; at the very first call, before the registration took effect, it gathers with
+``GatheredParameters``, one all-gather alike on every rank. Not ``set_z3_leaf_modules``: it must be set before
+``deepspeed.initialize``, and its full backward hook fires before the module's backward when no input
+requires grad, so gradients would be reduced before the tiled call produced them.
 
-Why not ``set_z3_leaf_modules``: it must be set before ``deepspeed.initialize``, and it moves the
-leaf's gradient reduction to a full backward hook on the module, which PyTorch fires before the
-module's backward when no input requires grad, so the gradients would be reduced before TiledMLP had
-produced them.
-
-Stages 1 and 2 keep parameters whole and reduce from per-parameter hooks, which the core's single
-delivery satisfies: nothing to gather, and this strategy only names the backend.
-
-deepspeed is imported lazily, and only once parameters already carry ZeRO-3 attributes.
+deepspeed is imported lazily, and only once parameters carry ZeRO-3 attributes.
 """
 from __future__ import annotations
 
@@ -49,7 +36,7 @@ from .base import (
     claims_need_process_group,
     process_group_ready,
 )
-from .deepspeed_sp import ENGINE_CLASS, deepspeed_sums_over_sequence_ranks, is_instance_of
+from .deepspeed_sp import ENGINE_CLASS, closure_values, deepspeed_sums_over_sequence_ranks, is_instance_of
 
 _ZERO3_HOOK_OWNER = "DeepSpeedZeRoOffload."  # qualname prefix of the hooks ZeRO-3 puts on every module
 
@@ -75,19 +62,9 @@ def _wrapped_functions(fn, depth: int = 3):
     yield fn
     if depth == 0:
         return
-    inner = [getattr(fn, "__wrapped__", None)]
-    inner += [cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ()) if _cell_is_set(cell)]
-    for candidate in inner:
+    for candidate in (getattr(fn, "__wrapped__", None), *closure_values(fn)):
         if inspect.isfunction(candidate) or inspect.ismethod(candidate):
             yield from _wrapped_functions(candidate, depth - 1)
-
-
-def _cell_is_set(cell) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - reading an empty cell raises; that read is the test
-    except ValueError:  # an empty cell
-        return False
-    return True
 
 
 # ZeRO-3 is checked on DeepSpeed 0.19.8. Before it, tiled ZeRO-3 steps gave wrong numbers now and then, a different
@@ -117,6 +94,8 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
 
     name = "deepspeed_zero"
     priority = 200
+    claims_from_layout = True
+    gathers_params = True
 
     @classmethod
     @claims_need_process_group
@@ -146,8 +125,6 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
         """ZeRO-3 releases each parameter after forward (``.data`` emptied) and re-gathers it before
         backward; stages 1 and 2 keep them as they are."""
         return any(is_zero3_param(p) for p in module.parameters())
-
-    gathers_params = True
 
     def gathered(self, module: nn.Module) -> ContextManager:
         if not any(is_zero3_param(p) for p in module.parameters()):
@@ -229,22 +206,15 @@ def _running_forward_module():
 
 
 def _register_descendant_params_as_external(module: nn.Module) -> None:
-    """Make ZeRO-3 fetch the children's parameters with the MLP's own hooks: before its forward, again
-    before its backward (so the recompute has them), and release them after each, after autograd has
-    accumulated their gradients."""
-    own = {id(p) for p in module.parameters(recurse=False)}
-    _register_external(module, [p for p in module.parameters() if is_zero3_param(p) and id(p) not in own])
-
-
-def _register_external(owner: nn.Module, params: Sequence[Any]) -> None:
-    """Register ``params`` as ZeRO-3 external parameters of ``owner`` (fetched and released by its hooks),
-    each once (DeepSpeed keys them by ``id``)."""
+    """Make ZeRO-3 fetch the children's parameters with the MLP's own hooks (before its forward, again before its
+    backward, released after each), each registered once (DeepSpeed keys them by ``id``)."""
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
-    registered = getattr(owner, "_external_params", {})
-    for p in params:
-        if id(p) not in registered:
-            register_external_parameter(owner, p)
+    own = {id(p) for p in module.parameters(recurse=False)}
+    registered = getattr(module, "_external_params", {})
+    for p in module.parameters():
+        if is_zero3_param(p) and id(p) not in own and id(p) not in registered:
+            register_external_parameter(module, p)
 
 
 @contextlib.contextmanager

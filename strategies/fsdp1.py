@@ -49,6 +49,7 @@ class FSDP1Strategy(SequenceParallelAware, Strategy):
 
     name = "fsdp1"
     priority = 1000  # ask first: a rejection must win over any strategy that would run it
+    claims_from_layout = True
 
     @classmethod
     @claims_need_process_group

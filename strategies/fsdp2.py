@@ -1,34 +1,22 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
-When the tiled module sits inside an FSDP2 unit (decoder layer, root) or is one itself, FSDP2's own
-module hooks, which fire once around the tiled call, unshard the parameters before it and again
-before its backward, and reduce-scatter the gradients that autograd accumulated into the unsharded
-parameters. The tiled core delivers each gradient exactly once, so ``gathered`` has nothing to do
-and there is no per-shard collective: ranks with different shard counts issue the same collectives.
+FSDP2's own module hooks, which fire once around the tiled call, unshard the parameters before it and before
+its backward, and reduce-scatter the gradients autograd accumulated once into the unsharded parameters: nothing
+to gather here, no per-shard collective, so ranks with different shard counts issue the same collectives.
 
-Claiming: a module is FSDP2's when it, a submodule, or a recorded ancestor is an ``FSDPModule``, or
-when one of its parameters is managed by an FSDP2 parameter group. The last test finds the enclosing
-unit with no recorded ancestors (``fully_shard(decoder_layer)`` around an MLP that was tiled first):
-FSDP2 keeps a process-wide module -> state map, and each of its parameters knows the module that
-owns it. That map is private API: a state holds a list of parameter groups from torch 2.12 on
-(``_fsdp_param_groups``) and one group before (``_fsdp_param_group``), both read here; a layout neither
-has is refused with the torch version named, never taken for "no FSDP2" (a unit missed that way would
-skip the checks FSDP2 needs under sequence parallelism).
+Claimed where the module, a submodule or a recorded ancestor is an ``FSDPModule``, or where an FSDP2 parameter
+group manages one of its parameters (``fully_shard(decoder_layer)`` around an MLP tiled first). That reads
+FSDP2's private module -> state map: a list of parameter groups from torch 2.12 on (``_fsdp_param_groups``),
+one group before (``_fsdp_param_group``); a layout with neither is refused with the torch version named, never
+read as "no FSDP2". Refused: Linears inside the MLP that are FSDP2 units of their own (``PER_LINEAR_ERROR``).
 
-Rejected: Linears inside the MLP that are FSDP2 units of their own (per-Linear ``fully_shard``).
-Their hooks would all-gather and reshard once per token shard (a shard-count-dependent number of
-collectives, so ranks with different token counts deadlock), and skipping those hooks would leave
-their gradients unreduced: FSDP2 registers a unit's post-backward reduce-scatter in its own
-pre-forward hook.
-
-The instance may carry the mesh given to ``fully_shard`` (``FSDP2Strategy(mesh=mesh)``, or registered
-with ``register_strategy(FSDP2Strategy, mesh=mesh, override=True)``): the ranks FSDP2 averages over are
-then read from it, as given; without one, from the FSDP2 states managing the module's parameters. Under SP a
-gradient divide factor (``set_gradient_divide_factor``) other than the number of ranks FSDP2 adds is refused:
-the tiled loss's factor assumes FSDP2 averages over them.
+``FSDP2Strategy(mesh=...)`` takes the mesh given to ``fully_shard``: the ranks FSDP2 averages over are then
+read from it, else from the states managing the module. Under SP a gradient divide factor other than the
+number of ranks FSDP2 adds is refused: the tiled loss's factor assumes FSDP2 averages over them.
 """
 from __future__ import annotations
 
+import math
 import types
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
@@ -83,20 +71,28 @@ def _unreadable(what: str) -> RuntimeError:
                         "use one of those torch releases with FSDP2")
 
 
-def _fsdp2_states() -> Iterator[Any]:
+def _state_api() -> Optional[Tuple[Any, Any]]:
+    """FSDP2's private module -> state map and its state class, where this torch has them."""
     try:
         from torch.distributed._composable_state import _module_state_mapping
         from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
     except ImportError:
+        return None
+    return _module_state_mapping, FSDPState
+
+
+def _fsdp2_states() -> Iterator[Any]:
+    api = _state_api()
+    if api is None:
         # ``fully_shard`` gives each unit a class of its own under FSDPModule: with none, no FSDP2 state exists.
         if _fsdp_module_class().__subclasses__():
-            raise _unreadable("state map") from None
+            raise _unreadable("state map")
         return
-
+    mapping, state_class = api
     seen = set()
-    for ref in list(_module_state_mapping.values()):
+    for ref in list(mapping.values()):
         state = ref()
-        if isinstance(state, FSDPState) and id(state) not in seen:
+        if isinstance(state, state_class) and id(state) not in seen:
             seen.add(id(state))
             yield state
 
@@ -124,23 +120,16 @@ def _managing_groups(module: nn.Module) -> Iterator[Any]:
                 yield group
 
 
-def _fsdp_state_class() -> Optional[Any]:
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-    except ImportError:
-        return None
-    return FSDPState
-
-
 def fsdp2_forward_hook_state(hook: Any) -> Optional[Any]:
     """The FSDP2 state whose forward pre- or post-hook ``hook`` is, else None. ``fully_shard`` registers the
     state's own methods (``FSDPState._pre_forward``, ``FSDPState._post_forward``, bound to it) on a unit of one
     module, and on each module of a unit of several (``fully_shard([norm, lm_head])``, as accelerate makes)
     functions wrapping them, whose ``functools.wraps`` leaves the method as ``__wrapped__``: recognised by
     what they are (the bound methods' functions and owner), never by name."""
-    state_class = _fsdp_state_class()
-    if state_class is None:
+    api = _state_api()
+    if api is None:
         return None
+    state_class = api[1]
     own = (state_class._pre_forward, state_class._post_forward)
     for _ in range(4):  # the method under at most the group wrapper and torch.compiler.disable's
         if isinstance(hook, types.MethodType):
@@ -154,14 +143,10 @@ def fsdp2_forward_hook_state(hook: Any) -> Optional[Any]:
 
 def _state_of(module: nn.Module) -> Optional[Any]:
     """The FSDP2 state ``fully_shard`` gave ``module`` (alone or as one module of a unit), else None."""
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-    except ImportError:
-        return None
-    ref = _module_state_mapping.get(module)
+    api = _state_api()
+    ref = api[0].get(module) if api is not None else None
     state = ref() if ref is not None else None
-    state_class = _fsdp_state_class()
-    return state if state_class is not None and isinstance(state, state_class) else None
+    return state if api is not None and isinstance(state, api[1]) else None
 
 
 def is_head_unit_hook(head: nn.Module, hook: Any) -> bool:
@@ -187,40 +172,28 @@ def params_managed_by_fsdp2(module: nn.Module) -> bool:
     return next(_managing_groups(module), None) is not None
 
 
-def _averaging_ranks(mesh_info) -> List[int]:
-    """The global ranks FSDP2 averages a gradient over: its data-parallel mesh (sharded, or replicated and
-    sharded); where that mesh carries other dimensions too (tensor parallelism), its shard and replicate
-    groups."""
+def _data_parallel(mesh_info) -> Tuple[List[int], int]:
+    """The global ranks FSDP2 averages a gradient over (its data-parallel mesh; where that mesh carries other
+    dimensions too, tensor parallelism, its shard and replicate groups), and what it divides their sum by
+    without a divide factor (the product of those groups' sizes, ``_get_gradient_divide_factors``)."""
     import torch.distributed as dist
 
+    groups = [g for g in (getattr(mesh_info, n, None) for n in ("shard_process_group", "replicate_process_group"))
+              if g is not None]
+    divisor = math.prod(g.size() for g in groups)
     if not getattr(mesh_info, "is_spmd_mesh", False):
-        return mesh_info.mesh.mesh.flatten().tolist()
-    ranks: List[int] = []
-    for name in ("shard_process_group", "replicate_process_group"):
-        group = getattr(mesh_info, name, None)
-        if group is not None:
-            ranks += dist.get_process_group_ranks(group)
-    return ranks
-
-
-def _default_divisor(mesh_info) -> int:
-    """What FSDP2 divides a gradient's sum by when no divide factor is set: the size of its data-parallel
-    groups (``_get_gradient_divide_factors``), the product of the shard and replicate group sizes."""
-    size = 1
-    for name in ("shard_process_group", "replicate_process_group"):
-        group = getattr(mesh_info, name, None)
-        if group is not None:
-            size *= group.size()
-    return size
+        return mesh_info.mesh.mesh.flatten().tolist(), divisor
+    return [r for g in groups for r in dist.get_process_group_ranks(g)], divisor
 
 
 @dataclass(frozen=True)
 class FSDP2Reduction:
-    """How one FSDP2 parameter group reduces its gradients."""
+    """How one FSDP2 parameter group reduces its gradients: the global ranks whose gradients it adds, what it
+    divides their sum by without a divide factor, and ``set_gradient_divide_factor``'s, which replaces it."""
 
-    ranks: List[int]  # the global ranks whose gradients it adds
-    divisor: Optional[int] = None  # what FSDP2 divides their sum by without a divide factor (None: not read)
-    divide_factor: Optional[float] = None  # set_gradient_divide_factor's, where set: replaces the divisor
+    ranks: List[int]
+    divisor: Optional[int] = None
+    divide_factor: Optional[float] = None
 
     @property
     def averages(self) -> bool:
@@ -229,10 +202,9 @@ class FSDP2Reduction:
 
 
 def fsdp2_reductions(module: nn.Module) -> List[FSDP2Reduction]:
-    """For every FSDP2 parameter group managing a parameter of ``module``: the ranks it adds and whether it
-    averages over them (a divide factor set, ``set_gradient_divide_factor``, replaces the group's size)."""
-    return [FSDP2Reduction(_averaging_ranks(group.mesh_info), _default_divisor(group.mesh_info),
-                           getattr(group, "gradient_divide_factor", None)) for group in _managing_groups(module)]
+    """For every FSDP2 parameter group managing a parameter of ``module``: how it reduces."""
+    return [FSDP2Reduction(*_data_parallel(group.mesh_info), getattr(group, "gradient_divide_factor", None))
+            for group in _managing_groups(module)]
 
 
 class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
@@ -241,6 +213,7 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
 
     name = "fsdp2"
     priority = 100
+    claims_from_layout = True
 
     def __init__(self, mesh: Optional[Any] = None):
         if mesh is not None and mesh.ndim > 2:

@@ -1,33 +1,14 @@
 """Hugging Face's own tensor parallelism (``from_pretrained(..., tp_plan="auto")``): the one seam that reads it.
 
-transformers 5.25 lays a model out with its own styles (``transformers.distributed.tensor_parallel``), not
-with torch's ``parallelize_module``: each parameter becomes a DTensor (``shard_param``: ``Shard(0)`` for
-``ColwiseParallel``, ``Shard(1)`` for ``RowwiseParallel``'s weight) and ``install_forward`` *replaces the
-module's forward* on the instance with a closure ``tp_forward`` over the style (``self``), the module, the
-mesh and the class's own forward (``original_forward``): no module hook is registered. In training (grad
-enabled, a plain ``nn.Linear``, no quantized weight) the two Linear styles compute with DTensors:
-
-- ``ColwiseParallel``: a plain input becomes ``DTensor.from_local(x, mesh, [input_layouts])``, redistributed to
-  ``Replicate``; ``F.linear`` with the ``Shard(0)`` weight gives ``Shard(-1)``, redistributed to
-  ``output_layouts`` and made local where ``use_local_output`` ("colwise": Replicate in, local Shard(-1) out;
-  "colwise_gather_output", the Llama head's: Replicate out);
-- ``RowwiseParallel``: a plain input is this rank's last-dim slice (``Shard(-1)`` of ``in_features``), the
-  product with the ``Shard(1)`` weight is ``Partial``, redistributed to ``output_layouts`` (all-reduce for
-  Replicate) and made local where ``use_local_output``.
-
-That is what torch's ``ColwiseParallel`` / ``RowwiseParallel`` hooks compute around the same ``F.linear``, so
-the gated fast kernel's local view and the vocabulary-parallel loss (``tensor_parallel.py``,
-``tensor_parallel_head.py``) apply to it, with the layouts read from the style instance. Recognised by what it
-is: the forward's code object is ``tp_forward``'s own (taken from ``TensorParallelLayer.install_forward``),
-the style is an instance of exactly HF's ``ColwiseParallel`` or ``RowwiseParallel`` (a subclass such as
-``UnitColwiseParallel`` computes otherwise) whose methods are the ones transformers defines, the original
-forward is ``nn.Linear.forward`` bound to the module the closure was installed on, and its weight is a DTensor
-on the closure's mesh. Without grad (inference) HF takes a local path that computes the same values; the
-views below compute the DTensor path in both modes.
-
-Checked on the transformers versions in ``CHECKED_VERSIONS`` only: 5.6 laid models out with hooks of its own on
-plain local tensors, a different mechanism. A model HF's tensor parallelism laid out (its ``_is_hooked``
-marks) under any other version is refused at tiling (``version_problem``), naming the versions.
+transformers 5.25 lays a model out with its own styles (``transformers.distributed.tensor_parallel``): each
+parameter becomes a DTensor and ``install_forward`` *replaces the module's forward* on the instance with a closure
+``tp_forward`` over the style, the module, the mesh and the class's own forward; no hook is registered. Its
+``ColwiseParallel`` and ``RowwiseParallel`` compute with DTensors what torch's styles compute around the same
+``F.linear``, so the gated local view and the vocabulary-parallel loss apply, with the layouts read from the style
+instance. Recognised by what it is (docs/backends.md): ``tp_forward``'s own code object, exactly HF's two style
+classes with transformers' own methods and their three layouts only, ``nn.Linear.forward`` bound to the module,
+a DTensor weight on the closure's mesh. Checked on ``CHECKED_VERSIONS`` only (5.6 laid models out with hooks on
+plain local tensors): a model it laid out (``_is_hooked``) under another version is refused at tiling.
 """
 from __future__ import annotations
 

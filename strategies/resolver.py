@@ -1,13 +1,25 @@
 """Picks the strategy for a module (the highest-priority registration whose class claims it, built as
-configured), and asks the strategies in play how a loss split across sequence-parallel ranks must scale."""
+configured), and asks the strategies in play how a loss split across sequence-parallel ranks must scale.
+
+"auto" resolves at every call of a module, so the resolver decides once what it can: a class that declares
+``claims_from_layout`` is asked once per *layout* of the module, remembered per module and compared by
+identity at each call (the registry's order, which also says whether a process group is initialised; the
+recorded ancestors; the classes of the module tree; each parameter object and how many attributes it
+carries; the module's own hook counts). Wrapping changes the layout: ``fully_shard`` and FSDP1 replace
+the parameters, ZeRO marks them with attributes, ``parallelize_module`` makes them DTensors and adds hooks.
+Every other class (DDP, seen only while its forward runs; a third party's) is asked at every call, in order.
+"""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Union
+import operator
+import weakref
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
 from .base import SequenceParallelAware, Strategy, UnsupportedBackendError
-from .registry import claimable_registrations, get_strategy, registrations_by_priority
+from .registry import Registration, claimable_registrations, get_strategy, registrations_by_priority
 
 StrategyArg = Union[str, Strategy]
 
@@ -20,11 +32,71 @@ SEQUENCE_PARALLEL_UNAWARE_ERROR = (
 )
 
 
+def _layout(module: nn.Module, ancestors: Sequence[nn.Module]) -> Tuple[List[Any], List[int]]:
+    """What a ``claims_from_layout`` class may read: the objects (ancestors, each submodule's class, each
+    parameter), and counts (the module's hooks, each parameter's attributes)."""
+    objects: List[Any] = [*ancestors]
+    counts = [len(module._forward_pre_hooks), len(module._forward_hooks)]
+    todo: List[Optional[nn.Module]] = [module]
+    while todo:
+        sub = todo.pop()
+        if sub is None:
+            continue
+        objects.append(type(sub))
+        for p in sub._parameters.values():
+            if p is not None:
+                objects.append(p)
+                counts.append(len(p.__dict__))
+        todo.extend(sub._modules.values())
+    return objects, counts
+
+
+@dataclass
+class _Resolution:
+    """What "auto" found for one layout: the registrations to go through at each call, in order, each with
+    whether it is known to claim (the last one, where a layout class claimed). The layout's objects are held
+    weakly: a parameter keeps its optimizer, which may keep the model."""
+
+    registrations: List[Registration]
+    refs: List[Any]
+    counts: List[int]
+    steps: List[Tuple[Registration, bool]]
+
+    def holds(self, registrations: List[Registration], objects: List[Any], counts: List[int]) -> bool:
+        return (registrations is self.registrations and counts == self.counts and len(objects) == len(self.refs)
+                and all(map(operator.is_, (ref() for ref in self.refs), objects)))
+
+
+_RESOLUTIONS: weakref.WeakKeyDictionary[nn.Module, _Resolution] = weakref.WeakKeyDictionary()
+
+
 def resolve_strategy(module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> Strategy:
-    for entry in claimable_registrations():
-        if entry.cls.claims(module, ancestors):
-            return entry.build_for(module, ancestors)
+    registrations = claimable_registrations()
+    if registrations.reads_layout:
+        objects, counts = _layout(module, ancestors)
+        found = _RESOLUTIONS.get(module)
+        if found is None or not found.holds(registrations, objects, counts):
+            found = _RESOLUTIONS[module] = _Resolution(registrations, [weakref.ref(o) for o in objects], counts,
+                                                       _steps(registrations, module, ancestors))
+        for entry, claimed in found.steps:
+            if claimed or entry.cls.claims(module, ancestors):
+                return entry.build_for(module, ancestors)
+    else:
+        for entry in registrations:
+            if entry.cls.claims(module, ancestors):
+                return entry.build_for(module, ancestors)
     raise RuntimeError("no registered strategy claims the module (the single_device fallback was unregistered?)")
+
+
+def _steps(registrations: List[Registration], module: nn.Module, ancestors: Sequence[nn.Module]) -> List[Tuple[Registration, bool]]:
+    steps = []
+    for entry in registrations:
+        if not entry.cls.claims_from_layout:
+            steps.append((entry, False))
+        elif entry.cls.claims(module, ancestors):
+            steps.append((entry, True))
+            break
+    return steps
 
 
 def sums_over_sequence_ranks(module: nn.Module, group: Any = None, strategy: Optional[Strategy] = None) -> bool:

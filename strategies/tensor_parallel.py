@@ -1,45 +1,20 @@
 """DTensor tensor parallelism (``parallelize_module``) beside whichever strategy claims the parameters.
 
-Tensor parallelism is not a strategy of its own: the parameters may be claimed by the single-device
-strategy (pure TP) or by FSDP2 (FSDP2 x TP on a 2-D mesh, where inside FSDP2's forward the unsharded
-parameters are DTensors on the TP mesh). It composes beside them, as sequence parallelism does: every
-strategy's ``local_view`` and ``is_backend_hook`` consult this file (``base.Strategy``).
+Not a strategy of its own: the parameters may be claimed by the single-device strategy (pure TP) or FSDP2
+(FSDP2 x TP on a 2-D mesh); every strategy's ``local_view``, ``is_backend_hook`` and ``per_shard_problem``
+consult this file (``base.Strategy``). The layouts, what is proven and what is refused: docs/backends.md.
 
-What ``parallelize_module`` leaves on a Linear (``distribute_module`` in torch/distributed/tensor/_api.py):
-its parameters become DTensors, a forward pre-hook ``lambda mod, inputs: input_fn(mod, inputs, device_mesh)``
-and a forward hook ``lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh)``, where ``input_fn``
-and ``output_fn`` are ``functools.partial`` objects of the style's static ``_prepare_input_fn`` /
-``_prepare_output_fn`` with its layouts. A hook is recognised by what it is: the lambda's code object is one
-of ``distribute_module``'s, and the partial's function is one of the styles' (compared as objects, never by
-name). A subclass that overrides them is not proven, and the fast kernel declines it. Hugging Face's own
-styles (``from_pretrained(..., tp_plan=...)``) register no hook: they replace each Linear's forward, and
-``hf_tensor_parallel.py`` proves them, the views below then reading their layouts from the style instances.
+Hooks are recognised by what they are: ``distribute_module`` registers lambdas (their code objects are read
+from it) closing over a ``functools.partial`` of a style's static ``_prepare_input_fn`` / ``_prepare_output_fn``
+(compared as objects, never by name; a subclass that overrides them is not proven). Hugging Face's own styles
+register no hook but replace each Linear's forward: ``hf_tensor_parallel.py`` proves them.
 
-**The local view of the gated fast kernel** (``TensorParallelView``): on a colwise gate and up and a rowwise
-down, each rank computes ``act(x Wg_r^T) * (x Wu_r^T)`` on its slice ``r`` of the intermediate dimension
-and ``h_r Wd_r^T``, a *partial* sum of the output. Exact by construction, with the styles' own hooks:
-
-- parameters: ``p.to_local()`` (differentiable: the gradient flows back as a DTensor with the parameter's
-  placements into ``p.grad``, as untiled);
-- input: gate_proj's own input hook (``from_local`` with its input layouts, redistributed to Replicate),
-  then ``to_local(grad_placements=[Partial()])``: the input gradient, a partial sum over the TP ranks, is
-  reduced once in backward, by the hook's own ``from_local`` (or the caller's DTensor input);
-- output: ``DTensor.from_local(out, mesh, [Partial()])`` then down_proj's own output hook, which
-  redistributes to its output layouts (all-reduce for Replicate, reduce-scatter for ``Shard(1)`` under
-  sequence parallelism) and takes the local tensor where ``use_local_output``. One collective per call,
-  never per token shard, and no weight is ever gathered.
-
-**The local view of a norm under ``SequenceParallel``** (``SequenceParallelView``): each rank tiles its own
-tokens with the generic kernel, on the local input and weight (see the class). It is the only view the
-generic kernel runs on. Any other module whose DTensor parameters proven styles' hooks of their own submodules
-lay out runs its own forward per shard, hooks and collectives included, with no view; a style that lays out a
-token dimension, or DTensor parameters no such hook lays out, are refused (``per_shard_problem``).
-
-Declined for the gated view, with the reason: a fused
-``gate_up_proj``, a bias on the rowwise down_proj, placements other than ``Shard(0)`` (gate, up) and
-``Shard(1)`` (down), a mesh other than one 1-D mesh shared by every parameter, gate and up hooks that differ
-(function, layouts or mesh), an input hook that does not end in Replicate, a colwise output that is not
-local ``Shard(-1)``, or any hook not proven above.
+``TensorParallelView``, the gated fast kernel's local view: on a colwise gate and up and a rowwise down, each
+rank computes ``act(x Wg_r^T) * (x Wu_r^T)`` on its slice of the intermediate dimension and ``h_r Wd_r^T``, a
+partial sum. The input goes through gate_proj's own input hook, then ``to_local(grad_placements=[Partial()])``
+(its gradient reduced once, in backward); the output is ``from_local(out, mesh, [Partial()])`` through
+down_proj's own output hook: one collective per call, never per shard, and no weight gathered.
+``SequenceParallelView``: a norm under ``SequenceParallel`` tiles each rank's own tokens (see the class).
 """
 from __future__ import annotations
 
@@ -54,17 +29,14 @@ from torch import nn
 from . import hf_tensor_parallel as hf_tp
 
 
-def _distribute_module_lambdas() -> frozenset:
-    from torch.distributed.tensor import _api
-
-    return frozenset(c for c in _api.distribute_module.__code__.co_consts if getattr(c, "co_name", "") == "<lambda>")
-
-
 @functools.lru_cache(maxsize=1)
 def _styles() -> Tuple[frozenset, Any, Any, Any, Any]:
+    """The code objects of ``distribute_module``'s hook lambdas, and the proven styles' hook functions."""
+    from torch.distributed.tensor import _api
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return (_distribute_module_lambdas(), ColwiseParallel._prepare_input_fn, ColwiseParallel._prepare_output_fn,
+    lambdas = frozenset(c for c in _api.distribute_module.__code__.co_consts if getattr(c, "co_name", "") == "<lambda>")
+    return (lambdas, ColwiseParallel._prepare_input_fn, ColwiseParallel._prepare_output_fn,
             RowwiseParallel._prepare_input_fn, RowwiseParallel._prepare_output_fn)
 
 
@@ -78,44 +50,37 @@ class StyleHook:
     mesh: Any
 
 
-def style_hook(hook: Any) -> Optional[StyleHook]:
-    """The parts of a tensor-parallel hook of a proven style, else None."""
-    lambdas, *functions = _styles()
-    code = getattr(hook, "__code__", None)
-    if code is None or code not in lambdas:
-        return None
-    cells = dict(zip(code.co_freevars, (c.cell_contents for c in hook.__closure__ or ()), strict=True))
-    fn = cells.get("input_fn", cells.get("output_fn"))
-    if not isinstance(fn, functools.partial) or fn.func not in functions or fn.keywords:
-        return None
-    return StyleHook(hook, fn.func, tuple(fn.args), cells.get("device_mesh"))
-
-
-def _parallel_style_classes() -> List[type]:
-    from torch.distributed.tensor.parallel.style import ParallelStyle
-
-    found: List[type] = []
-    todo: List[type] = [ParallelStyle]
-    while todo:
-        cls = todo.pop()
-        found.append(cls)
-        todo.extend(cls.__subclasses__())
-    return found
-
-
-def parallel_style_of(hook: Any) -> Optional[type]:
-    """The ParallelStyle class whose method a ``distribute_module`` hook runs, proven or not (to name it in a
-    refusal: ``style_hook`` is what proves one), else None."""
+def _hook_parts(hook: Any) -> Optional[Tuple[functools.partial, Any]]:
+    """The style's partial and the mesh of any ``distribute_module`` hook, proven or not, else None."""
     code = getattr(hook, "__code__", None)
     if code is None or code not in _styles()[0]:
         return None
-    for cell in hook.__closure__ or ():
-        fn = cell.cell_contents
-        if isinstance(fn, functools.partial):
-            func = getattr(fn.func, "__func__", fn.func)
-            for cls in _parallel_style_classes():
-                if any(getattr(attr, "__func__", attr) is func for attr in vars(cls).values()):
-                    return cls
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in hook.__closure__ or ()), strict=True))
+    fn = cells.get("input_fn", cells.get("output_fn"))
+    return (fn, cells.get("device_mesh")) if isinstance(fn, functools.partial) else None
+
+
+def style_hook(hook: Any, functions: Optional[Sequence[Any]] = None) -> Optional[StyleHook]:
+    """The parts of a hook of a proven style (``functions``: ColwiseParallel's and RowwiseParallel's), else None."""
+    parts = _hook_parts(hook)
+    if parts is None or parts[0].func not in (functions or _styles()[1:]) or parts[0].keywords:
+        return None
+    return StyleHook(hook, parts[0].func, tuple(parts[0].args), parts[1])
+
+
+def parallel_style_of(hook: Any) -> Optional[type]:
+    """The ParallelStyle class that defines the function a ``distribute_module`` hook runs, proven or not (to name
+    it in a refusal: ``style_hook`` is what proves one), else None."""
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    parts = _hook_parts(hook)
+    function = getattr(parts[0].func, "__func__", parts[0].func) if parts is not None else None
+    todo: List[type] = [ParallelStyle] if function is not None else []
+    while todo:
+        cls = todo.pop()
+        if any(getattr(attr, "__func__", attr) is function for attr in vars(cls).values()):
+            return cls
+        todo.extend(cls.__subclasses__())
     return None
 
 
@@ -127,9 +92,7 @@ def style_hooks_of(module: nn.Module) -> List[Tuple[Any, type]]:
 
 def colwise_input_hook(module: nn.Module) -> Optional[StyleHook]:
     """``module``'s forward pre-hook that is ColwiseParallel's own input hook (not a subclass's), if any."""
-    col_in = _styles()[1]
-    pre, _ = _hooks(module)
-    found = [parts for parts in map(style_hook, pre) if parts is not None and parts.function is col_in]
+    found = [parts for parts in map(style_hook, _hooks(module)[0]) if parts is not None and parts.function is _styles()[1]]
     return found[0] if len(found) == 1 else None
 
 
@@ -252,79 +215,76 @@ def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> O
         bias = getattr(linear, "bias", None)
         if bias is not None and tuple(bias.placements) != (Shard(0),):
             return _declined(f"{name}.bias is {tuple(bias.placements)}, not (Shard(dim=0),)")
-    if any(hf_tp.installed_style(linear) is not None for linear in (gate, up, down)):
-        return _hf_view(gate, up, down, mesh)
+    hf = any(hf_tp.installed_style(linear) is not None for linear in (gate, up, down))
+    found = _hf_layouts(gate, up, down, mesh) if hf else _hook_layouts(gate, up, down, mesh)
+    if isinstance(found, str):
+        return _declined(found)
+    # Each projection's (layouts a plain input is read as, layouts it is made, output layouts, use_local_output).
+    gate_l, up_l, down_l, input_hook, output_hook = found
+    source = "forward" if hf else "input hook"
+    if gate_l[:2] != up_l[:2]:
+        return _declined(f"gate_proj and up_proj prepare their input differently ({gate_l[:2]} vs {up_l[:2]})")
+    if gate_l[1] != (Replicate(),):
+        return _declined(f"gate_proj's input is made {gate_l[1]}, not Replicate")
+    # The call is decided and its shards planned on the tokens the module is handed; a style that reads a plain
+    # input as sharded (input_layouts=Shard(1)) gathers more tokens than were planned, and the shards would
+    # cover only the first of them.
+    if gate_l[0] != (Replicate(),):
+        return _declined(f"gate_proj's {source} reads a plain input as {gate_l[0]} and gathers it: the call is "
+                         "planned on this rank's tokens, not the gathered ones. Put PrepareModuleInput("
+                         "input_layouts=Shard(1), desired_input_layouts=Replicate()) on the MLP instead")
+    for name, (_, _, output_layouts, use_local) in (("gate_proj", gate_l), ("up_proj", up_l)):
+        if output_layouts != (Shard(-1),) or not use_local:
+            return _declined(f"{name}'s output is {output_layouts} (use_local_output={use_local}), not the local "
+                             "Shard(-1) the rowwise down_proj takes")
+    if down_l[:2] != ((Shard(-1),), (Shard(-1),)):
+        return _declined(f"down_proj's input is prepared as {down_l[:2]}, not Shard(-1) kept as it is")
+    return TensorParallelView(gate=gate, input_hook=input_hook, down=down, output_hook=output_hook, mesh=mesh)
+
+
+def _hook_layouts(gate: nn.Module, up: nn.Module, down: nn.Module, mesh: Any) -> Any:
+    """torch's styles (``parallelize_module``): each projection's one proven input and output hook, their layouts
+    and the hooks the view runs; or why not."""
+    _, col_in, col_out, row_in, row_out = _styles()
     found = {}
     for linear, name, fn_in, fn_out in ((gate, "gate_proj", col_in, col_out), (up, "up_proj", col_in, col_out),
                                         (down, "down_proj", row_in, row_out)):
         for kind, function in (("input", fn_in), ("output", fn_out)):
             hook, why = _one_style_hook(linear, name, function, kind)
             if hook is None:
-                return _declined(why)
+                return why
             if hook.mesh != mesh:
-                return _declined(f"{name}'s {kind} hook is on another mesh than its parameters")
+                return f"{name}'s {kind} hook is on another mesh than its parameters"
             found[name, kind] = hook
-    gate_in, up_in = found["gate_proj", "input"], found["up_proj", "input"]
-    if gate_in.layouts != up_in.layouts:
-        return _declined(f"gate_proj and up_proj prepare their input differently ({gate_in.layouts} vs {up_in.layouts})")
-    if tuple(gate_in.layouts[1]) != (Replicate(),):
-        return _declined(f"gate_proj's input is made {gate_in.layouts[1]}, not Replicate")
-    # The call is decided and its shards planned on the tokens the module is handed; a hook that reads a
-    # plain input as sharded (input_layouts=Shard(1)) gathers more tokens than were planned, and the
-    # shards would cover only the first of them.
-    if tuple(gate_in.layouts[0]) != (Replicate(),):
-        return _declined(f"gate_proj's input hook reads a plain input as {gate_in.layouts[0]} and gathers it: the "
-                         "call is planned on this rank's tokens, not the gathered ones. Put PrepareModuleInput("
-                         "input_layouts=Shard(1), desired_input_layouts=Replicate()) on the MLP instead")
-    for name in ("gate_proj", "up_proj"):
-        output_layouts, use_local = found[name, "output"].layouts
-        if tuple(output_layouts) != (Shard(-1),) or not use_local:
-            return _declined(f"{name}'s output is {output_layouts} (use_local_output={use_local}), not the local "
-                             "Shard(-1) the rowwise down_proj takes")
-    down_in = found["down_proj", "input"]
-    if tuple(down_in.layouts[0]) != (Shard(-1),) or tuple(down_in.layouts[1]) != (Shard(-1),):
-        return _declined(f"down_proj's input is prepared as {down_in.layouts}, not Shard(-1) kept as it is")
-    return TensorParallelView(gate=gate, input_hook=gate_in.hook, down=down, output_hook=found["down_proj", "output"].hook,
-                              mesh=mesh)
+    layouts = [tuple(tuple(group) if isinstance(group, (tuple, list)) else group
+                     for group in (*found[name, "input"].layouts, *found[name, "output"].layouts))
+               for name in ("gate_proj", "up_proj", "down_proj")]
+    return (*layouts, found["gate_proj", "input"].hook, found["down_proj", "output"].hook)
 
 
-def _hf_view(gate: nn.Module, up: nn.Module, down: nn.Module, mesh: Any) -> TensorParallelView:
-    """The local view of a gated MLP whose projections Hugging Face's own styles laid out (``from_pretrained(...,
-    tp_plan=...)``: each Linear's forward replaced, no hook), with the same checks as torch's styles get above:
-    its ColwiseParallel gate and up, its RowwiseParallel down, their layouts read from the style instances."""
-    from torch.distributed.tensor import Replicate, Shard
+def _hf_layouts(gate: nn.Module, up: nn.Module, down: nn.Module, mesh: Any) -> Any:
+    """Hugging Face's own styles (``from_pretrained(..., tp_plan=...)``: each Linear's forward replaced, no hook):
+    its ColwiseParallel gate and up, its RowwiseParallel down, their layouts read from the style instances; or
+    why not. A colwise style makes its input Replicate, a rowwise one keeps it as it reads it."""
+    from torch.distributed.tensor import Replicate
 
-    styles = []
+    styles, layouts = [], []
     for linear, name, kind in ((gate, "gate_proj", "colwise"), (up, "up_proj", "colwise"), (down, "down_proj", "rowwise")):
         style = hf_tp.linear_style(linear)
         if style is None or style.kind != kind:
             found = hf_tp.installed_style(linear)
             what = "no tensor-parallel forward" if found is None else f"Hugging Face's {type(found).__name__}"
-            return _declined(f"{name}'s forward is {what}, not the proven Hugging Face {kind} style on a Linear "
-                             "(transformers " + ", ".join(hf_tp.CHECKED_VERSIONS) + ") the fast kernel computes")
-        pre, post = _hooks(linear)
-        if pre or post:
-            return _declined(f"{name} carries module hooks besides Hugging Face's tensor-parallel forward")
+            return (f"{name}'s forward is {what}, not the proven Hugging Face {kind} style on a Linear "
+                    "(transformers " + ", ".join(hf_tp.CHECKED_VERSIONS) + ") the fast kernel computes")
+        if any(_hooks(linear)):
+            return f"{name} carries module hooks besides Hugging Face's tensor-parallel forward"
         if style.mesh != mesh:
-            return _declined(f"{name}'s tensor-parallel forward is on another mesh than its parameters")
+            return f"{name}'s tensor-parallel forward is on another mesh than its parameters"
+        made = (Replicate(),) if kind == "colwise" else style.input_layouts
         styles.append(style)
-    gate_style, up_style, down_style = styles
-    if gate_style.input_layouts != up_style.input_layouts:
-        return _declined(f"gate_proj and up_proj read their input differently ({gate_style.input_layouts} vs "
-                         f"{up_style.input_layouts})")
-    # As for torch's styles: the call is planned on the tokens the module is handed.
-    if gate_style.input_layouts != (Replicate(),):
-        return _declined(f"gate_proj's forward reads a plain input as {gate_style.input_layouts} and gathers it: the "
-                         "call is planned on this rank's tokens, not the gathered ones")
-    for style, name in ((gate_style, "gate_proj"), (up_style, "up_proj")):
-        if style.output_layouts != (Shard(-1),) or not style.use_local_output:
-            return _declined(f"{name}'s output is {style.output_layouts} (use_local_output={style.use_local_output}), "
-                             "not the local Shard(-1) the rowwise down_proj takes")
-    if down_style.input_layouts != (Shard(-1),):
-        return _declined(f"down_proj reads its input as {down_style.input_layouts}, not this rank's Shard(-1)")
-    return TensorParallelView(gate=gate, input_hook=lambda _module, inputs: gate_style.replicated_input(inputs[0]),
-                              down=down, output_hook=lambda _module, _inputs, out: down_style.reduced_output(out),
-                              mesh=mesh)
+        layouts.append((style.input_layouts, made, style.output_layouts, style.use_local_output))
+    return (*layouts, lambda _module, inputs: styles[0].replicated_input(inputs[0]),
+            lambda _module, _inputs, out: styles[2].reduced_output(out))
 
 
 TOKEN_LAYOUT_DECLINED = (
@@ -346,24 +306,11 @@ DTENSOR_PARAMS_REFUSED = (
 )
 
 
-@functools.lru_cache(maxsize=1)
-def _sequence_parallel_hooks() -> Tuple[Any, Any]:
-    from torch.distributed.tensor.parallel import SequenceParallel
-
-    return SequenceParallel._prepare_input_fn, SequenceParallel._prepare_output_fn
-
-
 def _sequence_parallel_hook(hook: Any) -> Optional[StyleHook]:
     """The parts of ``SequenceParallel``'s own input or output hook (not a subclass's), else None."""
-    lambdas = _distribute_module_lambdas()
-    code = getattr(hook, "__code__", None)
-    if code is None or code not in lambdas:
-        return None
-    cells = dict(zip(code.co_freevars, (c.cell_contents for c in hook.__closure__ or ()), strict=True))
-    fn = cells.get("input_fn", cells.get("output_fn"))
-    if not isinstance(fn, functools.partial) or fn.func not in _sequence_parallel_hooks() or fn.keywords:
-        return None
-    return StyleHook(hook, fn.func, tuple(fn.args), cells.get("device_mesh"))
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return style_hook(hook, (SequenceParallel._prepare_input_fn, SequenceParallel._prepare_output_fn))
 
 
 def is_sequence_parallel_module(module: nn.Module) -> bool:
@@ -487,15 +434,11 @@ def _shards_tokens(placements: Sequence[Any], token_dims: int) -> bool:
 
 
 def per_shard_problem(module: nn.Module, token_dims: int) -> str:
-    """Why the generic kernel (``module``'s own forward once per token shard) is refused under tensor
-    parallelism ("" where it computes what one call does): a proven style's hook that shards a token dimension
-    (``RowwiseParallel(output_layouts=Shard(1))``: it would split each shard's tokens, not the call's), else
-    DTensor parameters that no proven style's hook of their own submodule lays out (the hooks on the tiled
-    module itself, or a bare ``distribute_module``: ``DTENSOR_PARAMS_REFUSED``). Proven styles that keep the
-    tokens whole run their collectives once per shard, each over that shard's tokens alone, as one call does
-    over all of them: exact, and the check that no shard's tensor outlives it waits for what the
-    communication backend still holds (``tiled_core/collectives.py``). The token dimensions of an input
-    ``[..., tokens, hidden]`` are all but the last (``token_dims`` of them)."""
+    """Why the generic kernel (``module``'s own forward once per token shard) is refused under tensor parallelism
+    ("" where it computes what one call does): a proven style's hook that shards a token dimension (it would split
+    each shard's tokens, not the call's), else DTensor parameters no proven style's hook of their own submodule lays
+    out (``DTENSOR_PARAMS_REFUSED``). Styles that keep the tokens whole run their collectives once per shard, over
+    that shard's tokens, as one call does over all of them. ``token_dims``: the input's dimensions before the hidden one."""
     unlaid = []
     for name, sub in module.named_modules():
         if not name:

@@ -1,34 +1,19 @@
-"""Tensor parallelism on the output head: ``lm_head`` parallelized with ``ColwiseParallel`` (torchtitan's
-layout: ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``, optionally
-``input_layouts=Shard(1)`` for a sequence-parallel input), its weight a DTensor ``Shard(0)`` over a
-1-D mesh: each rank holds ``[vocab / tp, hidden]`` rows.
+"""Tensor parallelism on the output head: ``lm_head`` parallelized with ``ColwiseParallel`` (torchtitan's layout:
+``output_layouts=Shard(-1), use_local_output=False``, optionally ``input_layouts=Shard(1)``), its weight a DTensor
+``Shard(0)`` over a 1-D mesh: each rank holds ``[vocab / tp, hidden]`` rows. The tiled loss computes with plain
+local tensors (``tiled_core/kernels/vocab_parallel.py``) that ``vocab_slice`` builds:
 
-The tiled loss computes with plain local tensors (``tiled_mlp.core.kernels.vocab_parallel``); this
-file builds them (``vocab_slice``):
-
-- the hidden states as the head's own input hook makes them (the hook ``distribute_module`` registered
-  for ``ColwiseParallel``: it annotates the input with ``input_layouts`` and redistributes it to
-  ``Replicate``, an all-gather for a sequence-parallel input), then ``to_local()`` behind
-  ``SumGradOverGroup``: each rank's input gradient is its part of a sum over the mesh, all-reduced once
-  per call on the way back, in place in the loss's own ``dx`` buffer. Not ``to_local(grad_placements=
-  [Partial()])``: DTensor's redistribution of that Partial gradient is a functional all-reduce that
-  allocates a second ``[tokens, hidden]`` buffer (1 GiB at 131072 tokens x 4096 in bf16), more than a
-  whole loss shard. The reduced gradient is Replicate, which the hook's backward takes as it is (or,
-  for a sequence-parallel input, as this rank's slice of it);
-- the weight and bias by ``to_local()``: their gradients reach the DTensor parameters' ``.grad``, each
-  rank its own rows, with no collective;
+- the hidden states as the head's own input hook makes them (redistributed to ``Replicate``), then ``to_local()``
+  behind ``SumGradOverGroup``: each rank's input gradient, its part of a sum over the mesh, is all-reduced once
+  per call in place in the loss's own ``dx`` buffer (``to_local(grad_placements=[Partial()])`` would allocate a
+  second ``[tokens, hidden]`` buffer, more than a whole loss shard);
+- the weight and bias by ``to_local()``: their gradients reach each rank's own rows, with no collective;
 - the mesh's process group and this rank's first vocabulary id.
 
-Hugging Face's own ``ColwiseParallel`` (its ``colwise`` and ``colwise_gather_output`` styles, ``tp_plan``)
-puts no hook on the head but replaces its forward; ``hf_tensor_parallel.py`` proves it, and its input is
-made as that style's DTensor path makes it. The head's own hooks are found by what they are: ``distribute_module`` registers lambdas closing over a
-``functools.partial`` of the style's ``_prepare_input_fn`` / ``_prepare_output_fn``. The output hook
-(which would redistribute the logits) has nothing to do: no logits are made.
-
-Refused before any work, naming the layout and the fix: a head parallelized by another style (sharded
-on the hidden dimension, ``RowwiseParallel``; replicated), a weight not ``Shard(0)`` over a 1-D mesh
-(a 2-D mesh: FSDP2 over a data-parallel dimension too), a bias not laid out as the weight, and the loss
-split over a sequence-parallel group as well.
+Hugging Face's own ``ColwiseParallel`` (``colwise``, ``colwise_gather_output``) replaces the head's forward instead
+of hooking it; ``hf_tensor_parallel.py`` proves it. Refused before any work, naming the layout and the fix: another
+style, a weight not ``Shard(0)`` over a 1-D mesh, a bias not laid out as the weight, and a loss also split over a
+sequence-parallel group (docs/backends.md).
 """
 from __future__ import annotations
 
@@ -43,7 +28,6 @@ from .tensor_parallel import (
     colwise_input_hook,
     composed_problem,
     is_sequence_parallel_module,
-    is_tensor_parallel_hook,
     layout_of,
     style_hooks_of,
 )
@@ -120,13 +104,11 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        """The module itself carries a tensor-parallel style's hooks and a DTensor ``weight`` (an MLP whose
-        Linears are parallelized carries neither: its Linears do), and is a Linear or carries a style other
-        than ``SequenceParallel``. A module that is not a Linear and carries ``SequenceParallel``'s hooks only
-        is a token-wise module on the rank's slice of the sequence (a norm), never a head: the strategy that
-        claims its parameters runs it, through the sequence-parallel view (``tensor_parallel.py``). Not asked
-        of torch.distributed's default group: a DTensor's mesh holds its own, and a mesh over a group made
-        without the default one (the planner's fake group) is as much a tensor-parallel head."""
+        """The module itself carries a tensor-parallel style's hooks and a DTensor ``weight`` (an MLP whose Linears
+        are parallelized carries neither), and is a Linear or carries a style other than ``SequenceParallel`` (a
+        norm on the rank's slice of the sequence is never a head). Not asked of the default process group: a
+        DTensor's mesh holds its own (the planner's fake group). The base ``is_backend_hook`` names the head's
+        ColwiseParallel hooks: the loss runs the input one itself and makes no logits for the output one."""
         weight = _own_weight(module)
         if weight is None or type(weight) is nn.Parameter or not _is_dtensor(weight):
             return False
@@ -135,11 +117,6 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
             # modules it laid out (refused in ``check_supported`` where its seam does not prove the style).
             return bool(vars(module).get("_is_hooked"))
         return isinstance(module, nn.Linear) or not is_sequence_parallel_module(module)
-
-    def is_backend_hook(self, hook) -> bool:
-        """ColwiseParallel's input and output hooks (``tensor_parallel.style_hook``): the loss runs the
-        input one itself, and makes no logits for the output one to redistribute."""
-        return is_tensor_parallel_hook(hook)
 
     def check_supported(self, module: nn.Module) -> None:
         head = type(module).__name__

@@ -127,6 +127,7 @@ def test_register_strategy_rejects_bad_classes():
 
     class WrongArity(_Claiming):
         name = "wrong_arity"
+        gathers_params = True
 
         def gathered(self):  # the core calls gathered(module)
             return None

@@ -10,10 +10,19 @@ import pytest
 import torch
 from reference import GatedMLP, assert_runs_close, fresh_inputs, seeded, tiled_run, untiled_run
 
+import tiled_mlp
 from tiled_mlp import Strategy, TiledMLP, available_strategies, get_strategy, register_strategy, unregister_strategy
 from tiled_mlp.strategies import SingleDeviceStrategy
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def run_in_child(code: str) -> None:
+    """Run ``code`` in a Python process of its own (global state: the default process group), importing the
+    tiled_mlp this process runs: from tests/ a bare child would import the installed one, maybe another checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.realpath(tiled_mlp.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=50, cwd=os.path.dirname(__file__), env=env)
 
 HIDDEN, INTER, TOKENS = 8, 12, 7
 
@@ -29,6 +38,7 @@ class RecordingStrategy(Strategy):
 
     name = "test_recording"
     priority = 50
+    gathers_params = True
     entered = []
 
     @classmethod
@@ -121,7 +131,7 @@ def test_a_claims_that_needs_a_process_group_is_asked_only_while_one_is_initiali
         "assert NeedsProcessGroup.asked == 1, NeedsProcessGroup.asked\n"
         "assert type(tiled.tiling.last_strategy) is NeedsProcessGroup, tiled.tiling.last_strategy\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=50, cwd=os.path.dirname(__file__))
+    run_in_child(code)
 
 
 def test_strategy_by_name_instance_and_class(recording):
@@ -234,3 +244,25 @@ def test_a_checkpoint_recompute_inside_backward_keeps_the_forwards_strategy(reen
     finally:
         WhileRunningStrategy.running = False
         unregister_strategy(WhileRunningStrategy.name)
+
+
+@pytest.mark.timeout(60)
+def test_a_module_called_before_fully_shard_is_fsdp2s_after_it(tmp_path):
+    """The mainstream case the layout check protects: a forward (a warm-up, a planner run) before the backend
+    wraps the model must not pin the single-device strategy. In a process of its own: the default group is
+    global state."""
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from reference import GatedMLP\n"
+        "from tiled_mlp import TiledMLP\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "layer = torch.nn.Sequential(TiledMLP(GatedMLP(8, 12), num_shards=2))\n"
+        "layer(torch.randn(1, 5, 8))\n"
+        "assert layer[0].tiling.last_strategy.name == 'single_device', layer[0].tiling.last_strategy\n"
+        "fully_shard(layer)\n"
+        "layer(torch.randn(1, 5, 8))\n"
+        "assert layer[0].tiling.last_strategy.name == 'fsdp2', layer[0].tiling.last_strategy\n"
+        "dist.destroy_process_group()\n"
+    )
+    run_in_child(code)

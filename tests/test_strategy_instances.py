@@ -229,6 +229,7 @@ def test_a_patched_base_gathered_is_entered_around_the_call_and_the_backward(mon
         return base(self, module)
 
     monkeypatch.setattr(Strategy, "gathered", spy)
+    monkeypatch.setattr(Strategy, "gathers_params", True)  # a capability is used where it is declared
     tiled = TiledMLP(GatedMLP(HIDDEN, INTER).double(), num_shards=2)
     tiled(torch.randn(1, 6, HIDDEN, dtype=torch.float64, requires_grad=True)).sum().backward()
     assert entered == ["TiledGatedMLP", "TiledGatedMLP"]  # around the forward, and around the recompute
