@@ -1,5 +1,10 @@
 """Pluggable parallel backends for TiledMLP (strategy instances, optional capabilities as mixins), a
 registry of classes with their constructor arguments, and a resolver."""
+# The folder is installed as tiled_mlp.strategies; imported by its repository name (from the repository's root) it would
+# be a second copy of every module, with registries of its own.
+if __name__ != "tiled_mlp.strategies":
+    raise ImportError(f"{__name__} is installed as tiled_mlp.strategies: import tiled_mlp.strategies (or tiled_mlp)")
+
 from .base import (
     SequenceParallelAware,
     Strategy,

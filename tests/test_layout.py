@@ -2,8 +2,8 @@
 that breaks them fails here rather than in a review.
 
 The repository keeps the card's top-level folders, ``tiled_core/`` and ``strategies/``; installed, they
-are ``tiled_mlp.core`` and ``tiled_mlp.strategies`` (``tiled_mlp/core`` and ``tiled_mlp/strategies`` are
-links to them), so the wheel claims one name.
+are ``tiled_mlp.core`` and ``tiled_mlp.strategies`` (pyproject's ``package-dir``), so the wheel claims one
+name.
 
 - ``tiled_core`` (backend-neutral) imports no backend library (deepspeed, accelerate, transformers,
   peft), no FSDP internals, no backend module of ``strategies`` (only its interface and resolver),
@@ -71,12 +71,9 @@ def package_of(target: str) -> str:
 
 
 def sources(folder: str) -> Iterator[Tuple[Path, str]]:
-    """Each file of a repository folder with its installed module name (``tiled_mlp/core`` and
-    ``tiled_mlp/strategies`` are links, walked under their own folders)."""
+    """Each file of a repository folder with its installed module name."""
     for path in sorted((ROOT / folder).rglob("*.py")):
         parts = path.relative_to(ROOT / folder).with_suffix("").parts
-        if folder == "tiled_mlp" and parts[0] in ("core", "strategies"):
-            continue
         yield path, ".".join((INSTALLED[folder],) + parts)
 
 
@@ -149,9 +146,9 @@ def test_the_design_cards_top_level():
     for name in ("tiled_core", "strategies", "integration_tests", "tests", "tox.ini", "pyproject.toml", "LICENSE"):
         assert (ROOT / name).exists(), name
     assert not (ROOT / "src").exists()
-    for link, folder in (("core", "tiled_core"), ("strategies", "strategies")):
-        path = ROOT / "tiled_mlp" / link
-        assert path.is_symlink() and path.resolve() == (ROOT / folder).resolve(), path
+    # Installed under tiled_mlp by pyproject's package-dir, not linked into it (tests/test_packaging.py).
+    for name in ("core", "strategies"):
+        assert not (ROOT / "tiled_mlp" / name).exists(), name
 
 
 def test_nothing_imports_the_folders_by_their_repository_names():

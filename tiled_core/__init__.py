@@ -5,6 +5,11 @@ the tiled cross-entropy.
 Imports torch only; backends are reached through the ``Strategy`` interface, and what a model library
 knows (its MLP bodies, its activations, a fused kernel) is registered from outside (``tiled_mlp.integrations``).
 """
+# The folder is installed as tiled_mlp.core; imported by its repository name (from the repository's root) it would
+# be a second copy of every module, with registries of its own.
+if __name__ != "tiled_mlp.core":
+    raise ImportError(f"{__name__} is installed as tiled_mlp.core: import tiled_mlp.core (or tiled_mlp)")
+
 from . import builtin_kernels  # noqa: F401  # registers the built-in kernels
 from .class_swap import install_tiling, prepare_tiling, untile
 from .fast_path import FastPathRefused, fast_path_problem

@@ -136,7 +136,7 @@ def _param(module: nn.Module, name: str) -> torch.Tensor:
     return module  # type: ignore[return-value]  # the last part names a parameter
 
 
-@torch.compiler.disable
+@dynamo_support.disable
 def _eager_call(module: nn.Module, reason: str, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
     if reason:  # a route decided where traced wrote its own
         tiling_of(module).__dict__["compiled_reason"] = _eager_route(reason).reason

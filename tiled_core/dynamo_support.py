@@ -28,6 +28,11 @@ them for:
 From 2.12 on ``id()`` of a value Dynamo has no source for is a made-up number (``FakeIdVariable``), so the
 objects themselves are passed there; a test that forces the ids there passes only objects read from the
 frame. Outside a trace the wrapper is a plain call.
+
+Nothing here imports Dynamo (``torch._dynamo`` brings ``torch._inductor`` and sympy, about 1 s): what is
+needed where Dynamo traces is marked the way its own decorators mark it, or made at the first call
+(``_marked_constant``, ``disable``, ``run_eagerly_at_top_level``); ``tests/test_light_import.py`` checks each
+against Dynamo's own.
 """
 from __future__ import annotations
 
@@ -54,6 +59,18 @@ PASSES_OBJECTS: bool = torch.__version__ >= "2.12"
 # What ``assume_constant_result`` converts itself on every release: the constants, and the functions and
 # classes it passes as themselves. Any other object goes by its id below 2.12.
 _AS_IS = (type(None), bool, int, float, str, tuple, torch.dtype, torch.device, type, types.FunctionType)
+
+
+def _marked_constant(function: Callable[..., T]) -> Callable[..., T]:
+    """``torch._dynamo.assume_constant_result(function)``, which marks the function with this attribute and
+    returns it (torch 2.13; Dynamo reads the mark where it traces a call, ``variables/functions.py``)."""
+    function._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return function
+
+
+# ``torch.compiler.disable`` made at the first call (importing Dynamo then, not at import time): torch's own
+# lazy form, whose wrapper Dynamo skips as torch's code (a graph break, then the disabled function).
+disable: Callable[..., Any] = getattr(torch, "_disable_dynamo", torch.compiler.disable)  # private; torch.optim uses it
 
 
 def _object_at(address: int) -> Any:
@@ -83,11 +100,11 @@ def decided_where_traced(decide: Callable[..., T]) -> Callable[..., T]:
     constants only; a symbolic size among them is specialized: ``_specialized``). Positional arguments
     only. Outside a trace it is a plain call."""
 
-    @torch._dynamo.assume_constant_result
+    @_marked_constant
     def by_object(*args: Any) -> T:
         return decide(*args)
 
-    @torch._dynamo.assume_constant_result
+    @_marked_constant
     def by_identity(classes: Tuple[Optional[type], ...], *args: Any) -> T:
         objects = [a if cls is None else _object_at(a) for cls, a in zip(classes, args, strict=True)]
         for cls, obj in zip(classes, objects, strict=True):
@@ -122,10 +139,12 @@ def run_eagerly_at_top_level(code: types.CodeType) -> None:
     """Dynamo compiles every frame it meets while a compile is active, even one called from a frame it skips
     (``torch.compiler.disable(recursive=False)``, code after a graph break); there ``is_compiling()`` is true
     in eager code. Frames of ``code`` are skipped at the top level, and still inlined where Dynamo traces
-    their caller (``torch._dynamo.eval_frame.skip_code``, private: where it is missing, nothing is skipped)."""
-    skip_code = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
-    if skip_code is not None:
-        skip_code(code)
+    their caller: ``torch._dynamo.eval_frame.skip_code``, through the C function it calls, which needs no
+    import of Dynamo (private: where it is missing, nothing is skipped)."""
+    frames = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    strategy, action = getattr(frames, "_FrameExecStrategy", None), getattr(frames, "_FrameAction", None)
+    if strategy is not None and action is not None:
+        frames.set_code_exec_strategy(code, strategy(action.SKIP, action.DEFAULT))  # type: ignore[union-attr]
 
 
 # ``bound`` read eagerly under an active compile gives the method, not the partial.

@@ -27,6 +27,7 @@ from torch import nn
 from tiled_mlp.strategies.base import Strategy
 from tiled_mlp.strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg, sums_over_sequence_ranks
 
+from . import dynamo_support
 from .compiled_loss import traced_loss_route
 from .head_call import foreign_head_hooks, in_head_call
 from .kernel_registry import REDUCE, KernelCall, choose_kernel
@@ -162,7 +163,7 @@ def tiled_cross_entropy(
     return sum_over_group(loss, sequence_group, averages)
 
 
-_eager_tiled_cross_entropy = torch.compiler.disable(tiled_cross_entropy)
+_eager_tiled_cross_entropy = dynamo_support.disable(tiled_cross_entropy)
 
 
 def _traced_linear_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: Optional[torch.Tensor],

@@ -1,5 +1,36 @@
 """tiled-mlp: token-sharded MLPs and losses for long-sequence training, correct under DDP, FSDP2 and ZeRO."""
-from .core import (
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def _load_from_checkout() -> None:
+    """The repository keeps ``tiled_core/`` and ``strategies/`` beside this folder; a wheel (and the editable
+    install's finder) installs them as ``tiled_mlp.core`` and ``tiled_mlp.strategies`` (pyproject's
+    ``package-dir``). Where this package runs from a checkout (``tiled_mlp/core`` is not here, the folders
+    are beside it), both are loaded from that same checkout under their installed names: from a checkout's
+    root, its own code runs, never another checkout's through an editable install."""
+    here = Path(__file__).resolve().parent
+    for name, folder in (("strategies", "strategies"), ("core", "tiled_core")):
+        init = here.parent / folder / "__init__.py"
+        if (here / name).exists() or not init.is_file() or f"{__name__}.{name}" in sys.modules:
+            continue
+        spec = importlib.util.spec_from_file_location(f"{__name__}.{name}", init,
+                                                      submodule_search_locations=[str(init.parent)])
+        assert spec is not None and spec.loader is not None, init
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[spec.name]
+            raise
+        setattr(sys.modules[__name__], name, module)
+
+
+_load_from_checkout()
+
+from .core import (  # noqa: E402  (after the checkout's folders are found)
     Kernel,
     KernelCall,
     TiledCrossEntropy,
@@ -14,7 +45,7 @@ from .core import (
     unregister_kernel,
     untile,
 )
-from .integrations import (
+from .integrations import (  # noqa: E402
     TilingReport,
     add_tiled_mlp_args,
     apply_checkpoint_offload,
@@ -26,7 +57,7 @@ from .integrations import (
     remove_tiled_loss,
     remove_tiled_mlp,
 )
-from .strategies import (
+from .strategies import (  # noqa: E402
     DDPStrategy,
     DeepSpeedZeroStrategy,
     FSDP1Strategy,

@@ -336,7 +336,7 @@ class TiledLossForward:
     # Dynamo skips this frame only where it runs under torch.compile (a call ``_traced_call`` does not trace):
     # at a break inside it, Dynamo would re-read the model's bound forward as ``model.forward``, which is this
     # object (a call to itself without labels, without end). The model's forward it calls is compiled as usual.
-    @torch.compiler.disable(recursive=False)
+    @dynamo_support.disable(recursive=False)
     def _eager_call(self, *args, **kwargs):
         if args and args[0] is self.model:  # accelerate's unwrap_model binds this forward to the model
             args = args[1:]
@@ -453,7 +453,7 @@ def _checked_where_traced(forward: TiledLossForward, instance_forward: Any) -> b
     return True
 
 
-@torch.compiler.disable
+@dynamo_support.disable
 def _checked_eagerly(forward: TiledLossForward) -> None:
     forward._check_forward()
 
