@@ -43,7 +43,7 @@ def test_plan_json_of_one_mlp_is_json_on_stdout():
 
 @pytest.mark.parametrize("returned, code", [(3, 3), (None, 0), (True, 1), ("a message", 1)])
 def test_the_command_runs_the_exit_functions_and_keeps_its_code_when_it_leaves_early(returned, code):
-    # ``run`` leaves with os._exit: what an exit must do still happens, and the code is what sys.exit makes of
+    # ``run`` exits the ordinary way: what an exit must do still happens, and the code is what sys.exit makes of
     # what the command returned (a message goes to stderr).
     script = ("import atexit, sys\n"
               "from tiled_mlp.cli import main\n"
