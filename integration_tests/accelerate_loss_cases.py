@@ -5,7 +5,7 @@ own ``Accelerator.prepare`` under FSDP2, DeepSpeed ZeRO-3 or DDP, two SGD steps 
 Each run records its losses, every parameter's full gradient at each step and every full parameter after
 it; the untiled run computes its loss from the logits in float64 by hand (transformers' own loss is float32
 math, ``tiny_models``' note), so a float64 run is compared exactly. The test compares the tiled run with the
-untiled run prepared the same way and with one process untiled (``reference_run``).
+untiled run prepared the same way and with one process untiled (``tiled_loss_steps.steps_reference_run``).
 
 On CPU accelerate never turns FSDP on by itself (its state says ``MULTI_CPU``): the distributed type and the
 plugin are set on its state by hand before ``prepare``, which then runs its real FSDP2 path
@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from .tiled_loss_steps import FLAGS, LR, build_model, run_steps, tiled_by_flags
+from .tiled_loss_steps import FLAGS, LR, build_loss_model, run_steps, tiled_by_flags
 
 
 # -- the backends, each through accelerate's prepare --------------------------------------------------
@@ -85,13 +85,13 @@ BACKENDS: Dict[str, Tuple[Callable, torch.dtype, Callable, Callable]] = {
 }
 
 
-def train(accelerator, backend: str, tiled: bool, rank: int, tied: bool = False, flags: List[str] = FLAGS) -> Dict:
+def train_accelerate_loss(accelerator, backend: str, tiled: bool, rank: int, tied: bool = False, flags: List[str] = FLAGS) -> Dict:
     """Two steps of the tiny Llama (its head tied to the embeddings or not) prepared by ``accelerator`` for
     ``backend``; the loss tiled by ``flags`` or computed from the logits."""
     from tiled_mlp.integrations.norms import TiledNorm
 
     _, dtype, full_grad, full_param = BACKENDS[backend]
-    model = build_model(dtype, tied)
+    model = build_loss_model(dtype, tied)
     if tiled:
         tiled_by_flags(model, flags)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -119,4 +119,4 @@ def describe_layout(model: torch.nn.Module) -> Dict:
 def one_run(rank: int, world_size: int, backend: str, tiled: bool, tied: bool = False) -> Dict:
     """One run per process: accelerate takes one ``Accelerator`` with a plugin per process, and its ZeRO-3
     ``backward`` stays with the first engine prepared."""
-    return train(BACKENDS[backend][0](), backend, tiled, rank, tied)
+    return train_accelerate_loss(BACKENDS[backend][0](), backend, tiled, rank, tied)

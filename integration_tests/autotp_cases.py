@@ -13,7 +13,7 @@ HIDDEN = 16
 VOCAB = 64
 
 
-def tiny_llama() -> torch.nn.Module:
+def autotp_llama() -> torch.nn.Module:
     """Two key-value heads, so that AutoTP splits attention evenly over 2 ranks too."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -55,7 +55,7 @@ def _steps(tiled: bool) -> Tuple[List[float], List[Dict[str, torch.Tensor]], obj
 
     import tiled_mlp
 
-    model = tiny_llama()
+    model = autotp_llama()
     loss_kernels: List[str] = []
     if tiled:
         # Before initialize: AutoTP then replaces the Linears inside the MLPs, and lm_head.

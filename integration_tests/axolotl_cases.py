@@ -2,7 +2,7 @@
 
 ``write_config`` writes the YAML of one run: full fine-tuning, a ``completion`` dataset of words from the
 tiny tokenizer, AdamW lr 1e-2, a few steps, float32 (Axolotl's dtype with bf16 and fp16 off). Each run is
-its own process (``run``), as ``axolotl train`` is: Axolotl's plugin manager is a process-wide singleton.
+its own process (``run_axolotl``), as ``axolotl train`` is: Axolotl's plugin manager is a process-wide singleton.
 
 ``RecorderPlugin`` (listed first, in both runs; with ``start(..., float64=True)`` it first puts the model in
 float64, the untiled one's loss kept float64 too: ``float64_loss``) keeps each step's loss as the model returned it (a forward
@@ -81,7 +81,7 @@ def finish(config: Path, process: subprocess.Popen, timeout: float = 300) -> Dic
     return record
 
 
-def run(config: Path, float64: bool = False, timeout: float = 300) -> Dict[str, Any]:
+def run_axolotl(config: Path, float64: bool = False, timeout: float = 300) -> Dict[str, Any]:
     return finish(config, start(config, float64), timeout)
 
 

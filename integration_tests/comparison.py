@@ -1,5 +1,6 @@
-"""What the float64 distributed comparisons (the tiled loss, checkpoint offload, Ulysses SP) share: their
-bounds, the relative error they hold to them, and the mark for DeepSpeed's cases."""
+"""What the float64 distributed comparisons (the tiled loss, checkpoint offload, Ulysses SP, TP) share: their
+bounds, the relative error they hold to them, whole tensors from sharded ones, and the mark for DeepSpeed's
+cases."""
 from __future__ import annotations
 
 import importlib.util
@@ -35,6 +36,12 @@ def rel_error(want: torch.Tensor, have: torch.Tensor) -> float:
         return float("inf")
     want, have = want.double(), have.double()
     return float((have - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of the whole tensor; of a DTensor, ``full_tensor()`` (a collective: every rank calls
+    it in the same order)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
 def _float_kept(tensor: torch.Tensor) -> torch.Tensor:

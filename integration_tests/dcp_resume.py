@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from tiled_mlp import TiledMLP
 
+from .comparison import full_tensor
 from .toy_models import make_toy_model
 
 HIDDEN = 16  # toy_models.ToyModel's hidden size
@@ -34,7 +35,7 @@ KINDS = ("untiled", "tiled")
 LR = 1e-2
 
 
-def build(kind: str, seed: int, world_size: int, lr: float = LR):
+def build_for_resume(kind: str, seed: int, world_size: int, lr: float = LR):
     """The toy model, TiledMLP on each block's MLP when tiled (before FSDP2), each block and the
     root under ``fully_shard``, and AdamW over all parameters."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -49,18 +50,18 @@ def build(kind: str, seed: int, world_size: int, lr: float = LR):
     return model, optimizer
 
 
-def batch(rank: int, step: int):
+def resume_batch(rank: int, step: int):
     """Fixed per rank and step, the same in every run."""
     g = torch.Generator().manual_seed(1000 * (rank + 1) + step)
     x = torch.randn(1, TOKENS, HIDDEN, generator=g)
     return x, torch.randn(x.shape, generator=g)
 
 
-def train(model: nn.Module, optimizer, rank: int, steps: range) -> list:
+def train_for_resume(model: nn.Module, optimizer, rank: int, steps: range) -> list:
     """The rank's local loss at each step (before that step's update)."""
     losses = []
     for step in steps:
-        x, target = batch(rank, step)
+        x, target = resume_batch(rank, step)
         loss = ((model(x) - target) ** 2).mean()
         loss.backward()
         optimizer.step()
@@ -69,18 +70,13 @@ def train(model: nn.Module, optimizer, rank: int, steps: range) -> list:
     return losses
 
 
-def full(t):
-    """A whole tensor (``full_tensor`` is a collective: callers iterate in a fixed order)."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-
-
 def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
-    return {name: full(p) for name, p in model.named_parameters()}
+    return {name: full_tensor(p) for name, p in model.named_parameters()}
 
 
 def full_optim_state(osd: dict) -> Dict[str, Dict[str, torch.Tensor]]:
     """``{fqn: {exp_avg, exp_avg_sq, step}}`` as whole tensors, from a (sharded) optimizer state dict."""
-    return {fqn: {k: full(v) for k, v in sorted(osd["state"][fqn].items())} for fqn in sorted(osd["state"])}
+    return {fqn: {k: full_tensor(v) for k, v in sorted(osd["state"][fqn].items())} for fqn in sorted(osd["state"])}
 
 
 def describe(model: nn.Module, osd: dict) -> dict:
@@ -97,8 +93,8 @@ def describe(model: nn.Module, osd: dict) -> dict:
 def save_runs(rank: int, world_size: int, ckpt_root: str) -> dict:
     out = {}
     for kind in KINDS:
-        model, optimizer = build(kind, seed=0, world_size=world_size)
-        train(model, optimizer, rank, range(SAVE_AT))
+        model, optimizer = build_for_resume(kind, seed=0, world_size=world_size)
+        train_for_resume(model, optimizer, rank, range(SAVE_AT))
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
         record = describe(model, state["optim"])
         record["model_keys"] = sorted(state["model"])
@@ -106,7 +102,7 @@ def save_runs(rank: int, world_size: int, ckpt_root: str) -> dict:
         record["saved_params"] = full_params(model)
         record["saved_optim"] = full_optim_state(state["optim"])
         dcp.save(state, checkpoint_id=str(Path(ckpt_root) / kind))
-        record["losses"] = train(model, optimizer, rank, range(SAVE_AT, SAVE_AT + CONTINUE))
+        record["losses"] = train_for_resume(model, optimizer, rank, range(SAVE_AT, SAVE_AT + CONTINUE))
         record["final"] = full_params(model)
         out[kind] = record
     return out
@@ -117,7 +113,7 @@ def resume_runs(rank: int, world_size: int, ckpt_root: str) -> dict:
     out = {}
     for saved, kind in zip(KINDS, reversed(KINDS), strict=True):
         # Another seed and another lr: the checkpoint must bring every tensor and the param_groups.
-        model, optimizer = build(kind, seed=1, world_size=world_size, lr=10 * LR)
+        model, optimizer = build_for_resume(kind, seed=1, world_size=world_size, lr=10 * LR)
         # get_optimizer_state_dict gives AdamW its state tensors (a zero-grad step) so there is
         # something for dcp.load to fill. Sharded tensors are filled in place (they are the live
         # DTensors); the param_groups' plain values (lr) reach the optimizer only through
@@ -129,7 +125,7 @@ def resume_runs(rank: int, world_size: int, ckpt_root: str) -> dict:
         record = describe(model, get_optimizer_state_dict(model, optimizer))
         record["loaded_params"] = full_params(model)
         record["loaded_optim"] = full_optim_state(get_optimizer_state_dict(model, optimizer))
-        record["losses"] = train(model, optimizer, rank, range(SAVE_AT, SAVE_AT + CONTINUE))
+        record["losses"] = train_for_resume(model, optimizer, rank, range(SAVE_AT, SAVE_AT + CONTINUE))
         record["final"] = full_params(model)
         out[saved] = record
     return out

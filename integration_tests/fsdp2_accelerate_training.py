@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tiled_mlp import TiledMLP
 
 from .fsdp2_cases import LR, STEPS, Fsdp2Case
-from .fsdp2_training import base_model, full, micro_batch
+from .fsdp2_training import fsdp2_base_model, fsdp2_micro_batch, full_float
 from .training_record import new_record, note_tiled_calls
 
 CASE = Fsdp2Case("accelerate", num_shards=3)
@@ -44,10 +44,10 @@ def _force_fsdp2(accelerator, plugin) -> None:
     assert accelerator.is_fsdp2
 
 
-def train(accelerator, kind: str, rank: int) -> Dict:
+def train_fsdp2_accelerate(accelerator, kind: str, rank: int) -> Dict:
     from torch.distributed.fsdp import FSDPModule
 
-    model = base_model(CASE)
+    model = fsdp2_base_model(CASE)
     if kind == "tiled":
         for layer in model.layers:
             layer.mlp = TiledMLP(layer.mlp, num_shards=CASE.shards(rank))
@@ -58,16 +58,16 @@ def train(accelerator, kind: str, rank: int) -> Dict:
     named = list(model.named_parameters())  # tiled in place: the same names as untiled
     tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
     record = new_record()
-    record["initial"] = {n: full(p) for n, p in named}
+    record["initial"] = {n: full_float(p) for n, p in named}
     for step in range(STEPS):
-        x, target = micro_batch(CASE, rank, step)
+        x, target = fsdp2_micro_batch(CASE, rank, step)
         loss = ((model(x) - target) ** 2).mean()
         accelerator.backward(loss)
         note_tiled_calls(record, tiled)
-        record["grads"].append({n: full(p.grad) for n, p in named if p.requires_grad})
+        record["grads"].append({n: full_float(p.grad) for n, p in named if p.requires_grad})
         optimizer.step()
         optimizer.zero_grad()
-        record["params"].append({n: full(p) for n, p in named})
+        record["params"].append({n: full_float(p) for n, p in named})
     return record
 
 
@@ -75,6 +75,6 @@ def train_with_accelerate(rank: int, world_size: int) -> Dict:
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True, fsdp_plugin=_plugin())
-    out = {kind: train(accelerator, kind, rank) for kind in ("untiled", "tiled")}
+    out = {kind: train_fsdp2_accelerate(accelerator, kind, rank) for kind in ("untiled", "tiled")}
     dist.barrier()
     return out

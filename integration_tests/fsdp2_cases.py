@@ -59,7 +59,7 @@ class Fsdp2Case:
         return "fsdp2" if self.strategy == "auto" else self.strategy
 
 
-def tolerance(case: Fsdp2Case, against: str) -> float:
+def fsdp2_tolerance(case: Fsdp2Case, against: str) -> float:
     """Relative bound (max |diff| / max |reference|, per tensor: every gradient and every parameter
     after every step) for a run against ``against``: "untiled" (the untiled FSDP2 run of the same
     case), "float32" / "float64" (the single-process reference).

@@ -8,6 +8,7 @@ from typing import Callable, Dict
 
 import torch
 
+from .comparison import full_tensor
 from .tiled_loss_steps import LR, run_steps, tiled_by_flags
 
 
@@ -31,11 +32,7 @@ LAYOUTS: Dict[str, Callable] = {
 }
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-
-
-def train(rank: int, world_size: int, layout: str, tiled: bool) -> Dict:
+def train_fsdp2_head(rank: int, world_size: int, layout: str, tiled: bool) -> Dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -56,8 +53,8 @@ def train(rank: int, world_size: int, layout: str, tiled: bool) -> Dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     named = list(model.named_parameters())
     return run_steps(model, named, tiled, rank, lambda loss: loss.backward(), optimizer,
-                     lambda p: _full(p.grad), _full)
+                     lambda p: full_tensor(p.grad), full_tensor)
 
 
 def both_runs(rank: int, world_size: int, layout: str) -> Dict:
-    return {"untiled": train(rank, world_size, layout, False), "tiled": train(rank, world_size, layout, True)}
+    return {"untiled": train_fsdp2_head(rank, world_size, layout, False), "tiled": train_fsdp2_head(rank, world_size, layout, True)}

@@ -10,18 +10,18 @@ from typing import Dict
 import torch
 
 from .fsdp2_cases import LR, STEPS, Fsdp2Case
-from .fsdp2_training import base_model, micro_batch
+from .fsdp2_training import fsdp2_base_model, fsdp2_micro_batch
 
 
-def reference_run(case: Fsdp2Case, world_size: int, dtype: torch.dtype) -> Dict:
-    model = base_model(case, dtype=dtype)
+def fsdp2_reference_run(case: Fsdp2Case, world_size: int, dtype: torch.dtype) -> Dict:
+    model = fsdp2_base_model(case, dtype=dtype)
     named = list(model.named_parameters())
     optimizer = torch.optim.SGD([p for _, p in named if p.requires_grad], lr=LR)
     record = {"grads": [], "params": [], "initial": {n: p.detach().clone() for n, p in named}}
     for step in range(STEPS):
         for micro in range(case.gas):
             for rank in range(world_size):
-                x, target = micro_batch(case, rank, step * case.gas + micro)
+                x, target = fsdp2_micro_batch(case, rank, step * case.gas + micro)
                 loss = ((model(x.to(dtype)) - target.to(dtype)) ** 2).mean() / (case.gas * world_size)
                 loss.backward()
         record["grads"].append({n: p.grad.detach().clone() for n, p in named if p.requires_grad})

@@ -17,14 +17,14 @@ from typing import Dict, List
 import torch
 import torch.nn.functional as F
 
-from .comparison import rel_error
+from .comparison import full_tensor, rel_error
 
 DP, TP = 2, 2
 BATCH, SEQ, VOCAB = 4, 12, 64
 STEPS, LR = 2, 0.1
 
 
-def _model() -> torch.nn.Module:
+def _tp_llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -58,18 +58,14 @@ def _parallelize(model: torch.nn.Module, mesh) -> None:
     parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
 
 
-def _reference_loss(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+def _float64_causal_loss(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
     """The causal-LM loss in float64. Not the model's own: transformers' loss casts the logits to float32
     first (measured: the untiled TP model's gradients then differ from one process's by 1e-7)."""
     logits = model(input_ids=batch["input_ids"]).logits
     return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1))
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def run(rank: int, world_size: int, mlp_path: str = "fast") -> Dict[str, float]:
+def run_fsdp2_tp(rank: int, world_size: int, mlp_path: str = "fast") -> Dict[str, float]:
     """Two SGD steps of the tiled model against the reference; the MLPs asked for ``mlp_path`` ("fast": what
     "auto" proves for Llama's MLP; "generic": their own forward per shard, its collectives per shard too)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -78,7 +74,7 @@ def run(rank: int, world_size: int, mlp_path: str = "fast") -> Dict[str, float]:
     from tiled_mlp import apply_tiled_mlp
 
     batches = _batches()
-    reference = _model()
+    reference = _tp_llama()
     model = copy.deepcopy(reference)
     dp = world_size // TP
     mesh = init_device_mesh("cpu", (dp, TP), mesh_dim_names=("dp", "tp"))
@@ -96,17 +92,17 @@ def run(rank: int, world_size: int, mlp_path: str = "fast") -> Dict[str, float]:
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step, batch in enumerate(batches):
-        ref_loss = _reference_loss(reference, batch)
+        ref_loss = _float64_causal_loss(reference, batch)
         ref_loss.backward()
         mine = {k: v[dp_rank * half:(dp_rank + 1) * half] for k, v in batch.items()}
         loss = model(**mine).loss
         loss.backward()
         # The rank's loss is its half's mean: the mean over dp is the whole batch's.
-        global_loss = _full(loss).detach().clone()
+        global_loss = full_tensor(loss)
         torch.distributed.all_reduce(global_loss, group=mesh["dp"].get_group())
         errors[f"loss_{step}"] = rel_error(ref_loss.detach(), global_loss / dp)
         ref_grads = dict(reference.named_parameters())
-        errors[f"grad_{step}"] = max(rel_error(ref_grads[name].grad, _full(p.grad))
+        errors[f"grad_{step}"] = max(rel_error(ref_grads[name].grad, full_tensor(p.grad))
                                      for name, p in model.named_parameters())
         errors[f"mlp_path_{step}"] = float(all(layer.mlp.tiling.last_path == mlp_path for layer in model.model.layers))
         ref_opt.step()
@@ -114,5 +110,5 @@ def run(rank: int, world_size: int, mlp_path: str = "fast") -> Dict[str, float]:
         ref_opt.zero_grad()
         opt.zero_grad()
     ref_params = dict(reference.named_parameters())
-    errors["params"] = max(rel_error(ref_params[name].detach(), _full(p.detach())) for name, p in model.named_parameters())
+    errors["params"] = max(rel_error(ref_params[name].detach(), full_tensor(p.detach())) for name, p in model.named_parameters())
     return errors

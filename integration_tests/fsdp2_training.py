@@ -10,6 +10,7 @@ from torch import nn
 
 from tiled_mlp import TiledMLP
 
+from .comparison import full_tensor
 from .fsdp2_cases import HIDDEN, LR, STEPS, Fsdp2Case
 from .toy_models import make_toy_model
 from .training_record import new_record, note_tiled_calls
@@ -18,14 +19,14 @@ KINDS = ("untiled", "tiled")
 
 
 
-def micro_batch(case: Fsdp2Case, rank: int, index: int):
+def fsdp2_micro_batch(case: Fsdp2Case, rank: int, index: int):
     """The same (input, target) for a rank and micro-batch index in every run and the reference."""
     g = torch.Generator().manual_seed(1000 * (rank + 1) + index)
     x = torch.randn(1, case.tokens(rank), HIDDEN, generator=g)
     return x, torch.randn(x.shape, generator=g)
 
 
-def base_model(case: Fsdp2Case, dtype=torch.float32) -> nn.Module:
+def fsdp2_base_model(case: Fsdp2Case, dtype=torch.float32) -> nn.Module:
     model = make_toy_model(seed=0, lora=case.lora).to(dtype)
     if case.frozen_input:
         for p in (*model.in_proj.parameters(), *model.layers[0].norm.parameters()):
@@ -46,10 +47,10 @@ def fsdp_kwargs(case: Fsdp2Case, world_size: int) -> dict:
     return kwargs
 
 
-def build_model(case: Fsdp2Case, kind: str, rank: int, world_size: int) -> nn.Module:
+def build_fsdp2_model(case: Fsdp2Case, kind: str, rank: int, world_size: int) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    model = base_model(case)
+    model = fsdp2_base_model(case)
     kwargs = fsdp_kwargs(case, world_size)
 
     def tile(mlp: nn.Module) -> nn.Module:
@@ -72,38 +73,38 @@ def build_model(case: Fsdp2Case, kind: str, rank: int, world_size: int) -> nn.Mo
     return model
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a sharded DTensor (a collective: every rank calls it in the same order)."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().clone()
+def full_float(t: torch.Tensor) -> torch.Tensor:
+    """``full_tensor`` in float32 (the bf16 runs' gradients too)."""
+    return full_tensor(t).float()
 
 
-def train(case: Fsdp2Case, kind: str, rank: int, world_size: int) -> Dict:
-    model = build_model(case, kind, rank, world_size)
+def train_fsdp2(case: Fsdp2Case, kind: str, rank: int, world_size: int) -> Dict:
+    model = build_fsdp2_model(case, kind, rank, world_size)
     named = list(model.named_parameters())  # tiled in place: the same names as untiled
     trainable = [p for _, p in named if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=LR)
     tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
     record = new_record()
-    record["initial"] = {n: full(p) for n, p in named}
+    record["initial"] = {n: full_float(p) for n, p in named}
     for step in range(STEPS):
         for micro in range(case.gas):
             # Reduce-scatter only at the last micro-batch; before it FSDP2 keeps unsharded sums.
             model.set_requires_gradient_sync(micro == case.gas - 1)
-            x, target = micro_batch(case, rank, step * case.gas + micro)
+            x, target = fsdp2_micro_batch(case, rank, step * case.gas + micro)
             loss = ((model(x).float() - target) ** 2).mean() / case.gas
             loss.backward()
             note_tiled_calls(record, tiled)
-        record["grads"].append({n: full(p.grad) for n, p in named if p.requires_grad})
+        record["grads"].append({n: full_float(p.grad) for n, p in named if p.requires_grad})
         optimizer.step()
         optimizer.zero_grad()
-        record["params"].append({n: full(p) for n, p in named})
+        record["params"].append({n: full_float(p) for n, p in named})
     return record
 
 
-def train_cases(rank: int, world_size: int, cases: List[Fsdp2Case]) -> Dict:
+def train_fsdp2_cases(rank: int, world_size: int, cases: List[Fsdp2Case]) -> Dict:
     """``{case.name: {kind: record}}`` for every case, untiled and tiled."""
     results = {}
     for case in cases:
-        results[case.name] = {kind: train(case, kind, rank, world_size) for kind in KINDS}
+        results[case.name] = {kind: train_fsdp2(case, kind, rank, world_size) for kind in KINDS}
         dist.barrier()
     return results

@@ -14,7 +14,7 @@ from unittest import mock
 
 import torch
 
-from .comparison import rel_error
+from .comparison import full_tensor, rel_error
 
 STEPS, SHARDS, LR, MOMENTUM = 2, 3, 0.5, 0.9
 BATCH, SEQUENCE = 2, 11
@@ -42,13 +42,7 @@ def _load(path: str, tensor_parallel: bool) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager", **extra)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
-def _train(model: torch.nn.Module) -> Dict[str, Any]:
+def _train_tp_steps(model: torch.nn.Module) -> Dict[str, Any]:
     from .tiny_models import VOCAB
 
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -63,15 +57,15 @@ def _train(model: torch.nn.Module) -> Dict[str, Any]:
             logits_returned.append(out.logits is not None)
             out.loss.backward()
             losses.append(out.loss.item())
-            grads.append({k: _full(p.grad) for k, p in model.state_dict(keep_vars=True).items()
+            grads.append({k: full_tensor(p.grad) for k, p in model.state_dict(keep_vars=True).items()
                           if getattr(p, "grad", None) is not None})
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    params = {k: _full(p) for k, p in model.state_dict().items()}
+    params = {k: full_tensor(p) for k, p in model.state_dict().items()}
     return {"losses": losses, "grads": grads, "params": params, "logits_returned": logits_returned}
 
 
-def _errors(want: Dict[str, Any], have: Dict[str, Any]) -> Dict[str, float]:
+def _training_errors(want: Dict[str, Any], have: Dict[str, Any]) -> Dict[str, float]:
     """Relative error per compared tensor; a key missing on either side is inf."""
     errors = {"loss": max(abs(a - b) / abs(a) for a, b in zip(want["losses"], have["losses"], strict=True))}
     for step, (w, h) in enumerate(zip(want["grads"], have["grads"], strict=True)):
@@ -89,7 +83,7 @@ def _tiled_run(path: str, tiling: Dict[str, Any]) -> Dict[str, Any]:
 
     model = _load(path, tensor_parallel=True)
     report = apply_tiled_mlp(model, loss=True, norms=True, **tiling)
-    run = _train(model)
+    run = _train_tp_steps(model)
     run["report"] = str(report)
     run["expected"] = {block.name: block.expected_path for block in report.patched}
     run["ran"] = {block.name: (block.tiled.tiling.last_path, block.tiled.tiling.last_num_shards,
@@ -150,16 +144,16 @@ def _unproven_style_refused(path: str) -> Dict[str, str]:
 
 def run_hf_tp(rank: int, world_size: int, path: str, cases: List[str]) -> Dict[str, Any]:
     compared = {"untiled", "tiled", "generic", "defaults"} & set(cases)
-    reference = _train(_load(path, tensor_parallel=False)) if compared else {}
+    reference = _train_tp_steps(_load(path, tensor_parallel=False)) if compared else {}
     result: Dict[str, Any] = {}
     if "untiled" in cases:  # Hugging Face's tensor parallelism alone, against one process
-        result["untiled"] = {"errors": _errors(reference, _train(_load(path, tensor_parallel=True)))}
+        result["untiled"] = {"errors": _training_errors(reference, _train_tp_steps(_load(path, tensor_parallel=True)))}
     shards: Dict[str, Any] = {"num_shards": SHARDS, "loss_num_shards": SHARDS}
     # "defaults": the call as a user writes it (auto shard counts: a call this short may run untiled).
     for case, tiling in (("tiled", shards), ("generic", dict(shards, path="generic")), ("defaults", {})):
         if case in cases:
             run = _tiled_run(path, tiling)
-            run["errors"] = _errors(reference, run)
+            run["errors"] = _training_errors(reference, run)
             for key in ("grads", "params"):
                 run.pop(key)
             result[case] = run

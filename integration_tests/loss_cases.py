@@ -61,7 +61,7 @@ class LossCase:
         return int(self.backend[-1]) if self.backend.startswith("zero") else None
 
 
-def cases_for(backend: str, tied=(False, True), untiled_harness: bool = True) -> Tuple[LossCase, ...]:
+def loss_cases_for(backend: str, tied=(False, True), untiled_harness: bool = True) -> Tuple[LossCase, ...]:
     """The untiled harness case first (it must pass whatever the tiled ones do), then the tiled ones."""
     cases = [LossCase(f"{backend}-{'tied' if tied[-1] else 'untied'}-untiled", backend, tied=tied[-1], tiled=False)]
     cases = cases if untiled_harness else []
@@ -83,7 +83,7 @@ class ResidualMLP(nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
-def reference_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+def case_reference_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
     """Hugging Face's ``ForCausalLMLoss`` with ``num_items_in_batch`` (shift, ignore_index, sum / N),
     without its ``logits.float()`` so that float64 stays float64 (the test checks it against the real
     ``ForCausalLMLoss`` in float32)."""
@@ -110,10 +110,10 @@ class TinyLM(nn.Module):
         if self.tiled:
             return tiled_cross_entropy(hidden, self.lm_head, labels, num_items_in_batch=num_items_in_batch,
                                        num_shards=self.num_shards)
-        return reference_loss(self.lm_head(hidden), labels, num_items_in_batch)
+        return case_reference_loss(self.lm_head(hidden), labels, num_items_in_batch)
 
 
-def make_model(tied: bool, tiled: bool = False, num_shards: int = 3, dtype: torch.dtype = DTYPE) -> TinyLM:
+def loss_model(tied: bool, tiled: bool = False, num_shards: int = 3, dtype: torch.dtype = DTYPE) -> TinyLM:
     """Seeded: every rank and the reference start from the same weights (float64; a DeepSpeed rank from
     their float32 rounding, ``comparison.ZERO_DTYPE``). The norm's affine parameters are moved off 1 and 0
     so that their gradients are not special."""
@@ -126,7 +126,7 @@ def make_model(tied: bool, tiled: bool = False, num_shards: int = 3, dtype: torc
 
 
 # -- the data -----------------------------------------------------------------------------------------
-def batch(case: LossCase, step: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def loss_batch(case: LossCase, step: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, labels)`` of ``rank`` at ``step``, each ``[1, TOKENS[rank]]``."""
     g = torch.Generator().manual_seed(100 * step + rank + (7 if case.empty_rank else 0))
     tokens = TOKENS[rank % 2]
@@ -143,21 +143,21 @@ def valid_count(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE).sum())
 
 
-def global_count(case: LossCase, step: int, world: int) -> int:
-    return sum(valid_count(batch(case, step, rank)[1]) for rank in range(world))
+def loss_global_count(case: LossCase, step: int, world: int) -> int:
+    return sum(valid_count(loss_batch(case, step, rank)[1]) for rank in range(world))
 
 
 # -- the single-process reference ---------------------------------------------------------------------
-def reference_run(case: LossCase, world: int) -> Dict:
+def loss_reference_run(case: LossCase, world: int) -> Dict:
     """Untiled float64, one process, all ranks' data: per step the global loss
     ``sum over ranks of sum(CE of valid tokens) / N``, its gradients, and the parameters after SGD."""
-    model = make_model(case.tied)
+    model = loss_model(case.tied)
     named = list(model.named_parameters())
     optimizer = torch.optim.SGD([p for _, p in named], lr=LR)
     record: Dict = {"losses": [], "grads": [], "params": [], "counts": []}
     for step in range(STEPS):
-        count = global_count(case, step, world)
-        loss = sum(model(*batch(case, step, rank), num_items_in_batch=count) for rank in range(world))
+        count = loss_global_count(case, step, world)
+        loss = sum(model(*loss_batch(case, step, rank), num_items_in_batch=count) for rank in range(world))
         loss.backward()
         record["counts"].append(count)
         record_step(record, loss, named, sgd_step(optimizer))
@@ -259,10 +259,10 @@ def _global_items(labels: torch.Tensor) -> torch.Tensor:
     return count
 
 
-def _build(case: LossCase, rank: int, world: int):
+def _build_loss_case(case: LossCase, rank: int, world: int):
     """``(module to call, named parameters, torch optimizer or None, full grad, full param, DeepSpeed
     engine or None)``: ``full_*`` give a parameter's whole gradient / value after the backend's reduction."""
-    model = make_model(case.tied, tiled=case.tiled, num_shards=case.shards(rank),
+    model = loss_model(case.tied, tiled=case.tiled, num_shards=case.shards(rank),
                        dtype=ZERO_DTYPE if case.zero_stage else DTYPE)
     if case.backend == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -283,9 +283,9 @@ def _build(case: LossCase, rank: int, world: int):
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-    from .zero_cases import ZeroCase, ds_config
+    from .zero_cases import ZeroCase, zero_ds_config
 
-    config = ds_config(ZeroCase(case.name, stage=case.zero_stage, dtype=ZERO_DTYPE))
+    config = zero_ds_config(ZeroCase(case.name, stage=case.zero_stage, dtype=ZERO_DTYPE))
     config["gradient_clipping"] = 0.0  # DeepSpeed clips at 1.0 by default: the reference takes plain SGD steps
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config)
 
@@ -299,14 +299,14 @@ def _build(case: LossCase, rank: int, world: int):
     return engine, list(model.named_parameters()), None, safe_get_full_grad, full_param, engine
 
 
-def run_case(case: LossCase, rank: int, world: int) -> Dict:
-    module, named, optimizer, full_grad, full_param, engine = _build(case, rank, world)
+def run_loss_case(case: LossCase, rank: int, world: int) -> Dict:
+    module, named, optimizer, full_grad, full_param, engine = _build_loss_case(case, rank, world)
     head_weight = dict(named)["embed_tokens.weight" if case.tied else "lm_head.weight"]
     record: Dict = {"losses": [], "grads": [], "params": [], "counts": [], "calls": [], "gathers": [],
                     "initial": {n: full_param(p).detach().clone() for n, p in named}}
     optimizer_step = engine.step if engine is not None else sgd_step(optimizer)
     for step in range(STEPS):
-        ids, labels = batch(case, step, rank)
+        ids, labels = loss_batch(case, step, rank)
         items = _global_items(labels)
         calls: List[Dict] = []
         gathers = new_gather_counts()
@@ -344,13 +344,13 @@ def _call_outside_fsdp2_forward(model, labels) -> Optional[str]:
     return None
 
 
-def run_cases(rank: int, world: int, cases: List[LossCase]) -> Dict[str, Dict]:
+def run_loss_cases(rank: int, world: int, cases: List[LossCase]) -> Dict[str, Dict]:
     if any(case.zero_stage for case in cases):
         from deepspeed.utils import logger
 
         logger.setLevel(logging.WARNING)
     results = {}
     for case in cases:
-        results[case.name] = run_case(case, rank, world)
+        results[case.name] = run_loss_case(case, rank, world)
         dist.barrier()
     return results

@@ -16,7 +16,7 @@ summed, no scaling). ``STEPS`` SGD steps: the first ``OFFLOADED_STEPS`` with the
 ``.remove()`` and one more, plain.
 
 The reference: one process, float64, the same initial weights, no tiling, no checkpointing, no offload,
-every rank's batch, the loss written out (``loss_cases.reference_loss``: Hugging Face's ``ForCausalLMLoss``
+every rank's batch, the loss written out (``loss_cases.case_reference_loss``: Hugging Face's ``ForCausalLMLoss``
 without its float32 cast).
 
 Under ZeRO-3 the offload is applied after ``deepspeed.initialize``, or before it
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comparison import ZERO_DTYPE
-from .loss_cases import IGNORE, reference_loss, valid_count
+from .loss_cases import IGNORE, case_reference_loss, valid_count
 from .tiny_models import VOCAB
 from .training_record import record_step, sgd_step
 
@@ -68,7 +68,7 @@ class OffloadCase:
         return self.checkpointing == "none"
 
 
-def cases_for(backend: str, checkpointing=CHECKPOINTING) -> Tuple[OffloadCase, ...]:
+def offload_cases_for(backend: str, checkpointing=CHECKPOINTING) -> Tuple[OffloadCase, ...]:
     cases = tuple(OffloadCase(f"{backend}-{kind}", backend, kind) for kind in checkpointing)
     if backend == "zero3":
         # The control: ZeRO-3's own error against the float64 reference, which the bound is set from.
@@ -91,7 +91,7 @@ def expected_host_bytes(model: nn.Module, rank: int) -> int:
 
 
 # -- the model ----------------------------------------------------------------------------------------
-def make_model(dtype: torch.dtype = DTYPE) -> nn.Module:
+def offload_model(dtype: torch.dtype = DTYPE) -> nn.Module:
     """``tiny_models.tiny_model("llama")`` with 3 layers instead of 2: same config otherwise, same seed,
     float64 (a DeepSpeed rank: ``comparison.ZERO_DTYPE``), eager attention, in training mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -120,13 +120,13 @@ def checkpointed(model: nn.Module, kind: str) -> nn.Module:
     return model
 
 
-def canonical(name: str) -> str:
+def unwrapped_name(name: str) -> str:
     """The reference's parameter name (checkpoint_wrapper adds a module level; the rest add none here)."""
     return name.replace(_WRAPPED, "")
 
 
 # -- the data -----------------------------------------------------------------------------------------
-def batch(step: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def offload_batch(step: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + rank)
     ids = torch.randint(0, VOCAB, SHAPES[rank % 2], generator=g)
     labels = ids.clone()
@@ -134,22 +134,22 @@ def batch(step: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def global_count(step: int, world: int) -> int:
-    return sum(valid_count(batch(step, rank)[1]) for rank in range(world))
+def offload_global_count(step: int, world: int) -> int:
+    return sum(valid_count(offload_batch(step, rank)[1]) for rank in range(world))
 
 
 # -- the single-process reference ---------------------------------------------------------------------
-def reference_run(world: int) -> Dict:
+def offload_reference_run(world: int) -> Dict:
     """Untiled float64, one process, no checkpointing, every rank's batch: per step the global loss, its
     gradients, and the parameters after the SGD step."""
-    model = make_model()
+    model = offload_model()
     named = list(model.named_parameters())
     optimizer = torch.optim.SGD([p for _, p in named], lr=LR)
     record: Dict = {"losses": [], "grads": [], "params": [], "counts": []}
     for step in range(STEPS):
-        count = global_count(step, world)
-        loss = sum(reference_loss(model(input_ids=ids, use_cache=False).logits, labels, count)
-                   for ids, labels in (batch(step, rank) for rank in range(world)))
+        count = offload_global_count(step, world)
+        loss = sum(case_reference_loss(model(input_ids=ids, use_cache=False).logits, labels, count)
+                   for ids, labels in (offload_batch(step, rank) for rank in range(world)))
         loss.backward()
         record["counts"].append(count)
         record_step(record, loss, named, sgd_step(optimizer))
@@ -168,12 +168,12 @@ class Built:
     destroy: Callable[[], None] = lambda: None
 
 
-def _build(case: OffloadCase, world: int):
+def _build_offload_case(case: OffloadCase, world: int):
     """``(Built, offload handle, tiling report)``."""
     from tiled_mlp.integrations import apply_tiled_mlp
     from tiled_mlp.integrations.offload import apply_checkpoint_offload
 
-    model = make_model(ZERO_DTYPE if case.backend == "zero3" else DTYPE)
+    model = offload_model(ZERO_DTYPE if case.backend == "zero3" else DTYPE)
     report = None if case.plain else apply_tiled_mlp(model, num_shards=SHARDS, loss=True, loss_num_shards=SHARDS)
     if not case.plain:
         checkpointed(model, case.checkpointing)
@@ -209,11 +209,11 @@ def _build(case: OffloadCase, world: int):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    from .zero_cases import ZeroCase, ds_config
+    from .zero_cases import ZeroCase, zero_ds_config
     from .zero_training import full_param
 
     offload = offload_of(model) if case.offload_first else None
-    config = ds_config(ZeroCase(case.name, stage=3, dtype=ZERO_DTYPE))  # stage3_param_persistence_threshold 0
+    config = zero_ds_config(ZeroCase(case.name, stage=3, dtype=ZERO_DTYPE))  # stage3_param_persistence_threshold 0
     config["gradient_clipping"] = 0.0  # DeepSpeed clips at 1.0 by default; the reference takes plain SGD steps
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                       config=config)
@@ -241,9 +241,9 @@ def _offload_hooks_left(offload, model: nn.Module) -> int:
                for hooks in (module._forward_pre_hooks, module._forward_hooks) for hook in hooks.values())
 
 
-def run_case(case: OffloadCase, rank: int, world: int) -> Dict:
-    built, offload, report = _build(case, world)
-    named = [(canonical(n), p) for n, p in built.model.named_parameters()]
+def run_offload_case(case: OffloadCase, rank: int, world: int) -> Dict:
+    built, offload, report = _build_offload_case(case, world)
+    named = [(unwrapped_name(n), p) for n, p in built.model.named_parameters()]
     host = offload.host_bytes
     micro_ranks = list(range(world)) if case.backend == "single" else [rank]
     expected = {r: expected_host_bytes(built.model, r) for r in micro_ranks}
@@ -261,15 +261,15 @@ def run_case(case: OffloadCase, rank: int, world: int) -> Dict:
                 record["hooks_left_after_remove"] = _offload_hooks_left(offload, built.model)
             losses, step_host = [], []
             for data_rank in micro_ranks:
-                ids, labels = batch(step, data_rank)
+                ids, labels = offload_batch(step, data_rank)
                 items = torch.tensor(valid_count(labels), dtype=torch.int64)
                 if case.backend == "single":
-                    items = torch.tensor(global_count(step, world), dtype=torch.int64)
+                    items = torch.tensor(offload_global_count(step, world), dtype=torch.int64)
                 else:
                     dist.all_reduce(items)  # the Trainer's num_items_in_batch across data-parallel ranks
                 if case.plain:
                     logits = built.call(input_ids=ids, use_cache=False).logits
-                    out = SimpleNamespace(loss=reference_loss(logits, labels, items), logits=logits)
+                    out = SimpleNamespace(loss=case_reference_loss(logits, labels, items), logits=logits)
                 else:
                     out = built.call(input_ids=ids, labels=labels, num_items_in_batch=items, use_cache=False)
                 after_forward = host.current
@@ -289,14 +289,14 @@ def run_case(case: OffloadCase, rank: int, world: int) -> Dict:
     return record
 
 
-def run_cases(rank: int, world: int, cases: List[OffloadCase]) -> Dict[str, Dict]:
+def run_offload_cases(rank: int, world: int, cases: List[OffloadCase]) -> Dict[str, Dict]:
     if any(case.backend == "zero3" for case in cases):
         from deepspeed.utils import logger
 
         logger.setLevel(logging.WARNING)
     results = {}
     for case in cases:
-        results[case.name] = run_case(case, rank, world)
+        results[case.name] = run_offload_case(case, rank, world)
         if dist.is_initialized():
             dist.barrier()
     return results

@@ -16,13 +16,13 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
-from .sp_cases import SPCase, raised, sample
+from .sp_cases import SPCase, raised, sp_sample
 
 FLOAT32_BOUND = 5e-6  # float32 forward and backward against float64; measured worst 5.2e-7
 CASE = SPCase("backends", masks="uneven")
 
 
-def ds_config(stage: int, **zero: Any) -> Dict:
+def sp_ds_config(stage: int, **zero: Any) -> Dict:
     extra = {k: zero.pop(k) for k in list(zero) if k == "gradient_predivide_factor"}
     zero_opt = {"stage": stage, **zero}
     if stage == 3:
@@ -34,18 +34,18 @@ def ds_config(stage: int, **zero: Any) -> Dict:
 
 # name -> DeepSpeed config of an engine built with the SP groups (deepspeed.initialize(mpu=sp.mpu))
 DEEPSPEED_EXACT = {
-    "zero3-no-reduce-scatter": ds_config(3, reduce_scatter=False),
-    "zero3-no-reduce-scatter-no-contiguous": ds_config(3, reduce_scatter=False, contiguous_gradients=False),
-    "zero3-reduce-scatter": ds_config(3),
-    "zero0-float32": ds_config(0),
-    "zero1": ds_config(1),
+    "zero3-no-reduce-scatter": sp_ds_config(3, reduce_scatter=False),
+    "zero3-no-reduce-scatter-no-contiguous": sp_ds_config(3, reduce_scatter=False, contiguous_gradients=False),
+    "zero3-reduce-scatter": sp_ds_config(3),
+    "zero0-float32": sp_ds_config(0),
+    "zero1": sp_ds_config(1),
 }
 # the same, the engine wrapping a module above the LM: read from the ZeRO optimizer the parameters link to
 WRAPPED_EXACT = ("zero3-no-reduce-scatter", "zero1")
 DEEPSPEED_REFUSED = {
     # the embedding (1024 elements) and MLP weights (640) above the bucket, the norms (16) below it
-    "zero3-no-reduce-scatter-mixed-buckets": ds_config(3, reduce_scatter=False, reduce_bucket_size=100),
-    "zero1-predivide": ds_config(1, gradient_predivide_factor=2.0),
+    "zero3-no-reduce-scatter-mixed-buckets": sp_ds_config(3, reduce_scatter=False, reduce_bucket_size=100),
+    "zero1-predivide": sp_ds_config(1, gradient_predivide_factor=2.0),
 }
 
 
@@ -62,8 +62,8 @@ def sp_llama(dtype: torch.dtype, micro_batch_size: int = 1):
     return model, apply_sequence_parallel(model, 2, micro_batch_size=micro_batch_size)
 
 
-def _batch(sp) -> Dict[str, torch.Tensor]:
-    ids, labels = sample(CASE, 0, 0)
+def _sharded_sample(sp) -> Dict[str, torch.Tensor]:
+    ids, labels = sp_sample(CASE, 0, 0)
     return sp.shard({"input_ids": ids, "labels": labels})
 
 
@@ -91,7 +91,7 @@ def _deepspeed_run(config: Dict, wrapped: bool = False) -> Dict:
     engine, *_ = deepspeed.initialize(model=trained, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                       config=config, mpu=sp.mpu)
     try:
-        loss = engine(**_batch(sp)).loss
+        loss = engine(**_sharded_sample(sp)).loss
         engine.backward(loss)
         return {"grads": {n: safe_get_full_grad(p).detach().double().clone() for n, p in model.named_parameters()}}
     finally:
@@ -108,14 +108,14 @@ def _plain_engine_after_remove() -> Dict:
     before = groups.mpu
     model, sp = sp_llama(torch.float32)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                      config=ds_config(1), mpu=sp.mpu)
+                                      config=sp_ds_config(1), mpu=sp.mpu)
     engine.destroy()
     sp.remove()
     out: Dict = {"slot_restored": groups.mpu is before}
     plain = torch.nn.Linear(4, 4)
     try:
         engine, *_ = deepspeed.initialize(model=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
-                                          config=ds_config(1))
+                                          config=sp_ds_config(1))
     except Exception as exc:  # noqa: BLE001 - the test reads the message
         out["plain_engine"] = f"{type(exc).__name__}: {exc}"
         return out
@@ -138,7 +138,7 @@ def _ddp_off_the_sp_ranks(rank: int) -> Dict:
     model, sp = sp_llama(torch.float64)
     ddp = DDP(model, process_group=_own_rank_groups(rank))
     try:
-        return _raised(lambda: ddp(**_batch(sp)).loss.backward())
+        return _raised(lambda: ddp(**_sharded_sample(sp)).loss.backward())
     finally:
         sp.remove()
 
@@ -151,7 +151,7 @@ def _fsdp2_off_the_sp_ranks() -> Dict:
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("sp", "dp"))
     fully_shard(model, mesh=mesh["dp"])  # a one-rank mesh: FSDP2 averages over this rank only
     try:
-        return _raised(lambda: model(**_batch(sp)).loss.backward())
+        return _raised(lambda: model(**_sharded_sample(sp)).loss.backward())
     finally:
         sp.remove()
 
@@ -186,8 +186,8 @@ def _batch_of_two_reference() -> Dict[str, torch.Tensor]:
 
 def _two_samples() -> Tuple[torch.Tensor, torch.Tensor]:
     other = SPCase("backends", masks="plain")
-    return (torch.cat([sample(CASE, 0, 0)[0], sample(other, 1, 0)[0]]),
-            torch.cat([sample(CASE, 0, 0)[1], sample(other, 1, 0)[1]]))
+    return (torch.cat([sp_sample(CASE, 0, 0)[0], sp_sample(other, 1, 0)[0]]),
+            torch.cat([sp_sample(CASE, 0, 0)[1], sp_sample(other, 1, 0)[1]]))
 
 
 def _batch_of_two_grads() -> Dict:
@@ -212,7 +212,7 @@ def _whole_sequence_on_every_rank() -> Dict:
     import torch.nn.functional as F
 
     model, sp = sp_llama(torch.float64)
-    ids, labels = sample(CASE, 0, 0)
+    ids, labels = sp_sample(CASE, 0, 0)
     shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
     try:
         return _raised(lambda: model(input_ids=ids, shift_labels=shift).loss.backward())

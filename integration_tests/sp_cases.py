@@ -67,7 +67,7 @@ class SPCase:
 
 
 # -- the data -----------------------------------------------------------------------------------------
-def sample(case: SPCase, step: int, group: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def sp_sample(case: SPCase, step: int, group: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, labels)``, each ``[1, TOKENS]``: DP group ``group``'s full sample at ``step``."""
     from .tiny_models import VOCAB
 
@@ -95,12 +95,12 @@ def valid_targets(labels: torch.Tensor) -> int:
 
 
 def num_items(case: SPCase, step: int) -> int:
-    return sum(valid_targets(sample(case, step, group)[1]) for group in range(case.dp))
+    return sum(valid_targets(sp_sample(case, step, group)[1]) for group in range(case.dp))
 
 
 def rank_targets(case: SPCase, step: int, rank: int) -> int:
     """Valid targets in SP rank ``rank``'s slice (its DP group's sample)."""
-    labels = sample(case, step, rank // case.sp)[1]
+    labels = sp_sample(case, step, rank // case.sp)[1]
     shifted = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
     chunk = TOKENS // case.sp
     r = rank % case.sp
@@ -126,7 +126,7 @@ def reference_model(family: str) -> torch.nn.Module:
     return model
 
 
-def reference_run(case: SPCase) -> Dict:
+def sp_reference_run(case: SPCase) -> Dict:
     """Per step: each DP group's loss (as its ranks return it), every gradient of the step, and every
     parameter after the step."""
     model = reference_model(case.family)
@@ -137,7 +137,7 @@ def reference_run(case: SPCase) -> Dict:
         count = torch.tensor(num_items(case, step)) if case.num_items else None
         losses = []
         for group in range(case.dp):
-            ids, labels = sample(case, step, group)
+            ids, labels = sp_sample(case, step, group)
             losses.append(hf_loss64(model(input_ids=ids).logits, labels, num_items_in_batch=count))
         total = sum(losses) if case.num_items else sum(losses) / case.dp
         total.backward()
@@ -225,7 +225,7 @@ def zero_config(case: SPCase) -> dict:
             "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
-def _wrap(case: SPCase, model, sp, world: int):
+def _wrap_backend(case: SPCase, model, sp, world: int):
     """``(module to call, optimizer or None, engine or None, full grad, full param, reduce grads)``."""
     import torch.distributed as dist
 
@@ -273,16 +273,16 @@ def _loader(case: SPCase, sp, rank: int) -> Iterator[Dict]:
     items = []
     for step in range(STEPS):
         if step % case.sp == rank % case.sp:
-            ids, labels = sample(case, step, group)
+            ids, labels = sp_sample(case, step, group)
             items.append({"input_ids": ids[0], "labels": labels[0], "position_ids": torch.arange(TOKENS)})
     return iter(sp.data_loader(DataLoader(items, batch_size=1)))
 
 
-def run_case(case: SPCase, rank: int, world: int) -> Dict:
+def run_sp_case(case: SPCase, rank: int, world: int) -> Dict:
     import torch.distributed as dist
 
     model, sp, offload = sp_model(case, rank)
-    module, optimizer, engine, full_grad, full_param, reduce_grads = _wrap(case, model, sp, world)
+    module, optimizer, engine, full_grad, full_param, reduce_grads = _wrap_backend(case, model, sp, world)
     named = list(model.named_parameters())  # after fully_shard: its DTensor parameters, the same names
     loader = _loader(case, sp, rank) if case.loader else None
     tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
@@ -290,7 +290,7 @@ def run_case(case: SPCase, rank: int, world: int) -> Dict:
                     "initial": {n: full_param(p).detach().clone() for n, p in named}}
     optimizer_step = engine.step if engine is not None else sgd_step(optimizer)
     for step in range(STEPS):
-        ids, labels = sample(case, step, rank // case.sp)
+        ids, labels = sp_sample(case, step, rank // case.sp)
         batch = sp.shard({"input_ids": ids, "labels": labels})
         if loader is not None:
             from_loader = next(loader)
@@ -401,7 +401,7 @@ def error_paths(rank: int, world: int) -> Dict:
     out["moe"] = raised(lambda: apply_sequence_parallel(moe, 2))
     other = tiny_model("llama", seed=1, dtype=DTYPE)  # another model in the process, not under SP
     other.set_attn_implementation("sdpa")
-    ids, labels = sample(SPCase("remove"), 0, 0)
+    ids, labels = sp_sample(SPCase("remove"), 0, 0)
     with torch.no_grad():
         other_before = other(input_ids=ids).logits
     sp = apply_sequence_parallel(model, 2)  # the refused calls left nothing in the way
@@ -429,12 +429,12 @@ def error_paths(rank: int, world: int) -> Dict:
     return out
 
 
-def run_cases(rank: int, world: int, cases: List[SPCase]) -> Dict[str, Dict]:
+def run_sp_cases(rank: int, world: int, cases: List[SPCase]) -> Dict[str, Dict]:
     if any(case.backend.startswith("zero") for case in cases):
         from deepspeed.utils import logger
 
         logger.setLevel(logging.WARNING)
-    return {case.name: run_case(case, rank, world) for case in cases}
+    return {case.name: run_sp_case(case, rank, world) for case in cases}
 
 
 # -- the cases ----------------------------------------------------------------------------------------
@@ -512,8 +512,8 @@ def frozen_head_grads(rank: int, world: int, backend: str) -> Dict:
     case = SPCase("frozen-head", backend=backend, masks="uneven")
     model, sp, _ = sp_model(case, rank)
     model.lm_head.requires_grad_(False)
-    module, _optimizer, engine, full_grad, _full_param, _reduce = _wrap(case, model, sp, world)
-    ids, labels = sample(case, 0, 0)
+    module, _optimizer, engine, full_grad, _full_param, _reduce = _wrap_backend(case, model, sp, world)
+    ids, labels = sp_sample(case, 0, 0)
     loss = module(**sp.shard({"input_ids": ids, "labels": labels})).loss
     engine.backward(loss)
     grads = {n: full_grad(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad}

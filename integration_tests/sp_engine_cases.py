@@ -7,7 +7,7 @@ from typing import Dict
 
 import torch
 
-from .sp_backend_cases import _raised, ds_config, sp_llama
+from .sp_backend_cases import _raised, sp_ds_config, sp_llama
 
 
 def destroyed_engine_runs(rank: int, world: int) -> Dict:
@@ -18,7 +18,7 @@ def destroyed_engine_runs(rank: int, world: int) -> Dict:
 
     model, sp = sp_llama(torch.float32)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                      config=ds_config(1), mpu=sp.mpu)
+                                      config=sp_ds_config(1), mpu=sp.mpu)
     out: Dict = {"live_sums": deepspeed_sums_over_sequence_ranks(model, sp.group)}
     fully_shard(model.lm_head)  # FSDP2 on a part of the model while the engine lives
     out["live_beside_fsdp2"] = _raised(lambda: deepspeed_sums_over_sequence_ranks(model, sp.group))

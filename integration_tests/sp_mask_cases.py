@@ -5,7 +5,7 @@ A case is a tiny float64 model whose attention is not plain causal order over th
 sliding window of ``WINDOW`` tokens on some or all layers (Mistral, Qwen2's ``use_sliding_window``,
 Gemma 3's sliding layers, Phi-3), or a left-padded sample with its 2-D ``attention_mask``. Every case runs on 2 SP ranks (sdpa, tiled MLP and tiled
 loss, each rank holding 8 of the ``TOKENS``) and in one process without SP or tiling, on the full sample
-(``reference``), one forward and backward each.
+(``mask_reference``), one forward and backward each.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class MaskCase:
     use_cache: Optional[bool] = None  # passed to the model where set (checkpointing in training forces it off)
 
 
-def build(family: str) -> torch.nn.Module:
+def build_mask_model(family: str) -> torch.nn.Module:
     """The family's tiny causal LM, float64, sdpa; ``WINDOW``-token windows where the family has them."""
     import transformers as tf
 
@@ -76,7 +76,7 @@ def float64_norms(family: str) -> Iterator[None]:
         yield
 
 
-def sample(case: MaskCase) -> Dict[str, torch.Tensor]:
+def mask_sample(case: MaskCase) -> Dict[str, torch.Tensor]:
     """The full batch: ``input_ids``, ``labels``, ``position_ids`` and, with padding, ``attention_mask``
     (and ``use_cache`` where the case sets it)."""
     g = torch.Generator().manual_seed(7)
@@ -99,13 +99,13 @@ def sample(case: MaskCase) -> Dict[str, torch.Tensor]:
     return batch
 
 
-def reference(case: MaskCase) -> Dict:
+def mask_reference(case: MaskCase) -> Dict:
     """One process, untiled, no SP: the loss and every gradient on the full batch."""
-    model = build(case.family)
+    model = build_mask_model(case.family)
     model.train()
     if case.checkpointing:  # HF's mask depends on it: checkpointing in training turns the cache off
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    batch = sample(case)
+    batch = mask_sample(case)
     labels = batch.pop("labels")
     with float64_norms(case.family):
         loss = hf_loss64(model(**batch).logits, labels)
@@ -113,20 +113,20 @@ def reference(case: MaskCase) -> Dict:
     return {"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
 
 
-def run_case(case: MaskCase, rank: int, world: int) -> Dict:
+def run_mask_case(case: MaskCase, rank: int, world: int) -> Dict:
     import torch.distributed as dist
 
     from tiled_mlp.integrations import apply_tiled_mlp
     from tiled_mlp.integrations.ulysses import apply_sequence_parallel
 
-    model = build(case.family)
+    model = build_mask_model(case.family)
     model.train()
     if case.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_tiled_mlp(model, num_shards=2 + rank, loss=True, loss_num_shards=3 - rank)
     sp = apply_sequence_parallel(model, 2)
     with float64_norms(case.family):
-        loss = model(**sp.shard(sample(case))).loss
+        loss = model(**sp.shard(mask_sample(case))).loss
         loss.backward()
     grads = {}
     for name, p in model.named_parameters():
@@ -136,11 +136,11 @@ def run_case(case: MaskCase, rank: int, world: int) -> Dict:
     return {"loss": loss.detach(), "grads": grads}
 
 
-def run_cases(rank: int, world: int, cases: List[MaskCase]) -> Dict[str, Dict]:
-    return {case.name: run_case(case, rank, world) for case in cases}
+def run_mask_cases(rank: int, world: int, cases: List[MaskCase]) -> Dict[str, Dict]:
+    return {case.name: run_mask_case(case, rank, world) for case in cases}
 
 
-def refusals(rank: int, world: int) -> Dict[str, Tuple[str, str]]:
+def mask_refusals(rank: int, world: int) -> Dict[str, Tuple[str, str]]:
     """What SP refuses at the call (the mask's form, ranks that disagree, padding under a core that cannot
     take it) and at apply (flex attention with a windowed config), and that it still works after each."""
     from tiled_mlp.integrations import apply_tiled_mlp
@@ -148,15 +148,15 @@ def refusals(rank: int, world: int) -> Dict[str, Tuple[str, str]]:
     from tiled_mlp.integrations.ulysses_masks import capture_padding
 
     out: Dict[str, Tuple[str, str]] = {}
-    flex = build("mistral")
+    flex = build_mask_model("mistral")
     flex.config._attn_implementation = "flex_attention"  # refused from the config alone: never run here
     apply_tiled_mlp(flex, loss=True)
     out["flex_window"] = raised(lambda: apply_sequence_parallel(flex, 2))
 
-    model = build("llama")
+    model = build_mask_model("llama")
     apply_tiled_mlp(model, loss=True)
     sp = apply_sequence_parallel(model, 2)
-    batch = sp.shard(sample(MaskCase("refusals", "llama", left_padding=3)))
+    batch = sp.shard(mask_sample(MaskCase("refusals", "llama", left_padding=3)))
     four_d = dict(batch, attention_mask=torch.ones(1, 1, 8, 8))
     out["four_d_mask"] = raised(lambda: model(**four_d))
     one_rank = dict(batch) if rank == 0 else {k: v for k, v in batch.items() if k != "attention_mask"}

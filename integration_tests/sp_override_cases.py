@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 from .sp_cases import raised
-from .sp_mask_cases import TOKENS, MaskCase, build, sample
+from .sp_mask_cases import TOKENS, MaskCase, build_mask_model, mask_sample
 
 
 def user_override_kept(rank: int, world: int) -> Dict:
@@ -25,15 +25,15 @@ def user_override_kept(rank: int, world: int) -> Dict:
 
     ALL_ATTENTION_FUNCTIONS["sdpa"] = custom
     try:
-        model, other = build("llama"), build("llama")
+        model, other = build_mask_model("llama"), build_mask_model("llama")
         apply_tiled_mlp(model, loss=True)
         sp = apply_sequence_parallel(model, 2)
-        batch = sample(MaskCase("override", "llama"))
+        batch = mask_sample(MaskCase("override", "llama"))
         model(**sp.shard(batch)).loss.backward()
         sp_calls, calls[:] = list(calls), []
         # Packed samples without a cache: HF would give the core a mask keeping them apart, DeepSpeed gives
         # this function none; refused before any attention runs.
-        packed = sp.shard(sample(MaskCase("override-packed", "llama", packed=True)))
+        packed = sp.shard(mask_sample(MaskCase("override-packed", "llama", packed=True)))
         refused_packed = raised(lambda: model(**packed, use_cache=False))
         calls[:] = []
         other(input_ids=batch["input_ids"])

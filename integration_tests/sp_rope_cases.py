@@ -23,7 +23,7 @@ LENGTHS = (32, 24, 8, 40)
 MODELS = ("llama-plain", "llama-dynamic", "phi3-longrope", "gemma3-dynamic")
 
 
-def build(name: str) -> torch.nn.Module:
+def build_rope_model(name: str) -> torch.nn.Module:
     """The float64 model, seeded, sdpa attention (DeepSpeed's SP refuses eager)."""
     from transformers import (
         Gemma3ForCausalLM,
@@ -62,7 +62,7 @@ def build(name: str) -> torch.nn.Module:
     return model
 
 
-def sample(tokens: int, call: int):
+def rope_sample(tokens: int, call: int):
     g = torch.Generator().manual_seed(100 + call)
     ids = torch.randint(0, VOCAB, (1, tokens), generator=g)
     labels = ids.clone()
@@ -70,12 +70,12 @@ def sample(tokens: int, call: int):
     return ids, labels
 
 
-def reference(name: str) -> List[Dict]:
+def rope_reference(name: str) -> List[Dict]:
     """Per call: the loss and every gradient, one process, untiled, without SP."""
-    model = build(name)
+    model = build_rope_model(name)
     out = []
     for call, tokens in enumerate(LENGTHS):
-        ids, labels = sample(tokens, call)
+        ids, labels = rope_sample(tokens, call)
         loss = hf_loss64(model(input_ids=ids).logits, labels)
         loss.backward()
         out.append({"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}})
@@ -90,13 +90,13 @@ def run_ranks(rank: int, world: int) -> Dict[str, List[Dict]]:
 
     out: Dict[str, List[Dict]] = {}
     for name in MODELS:
-        model = build(name)
+        model = build_rope_model(name)
         model.train()
         stack = apply_long_context(model, sequence_parallel=2)
         sp = stack.sequence_parallel
         calls = []
         for call, tokens in enumerate(LENGTHS):
-            ids, labels = sample(tokens, call)
+            ids, labels = rope_sample(tokens, call)
             loss = model(**sp.shard({"input_ids": ids, "labels": labels})).loss
             loss.backward()
             grads = {}

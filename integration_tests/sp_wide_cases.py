@@ -71,7 +71,7 @@ def wide_model(family: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Modul
     return model
 
 
-def sample(case: WideCase, step: int, group: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def wide_sample(case: WideCase, step: int, group: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, labels)``, each ``[1, TOKENS]``: DP group ``group``'s sample at ``step``. One SP rank's
     slice has no valid target and another keeps one, which rank changes with the step and the group."""
     g = torch.Generator().manual_seed(1000 * step + 10 * group + 7)
@@ -87,7 +87,7 @@ def sample(case: WideCase, step: int, group: int) -> Tuple[torch.Tensor, torch.T
 
 
 # -- the references (the test process) ----------------------------------------------------------------
-def reference_run(case: WideCase, dtype: torch.dtype = torch.float64, own_loss: bool = False) -> Dict:
+def sp_wide_reference_run(case: WideCase, dtype: torch.dtype = torch.float64, own_loss: bool = False) -> Dict:
     """One process, the full samples of every DP group, untiled, no SP: per step the DP groups' losses, every
     gradient, every parameter after the step. ``dtype``: the reference's (a bfloat16 case's model rounded to
     bfloat16 first); ``own_loss``: the model's own loss (``labels=``) instead of ``hf_loss64``."""
@@ -98,7 +98,7 @@ def reference_run(case: WideCase, dtype: torch.dtype = torch.float64, own_loss: 
     for step in range(STEPS):
         losses = []
         for group in range(case.dp):
-            ids, labels = sample(case, step, group)
+            ids, labels = wide_sample(case, step, group)
             if own_loss:
                 losses.append(model(input_ids=ids, labels=labels).loss)
             else:
@@ -121,7 +121,7 @@ def _sp_model(case: WideCase, rank: int):
     return model, apply_sequence_parallel(model, case.sp), len(report.patched)
 
 
-def _wrap(case: WideCase, model, world: int):
+def _wrap_allreduce(case: WideCase, model, world: int):
     """``(optimizer step, full grad, full param, reduce grads or None)`` for the case's backend."""
     import torch.distributed as dist
 
@@ -148,7 +148,7 @@ def _shard_fsdp2(case: WideCase, model) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def train(case: WideCase, rank: int, world: int) -> Dict:
+def train_sp_wide(case: WideCase, rank: int, world: int) -> Dict:
     """``STEPS`` SGD steps on this rank's slices of its DP group's samples."""
     from tiled_mlp import TiledMLP
 
@@ -161,13 +161,13 @@ def train(case: WideCase, rank: int, world: int) -> Dict:
         full_param: Callable = lambda p: p.full_tensor()  # noqa: E731
         reduce_grads: Optional[Callable[[], None]] = None
     else:
-        step_fn, full_grad, full_param, reduce_grads = _wrap(case, model, world)
+        step_fn, full_grad, full_param, reduce_grads = _wrap_allreduce(case, model, world)
     named = list(model.named_parameters())
     tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
     record: Dict = {**new_record(), "losses": [], "loss_calls": [], "patched": patched,
                     "initial": {n: full_param(p).detach().clone() for n, p in named}}
     for step in range(STEPS):
-        ids, labels = sample(case, step, rank // case.sp)
+        ids, labels = wide_sample(case, step, rank // case.sp)
         calls: List[Dict] = []
         with tiled_loss_spy(calls):
             loss = model(**sp.shard({"input_ids": ids, "labels": labels})).loss
@@ -188,7 +188,7 @@ def fsdp2_refusals(rank: int) -> Dict[str, Tuple[str, str]]:
 
     out = {}
     case = WideCase("refused", sp=2, dp=2)
-    ids, labels = sample(case, 0, rank // 2)
+    ids, labels = wide_sample(case, 0, rank // 2)
 
     def run(shard: Callable[[torch.nn.Module], None]) -> Tuple[str, str]:
         model, sp, _ = _sp_model(case, rank)
@@ -231,7 +231,7 @@ def fsdp2_before_sp(rank: int) -> Dict[str, Any]:
         sp = apply_sequence_parallel(model, case.sp)
     except ValueError as error:  # the test reads it: a refusal here is the failure it looks for
         return {"refused": str(error)}
-    ids, labels = sample(case, 0, rank // case.sp)
+    ids, labels = wide_sample(case, 0, rank // case.sp)
     model(**sp.shard({"input_ids": ids, "labels": labels})).loss.backward()
     sp.remove()
     return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
@@ -256,7 +256,7 @@ def tensor_parallel_refusals(rank: int) -> Dict[str, Any]:
         for layer in model.model.layers:
             parallelize_module(layer.self_attn, mesh["tp"], plan)
 
-    ids, labels = sample(case, 0, 0)  # every TP rank holds the same tokens
+    ids, labels = wide_sample(case, 0, 0)  # every TP rank holds the same tokens
     out: Dict[str, Any] = {}
     model = wide_model(case.family, case.dtype)
     apply_tiled_mlp(model, num_shards=2, loss=True)
@@ -284,8 +284,8 @@ def wide_runs(rank: int, world: int) -> Dict[str, Any]:
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
-    out: Dict[str, Any] = {case.name: train(case, rank, world) for case in SP4_CASES + FSDP2_CASES}
-    out[BF16_CASE.name] = train(BF16_CASE, rank, world)
+    out: Dict[str, Any] = {case.name: train_sp_wide(case, rank, world) for case in SP4_CASES + FSDP2_CASES}
+    out[BF16_CASE.name] = train_sp_wide(BF16_CASE, rank, world)
     out["fsdp2-refused"] = fsdp2_refusals(rank)
     out["fsdp2-before-sp"] = fsdp2_before_sp(rank)
     out["tp-refused"] = tensor_parallel_refusals(rank)
@@ -296,7 +296,7 @@ def case_by_name(name: str) -> WideCase:
     return {case.name: case for case in (*SP4_CASES, *FSDP2_CASES, BF16_CASE)}[name]
 
 
-def errors(ref: Dict, record: Dict, group: int) -> Dict[str, float]:
+def wide_errors(ref: Dict, record: Dict, group: int) -> Dict[str, float]:
     """``{what: relative error}`` of one rank's record against the reference (its DP group's losses)."""
     from .comparison import rel_error
 

@@ -26,12 +26,12 @@ BATCH_PER_RANK, TOKENS = 2, 7
 TOL = 1e-10
 
 
-def canonical(name: str) -> str:
+def undistributed_name(name: str) -> str:
     """Parameter names of the untiled model: no DDP ``module.`` prefix (tiling adds nothing)."""
     return name.removeprefix("module.")
 
 
-def batch(seed: int, rank: int, tokens: int = TOKENS):
+def ddp_batch(seed: int, rank: int, tokens: int = TOKENS):
     """The micro-batch of ``rank`` in the global batch made from ``seed`` (inputs and targets)."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(WORLD * BATCH_PER_RANK, tokens, HIDDEN, generator=generator, dtype=torch.float64)
@@ -40,13 +40,13 @@ def batch(seed: int, rank: int, tokens: int = TOKENS):
     return x[rows], target[rows]
 
 
-def loss_of(model: nn.Module, data) -> torch.Tensor:
+def ddp_loss(model: nn.Module, data) -> torch.Tensor:
     x, target = data
     return (model(x) - target).pow(2).mean()
 
 
 def grads_of(model: nn.Module) -> Dict[str, torch.Tensor]:
-    return {canonical(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {undistributed_name(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def float64_toy_model(**kwargs) -> nn.Module:
@@ -75,24 +75,24 @@ def _tiled_facts(model) -> dict:
             "strategies": [t.tiling.last_strategy.name for t in tiled]}
 
 
-def ranks_main(rank: int, world_size: int) -> dict:
+def ddp_ranks_main(rank: int, world_size: int) -> dict:
     out = {}
     for name, case in CASES.items():
         model, ddp = _tiled_ddp(rank, 3, case["path"], case.get("lora", False))
-        loss_of(ddp, batch(1, rank)).backward()
+        ddp_loss(ddp, ddp_batch(1, rank)).backward()
         out[name] = {"grads": grads_of(ddp), **_tiled_facts(model)}
 
     # no_sync: a local backward on rank-specific data, then a synced one.
     model, ddp = _tiled_ddp(rank, 3, "auto")
     with ddp.no_sync():
-        loss_of(ddp, batch(2, rank)).backward()
+        ddp_loss(ddp, ddp_batch(2, rank)).backward()
     local = grads_of(ddp)
-    loss_of(ddp, batch(3, rank)).backward()
+    ddp_loss(ddp, ddp_batch(3, rank)).backward()
     out["no_sync"] = {"local": local, "synced": grads_of(ddp)}
 
     # Rank-dependent token and shard counts: no collective per shard, so no deadlock.
     model, ddp = _tiled_ddp(rank, 2 + 3 * rank, "auto")
-    loss_of(ddp, batch(4, rank, tokens=TOKENS + 4 * rank)).backward()
+    ddp_loss(ddp, ddp_batch(4, rank, tokens=TOKENS + 4 * rank)).backward()
     out["uneven"] = {"grads": grads_of(ddp), **_tiled_facts(model)}
 
     out["unused"] = _unused_parameter_steps(rank)
@@ -119,16 +119,16 @@ def _unused_parameter_steps(rank: int) -> dict:
     ddp = DDP(model, find_unused_parameters=True)
     for step in range(2):
         model.zero_grad(set_to_none=True)
-        loss_of(ddp, batch(5 + step, rank)).backward()
+        ddp_loss(ddp, ddp_batch(5 + step, rank)).backward()
     return {"grads": grads_of(ddp), **_tiled_facts(model),
             "unused": [layer.mlp.unused.grad for layer in model.layers]}
 
 
 # -- the single-process reference -----------------------------------------------------------------
-def reference_grads(batches: List, lora: bool = False) -> Dict[str, torch.Tensor]:
+def ddp_reference_grads(batches: List, lora: bool = False) -> Dict[str, torch.Tensor]:
     """Untiled float64 gradients of ``sum(losses) / len(batches)`` (DDP's average over ranks)."""
     model = float64_toy_model(tiled=False, lora=lora)
-    loss = sum(loss_of(model, data) for data in batches) / len(batches)
+    loss = sum(ddp_loss(model, data) for data in batches) / len(batches)
     loss.backward()
     return grads_of(model)
 
@@ -149,7 +149,7 @@ def assert_ranks_equal(results: List[Dict[str, torch.Tensor]], context: str) -> 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_distributed(ranks_main, WORLD, tmp_path_factory.mktemp("ddp"), timeout=120)
+    return run_distributed(ddp_ranks_main, WORLD, tmp_path_factory.mktemp("ddp"), timeout=120)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -161,7 +161,7 @@ def test_grads_equal_on_every_rank_and_to_the_untiled_reference(ranks, case):
     assert all(r["paths"] == expected_paths for r in results)
     grads = [r["grads"] for r in results]
     assert_ranks_equal(grads, case)
-    want = reference_grads([batch(1, rank) for rank in range(WORLD)], lora=CASES[case].get("lora", False))
+    want = ddp_reference_grads([ddp_batch(1, rank) for rank in range(WORLD)], lora=CASES[case].get("lora", False))
     assert_grads_close(want, grads[0], case)
 
 
@@ -172,7 +172,7 @@ def test_an_unused_parameter_under_ddp_with_find_unused_parameters_completes(ran
     grads = [{n: g for n, g in r["grads"].items() if not n.endswith(".unused")} for r in results]
     assert_ranks_equal(grads, "unused")
     model = _with_unused_parameters(float64_toy_model(tiled=False))
-    (sum(loss_of(model, batch(6, rank)) for rank in range(WORLD)) / WORLD).backward()
+    (sum(ddp_loss(model, ddp_batch(6, rank)) for rank in range(WORLD)) / WORLD).backward()
     want = grads_of(model)
     assert all(layer.mlp.unused.grad is None for layer in model.layers)  # untiled: None
     assert_grads_close(want, grads[0], "unused")
@@ -181,13 +181,13 @@ def test_an_unused_parameter_under_ddp_with_find_unused_parameters_completes(ran
 def test_no_sync_leaves_grads_local_then_a_synced_backward_averages_the_accumulated_grads(ranks):
     local = [r["no_sync"]["local"] for r in ranks]
     for rank in range(WORLD):
-        assert_grads_close(reference_grads([batch(2, rank)]), local[rank], f"no_sync rank {rank}")
+        assert_grads_close(ddp_reference_grads([ddp_batch(2, rank)]), local[rank], f"no_sync rank {rank}")
     assert any(not torch.equal(local[0][n], local[1][n]) for n in local[0]), "no_sync grads were synchronised"
 
     synced = [r["no_sync"]["synced"] for r in ranks]
     assert_ranks_equal(synced, "after the synced backward")
     # Mean over ranks of each rank's accumulated (micro-batch 2 + micro-batch 3) gradient.
-    want = reference_grads([data for rank in range(WORLD) for data in (batch(2, rank), batch(3, rank))])
+    want = ddp_reference_grads([data for rank in range(WORLD) for data in (ddp_batch(2, rank), ddp_batch(3, rank))])
     want = {n: 2 * g for n, g in want.items()}  # reference_grads divides by 4 batches, DDP by 2 ranks
     assert_grads_close(want, synced[0], "synced after no_sync")
 
@@ -197,5 +197,5 @@ def test_rank_dependent_shard_counts_finish_and_are_right(ranks):
     assert [r["shards"] for r in results] == [[2, 2], [5, 5]]
     grads = [r["grads"] for r in results]
     assert_ranks_equal(grads, "uneven")
-    want = reference_grads([batch(4, rank, tokens=TOKENS + 4 * rank) for rank in range(WORLD)])
+    want = ddp_reference_grads([ddp_batch(4, rank, tokens=TOKENS + 4 * rank) for rank in range(WORLD)])
     assert_grads_close(want, grads[0], "uneven")

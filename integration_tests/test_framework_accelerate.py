@@ -19,19 +19,19 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 
 
-def _check(backend: str, tmp_path, rtol: float, atol: float, timeout: float, tied: bool = False) -> list:
+def _check_accelerate_run(backend: str, tmp_path, rtol: float, atol: float, timeout: float, tied: bool = False) -> list:
     from .accelerate_loss_cases import one_run
-    from .tiled_loss_steps import mismatches, reference_run
+    from .tiled_loss_steps import step_mismatches, steps_reference_run
 
     untiled, tiled = (run_distributed(one_run, WORLD, tmp_path, backend, kind, tied, timeout=timeout / 2)
                       for kind in (False, True))
     results = [{"untiled": u, "tiled": t} for u, t in zip(untiled, tiled, strict=True)]
-    reference = reference_run(WORLD, tied=tied)
+    reference = steps_reference_run(WORLD, tied=tied)
     failures = []
     for rank, runs in enumerate(results):
-        failures += mismatches(runs["tiled"], runs["untiled"], "untiled", rank, rtol, atol)
-        failures += mismatches(runs["tiled"], reference, "one process untiled", rank, rtol, atol)
-        failures += mismatches(runs["untiled"], reference, "one process untiled (the untiled run)", rank, rtol, atol)
+        failures += step_mismatches(runs["tiled"], runs["untiled"], "untiled", rank, rtol, atol)
+        failures += step_mismatches(runs["tiled"], reference, "one process untiled", rank, rtol, atol)
+        failures += step_mismatches(runs["untiled"], reference, "one process untiled (the untiled run)", rank, rtol, atol)
     assert not failures, "\n".join(failures)
     return results
 
@@ -40,7 +40,7 @@ def _check(backend: str, tmp_path, rtol: float, atol: float, timeout: float, tie
 @pytest.mark.parametrize("tied", [False, True], ids=["own head", "head tied to the embeddings"])
 def test_tiled_loss_under_accelerate_fsdp2(tmp_path, tied):
     need("accelerate")
-    results = _check("fsdp2", tmp_path, rtol=1e-12, atol=1e-14, timeout=100, tied=tied)
+    results = _check_accelerate_run("fsdp2", tmp_path, rtol=1e-12, atol=1e-14, timeout=100, tied=tied)
     # accelerate puts the final norm and the head (with the embeddings where they are tied) in one FSDP2 unit
     unit = ["model.norm", "model.embed_tokens", "lm_head"] if tied else ["model.norm", "lm_head"]
     for runs in results:
@@ -55,10 +55,10 @@ def test_tiled_loss_under_accelerate_fsdp2(tmp_path, tied):
 def test_tiled_loss_under_accelerate_zero3(tmp_path):
     need("accelerate")
     need("deepspeed")
-    _check("zero3", tmp_path, rtol=1e-5, atol=1e-6, timeout=110)
+    _check_accelerate_run("zero3", tmp_path, rtol=1e-5, atol=1e-6, timeout=110)
 
 
 @pytest.mark.timeout(120)
 def test_tiled_loss_under_accelerate_ddp(tmp_path):
     need("accelerate")
-    _check("ddp", tmp_path, rtol=1e-12, atol=1e-14, timeout=100)
+    _check_accelerate_run("ddp", tmp_path, rtol=1e-12, atol=1e-14, timeout=100)

@@ -42,7 +42,7 @@ def _runs(tmp_path, float64):
     return untiled, tiled
 
 
-def _compare(untiled, tiled, loss_rtol, weight_atol):
+def _compare_axolotl_runs(untiled, tiled, loss_rtol, weight_atol):
     """Each step's loss, and every weight after the last step (AdamW, lr 1e-2: a step moves a weight ~1e-2)."""
     torch.testing.assert_close(torch.tensor(tiled["losses"], dtype=torch.float64),
                                torch.tensor(untiled["losses"], dtype=torch.float64), rtol=loss_rtol, atol=0)
@@ -54,17 +54,17 @@ def test_float32_as_axolotl_runs_it(axolotl, tmp_path):
     untiled, tiled = _runs(tmp_path, float64=False)
     printed = _printed_losses(tiled["stdout"])
     assert len(printed) == 3 and printed == _printed_losses(untiled["stdout"])  # what Axolotl shows, 4 digits
-    _compare(untiled, tiled, loss_rtol=1e-6, weight_atol=1e-5)
+    _compare_axolotl_runs(untiled, tiled, loss_rtol=1e-6, weight_atol=1e-5)
 
 
 def test_float64_tiled_equals_untiled(axolotl, tmp_path):
     untiled, tiled = _runs(tmp_path, float64=True)
     assert all(w.dtype == torch.float64 for w in tiled["weights"].values() if w.is_floating_point())
-    _compare(untiled, tiled, loss_rtol=1e-13, weight_atol=1e-13)
+    _compare_axolotl_runs(untiled, tiled, loss_rtol=1e-13, weight_atol=1e-13)
 
 
 def test_axolotls_own_tiled_mlp_with_the_plugin_is_refused(axolotl, tmp_path):
-    from integration_tests.axolotl_cases import run, write_config
+    from integration_tests.axolotl_cases import run_axolotl, write_config
 
     with pytest.raises(RuntimeError, match="both tile the MLPs"):
-        run(write_config(tmp_path, "both", tiled=True, tiled_mlp=True))
+        run_axolotl(write_config(tmp_path, "both", tiled=True, tiled_mlp=True))

@@ -22,7 +22,7 @@ NORMS = ("model.layers.0.input_layernorm", "model.layers.0.post_attention_layern
          "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm")
 
 
-def _exact(errors: dict, what: str) -> None:
+def _assert_exact_errors(errors: dict, what: str) -> None:
     bad = {key: error for key, error in errors.items() if not error <= BOUND}
     assert not bad, (what, bad)
     assert any(key.startswith("grad1.") for key in errors), errors  # every gradient of both steps compared
@@ -35,10 +35,10 @@ def test_hf_tensor_parallel_model_tiled_with_loss_and_norms_equals_one_process(t
     save_tiny_llama(path)
     cases = ["untiled", "tiled", "defaults", "unchecked_version"]
     for rank_results in run_distributed(_cases_of, WORLD, tmp_path, path, cases, timeout=55):
-        _exact(rank_results["untiled"]["errors"], "HF tensor parallelism untiled")
-        _exact(rank_results["defaults"]["errors"], "apply_tiled_mlp(model, loss=True, norms=True)")
+        _assert_exact_errors(rank_results["untiled"]["errors"], "HF tensor parallelism untiled")
+        _assert_exact_errors(rank_results["defaults"]["errors"], "apply_tiled_mlp(model, loss=True, norms=True)")
         tiled = rank_results["tiled"]
-        _exact(tiled["errors"], "tiled")
+        _assert_exact_errors(tiled["errors"], "tiled")
         # The report says what runs, before the first forward and after it.
         for name in MLPS:
             assert tiled["expected"][name].startswith("fast ("), (name, tiled["report"])
@@ -67,7 +67,7 @@ def test_hf_tensor_parallel_mlp_on_the_generic_kernel_equals_one_process(tmp_pat
         assert "no registered kernel runs TiledLlamaMLP" in unproven["raised"], unproven
         assert "gate_proj (Hugging Face's MyColwise)" in unproven["raised"], unproven
         generic = rank_results["generic"]
-        _exact(generic["errors"], "generic")
+        _assert_exact_errors(generic["errors"], "generic")
         for name in MLPS:
             assert generic["expected"][name] == "generic (requested)", generic["report"]
             assert generic["ran"][name][:2] == ("generic", SHARDS), (name, generic["ran"][name])

@@ -24,7 +24,7 @@ def _callback(**kwargs):
     return TiledMLPCallback(num_shards=SHARDS, loss_num_shards=SHARDS, **kwargs)
 
 
-def _compare(untiled, tiled, loss_rtol, weight_atol):
+def _compare_llamafactory_runs(untiled, tiled, loss_rtol, weight_atol):
     """Each step's loss, and every weight after the last step (AdamW, lr 1e-2: a step moves a weight ~1e-2)."""
     assert len(tiled.losses) == len(untiled.losses) == 3
     torch.testing.assert_close(torch.tensor(tiled.losses, dtype=torch.float64),
@@ -51,7 +51,7 @@ def test_float64_tiled_equals_untiled(lf, tmp_path, finetuning):
     _tiled_everything(callback)
     assert tiled.optimizer_params == tiled.trainable  # the optimizer steps the tiled model's own parameters
     assert all(w.dtype == torch.float64 for w in tiled.weights.values() if w.is_floating_point())
-    _compare(untiled, tiled, loss_rtol=1e-13, weight_atol=1e-13)  # measured: 9e-16 and 2.4e-15 (LoRA: 5.3e-15)
+    _compare_llamafactory_runs(untiled, tiled, loss_rtol=1e-13, weight_atol=1e-13)  # measured: 9e-16 and 2.4e-15 (LoRA: 5.3e-15)
 
 
 def test_float32_as_llamafactory_loads_it(lf, tmp_path):
@@ -64,7 +64,7 @@ def test_float32_as_llamafactory_loads_it(lf, tmp_path):
     tiled = run_sft(tmp_path, "tiled", tiling=callback)
     _tiled_everything(callback)
     assert next(iter(tiled.weights.values())).dtype == torch.float32
-    _compare(untiled, tiled, loss_rtol=1e-6, weight_atol=1e-5)  # measured: 2.3e-7 and 1.6e-6
+    _compare_llamafactory_runs(untiled, tiled, loss_rtol=1e-6, weight_atol=1e-5)  # measured: 2.3e-7 and 1.6e-6
 
 
 def test_unchecked_release_is_refused_at_construction_and_before_tiling(lf, tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from integration_tests.frameworks import need
+from integration_tests.tiny_checkpoint import SPECIAL, tokenizer
 from integration_tests.tiny_models import VOCAB, tiny_model
 from tiled_mlp import apply_tiled_loss, apply_tiled_mlp, remove_tiled_loss
 from tiled_mlp.integrations import is_tiled_loss, use_tiled_label_smoothing
@@ -30,32 +31,23 @@ VARIANTS = {
 }
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab=vocab, unk_token="t0")),
-                                   pad_token="t0", eos_token="t1", unk_token="t0")
-
-
 def _dataset(rows=12):
     from datasets import Dataset
 
     generator = torch.Generator().manual_seed(0)
-    # Already tokenized, of different lengths (padding, and packing into bins, both have work to do).
-    return Dataset.from_list([{"input_ids": torch.randint(2, VOCAB, (5 + i % 6,), generator=generator).tolist()}
+    # Already tokenized, of different lengths (padding, and packing into bins, both have work to do), words
+    # only: no special token inside a sample.
+    return Dataset.from_list([{"input_ids": torch.randint(len(SPECIAL), VOCAB, (5 + i % 6,), generator=generator).tolist()}
                               for i in range(rows)])
 
 
-def _trainer(model, tmp_path, name, peft_config=None, **config):
+def _sft_trainer(model, tmp_path, name, peft_config=None, **config):
     trl = need("trl")
     args = trl.SFTConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          max_steps=3, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", report_to=[],
                          save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
                          logging_steps=1, bf16=False, **config)  # SFTConfig's default bf16 autocast: the generic paths
-    return trl.SFTTrainer(model=model, args=args, train_dataset=_dataset(), processing_class=_tokenizer(),
+    return trl.SFTTrainer(model=model, args=args, train_dataset=_dataset(), processing_class=tokenizer(),
                           peft_config=peft_config)
 
 
@@ -75,28 +67,28 @@ def _assert_same_training(want, have):
     assert worst < 1e-14, worst
 
 
-def _tile(model):
+def _tile_all(model):
     return apply_tiled_mlp(model, num_shards=2, loss=True, norms=True)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tiled_loss_applied_before_the_trainer_is_wrapped_by_trls_head(tmp_path, variant):
     config = VARIANTS[variant]
-    want = _train(_trainer(tiny_model("llama", dtype=torch.float64), tmp_path, "untiled", **config))
+    want = _train(_sft_trainer(tiny_model("llama", dtype=torch.float64), tmp_path, "untiled", **config))
     model = tiny_model("llama", dtype=torch.float64)
-    report = _tile(model)
+    report = _tile_all(model)
     assert report.tiled_loss == "LlamaForCausalLM"
-    trainer = _trainer(model, tmp_path, "tiled", **config)
+    trainer = _sft_trainer(model, tmp_path, "tiled", **config)
     _assert_same_training(want, _train(trainer))
     assert is_tiled_loss(model)
     assert {block.tiled.tiling.last_path for block in report.patched} == {"fast", "norm"}
 
 
 def test_tiled_loss_applied_after_the_trainer_is_left_to_trls_head(tmp_path):
-    want = _train(_trainer(tiny_model("llama", dtype=torch.float64), tmp_path, "untiled"))
+    want = _train(_sft_trainer(tiny_model("llama", dtype=torch.float64), tmp_path, "untiled"))
     model = tiny_model("llama", dtype=torch.float64)
-    trainer = _trainer(model, tmp_path, "tiled")
-    report = _tile(trainer.model)
+    trainer = _sft_trainer(model, tmp_path, "tiled")
+    report = _tile_all(trainer.model)
     assert report.tiled_loss == "" and not is_tiled_loss(model)
     assert "LlamaForCausalLM: computed by TRL 1.16.0's fused LM head (trl.trainer.utils.add_fused_lm_head)" in str(report)
     assert "the tiled loss is not installed" in report.loss_left_to
@@ -113,16 +105,16 @@ def test_lora_through_sft_trainer_in_either_order(tmp_path, order):
 
     def trainer(model, name):
         lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "up_proj", "down_proj"])
-        return _trainer(model, tmp_path, name, peft_config=lora)
+        return _sft_trainer(model, tmp_path, name, peft_config=lora)
 
     want = _train(trainer(tiny_model("llama", dtype=torch.float64), "untiled"))
     model = tiny_model("llama", dtype=torch.float64)
     if order == "before":
-        _tile(model)
+        _tile_all(model)
         built = trainer(model, "tiled")
     else:
         built = trainer(model, "tiled")
-        assert "computed by TRL 1.16.0's fused LM head" in _tile(built.model).loss_left_to
+        assert "computed by TRL 1.16.0's fused LM head" in _tile_all(built.model).loss_left_to
     _assert_same_training(want, _train(built))
 
 
@@ -131,8 +123,8 @@ def test_under_trls_head_calls_without_fused_lm_head_reach_the_tiled_loss(tmp_pa
     returned) with the model's own loss."""
     reference = tiny_model("llama", dtype=torch.float64)
     model = tiny_model("llama", dtype=torch.float64)
-    _tile(model)
-    _trainer(model, tmp_path, "tiled")
+    _tile_all(model)
+    _sft_trainer(model, tmp_path, "tiled")
     ids = torch.randint(2, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     logits = reference(input_ids=ids).logits  # the model's own loss, in float64 (its loss function's is float32)
     want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
@@ -145,8 +137,8 @@ def test_under_trls_head_calls_without_fused_lm_head_reach_the_tiled_loss(tmp_pa
 
 def test_removing_the_tiled_loss_under_trls_head_is_refused(tmp_path):
     model = tiny_model("llama", dtype=torch.float64)
-    _tile(model)
-    trainer = _trainer(model, tmp_path, "tiled")
+    _tile_all(model)
+    trainer = _sft_trainer(model, tmp_path, "tiled")
     forward = vars(model)["forward"]
     with pytest.raises(RuntimeError, match=r"TRL 1\.16\.0's fused LM head .* wraps the tiled loss"):
         remove_tiled_loss(model)
@@ -163,15 +155,15 @@ def _trl_release(version: str):
 def test_a_trl_version_not_read_is_refused_in_either_order(tmp_path):
     need("trl")
     model = tiny_model("llama", dtype=torch.float64)
-    trainer = _trainer(model, tmp_path, "after")
+    trainer = _sft_trainer(model, tmp_path, "after")
     with mock.patch.object(checked_versions, "installed", _trl_release("1.15.0")):
         with pytest.raises(RuntimeError, match=r"TRL here is 1\.15\.0; .* on trl 1\.16\.0 to 1\.16\.x only"):
-            _tile(model)
+            _tile_all(model)
     assert not is_tiled_loss(model) and not any("Tiled" in type(m).__name__ for m in model.modules())
 
     model = tiny_model("llama", dtype=torch.float64)
-    _tile(model)
-    trainer = _trainer(model, tmp_path, "before")
+    _tile_all(model)
+    trainer = _sft_trainer(model, tmp_path, "before")
     with mock.patch.object(checked_versions, "installed", _trl_release("1.15.0")):
         with pytest.raises(RuntimeError, match=r"TRL here is 1\.15\.0"):
             trainer.train()
@@ -194,8 +186,8 @@ def test_a_forward_replaced_by_trls_head_named_for_what_it_is(tmp_path):
 
 def test_label_smoothing_hand_over_refuses_sft_trainer(tmp_path):
     model = tiny_model("llama", dtype=torch.float64)
-    _tile(model)
-    trainer = _trainer(model, tmp_path, "smoothing", label_smoothing_factor=0.1)
+    _tile_all(model)
+    trainer = _sft_trainer(model, tmp_path, "smoothing", label_smoothing_factor=0.1)
     with pytest.raises(ValueError, match=r"trl\.trainer\.sft_trainer\.SFTTrainer computes the loss in a compute_loss "
                                          "of its own"):
         use_tiled_label_smoothing(trainer)

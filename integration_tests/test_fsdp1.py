@@ -26,7 +26,7 @@ def _error_of(fn) -> dict:
     return {"raised": False}
 
 
-def ranks_main(rank: int, world_size: int) -> dict:
+def fsdp1_ranks_main(rank: int, world_size: int) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from tiled_mlp import TiledMLP
@@ -68,7 +68,7 @@ def ranks_main(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_distributed(ranks_main, WORLD, tmp_path_factory.mktemp("fsdp1"), timeout=100)
+    return run_distributed(fsdp1_ranks_main, WORLD, tmp_path_factory.mktemp("fsdp1"), timeout=100)
 
 
 def test_every_fsdp1_layout_is_rejected_with_the_fix_named(ranks):

@@ -22,14 +22,14 @@ WORLD = 2
                                     "norm and head, resharded after forward"])
 def test_tiled_loss_inside_the_head_unit_equals_untiled(tmp_path, layout):
     from .fsdp2_head_cases import both_runs
-    from .tiled_loss_steps import mismatches, reference_run
+    from .tiled_loss_steps import step_mismatches, steps_reference_run
 
     results = run_distributed(both_runs, WORLD, tmp_path, layout, timeout=50)
-    reference = reference_run(WORLD)
+    reference = steps_reference_run(WORLD)
     failures = []
     for rank, runs in enumerate(results):
-        failures += mismatches(runs["tiled"], runs["untiled"], "untiled", rank, rtol=1e-12, atol=1e-14)
-        failures += mismatches(runs["tiled"], reference, "one process untiled", rank, rtol=1e-12, atol=1e-14)
+        failures += step_mismatches(runs["tiled"], runs["untiled"], "untiled", rank, rtol=1e-12, atol=1e-14)
+        failures += step_mismatches(runs["tiled"], reference, "one process untiled", rank, rtol=1e-12, atol=1e-14)
         for step, (tiled, untiled) in enumerate(zip(runs["tiled"]["collectives"], runs["untiled"]["collectives"],
                                                     strict=True)):
             assert tiled["reduce_scatter"] == untiled["reduce_scatter"] > 0, (rank, step, tiled, untiled)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from .comparison import BOUND
-from .fsdp2_tp_cases import DP, TP, run
+from .fsdp2_tp_cases import DP, TP, run_fsdp2_tp
 from .spawn import run_distributed
 
 pytest.importorskip("transformers")
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mlp_path", ["fast", "generic"])
 def test_tiled_llama_under_fsdp2_times_tp_trains_as_one_process(tmp_path, mlp_path):
-    results = run_distributed(run, DP * TP, tmp_path, mlp_path, timeout=120)
+    results = run_distributed(run_fsdp2_tp, DP * TP, tmp_path, mlp_path, timeout=120)
     for rank, errors in enumerate(results):
         assert errors.pop("tiled_mlps") == 2 and errors.pop("tiled_loss") == 1, f"rank {rank}: MLPs and loss tiled"
         paths = {name: errors.pop(name) for name in list(errors) if name.startswith("mlp_path")}

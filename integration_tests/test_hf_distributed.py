@@ -20,7 +20,7 @@ pytestmark = pytest.mark.distributed
 STEPS, SHARDS, LR = 2, 3, 0.5
 
 
-def _train(rank: int, world_size: int, tiled: bool, loss: bool = False) -> dict:
+def _train_float64(rank: int, world_size: int, tiled: bool, loss: bool = False) -> dict:
 
     with float_kept_float64():
         return _train_steps(rank, world_size, tiled, loss)
@@ -61,8 +61,8 @@ def _train_steps(rank: int, world_size: int, tiled: bool, loss: bool) -> dict:
 
 
 def _train_both(rank: int, world_size: int) -> dict:
-    return {"untiled": _train(rank, world_size, False), "tiled": _train(rank, world_size, True),
-            "tiled_loss": _train(rank, world_size, True, loss=True)}
+    return {"untiled": _train_float64(rank, world_size, False), "tiled": _train_float64(rank, world_size, True),
+            "tiled_loss": _train_float64(rank, world_size, True, loss=True)}
 
 
 @pytest.mark.timeout(300)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.distributed
 STEPS, LR = 2, 0.5
 
 
-def _train(rank: int, tiled: bool) -> dict:
+def _train_zero3(rank: int, tiled: bool) -> dict:
     import deepspeed
 
     from integration_tests.tiny_models import VOCAB, tiny_model
@@ -45,7 +45,7 @@ def _train(rank: int, tiled: bool) -> dict:
 
 
 def _both(rank: int, world_size: int) -> dict:
-    return {"untiled": _train(rank, False), "tiled": _train(rank, True)}
+    return {"untiled": _train_zero3(rank, False), "tiled": _train_zero3(rank, True)}
 
 
 @pytest.mark.timeout(300)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from .comparison import BOUND, ZERO_BOUND, ZERO_DTYPE, needs_deepspeed, rel_error
-from .loss_cases import DTYPE, STEPS, TOKENS, LossCase, cases_for, global_count, reference_run
+from .loss_cases import DTYPE, STEPS, TOKENS, LossCase, loss_cases_for, loss_global_count, loss_reference_run
 from .spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -35,13 +35,13 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 
 GROUPS = {
-    "ddp": cases_for("ddp"),
-    "fsdp2": cases_for("fsdp2"),
-    "zero1": cases_for("zero1", untiled_harness=False),
-    "zero2": cases_for("zero2", untiled_harness=False),
+    "ddp": loss_cases_for("ddp"),
+    "fsdp2": loss_cases_for("fsdp2"),
+    "zero1": loss_cases_for("zero1", untiled_harness=False),
+    "zero2": loss_cases_for("zero2", untiled_harness=False),
     # ZeRO-3 in two runs, tied and untied: one failing case stops its run (an exception in a rank).
-    "zero3-tied": cases_for("zero3", tied=(True,)),
-    "zero3-untied": cases_for("zero3", tied=(False,)),
+    "zero3-tied": loss_cases_for("zero3", tied=(True,)),
+    "zero3-untied": loss_cases_for("zero3", tied=(False,)),
 }
 # (pytest timeout, run_distributed timeout) in seconds. Measured on 2 busy cores: DDP/FSDP2 runs 10-35 s,
 # DeepSpeed runs 25-45 s (import, one engine per case; its shared-memory op is built once per test run,
@@ -54,16 +54,16 @@ def result_dtype(case: LossCase) -> torch.dtype:
     return torch.float32 if case.zero_stage else DTYPE
 
 
-def bound(case: LossCase, what: str, step: int) -> float:
+def loss_bound(case: LossCase, what: str, step: int) -> float:
     return BOUND if case.zero_stage is None else ZERO_BOUND
 
 
-def errors(case: LossCase, ref: Dict, ranks: List[Dict]) -> Dict[str, tuple]:
+def loss_errors(case: LossCase, ref: Dict, ranks: List[Dict]) -> Dict[str, tuple]:
     """``{what: (relative error, bound)}`` for everything compared."""
     out = {}
     for step in range(STEPS):
         out[f"step {step} loss"] = (rel_error(ref["losses"][step], sum(r["losses"][step] for r in ranks)),
-                                    bound(case, "loss", step))
+                                    loss_bound(case, "loss", step))
         for what in ("grads", "params"):
             for rank, r in enumerate(ranks):
                 want, have = ref[what][step], r[what][step]
@@ -71,7 +71,7 @@ def errors(case: LossCase, ref: Dict, ranks: List[Dict]) -> Dict[str, tuple]:
                 for name, w in want.items():
                     assert have[name].dtype == result_dtype(case), (case.name, step, rank, what, name, have[name].dtype)
                     out[f"step {step} rank {rank} {what[:-1]} {name}"] = (rel_error(w, have[name]),
-                                                                         bound(case, what, step))
+                                                                         loss_bound(case, what, step))
     return out
 
 
@@ -99,7 +99,7 @@ def check_zero3_gathers(case: LossCase, rank: int, record: Dict) -> List[str]:
     return out
 
 
-def check_not_vacuous(case: LossCase, ref: Dict) -> None:
+def check_loss_not_vacuous(case: LossCase, ref: Dict) -> None:
     for step in range(STEPS):
         assert ref["losses"][step] > 0 and torch.isfinite(ref["losses"][step]), case.name
         assert all(g.abs().max() > 0 for g in ref["grads"][step].values()), case.name
@@ -108,14 +108,14 @@ def check_not_vacuous(case: LossCase, ref: Dict) -> None:
     assert case.tied == ("lm_head.weight" not in ref["grads"][0]), case.name  # tied: one parameter
 
 
-def check_group(group: str, results: List[Dict[str, Dict]], strategy: bool = True) -> List[str]:
+def check_loss_group(group: str, results: List[Dict[str, Dict]], strategy: bool = True) -> List[str]:
     failures, worst = [], []
     for case in GROUPS[group]:
         ranks = [per_rank[case.name] for per_rank in results]
-        ref = reference_run(case, WORLD)
-        check_not_vacuous(case, ref)
+        ref = loss_reference_run(case, WORLD)
+        check_loss_not_vacuous(case, ref)
         for rank, record in enumerate(ranks):
-            assert record["counts"] == ref["counts"] == [global_count(case, s, WORLD) for s in range(STEPS)]
+            assert record["counts"] == ref["counts"] == [loss_global_count(case, s, WORLD) for s in range(STEPS)]
             assert all(torch.equal(record["initial"][n], p) for n, p in make_initial(case).items()), case.name
             failures += check_calls(case, rank, record, strategy)
             if case.zero_stage == 3 and case.tiled:
@@ -124,7 +124,7 @@ def check_group(group: str, results: List[Dict[str, Dict]], strategy: bool = Tru
             # No valid label on rank 0: its share of the loss is exactly 0 (not NaN), every step.
             if not all(loss.item() == 0.0 for loss in ranks[0]["losses"]):
                 failures.append(f"{case.name}: the empty rank's losses are {ranks[0]['losses']}, not 0")
-        errs = errors(case, ref, ranks)
+        errs = loss_errors(case, ref, ranks)
         failures += [f"{case.name}: {what}: relative error {err:.3g} > {limit:g}"
                      for what, (err, limit) in errs.items() if not err <= limit]
         worst.append(f"{case.name} {max(err for err, _ in errs.values()):.2e}")
@@ -136,27 +136,27 @@ def check_group(group: str, results: List[Dict[str, Dict]], strategy: bool = Tru
 
 
 def make_initial(case: LossCase) -> Dict[str, torch.Tensor]:
-    from .loss_cases import make_model
+    from .loss_cases import loss_model
 
     dtype = ZERO_DTYPE if case.zero_stage else DTYPE
-    return {n: p.detach() for n, p in make_model(case.tied, dtype=dtype).named_parameters()}
+    return {n: p.detach() for n, p in loss_model(case.tied, dtype=dtype).named_parameters()}
 
 
-def run_group(group: str, tmp_path) -> List[Dict[str, Dict]]:
-    from .loss_cases import run_cases
+def run_loss_group(group: str, tmp_path) -> List[Dict[str, Dict]]:
+    from .loss_cases import run_loss_cases
 
     timeout = TIMEOUTS["deepspeed" if group.startswith("zero") else "torch"][1]
-    return run_distributed(run_cases, WORLD, tmp_path, list(GROUPS[group]), timeout=timeout)
+    return run_distributed(run_loss_cases, WORLD, tmp_path, list(GROUPS[group]), timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def fsdp2_results(tmp_path_factory):
-    return run_group("fsdp2", tmp_path_factory.mktemp("fsdp2-loss"))
+    return run_loss_group("fsdp2", tmp_path_factory.mktemp("fsdp2-loss"))
 
 
 @pytest.mark.timeout(TIMEOUTS["torch"][0])
 def test_tiled_loss_under_ddp(tmp_path):
-    failures = check_group("ddp", run_group("ddp", tmp_path))
+    failures = check_loss_group("ddp", run_loss_group("ddp", tmp_path))
     assert not failures, "\n".join(failures)
 
 
@@ -164,7 +164,7 @@ def test_tiled_loss_under_ddp(tmp_path):
 def test_tiled_loss_under_fsdp2(fsdp2_results):
     """fully_shard(model.layer), then fully_shard(model): the head (and the embedding) in the root's
     group, the loss computed inside the root's forward. The strategy's name is checked below."""
-    failures = check_group("fsdp2", fsdp2_results, strategy=False)
+    failures = check_loss_group("fsdp2", fsdp2_results, strategy=False)
     for rank, per_case in enumerate(fsdp2_results):
         for case in GROUPS["fsdp2"]:
             message = per_case[case.name]["outside_forward"]
@@ -190,23 +190,23 @@ def test_the_head_resolves_the_fsdp2_strategy_tied_or_not(fsdp2_results):
 @pytest.mark.timeout(TIMEOUTS["deepspeed"][0])
 @pytest.mark.parametrize("group", ["zero1", "zero2", "zero3-tied", "zero3-untied"])
 def test_tiled_loss_under_deepspeed_zero(group, tmp_path):
-    failures = check_group(group, run_group(group, tmp_path))
+    failures = check_loss_group(group, run_loss_group(group, tmp_path))
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.timeout(60)
 def test_the_reference_is_hugging_faces_causal_lm_loss():
-    """The float64 reference (``loss_cases.reference_loss``) is ``ForCausalLMLoss`` with
+    """The float64 reference (``loss_cases.case_reference_loss``) is ``ForCausalLMLoss`` with
     ``num_items_in_batch``, up to ForCausalLMLoss's float32 upcast (``logits.float()``)."""
     transformers_loss = pytest.importorskip("transformers.loss.loss_utils")
-    from .loss_cases import VOCAB, batch, reference_loss
+    from .loss_cases import VOCAB, case_reference_loss, loss_batch
 
     case = LossCase("reference", "ddp", tied=False)
-    count = global_count(case, 0, WORLD)
+    count = loss_global_count(case, 0, WORLD)
     for rank in range(WORLD):
-        ids, labels = batch(case, 0, rank)
+        ids, labels = loss_batch(case, 0, rank)
         logits = torch.randn(*ids.shape, VOCAB, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
         want = transformers_loss.ForCausalLMLoss(logits, labels, VOCAB, num_items_in_batch=torch.tensor(count))
-        have = reference_loss(logits, labels, torch.tensor(count))
+        have = case_reference_loss(logits, labels, torch.tensor(count))
         assert want.dtype == torch.float32 and have.dtype == torch.float64
         assert abs(have.item() - want.item()) <= 1e-6 * abs(want.item())

@@ -15,7 +15,7 @@ import pytest
 
 from .comparison import BOUND
 from .spawn import run_distributed
-from .tp_loss_cases import CASES, option_cases, refusals, sgd_steps
+from .tp_loss_cases import CASES, option_cases, sgd_steps, tp_loss_refusals
 
 pytestmark = pytest.mark.distributed
 
@@ -50,7 +50,7 @@ def test_vocab_parallel_loss_trains_as_the_whole_head(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_unsupported_tensor_parallel_heads_are_refused_by_layout(tmp_path):
-    for messages in run_distributed(refusals, WORLD, tmp_path, timeout=120):
+    for messages in run_distributed(tp_loss_refusals, WORLD, tmp_path, timeout=120):
         hidden = messages["sharded_on_hidden"]
         assert hidden is not None and "RowwiseParallel" in hidden and "Shard(1)" in hidden, hidden
         assert "ColwiseParallel" in hidden

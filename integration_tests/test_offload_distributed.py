@@ -43,9 +43,9 @@ from .offload_cases import (
     OFFLOADED_STEPS,
     STEPS,
     OffloadCase,
-    cases_for,
-    make_model,
-    reference_run,
+    offload_cases_for,
+    offload_model,
+    offload_reference_run,
 )
 from .spawn import run_distributed
 
@@ -58,10 +58,10 @@ WORLD = 2
 # FSDP2). ZERO_BOUND under ZeRO-3, which trains the float32 model against the float64 reference.
 
 GROUPS = {
-    "single": cases_for("single"),
-    "ddp": cases_for("ddp"),
-    "fsdp2": cases_for("fsdp2"),
-    "zero3": cases_for("zero3"),  # with "zero3-hf-offload-first"
+    "single": offload_cases_for("single"),
+    "ddp": offload_cases_for("ddp"),
+    "fsdp2": offload_cases_for("fsdp2"),
+    "zero3": offload_cases_for("zero3"),  # with "zero3-hf-offload-first"
 }
 # (pytest timeout, run_distributed timeout), seconds.
 TIMEOUTS = {"torch": (150, 120), "deepspeed": (200, 170)}
@@ -69,32 +69,32 @@ TIMEOUTS = {"torch": (150, 120), "deepspeed": (200, 170)}
 
 @pytest.fixture(scope="module")
 def reference() -> Dict:
-    ref = reference_run(WORLD)
+    ref = offload_reference_run(WORLD)
     # Every SGD step moved every parameter (each step is recorded by the one helper the ranks use too).
     for before, after in itertools.pairwise(ref["params"]):
         assert all((after[n] != w).any() for n, w in before.items())
     return ref
 
 
-def bound(case: OffloadCase, what: str, step: int) -> float:
+def offload_bound(case: OffloadCase, what: str, step: int) -> float:
     if case.backend != "zero3":
         return BOUND
     return ZERO_BOUND
 
 
-def errors(case: OffloadCase, ref: Dict, ranks: List[Dict]) -> Dict[str, Tuple[float, float]]:
+def offload_errors(case: OffloadCase, ref: Dict, ranks: List[Dict]) -> Dict[str, Tuple[float, float]]:
     """``{what: (relative error, bound)}`` for every loss, gradient and parameter compared."""
     out = {}
     for step in range(STEPS):
         out[f"step {step} loss"] = (rel_error(ref["losses"][step], sum(r["losses"][step] for r in ranks)),
-                                    bound(case, "loss", step))
+                                    offload_bound(case, "loss", step))
         for what in ("grads", "params"):
             for rank, record in enumerate(ranks):
                 want, have = ref[what][step], record[what][step]
                 assert want.keys() == have.keys(), (case.name, what, sorted(want), sorted(have))
                 for name, w in want.items():
                     assert w.abs().max() > 0, (case.name, step, what, name)  # nothing compared vacuously
-                    out[f"step {step} rank {rank} {what[:-1]} {name}"] = (rel_error(w, have[name]), bound(case, what, step))
+                    out[f"step {step} rank {rank} {what[:-1]} {name}"] = (rel_error(w, have[name]), offload_bound(case, what, step))
     return out
 
 
@@ -131,9 +131,9 @@ def check_host_bytes(case: OffloadCase, rank: int, record: Dict) -> List[str]:
     return failures
 
 
-def check_group(group: str, results: List[Dict[str, Dict]], ref: Dict) -> List[str]:
+def check_offload_group(group: str, results: List[Dict[str, Dict]], ref: Dict) -> List[str]:
     failures, worst = [], []
-    initial = {n: p.detach() for n, p in make_model().named_parameters()}
+    initial = {n: p.detach() for n, p in offload_model().named_parameters()}
     for case in GROUPS[group]:
         ranks = [per_rank[case.name] for per_rank in results]
         micro = WORLD if case.backend == "single" else 1
@@ -149,7 +149,7 @@ def check_group(group: str, results: List[Dict[str, Dict]], ref: Dict) -> List[s
                 failures.append(f"{case.name}: rank {rank}: logits returned {record['logits']}, tiled MLP paths "
                                 f"{record['tiled_paths']}: not the tiled loss and MLP")
             failures += check_host_bytes(case, rank, record)
-        errs = errors(case, ref, ranks)
+        errs = offload_errors(case, ref, ranks)
         failures += [f"{case.name}: {what}: relative error {err:.3g} > {limit:g}"
                      for what, (err, limit) in errs.items() if not err <= limit]
         worst.append(f"{case.name} {max(err for err, _ in errs.values()):.2e}")
@@ -165,25 +165,25 @@ def check_group(group: str, results: List[Dict[str, Dict]], ref: Dict) -> List[s
     return failures
 
 
-def run_group(group: str, tmp_path) -> List[Dict[str, Dict]]:
-    from .offload_cases import run_cases
+def run_offload_group(group: str, tmp_path) -> List[Dict[str, Dict]]:
+    from .offload_cases import run_offload_cases
 
     timeout = TIMEOUTS["deepspeed" if group.startswith("zero") else "torch"][1]
-    return run_distributed(run_cases, WORLD, tmp_path, list(GROUPS[group]), timeout=timeout)
+    return run_distributed(run_offload_cases, WORLD, tmp_path, list(GROUPS[group]), timeout=timeout)
 
 
 @pytest.mark.timeout(TIMEOUTS["torch"][0])
 def test_offload_on_a_single_device(reference):
     """No process group: both ranks' batches are two micro-batches of one step."""
-    from .offload_cases import run_cases
+    from .offload_cases import run_offload_cases
 
-    failures = check_group("single", [run_cases(0, WORLD, list(GROUPS["single"]))], reference)
+    failures = check_offload_group("single", [run_offload_cases(0, WORLD, list(GROUPS["single"]))], reference)
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.timeout(TIMEOUTS["torch"][0])
 def test_offload_under_ddp(reference, tmp_path):
-    failures = check_group("ddp", run_group("ddp", tmp_path), reference)
+    failures = check_offload_group("ddp", run_offload_group("ddp", tmp_path), reference)
     assert not failures, "\n".join(failures)
 
 
@@ -191,12 +191,12 @@ def test_offload_under_ddp(reference, tmp_path):
 def test_offload_under_fsdp2(reference, tmp_path):
     """fully_shard on each decoder layer (the CheckpointWrapper itself with checkpoint_wrapper: FSDP2's hooks
     outside the checkpoint), then the root."""
-    failures = check_group("fsdp2", run_group("fsdp2", tmp_path), reference)
+    failures = check_offload_group("fsdp2", run_offload_group("fsdp2", tmp_path), reference)
     assert not failures, "\n".join(failures)
 
 
 @needs_deepspeed
 @pytest.mark.timeout(TIMEOUTS["deepspeed"][0])
 def test_offload_under_zero3(reference, tmp_path):
-    failures = check_group("zero3", run_group("zero3", tmp_path), reference)
+    failures = check_offload_group("zero3", run_offload_group("zero3", tmp_path), reference)
     assert not failures, "\n".join(failures)

@@ -8,7 +8,7 @@ device bytes by kind and host bytes (checkpoint offload on).
 Gloo's worker thread keeps each collective's tensors until it drops the finished work, a moment that races
 with the step: seen, the all-to-all input of one layer's keys freed one allocation later than the step
 drops it, on both ranks, in one run and not in another. So the real step hands gloo private copies of
-its tensors, made outside the tracker (``_private_collectives``): the step's own tensors are then freed
+its tensors, made outside the tracker (``_private_sp_collectives``): the step's own tensors are then freed
 where the step's code drops them, which is what the model says, and what is checked.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from .spawn import run_distributed
+from .tiny_models import planner_llama  # 4 query heads, 2 key/value heads: 2 and 1 on each of 2 ranks
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
@@ -29,15 +30,7 @@ SETTINGS = [dict(tiled=False, checkpointing=False),
                  offload_checkpoints=True)]
 
 
-def _config():
-    from transformers import LlamaConfig
-
-    # 4 query heads and 2 key/value heads: each of the 2 ranks attends with 2 and 1 of them.
-    return LlamaConfig(hidden_size=64, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
-
-
-def _private_collectives() -> None:
+def _private_sp_collectives() -> None:
     """torch.distributed's all-to-all and all-gather, on copies the memory tracker never sees."""
     import torch.distributed as dist
     from torch.utils._python_dispatch import _disable_current_modes
@@ -62,19 +55,19 @@ def _private_collectives() -> None:
     dist.all_to_all_single, dist.all_gather = all_to_all_single, all_gather_list
 
 
-def _real_steps(rank: int, world_size: int) -> list:
+def _real_sp_steps(rank: int, world_size: int) -> list:
     import deepspeed
     import torch.distributed as dist
 
     from tiled_mlp.planner.step import Setting, build_model, step_timeline
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    _private_collectives()
+    _private_sp_collectives()
     group = dist.new_group(list(range(world_size)))
     out = []
     for kwargs in SETTINGS:
         setting = Setting(sp=SP, **kwargs)
-        model = build_model(_config(), None, torch.float32, "cpu", setting, sp_group=group)
+        model = build_model(planner_llama(), None, torch.float32, "cpu", setting, sp_group=group)
         timeline = step_timeline(model, SEQ // SP, 1, rank=rank)
         out.append((timeline.points, timeline.host))
     return out
@@ -86,10 +79,10 @@ def test_a_real_two_rank_ulysses_step_is_predicted_to_the_byte(tmp_path):
     from tiled_mlp.planner.plan import Planner, Request
     from tiled_mlp.planner.step import Setting
 
-    measured = run_distributed(_real_steps, SP, tmp_path, timeout=120)
+    measured = run_distributed(_real_sp_steps, SP, tmp_path, timeout=120)
     for index, kwargs in enumerate(SETTINGS):
         setting = Setting(sp=SP, **kwargs)
-        planner = Planner(Request(_config(), [SEQ], [setting], Backend("zero3", SP), dtype=torch.float32))
+        planner = Planner(Request(planner_llama(), [SEQ], [setting], Backend("zero3", SP), dtype=torch.float32))
         predicted = planner.timeline(setting, SEQ)
         assert planner.point(setting, SEQ).tokens_per_rank == SEQ // SP
         for rank, steps in enumerate(measured):

@@ -11,7 +11,7 @@ rank, in one run and not in the next (and the tiled loss's per-shard row sums, r
 ``dist.all_reduce``, freed after the backward's first allocation). So the real step's all-reduces (DTensor's and
 the untiled vocabulary-parallel loss's ``funcol.all_reduce``, the tiled loss's ``dist.all_reduce``) allocate their
 output where the tracker sees it, or reduce in place, and hand gloo a private copy made outside the tracker
-(``_private_collectives``): the step's own tensors are then freed where the step's code
+(``_private_tp_collectives``): the step's own tensors are then freed where the step's code
 drops them, which is what the model says, and what is checked.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from .spawn import run_distributed
+from .tiny_models import planner_llama  # 4 query heads, 2 key/value heads: 2 and 1 on each of 2 ranks
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
@@ -31,15 +32,7 @@ SETTINGS = [dict(tiled=False, checkpointing=False), dict(tiled=False, checkpoint
             dict(tiled=True, num_shards=4, tiled_loss=True, loss_num_shards=4, tiled_norms=True, checkpointing=True)]
 
 
-def _config():
-    from transformers import LlamaConfig
-
-    # 4 query heads and 2 key/value heads: each of the 2 ranks computes 2 and 1 of them.
-    return LlamaConfig(hidden_size=64, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
-
-
-def _private_collectives() -> None:
+def _private_tp_collectives() -> None:
     """``funcol.all_reduce`` with its output allocated under the tracker, and ``dist.all_reduce`` (in place: the
     vocabulary-parallel tiled loss's row maxima and sums, and its input gradient) reducing into its own tensor,
     each with gloo given a copy the tracker never sees."""
@@ -70,16 +63,16 @@ def _private_collectives() -> None:
     dist.all_reduce = all_reduce_in_place
 
 
-def _real_steps(rank: int, world_size: int) -> list:
+def _real_tp_steps(rank: int, world_size: int) -> list:
     from torch.distributed.device_mesh import init_device_mesh
 
     from tiled_mlp.planner.step import Setting, build_model, step_timeline
 
-    _private_collectives()
+    _private_tp_collectives()
     mesh = init_device_mesh("cpu", (world_size,))
     out = []
     for kwargs in SETTINGS:
-        model = build_model(_config(), None, torch.float32, "cpu", Setting(tp=TP, **kwargs), tp_mesh=mesh)
+        model = build_model(planner_llama(), None, torch.float32, "cpu", Setting(tp=TP, **kwargs), tp_mesh=mesh)
         # The ranks of a TP group run the same tokens: both take rank 0's.
         points = step_timeline(model, SEQ, 1, rank=0).points
         out.append((points, [getattr(getattr(layer.mlp, "tiling", None), "last_path", None)
@@ -93,10 +86,10 @@ def test_a_real_two_rank_tensor_parallel_step_is_predicted_to_the_byte(tmp_path)
     from tiled_mlp.planner.plan import Planner, Request
     from tiled_mlp.planner.step import Setting
 
-    measured = run_distributed(_real_steps, TP, tmp_path, timeout=120)
+    measured = run_distributed(_real_tp_steps, TP, tmp_path, timeout=120)
     for index, kwargs in enumerate(SETTINGS):
         setting = Setting(tp=TP, **kwargs)
-        planner = Planner(Request(_config(), [SEQ], [setting], Backend("single", 1), dtype=torch.float32))
+        planner = Planner(Request(planner_llama(), [SEQ], [setting], Backend("single", 1), dtype=torch.float32))
         predicted = planner.timeline(setting, SEQ)
         for rank, steps in enumerate(measured):
             points, paths = steps[index]
@@ -109,7 +102,7 @@ def test_a_real_two_rank_tensor_parallel_step_is_predicted_to_the_byte(tmp_path)
                 f"{points[first] if first is not None else len(points)}")
         # The rank holds half of each sharded weight: the projections and the LM head, not the embeddings or norms.
         weights = max(p[0] for p in predicted.points)
-        config = _config()
+        config = planner_llama()
         hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
         kv = hidden // config.num_attention_heads * config.num_key_value_heads
         sharded = 3 * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter) + vocab * hidden

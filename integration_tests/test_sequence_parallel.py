@@ -37,9 +37,9 @@ from .sp_cases import (
     TOKENS,
     SPCase,
     rank_targets,
-    reference_run,
     reference_step,
-    sample,
+    sp_reference_run,
+    sp_sample,
 )
 from .spawn import run_distributed
 
@@ -54,7 +54,7 @@ def offloaded_bytes(case: SPCase) -> int:
     return (LAYERS - 1) * 1 * (TOKENS // 2) * HIDDEN * torch.finfo(case.dtype).bits // 8
 
 
-def bound(case: SPCase, what: str, step: int) -> float:
+def sp_bound(case: SPCase, what: str, step: int) -> float:
     if case.loss_path == "trainer-hf":
         return ZERO_BOUND  # Hugging Face's own loss takes float32 logits (``logits.float()``)
     if not case.backend.startswith("zero"):
@@ -62,23 +62,23 @@ def bound(case: SPCase, what: str, step: int) -> float:
     return ZERO_BOUND
 
 
-def errors(case: SPCase, ref: Dict, rank: int, record: Dict) -> Dict[str, tuple]:
+def sp_errors(case: SPCase, ref: Dict, rank: int, record: Dict) -> Dict[str, tuple]:
     """``{what: (relative error, bound)}``."""
     out = {}
     group = rank // case.sp
     for name, want in ref["initial"].items():
-        out[f"initial {name}"] = (rel_error(want, record["initial"][name]), bound(case, "param", 0))
+        out[f"initial {name}"] = (rel_error(want, record["initial"][name]), sp_bound(case, "param", 0))
     for step in range(STEPS):
-        out[f"step {step} loss"] = (rel_error(ref["losses"][step][group], record["losses"][step]), bound(case, "loss", step))
+        out[f"step {step} loss"] = (rel_error(ref["losses"][step][group], record["losses"][step]), sp_bound(case, "loss", step))
         assert ref["grads"][step].keys() == record["grads"][step].keys(), case.name
         for name, want in ref["grads"][step].items():
-            out[f"step {step} grad {name}"] = (rel_error(want, record["grads"][step][name]), bound(case, "grad", step))
+            out[f"step {step} grad {name}"] = (rel_error(want, record["grads"][step][name]), sp_bound(case, "grad", step))
         for name, want in ref["params"][step].items():
-            out[f"step {step} param {name}"] = (rel_error(want, record["params"][step][name]), bound(case, "param", step))
+            out[f"step {step} param {name}"] = (rel_error(want, record["params"][step][name]), sp_bound(case, "param", step))
     return out
 
 
-def check_not_vacuous(case: SPCase, ref: Dict) -> None:
+def check_sp_not_vacuous(case: SPCase, ref: Dict) -> None:
     for step in range(STEPS):
         assert all(torch.isfinite(loss) and loss > 0 for loss in ref["losses"][step]), case.name
         assert all(g.abs().max() > 0 for g in ref["grads"][step].values()), case.name
@@ -133,8 +133,8 @@ def check_cases(cases, results: List[Dict[str, Dict]]) -> List[str]:
     failures, worst = [], []
     for case in cases:
         ranks = [per_rank[case.name] for per_rank in results]
-        ref = reference_run(case)
-        check_not_vacuous(case, ref)
+        ref = sp_reference_run(case)
+        check_sp_not_vacuous(case, ref)
         failures += check_masks(case, ranks)
         case_worst = 0.0
         for rank, record in enumerate(ranks):
@@ -143,7 +143,7 @@ def check_cases(cases, results: List[Dict[str, Dict]]) -> List[str]:
             if case.loader and not all(record["loader_batches"]):
                 failures.append(f"{case.name}: rank {rank}: the data loader's batches differ from shard()'s: "
                                 f"{record['loader_batches']}")
-            errs = errors(case, ref, rank, record)
+            errs = sp_errors(case, ref, rank, record)
             failures += [f"{case.name}: rank {rank}: {what}: relative error {err:.3g} > {limit:g}"
                          for what, (err, limit) in errs.items() if not err <= limit]
             case_worst = max(case_worst, *(err for err, _ in errs.values()))
@@ -152,12 +152,12 @@ def check_cases(cases, results: List[Dict[str, Dict]]) -> List[str]:
     return failures
 
 
-def run_group(group: str, tmp_path, timeout: float) -> List[Dict[str, Dict]]:
-    from .sp_cases import run_cases
+def run_sp_group(group: str, tmp_path, timeout: float) -> List[Dict[str, Dict]]:
+    from .sp_cases import run_sp_cases
 
     world = GROUPS[group][0].world
     assert all(case.world == world for case in GROUPS[group])
-    return run_distributed(run_cases, world, tmp_path, list(GROUPS[group]), timeout=timeout)
+    return run_distributed(run_sp_cases, world, tmp_path, list(GROUPS[group]), timeout=timeout)
 
 
 # -- SP=2, tiled MLP + tiled loss, Llama and Qwen2, uneven masks, num_items_in_batch -------------------
@@ -165,21 +165,21 @@ def run_group(group: str, tmp_path, timeout: float) -> List[Dict[str, Dict]]:
 def test_sp2_matches_one_process_under_allreduce_and_ddp(tmp_path):
     """Torch all-reduce (averaged) and DDP: plain, uneven and empty-rank masks, with and without
     num_items_in_batch."""
-    failures = check_cases(GROUPS["sp2-allreduce-ddp"], run_group("sp2-allreduce-ddp", tmp_path, 120))
+    failures = check_cases(GROUPS["sp2-allreduce-ddp"], run_sp_group("sp2-allreduce-ddp", tmp_path, 120))
     assert not failures, "\n".join(failures)
 
 
 # -- the same with HF checkpointing (non-reentrant) + checkpoint offload -----------------------------
 @pytest.mark.timeout(150)
 def test_sp2_with_checkpoint_offload(tmp_path):
-    failures = check_cases(GROUPS["sp2-offload"], run_group("sp2-offload", tmp_path, 120))
+    failures = check_cases(GROUPS["sp2-offload"], run_sp_group("sp2-offload", tmp_path, 120))
     assert not failures, "\n".join(failures)
 
 
 # -- FSDP2 (fully_shard per decoder layer, then the root) + SP=2 ---------------------------------------
 @pytest.mark.timeout(150)
 def test_fsdp2_with_sp2(tmp_path):
-    failures = check_cases(GROUPS["sp2-fsdp2"], run_group("sp2-fsdp2", tmp_path, 120))
+    failures = check_cases(GROUPS["sp2-fsdp2"], run_sp_group("sp2-fsdp2", tmp_path, 120))
     assert not failures, "\n".join(failures)
 
 
@@ -189,7 +189,7 @@ def test_zero3_with_sp2(tmp_path):
     """ZeRO-3 on the 2 SP ranks (DP=1), offload on and off. ZeRO-1 and ZeRO-2, which divide by the DP size
     only under SP (summing over the SP ranks), recognised and matching (ZeRO-3 without reduce-scatter and
     stage 0: ``test_sp_backends.py``)."""
-    failures = check_cases(GROUPS["sp2-zero3"], run_group("sp2-zero3", tmp_path, 150))
+    failures = check_cases(GROUPS["sp2-zero3"], run_sp_group("sp2-zero3", tmp_path, 150))
     assert not failures, "\n".join(failures)
 
 
@@ -199,7 +199,7 @@ def test_zero3_with_sp2_times_dp2(tmp_path):
     Uneven and empty-rank masks (the empty SP rank differs between the DP groups), num_items_in_batch
     over both DP groups (each rank back-propagates dp * loss), checkpoint offload. DDP on the same layout
     too."""
-    failures = check_cases(GROUPS["sp2xdp2-zero3"], run_group("sp2xdp2-zero3", tmp_path, 150))
+    failures = check_cases(GROUPS["sp2xdp2-zero3"], run_sp_group("sp2xdp2-zero3", tmp_path, 150))
     assert not failures, "\n".join(failures)
 
 
@@ -214,7 +214,7 @@ def test_data_loader_gives_the_batches_and_losses_of_shard(tmp_path):
 
     if not deepspeed_internals.DATA_LOADER_CHECKED.contains(str(checked_versions.installed("deepspeed"))):
         pytest.skip("DeepSpeed's data-loader adapter is refused on this release (tests/test_seams.py)")
-    results = run_group("sp2-loader", tmp_path, 120)
+    results = run_sp_group("sp2-loader", tmp_path, 120)
     failures = check_cases(GROUPS["sp2-loader"], results)
     for case in GROUPS["sp2-loader"]:
         if case.loader:
@@ -235,7 +235,7 @@ def test_deepspeed_sum_over_sp_is_read_from_deepspeed_not_the_head(tmp_path, bac
     from .sp_cases import frozen_head_grads
 
     case = SPCase("frozen-head", backend=backend, masks="uneven")
-    ref = reference_run(case)["grads"][0]
+    ref = sp_reference_run(case)["grads"][0]
     for rank, grads in enumerate(run_distributed(frozen_head_grads, 2, tmp_path, backend, timeout=150)):
         assert grads and "lm_head.weight" not in grads
         errs = {n: rel_error(ref[n], g) for n, g in grads.items()}
@@ -245,7 +245,7 @@ def test_deepspeed_sum_over_sp_is_read_from_deepspeed_not_the_head(tmp_path, bac
 # -- the HF Trainer's loss under ParallelismConfig(sp_backend="deepspeed") ------------------------------
 @pytest.fixture(scope="module")
 def trainer_results(tmp_path_factory):
-    return run_group("sp2-trainer", tmp_path_factory.mktemp("sp-trainer"), 120)
+    return run_sp_group("sp2-trainer", tmp_path_factory.mktemp("sp-trainer"), 120)
 
 
 TRAINER = {case.name: case for case in GROUPS["sp2-trainer"]}
@@ -318,7 +318,7 @@ def test_remove_restores_attention_and_loss(error_outcomes):
     library's function, no instance override left), DeepSpeed's groups released, the attention modules'
     num_key_value_groups back (DeepSpeed sets them to 1 in the forward), the loss without a group; a
     plain forward on the full sample then equals the reference. A second apply and remove work."""
-    ids, labels = sample(SPCase("remove"), 0, 0)
+    ids, labels = sp_sample(SPCase("remove"), 0, 0)
     ref = reference_step("llama", ids, labels)
     for rank, out in enumerate(error_outcomes):
         assert out["under_sp"] == {"sdpa_is_original": False, "overrides_as_before": False, "groups_released": False,

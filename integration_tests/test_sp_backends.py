@@ -7,7 +7,7 @@ import pytest
 
 from .comparison import BOUND, needs_deepspeed, rel_error
 from .sp_backend_cases import CASE, DEEPSPEED_EXACT, FLOAT32_BOUND, WRAPPED_EXACT
-from .sp_cases import reference_step, sample
+from .sp_cases import reference_step, sp_sample
 from .spawn import run_distributed
 
 pytest.importorskip("transformers")
@@ -38,7 +38,7 @@ def test_deepspeed_reduction_read_from_the_engine_is_exact(outcomes, config):
     """ZeRO-3 without reduce-scatter, a float32 stage 0 and ZeRO-1 sum over the SP ranks, ZeRO-3's reduce-scatter
     (and ZeRO-3 without it nor contiguous gradients) averages: each read from the engine (or, with the engine on
     a module above the LM, from the ZeRO optimizer), each the whole sequence's gradient."""
-    ids, labels = sample(CASE, 0, 0)
+    ids, labels = sp_sample(CASE, 0, 0)
     ref = reference_step("llama", ids, labels)["grads"]
     for rank, out in enumerate(outcomes):
         assert "grads" in out[config], (rank, config, out[config])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from .comparison import BOUND, needs_deepspeed, rel_error
-from .sp_mask_cases import CASES, PACKED_CASES, reference, run_cases
+from .sp_mask_cases import CASES, PACKED_CASES, mask_reference, run_mask_cases
 from .spawn import run_distributed
 
 pytest.importorskip("transformers")
@@ -26,7 +26,7 @@ MASKED = [c for c in CASES if c not in WINDOWS]
 def check(cases, results) -> None:
     failures, worst = [], []
     for case in cases:
-        ref = reference(case)
+        ref = mask_reference(case)
         assert all(g.abs().max() > 0 for g in ref["grads"].values()), case.name
         case_worst = 0.0
         for rank, per_rank in enumerate(results):
@@ -43,24 +43,24 @@ def check(cases, results) -> None:
 
 @pytest.mark.timeout(60)
 def test_sp2_sliding_windows_match_one_process(tmp_path):
-    check(WINDOWS, run_distributed(run_cases, 2, tmp_path, WINDOWS, timeout=50))
+    check(WINDOWS, run_distributed(run_mask_cases, 2, tmp_path, WINDOWS, timeout=50))
 
 
 @pytest.mark.timeout(60)
 def test_sp2_left_padding_matches_one_process(tmp_path):
-    check(MASKED, run_distributed(run_cases, 2, tmp_path, MASKED, timeout=50))
+    check(MASKED, run_distributed(run_mask_cases, 2, tmp_path, MASKED, timeout=50))
 
 
 @pytest.mark.timeout(60)
 def test_sp2_packed_samples_match_one_process_with_and_without_cache(tmp_path):
     """HF tells packed documents apart when its decoder holds no cache (checkpointing, use_cache=False) and
     not with one (use_cache=True); SP must do what the same call does in one process."""
-    check(PACKED_CASES, run_distributed(run_cases, 2, tmp_path, PACKED_CASES, timeout=50))
+    check(PACKED_CASES, run_distributed(run_mask_cases, 2, tmp_path, PACKED_CASES, timeout=50))
 
 
 @pytest.mark.timeout(60)
 def test_sp2_refuses_masks_it_cannot_honour(tmp_path):
-    from .sp_mask_cases import refusals
+    from .sp_mask_cases import mask_refusals
 
     expected = {
         "flex_window": ("ValueError", "without this model's sliding window (4 tokens)"),
@@ -68,7 +68,7 @@ def test_sp2_refuses_masks_it_cannot_honour(tmp_path):
         "one_rank_mask": ("ValueError", "some ranks of the SP group passed an attention_mask and some did not"),
         "flash_padding": ("ValueError", "a padding attention_mask cannot be applied"),
     }
-    for rank, out in enumerate(run_distributed(refusals, 2, tmp_path, timeout=50)):
+    for rank, out in enumerate(run_distributed(mask_refusals, 2, tmp_path, timeout=50)):
         for what, (kind, words) in expected.items():
             assert out[what][0] == kind and words in out[what][1], (rank, what, out[what])
         assert out["after"][0] == "", (rank, out["after"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from .comparison import BOUND, needs_deepspeed, rel_error
-from .sp_rope_cases import LENGTHS, MODELS, reference, run_ranks
+from .sp_rope_cases import LENGTHS, MODELS, rope_reference, run_ranks
 from .spawn import run_distributed
 
 FLOAT32_NORMS = 1e-6
@@ -34,7 +34,7 @@ def test_length_dependent_rope_under_sp2_matches_one_process(tmp_path):
     ranks = run_distributed(run_ranks, 2, tmp_path, timeout=100)
     failures, worst = [], {}
     for name in MODELS:
-        ref = reference(name)
+        ref = rope_reference(name)
         worst[name] = 0.0
         for rank, per_model in enumerate(ranks):
             for call, (want, have) in enumerate(zip(ref, per_model[name], strict=True)):

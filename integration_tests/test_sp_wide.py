@@ -34,8 +34,8 @@ from .sp_wide_cases import (
     STEPS,
     TOKENS,
     WideCase,
-    errors,
-    reference_run,
+    sp_wide_reference_run,
+    wide_errors,
 )
 from .spawn import run_distributed
 
@@ -55,12 +55,12 @@ def outcomes(tmp_path_factory):
 
 
 def check_exact(case: WideCase, outcomes: List[Dict]) -> List[str]:
-    ref = reference_run(case)
+    ref = sp_wide_reference_run(case)
     assert all(g.abs().max() > 0 for step in ref["grads"] for g in step.values()), case.name  # not vacuous
     failures, worst = [], 0.0
     for rank, out in enumerate(outcomes):
         record = out[case.name]
-        errs = errors(ref, record, rank // case.sp)
+        errs = wide_errors(ref, record, rank // case.sp)
         failures += [f"{case.name}: rank {rank}: {what}: {err:.3g} > {BOUND:g}" for what, err in errs.items()
                      if not err <= BOUND]
         worst = max(worst, *errs.values())
@@ -116,7 +116,7 @@ def test_fsdp2_that_does_not_average_over_the_sp_ranks_is_refused(outcomes):
 @pytest.mark.timeout(200)
 def test_fsdp2_applied_before_sp_is_not_taken_for_tensor_parallelism(outcomes):
     """FSDP2's sharded parameters are DTensors when SP is applied after fully_shard: accepted, and exact."""
-    ref = reference_run(FSDP2_CASES[0])["grads"][0]
+    ref = sp_wide_reference_run(FSDP2_CASES[0])["grads"][0]
     for rank, out in enumerate(outcomes):
         assert "refused" not in out["fsdp2-before-sp"], (rank, out["fsdp2-before-sp"])
         errs = {n: rel_error(want, out["fsdp2-before-sp"][n]) for n, want in ref.items()}
@@ -127,16 +127,16 @@ def _bf16_errors(ref: Dict, run: Dict, group: int, single: bool) -> Dict[str, fl
     """Relative errors of a bfloat16 run against the float32 reference; ``single``: the single-process run,
     whose losses are the DP groups' (compared as the SP run's group's)."""
     if not single:
-        return errors(ref, run, group)
+        return wide_errors(ref, run, group)
     as_rank = {**run, "losses": [losses[group] for losses in run["losses"]]}
-    return errors(ref, as_rank, group)
+    return wide_errors(ref, as_rank, group)
 
 
 @pytest.mark.timeout(200)
 def test_bf16_under_sp_within_a_measured_factor_of_untiled_bf16(outcomes):
     case = BF16_CASE
-    ref = reference_run(case, dtype=BF16_REFERENCE_DTYPE)
-    untiled = reference_run(case, dtype=torch.bfloat16, own_loss=True)  # the plain model in bfloat16, one process
+    ref = sp_wide_reference_run(case, dtype=BF16_REFERENCE_DTYPE)
+    untiled = sp_wide_reference_run(case, dtype=torch.bfloat16, own_loss=True)  # the plain model in bfloat16, one process
     failures, ratios = [], []
     for rank, out in enumerate(outcomes):
         group = rank // case.sp

@@ -16,7 +16,7 @@ WORLD = 2
 BOUND = 1e-12
 
 
-def _exact(result: dict, case) -> None:
+def _assert_exact_case(result: dict, case) -> None:
     assert "raised" not in result, (case, result)
     bad = {what: error for what, error in result["errors"].items() if not error <= BOUND}
     assert not bad, (case, bad)
@@ -28,7 +28,7 @@ def test_fast_kernel_on_local_weights_matches_one_process_under_tensor_paralleli
     for rank_results in run_distributed(run_tp_cases, WORLD, tmp_path, cases, timeout=50):
         for case in cases:
             result = rank_results[case]
-            _exact(result, case)
+            _assert_exact_case(result, case)
             assert result["path"] == "fast" and result["num_shards"] == 3, (case, result)
             assert "kernel 'fast'" in result["reason"], (case, result["reason"])
             # The auto policy sizes shards from the rank's local weights: its slice of the intermediate dim.
@@ -48,7 +48,7 @@ def test_generic_kernel_runs_tensor_parallel_collectives_per_shard_and_matches_o
     for rank_results in run_distributed(run_tp_cases, WORLD, tmp_path, cases, timeout=50):
         for case in cases:
             result = rank_results[case]
-            _exact(result, case)
+            _assert_exact_case(result, case)
             assert result["path"] == "generic" and result["num_shards"] == 3, (case, result)
             assert result["pending_works"] == 0, (case, result)
         # Why the fast kernel declined, where it was asked.
@@ -61,7 +61,7 @@ def test_generic_kernel_runs_tensor_parallel_collectives_per_shard_and_matches_o
 def test_auto_shard_count_is_the_same_on_ranks_holding_uneven_slices(tmp_path):
     # The generic kernel all-reduces once per shard: ranks that chose different counts would fail or hang.
     for result in run_distributed(run_uneven_auto, WORLD, tmp_path, timeout=50):
-        _exact(result, "uneven")
+        _assert_exact_case(result, "uneven")
         assert result["path"] == "generic" and result["num_shards"] == 4, result
         assert result["pending_works"] == 0, result
 

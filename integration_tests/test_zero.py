@@ -2,7 +2,7 @@
 
 Every full gradient (``safe_get_full_grad``) at every step, and every parameter after every step,
 of the tiled run must equal the untiled run of the same case (same seed, same data, same DeepSpeed
-config), within ``zero_cases.tolerance``. DeepSpeed's own TiledMLP runs beside ours as a peer; what
+config), within ``zero_cases.zero_tolerance``. DeepSpeed's own TiledMLP runs beside ours as a peer; what
 it does is recorded, not asserted.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from .spawn import run_distributed
-from .zero_cases import GROUPS, PEER_CASES, ZeroCase, tolerance
-from .zero_training import train_cases
+from .zero_cases import GROUPS, PEER_CASES, ZeroCase, zero_tolerance
+from .zero_training import train_zero_cases
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.distributed
@@ -24,9 +24,9 @@ WORLD = 2
 CASES = {case.name: case for group in GROUPS.values() for case in group}
 
 
-def mismatches(case: ZeroCase, ref: dict, got: dict) -> list:
+def zero_mismatches(case: ZeroCase, ref: dict, got: dict) -> list:
     """Every way ``got`` differs from ``ref`` beyond the case's bound, as readable lines."""
-    rtol, atol = tolerance(case)
+    rtol, atol = zero_tolerance(case)
     out = []
 
     def check(what: str, want: torch.Tensor, have: torch.Tensor) -> None:
@@ -51,13 +51,13 @@ def mismatches(case: ZeroCase, ref: dict, got: dict) -> list:
     return out
 
 
-def check_not_vacuous(case: ZeroCase, ref: dict) -> None:
+def check_zero_not_vacuous(case: ZeroCase, ref: dict) -> None:
     assert ref["grads"] and all(g.abs().max() > 0 for step in ref["grads"] for g in step.values()), case.name
     trained = ref["grads"][0].keys()
     assert all((ref["params"][-1][n] != ref["initial"][n]).any() for n in trained), case.name
 
 
-def check_tiled_ran(case: ZeroCase, rank: int, tiled: dict) -> None:
+def check_zero_tiled_ran(case: ZeroCase, rank: int, tiled: dict) -> None:
     assert tiled["strategies"] == {"deepspeed_zero"}, (case.name, tiled["strategies"])
     want_path = "generic" if case.lora else case.path
     assert tiled["paths"] == {want_path}, (case.name, tiled["paths"])
@@ -65,21 +65,21 @@ def check_tiled_ran(case: ZeroCase, rank: int, tiled: dict) -> None:
     assert all(shards == [want_shards] * 2 for shards in tiled["shards"]), (case.name, rank, tiled["shards"])
 
 
-def run_group(tmp_path, cases, kinds=("untiled", "tiled"), catch=()):
-    return run_distributed(train_cases, WORLD, tmp_path, list(cases), kinds, catch, timeout=200)
+def run_zero_group(tmp_path, cases, kinds=("untiled", "tiled"), catch=()):
+    return run_distributed(train_zero_cases, WORLD, tmp_path, list(cases), kinds, catch, timeout=200)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_tiled_matches_untiled_under_zero(group, tmp_path):
-    results = run_group(tmp_path, GROUPS[group])
+    results = run_zero_group(tmp_path, GROUPS[group])
     failures = []
     for rank, per_case in enumerate(results):
         for name, runs in per_case.items():
             case = CASES[name]
-            check_not_vacuous(case, runs["untiled"])
-            check_tiled_ran(case, rank, runs["tiled"])
-            failures += [f"rank {rank}: {line}" for line in mismatches(case, runs["untiled"], runs["tiled"])]
+            check_zero_not_vacuous(case, runs["untiled"])
+            check_zero_tiled_ran(case, rank, runs["tiled"])
+            failures += [f"rank {rank}: {line}" for line in zero_mismatches(case, runs["untiled"], runs["tiled"])]
     assert not failures, "\n".join(failures)
 
 
@@ -88,7 +88,7 @@ def test_deepspeed_tiled_mlp_as_peer(tmp_path, record_property):
     """Ours and DeepSpeed's TiledMLP on the same cases. Ours must match the untiled run; the peer's
     outcome is recorded (``record_property``, printed) and never fails this test."""
     try:
-        results = run_group(tmp_path, PEER_CASES, kinds=("untiled", "tiled", "peer"), catch=("peer",))
+        results = run_zero_group(tmp_path, PEER_CASES, kinds=("untiled", "tiled", "peer"), catch=("peer",))
     except TimeoutError as exc:  # only the peer can hang here: ours is proven in the test above
         record_property("peer", f"hung: {exc}")
         pytest.xfail(f"DeepSpeed's TiledMLP hung: {exc}")
@@ -96,8 +96,8 @@ def test_deepspeed_tiled_mlp_as_peer(tmp_path, record_property):
     report, failures = [], []
     for name, runs in results[0].items():
         case = cases[name]
-        check_not_vacuous(case, runs["untiled"])
-        failures += mismatches(case, runs["untiled"], runs["tiled"])
+        check_zero_not_vacuous(case, runs["untiled"])
+        failures += zero_mismatches(case, runs["untiled"], runs["tiled"])
         outcome = peer_outcome(case, runs["untiled"], runs["peer"])
         record_property(f"deepspeed_tiled_mlp[{name}]", outcome)
         report.append(f"{name}: DeepSpeed TiledMLP {outcome}")
@@ -108,7 +108,7 @@ def test_deepspeed_tiled_mlp_as_peer(tmp_path, record_property):
 def peer_outcome(case: ZeroCase, ref: dict, peer: dict) -> str:
     if "error" in peer:
         return "raised " + peer["error"].strip().splitlines()[-1]
-    wrong = mismatches(case, ref, peer)
+    wrong = zero_mismatches(case, ref, peer)
     if not wrong:
         return "agrees with the untiled run"
     return f"differs from the untiled run in {len(wrong)} checks, first: {wrong[0]}"

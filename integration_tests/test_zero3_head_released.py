@@ -30,7 +30,7 @@ STEPS, LR, SHARDS = 2, 0.5, 3
 CASES = {"tiled": (True, False), "tiled_tied": (True, True), "untiled": (False, False)}  # name: (tiled, tied)
 
 
-def _model(tied: bool, dtype: torch.dtype):
+def _llama_maybe_tied(tied: bool, dtype: torch.dtype):
     from integration_tests.tiny_models import tiny_model
 
     model = tiny_model("llama", seed=0, dtype=dtype)
@@ -40,7 +40,7 @@ def _model(tied: bool, dtype: torch.dtype):
     return model
 
 
-def _batch(rank: int, step: int) -> torch.Tensor:
+def _rank_ids(rank: int, step: int) -> torch.Tensor:
     from integration_tests.tiny_models import VOCAB
 
     generator = torch.Generator().manual_seed(1000 * step + rank)
@@ -50,13 +50,13 @@ def _batch(rank: int, step: int) -> torch.Tensor:
 def _reference(tied: bool, world: int) -> Dict[str, List]:
     """float64, one process: each step's per-rank losses and the gradients averaged over the ranks (as
     ZeRO reduces them), then a plain SGD step."""
-    model = _model(tied, torch.float64)
+    model = _llama_maybe_tied(tied, torch.float64)
     losses, grads = [], []
     for step in range(STEPS):
         model.zero_grad()
         step_losses = []
         for rank in range(world):
-            ids = _batch(rank, step)
+            ids = _rank_ids(rank, step)
             loss = model(input_ids=ids, labels=ids).loss
             (loss / world).backward()
             step_losses.append(loss.detach())
@@ -92,7 +92,7 @@ def _engine_run(tiled: bool, tied: bool, rank: int) -> Dict:
 
     from tiled_mlp import apply_tiled_loss
 
-    model = _model(tied, ZERO_DTYPE)
+    model = _llama_maybe_tied(tied, ZERO_DTYPE)
     if tiled:
         apply_tiled_loss(model, num_shards=SHARDS)
     config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
@@ -107,7 +107,7 @@ def _engine_run(tiled: bool, tied: bool, rank: int) -> Dict:
     handles = _status_recorders(model, seen)
     losses, grads = [], []
     for step in range(STEPS):
-        ids = _batch(rank, step)
+        ids = _rank_ids(rank, step)
         out = engine(input_ids=ids, labels=ids)
         seen["after_forward"].append(model.lm_head.weight.ds_status.name)
         engine.backward(out.loss)

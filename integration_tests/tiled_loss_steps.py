@@ -3,7 +3,7 @@ Llama, tiled by the flags as a training script takes them (``add_tiled_mlp_args`
 tiled loss, MLPs and norms), two SGD steps on different tokens per rank. A run records its losses, every
 parameter's full gradient at each step, every full parameter after it, and the all-gathers and
 reduce-scatters each step issued. The untiled run computes its loss from the logits in float64 by hand
-(transformers' own loss is float32 math), so a float64 run is compared exactly; ``reference_run`` is one
+(transformers' own loss is float32 math), so a float64 run is compared exactly; ``steps_reference_run`` is one
 process untiled.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ FLAGS = ["--use_tiled_loss", "true", "--use_tiled_mlp", "true", "--use_tiled_nor
          "--tiled_mlp_num_shards", "3"]
 
 
-def token_ids(rank: int, step: int) -> torch.Tensor:
+def rank_step_ids(rank: int, step: int) -> torch.Tensor:
     """Rank ``rank``'s tokens at ``step``: a different count per rank."""
     from integration_tests.tiny_models import VOCAB
 
@@ -39,7 +39,7 @@ def tiled_by_flags(model: torch.nn.Module, flags: List[str] = FLAGS) -> None:
     assert apply_from_flags(model, args) is not None
 
 
-def build_model(dtype: torch.dtype = torch.float64, tied: bool = False) -> torch.nn.Module:
+def build_loss_model(dtype: torch.dtype = torch.float64, tied: bool = False) -> torch.nn.Module:
     """The tiny Llama; ``tied``: its head's weight is the embeddings' (as ``tie_word_embeddings`` makes it)."""
     from integration_tests.tiny_models import tiny_model
 
@@ -50,13 +50,13 @@ def build_model(dtype: torch.dtype = torch.float64, tied: bool = False) -> torch
     return model
 
 
-def reference_run(world_size: int, dtype: torch.dtype = torch.float64, tied: bool = False) -> Dict:
+def steps_reference_run(world_size: int, dtype: torch.dtype = torch.float64, tied: bool = False) -> Dict:
     """One process, untiled: each step's loss is the ranks' mean, as data parallelism averages gradients."""
-    model = build_model(dtype, tied)
+    model = build_loss_model(dtype, tied)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     record: Dict = {"losses": [], "grads": [], "params": []}
     for step in range(STEPS):
-        losses = [causal_lm_loss(model(input_ids=token_ids(rank, step)).logits, token_ids(rank, step))
+        losses = [causal_lm_loss(model(input_ids=rank_step_ids(rank, step)).logits, rank_step_ids(rank, step))
                   for rank in range(world_size)]
         torch.stack(losses).mean().backward()
         record["losses"].append([loss.detach() for loss in losses])
@@ -105,7 +105,7 @@ def run_steps(model: torch.nn.Module, named, tiled: bool, rank: int, backward: C
     """``STEPS`` steps of ``model`` (prepared by a backend; ``named``: its parameters by their own names)."""
     record: Dict = {"losses": [], "grads": [], "params": [], "collectives": []}
     for step in range(STEPS):
-        ids = token_ids(rank, step)
+        ids = rank_step_ids(rank, step)
         with CollectiveCount() as count:
             if tiled:
                 out = model(input_ids=ids, labels=ids)
@@ -123,9 +123,9 @@ def run_steps(model: torch.nn.Module, named, tiled: bool, rank: int, backward: C
     return record
 
 
-def mismatches(got: Dict, want: Dict, what: str, rank: int, rtol: float, atol: float) -> List[str]:
+def step_mismatches(got: Dict, want: Dict, what: str, rank: int, rtol: float, atol: float) -> List[str]:
     """Every loss, gradient and parameter of ``got`` that differs from ``want`` (``want``'s losses: the ranks'
-    per step, as ``reference_run`` records them, or this rank's own)."""
+    per step, as ``steps_reference_run`` records them, or this rank's own)."""
     failures = []
     for step in range(len(want["grads"])):
         want_loss = want["losses"][step]

@@ -6,7 +6,7 @@ takes milliseconds. Each entry also says which path its MLP blocks should take.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
@@ -123,6 +123,33 @@ def grads_by_key(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
             for key, t in model.state_dict(keep_vars=True).items()}
 
 
+def token_ids(seed: int = 0, batch: int = 2, seq: int = 13) -> torch.Tensor:
+    """Seeded token ids of shape (batch, seq)."""
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def token_batch(seed: int = 0, batch: int = 2, seq: int = 11, masked: int = 3) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Seeded token ids and their labels, the first ``masked`` labels of the first sample -100: uneven
+    masks, so that a mean over valid tokens differs from a mean over positions."""
+    ids = token_ids(seed, batch, seq)
+    labels = ids.clone()
+    labels[0, :masked] = -100
+    return ids, labels
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """Rows of token ids and their labels (the ids themselves unless given): a Trainer's dataset."""
+
+    def __init__(self, ids, labels=None):
+        self.ids, self.labels = ids, (ids if labels is None else labels)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
 def tiny_qwen2_5_vl(seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     """Qwen2.5-VL with a one-block vision tower (gated MLP with bias) and a one-layer text model.
     Token ids 60-63 are the image/video/vision start/end tokens; a 4x4 patch grid merges to 4 tokens."""
@@ -138,3 +165,28 @@ def tiny_qwen2_5_vl(seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.
     model = Qwen2_5_VLForConditionalGeneration(config).to(dtype)
     model.set_attn_implementation("eager")
     return model
+
+
+def planner_llama(layers: int = 3, *, intermediate: int = 352, vocab: int = 512, positions: int = 4096) -> Any:
+    """A LlamaConfig of hidden size 64, 4 attention and 2 key-value heads (2 ranks of SP or TP take 2 and 1):
+    the planner tests' dense model."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=64, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=positions)
+
+
+def planner_mixed_moe(layers: int = 12) -> Any:
+    """MoE on every second layer, and layer 5 (which would be MoE) dense: three kinds of spacing."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(hidden_size=64, intermediate_size=192, moe_intermediate_size=32, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                          num_experts_per_tok=2, vocab_size=512, max_position_embeddings=8192,
+                          decoder_sparse_step=2, mlp_only_layers=[5])
+
+
+def small_planner_llama(layers: int = 4, positions: int = 4096) -> Any:
+    """planner_llama with half its MLP (176) and vocabulary (256): the attention, composition, RNG and
+    side-by-side tests. Four alike layers by default: composed from the 2- and 3-layer steps."""
+    return planner_llama(layers, intermediate=176, vocab=256, positions=positions)

@@ -11,40 +11,46 @@ from torch import nn
 from tiled_mlp import TiledMLP
 
 
+def make_act(name: str) -> nn.Module:
+    """``silu``, ``gelu`` (exact) or ``gelu_tanh``."""
+    if name == "silu":
+        return nn.SiLU()
+    return nn.GELU(approximate="tanh" if name == "gelu_tanh" else "none")
+
+
 class GatedMLP(nn.Module):
-    """Llama-style ``down(act(gate(x)) * up(x))``."""
+    """Llama style ``down(act(gate(x)) * up(x))``: the fast path's home case."""
 
     def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.act_fn = nn.SiLU() if act == "silu" else nn.GELU(approximate="tanh")
+        self.act_fn = make_act(act)
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LoRALinear(nn.Module):
-    """A frozen base Linear plus a trainable low-rank update (the shape of a PEFT LoRA layer)."""
+    """A frozen base Linear plus a trainable low-rank update (the shape of a PEFT LoRA layer); ``lora_B``
+    drawn with ``init_std``, non-zero, so that ``lora_A``'s gradient is non-zero too."""
 
-    def __init__(self, base: nn.Linear, rank: int = 4):
+    def __init__(self, base: nn.Linear, rank: int = 2, init_std: float = 0.1):
         super().__init__()
         self.base = base
-        self.base.weight.requires_grad_(False)
-        if self.base.bias is not None:
-            self.base.bias.requires_grad_(False)
+        base.requires_grad_(False)
         self.lora_A = nn.Linear(base.in_features, rank, bias=False)
         self.lora_B = nn.Linear(rank, base.out_features, bias=False)
-        nn.init.normal_(self.lora_B.weight, std=0.02)  # non-zero, so A's gradient is non-zero too
+        nn.init.normal_(self.lora_B.weight, std=init_std)
 
     def forward(self, x):
         return self.base(x) + self.lora_B(self.lora_A(x))
 
 
-def add_lora(mlp: GatedMLP, rank: int = 4) -> GatedMLP:
+def add_lora(mlp: GatedMLP, rank: int = 4, init_std: float = 0.02) -> GatedMLP:
     for name in ("gate_proj", "up_proj", "down_proj"):
-        setattr(mlp, name, LoRALinear(getattr(mlp, name), rank))
+        setattr(mlp, name, LoRALinear(getattr(mlp, name), rank, init_std))
     return mlp
 
 
@@ -67,6 +73,19 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + self.mlp(self.norm(x))
+
+
+class ScaledBlock(nn.Module):
+    """``x + scale * mlp(norm(x))``, ``scale`` a buffer: its name must survive tiling too."""
+
+    def __init__(self, hidden: int, mlp: nn.Module, scale: float):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.mlp = mlp
+        self.register_buffer("scale", torch.tensor(scale))
+
+    def forward(self, x):
+        return x + self.scale * self.mlp(self.norm(x))
 
 
 class ToyModel(nn.Module):

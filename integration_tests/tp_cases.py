@@ -14,10 +14,12 @@ from typing import Dict, Sequence, Tuple, Union
 
 import torch
 
+from .comparison import rel_error
+
 HIDDEN, INTERMEDIATE, BATCH, SEQ, STEPS = 8, 12, 2, 12, 2
 
 
-class GatedMLP(torch.nn.Module):
+class TPGatedMLP(torch.nn.Module):
     """A SwiGLU MLP with Llama's names (transformers is not imported: each spawned process stays quick),
     declared to the fast kernel with ``register_gated_mlp``."""
 
@@ -49,9 +51,9 @@ class GeluMLP(torch.nn.Module):
 def gated_mlp(bias: bool = False) -> torch.nn.Module:
     from tiled_mlp import register_gated_mlp
 
-    register_gated_mlp(GatedMLP)
+    register_gated_mlp(TPGatedMLP)
     torch.manual_seed(0)
-    return GatedMLP(bias)
+    return TPGatedMLP(bias)
 
 
 def tp_plan(layout: str) -> Dict[str, object]:
@@ -90,7 +92,7 @@ SEQUENCE_SHARDED_INPUT = ("sequence_input", "sequence", "sequence_negative")
 SEQUENCE_SHARDED_OUTPUT = ("sequence", "sequence_negative")
 
 
-def _data(step: int):
+def step_data(step: int):
     generator = torch.Generator().manual_seed(100 + step)
     x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64, generator=generator)
     weight = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64, generator=generator)  # a non-uniform dy
@@ -100,7 +102,7 @@ def _data(step: int):
 def reference_steps(module: torch.nn.Module, data=None, steps: int = STEPS) -> list:
     """``steps`` SGD steps of ``module`` in one process on ``data(step)`` (x and the output's weight; this file's
     data by default): each step's output, input gradient and parameter gradients, then the parameters after them."""
-    data = data or _data
+    data = data or step_data
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     found = []
     for step in range(steps):
@@ -115,12 +117,7 @@ def reference_steps(module: torch.nn.Module, data=None, steps: int = STEPS) -> l
     return found
 
 
-def rel_error(want: torch.Tensor, have: torch.Tensor) -> float:
-    assert want.shape == have.shape, (tuple(want.shape), tuple(have.shape))
-    return float((want - have).abs().max() / want.abs().max().clamp_min(1e-30))
-
-
-def _run_case(rank: int, world: int, layout: str, path: str, num_shards: Union[int, str]) -> dict:
+def _run_mlp_case(rank: int, world: int, layout: str, path: str, num_shards: Union[int, str]) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -146,7 +143,7 @@ def _run_case(rank: int, world: int, layout: str, path: str, num_shards: Union[i
     local_hidden = slice(rank * width, (rank + 1) * width) if layout == "gelu_hidden_input" else slice(None)
     errors: Dict[str, float] = {}
     for step in range(STEPS):
-        x, weight = _data(step)
+        x, weight = step_data(step)
         x_in = x[:, local_in, local_hidden].clone().requires_grad_(True)
         y = mlp(x_in)
         (y * weight[:, local_out]).sum().backward()
@@ -195,7 +192,7 @@ def run_tp_cases(rank: int, world: int, cases: Sequence[Tuple[str, str]], num_sh
     results = {}
     for layout, path in cases:
         try:
-            results[layout, path] = _run_case(rank, world, layout, path, num_shards)
+            results[layout, path] = _run_mlp_case(rank, world, layout, path, num_shards)
         except (RuntimeError, ValueError, TypeError) as error:
             results[layout, path] = {"raised": str(error)}
     return results
@@ -209,7 +206,7 @@ def run_norm_refusal(rank: int, world: int) -> str:
 
     norm = torch.nn.RMSNorm(HIDDEN, dtype=torch.float64)
     parallelize_module(norm, init_device_mesh("cpu", (world,)), SequenceParallel(use_local_output=True))
-    return tiled_norm_outcome(norm, _data(0)[0][:, : SEQ // world])
+    return tiled_norm_outcome(norm, step_data(0)[0][:, : SEQ // world])
 
 
 def tiled_norm_outcome(norm: torch.nn.Module, x: torch.Tensor) -> str:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import copy
 from typing import Dict
 
-from .tp_cases import SEQ, _data, gated_mlp, reference_steps, rel_error
+from .comparison import rel_error
+from .tp_cases import SEQ, gated_mlp, reference_steps, step_data
 
 
-def _plan(layout: str) -> Dict[str, object]:
+def _tp_plan(layout: str) -> Dict[str, object]:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -28,14 +29,14 @@ def run_review_case(rank: int, world: int, layout: str, num_shards: int) -> dict
 
     untiled = gated_mlp()
     reference = reference_steps(copy.deepcopy(untiled))
-    mlp = parallelize_module(untiled, init_device_mesh("cpu", (world,)), _plan(layout))
+    mlp = parallelize_module(untiled, init_device_mesh("cpu", (world,)), _tp_plan(layout))
     if num_shards:
         TiledMLP(mlp, num_shards=num_shards, path="fast")
     tokens = SEQ // world
     local = slice(rank * tokens, (rank + 1) * tokens)
     errors: Dict[str, float] = {}
     try:
-        x, weight = _data(0)
+        x, weight = step_data(0)
         x_in = x[:, local].clone().requires_grad_(True)
         y = mlp(x_in)
         (y * weight[:, local]).sum().backward()

@@ -38,12 +38,12 @@ CASES: Dict[str, Dict[str, Any]] = {
 LOSS_KEYS = ("ignore_index", "reduction", "num_items_in_batch", "label_smoothing", "logit_softcap", "z_loss", "num_shards")
 
 
-def _model(bias: bool) -> nn.Module:
+def _proj_and_head(bias: bool) -> nn.Module:
     torch.manual_seed(0)
     return nn.ModuleDict(dict(proj=nn.Linear(HIDDEN, HIDDEN), lm_head=nn.Linear(HIDDEN, VOCAB, bias=bias))).double()
 
 
-def _inputs(case: Dict[str, Any], seed: int):
+def _case_inputs(case: Dict[str, Any], seed: int):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(2, TOKENS, HIDDEN, generator=generator, dtype=torch.float64)
     labels = torch.randint(0, VOCAB, (2, TOKENS), generator=generator)
@@ -52,7 +52,7 @@ def _inputs(case: Dict[str, Any], seed: int):
     return x, labels
 
 
-def reference_loss(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, case: Dict[str, Any]) -> torch.Tensor:
+def tp_reference_loss(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, case: Dict[str, Any]) -> torch.Tensor:
     """The loss on the whole head, written out from its definitions: F.cross_entropy (with its label
     smoothing) on the soft-capped logits, plus the z-loss, over the shifted labels."""
     logits = model["lm_head"](model["proj"](x))
@@ -92,7 +92,7 @@ def _tiled_loss(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, case: D
     return tiled_cross_entropy(hidden, model["lm_head"], labels, **options)
 
 
-def _grads(model: nn.Module) -> Dict[str, torch.Tensor]:
+def _full_grads(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
             for name, p in model.named_parameters()}
 
@@ -102,7 +102,7 @@ def _params(model: nn.Module) -> Dict[str, torch.Tensor]:
             for name, p in model.named_parameters()}
 
 
-def _errors(prefix: str, want: Dict[str, torch.Tensor], have: Dict[str, torch.Tensor]) -> Dict[str, float]:
+def _prefixed_errors(prefix: str, want: Dict[str, torch.Tensor], have: Dict[str, torch.Tensor]) -> Dict[str, float]:
     return {f"{prefix}{name}": rel_error(want[name], have[name]) for name in want}
 
 
@@ -124,18 +124,18 @@ def option_cases(rank: int, world: int, names: List[str]) -> Dict[str, Dict[str,
     out: Dict[str, Dict[str, float]] = {}
     for name in names:
         case = CASES[name]
-        reference = _model(case.get("bias", False))
+        reference = _proj_and_head(case.get("bias", False))
         model = _parallel(copy.deepcopy(reference), mesh, bool(case.get("sequence_parallel")))
-        x, labels = _inputs(case, seed=1)
+        x, labels = _case_inputs(case, seed=1)
         x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
-        want = reference_loss(reference, x_ref, labels, case)
+        want = tp_reference_loss(reference, x_ref, labels, case)
         want.backward()
         have = _tiled_loss(model, x_tp, labels, case, rank, world)
         have.backward()
         if case.get("sequence_parallel"):
             _sum_sequence_parallel_grads(model, x_tp)
         errors = {"loss": rel_error(want.detach(), have.detach()), "dx": rel_error(x_ref.grad, x_tp.grad)}
-        errors.update(_errors("d_", _grads(reference), _grads(model)))
+        errors.update(_prefixed_errors("d_", _full_grads(reference), _full_grads(model)))
         out[name] = errors
     return out
 
@@ -147,27 +147,27 @@ def sgd_steps(rank: int, world: int, steps: int) -> List[Dict[str, float]]:
 
     mesh = init_device_mesh("cpu", (world,))
     case = CASES["every_option"]
-    reference = _model(True)
+    reference = _proj_and_head(True)
     model = _parallel(copy.deepcopy(reference), mesh, False)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, model)]
     out = []
     for step in range(steps):
-        x, labels = _inputs(case, seed=10 + step)
-        want = reference_loss(reference, x, labels, case)
+        x, labels = _case_inputs(case, seed=10 + step)
+        want = tp_reference_loss(reference, x, labels, case)
         want.backward()
         have = _tiled_loss(model, x, labels, case, rank, world)
         have.backward()
         errors = {"loss": rel_error(want.detach(), have.detach())}
-        errors.update(_errors("d_", _grads(reference), _grads(model)))
+        errors.update(_prefixed_errors("d_", _full_grads(reference), _full_grads(model)))
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-        errors.update(_errors("param_", _params(reference), _params(model)))
+        errors.update(_prefixed_errors("param_", _params(reference), _params(model)))
         out.append(errors)
     return out
 
 
-def refusals(rank: int, world: int) -> Dict[str, Optional[str]]:
+def tp_loss_refusals(rank: int, world: int) -> Dict[str, Optional[str]]:
     """The error each unsupported layout raises (None: none was raised), before any loss work."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_module
@@ -176,13 +176,13 @@ def refusals(rank: int, world: int) -> Dict[str, Optional[str]]:
     from tiled_mlp.core import tiled_cross_entropy
 
     mesh = init_device_mesh("cpu", (world,))
-    x, labels = _inputs({}, seed=1)
+    x, labels = _case_inputs({}, seed=1)
 
     heads = {
-        "sharded_on_hidden": parallelize_module(_model(False)["lm_head"], mesh, RowwiseParallel()),
-        "replicated_by_style": parallelize_module(_model(False)["lm_head"], mesh, SequenceParallel()),
+        "sharded_on_hidden": parallelize_module(_proj_and_head(False)["lm_head"], mesh, RowwiseParallel()),
+        "replicated_by_style": parallelize_module(_proj_and_head(False)["lm_head"], mesh, SequenceParallel()),
         # No partition function: every parameter Replicate, and no hooks.
-        "dtensor_without_style": distribute_module(_model(False)["lm_head"], mesh),
+        "dtensor_without_style": distribute_module(_proj_and_head(False)["lm_head"], mesh),
     }
     out: Dict[str, Optional[str]] = {}
     for name, head in heads.items():

@@ -9,7 +9,8 @@ from typing import Dict, Sequence
 
 import torch
 
-from .tp_cases import reference_steps, rel_error, tiled_norm_outcome
+from .comparison import rel_error
+from .tp_cases import reference_steps, tiled_norm_outcome
 
 HIDDEN, BATCH, SEQ, STEPS = 8, 2, 16, 2
 
@@ -30,7 +31,7 @@ class LlamaStyleRMSNorm(torch.nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
-def _norm(kind: str) -> torch.nn.Module:
+def _seeded_norm(kind: str) -> torch.nn.Module:
     norm = torch.nn.RMSNorm(HIDDEN, eps=1e-6, dtype=torch.float64) if kind == "torch" else LlamaStyleRMSNorm(HIDDEN)
     with torch.no_grad():
         # Not ones: a weight that scales each feature differently (every rank draws the same values).
@@ -38,7 +39,7 @@ def _norm(kind: str) -> torch.nn.Module:
     return norm
 
 
-def _data(step: int):
+def _norm_step_data(step: int):
     generator = torch.Generator().manual_seed(100 + step)
     x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64, generator=generator)
     dy = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64, generator=generator)
@@ -51,14 +52,14 @@ def _local(y):
     return y.to_local() if isinstance(y, DTensor) else y
 
 
-def _run_case(rank: int, world: int, kind: str, use_local_output: bool) -> dict:
+def _run_norm_case(rank: int, world: int, kind: str, use_local_output: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     from tiled_mlp.integrations.norms import TiledNorm
 
-    untiled = _norm(kind)
-    reference = reference_steps(copy.deepcopy(untiled), _data, STEPS)
+    untiled = _seeded_norm(kind)
+    reference = reference_steps(copy.deepcopy(untiled), _norm_step_data, STEPS)
     norm = parallelize_module(untiled, init_device_mesh("cpu", (world,)), SequenceParallel(use_local_output=use_local_output))
     TiledNorm(norm, num_shards=3)
     optimizer = torch.optim.SGD(norm.parameters(), lr=0.1)
@@ -66,7 +67,7 @@ def _run_case(rank: int, world: int, kind: str, use_local_output: bool) -> dict:
     mine = slice(rank * tokens, (rank + 1) * tokens)
     errors: Dict[str, float] = {}
     for step in range(STEPS):
-        x, dy = _data(step)
+        x, dy = _norm_step_data(step)
         x_in = x[:, mine].clone().requires_grad_(True)
         y = _local(norm(x_in))
         (y * dy[:, mine]).sum().backward()
@@ -87,7 +88,7 @@ def run_norm_cases(rank: int, world: int, cases: Sequence[tuple]) -> dict:
     results = {}
     for case in cases:
         try:
-            results[case] = _run_case(rank, world, *case)
+            results[case] = _run_norm_case(rank, world, *case)
         except (RuntimeError, ValueError) as error:
             results[case] = {"raised": str(error)}
     return results
@@ -99,9 +100,9 @@ def run_norm_on_2d_mesh(rank: int, world: int) -> str:
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-    norm = _norm("torch")
+    norm = _seeded_norm("torch")
     parallelize_module(norm, init_device_mesh("cpu", (world,)), SequenceParallel(use_local_output=True))
     mesh_2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     weight = norm.weight.to_local().detach()
     norm.weight = torch.nn.Parameter(DTensor.from_local(weight, mesh_2d, [Replicate(), Replicate()], run_check=False))
-    return tiled_norm_outcome(norm, _data(0)[0][:, : SEQ // world])
+    return tiled_norm_outcome(norm, _norm_step_data(0)[0][:, : SEQ // world])

@@ -49,7 +49,7 @@ class ZeroCase:
         return self.auto_shards[rank % 2] if self.auto_tokens else self.shards(rank)
 
 
-def ds_config(case: ZeroCase) -> dict:
+def zero_ds_config(case: ZeroCase) -> dict:
     zero = {"stage": case.stage}
     if case.stage == 3:
         # Without it the toy model's small parameters would stay whole and nothing would be gathered.
@@ -65,7 +65,7 @@ def ds_config(case: ZeroCase) -> dict:
     }
 
 
-def tolerance(case: ZeroCase) -> Tuple[float, float]:
+def zero_tolerance(case: ZeroCase) -> Tuple[float, float]:
     """(relative, absolute) bound on |tiled - untiled| against the largest entry of the untiled value.
 
     fp32: the tiled run sums the same products in another order (shards), ~1e-7 relative.

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from tiled_mlp import TiledMLP, apply_tiled_mlp
 
 from .toy_models import make_toy_model
-from .zero_cases import ZeroCase, ds_config
-from .zero_training import full_param, micro_batch
+from .zero_cases import ZeroCase, zero_ds_config
+from .zero_training import full_param, zero_micro_batch
 
 SHARDS = 3  # the toy model's 24 tokens per rank: 3 shards of 8, so tiling really runs
 LR = 0.1  # SGD, so one step visibly moves every weight
@@ -53,8 +53,8 @@ def export_toy(rank: int, stage: int, tiled: bool, directory: str) -> Dict:
         layer.mlp = TiledMLP(layer.mlp, num_shards=SHARDS) if tiled else layer.mlp
         blocks.append(layer.mlp)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-                                      config=ds_config(ZeroCase(f"z{stage}-export", stage=stage)))
-    x, target = micro_batch(ZeroCase("data"), rank, 0)  # 24 tokens, different on each rank
+                                      config=zero_ds_config(ZeroCase(f"z{stage}-export", stage=stage)))
+    x, target = zero_micro_batch(ZeroCase("data"), rank, 0)  # 24 tokens, different on each rank
     engine.backward(((engine(x) - target) ** 2).mean())
     engine.step()
     out = {"trained": trained_by_key(model),

@@ -12,13 +12,13 @@ from tiled_mlp import TiledMLP
 
 from .toy_models import make_toy_model
 from .training_record import new_record, note_tiled_calls
-from .zero_cases import HIDDEN, LR, STEPS, ZeroCase, ds_config
+from .zero_cases import HIDDEN, LR, STEPS, ZeroCase, zero_ds_config
 from .zero_peer import use_deepspeed_tiled_mlp
 
 KINDS = ("untiled", "tiled", "peer")
 
 
-def build_model(case: ZeroCase, kind: str, rank: int):
+def build_zero_model(case: ZeroCase, kind: str, rank: int):
     tile_kwargs = dict(num_shards=case.shards(rank), path=case.path) if kind == "tiled" else {}
     model = make_toy_model(seed=0, tiled=kind == "tiled", lora=case.lora, dtype=case.dtype, **tile_kwargs)
     if case.frozen_input:
@@ -31,7 +31,7 @@ def build_model(case: ZeroCase, kind: str, rank: int):
 
 
 
-def micro_batch(case: ZeroCase, rank: int, index: int):
+def zero_micro_batch(case: ZeroCase, rank: int, index: int):
     g = torch.Generator().manual_seed(1000 * (rank + 1) + index)
     x = torch.randn(1, case.tokens(rank), HIDDEN, generator=g).to(case.dtype)
     return x, torch.randn(x.shape, generator=g)
@@ -49,7 +49,7 @@ def full_param(p) -> torch.Tensor:
         return p.detach().float().clone()
 
 
-def train(case: ZeroCase, kind: str, rank: int) -> Dict:
+def train_zero(case: ZeroCase, kind: str, rank: int) -> Dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -59,22 +59,22 @@ def train(case: ZeroCase, kind: str, rank: int) -> Dict:
     if case.min_saved_bytes is not None:
         auto_shards.MIN_SAVED_BYTES = case.min_saved_bytes
     try:
-        return _train(case, kind, rank, deepspeed, safe_get_full_grad)
+        return _train_case(case, kind, rank, deepspeed, safe_get_full_grad)
     finally:
         auto_shards.MIN_SAVED_BYTES = floor
 
 
-def _train(case: ZeroCase, kind: str, rank: int, deepspeed, safe_get_full_grad) -> Dict:
-    model = build_model(case, kind, rank)
+def _train_case(case: ZeroCase, kind: str, rank: int, deepspeed, safe_get_full_grad) -> Dict:
+    model = build_zero_model(case, kind, rank)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=LR), config=ds_config(case))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=LR), config=zero_ds_config(case))
     named = list(model.named_parameters())  # tiled in place: the same names as untiled
     tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
     record = new_record()
     record["initial"] = {n: full_param(p) for n, p in named}
     for step in range(STEPS):
         for micro in range(case.gas):
-            x, target = micro_batch(case, rank, step * case.gas + micro)
+            x, target = zero_micro_batch(case, rank, step * case.gas + micro)
             loss = ((engine(x).float() - target) ** 2).mean()
             engine.backward(loss)
             note_tiled_calls(record, tiled)
@@ -89,7 +89,7 @@ def _train(case: ZeroCase, kind: str, rank: int, deepspeed, safe_get_full_grad) 
     return record
 
 
-def train_cases(rank: int, world_size: int, cases: List[ZeroCase], kinds=("untiled", "tiled"), catch=()) -> Dict:
+def train_zero_cases(rank: int, world_size: int, cases: List[ZeroCase], kinds=("untiled", "tiled"), catch=()) -> Dict:
     """``{case.name: {kind: record}}``; kinds listed in ``catch`` record an error instead of raising."""
     from deepspeed.utils import logger
 
@@ -99,7 +99,7 @@ def train_cases(rank: int, world_size: int, cases: List[ZeroCase], kinds=("until
         results[case.name] = {}
         for kind in kinds:
             try:
-                results[case.name][kind] = train(case, kind, rank)
+                results[case.name][kind] = train_zero(case, kind, rank)
             except Exception:  # noqa: BLE001 - only for the kinds in `catch`
                 if kind not in catch:
                     raise

@@ -52,7 +52,7 @@ def module_head(seed: int = 0, hidden: int = HIDDEN, vocab: int = VOCAB) -> Scal
     return ScaledLoRAHead(hidden, vocab).double()
 
 
-def batch(shape=(2, 9), seed: int = 1, hidden: int = HIDDEN, vocab: int = VOCAB, ignored: int = 2,
+def hidden_batch(shape=(2, 9), seed: int = 1, hidden: int = HIDDEN, vocab: int = VOCAB, ignored: int = 2,
           dtype: torch.dtype = torch.float64):
     """Random hidden states ``[*shape, hidden]`` and labels ``[*shape]``; the first ``ignored``
     positions of the first row are -100, so rows have different numbers of valid tokens (the mean is
@@ -121,7 +121,7 @@ def single_thread():
 
 
 @dataclass
-class Run:
+class LossRun:
     """What one forward+backward produced: the loss, the hidden states' gradient, every head gradient."""
 
     loss: torch.Tensor
@@ -129,14 +129,14 @@ class Run:
     grads: Dict[str, Optional[torch.Tensor]]
 
 
-def run(loss_fn: Callable[[torch.Tensor, nn.Module], torch.Tensor], hidden: torch.Tensor, head: nn.Module,
-        grad_scale: float = 1.0, hidden_grad: bool = True) -> Run:
+def loss_run(loss_fn: Callable[[torch.Tensor, nn.Module], torch.Tensor], hidden: torch.Tensor, head: nn.Module,
+        grad_scale: float = 1.0, hidden_grad: bool = True) -> LossRun:
     """``(loss_fn(hidden, head) * grad_scale).backward()`` on copies; what it left in ``.grad``."""
     head = copy.deepcopy(head)
     x = hidden.detach().clone().requires_grad_(hidden_grad)
     loss = loss_fn(x, head)
     (loss * grad_scale).backward()
-    return Run(loss.detach(), x.grad, {n: None if p.grad is None else p.grad.clone() for n, p in head.named_parameters()})
+    return LossRun(loss.detach(), x.grad, {n: None if p.grad is None else p.grad.clone() for n, p in head.named_parameters()})
 
 
 def max_abs_diff(want: torch.Tensor, have: torch.Tensor) -> float:
@@ -144,7 +144,7 @@ def max_abs_diff(want: torch.Tensor, have: torch.Tensor) -> float:
     return float((have.double() - want.double()).abs().max()) if want.numel() else 0.0
 
 
-def assert_same_run(want: Run, have: Run, atol: float = 1e-12) -> None:
+def assert_same_run(want: LossRun, have: LossRun, atol: float = 1e-12) -> None:
     """Loss, input gradient and every parameter gradient within ``atol`` (absolute), same presence."""
     assert have.loss.dtype == want.loss.dtype, (have.loss.dtype, want.loss.dtype)
     errors = {"loss": max_abs_diff(want.loss, have.loss)}

@@ -8,37 +8,25 @@ input gradient and every parameter gradient. Modules are deep-copied, so the two
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+# A process of its own started in tests/ (test_registry.py's) imports this module with only tests/ on its
+# path: the repository root, where the shared toy modules live, goes after everything else.
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from integration_tests.toy_models import GatedMLP, LoRALinear, make_act  # noqa: E402
 from tiled_mlp import TiledMLP, register_gated_mlp
 from tiled_mlp.core.shard_plan import make_shard_plan
 
 ACTS = ("silu", "gelu", "gelu_tanh")
-
-
-def make_act(name: str) -> nn.Module:
-    if name == "silu":
-        return nn.SiLU()
-    return nn.GELU(approximate="tanh" if name == "gelu_tanh" else "none")
-
-
-class GatedMLP(nn.Module):
-    """Llama style ``down(act(gate(x)) * up(x))``: the fast path's home case."""
-
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.act_fn = make_act(act)
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class FusedGatedMLP(nn.Module):
@@ -72,21 +60,6 @@ class PlainMLP(nn.Module):
         return self.fc2(self.dropout(F.gelu(self.fc1(x))))
 
 
-class LoRALinear(nn.Module):
-    """A frozen base Linear plus a trainable low-rank update (the shape of a PEFT LoRA layer)."""
-
-    def __init__(self, base: nn.Linear, rank: int = 2):
-        super().__init__()
-        self.base = base
-        base.requires_grad_(False)
-        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
-        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
-        nn.init.normal_(self.lora_B.weight, std=0.1)  # non-zero, so lora_A's gradient is non-zero too
-
-    def forward(self, x):
-        return self.base(x) + self.lora_B(self.lora_A(x))
-
-
 def lora_gated(hidden: int, intermediate: int, act: str = "silu", bias: bool = False) -> GatedMLP:
     mlp = GatedMLP(hidden, intermediate, act, bias)
     for name in ("gate_proj", "up_proj", "down_proj"):
@@ -108,17 +81,25 @@ class Run:
     grads: Dict[str, Optional[torch.Tensor]]
 
 
+def param_grads(module: nn.Module) -> Dict[str, Optional[torch.Tensor]]:
+    """Parameter name -> a copy of its gradient (None where there is none)."""
+    return {name: (None if p.grad is None else p.grad.detach().clone()) for name, p in module.named_parameters()}
+
+
 def _collect(module: nn.Module, out, x) -> Run:
-    grads = {name: (None if p.grad is None else p.grad.detach().clone()) for name, p in module.named_parameters()}
-    return Run(out.detach(), None if x.grad is None else x.grad.detach().clone(), grads)
+    return Run(out.detach(), None if x.grad is None else x.grad.detach().clone(), param_grads(module))
 
 
-def step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Run:
-    """One forward+backward of ``module`` as it is (tiled or not), from fresh grads, on a leaf copy of ``x``."""
+def step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, *, keyword: str = "",
+         seed: Optional[int] = None) -> Run:
+    """One forward+backward of ``module`` as it is (tiled or not), from fresh grads, on a leaf copy of ``x``
+    passed by position or by ``keyword``; ``seed`` seeds torch's generator just before the forward."""
     for p in module.parameters():
         p.grad = None
     x_in = x.detach().clone().requires_grad_()
-    out = module(x_in)
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = module(**{keyword: x_in}) if keyword else module(x_in)
     out.backward(dy)
     return _collect(module, out, x_in)
 

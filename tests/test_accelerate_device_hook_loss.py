@@ -16,7 +16,7 @@ from accelerate import dispatch_model  # noqa: E402
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module  # noqa: E402
 
 from integration_tests.comparison import float_kept_float64  # noqa: E402
-from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
+from integration_tests.tiny_models import VOCAB, tiny_model, token_batch  # noqa: E402
 from tiled_mlp import apply_tiled_loss, remove_tiled_loss  # noqa: E402
 from tiled_mlp.integrations import is_tiled_loss  # noqa: E402
 
@@ -27,20 +27,12 @@ def _dispatched(model):
     return dispatch_model(model, {"": "cpu"}, force_hooks=True)
 
 
-def _batch():
-    generator = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (2, 11), generator=generator)
-    labels = ids.clone()
-    labels[0, :3] = -100
-    return ids, labels
-
-
 def _assert_equal_loss_and_grads(reference, tiled):
     """The untiled model's logits through transformers' ForCausalLMLoss, kept in float64 (it casts the
     logits with ``.float()``: patched around the loss call alone), against the tiled model's loss."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    ids, labels = _batch()
+    ids, labels = token_batch(seed=3)
     logits = reference(input_ids=ids).logits
     with float_kept_float64():
         want = ForCausalLMLoss(logits, labels, VOCAB)
@@ -79,7 +71,7 @@ def test_remove_after_dispatch_leaves_the_hook_around_the_models_own_forward():
     assert vars(model)["forward"] is wrapper and model._hf_hook is hook
     old = vars(model)["_old_forward"]
     assert old.__self__ is model and old.__func__ is type(model).forward
-    ids, labels = _batch()
+    ids, labels = token_batch(seed=3)
     assert model(input_ids=ids, labels=labels).logits is not None
     remove_hook_from_module(model, recurse=True)  # accelerate's own removal then leaves the class forward
     assert vars(model)["forward"].__func__ is type(model).forward
@@ -115,6 +107,6 @@ def test_head_hook_moving_the_hidden_states_elsewhere_is_refused_at_the_call():
     model = tiny_model("llama")
     apply_tiled_loss(model, num_shards=3)
     add_hook_to_module(model.lm_head, AlignDevicesHook(execution_device="meta"))
-    ids, labels = _batch()
+    ids, labels = token_batch(seed=3)
     with pytest.raises(RuntimeError, match=r"would move the hidden states to meta; they are on cpu"):
         model(input_ids=ids, labels=labels)

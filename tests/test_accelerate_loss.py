@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
+from integration_tests.tiny_models import tiny_model, token_batch  # noqa: E402
 from tiled_mlp import apply_tiled_loss, remove_tiled_loss  # noqa: E402
 from tiled_mlp.integrations import is_tiled_loss  # noqa: E402
 
@@ -29,13 +29,6 @@ def accelerator():
     AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton
 
 
-def _batch():
-    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(0))
-    labels = ids.clone()
-    labels[0, :3] = -100
-    return ids, labels
-
-
 @pytest.mark.timeout(60)
 def test_seen_through_the_mixed_precision_wrapper_and_equal_to_the_prepared_untiled_model(accelerator):
     reference = tiny_model("llama", dtype=torch.float32)
@@ -44,7 +37,7 @@ def test_seen_through_the_mixed_precision_wrapper_and_equal_to_the_prepared_unti
     reference, tiled = accelerator.prepare(reference), accelerator.prepare(tiled)
     assert "__wrapped__" in dir(vars(tiled)["forward"])  # prepare did wrap the forward
     assert is_tiled_loss(tiled)
-    ids, labels = _batch()
+    ids, labels = token_batch()
     want, got = reference(input_ids=ids, labels=labels), tiled(input_ids=ids, labels=labels)
     assert got.logits is None and got.loss.dtype == torch.float32
     assert abs(got.loss.item() - want.loss.item()) < LOSS_ATOL
@@ -64,7 +57,7 @@ def test_remove_leaves_what_prepare_builds_around_the_models_own_forward(acceler
     assert not model._forward_pre_hooks
     original = model._original_forward
     assert original.__self__ is model and original.__func__ is type(model).forward  # as prepare keeps it
-    ids, labels = _batch()
+    ids, labels = token_batch()
     want, got = reference(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
     assert got.logits is not None and got.loss.item() == want.loss.item()  # the same computation, bit for bit
     assert remove_tiled_loss(model) is False
@@ -82,7 +75,7 @@ def test_unwrap_without_the_fp32_wrapper_keeps_the_tiled_loss_and_remove_takes_i
     apply_tiled_loss(model, num_shards=3)
     model = accelerator.unwrap_model(accelerator.prepare(model), keep_fp32_wrapper=False)
     assert is_tiled_loss(model)
-    ids, labels = _batch()
+    ids, labels = token_batch()
     got = model(input_ids=ids, labels=labels)
     assert got.logits is None and abs(got.loss.item() - reference(input_ids=ids, labels=labels).loss.item()) < 1e-6
     assert remove_tiled_loss(model) and "forward" not in vars(model)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 HIDDEN, TOKENS, LAYERS = 8, 5, 4
 
 
-class Block(nn.Module):
+class TanhBlock(nn.Module):
     def __init__(self):
         super().__init__()
         self.proj = nn.Linear(HIDDEN, HIDDEN, dtype=torch.float64)
@@ -30,7 +30,7 @@ class Block(nn.Module):
 
 def _stack(seed=0, wrapped=True):
     torch.manual_seed(seed)
-    blocks = [Block() for _ in range(LAYERS)]
+    blocks = [TanhBlock() for _ in range(LAYERS)]
     return nn.Sequential(*(checkpoint_wrapper(b) if wrapped else b for b in blocks))
 
 
@@ -122,9 +122,9 @@ def test_refused_without_checkpointed_layers():
 
 def test_a_layer_called_twice_offloads_each_call():
     """A layer shared by two places in the model (called twice per step) keeps both calls' inputs apart."""
-    block = checkpoint_wrapper(Block())
+    block = checkpoint_wrapper(TanhBlock())
     reference = copy.deepcopy(block)
-    offload = CheckpointOffload([block, checkpoint_wrapper(Block())])
+    offload = CheckpointOffload([block, checkpoint_wrapper(TanhBlock())])
     x, x_ref = _input(), _input()
     block(block(x)).sum().backward()
     reference(reference(x_ref)).sum().backward()

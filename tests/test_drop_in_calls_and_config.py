@@ -12,7 +12,7 @@ import types
 
 import pytest
 import torch
-from reference import GatedMLP, Run, assert_runs_close, fresh_inputs, seeded
+from reference import GatedMLP, assert_runs_close, fresh_inputs, seeded, step
 from torch import nn
 
 from tiled_mlp import TiledMLP
@@ -23,20 +23,6 @@ pytestmark = pytest.mark.timeout(60)
 HIDDEN, INTER, TOKENS = 16, 32, 30
 SHAPE = (2, TOKENS, HIDDEN)
 TOL = 1e-10
-
-
-def grads(module: nn.Module) -> dict:
-    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in module.named_parameters()}
-
-
-def step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, keyword: str = "") -> Run:
-    """One forward+backward from fresh grads, the input passed by position or by ``keyword``."""
-    for p in module.parameters():
-        p.grad = None
-    x_in = x.detach().clone().requires_grad_()
-    out = module(**{keyword: x_in}) if keyword else module(x_in)
-    out.backward(dy)
-    return Run(out.detach(), x_in.grad.detach().clone(), grads(module))
 
 
 def tiny(family: str) -> nn.Module:

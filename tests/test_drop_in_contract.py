@@ -20,7 +20,9 @@ from reference import (
     Run,
     assert_runs_close,
     fresh_inputs,
+    param_grads,
     seeded,
+    step,
     untiled_run,
     untiled_shardwise_run,
 )
@@ -39,20 +41,6 @@ TOL = 1e-10
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-def _grads(module: nn.Module) -> Dict[str, Optional[torch.Tensor]]:
-    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in module.named_parameters()}
-
-
-def step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, seed: Optional[int] = None) -> Run:
-    """One forward+backward of ``module`` (tiled or not) on a fresh leaf copy of ``x``, from fresh grads."""
-    for p in module.parameters():
-        p.grad = None
-    x_in = x.detach().clone().requires_grad_(x.requires_grad)
-    if seed is not None:
-        torch.manual_seed(seed)
-    out = module(x_in)
-    out.backward(dy)
-    return Run(out.detach(), None if x_in.grad is None else x_in.grad.detach().clone(), _grads(module))
 
 
 def assert_close(want: Optional[torch.Tensor], have: Optional[torch.Tensor], what: str, tol: float = TOL) -> None:
@@ -425,7 +413,7 @@ def test_in_place_add_on_the_output(path, expect):
         y = module(x_in)
         y += residual
         y.backward(dy)
-        results.append((Run(y.detach(), x_in.grad, _grads(module)), residual.grad))
+        results.append((Run(y.detach(), x_in.grad, param_grads(module)), residual.grad))
     (want, want_res), (got, got_res) = results
     assert tiled.tiling.last_path == expect
     assert_runs_close(want, got, tol=TOL)

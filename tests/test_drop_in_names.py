@@ -16,11 +16,12 @@ import torch
 from reference import GatedMLP, max_rel_error
 from torch import nn
 
+from integration_tests.toy_models import ScaledBlock
 from tiled_mlp import TiledMLP, apply_tiled_mlp, remove_tiled_mlp
 
 pytest.importorskip("transformers")
 
-from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
+from integration_tests.tiny_models import VOCAB, tiny_model, token_ids  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,23 +30,10 @@ HIDDEN, INTER, LAYERS = 8, 12, 2
 HF_FAMILIES = ("llama", "qwen2", "gemma2", "phi3", "mixtral")
 
 
-class Block(nn.Module):
-    """A pre-norm residual block around a gated MLP; the buffer checks that buffer names survive too."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.mlp = GatedMLP(HIDDEN, INTER)
-        self.register_buffer("scale", torch.tensor(0.5))
-
-    def forward(self, x):
-        return x + self.scale * self.mlp(self.norm(x))
-
-
 class Stack(nn.Module):
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(ScaledBlock(HIDDEN, GatedMLP(HIDDEN, INTER), 0.5) for _ in range(LAYERS))
 
     def forward(self, x):
         for layer in self.layers:
@@ -58,7 +46,7 @@ def stack(seed=0):
     return Stack().double()
 
 
-def build(name):
+def build_named(name):
     return stack() if name == "stack" else tiny_model(name)
 
 
@@ -85,10 +73,6 @@ def num_tiled(model):
     return sum(isinstance(m, TiledMLP) for m in model.modules())
 
 
-def _ids(seed, batch=2, seq=13):
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
 # -- names ------------------------------------------------------------------------------------------------
 def test_tiling_is_in_place():
     """The documented contract the name tests rest on: the same object, both classes."""
@@ -100,7 +84,7 @@ def test_tiling_is_in_place():
 
 @pytest.mark.parametrize("name", HF_FAMILIES + ("stack",))
 def test_apply_keeps_every_name(name):
-    model = build(name)
+    model = build_named(name)
     before = names(model)
     apply_tiled_mlp(model, num_shards=2)
     assert num_tiled(model) == LAYERS  # something was tiled, so the comparison means something
@@ -109,7 +93,7 @@ def test_apply_keeps_every_name(name):
 
 @pytest.mark.parametrize("name", HF_FAMILIES + ("stack",))
 def test_manual_tiling_keeps_every_name(name):
-    model = build(name)
+    model = build_named(name)
     before = names(model)
     # The assignment back is how a wrapper API is called; tiling in place makes it a no-op.
     if name == "stack":
@@ -124,7 +108,7 @@ def test_manual_tiling_keeps_every_name(name):
 
 @pytest.mark.parametrize("name", HF_FAMILIES + ("stack",))
 def test_remove_restores_the_same_objects_and_classes(name):
-    model = build(name)
+    model = build_named(name)
     before = names(model)
     modules = [(n, id(m), type(m)) for n, m in model.named_modules()]
     apply_tiled_mlp(model, num_shards=2)
@@ -142,7 +126,7 @@ def test_tiled_llama_logits_and_grads_match_untiled_by_name():
     reference = tiny_model("llama")
     tiled = copy.deepcopy(reference)
     apply_tiled_mlp(tiled, num_shards=3)
-    ids = _ids(1)
+    ids = token_ids(1)
     cotangent = torch.randn(2, 13, VOCAB, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     logits = {}
     for label, model in (("reference", reference), ("tiled", tiled)):
@@ -209,7 +193,7 @@ def test_copies_stay_tiled_and_equal(how, tmp_path):
     model = tiny_model("llama")
     untiled_names = names(model)
     apply_tiled_mlp(model, num_shards=3)
-    ids = _ids(4)
+    ids = token_ids(4)
     with torch.no_grad():
         want = model(input_ids=ids).logits
     clone = COPIES[how](model, tmp_path)
@@ -246,13 +230,13 @@ def _peft_run(order, directory):
 
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = _ids(5)
+    ids = token_ids(5)
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     model.save_pretrained(directory)
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=_ids(6)).logits
+        logits = model(input_ids=token_ids(6)).logits
     return model, logits
 
 
@@ -283,5 +267,5 @@ def test_peft_saves_and_reloads_every_adapter(order, tmp_path):
     reloaded.eval()
     assert num_tiled(reloaded) == 0
     with torch.no_grad():
-        reloaded_logits = reloaded(input_ids=_ids(6)).logits
+        reloaded_logits = reloaded(input_ids=token_ids(6)).logits
     assert max_rel_error(tiled_logits, reloaded_logits) <= 1e-10

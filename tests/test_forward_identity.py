@@ -37,7 +37,7 @@ def _pair(seed: int = 0):
     return mlp, copy.deepcopy(mlp)
 
 
-def _compare(untiled: nn.Module, tiled: nn.Module, path: str):
+def _assert_same_step_on_path(untiled: nn.Module, tiled: nn.Module, path: str):
     x, dy = fresh_inputs(SHAPE, HIDDEN)
     want = step(untiled, x, dy)
     got = step(tiled, x, dy)
@@ -50,7 +50,7 @@ def test_an_instance_forward_of_another_module_is_not_proven():
     other = LlamaLike().double()
     mlp.forward = other.forward  # computes with other's weights, untiled as tiled
     untiled.forward = other.forward
-    _compare(untiled, TiledMLP(mlp, num_shards=3), "generic")
+    _assert_same_step_on_path(untiled, TiledMLP(mlp, num_shards=3), "generic")
 
 
 def test_code_swapped_in_place_is_decided_again():
@@ -65,17 +65,17 @@ def test_code_swapped_in_place_is_decided_again():
     torch.manual_seed(0)
     mlp = Edited().double()
     tiled = TiledMLP(copy.deepcopy(mlp), num_shards=3)
-    _compare(mlp, tiled, "fast")
+    _assert_same_step_on_path(mlp, tiled, "fast")
     Edited.forward.__code__ = clamped.__code__  # what IPython's autoreload does to an edited function
-    _compare(mlp, tiled, "generic")
+    _assert_same_step_on_path(mlp, tiled, "generic")
 
 
 def test_a_patched_torch_function_is_not_the_fast_kernels(monkeypatch):
     mlp, untiled = _pair()
     tiled = TiledMLP(mlp, num_shards=3)
-    _compare(untiled, tiled, "fast")
+    _assert_same_step_on_path(untiled, tiled, "fast")
     monkeypatch.setattr(F, "silu", lambda x, inplace=False: torch.tanh(x) * x)
-    _compare(untiled, tiled, "generic")
+    _assert_same_step_on_path(untiled, tiled, "generic")
 
 
 def test_an_instance_attribute_hiding_a_child_is_not_fast():
@@ -83,7 +83,7 @@ def test_an_instance_attribute_hiding_a_child_is_not_fast():
     other = nn.Linear(HIDDEN, INTER, bias=False).double()
     for module in (mlp, untiled):
         module.__dict__["up_proj"] = other  # found before _modules["up_proj"]
-    _compare(untiled, TiledMLP(mlp, num_shards=3), "generic")
+    _assert_same_step_on_path(untiled, TiledMLP(mlp, num_shards=3), "generic")
 
 
 def test_a_wrapper_of_the_tiled_forward_installed_after_tiling_runs_each_shard_once():
@@ -99,11 +99,11 @@ def test_a_wrapper_of_the_tiled_forward_installed_after_tiling_runs_each_shard_o
 
     tiled._old_forward = tiled.forward
     tiled.forward = functools.partial(new_forward, tiled)
-    _compare(untiled, tiled, "generic")
+    _assert_same_step_on_path(untiled, tiled, "generic")
     assert calls and max(calls) < SHAPE[0] * SHAPE[1]  # the wrapper ran per shard, never recursing
     tiled.forward = tiled._old_forward
     assert tiled.tiling.instance_forward is None
-    _compare(untiled, tiled, "fast")
+    _assert_same_step_on_path(untiled, tiled, "fast")
 
 
 @pytest.mark.parametrize("path", ["fast", "generic"])
@@ -145,7 +145,7 @@ def test_a_linear_replaced_by_something_else_is_not_fast_but_deepspeeds_own_is(m
     tiled = TiledMLP(mlp, num_shards=3)
     original = F.linear
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: original(x, w, b) * 2)
-    _compare(untiled, tiled, "generic")
+    _assert_same_step_on_path(untiled, tiled, "generic")
 
     def zero3_linear_wrap(input, weight, bias=None):
         return original(input, weight, bias)
@@ -156,4 +156,4 @@ def test_a_linear_replaced_by_something_else_is_not_fast_but_deepspeeds_own_is(m
     monkeypatch.setattr(F, "linear", zero3_linear_wrap)
     # A fresh module: a generic decision is cached while nothing in its key changes (safe: generic is exact).
     mlp, untiled = _pair()
-    _compare(untiled, TiledMLP(mlp, num_shards=3), "fast")
+    _assert_same_step_on_path(untiled, TiledMLP(mlp, num_shards=3), "fast")

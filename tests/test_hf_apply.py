@@ -42,7 +42,7 @@ class TwoInputMLP(CustomMLP):
         return super().forward(x) * scale
 
 
-class PlainMLP(nn.Module):
+class TanhFcMLP(nn.Module):
     """fc1/fc2: no structural rule matches it; only an include pattern can select it."""
 
     def __init__(self, hidden=8):
@@ -56,7 +56,7 @@ class PlainMLP(nn.Module):
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList([nn.ModuleDict({"ffn": CustomMLP(), "extra": PlainMLP()}) for _ in range(2)])
+        self.blocks = nn.ModuleList([nn.ModuleDict({"ffn": CustomMLP(), "extra": TanhFcMLP()}) for _ in range(2)])
         self.odd = TwoInputMLP()
 
     def forward(self, x):

@@ -19,14 +19,14 @@ RTOL, ATOL = 1e-9, 1e-12
 BATCH, SEQ, SHARDS = 2, 13, 3
 
 
-def _step(model, input_ids, cotangent):
+def _cotangent_step(model, input_ids, cotangent):
     out = model(input_ids=input_ids, labels=input_ids)
     # A random cotangent on the logits reaches every logit position; the loss is checked on its own.
     (out.loss + (out.logits * cotangent).sum()).backward()
     return out
 
 
-def _assert_close(want, got, what):
+def _assert_within_bound(want, got, what):
     assert got.shape == want.shape, what
     bound = RTOL * want.abs().max().item() + ATOL
     err = (got - want).abs().max().item()
@@ -45,11 +45,11 @@ def test_tiled_family_matches_untiled_in_float64(family):
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     cotangent = torch.randn(BATCH, SEQ, VOCAB, generator=generator, dtype=torch.float64)
-    want = _step(reference, input_ids, cotangent)
-    got = _step(tiled, input_ids, cotangent)
+    want = _cotangent_step(reference, input_ids, cotangent)
+    got = _cotangent_step(tiled, input_ids, cotangent)
 
-    _assert_close(want.logits, got.logits, "logits")
-    _assert_close(want.loss, got.loss, "loss")
+    _assert_within_bound(want.logits, got.logits, "logits")
+    _assert_within_bound(want.loss, got.loss, "loss")
     want_grads, got_grads = grads_by_key(reference), grads_by_key(tiled)
     assert want_grads.keys() == got_grads.keys()
     for key, want_grad in want_grads.items():
@@ -57,7 +57,7 @@ def test_tiled_family_matches_untiled_in_float64(family):
             assert got_grads[key] is None, f"{key}: tiled has a gradient the untiled model has not"
             continue
         assert got_grads[key] is not None, f"{key}: no gradient in the tiled model"
-        _assert_close(want_grad, got_grads[key], f"grad of {key}")
+        _assert_within_bound(want_grad, got_grads[key], f"grad of {key}")
     # Every MLP weight has a non-zero gradient, so the comparison above compared something.
     mlp_grads = [g for k, g in want_grads.items() if ".mlp." in k and g is not None]
     assert mlp_grads and all(g.abs().max() > 0 for g in mlp_grads)
@@ -86,10 +86,10 @@ def test_moe_router_aux_loss_and_router_grads_match():
     got = tiled(input_ids=input_ids, labels=input_ids)
     assert want.aux_loss is not None and want.aux_loss > 0
     assert got.aux_loss.grad_fn is not None
-    _assert_close(want.aux_loss, got.aux_loss, "aux loss")
+    _assert_within_bound(want.aux_loss, got.aux_loss, "aux loss")
     want.loss.backward()
     got.loss.backward()
     for key, want_grad in grads_by_key(reference).items():
         if ".gate." in key:
             assert want_grad.abs().max() > 0
-            _assert_close(want_grad, grads_by_key(tiled)[key], f"grad of {key}")
+            _assert_within_bound(want_grad, grads_by_key(tiled)[key], f"grad of {key}")

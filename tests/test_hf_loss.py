@@ -14,19 +14,12 @@ import torch
 pytest.importorskip("transformers")
 
 from integration_tests.comparison import float_kept_float64  # noqa: E402
-from integration_tests.tiny_models import FAMILIES, VOCAB, grads_by_key, tiny_model  # noqa: E402
+from integration_tests.tiny_models import FAMILIES, VOCAB, TokenRows, grads_by_key, tiny_model, token_batch  # noqa: E402
 from tiled_mlp import TiledMLP, apply_tiled_loss, apply_tiled_mlp, remove_tiled_loss, remove_tiled_mlp  # noqa: E402
 from tiled_mlp.integrations import is_tiled_loss  # noqa: E402
 
 SHARDS = 3
 MOE = ("qwen3_moe", "mixtral")
-
-
-def _batch(seed=0, batch=2, seq=13):
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
-    labels = ids.clone()
-    labels[0, :4] = -100  # uneven masks: the mean is over valid tokens, not positions
-    return ids, labels
 
 
 def _reference_loss(model, ids, labels, **loss_kwargs):
@@ -60,7 +53,7 @@ def test_family_loss_and_every_grad_equal_to_its_own_loss_path(family):
     reference = tiny_model(family)
     tiled = copy.deepcopy(reference)
     apply_tiled_loss(tiled, num_shards=SHARDS)
-    ids, labels = _batch()
+    ids, labels = token_batch(seq=13, masked=4)
     ref_loss = _reference_loss(reference, ids, labels)
     ref_loss.backward()
     moe = {"output_router_logits": True} if family in MOE else {}
@@ -76,7 +69,7 @@ def test_gemma2_soft_capping_is_applied():
     """Gemma 2's config soft-caps the logits; without the cap the loss would differ (the test means something)."""
     model = tiny_model("gemma2")
     model.config.final_logit_softcapping = 0.05  # tight enough to move the tiny model's small logits
-    ids, labels = _batch()
+    ids, labels = token_batch(seq=13, masked=4)
     want = _reference_loss(model, ids, labels)
     apply_tiled_loss(model, num_shards=SHARDS)
     assert abs(model(input_ids=ids, labels=labels).loss.item() - want.item()) <= 1e-12
@@ -90,7 +83,7 @@ def test_num_items_in_batch_and_incoming_gradient_scale(scale):
     """The Trainer's path: sum / num_items_in_batch (a count over all micro-batches), times a factor."""
     reference, tiled = tiny_model("llama"), tiny_model("llama")
     apply_tiled_loss(tiled, num_shards=SHARDS)
-    ids, labels = _batch()
+    ids, labels = token_batch(seq=13, masked=4)
     n = torch.tensor(37)
     (_reference_loss(reference, ids, labels, num_items_in_batch=n) * scale).backward()
     (tiled(input_ids=ids, labels=labels, num_items_in_batch=n).loss * scale).backward()
@@ -101,7 +94,7 @@ def test_num_items_in_batch_and_incoming_gradient_scale(scale):
 def test_shift_labels_given_pre_shifted_equal_labels():
     model = tiny_model("qwen2")
     apply_tiled_loss(model, num_shards=SHARDS)
-    ids, labels = _batch()
+    ids, labels = token_batch(seq=13, masked=4)
     shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     a = model(input_ids=ids, labels=labels).loss
     b = model(input_ids=ids, shift_labels=shifted).loss
@@ -112,7 +105,7 @@ def test_shift_labels_given_pre_shifted_equal_labels():
 def test_without_labels_the_model_is_unchanged_and_return_dict_false():
     reference, tiled = tiny_model("llama"), tiny_model("llama")
     apply_tiled_loss(tiled)
-    ids, labels = _batch()
+    ids, labels = token_batch(seq=13, masked=4)
     assert torch.equal(tiled(input_ids=ids).logits, reference(input_ids=ids).logits)
     as_tuple = tiled(input_ids=ids, labels=labels, return_dict=False)
     assert isinstance(as_tuple, tuple) and torch.is_tensor(as_tuple[0]) and as_tuple[0].dim() == 0
@@ -127,7 +120,7 @@ def test_gradient_checkpointing_with_tiled_mlp_and_loss(reentrant):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     report = apply_tiled_mlp(tiled, num_shards=SHARDS, loss=True)
     assert report.tiled_loss == "LlamaForCausalLM" and "loss" in str(report)
-    ids, labels = _batch()
+    ids, labels = token_batch(seq=13, masked=4)
     _reference_loss(reference, ids, labels).backward()
     tiled(input_ids=ids, labels=labels).loss.backward()
     _assert_same_grads(reference, tiled)
@@ -146,7 +139,7 @@ def test_peft_lm_head_adapters_and_saved_head(target, tmp_path):
     tiled = copy.deepcopy(reference)
     apply_tiled_loss(tiled, num_shards=SHARDS)
     assert is_tiled_loss(tiled)
-    ids, labels = _batch()
+    ids, labels = token_batch(seq=13, masked=4)
     (_reference_loss(reference, ids, labels)).backward()
     out = tiled(input_ids=ids, labels=labels)
     out.loss.backward()
@@ -162,17 +155,12 @@ def test_peft_lm_head_adapters_and_saved_head(target, tmp_path):
         load_file(tmp_path / "ref" / "adapter_model.safetensors").keys()
 
 
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self):
-        self.ids = [_batch(seed=i, batch=1, seq=11 + i % 3)[0][0] for i in range(8)]
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        labels = self.ids[i].clone()
-        labels[: i % 4] = -100  # a different number of valid tokens per sample
-        return {"input_ids": self.ids[i], "labels": labels}
+def _uneven_rows() -> TokenRows:
+    ids = [token_batch(seed=i, batch=1, seq=11 + i % 3, masked=4)[0][0] for i in range(8)]
+    labels = [row.clone() for row in ids]
+    for i, row in enumerate(labels):
+        row[: i % 4] = -100  # a different number of valid tokens per sample
+    return TokenRows(ids, labels)
 
 
 def _collate(rows):
@@ -196,7 +184,7 @@ def test_trainer_gradient_accumulation_with_num_items_in_batch(tmp_path):
                                  gradient_accumulation_steps=2, max_steps=3, logging_steps=1, learning_rate=2.0,
                                  optim="sgd", report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
                                  dataloader_num_workers=0, lr_scheduler_type="constant")
-        trainer = Trainer(model=model, args=args, train_dataset=_Tokens(), data_collator=_collate)
+        trainer = Trainer(model=model, args=args, train_dataset=_uneven_rows(), data_collator=_collate)
         assert trainer.model_accepts_loss_kwargs  # the signature is the model's own: num_items_in_batch is passed
         trainer.train()
         return [e["loss"] for e in trainer.state.log_history if "loss" in e], model
@@ -215,7 +203,7 @@ def test_reversible_names_unchanged_copy_and_pickle():
     keys = list(model.state_dict())
     apply_tiled_mlp(model, num_shards=SHARDS, loss=True)
     assert [n for n, _ in model.named_parameters()] == names and list(model.state_dict()) == keys
-    ids, labels = _batch()
+    ids, labels = token_batch(seq=13, masked=4)
     loss = model(input_ids=ids, labels=labels).loss
     assert copy.deepcopy(model)(input_ids=ids, labels=labels).loss.item() == loss.item()
     assert pickle.loads(pickle.dumps(model))(input_ids=ids, labels=labels).loss.item() == loss.item()
@@ -248,7 +236,7 @@ def test_refusals_leave_the_model_untouched():
 
     model = tiny_model("llama")
     apply_tiled_loss(model)
-    ids, labels = _batch()
+    ids, labels = token_batch(seq=13, masked=4)
     with pytest.raises(ValueError, match="logits_to_keep"):
         model(input_ids=ids, labels=labels, logits_to_keep=1)
 
@@ -258,7 +246,7 @@ def test_evaluation_without_a_graph_returns_the_models_own_output_with_logits():
     """Trainer.evaluate with metrics reads the logits; without a graph nothing is held for a backward."""
     reference, tiled = tiny_model("llama"), tiny_model("llama")
     apply_tiled_loss(tiled, num_shards=SHARDS)
-    ids, labels = _batch()
+    ids, labels = token_batch(seq=13, masked=4)
     with torch.no_grad():
         want, got = reference(input_ids=ids, labels=labels), tiled(input_ids=ids, labels=labels)
     assert got.logits is not None and torch.equal(got.logits, want.logits) and got.loss.item() == want.loss.item()
@@ -269,7 +257,7 @@ def test_labels_and_shift_labels_together_use_shift_labels():
     """The Trainer passes both under context and DeepSpeed sequence parallelism, as ForCausalLMLoss takes them."""
     model = tiny_model("llama")
     apply_tiled_loss(model, num_shards=SHARDS)
-    ids, labels = _batch()
+    ids, labels = token_batch(seq=13, masked=4)
     shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     both = model(input_ids=ids, labels=labels, shift_labels=shifted).loss
     assert both.item() == model(input_ids=ids, shift_labels=shifted).loss.item()

@@ -13,16 +13,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
+from integration_tests.tiny_models import VOCAB, tiny_model, token_batch  # noqa: E402
 from tiled_mlp import apply_tiled_loss, apply_tiled_mlp, remove_tiled_loss  # noqa: E402
 from tiled_mlp.integrations import is_tiled_loss  # noqa: E402
-
-
-def _batch(seed=0):
-    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(seed))
-    labels = ids.clone()
-    labels[0, :3] = -100
-    return ids, labels
 
 
 def _own_loss(*_args, **_kwargs):
@@ -46,7 +39,7 @@ def test_a_class_level_loss_function_property_is_refused_at_install():
             return _own_loss
 
     model = OwnLoss(tiny_model("llama").config).double()
-    ids, labels = _batch()
+    ids, labels = token_batch()
     assert model(input_ids=ids, labels=labels).loss.item() == pytest.approx(999.99)
     with pytest.raises(TypeError, match="OwnLoss defines its own loss_function"):
         apply_tiled_loss(model)
@@ -61,7 +54,7 @@ def test_a_loss_function_set_after_install_is_refused_at_the_call_before_any_wor
     apply_tiled_loss(model, num_shards=2)
     model.loss_function = _own_loss
     calls = _decoder_calls(model)
-    ids, labels = _batch()
+    ids, labels = token_batch()
     with pytest.raises(RuntimeError, match="loss function changed after the tiled loss was installed"):
         model(input_ids=ids, labels=labels)
     assert calls == []
@@ -81,7 +74,7 @@ def test_a_loss_type_other_than_causal_lm_is_refused_at_install_and_at_the_call(
     model.loss_type = "ForMaskedLM"
     calls = _decoder_calls(model)
     with pytest.raises(RuntimeError, match="ForMaskedLM"):
-        model(input_ids=_batch()[0], labels=_batch()[1])
+        model(input_ids=token_batch()[0], labels=token_batch()[1])
     assert calls == []
 
 
@@ -94,7 +87,7 @@ def test_config_loss_type_is_not_read_by_transformers_and_the_loss_stays_exact()
     for model in (reference, tiled):
         model.config.loss_type = "ForMaskedLM"
     apply_tiled_loss(tiled, num_shards=3)
-    ids, labels = _batch()
+    ids, labels = token_batch()
     want = reference(input_ids=ids, labels=labels).loss  # ForCausalLMLoss in float32 (its .float())
     got = tiled(input_ids=ids, labels=labels).loss
     assert abs(got.item() - want.item()) < 1e-6
@@ -134,7 +127,7 @@ def test_the_class_forward_bound_on_the_instance_is_accepted_and_put_back():
     bound = model.forward
     model.forward = bound  # the class's own forward, bound to this model: nothing of its own
     apply_tiled_loss(model, num_shards=3)
-    ids, labels = _batch()
+    ids, labels = token_batch()
     got = model(input_ids=ids, labels=labels).loss
     assert abs(got.item() - reference(input_ids=ids, labels=labels).loss.item()) < 1e-6
     assert remove_tiled_loss(model) and vars(model)["forward"] is bound
@@ -148,7 +141,7 @@ def test_a_forward_set_after_install_is_refused_at_the_next_call(calls_ours):
     inner = model.forward if calls_ours else type(model).forward.__get__(model)
     model.forward = _doubling(inner, wraps=True)
     calls = _decoder_calls(model)
-    ids, labels = _batch()
+    ids, labels = token_batch()
     with pytest.raises(RuntimeError, match=r"forward was replaced after the tiled loss was installed \(it is "
                                            r"(tests\.)?test_hf_loss_user_overrides\._doubling\.<locals>\.doubled, which carries "
                                            r"the name .*\(functools\.wraps\)\)"):
@@ -171,7 +164,7 @@ def test_return_dict_false_keeps_transformers_tuple_positions():
     reference = tiny_model("llama")
     tiled = copy.deepcopy(reference)
     apply_tiled_loss(tiled, num_shards=3)
-    ids, labels = _batch()
+    ids, labels = token_batch()
     kwargs = {"use_cache": True, "return_dict": False}
     want = reference(input_ids=ids, labels=labels, **kwargs)
     got = tiled(input_ids=ids, labels=labels, **kwargs)

@@ -9,15 +9,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from integration_tests.tiny_models import VOCAB, grads_by_key, tiny_model  # noqa: E402
+from integration_tests.tiny_models import TokenRows, grads_by_key, tiny_model, token_ids  # noqa: E402
 from tiled_mlp import TiledMLP  # noqa: E402
 from tiled_mlp.integrations import apply_tiled_mlp  # noqa: E402
 
 SHARDS = 3
-
-
-def _ids(seed=0, batch=2, seq=13):
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 def _assert_grads_equal(reference, tiled, rtol, atol, require=None):
@@ -50,7 +46,7 @@ def test_peft_lora_only_adapter_grads_and_equal_to_untiled(order):
         apply_tiled_mlp(tiled, num_shards=SHARDS)
     blocks = [m for m in tiled.modules() if isinstance(m, TiledMLP)]
     assert len(blocks) == 2
-    ids = _ids()
+    ids = token_ids()
     reference(input_ids=ids, labels=ids).loss.backward()
     tiled(input_ids=ids, labels=ids).loss.backward()
     _assert_grads_equal(reference, tiled, rtol=1e-9, atol=1e-12,
@@ -101,7 +97,7 @@ def test_gradient_checkpointing_grads_equal_and_forward_counts(reentrant):
     for model in (reference, tiled):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         model.train()
-    ids = _ids(1)
+    ids = token_ids(1)
     counts = _count_inner_calls(tiled)
     plain_counts = _count_inner_calls(plain)
     reference(input_ids=ids, labels=ids).loss.backward()
@@ -145,7 +141,7 @@ def test_fast_path_forwards_under_checkpointing_and_grads_exact(monkeypatch, fam
     for model in (reference, tiled):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         model.train()
-    ids = _ids(4)
+    ids = token_ids(4)
     reference(input_ids=ids, labels=ids).loss.backward()
     counts = _count_fast_shard_forwards(monkeypatch)
     tiled(input_ids=ids, labels=ids).loss.backward()
@@ -162,22 +158,11 @@ def test_gradient_checkpointing_fast_path_grads_equal():
     report = apply_tiled_mlp(tiled, num_shards=SHARDS)
     for model in (reference, tiled):
         model.gradient_checkpointing_enable()
-    ids = _ids(2)
+    ids = token_ids(2)
     reference(input_ids=ids, labels=ids).loss.backward()
     tiled(input_ids=ids, labels=ids).loss.backward()
     assert set(report.paths().values()) == {"fast"}
     _assert_grads_equal(reference, tiled, rtol=1e-9, atol=1e-12, require=lambda key: True)
-
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=10, seq=13):
-        self.ids = _ids(3, batch=n, seq=seq)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 @pytest.mark.timeout(90)
@@ -192,7 +177,7 @@ def test_trainer_five_steps_loss_matches_untiled(tmp_path):
         args = TrainingArguments(output_dir=str(tmp_path / str(tiled)), per_device_train_batch_size=2, max_steps=5,
                                  logging_steps=1, learning_rate=2.0, optim="sgd", report_to=[], save_strategy="no", use_cpu=True,
                                  seed=0, disable_tqdm=True, dataloader_num_workers=0, lr_scheduler_type="constant")
-        trainer = Trainer(model=model, args=args, train_dataset=_Tokens())
+        trainer = Trainer(model=model, args=args, train_dataset=TokenRows(token_ids(3, batch=10, seq=13)))
         trainer.train()
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         return losses, model
@@ -217,7 +202,7 @@ def test_torch_compile_of_the_decoder_layers_loss_and_grads_equal():
     reference = tiny_model("llama", dtype=torch.float32)
     tiled = copy.deepcopy(reference)
     apply_tiled_mlp(tiled, num_shards=SHARDS)
-    ids = _ids(4)
+    ids = token_ids(4)
     torch._dynamo.reset()
     counters.clear()
     for layer in tiled.model.layers:

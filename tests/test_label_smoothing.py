@@ -11,11 +11,19 @@ from unittest import mock
 
 import pytest
 import torch
-from loss_reference import assert_same_run, batch, hf_label_smoother, linear_head, module_head, run, single_thread
+from loss_reference import (
+    assert_same_run,
+    hf_label_smoother,
+    hidden_batch,
+    linear_head,
+    loss_run,
+    module_head,
+    single_thread,
+)
 
 pytest.importorskip("transformers")
 
-from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
+from integration_tests.tiny_models import VOCAB, TokenRows, tiny_model  # noqa: E402
 from tiled_mlp import apply_tiled_loss, apply_tiled_mlp  # noqa: E402
 from tiled_mlp.core import tiled_cross_entropy  # noqa: E402
 from tiled_mlp.integrations import set_tiled_loss_label_smoothing, use_tiled_label_smoothing  # noqa: E402
@@ -35,7 +43,7 @@ HEADS = {"linear-bias": lambda: linear_head(bias=True), "module": lambda: module
 def test_tiled_label_smoothing_equals_label_smoother(head, num_items, ignore_index):
     """Loss, dx and every head gradient, with ignored labels and a loss scaled by 2.5 before backward."""
     lm_head = HEADS[head]()
-    hidden, labels = batch(shape=(2, 11), seed=5)
+    hidden, labels = hidden_batch(shape=(2, 11), seed=5)
     labels[labels == -100] = ignore_index
     labels[1, 3:6] = ignore_index
     eps = 0.15
@@ -47,16 +55,16 @@ def test_tiled_label_smoothing_equals_label_smoother(head, num_items, ignore_ind
         return tiled_cross_entropy(x, m, labels, label_smoothing=eps, ignore_index=ignore_index,
                                    num_items_in_batch=num_items, num_shards=3)
 
-    want = run(reference, hidden, lm_head, grad_scale=2.5)
+    want = loss_run(reference, hidden, lm_head, grad_scale=2.5)
     assert want.loss.dtype == torch.float64
-    assert_same_run(want, run(tiled, hidden, lm_head, grad_scale=2.5), atol=1e-13)
+    assert_same_run(want, loss_run(tiled, hidden, lm_head, grad_scale=2.5), atol=1e-13)
 
 
 def test_label_smoother_itself_sums_its_smoothing_in_float32():
     """The unpatched LabelSmoother differs from the tiled loss in float64 only at float32's rounding of its
     smoothing term: the bound the Trainer comparison below states."""
     lm_head = linear_head(bias=True)
-    hidden, labels = batch(shape=(2, 11), seed=6)
+    hidden, labels = hidden_batch(shape=(2, 11), seed=6)
     logits = lm_head(hidden)
     exact = hf_label_smoother(logits, labels, 0.1)
     as_is = hf_label_smoother(logits, labels, 0.1, downcast=True)
@@ -66,19 +74,15 @@ def test_label_smoother_itself_sums_its_smoothing_in_float32():
 
 
 # -- the real Trainer ----------------------------------------------------------------------------------------
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=8, seq=11, seed=3):
-        generator = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, VOCAB, (n, seq), generator=generator)
-        self.labels = self.ids.clone()
-        self.labels[:, :3] = -100  # prompts: rows and micro-batches with different numbers of valid tokens
-        self.labels[1::2, 5:8] = -100
 
-    def __len__(self):
-        return len(self.ids)
 
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+def _prompted_rows(n=8, seq=11, seed=3) -> TokenRows:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n, seq), generator=generator)
+    labels = ids.clone()
+    labels[:, :3] = -100  # prompts: rows and micro-batches with different numbers of valid tokens
+    labels[1::2, 5:8] = -100
+    return TokenRows(ids, labels)
 
 
 class _Float64Smoother:
@@ -102,10 +106,10 @@ def _trainer(model, tmp_path, name, factor=0.1, **extra):
                              lr_scheduler_type="constant", report_to=[], save_strategy="no", use_cpu=True, seed=0,
                              disable_tqdm=True, dataloader_num_workers=0, logging_steps=1,
                              label_smoothing_factor=factor, **extra)
-    return Trainer(model=model, args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(4, seed=4))
+    return Trainer(model=model, args=args, train_dataset=_prompted_rows(), eval_dataset=_prompted_rows(4, seed=4))
 
 
-def _train(trainer):
+def _train_and_evaluate(trainer):
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return losses, trainer.evaluate()["eval_loss"], {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
@@ -122,8 +126,8 @@ def test_trainer_label_smoothing_in_the_tiled_loss_equals_untiled(tmp_path):
     every weight after three steps of two micro-batches."""
     reference = _trainer(tiny_model("llama", dtype=torch.float64), tmp_path, "untiled")
     reference.label_smoother = _Float64Smoother(reference.label_smoother)
-    want_losses, want_eval, want = _train(reference)
-    as_is_losses, as_is_eval, as_is = _train(_trainer(tiny_model("llama", dtype=torch.float64), tmp_path, "as-is"))
+    want_losses, want_eval, want = _train_and_evaluate(reference)
+    as_is_losses, as_is_eval, as_is = _train_and_evaluate(_trainer(tiny_model("llama", dtype=torch.float64), tmp_path, "as-is"))
 
     model = tiny_model("llama", dtype=torch.float64)
     apply_tiled_mlp(model, num_shards=2, loss=True, norms=True, loss_num_shards=3)
@@ -132,7 +136,7 @@ def test_trainer_label_smoothing_in_the_tiled_loss_equals_untiled(tmp_path):
     assert trainer.label_smoother is None and tiled_loss_forward(model).label_smoothing == 0.1
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="tiled loss")  # every training call carries labels now
-        losses, eval_loss, have = _train(trainer)
+        losses, eval_loss, have = _train_and_evaluate(trainer)
 
     assert want_losses[0] != want_losses[-1]  # it trained
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=0, atol=1e-12)
@@ -215,7 +219,7 @@ def test_refusals(tmp_path):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    own = OwnLoss(model=model, args=trainer.args, train_dataset=_Tokens())
+    own = OwnLoss(model=model, args=trainer.args, train_dataset=_prompted_rows())
     _refused(own, "OwnLoss computes the loss in a compute_loss of its own")
 
     trainer = _trainer(model, tmp_path, "c")

@@ -9,11 +9,12 @@ import copy
 
 import pytest
 import torch
+from reference import param_grads
 
 pytest.importorskip("transformers")
 
 from integration_tests.comparison import float_kept_float64  # noqa: E402
-from integration_tests.tiny_models import VOCAB, tiny_model  # noqa: E402
+from integration_tests.tiny_models import tiny_model, token_batch  # noqa: E402
 from tiled_mlp.core import TiledMLP  # noqa: E402
 from tiled_mlp.integrations import (  # noqa: E402
     add_tiled_mlp_args,
@@ -28,21 +29,10 @@ from tiled_mlp.integrations.offload import checkpointed_layers  # noqa: E402
 pytestmark = pytest.mark.timeout(60)
 
 
-def _data(seed=0):
-    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(seed))
-    labels = ids.clone()
-    labels[0, :5] = -100
-    return ids, labels
-
-
 def _plain_loss(model, ids, labels):
     """The model's own loss path in float64 (``ForCausalLMLoss``'s ``.float()`` kept float64)."""
     with float_kept_float64():
         return model(input_ids=ids, labels=labels).loss
-
-
-def _grads(model):
-    return {name: p.grad for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -56,7 +46,7 @@ def test_the_stack_is_exact_and_comes_off_in_one_call(family):
     assert len(checkpointed_layers(model)) == model.config.num_hidden_layers
     model.train()
     reference.train()
-    ids, labels = _data()
+    ids, labels = token_batch(seq=13, masked=5)
     want = _plain_loss(reference, ids, labels)
     want.backward()
     loss = model(input_ids=ids, labels=labels).loss
@@ -64,8 +54,8 @@ def test_the_stack_is_exact_and_comes_off_in_one_call(family):
     assert stack.offload.host_bytes.current == (model.config.num_hidden_layers - 1) * ids.numel() * hidden * 8
     loss.backward()
     torch.testing.assert_close(loss, want, rtol=0, atol=1e-12)
-    for name, g in _grads(reference).items():
-        torch.testing.assert_close(_grads(model)[name], g, rtol=0, atol=1e-12, msg=name)
+    for name, g in param_grads(reference).items():
+        torch.testing.assert_close(param_grads(model)[name], g, rtol=0, atol=1e-12, msg=name)
     assert [name for name, _ in model.named_parameters()] == names
 
     stack.remove()
@@ -99,7 +89,7 @@ def test_the_norms_with_or_without_the_mlps():
     """``tiled_norms=True`` tiles the five RMSNorms of the tiny model beside the MLPs, or alone; exact in
     float64 with the rest of the stack; off in one call."""
     reference = tiny_model("llama")
-    ids, labels = _data(1)
+    ids, labels = token_batch(1, seq=13, masked=5)
     reference.train()
     want = _plain_loss(reference, ids, labels)
     want.backward()
@@ -113,8 +103,8 @@ def test_the_norms_with_or_without_the_mlps():
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         torch.testing.assert_close(loss, want, rtol=0, atol=1e-12)
-        for name, g in _grads(reference).items():
-            torch.testing.assert_close(_grads(model)[name], g, rtol=0, atol=1e-12, msg=name)
+        for name, g in param_grads(reference).items():
+            torch.testing.assert_close(param_grads(model)[name], g, rtol=0, atol=1e-12, msg=name)
         stack.remove()
         assert not is_tiled(model) and not is_tiled_loss(model)
 

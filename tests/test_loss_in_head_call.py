@@ -13,7 +13,7 @@ from tiled_mlp.core.tiled_loss import HEAD_HOOKS_ERROR
 HIDDEN, VOCAB, TOKENS = 8, 11, 7
 
 
-def _inputs():
+def _hidden_and_labels():
     torch.manual_seed(0)
     hidden = torch.randn(1, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, VOCAB, (1, TOKENS))
@@ -35,7 +35,7 @@ class _ScaledHead(nn.Module):
 def test_the_loss_runs_inside_one_call_of_the_head_which_is_left_as_it_was(head_kind):
     head = nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64) if head_kind == "linear" else _ScaledHead()
     calls = []
-    hidden, labels = _inputs()
+    hidden, labels = _hidden_and_labels()
     # A hook that only reads: installed once to see the call, then taken off (a hook is refused).
     seen = nn.modules.module.register_module_forward_hook(lambda m, a, out: calls.append((m, out)) if m is head else None)
     try:
@@ -53,7 +53,7 @@ def test_an_instance_forward_of_the_head_is_put_back():
     head = nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64)
     own = head.forward  # a bound method put on the instance (as accelerate's device hooks do)
     head.forward = own
-    hidden, labels = _inputs()
+    hidden, labels = _hidden_and_labels()
     tiled_cross_entropy(hidden, head, labels, num_shards=2)
     assert vars(head)["forward"] is own
 
@@ -64,7 +64,7 @@ def test_a_hook_of_the_head_is_refused_before_any_work(kind):
     hook = {"forward_hook": lambda m, a, out: out * 2, "forward_pre_hook": lambda m, a: None,
             "full_backward_hook": lambda m, gi, go: None}[kind]
     getattr(head, f"register_{kind}")(hook)
-    hidden, labels = _inputs()
+    hidden, labels = _hidden_and_labels()
     prefix = HEAD_HOOKS_ERROR.split("{")[0]
     with pytest.raises(RuntimeError, match=prefix):
         tiled_cross_entropy(hidden, head, labels)
@@ -78,7 +78,7 @@ def test_a_stand_in_for_the_hooks_and_the_hidden_states_for_the_loss():
     from tiled_mlp.core.head_call import in_head_call
 
     head = nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64)
-    hidden, labels = _inputs()
+    hidden, labels = _hidden_and_labels()
     seen = []
     head.register_forward_pre_hook(lambda m, args: seen.append(args[0]) or (args[0].float(),))
     got = in_head_call(head, hidden, lambda x: (x.dtype, x.sum()), sees_graph=False)

@@ -16,7 +16,7 @@ from tiled_mlp.integrations import ms_swift  # noqa: E402
 CHECKED = ms_swift.CHECKED_VERSIONS[-1]
 
 
-def _tile(model_kwargs=None, environ=None, version=CHECKED, pipeline="SwiftSft", monkeypatch=None):
+def _tile_by_plugin(model_kwargs=None, environ=None, version=CHECKED, pipeline="SwiftSft", monkeypatch=None):
     for name in ms_swift.FLAGS + ms_swift.UNCHECKED_FLAGS:
         monkeypatch.delenv(name.upper(), raising=False)
     for key, value in (environ or {}).items():
@@ -32,7 +32,7 @@ def _tiled_count(model):
 
 
 def test_model_kwargs_tile_the_mlps_and_norms(monkeypatch):
-    model, handle = _tile({"use_tiled_mlp": True, "tiled_mlp_num_shards": 4, "use_tiled_norms": True},
+    model, handle = _tile_by_plugin({"use_tiled_mlp": True, "tiled_mlp_num_shards": 4, "use_tiled_norms": True},
                           monkeypatch=monkeypatch)
     assert "tiled 2 MLP block(s) and 5 norm(s)" in str(handle.report)
     assert _tiled_count(model) == 7
@@ -41,18 +41,18 @@ def test_model_kwargs_tile_the_mlps_and_norms(monkeypatch):
 
 def test_environment_as_ms_swift_exports_model_kwargs(monkeypatch):
     """ms-swift writes ``--model_kwargs`` into the environment upper-cased, values through ``str`` ("True")."""
-    model, handle = _tile(environ={"USE_TILED_MLP": "True", "TILED_MLP_NUM_SHARDS": "3"}, monkeypatch=monkeypatch)
+    model, handle = _tile_by_plugin(environ={"USE_TILED_MLP": "True", "TILED_MLP_NUM_SHARDS": "3"}, monkeypatch=monkeypatch)
     assert "tiled 2 MLP block(s)" in str(handle.report) and "norm" not in str(handle.report)
     assert {b.tiling.num_shards for b in model.modules() if isinstance(b, TiledMLP)} == {3}
 
 
 def test_model_kwargs_win_over_the_environment(monkeypatch):
-    model, handle = _tile({"USE_TILED_MLP": "false"}, environ={"USE_TILED_MLP": "true"}, monkeypatch=monkeypatch)
+    model, handle = _tile_by_plugin({"USE_TILED_MLP": "false"}, environ={"USE_TILED_MLP": "true"}, monkeypatch=monkeypatch)
     assert handle is None and _tiled_count(model) == 0
 
 
 def test_nothing_asked_is_a_pass_through_on_any_version(monkeypatch):
-    model, handle = _tile({"use_tiled_mlp": False}, version="0.0.1", pipeline="SwiftRLHF", monkeypatch=monkeypatch)
+    model, handle = _tile_by_plugin({"use_tiled_mlp": False}, version="0.0.1", pipeline="SwiftRLHF", monkeypatch=monkeypatch)
     assert handle is None and _tiled_count(model) == 0
 
 
@@ -80,7 +80,7 @@ def test_refused_before_any_work(kwargs, version, pipeline, match, monkeypatch):
 ])
 def test_bad_values_name_the_flag(kwargs, match, monkeypatch):
     with pytest.raises(ValueError, match=match):
-        _tile(kwargs, monkeypatch=monkeypatch)
+        _tile_by_plugin(kwargs, monkeypatch=monkeypatch)
 
 
 def test_plugin_file_sits_in_a_folder_of_its_own():

@@ -37,7 +37,7 @@ BOUND = 1e-12
 NORMS = {"llama": LlamaRMSNorm, "gemma": GemmaRMSNorm, "gemma3": Gemma3RMSNorm}
 
 
-def _norm(name: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+def _norm_of(name: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     norm = NORMS[name](HIDDEN, eps=1e-5).to(dtype)
     with torch.no_grad():
@@ -45,20 +45,20 @@ def _norm(name: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     return norm
 
 
-def _data(dtype: torch.dtype, seed: int = 1, shape=(2, 13, HIDDEN)):
+def _norm_inputs(dtype: torch.dtype, seed: int = 1, shape=(2, 13, HIDDEN)):
     generator = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype),
             torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype))
 
 
-def _run(module, x, dy, call=None):
+def _norm_run(module, x, dy, call=None):
     xi = x.clone().requires_grad_()
     y = (call or module)(xi)
     y.backward(dy)
     return y.detach(), xi.grad, module.weight.grad
 
 
-def _tiled(norm, num_shards=3):
+def _tiled_norm(norm, num_shards=3):
     return TiledNorm(copy.deepcopy(norm), num_shards=num_shards, grad_accum_dtype=NORM_ACCUM_DTYPE)
 
 
@@ -74,7 +74,7 @@ def _gemma_weight_grad(norm, x, dy):
 @pytest.mark.parametrize("multiply,offset", [("input_dtype", 0.0), ("float32", 1.0)])
 def test_opcheck(multiply, offset, memory):
     # A transposed input too: the fake kernels must give the strides the ops return (a contiguous gradient).
-    x, dy = _data(torch.float64)
+    x, dy = _norm_inputs(torch.float64)
     x, dy = laid_out(x, memory), laid_out(dy, memory)
     weight = torch.randn(HIDDEN, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(rms_norm, (x.requires_grad_(), weight, 1e-5, offset, multiply, 3, torch.float32))
@@ -84,14 +84,14 @@ def test_opcheck(multiply, offset, memory):
 
 @pytest.mark.parametrize("name", list(NORMS))
 def test_the_op_equals_the_module_in_float64(name):
-    norm = _norm(name, torch.float64)
-    x, dy = _data(torch.float64)
-    want = _run(norm, x, dy)
+    norm = _norm_of(name, torch.float64)
+    x, dy = _norm_inputs(torch.float64)
+    want = _norm_run(norm, x, dy)
     form = ("input_dtype", 0.0) if name == "llama" else ("float32", 1.0)
     eps = norm.variance_epsilon if name == "llama" else norm.eps
     have_norm = copy.deepcopy(norm)
     have_norm.weight.grad = None
-    have = _run(have_norm, x, dy, lambda xi: rms_norm(xi, have_norm.weight, eps, form[1], form[0], 4, torch.float32))
+    have = _norm_run(have_norm, x, dy, lambda xi: rms_norm(xi, have_norm.weight, eps, form[1], form[0], 4, torch.float32))
     assert torch.equal(have[0], want[0]) and torch.equal(have[1], want[1])
     want_dw = want[2] if name == "llama" else _gemma_weight_grad(norm, x, dy)
     assert (have[2] - want_dw).abs().max().item() < BOUND
@@ -101,10 +101,10 @@ def test_the_op_equals_the_module_in_float64(name):
 @pytest.mark.parametrize("num_shards", [1, 3, 26])
 @pytest.mark.parametrize("name", list(NORMS))
 def test_tiled_norm_equals_the_module_in_float64(name, num_shards):
-    norm = _norm(name, torch.float64)
-    tiled = _tiled(norm, num_shards)
-    x, dy = _data(torch.float64)
-    want, have = _run(norm, x, dy), _run(tiled, x, dy)
+    norm = _norm_of(name, torch.float64)
+    tiled = _tiled_norm(norm, num_shards)
+    x, dy = _norm_inputs(torch.float64)
+    want, have = _norm_run(norm, x, dy), _norm_run(tiled, x, dy)
     assert tiled.tiling.last_path == "norm" and tiled.tiling.last_num_shards == num_shards
     assert torch.equal(have[0], want[0]), "the forward is the body's own op sequence"
     assert torch.equal(have[1], want[1]), "the input gradient is autograd's through the same sequence"
@@ -116,12 +116,12 @@ def test_tiled_norm_equals_the_module_in_float64(name, num_shards):
 @pytest.mark.parametrize("name", list(NORMS))
 def test_bf16_output_and_input_gradient_are_bit_for_bit(name, weight_dtype):
     """A bf16 input with a bf16 or float32 weight (Llama's output is then float32: the promoted dtype)."""
-    norm = _norm(name, weight_dtype)
-    tiled = _tiled(norm)
-    x, _ = _data(torch.bfloat16, shape=(3, 40, HIDDEN))
+    norm = _norm_of(name, weight_dtype)
+    tiled = _tiled_norm(norm)
+    x, _ = _norm_inputs(torch.bfloat16, shape=(3, 40, HIDDEN))
     y = norm(x)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.dtype)
-    want, have = _run(norm, x, dy), _run(tiled, x, dy)
+    want, have = _norm_run(norm, x, dy), _norm_run(tiled, x, dy)
     assert tiled.tiling.last_path == "norm"
     assert have[0].dtype == want[0].dtype and torch.equal(have[0], want[0])
     assert torch.equal(have[1], want[1])
@@ -159,13 +159,13 @@ def _declines(norm, x) -> str:
 def test_an_unregistered_forward_declines_to_generic(make):
     """torch's ``nn.RMSNorm`` declines too: its forward calls ``F.rms_norm``, whose dtypes are aten's
     (no body of operations to run per shard), so the generic kernel runs it."""
-    x, _ = _data(torch.float64)
+    x, _ = _norm_inputs(torch.float64)
     assert "'norm' declined: its forward is not one the norm kernel is known to compute" in _declines(make().double(), x)
 
 
 def test_a_patched_helper_an_integer_eps_and_a_class_weight_decline(monkeypatch):
-    x, _ = _data(torch.float64)
-    norm = _norm("gemma3", torch.float64)
+    x, _ = _norm_inputs(torch.float64)
+    norm = _norm_of("gemma3", torch.float64)
     norm.eps = 1
     assert "eps is not a plain float (int)" in _declines(norm, x)
 
@@ -175,11 +175,11 @@ def test_a_patched_helper_an_integer_eps_and_a_class_weight_decline(monkeypatch)
 
     assert "its method _norm is not the one" in _declines(Patched(HIDDEN).double(), x)
     monkeypatch.setattr(torch, "rsqrt", lambda t: 1 / torch.sqrt(t))
-    assert "its forward is not one the norm kernel" in _declines(_norm("llama", torch.float64), x)
+    assert "its forward is not one the norm kernel" in _declines(_norm_of("llama", torch.float64), x)
 
 
 def test_autocast_declines():
-    norm = _norm("llama", torch.float32)
+    norm = _norm_of("llama", torch.float32)
     tiled = TiledMLP(norm, num_shards=2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         tiled(torch.randn(2, 8, HIDDEN))

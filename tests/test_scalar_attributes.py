@@ -41,7 +41,7 @@ class ScaledMLP(GatedMLP):
         return h + self.offsets[1]
 
 
-def _tiled(mlp: nn.Module, path: str = "generic") -> nn.Module:
+def _tiled_copy(mlp: nn.Module, path: str = "generic") -> nn.Module:
     return TiledMLP(copy.deepcopy(mlp), num_shards=3, path=path)
 
 
@@ -59,7 +59,7 @@ def _forward(module: nn.Module):
 ])
 def test_a_value_the_forward_reads_changed_before_backward_is_refused_with_its_name(attribute, value, shown):
     torch.manual_seed(0)
-    tiled = _tiled(ScaledMLP().double())
+    tiled = _tiled_copy(ScaledMLP().double())
     _, y, dy = _forward(tiled)
     assert tiled.tiling.last_path == "generic"
     setattr(tiled, attribute, value)
@@ -72,7 +72,7 @@ def test_a_value_the_forward_reads_changed_before_backward_is_refused_with_its_n
 def test_a_submodule_value_is_named_by_its_qualified_name():
     torch.manual_seed(0)
     mlp = GatedMLP(HIDDEN, INTER, act="gelu_tanh").double()
-    tiled = _tiled(mlp)
+    tiled = _tiled_copy(mlp)
     _, y, dy = _forward(tiled)
     tiled.act_fn.approximate = "none"
     with pytest.raises(RuntimeError, match="act_fn.approximate of TiledGatedMLP is 'none'; expected 'tanh'"):
@@ -91,7 +91,7 @@ class DropoutMLP(GatedMLP):
 def test_switching_to_eval_between_forward_and_backward_is_refused():
     """The recompute in eval mode would drop the dropout the forward applied."""
     torch.manual_seed(0)
-    tiled = _tiled(DropoutMLP().double())
+    tiled = _tiled_copy(DropoutMLP().double())
     _, y, dy = _forward(tiled)
     tiled.eval()
     with pytest.raises(RuntimeError, match=r"training of TiledDropoutMLP is False; expected True"):
@@ -109,7 +109,7 @@ def test_values_the_forward_computed_with_are_exact(change):
     mlp = ScaledMLP().double()
     x, dy = fresh_inputs(SHAPE, HIDDEN, seed=4)
     want = untiled_run(mlp, x, dy)
-    tiled = _tiled(mlp)
+    tiled = _tiled_copy(mlp)
     leaf = x.detach().clone().requires_grad_()
     y = tiled(leaf)
     change(tiled)
@@ -145,7 +145,7 @@ def test_the_fast_path_computes_the_gradient_of_the_forward_it_ran():
         mlp = ScaledGated().double()
         x, dy = fresh_inputs(SHAPE, HIDDEN, seed=5)
         runs = []
-        for module in (copy.deepcopy(mlp), _tiled(mlp, path="fast")):
+        for module in (copy.deepcopy(mlp), _tiled_copy(mlp, path="fast")):
             leaf = x.detach().clone().requires_grad_()
             y = module(leaf)
             module.out_scale = 7.5
@@ -171,7 +171,7 @@ class ParentReadsChild(GatedMLP):
 
 def test_a_child_value_read_by_the_parent_changed_before_backward_is_refused():
     torch.manual_seed(0)
-    tiled = _tiled(ParentReadsChild().double())
+    tiled = _tiled_copy(ParentReadsChild().double())
     _, y, dy = _forward(tiled)
     tiled.down_proj.out_scale = 20.0
     with pytest.raises(RuntimeError, match=r"down_proj\.out_scale of TiledParentReadsChild is 20\.0; expected 2\.0"):
@@ -199,7 +199,7 @@ def _set_adapter(module: nn.Module, name: str) -> None:
 def test_switching_the_peft_adapter_between_forward_and_backward_is_refused():
     """PEFT holds the active adapter in a list, rebound by ``set_adapter``: the recompute would run the other."""
     torch.manual_seed(0)
-    tiled = _tiled(_two_adapter_lora_mlp())
+    tiled = _tiled_copy(_two_adapter_lora_mlp())
     _, y, dy = _forward(tiled)
     assert tiled.tiling.last_path == "generic"
     _set_adapter(tiled, "other")
@@ -213,7 +213,7 @@ def test_a_peft_lora_mlp_left_alone_is_exact():
     mlp = _two_adapter_lora_mlp()
     x, dy = fresh_inputs(SHAPE, HIDDEN, seed=6)
     want = untiled_run(mlp, x, dy)
-    tiled = _tiled(mlp)
+    tiled = _tiled_copy(mlp)
     leaf = x.detach().clone().requires_grad_()
     y = tiled(leaf)
     y.backward(dy)
@@ -244,7 +244,7 @@ def test_a_value_the_forward_sets_once_is_set_before_every_shard_and_exact():
     set_up = copy.deepcopy(mlp)
     set_up.set_up = True
     want = untiled_run(set_up, x, dy)
-    tiled = _tiled(mlp)
+    tiled = _tiled_copy(mlp)
     leaf = x.detach().clone().requires_grad_()
     y = tiled(leaf)
     y.backward(dy)
@@ -264,7 +264,7 @@ class CountsCalls(GatedMLP):
 
 def test_a_value_the_forward_changes_at_every_call_is_refused_at_the_forward():
     torch.manual_seed(0)
-    tiled = _tiled(CountsCalls().double())
+    tiled = _tiled_copy(CountsCalls().double())
     x, _ = fresh_inputs(SHAPE, HIDDEN, seed=8)
     with pytest.raises(RuntimeError, match=r"the forward of TiledCountsCalls changes calls at every call"):
         tiled(x.requires_grad_())
@@ -275,7 +275,7 @@ def test_a_forward_that_changes_its_values_is_refused_without_a_graph_too():
     """No graph, no recompute, but each shard would still compute with another count (one output, three
     functions of the input): refused under no_grad as with a graph."""
     torch.manual_seed(0)
-    tiled = _tiled(CountsCalls().double())
+    tiled = _tiled_copy(CountsCalls().double())
     x, _ = fresh_inputs(SHAPE, HIDDEN, seed=8)
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"changes calls at every call"):
         tiled(x)
@@ -300,7 +300,7 @@ def test_equal_immutable_values_rebound_by_the_forward_are_not_a_change():
     mlp = ReadsItsDevice().double()
     x, dy = fresh_inputs(SHAPE, HIDDEN, seed=9)
     want = untiled_run(copy.deepcopy(mlp), x, dy)
-    tiled = _tiled(mlp)
+    tiled = _tiled_copy(mlp)
     leaf = x.detach().clone().requires_grad_()
     y = tiled(leaf)
     y.backward(dy)
@@ -332,7 +332,7 @@ class HelperReads(GatedMLP):
 ])
 def test_a_value_read_by_a_helper_or_set_over_a_class_default_is_refused(attribute, value, shown):
     torch.manual_seed(0)
-    tiled = _tiled(HelperReads().double())
+    tiled = _tiled_copy(HelperReads().double())
     _, y, dy = _forward(tiled)
     setattr(tiled, attribute, value)
     with pytest.raises(RuntimeError, match=CHANGED) as error:

@@ -6,6 +6,7 @@ import torch
 from reference import FusedGatedMLP, GatedMLP, lora_gated
 from torch import nn
 
+from integration_tests.toy_models import ScaledBlock
 from tiled_mlp import TiledMLP
 
 pytestmark = pytest.mark.timeout(30)
@@ -13,21 +14,10 @@ pytestmark = pytest.mark.timeout(30)
 HIDDEN, INTER = 8, 12
 
 
-class Block(nn.Module):
-    def __init__(self, builder):
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.mlp = builder(HIDDEN, INTER)
-        self.register_buffer("scale", torch.tensor(2.0))
-
-    def forward(self, x):
-        return x + self.scale * self.mlp(self.norm(x))
-
-
 class Model(nn.Module):
     def __init__(self, builder, layers=2):
         super().__init__()
-        self.layers = nn.ModuleList(Block(builder) for _ in range(layers))
+        self.layers = nn.ModuleList(ScaledBlock(HIDDEN, builder(HIDDEN, INTER), 2.0) for _ in range(layers))
 
     def forward(self, x):
         for layer in self.layers:
@@ -35,7 +25,7 @@ class Model(nn.Module):
         return x
 
 
-def tile(model, **kwargs):
+def tile_model(model, **kwargs):
     for layer in model.layers:
         layer.mlp = TiledMLP(layer.mlp, **kwargs)
     return model
@@ -69,7 +59,7 @@ def test_model_keys_are_identical_after_tiling(builder):
     torch.manual_seed(0)
     untiled = Model(builder)
     keys = list(untiled.state_dict())
-    tiled = tile(Model(builder))
+    tiled = tile_model(Model(builder))
     assert list(tiled.state_dict()) == keys
     assert all(".mlp.mlp." not in k for k in keys)
 
@@ -80,7 +70,7 @@ def test_checkpoint_round_trip(builder, tmp_path):
     untiled = Model(builder).double()
     torch.save(untiled.state_dict(), tmp_path / "untiled.pt")
     torch.manual_seed(1)  # different weights, overwritten by the load
-    tiled = tile(Model(builder).double(), num_shards=3)
+    tiled = tile_model(Model(builder).double(), num_shards=3)
     result = tiled.load_state_dict(torch.load(tmp_path / "untiled.pt"), strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     want = untiled.state_dict()

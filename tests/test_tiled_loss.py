@@ -14,11 +14,11 @@ from loss_reference import (
     VOCAB,
     LargestTensor,
     assert_same_run,
-    batch,
     hf_loss,
+    hidden_batch,
     linear_head,
+    loss_run,
     module_head,
-    run,
     shifted,
     single_thread,
 )
@@ -38,11 +38,11 @@ HEADS = {
 }
 
 
-def tiled(labels, **kwargs):
+def tiled_loss_fn(labels, **kwargs):
     return lambda x, head: tiled_cross_entropy(x, head, labels, **kwargs)
 
 
-def reference(labels, **kwargs):
+def hf_reference(labels, **kwargs):
     return lambda x, head: hf_loss(head(x), labels, **kwargs)
 
 
@@ -50,9 +50,9 @@ def reference(labels, **kwargs):
 @pytest.mark.parametrize("num_shards", SHARD_COUNTS)
 def test_loss_and_every_grad_equal_to_hf_in_float64(head, num_shards):
     lm_head = HEADS[head]()
-    hidden, labels = batch(seed=num_shards if isinstance(num_shards, int) else 0)
-    want = run(reference(labels), hidden, lm_head)
-    have = run(tiled(labels, num_shards=num_shards), hidden, lm_head)
+    hidden, labels = hidden_batch(seed=num_shards if isinstance(num_shards, int) else 0)
+    want = loss_run(hf_reference(labels), hidden, lm_head)
+    have = loss_run(tiled_loss_fn(labels, num_shards=num_shards), hidden, lm_head)
     assert have.loss.dtype == torch.float64  # a float64 head keeps float64 loss math
     assert all(g is not None for g in have.grads.values())  # the test compares every head gradient
     assert_same_run(want, have)
@@ -68,10 +68,10 @@ def non_contiguous(x):
 @pytest.mark.parametrize("shape", [(3, 2, 5), (1, 17), (4, 1, 1, 6)])
 def test_leading_dims_and_non_contiguous_hidden(shape):
     head = linear_head(bias=True)
-    hidden, labels = batch(shape, seed=len(shape), ignored=1)
-    want = run(reference(labels), hidden, head)
-    assert_same_run(want, run(tiled(labels, num_shards=4), hidden, head))
-    assert_same_run(want, run(lambda x, m: tiled_cross_entropy(non_contiguous(x), m, labels, num_shards=4), hidden, head))
+    hidden, labels = hidden_batch(shape, seed=len(shape), ignored=1)
+    want = loss_run(hf_reference(labels), hidden, head)
+    assert_same_run(want, loss_run(tiled_loss_fn(labels, num_shards=4), hidden, head))
+    assert_same_run(want, loss_run(lambda x, m: tiled_cross_entropy(non_contiguous(x), m, labels, num_shards=4), hidden, head))
 
 
 @pytest.mark.parametrize("head", HEADS)
@@ -80,12 +80,12 @@ def test_every_grad_scaled_by_the_incoming_gradient(head, grad_scale):
     """``(loss * c).backward()``: the head's gradient too (DeepSpeed's TiledFusedLogitsLoss scales only the
     input's). 3.7 and 1/11 (gradient accumulation's ``loss / steps``) are not powers of two."""
     lm_head = HEADS[head]()
-    hidden, labels = batch(seed=5)
-    want = run(reference(labels), hidden, lm_head, grad_scale=grad_scale)
-    have = run(tiled(labels, num_shards=3), hidden, lm_head, grad_scale=grad_scale)
+    hidden, labels = hidden_batch(seed=5)
+    want = loss_run(hf_reference(labels), hidden, lm_head, grad_scale=grad_scale)
+    have = loss_run(tiled_loss_fn(labels, num_shards=3), hidden, lm_head, grad_scale=grad_scale)
     assert_same_run(want, have)
     # And not by accident: unscaled gradients are far from these.
-    plain = run(tiled(labels, num_shards=3), hidden, lm_head)
+    plain = loss_run(tiled_loss_fn(labels, num_shards=3), hidden, lm_head)
     for name, g in have.grads.items():
         assert torch.allclose(g, plain.grads[name] * grad_scale, rtol=1e-12, atol=0), name
 
@@ -95,10 +95,10 @@ def test_shard_with_only_ignored_labels_contributes_exact_zeros(head):
     """First half of the shifted labels ignored, 4 shards: the first two shards have no valid token. Nothing
     is divided per shard, so they add exact zeros (never 0/0 = NaN) and their tokens' gradient is 0."""
     lm_head = HEADS[head]()
-    hidden, labels = batch((1, 16), seed=7, ignored=9)  # shifted: positions 0..7 predict -100
+    hidden, labels = hidden_batch((1, 16), seed=7, ignored=9)  # shifted: positions 0..7 predict -100
     assert (shifted(labels)[0, :8] == -100).all() and (shifted(labels)[0, 8:15] != -100).all()
-    want = run(reference(labels), hidden, lm_head)
-    have = run(tiled(labels, num_shards=4), hidden, lm_head)
+    want = loss_run(hf_reference(labels), hidden, lm_head)
+    have = loss_run(tiled_loss_fn(labels, num_shards=4), hidden, lm_head)
     assert torch.isfinite(have.loss) and all(torch.isfinite(g).all() for g in have.grads.values())
     assert_same_run(want, have)
     assert (have.dx[0, :8] == 0).all() and (have.dx[0, -1] == 0).all()  # exact zeros, not tiny numbers
@@ -107,7 +107,7 @@ def test_shard_with_only_ignored_labels_contributes_exact_zeros(head):
 def test_no_valid_token_at_all_gives_nan_as_hf():
     """0 valid tokens: the mean is 0/0, NaN, as ``F.cross_entropy`` and ``ForCausalLMLoss`` give."""
     head = linear_head()
-    hidden, labels = batch(seed=8, ignored=0)
+    hidden, labels = hidden_batch(seed=8, ignored=0)
     labels.fill_(-100)
     assert torch.isnan(hf_loss(head(hidden), labels))
     assert torch.isnan(tiled_cross_entropy(hidden, head, labels, num_shards=3))
@@ -118,10 +118,10 @@ def test_no_valid_token_masked_out_gives_zero_gradients_as_hf(head):
     """The NaN mean masked away (``torch.where``, as the Trainer's SP loss does for a rank without labels):
     every gradient is exactly 0, as F.cross_entropy's, never 0 * (1/0) = NaN."""
     lm_head = HEADS[head]()
-    hidden, labels = batch(seed=8, ignored=0)
+    hidden, labels = hidden_batch(seed=8, ignored=0)
     labels.fill_(-100)
-    want = run(lambda h, m: torch.where(torch.tensor(False), hf_loss(m(h), labels), 0.0), hidden, lm_head)
-    have = run(lambda h, m: torch.where(torch.tensor(False), tiled_cross_entropy(h, m, labels, num_shards=3), 0.0),
+    want = loss_run(lambda h, m: torch.where(torch.tensor(False), hf_loss(m(h), labels), 0.0), hidden, lm_head)
+    have = loss_run(lambda h, m: torch.where(torch.tensor(False), tiled_cross_entropy(h, m, labels, num_shards=3), 0.0),
                hidden, lm_head)
     assert (have.dx == 0).all() and all((g == 0).all() for g in have.grads.values() if g is not None)
     assert_same_run(want, have)
@@ -130,9 +130,9 @@ def test_no_valid_token_masked_out_gives_zero_gradients_as_hf(head):
 @pytest.mark.parametrize("head", HEADS)
 def test_frozen_head_only_hidden_gets_a_grad(head):
     lm_head = HEADS[head]().requires_grad_(False)
-    hidden, labels = batch(seed=9)
-    want = run(reference(labels), hidden, lm_head)
-    have = run(tiled(labels, num_shards=3), hidden, lm_head)
+    hidden, labels = hidden_batch(seed=9)
+    want = loss_run(hf_reference(labels), hidden, lm_head)
+    have = loss_run(tiled_loss_fn(labels, num_shards=3), hidden, lm_head)
     assert all(g is None for g in have.grads.values()) and have.dx is not None
     assert_same_run(want, have)
 
@@ -140,9 +140,9 @@ def test_frozen_head_only_hidden_gets_a_grad(head):
 @pytest.mark.parametrize("head", HEADS)
 def test_hidden_without_grad_only_head_grads(head):
     lm_head = HEADS[head]()
-    hidden, labels = batch(seed=10)
-    want = run(reference(labels), hidden, lm_head, hidden_grad=False)
-    have = run(tiled(labels, num_shards=3), hidden, lm_head, hidden_grad=False)
+    hidden, labels = hidden_batch(seed=10)
+    want = loss_run(hf_reference(labels), hidden, lm_head, hidden_grad=False)
+    have = loss_run(tiled_loss_fn(labels, num_shards=3), hidden, lm_head, hidden_grad=False)
     assert have.dx is None and all(g is not None for g in have.grads.values())
     assert_same_run(want, have)
 
@@ -151,9 +151,9 @@ def test_partly_frozen_head_grads_only_for_the_trainable_part():
     """A frozen weight with a trainable bias: the bias alone gets its (exact) gradient."""
     head = linear_head(bias=True)
     head.weight.requires_grad_(False)
-    hidden, labels = batch(seed=11)
-    want = run(reference(labels), hidden, head)
-    have = run(tiled(labels, num_shards=3), hidden, head)
+    hidden, labels = hidden_batch(seed=11)
+    want = loss_run(hf_reference(labels), hidden, head)
+    have = loss_run(tiled_loss_fn(labels, num_shards=3), hidden, head)
     assert have.grads["weight"] is None and have.grads["bias"] is not None
     assert_same_run(want, have)
 
@@ -161,7 +161,7 @@ def test_partly_frozen_head_grads_only_for_the_trainable_part():
 @pytest.mark.parametrize("head", HEADS)
 def test_under_no_grad_the_value_without_a_graph(head):
     lm_head = HEADS[head]()
-    hidden, labels = batch(seed=12)
+    hidden, labels = hidden_batch(seed=12)
     hidden.requires_grad_()
     with torch.no_grad():
         loss = tiled_cross_entropy(hidden, lm_head, labels, num_shards=3)
@@ -175,7 +175,7 @@ def test_two_losses_and_micro_batches_accumulate_into_grad(head):
     """Two calls summed into one backward, then a second micro-batch's backward on top of existing ``.grad``
     (gradient accumulation): both as autograd accumulates the untiled losses."""
     lm_head = HEADS[head]()
-    (h1, l1), (h2, l2), (h3, l3) = (batch(seed=s) for s in (13, 14, 15))
+    (h1, l1), (h2, l2), (h3, l3) = (hidden_batch(seed=s) for s in (13, 14, 15))
 
     def three_losses(loss_fn):
         def both(x, head):
@@ -184,24 +184,24 @@ def test_two_losses_and_micro_batches_accumulate_into_grad(head):
             return loss_fn(h3, head, l3) / 2  # the next micro-batch, backward by ``run``
         return both
 
-    want = run(three_losses(lambda x, head, lab: hf_loss(head(x), lab)), h1, lm_head)
-    have = run(three_losses(lambda x, head, lab: tiled_cross_entropy(x, head, lab, num_shards=3)), h1, lm_head)
+    want = loss_run(three_losses(lambda x, head, lab: hf_loss(head(x), lab)), h1, lm_head)
+    have = loss_run(three_losses(lambda x, head, lab: tiled_cross_entropy(x, head, lab, num_shards=3)), h1, lm_head)
     assert_same_run(want, have)
 
 
 def test_module_form_equals_the_function():
     head = linear_head(bias=True)
-    hidden, labels = batch(seed=16)
+    hidden, labels = hidden_batch(seed=16)
     options = dict(ignore_index=-100, reduction="sum", label_smoothing=0.1, logit_softcap=4.0, z_loss=1e-3,
                    num_shards=3, grad_accum_dtype=torch.float64)
     loss_fn = TiledCrossEntropy(**options)
     assert list(loss_fn.parameters()) == [] and "z_loss=0.001" in repr(loss_fn)
-    want = run(tiled(labels, **options), hidden, head)
-    assert_same_run(want, run(lambda x, m: loss_fn(x, m, labels), hidden, head), atol=0)
+    want = loss_run(tiled_loss_fn(labels, **options), hidden, head)
+    assert_same_run(want, loss_run(lambda x, m: loss_fn(x, m, labels), hidden, head), atol=0)
     # shift_labels and num_items_in_batch go through the call, as to the function.
-    want = run(lambda x, m: tiled_cross_entropy(x, m, shift_labels=shifted(labels), num_items_in_batch=7, **options),
+    want = loss_run(lambda x, m: tiled_cross_entropy(x, m, shift_labels=shifted(labels), num_items_in_batch=7, **options),
                hidden, head)
-    have = run(lambda x, m: loss_fn(x, m, shift_labels=shifted(labels), num_items_in_batch=7), hidden, head)
+    have = loss_run(lambda x, m: loss_fn(x, m, shift_labels=shifted(labels), num_items_in_batch=7), hidden, head)
     assert_same_run(want, have, atol=0)
 
 
@@ -245,9 +245,9 @@ class ReportsOtherSizes(nn.Module):
 def test_a_head_that_reports_sizes_its_weight_contradicts_is_sized_by_what_it_computes():
     # The sizes a head reports are trusted where its weight agrees; here they are not, and the head's logits
     # show the vocabulary instead (labels up to VOCAB - 1 are valid, HIDDEN < VOCAB).
-    hidden, labels = batch(seed=5)
+    hidden, labels = hidden_batch(seed=5)
     assert int(labels.max()) >= HIDDEN
     head = ReportsOtherSizes(linear_head())
-    want = run(lambda x, m: hf_loss(m(x), labels), hidden, head)
-    assert_same_run(want, run(tiled(labels, num_shards=3), hidden, head))
+    want = loss_run(lambda x, m: hf_loss(m(x), labels), hidden, head)
+    assert_same_run(want, loss_run(tiled_loss_fn(labels, num_shards=3), hidden, head))
     assert head.in_features == VOCAB

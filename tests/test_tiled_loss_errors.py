@@ -11,12 +11,12 @@ from loss_reference import (
     OpLog,
     ScaledLoRAHead,
     assert_same_run,
-    batch,
     hf_loss,
+    hidden_batch,
     linear_head,
+    loss_run,
     max_abs_diff,
     module_head,
-    run,
     single_thread,
 )
 from torch import nn
@@ -63,8 +63,8 @@ def assert_added(want, head, hidden, before):
 @pytest.mark.parametrize("head", HEADS)
 def test_double_backward_refused_and_nothing_consumed(head):
     lm_head = HEADS[head]()
-    hidden, labels = batch(seed=40)
-    want = run(lambda x, m: hf_loss(m(x), labels), hidden, lm_head)
+    hidden, labels = hidden_batch(seed=40)
+    want = loss_run(lambda x, m: hf_loss(m(x), labels), hidden, lm_head)
     before = with_old_grads(lm_head, hidden)
     loss = tiled_cross_entropy(hidden, lm_head, labels, num_shards=3)
     with pytest.raises(RuntimeError, match="double backward") as refused:
@@ -80,8 +80,8 @@ def test_double_backward_refused_and_nothing_consumed(head):
 @pytest.mark.parametrize("head", HEADS)
 def test_second_backward_through_one_call_refused(head):
     lm_head = HEADS[head]()
-    hidden, labels = batch(seed=41)
-    want = run(lambda x, m: hf_loss(m(x), labels), hidden, lm_head, grad_scale=2)
+    hidden, labels = hidden_batch(seed=41)
+    want = loss_run(lambda x, m: hf_loss(m(x), labels), hidden, lm_head, grad_scale=2)
     before = with_old_grads(lm_head, hidden)
     loss = tiled_cross_entropy(hidden, lm_head, labels, num_shards=3)
     (loss * 2).backward(retain_graph=True)
@@ -137,7 +137,7 @@ BAD_CALLS = {
 def test_bad_call_refused_before_any_work(case):
     spoil, error, words = BAD_CALLS[case]
     head = linear_head(bias=True)
-    hidden, labels = batch(seed=42)
+    hidden, labels = hidden_batch(seed=42)
     before = with_old_grads(head, hidden)
     kwargs = dict(hidden=hidden, lm_head=head, labels=labels, num_shards=3)
     spoil(kwargs)
@@ -149,7 +149,7 @@ def test_bad_call_refused_before_any_work(case):
 
 def test_op_log_sees_the_work_of_a_call_that_runs():
     """The check above means something: a call that is not refused shows its matmuls in the log."""
-    hidden, labels = batch(seed=42)
+    hidden, labels = hidden_batch(seed=42)
     with OpLog() as log:
         tiled_cross_entropy(hidden, linear_head(bias=True), labels, num_shards=3)
     assert {"mm", "addmm"} <= set(log.ops)
@@ -158,10 +158,10 @@ def test_op_log_sees_the_work_of_a_call_that_runs():
 def test_out_of_range_label_at_the_first_position_is_never_read():
     """Position 0's label predicts nothing after the shift (as in ForCausalLMLoss): not refused, not read."""
     head = linear_head()
-    hidden, labels = batch(seed=43)
+    hidden, labels = hidden_batch(seed=43)
     labels[:, 0] = VOCAB + 100
-    assert_same_run(run(lambda x, m: hf_loss(m(x), labels), hidden, head),
-                    run(lambda x, m: tiled_cross_entropy(x, m, labels, num_shards=3), hidden, head))
+    assert_same_run(loss_run(lambda x, m: hf_loss(m(x), labels), hidden, head),
+                    loss_run(lambda x, m: tiled_cross_entropy(x, m, labels, num_shards=3), hidden, head))
 
 
 @pytest.mark.parametrize("label", [VOCAB, -5])
@@ -171,7 +171,7 @@ def test_out_of_range_label_refused_for_a_head_without_out_features(label):
     (on CPU torch's 'index out of bounds' from inside the first shard; on CUDA a device-side assert)."""
     head = module_head()
     assert not hasattr(head, "out_features") and not hasattr(head, "weight")
-    hidden, labels = batch(seed=44)
+    hidden, labels = hidden_batch(seed=44)
     labels[1, 4] = label
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tiled_cross_entropy(hidden, head, labels, num_shards=3)
@@ -191,7 +191,7 @@ class HeadWithAForeignTensor(ScaledLoRAHead):
 def test_head_reading_a_foreign_tensor_that_requires_grad_refused():
     torch.manual_seed(0)
     head = HeadWithAForeignTensor().double()
-    hidden, labels = batch(seed=45)
+    hidden, labels = hidden_batch(seed=45)
     before = with_old_grads(head, hidden)
     with pytest.raises(RuntimeError, match="besides its parameters"):
         tiled_cross_entropy(hidden, head, labels, num_shards=3)

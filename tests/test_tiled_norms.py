@@ -16,10 +16,14 @@ import torch
 pytest.importorskip("transformers")
 
 from planner_checks import predicted_to_the_byte  # noqa: E402
-from test_planner import tiny_llama  # noqa: E402
 
 from integration_tests.comparison import float_kept_float64  # noqa: E402
-from integration_tests.tiny_models import VOCAB, grads_by_key, tiny_model  # noqa: E402
+from integration_tests.tiny_models import (  # noqa: E402
+    VOCAB,
+    grads_by_key,
+    planner_llama,  # noqa: E402
+    tiny_model,
+)
 from tiled_mlp.core import TiledMLP  # noqa: E402
 from tiled_mlp.core.auto_shards import MLPSize, auto_decision  # noqa: E402
 from tiled_mlp.integrations import apply_tiled_mlp, remove_tiled_mlp  # noqa: E402
@@ -35,7 +39,7 @@ NORMS = ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layern
 BATCH, SEQ, HIDDEN = 2, 24, 16  # 48 tokens of hidden 16: "auto" tiles a norm call into 3 shards
 
 
-def _inputs(seed: int = 0):
+def _ids_and_embeds(seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     embeds = torch.randn(BATCH, SEQ, HIDDEN, generator=generator, dtype=torch.float64)
@@ -53,7 +57,7 @@ def _norms_of(model):
     return {name: module for name, module in model.named_modules() if name in NORMS}
 
 
-def _step(model, ids, embeds, loss: bool, reference: bool = False):
+def _embeds_step(model, ids, embeds, loss: bool, reference: bool = False):
     """One forward and backward from ``inputs_embeds`` (so the input has a gradient): the loss, or the
     logits against fixed random weights; returns (the output, the input's gradient). The reference loss
     is Hugging Face's ForCausalLMLoss on the logits kept in float64 (its ``.float()`` patched for the
@@ -77,8 +81,8 @@ def _step(model, ids, embeds, loss: bool, reference: bool = False):
 
 
 def _assert_exact(reference, tiled, ids, embeds, loss: bool) -> None:
-    want, want_grad = _step(reference, ids, embeds, loss, reference=True)
-    got, got_grad = _step(tiled, ids, embeds, loss)
+    want, want_grad = _embeds_step(reference, ids, embeds, loss, reference=True)
+    got, got_grad = _embeds_step(tiled, ids, embeds, loss)
     assert (got - want).abs().max().item() <= 1e-12
     assert (got_grad - want_grad).abs().max().item() <= 1e-12
     want_grads, got_grads = grads_by_key(reference), grads_by_key(tiled)
@@ -142,7 +146,7 @@ def test_tiled_norms_mlps_and_loss_are_exact_in_float64(family, checkpointing, n
     tiled = _checkpointed(copy.deepcopy(reference), checkpointing)
     report = apply_tiled_mlp(tiled, num_shards=num_shards, norms=True, loss=True, loss_num_shards=3)
     assert report.tiled_loss and len(report.patched) == len(NORMS) + 2
-    ids, embeds = _inputs()
+    ids, embeds = _ids_and_embeds()
     _assert_exact(reference, tiled, ids, embeds, loss=True)
     for name, norm in _norms_of(tiled).items():
         assert norm.tiling.last_path == "norm", name
@@ -155,7 +159,7 @@ def test_tiled_norms_alone_give_the_same_logits(family, checkpointing):
     reference = _checkpointed(tiny_model(family), checkpointing)
     tiled = _checkpointed(copy.deepcopy(reference), checkpointing)
     apply_tiled_mlp(tiled, include=[], num_shards=4, norms=True)
-    ids, embeds = _inputs(3)
+    ids, embeds = _ids_and_embeds(3)
     _assert_exact(reference, tiled, ids, embeds, loss=False)
     assert {n.tiling.last_path for n in _norms_of(tiled).values()} == {"norm"}
 
@@ -262,7 +266,7 @@ def test_a_real_step_with_tiled_norms_is_predicted_to_the_byte(name):
     """The modelled (meta) step against a real 3-layer float32 step on the CPU: the same (weights,
     gradients, logits, activations) after every allocation, and the same host memory; the norms ran tiled
     in both."""
-    setting, config, seq = PLANNED[name], tiny_llama(3), 1024
+    setting, config, seq = PLANNED[name], planner_llama(3), 1024
     planner, real, measured = predicted_to_the_byte(setting, config, seq)
     assert planner.point(setting, seq).peak_bytes == measured.peak()[0]
     for model in (real, planner.model(setting)):
@@ -275,7 +279,7 @@ def test_a_real_step_with_tiled_norms_is_predicted_to_the_byte(name):
 
 def test_tiled_norms_lower_the_modelled_peak():
     """Same tiny model, 4096 tokens, float32: the tiled norms' step holds less than the untiled norms'."""
-    config, seq = tiny_llama(3), 4096
+    config, seq = planner_llama(3), 4096
     plain = Setting(tiled=True, checkpointing=True, num_shards=4, tiled_loss=True, loss_num_shards=4)
     norms = Setting(tiled=True, checkpointing=True, num_shards=4, tiled_loss=True, loss_num_shards=4, tiled_norms=True)
     planner = Planner(Request(config, [seq], [plain, norms], Backend("single", 1), dtype=torch.float32))
@@ -289,7 +293,7 @@ def test_plan_puts_the_tiled_norms_beside_each_tiled_setting(capsys, tmp_path):
 
     from tiled_mlp.cli.main import main
 
-    tiny_llama(3).save_pretrained(tmp_path)
+    planner_llama(3).save_pretrained(tmp_path)
     argv = ["plan", "--model", str(tmp_path), "--seq", "4096", "--dtype", "fp32", "--tiled-loss", "none",
             "--checkpointing", "layer", "--budget", "1GiB"]
     assert main(argv + ["--tiled", "4", "--tiled-norms", "--json"]) == 0

@@ -33,7 +33,7 @@ PARAMS = {
 }
 
 
-def _config(rope_type: str) -> LlamaConfig:
+def _rope_config(rope_type: str) -> LlamaConfig:
     return LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, max_position_embeddings=TRAINED,
                        rope_parameters={"rope_type": rope_type, "rope_theta": 10000.0, **PARAMS[rope_type]})
@@ -55,7 +55,7 @@ def test_the_classification_is_what_transformers_computes(rope_type):
     """A slice's positions (the first 8, what SP rank 0 holds of 32 tokens) get the cos/sin the whole
     sequence gives them exactly where the type is classified length-independent, and other ones where it
     is classified length-dependent (the whole sequence runs past the trained length)."""
-    config = _config(rope_type)
+    config = _rope_config(rope_type)
     x = torch.zeros(1, 32, 16, dtype=torch.float64)
     positions = torch.arange(32)[None]
     whole = LlamaRotaryEmbedding(config)(x, positions)
@@ -64,13 +64,13 @@ def test_the_classification_is_what_transformers_computes(rope_type):
     assert same != is_length_dependent(rope_type), (rope_type, same)
 
 
-def _model(rope_type: str) -> LlamaForCausalLM:
-    return LlamaForCausalLM(_config(rope_type))
+def _rope_model(rope_type: str) -> LlamaForCausalLM:
+    return LlamaForCausalLM(_rope_config(rope_type))
 
 
 @pytest.mark.parametrize("rope_type", sorted(PARAMS))
 def test_the_rotaries_sp_hooks(rope_type):
-    found = length_dependent_rotaries(_model(rope_type))
+    found = length_dependent_rotaries(_rope_model(rope_type))
     assert [type(m) for m in found] == ([LlamaRotaryEmbedding] if is_length_dependent(rope_type) else [])
 
 
@@ -82,17 +82,17 @@ class OwnRotary(LlamaRotaryEmbedding):
 
 
 def test_a_length_dependent_rotary_with_its_own_forward_is_refused():
-    model = _model("dynamic")
+    model = _rope_model("dynamic")
     model.model.rotary_emb = OwnRotary(model.config)
     with pytest.raises(ValueError, match="OwnRotary has the length-dependent rope_type 'dynamic'.*dynamic_rope_update"):
         length_dependent_rotaries(model)
-    plain = _model("default")
+    plain = _rope_model("default")
     plain.model.rotary_emb = OwnRotary(plain.config)
     assert length_dependent_rotaries(plain) == []  # a length-independent type: nothing to give it
 
 
 def test_a_config_asking_for_a_length_dependent_type_without_its_rotary_is_refused():
-    model = _model("longrope")
+    model = _rope_model("longrope")
     model.model.rotary_emb.rope_type = "default"  # the module no longer carries it
     with pytest.raises(ValueError, match="asks for the length-dependent rope_type 'longrope'"):
         length_dependent_rotaries(model)

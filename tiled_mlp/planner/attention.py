@@ -10,7 +10,7 @@ and transformers repeats the key and value heads to every query head (SDPA canno
 mask). On the meta device SDPA would take its math path (``[batch, heads, tokens, tokens]`` scores); the
 kernel a device takes instead is called here by name: aten's flash attention for CPU, with the mask
 converted as SDPA converts it. That is the kernel a CPU step runs, byte for byte
-(``tests/test_planner_attention.py``). On a GPU (not run here: read from torch's kernel selection) the
+(``tests/planner/test_planner_attention.py``). On a GPU (not run here: read from torch's kernel selection) the
 unmasked calls take FlashAttention and the masked ones the memory-efficient kernel, which keeps the same
 mask, query, key, value and output for its backward, its log-sum-exp rounded up to 32 tokens.
 

@@ -3,7 +3,7 @@
 A plan is a few hundred thousand Python objects kept alive (the steps' logs, a million events for a
 composed step) and millions made and dropped; the collector's passes over them cost the CLI 0.6 to
 0.75 s of an 8B plan, and free nothing a step's log records: every storage the tracker
-follows is freed by its reference count, at the moment the code drops it (``tests/test_planner_collector.py``
+follows is freed by its reference count, at the moment the code drops it (``tests/planner/test_planner_collector.py``
 holds a plan made with the collector paused equal to one made with it running after nearly every
 allocation). Paused, the collector also cannot move a free inside a step, so a step's log never depends
 on when it last ran.

@@ -19,7 +19,7 @@ and what follows it (the loss, freed with the graph), each composed by one inser
 the device) stays the last, and the inserted layer is an inner one. Models whose layers differ (MoE
 and dense, sliding and full attention by ``layer_types``) are not composed (``layers_alike``); that
 the composed log equals the full-depth step's is checked against real CPU steps at several depths and
-lengths (``tests/test_planner_compose.py``), and the planner models its reported lengths at full depth.
+lengths (``tests/planner/test_planner_compose.py``), and the planner models its reported lengths at full depth.
 """
 from __future__ import annotations
 

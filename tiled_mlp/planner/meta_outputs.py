@@ -11,7 +11,7 @@ dtype; later calls get that input back, or an empty tensor of exactly that metad
 it is, every time, when its outputs are anything else (a view, an output sharing a storage, a size
 ``empty_strided`` would not give), when it changes an input's shape, stride or storage, or when any
 argument is not a plain meta-device value. The measured CPU step never takes this path; that the meta
-step still equals it to the byte is what ``tests/test_planner.py`` and ``tests/test_planner_loss.py``
+step still equals it to the byte is what ``tests/planner/test_planner.py`` and ``tests/planner/test_planner_loss.py``
 check.
 """
 from __future__ import annotations

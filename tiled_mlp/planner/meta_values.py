@@ -7,7 +7,7 @@ answers 0 (False): the answer of a check for a problem the planner's inputs do n
 ids, and so its labels, are zeros: ``step.py``). Answered where the read reaches the dispatcher
 (``aten._local_scalar_dense``, whatever the code that asks is called), and only for meta tensors: the
 measured CPU step reads its real values, and a read whose 0 sent the modelled step elsewhere than the
-real one would show in the byte-exact checks against that step (``tests/test_planner_loss.py``).
+real one would show in the byte-exact checks against that step (``tests/planner/test_planner_loss.py``).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ depends on the call's token count, hidden width and element size, and on the mod
 size and parameter bytes, all known before the step. Shared only where every tiled module is a
 decoder layer's ``mlp`` (its input is the layer's hidden states, ``[batch, tokens, hidden]``), its
 count is "auto" and its strategy allows an untiled call; anything else (tiled norms, experts tiled
-inside an MoE block, a fixed count, tensor parallelism) is modelled as it is. ``tests/test_planner_pass_through.py``
+inside an MoE block, a fixed count, tensor parallelism) is modelled as it is. ``tests/planner/test_planner_pass_through.py``
 holds the shared step equal to the tiled setting's own at every length around the policy's boundary.
 """
 from __future__ import annotations

@@ -339,7 +339,7 @@ class Planner:
         found = longest_fitting(lambda seq: self.point(setting, seq).load(), 1.0, self.seq_step(setting),
                                 self.seq_cap(setting), known)
         if req.verify_full_depth and self.composable(setting) and not self._full_depth_agrees(setting, found):
-            # Never seen unless forced (``tests/test_planner_side_by_side.py``); should it happen, the setting is
+            # Never seen unless forced (``tests/planner/test_planner_side_by_side.py``); should it happen, the setting is
             # planned again at full depth, its own steps: the table's lengths first, as a plan models them.
             self._full_depth_only.add(setting)
             self._unshared.add(setting)

@@ -3,7 +3,7 @@ certified by the step itself, whatever guided the guesses.
 
 The answer ``k`` grid steps comes with two modelled points, ``k`` fitting and ``k + 1`` not (or
 ``k`` at the cap); with a held total that never falls as the length grows (checked for every preset,
-``tests/test_planner_depth.py``) that is the longest. The guesses only decide how many full-depth
+``tests/planner/test_planner_depth.py``) that is the longest. The guesses only decide how many full-depth
 steps are modelled: a step's total is close to affine in the length (activations and logits grow
 with it, weights do not), so the line through the two nearest modelled points (regula falsi) usually
 lands next to the answer, and two or three steps beyond the table's suffice. Where the curve bends

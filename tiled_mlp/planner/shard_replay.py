@@ -20,7 +20,7 @@ shard (another key), and every call of a key whose slices never repeat. What the
 kernel calls (the generator states it saves per shard, the loss's running sum) still runs for real.
 
 Only the meta step takes this path (a CPU step is measured, every shard run); the planner's full-depth
-re-check of its answers runs without it, and ``tests/test_planner_shard_replay.py`` holds the shortened
+re-check of its answers runs without it, and ``tests/planner/test_planner_shard_replay.py`` holds the shortened
 log equal, event for event, to the full one.
 """
 from __future__ import annotations

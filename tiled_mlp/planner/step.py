@@ -2,8 +2,8 @@
 
 On the meta device nothing is allocated: a 32-layer 8B model's step takes about a second to model
 (more when its MLPs are tiled into many shards); on the CPU with real tensors the same code is the
-measured step the planner is checked against (``tests/test_planner_depth.py``,
-``tests/test_planner_loss.py``). The memory is the live-storage tracker's, split by kind
+measured step the planner is checked against (``tests/planner/test_planner_depth.py``,
+``tests/planner/test_planner_loss.py``). The memory is the live-storage tracker's, split by kind
 (``timeline.py``): weights, gradients, the logits and the loss, other activations.
 
 What a setting tiles is put on by the library's own integration (``apply_tiled_mlp``, with

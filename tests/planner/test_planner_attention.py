@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig  # noqa: E402
 
+from integration_tests.tiny_models import small_planner_llama  # noqa: E402
 from tiled_mlp.cli.main import main  # noqa: E402
 from tiled_mlp.planner import attention  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402
@@ -37,11 +38,6 @@ def gemma3_like() -> Gemma3TextConfig:
 def mistral_like() -> MistralConfig:
     """Every layer sliding (Mistral's ``sliding_window``)."""
     return MistralConfig(**SIZES)
-
-
-def tiny_llama() -> LlamaConfig:
-    return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
 
 
 def assert_planned_to_the_byte(config, setting: Setting, hf_attention: str, **request) -> None:
@@ -86,7 +82,7 @@ def test_each_attention_holds_what_it_materialises_past_the_window():
 @pytest.mark.parametrize("choice", ["sdpa", "eager"])
 def test_a_model_without_sliding_windows_plans_as_flash_under_sdpa_and_more_under_eager(choice):
     """Llama under sdpa: no mask, the fused causal kernel, the flash plan's peak (its answers unchanged)."""
-    config, seq = tiny_llama(), 512
+    config, seq = small_planner_llama(4), 512
     setting = Setting(tiled=True, checkpointing=True, num_shards=2)
 
     def peak(which: str) -> float:
@@ -99,7 +95,7 @@ def test_a_model_without_sliding_windows_plans_as_flash_under_sdpa_and_more_unde
         assert peak(choice) > peak(attention.FLASH)
 
 
-@pytest.mark.parametrize("config", [tiny_llama(), gemma3_like(), mistral_like(),
+@pytest.mark.parametrize("config", [small_planner_llama(4), gemma3_like(), mistral_like(),
                                     Gemma2Config(**SIZES), LlamaConfig(attn_implementation="eager", **SIZES)],
                          ids=["llama", "gemma3", "mistral", "gemma2", "llama-eager-in-config"])
 def test_the_default_attention_is_what_transformers_picks_for_the_config(config):
@@ -108,7 +104,7 @@ def test_the_default_attention_is_what_transformers_picks_for_the_config(config)
     assert attention.default_for(config)[0] == picked
 
 
-def _plan(tmp_path, capsys, *extra: str) -> list:
+def _plan_json(tmp_path, capsys, *extra: str) -> list:
     gemma3_like().save_pretrained(tmp_path)
     assert main(["plan", "--model", str(tmp_path), "--seq", str(SEQ), "--dtype", "fp32", "--tiled", "none",
                  "--tiled-loss", "none", "--checkpointing", "none", "--budget", "64MiB", "--json", *extra]) == 0
@@ -116,7 +112,7 @@ def _plan(tmp_path, capsys, *extra: str) -> list:
 
 
 def test_the_plan_names_the_attention_it_models_and_where_the_choice_came_from(tmp_path, capsys):
-    default, eager = _plan(tmp_path, capsys), _plan(tmp_path, capsys, "--attention", "eager")
+    default, eager = _plan_json(tmp_path, capsys), _plan_json(tmp_path, capsys, "--attention", "eager")
     assert (default[0]["attention"], default[0]["attention_from"]) == ("sdpa", "transformers' default for Gemma3ForCausalLM")
     assert (eager[0]["attention"], eager[0]["attention_from"]) == ("eager", "--attention")
     assert eager[1]["peak_bytes"] > default[1]["peak_bytes"]
@@ -131,7 +127,7 @@ def test_the_plan_names_the_attention_it_models_and_where_the_choice_came_from(t
 @pytest.mark.parametrize("config, extra, expected", [
     (Gemma2Config(**SIZES), ["--attention", "sdpa"], "Gemma2ForCausalLM does not support attn_implementation='sdpa'"),
     (Gemma3TextConfig(attn_logit_softcapping=50.0, **SIZES), [], "sdpa does not support the config's attention softcapping"),
-    (tiny_llama(), ["--attention", "eager", "--sp", "2", "--world-size", "2"], "--sp 2 with eager attention"),
+    (small_planner_llama(4), ["--attention", "eager", "--sp", "2", "--world-size", "2"], "--sp 2 with eager attention"),
     (mistral_like(), ["--sp", "2", "--world-size", "2"], "--sp 2 with sdpa on a model with sliding-window layers"),
 ], ids=["no-sdpa-in-the-class", "sdpa-with-softcapping", "eager-under-sp", "sliding-sdpa-under-sp"])
 def test_an_attention_transformers_would_not_run_is_refused_before_any_work(tmp_path, capsys, config, extra, expected):

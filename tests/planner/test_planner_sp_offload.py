@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 
 from planner_checks import predicted_to_the_byte  # noqa: E402
-from test_planner import tiny_llama  # noqa: E402
 
+from integration_tests.tiny_models import planner_llama  # noqa: E402
 from tiled_mlp.cli.main import main  # noqa: E402
 from tiled_mlp.planner import alst  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402
@@ -38,7 +38,7 @@ OFFLOADED_SETTINGS = {s.name: s for s in (
 @pytest.mark.parametrize("name", list(OFFLOADED_SETTINGS))
 def test_a_real_step_with_checkpoint_offload_is_predicted_to_the_byte_on_device_and_host(name):
     """The real ``apply_checkpoint_offload`` runs in both steps; its host copies are counted apart."""
-    setting, config = OFFLOADED_SETTINGS[name], tiny_llama(3)
+    setting, config = OFFLOADED_SETTINGS[name], planner_llama(3)
     planner, real, measured = predicted_to_the_byte(setting, config, SEQ)
     predicted = planner.timeline(setting, SEQ)
     one_input = SEQ * config.hidden_size * 4
@@ -72,7 +72,7 @@ def test_a_sequence_parallel_rank_runs_its_share_of_tokens_with_deepspeeds_excha
     buffers (4 per layer forward: q, k, v in, the output back), and deepspeed.comm is left as it was."""
     import deepspeed.comm.comm as ds_comm
 
-    config = tiny_llama(3)
+    config = planner_llama(3)
     setting = Setting(tiled=False, checkpointing=False, sp=2)
     planner = Planner(Request(config, [SEQ], [setting], Backend("zero3", 2), dtype=torch.float32))
     before = ds_comm.cdb
@@ -138,7 +138,7 @@ def test_offload_without_checkpointing_is_no_setting():
 
 
 def test_the_cli_reports_host_memory_and_plans_offload_beside_each_checkpointed_setting(capsys, tmp_path):
-    tiny_llama(3).save_pretrained(tmp_path)
+    planner_llama(3).save_pretrained(tmp_path)
     argv = ["plan", "--model", str(tmp_path), "--seq", "1024", "--dtype", "fp32", "--tiled", "none",
             "--tiled-loss", "auto", "--budget", "64MiB", "--world-size", "2", "--backend", "zero3", "--sp", "2",
             "--offload-checkpoints", "--offload-optimizer"]
@@ -161,7 +161,7 @@ def test_the_cli_reports_host_memory_and_plans_offload_beside_each_checkpointed_
 
 def test_the_ladder_is_rendered_from_its_rows():
     """The ladder's table and findings on a tiny model and budget (the real one: ``tiled-mlp plan --alst``)."""
-    config = tiny_llama(3)
+    config = planner_llama(3)
     rungs = [alst.Rung("short", "2K", 2_000, Setting(tiled=False, checkpointing=True, tiled_loss=True, sp=2),
                        world_size=2, grid=256),
              alst.Rung("long", "100K", 100_000, Setting(tiled=False, checkpointing=True, tiled_loss=True,
@@ -180,7 +180,7 @@ def test_the_ladder_is_rendered_from_its_rows():
 
 def test_plan_alst_prints_the_ladder_and_its_records(capsys, monkeypatch, tmp_path):
     """The command's own path, on a tiny model and budget (the real ladder takes about ten minutes)."""
-    tiny_llama(3).save_pretrained(tmp_path)
+    planner_llama(3).save_pretrained(tmp_path)
     monkeypatch.setattr(alst, "MODEL", str(tmp_path))
     monkeypatch.setattr(alst, "RUNGS", [alst.Rung("tiny", "4K", 4_000, Setting(tiled=True, checkpointing=True,
                                                                                 tiled_loss=True, sp=2), grid=512)])
@@ -235,7 +235,7 @@ def test_the_tiled_norms_rows_step_is_composed_as_its_full_depth_step():
     """The path of ALST's tiled-norms rows (tiled MLPs, loss and norms, checkpoint offload, SP, ZeRO-3 with
     the parameters on the host), on a tiny model: the composed step is the full-depth one, event for event
     (the real rows, at millions of tokens, are the slow tests above)."""
-    config = tiny_llama(5)
+    config = planner_llama(5)
     setting = Setting(tiled=True, checkpointing=True, tiled_loss=True, offload_checkpoints=True, sp=2,
                       tiled_norms=True)
     rung = alst.Rung("tiny", "4K", 4_000, setting, world_size=2, offload_params=True, grid=256)

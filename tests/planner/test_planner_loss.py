@@ -12,9 +12,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_planner import tiny_llama  # noqa: E402
-from test_planner_depth import tiny_mixed_moe  # noqa: E402
 
+from integration_tests.tiny_models import planner_llama, planner_mixed_moe  # noqa: E402
 from tiled_mlp.cli.main import main  # noqa: E402
 from tiled_mlp.integrations import is_tiled_loss  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402
@@ -52,20 +51,20 @@ def _assert_predicted_to_the_byte(config, setting: Setting, dtype: torch.dtype) 
 
 @pytest.mark.parametrize("name", list(LOSS_SETTINGS))
 def test_a_real_llama_step_with_the_tiled_loss_is_predicted_to_the_byte(name):
-    _assert_predicted_to_the_byte(tiny_llama(3), LOSS_SETTINGS[name], torch.float32)
+    _assert_predicted_to_the_byte(planner_llama(3), LOSS_SETTINGS[name], torch.float32)
 
 
 @pytest.mark.parametrize("name", list(LOSS_SETTINGS))
 def test_a_real_12_layer_mixed_moe_step_with_the_tiled_loss_is_predicted_to_the_byte(name):
     """Seven dense and five MoE layers at full depth, bfloat16 (logits upcast to float32 per shard)."""
-    _assert_predicted_to_the_byte(tiny_mixed_moe(12), LOSS_SETTINGS[name], torch.bfloat16)
+    _assert_predicted_to_the_byte(planner_mixed_moe(12), LOSS_SETTINGS[name], torch.bfloat16)
 
 
 @pytest.mark.parametrize("ckpt", [False, True], ids=["", "ckpt"])
 def test_the_tiled_loss_never_holds_more_than_one_shards_logits(ckpt):
     """Over the whole modelled step, the most logits alive at once: the model's own loss holds all
     [1024, 512] float32 logits several times over; the tiled loss one shard's ([256, 512] float32)."""
-    config = tiny_llama(3)
+    config = planner_llama(3)
     own = Setting(tiled=False, checkpointing=ckpt)
     tiled = Setting(tiled=False, checkpointing=ckpt, tiled_loss=True, loss_num_shards=LOSS_SHARDS)
     most = {}
@@ -109,7 +108,7 @@ def test_setting_names_join_the_tiling_the_tiled_loss_and_ckpt_in_that_order():
 
 
 def test_the_cli_plans_the_tiled_loss_beside_the_models_own(capsys, tmp_path):
-    tiny_llama(2).save_pretrained(tmp_path)
+    planner_llama(2).save_pretrained(tmp_path)
     assert main(["plan", "--model", str(tmp_path), "--seq", "1024", "--dtype", "fp32", "--tiled", "none",
                  "--tiled-loss", "4", "--budget", "64MiB", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
@@ -160,7 +159,7 @@ def test_a_tiled_loss_that_fails_on_the_meta_device_is_left_out_said_so_or_refus
         raise RuntimeError("no meta kernel for this")
 
     monkeypatch.setattr(causal_lm_loss, "tiled_cross_entropy", broken)
-    tiny_llama(2).save_pretrained(tmp_path)
+    planner_llama(2).save_pretrained(tmp_path)
     argv = ["plan", "--model", str(tmp_path), "--seq", "1024", "--dtype", "fp32", "--tiled", "none",
             "--checkpointing", "layer", "--budget", "64MiB", "--json"]
     assert main(argv) == 0

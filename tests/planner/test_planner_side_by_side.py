@@ -15,8 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig  # noqa: E402
-
+from integration_tests.tiny_models import small_planner_llama  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402
 from tiled_mlp.planner.pass_through import twin_groups  # noqa: E402
 from tiled_mlp.planner.plan import Planner, Request  # noqa: E402
@@ -25,20 +24,14 @@ from tiled_mlp.planner.step import Setting  # noqa: E402
 from tiled_mlp.planner.workers import can_fork  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())  # the repository
 SETTINGS = [Setting(tiled=tiled, checkpointing=ckpt, tiled_loss=loss)
             for ckpt in (False, True) for loss in (False, True) for tiled in (False, True)]
 SETTINGS.append(Setting(tiled=True, checkpointing=True, tiled_loss=True, tiled_norms=True, offload_checkpoints=True))
 
 
-def tiny_llama() -> LlamaConfig:
-    # Four alike layers: composed from the 2- and 3-layer steps, the answers checked at full depth.
-    return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=8192)
-
-
 def planner() -> Planner:
-    return Planner(Request(tiny_llama(), [256, 1024], list(SETTINGS), Backend("single", 1), dtype=torch.bfloat16,
+    return Planner(Request(small_planner_llama(4, positions=8192), [256, 1024], list(SETTINGS), Backend("single", 1), dtype=torch.bfloat16,
                            budget=6 * 2**20, seq_step=128, seq_cap=8192))
 
 
@@ -70,7 +63,7 @@ def test_the_plan_modelled_side_by_side_is_the_plan_modelled_in_turn(processes):
 
 
 def test_the_command_prints_the_same_plan_for_any_number_of_workers(tmp_path):
-    tiny_llama().save_pretrained(tmp_path)
+    small_planner_llama(4, positions=8192).save_pretrained(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
     def plan(workers: int, *extra: str) -> str:
@@ -114,7 +107,7 @@ def test_a_step_only_a_deep_model_breaks_is_refused_before_the_plan(tmp_path, mo
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", third_layer_breaks)
-    tiny_llama().save_pretrained(tmp_path)
+    small_planner_llama(4, positions=8192).save_pretrained(tmp_path)
     with pytest.raises(SystemExit) as stopped:
         main(["plan", "--model", str(tmp_path), "--seq", "256", "--budget", "6MiB", "--workers", "2"])
     assert stopped.value.code == 2

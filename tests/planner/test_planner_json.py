@@ -12,23 +12,22 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig  # noqa: E402
+from integration_tests.tiny_models import small_planner_llama  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())  # the repository
 
 
-def _plan(*argv: str) -> subprocess.CompletedProcess:
+def _plan_process(*argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "tiled_mlp.cli.main", "plan", *argv, "--json"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
 def test_plan_json_of_a_model_is_json_on_stdout(tmp_path):
-    config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
+    config = small_planner_llama(4)
     config.save_pretrained(tmp_path)
     # Under --sp, DeepSpeed's attention is imported during the plan, and DeepSpeed logs to stdout.
-    done = _plan("--model", str(tmp_path / "config.json"), "--seq", "256", "--budget", "1", "--sp", "2",
+    done = _plan_process("--model", str(tmp_path / "config.json"), "--seq", "256", "--budget", "1", "--sp", "2",
                  "--world-size", "2")
     assert done.returncode == 0, done.stderr
     records = json.loads(done.stdout)
@@ -36,7 +35,7 @@ def test_plan_json_of_a_model_is_json_on_stdout(tmp_path):
 
 
 def test_plan_json_of_one_mlp_is_json_on_stdout():
-    done = _plan("--hidden", "64", "--intermediate", "176", "--seq", "512")
+    done = _plan_process("--hidden", "64", "--intermediate", "176", "--seq", "512")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["hidden"] == 64
 

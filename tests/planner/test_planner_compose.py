@@ -9,18 +9,12 @@ import torch
 pytest.importorskip("transformers")
 
 from planner_checks import predicted_to_the_byte  # noqa: E402
-from transformers import LlamaConfig  # noqa: E402
 
+from integration_tests.tiny_models import small_planner_llama  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402
 from tiled_mlp.planner.compose import compose  # noqa: E402
 from tiled_mlp.planner.plan import Planner, Request  # noqa: E402
 from tiled_mlp.planner.step import Setting  # noqa: E402
-
-
-def tiny_llama(layers: int) -> LlamaConfig:
-    return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
-
 
 SETTINGS = [Setting(tiled=False, checkpointing=False),
             Setting(tiled=True, checkpointing=True, num_shards=3, tiled_loss=True, offload_checkpoints=True),
@@ -30,12 +24,12 @@ SETTINGS = [Setting(tiled=False, checkpointing=False),
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
 @pytest.mark.parametrize("layers,seq", [(4, 48), (7, 96)])
 def test_a_composed_step_is_the_real_full_depth_step_to_the_byte(setting, layers, seq):
-    planner, _, _ = predicted_to_the_byte(setting, tiny_llama(layers), seq)
+    planner, _, _ = predicted_to_the_byte(setting, small_planner_llama(layers), seq)
     assert len(planner.stepped(setting)) == 2, "the step was composed from the 2- and 3-layer steps"
 
 
 def test_layers_that_differ_by_their_attention_are_modelled_at_full_depth():
-    config = tiny_llama(5)
+    config = small_planner_llama(5)
     config.layer_types = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
     setting = Setting(tiled=False, checkpointing=False)
     planner = Planner(Request(config, [32], [setting], Backend("single", 1), dtype=torch.float32))
@@ -55,7 +49,7 @@ def test_an_answer_the_full_depth_step_contradicts_is_searched_again_at_full_dep
     setting = Setting(tiled=False, checkpointing=True)
 
     def planner(budget=None):
-        return Planner(Request(tiny_llama(6), [], [setting], Backend("single", 1), dtype=torch.float32,
+        return Planner(Request(small_planner_llama(6), [], [setting], Backend("single", 1), dtype=torch.float32,
                                budget=budget, seq_step=64, seq_cap=4096))
 
     budget = planner().point(setting, 1024).held_bytes

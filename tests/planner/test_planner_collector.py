@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig  # noqa: E402
 
+from integration_tests.tiny_models import small_planner_llama  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402
 from tiled_mlp.planner.collector import collector_paused  # noqa: E402
 from tiled_mlp.planner.plan import Planner, Request  # noqa: E402
@@ -24,14 +24,8 @@ SETTINGS = [
 ]
 
 
-def tiny_llama() -> LlamaConfig:
-    # Four alike layers: composed from the 2- and 3-layer steps, the answers checked at full depth.
-    return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
-
-
 def plan() -> tuple:
-    planner = Planner(Request(tiny_llama(), [256, 1024], SETTINGS, Backend("single", 1), dtype=torch.bfloat16,
+    planner = Planner(Request(small_planner_llama(4), [256, 1024], SETTINGS, Backend("single", 1), dtype=torch.bfloat16,
                               budget=12 * 2**20, seq_step=128, seq_cap=4096))
     for seq in planner.request.seqs:
         for setting in SETTINGS:

@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig  # noqa: E402
 
+from integration_tests.tiny_models import small_planner_llama  # noqa: E402
 from tiled_mlp.planner import timeline as timeline_module  # noqa: E402
 from tiled_mlp.planner.meta_outputs import MetaOutputs  # noqa: E402
 from tiled_mlp.planner.step import Setting, build_model, step_timeline  # noqa: E402
@@ -29,14 +29,9 @@ class EveryOpRuns:
         return func(*args, **kwargs)
 
 
-def tiny_llama() -> LlamaConfig:
-    return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
-
-
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
 def test_remade_outputs_log_the_step_of_every_kernel_event_for_event(setting, monkeypatch):
-    model = build_model(tiny_llama(), None, torch.bfloat16, "meta", setting)
+    model = build_model(small_planner_llama(2), None, torch.bfloat16, "meta", setting)
     monkeypatch.setattr(timeline_module, "_META_OUTPUTS", EveryOpRuns())
     full = step_timeline(model, 96, 1, describe=True, replay_shards=False)
     kept = MetaOutputs()

@@ -22,7 +22,7 @@ SETTINGS = [Setting(tiled=True, checkpointing=False),
             Setting(tiled=True, checkpointing=True, tiled_loss=True, offload_checkpoints=True)]
 
 
-def _planner(setting: Setting, dtype: torch.dtype = torch.bfloat16) -> Planner:
+def _llama8b_planner(setting: Setting, dtype: torch.dtype = torch.bfloat16) -> Planner:
     config = load_config("llama-3.1-8b")
     config.num_hidden_layers = 4
     return Planner(Request(config, [], [setting], Backend("single", 1), dtype=dtype, budget=80 * 2**30))
@@ -30,7 +30,7 @@ def _planner(setting: Setting, dtype: torch.dtype = torch.bfloat16) -> Planner:
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
 def test_a_tiled_setting_shares_its_twins_step_only_where_every_mlp_passes_through(setting):
-    planner = _planner(setting)
+    planner = _llama8b_planner(setting)
     own = planner.model(setting)  # the tiled setting's full-depth model, modelled without any sharing
     for seq in (*PASSED_THROUGH, TILED):
         twin = planner.pass_through_twin(setting, seq)
@@ -46,7 +46,7 @@ def test_a_tiled_setting_shares_its_twins_step_only_where_every_mlp_passes_throu
 
 def test_the_rule_is_the_policys_for_the_dtype_and_leaves_fixed_counts_and_tiled_norms_alone():
     # float32 doubles every byte of the policy's sums alike, so the boundary is where bf16's is.
-    planner = _planner(Setting(tiled=True, checkpointing=False), torch.float32)
+    planner = _llama8b_planner(Setting(tiled=True, checkpointing=False), torch.float32)
     assert planner.pass_through_twin(Setting(tiled=True, checkpointing=False), 2048) is not None
     assert planner.pass_through_twin(Setting(tiled=True, checkpointing=False), 3072) is None
     fixed = Setting(tiled=True, checkpointing=False, num_shards=2)

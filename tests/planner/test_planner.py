@@ -11,8 +11,8 @@ from cli_errors import usage_error
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig  # noqa: E402
 
+from integration_tests.tiny_models import planner_llama  # noqa: E402
 from tiled_mlp.cli.main import main  # noqa: E402
 from tiled_mlp.planner import plan as plan_module  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402
@@ -35,17 +35,12 @@ LOSS_SETTINGS = {
 }
 
 
-def tiny_llama(layers: int = 3) -> LlamaConfig:
-    return LlamaConfig(hidden_size=64, intermediate_size=352, num_hidden_layers=layers, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
-
-
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_prediction_matches_the_measured_real_step_to_the_byte(name):
     """Predicted: the meta-device step at full depth. Measured: the real 3-layer step on the CPU (fp32,
     random weights and tokens), with the same exact live-storage tracker. To the byte: the meta step
     remakes repeated ops' outputs from their metadata (``meta_outputs.py``), which must change nothing."""
-    setting, config, seq = SETTINGS[name], tiny_llama(3), 1024
+    setting, config, seq = SETTINGS[name], planner_llama(3), 1024
     planner = Planner(Request(config, [seq], [setting], Backend("single", 1), dtype=torch.float32))
     predicted = planner.point(setting, seq).peak_bytes
     real = build_model(config, 3, torch.float32, "cpu", setting)
@@ -56,7 +51,7 @@ def test_prediction_matches_the_measured_real_step_to_the_byte(name):
 
 
 def test_the_search_is_certified_and_agrees_with_the_table():
-    config = tiny_llama(4)
+    config = planner_llama(4)
     settings = list({**SETTINGS, **LOSS_SETTINGS}.values())
     budget = 24 * 2**20
     planner = Planner(Request(config, [1024, 4096, 8192], settings, Backend("single", 1), dtype=torch.float32,
@@ -77,7 +72,7 @@ def test_the_search_is_certified_and_agrees_with_the_table():
 
 
 def test_the_cap_is_not_reported_as_the_answer():
-    config = tiny_llama(2)
+    config = planner_llama(2)
     setting = SETTINGS["untiled+ckpt"]
     planner = Planner(Request(config, [], [setting], Backend("single", 1), dtype=torch.float32, budget=2**40,
                               seq_step=1024, seq_cap=4096))
@@ -178,7 +173,7 @@ def test_other_budget_forms_are_refused_with_the_accepted_ones(capsys, text, exp
 
 
 def test_lengths_past_max_position_embeddings_are_warned(capsys, tmp_path):
-    tiny_llama(2).save_pretrained(tmp_path)  # max_position_embeddings 4096
+    planner_llama(2).save_pretrained(tmp_path)  # max_position_embeddings 4096
     assert main(["plan", "--model", str(tmp_path), "--seq", "2048,8192", "--dtype", "fp32", "--tiled", "none",
                  "--budget", "64MiB", "--json"]) == 0
     err = capsys.readouterr().err
@@ -280,7 +275,7 @@ def test_encoders_and_encoder_decoders_are_refused(capsys, monkeypatch, tmp_path
     ({"intermediate_size": 0}, "intermediate_size = 0; every size must be 1 or more"),
 ])
 def test_impossible_shapes_are_refused(capsys, monkeypatch, tmp_path, change, expect):
-    values = {**tiny_llama(2).to_dict(), **change}
+    values = {**planner_llama(2).to_dict(), **change}
     (tmp_path / "config.json").write_text(json.dumps(values))
     err = _error(capsys, ["plan", "--model", str(tmp_path)], monkeypatch)
     assert expect in err
@@ -296,7 +291,7 @@ def test_learned_positions_cap_the_length(capsys, monkeypatch, tmp_path):
 
 
 def test_local_config_file_is_read(capsys, tmp_path):
-    tiny_llama(2).save_pretrained(tmp_path)
+    planner_llama(2).save_pretrained(tmp_path)
     assert main(["plan", "--model", str(tmp_path), "--seq", "1024", "--dtype", "fp32", "--tiled", "none",
                  "--budget", "64MiB", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
@@ -306,7 +301,7 @@ def test_local_config_file_is_read(capsys, tmp_path):
 def test_a_config_with_yarn_is_not_told_it_needs_position_scaling():
     from tiled_mlp.planner.report import position_warnings
 
-    config = tiny_llama(2)
+    config = planner_llama(2)
     config.rope_scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
     if getattr(config, "rope_parameters", None) is not None:
         config.rope_parameters = dict(config.rope_scaling)

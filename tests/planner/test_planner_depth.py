@@ -11,8 +11,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import DeepseekV3Config, LlamaConfig, Qwen3MoeConfig  # noqa: E402
+from transformers import DeepseekV3Config, LlamaConfig  # noqa: E402
 
+from integration_tests.tiny_models import planner_mixed_moe  # noqa: E402
 from tiled_mlp.cli.main import main  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402
 from tiled_mlp.planner.layers import decoder_layers  # noqa: E402
@@ -73,14 +74,6 @@ def test_every_preset_at_full_depth_is_monotone_and_self_consistent(preset, sett
             assert p.peak_bytes == step_timeline(model, p.seq, 1).peak()[0]
 
 
-def tiny_mixed_moe(layers: int = 12) -> Qwen3MoeConfig:
-    """MoE on every second layer, and layer 5 (which would be MoE) dense: three kinds of spacing."""
-    return Qwen3MoeConfig(hidden_size=64, intermediate_size=192, moe_intermediate_size=32, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                          num_experts_per_tok=2, vocab_size=512, max_position_embeddings=8192,
-                          decoder_sparse_step=2, mlp_only_layers=[5])
-
-
 def tiny_deepseek() -> DeepseekV3Config:
     return DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=6,
                             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
@@ -89,7 +82,7 @@ def tiny_deepseek() -> DeepseekV3Config:
 
 
 @pytest.mark.parametrize("make, kinds", [
-    (tiny_mixed_moe, "7 with Qwen3MoeMLP, 5 with Qwen3MoeSparseMoeBlock"),
+    (planner_mixed_moe, "7 with Qwen3MoeMLP, 5 with Qwen3MoeSparseMoeBlock"),
     (tiny_deepseek, "2 with DeepseekV3MLP, 4 with DeepseekV3MoE"),
 ])
 def test_layers_of_different_kinds_are_counted_as_they_are(make, kinds):
@@ -106,7 +99,7 @@ def test_layers_of_different_kinds_are_counted_as_they_are(make, kinds):
 def test_a_real_12_layer_mixed_moe_step_is_predicted_to_the_byte(setting):
     """Measured: the real step on the CPU in bfloat16, the dtype the planner models MoE experts in
     (grouped_mm's meta kernel takes bfloat16 only; on the CPU it runs in bfloat16 and float32 alike)."""
-    config, chosen = tiny_mixed_moe(12), SETTINGS[setting]
+    config, chosen = planner_mixed_moe(12), SETTINGS[setting]
     if chosen.tiled:
         chosen = Setting(tiled=True, checkpointing=chosen.checkpointing, num_shards=4)
     planner = Planner(Request(config, [1024], [chosen], Backend("single", 1)))

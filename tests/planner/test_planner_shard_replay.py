@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig  # noqa: E402
 
+from integration_tests.tiny_models import small_planner_llama  # noqa: E402
 from tiled_mlp.core.shard_plan import split_evenly  # noqa: E402
 from tiled_mlp.planner import step as step_module  # noqa: E402
 from tiled_mlp.planner.shard_replay import shards_replayed  # noqa: E402
@@ -34,11 +34,6 @@ SETTINGS = [
 ]
 
 
-def tiny_llama(layers: int = 2) -> LlamaConfig:
-    return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
-
-
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
 def test_replayed_shards_log_the_full_step_event_for_event(setting, monkeypatch):
     replays = []
@@ -49,7 +44,7 @@ def test_replayed_shards_log_the_full_step_event_for_event(setting, monkeypatch)
             replays.append(replay)
             yield replay
 
-    model = build_model(tiny_llama(), None, torch.bfloat16, "meta", setting)
+    model = build_model(small_planner_llama(2), None, torch.bfloat16, "meta", setting)
     full = step_timeline(model, SEQ, 1, describe=True, replay_shards=False)
     monkeypatch.setattr(step_module, "shards_replayed", counted)
     short = step_timeline(model, SEQ, 1, describe=True)
@@ -69,5 +64,5 @@ def test_a_cpu_step_runs_every_shard(monkeypatch):
         return shards_replayed(tracker)
 
     monkeypatch.setattr(step_module, "shards_replayed", counted)
-    step_timeline(build_model(tiny_llama(), None, torch.float32, "cpu", setting), SEQ, 1)
+    step_timeline(build_model(small_planner_llama(2), None, torch.float32, "cpu", setting), SEQ, 1)
     assert seen == [], "a measured CPU step must not be shortened"

@@ -18,17 +18,13 @@ from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
 import tiled_mlp.core.kernels.generic  # noqa: E402
 import tiled_mlp.core.rng  # noqa: E402
 import tiled_mlp.core.sharded_autograd  # noqa: E402
+from integration_tests.tiny_models import small_planner_llama  # noqa: E402
 from tiled_mlp.planner.step import Setting, build_model  # noqa: E402
 from tiled_mlp.planner.timeline import GENERATOR_STATES  # noqa: E402
 
 SEQ = 48
 TILED = Setting(tiled=True, checkpointing=False, num_shards=3)
 TILED_CHECKPOINTED = Setting(tiled=True, checkpointing=True, num_shards=4, tiled_loss=True)
-
-
-def tiny_llama(layers: int) -> LlamaConfig:
-    return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
 
 
 def _gated_with_dropout(self, x):
@@ -87,7 +83,7 @@ def real_step_states(monkeypatch, config: LlamaConfig, setting: Setting) -> Live
 @pytest.mark.parametrize("setting", [TILED, TILED_CHECKPOINTED], ids=lambda s: s.name)
 def test_the_generic_paths_generator_states_are_counted_as_host_memory_to_the_byte(monkeypatch, setting):
     monkeypatch.setattr(LlamaMLP, "forward", _gated_with_dropout)
-    config = tiny_llama(4)
+    config = small_planner_llama(4)
     real = real_step_states(monkeypatch, config, setting)
     assert real.paths == {"generic"}  # type: ignore[attr-defined]
     assert real.live == 0 and real.peak >= 4 * setting.num_shards * 5056, (real.captured, real.peak)
@@ -103,7 +99,7 @@ def test_the_generic_paths_generator_states_are_counted_as_host_memory_to_the_by
 
 
 def test_the_fast_path_saves_no_generator_state_and_none_is_counted(monkeypatch):
-    config = tiny_llama(3)
+    config = small_planner_llama(3)
     real = real_step_states(monkeypatch, config, TILED)
     assert real.paths == {"fast"} and real.captured == 0  # type: ignore[attr-defined]
     planner, _, measured = predicted_to_the_byte(TILED, config, SEQ)

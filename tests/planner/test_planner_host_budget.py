@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 
-from test_planner import tiny_llama  # noqa: E402
 
+from integration_tests.tiny_models import planner_llama  # noqa: E402
 from tiled_mlp.cli.main import main  # noqa: E402
 from tiled_mlp.planner import alst  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 
 GiB, MiB = 2**30, 2**20
 OFFLOAD = Setting(tiled=False, checkpointing=True, offload_checkpoints=True)
-# tiny_llama(3) in float32: two of its three layer inputs are offloaded, 2 x 64 x 4 = 512 bytes a token.
+# planner_llama(3) in float32: two of its three layer inputs are offloaded, 2 x 64 x 4 = 512 bytes a token.
 HOST_PER_TOKEN = 512
 
 
@@ -39,16 +39,16 @@ def test_a_point_fits_the_device_and_the_host():
     assert record["fits"] is False and record["host_fits"] is False and record["host_budget"] == 40
 
 
-def _planner(host_budget=None) -> Planner:
-    return Planner(Request(tiny_llama(3), [], [OFFLOAD], Backend("single", 1), dtype=torch.float32, budget=1 * GiB,
+def _offload_planner(host_budget=None) -> Planner:
+    return Planner(Request(planner_llama(3), [], [OFFLOAD], Backend("single", 1), dtype=torch.float32, budget=1 * GiB,
                            seq_step=256, seq_cap=8192, host_budget=host_budget))
 
 
 def test_the_longest_length_fits_the_host_budget_too():
     """With the device far from full, 1 MiB of host memory for 512 bytes a token stops the search at 2048
     tokens: 2048 fits both, 2304 fits the device but not the host."""
-    assert _planner().longest(OFFLOAD).at_cap, "the device alone holds every length up to the cap"
-    planner = _planner(host_budget=1 * MiB)
+    assert _offload_planner().longest(OFFLOAD).at_cap, "the device alone holds every length up to the cap"
+    planner = _offload_planner(host_budget=1 * MiB)
     found = planner.longest(OFFLOAD)
     assert found.seq == 2048 and not found.at_cap
     at, past = planner.point(OFFLOAD, 2048), planner.point(OFFLOAD, 2048 + 256)
@@ -57,7 +57,7 @@ def test_the_longest_length_fits_the_host_budget_too():
 
 
 def test_the_cli_holds_the_host_budget_and_says_where_only_the_host_is_over(capsys, tmp_path):
-    tiny_llama(3).save_pretrained(tmp_path)
+    planner_llama(3).save_pretrained(tmp_path)
     argv = ["plan", "--model", str(tmp_path), "--seq", "1024,4096", "--dtype", "fp32", "--tiled", "none",
             "--tiled-loss", "none", "--checkpointing", "layer", "--budget", "1GiB", "--offload-checkpoints",
             "--host-budget", "1MiB"]
@@ -81,7 +81,7 @@ def test_the_ladder_shares_a_nodes_host_among_a_rows_ranks():
     """Two tiny rows with checkpoint offload under a node's 7 MiB of host memory: on two ranks each has 3.5 MiB
     and ALST's length is over on the host (the finding says so, not a device term); on one rank it has all
     7, and the longest stops where the host is full."""
-    config = tiny_llama(3)
+    config = planner_llama(3)
     setting = Setting(tiled=False, checkpointing=True, tiled_loss=True, offload_checkpoints=True)
     rungs = [alst.Rung("two ranks", "10K", 10_000, setting, world_size=2, grid=256),
              alst.Rung("one rank", "4K", 4_000, setting, world_size=1, grid=256)]
@@ -103,7 +103,7 @@ def test_the_ladder_shares_a_nodes_host_among_a_rows_ranks():
 def test_when_only_the_host_is_over_the_advice_is_about_the_host(capsys, tmp_path):
     """Nothing fits a host budget of 1000 bytes: the advice names the host and its knobs (not the device's,
     which holds the step, nor more checkpoint offload, which would put more on the host)."""
-    tiny_llama(3).save_pretrained(tmp_path)
+    planner_llama(3).save_pretrained(tmp_path)
     assert main(["plan", "--model", str(tmp_path), "--seq", "1024", "--dtype", "fp32", "--tiled", "none",
                  "--tiled-loss", "none", "--checkpointing", "layer", "--budget", "1GiB", "--offload-optimizer",
                  "--offload-checkpoints", "--host-budget", "1000B"]) == 0
