@@ -23,7 +23,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from integration_tests.toy_models import GatedMLP, LoRALinear, make_act  # noqa: E402
-from tiled_mlp import TiledMLP, register_gated_mlp
+from tiled_mlp import Strategy, TiledMLP, register_gated_mlp
 from tiled_mlp.core.shard_plan import make_shard_plan
 
 ACTS = ("silu", "gelu", "gelu_tanh")
@@ -182,3 +182,12 @@ def assert_runs_close(want: Run, have: Run, tol: float = 1e-10, context: str = "
     errors = run_errors(want, have)
     bad = {k: v for k, v in errors.items() if not v <= tol}
     assert not bad, f"{context}: relative errors above {tol:g}: {bad}"
+
+
+class ClaimsNothing(Strategy):
+    """A strategy subclass with ``claims``, its one abstract method, and nothing else: the base of the
+    registration and contract tests' cases."""
+
+    @classmethod
+    def claims(cls, module, ancestors=()):
+        return False

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import GatedMLP, PlainMLP, fresh_inputs, seeded, untiled_run, untiled_shardwise_run
+from reference import ClaimsNothing, GatedMLP, PlainMLP, fresh_inputs, seeded, untiled_run, untiled_shardwise_run
 
 from tiled_mlp import Strategy, TiledMLP, register_strategy
 from tiled_mlp.core import untile
@@ -93,22 +93,16 @@ def test_unknown_strategy_name_lists_the_available_ones():
     assert "single_device" in str(info.value)
 
 
-class _Claiming(Strategy):
-    """``claims`` is the one abstract method: every case below except ``NoClaims`` defines it."""
-
-    @classmethod
-    def claims(cls, module, ancestors=()):
-        return False
 
 
 def test_register_strategy_rejects_bad_classes():
     class NotAStrategy:
         name = "not_a_strategy"
 
-    class Nameless(_Claiming):
+    class Nameless(ClaimsNothing):
         pass
 
-    class Duplicate(_Claiming):
+    class Duplicate(ClaimsNothing):
         name = "single_device"
 
     class NoClaims(Strategy):
@@ -125,20 +119,20 @@ def test_register_strategy_rejects_bad_classes():
     with pytest.raises(TypeError, match="must define claims"):
         register_strategy(NoClaims)
 
-    class WrongArity(_Claiming):
+    class WrongArity(ClaimsNothing):
         name = "wrong_arity"
         gathers_params = True
 
         def gathered(self):  # the core calls gathered(module)
             return None
 
-    class InstanceClaims(_Claiming):
+    class InstanceClaims(ClaimsNothing):
         name = "instance_claims"
 
         def claims(self, module, ancestors=()):
             return True
 
-    class ClaimsIsNotAMethod(_Claiming):
+    class ClaimsIsNotAMethod(ClaimsNothing):
         name = "claims_flag"
         claims = True
 

@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 import torch
-from reference import GatedMLP
+from reference import ClaimsNothing, GatedMLP
 from torch import nn
 
 from tiled_mlp import Strategy, TiledMLP, available_strategies, register_strategy, unregister_strategy
@@ -16,26 +16,22 @@ from tiled_mlp.strategies.resolver import resolve_strategy
 pytestmark = pytest.mark.timeout(30)
 
 
-class _Claiming(Strategy):
-    @classmethod
-    def claims(cls, module, ancestors=()):
-        return False
 
 
 @pytest.mark.parametrize("flag, method", [("gathers_params", "gathered"), ("delivers_grads", "deliver_grads")])
 def test_a_capability_method_without_its_flag_is_refused_when_the_class_is_defined(flag, method):
     body = {method: lambda self, *args: args[-1] if method == "deliver_grads" else contextlib.nullcontext()}
     with pytest.raises(TypeError, match=rf"Undeclared defines {method} but does not declare {flag} = True"):
-        type("Undeclared", (_Claiming,), body)
+        type("Undeclared", (ClaimsNothing,), body)
     with pytest.raises(TypeError, match=rf"FlagOnly declares {flag} = True but does not define {method}"):
-        type("FlagOnly", (_Claiming,), {flag: True})
-    declared = type("Declared", (_Claiming,), {**body, flag: True, "name": "test_declared"})
+        type("FlagOnly", (ClaimsNothing,), {flag: True})
+    declared = type("Declared", (ClaimsNothing,), {**body, flag: True, "name": "test_declared"})
     register_strategy(declared)
     unregister_strategy("test_declared")
 
 
 def test_a_flag_set_after_the_class_was_defined_is_refused_at_registration():
-    class Later(_Claiming):
+    class Later(ClaimsNothing):
         name = "test_flag_later"
 
     Later.delivers_grads = True
@@ -44,7 +40,7 @@ def test_a_flag_set_after_the_class_was_defined_is_refused_at_registration():
     assert "test_flag_later" not in available_strategies()
 
 
-class NeedsMesh(_Claiming):
+class NeedsMesh(ClaimsNothing):
     """Builds from its registered arguments alone (the base ``configured_for``): its mesh must be registered."""
 
     name = "test_needs_mesh"
