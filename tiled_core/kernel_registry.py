@@ -28,10 +28,13 @@ inputs; no kernel is asked again for such a call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
+
+from .kernels.base import ShardKernel
+from .tensor_reads import describe
 
 MAP = "map"
 REDUCE = "reduce"
@@ -120,11 +123,32 @@ def _reorder() -> None:
         _ORDERED[shape] = tuple(kernel for _, _, kernel in entries)
 
 
-def register_kernel(kernel: Kernel, *, priority: int = DEFAULT_PRIORITY, override: bool = False) -> Kernel:
-    """Add ``kernel`` to the kernels a tiled call of its shape asks, at ``priority`` (higher first; ties
-    in order of registration). Returns it. A taken name needs ``override=True``."""
+class ShardKernelEntry(Kernel):
+    """The registry entry of a ``ShardKernel`` subclass registered as it is: asked through its ``why_not``,
+    built from the module (``Cls(module)``)."""
+
+    def __init__(self, kernel_class: Type[ShardKernel]):
+        self.kernel_class = kernel_class
+        self.name = kernel_class.name
+
+    def why_not(self, call: KernelCall) -> str:
+        if call.token_inputs:
+            return "the call has other sharded inputs besides the hidden states"
+        return self.kernel_class.why_not(call)
+
+    def build(self, call: KernelCall) -> ShardKernel:
+        return self.kernel_class(call.module)
+
+
+def register_kernel(kernel: Union[Kernel, Type[ShardKernel]], *, priority: int = DEFAULT_PRIORITY,
+                    override: bool = False) -> Kernel:
+    """Add ``kernel`` (a ``Kernel`` entry, or a ``ShardKernel`` subclass) to the kernels a tiled call of its
+    shape asks, at ``priority`` (higher first; ties in order of registration). Returns its entry. A taken
+    name needs ``override=True``."""
+    if isinstance(kernel, type) and issubclass(kernel, ShardKernel):
+        kernel = ShardKernelEntry(kernel)
     if not isinstance(kernel, Kernel):
-        raise TypeError(f"register_kernel takes a Kernel instance, got {type(kernel).__name__}")
+        raise TypeError(f"register_kernel takes a Kernel instance or a ShardKernel subclass, got {kernel!r}")
     if not isinstance(kernel.name, str) or not kernel.name:
         raise ValueError(f"{type(kernel).__name__} has no name: set the class attribute `name`")
     if kernel.shape not in SHAPES:
@@ -182,8 +206,30 @@ def choose_kernel(shape: str, call: KernelCall, only: Optional[str] = None) -> K
         why = entry.why_not(call)
         if not why:
             choice = KernelChoice(entry, entry.build(call), tuple(declined))
-            if per_plan and getattr(choice.kernel, "serves_many_calls", False):
+            check_declared_tensors(entry.name, choice.kernel, call.module, call.trainable)
+            if per_plan and choice.kernel.serves_many_calls:
                 plan.choices[key] = choice
             return choice
         declined.append((entry.name, why))
     return KernelChoice(None, None, tuple(declined))
+
+
+UNDECLARED_TENSORS_ERROR = (
+    "kernel {kernel!r} for {module}: its params leave out tensors the module trains ({names}), whose gradients "
+    "would be lost. List every trainable tensor the kernel computes with in params (by default: all of "
+    "module.parameters())."
+)
+
+
+def check_declared_tensors(name: str, kernel: Any, module: nn.Module, trainable: Sequence[torch.Tensor]) -> None:
+    """Refuse a kernel whose ``params`` leave out a tensor the module trains (before any work, once per built
+    kernel: a kernel that serves many calls is remembered with the plan, checked)."""
+    params = kernel.params
+    if params is trainable:  # built from this very list (the generic and module-head kernels)
+        return
+    declared = {id(t) for t in params}
+    missing = {id(t) for t in trainable if id(t) not in declared}
+    if missing:
+        names = [n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in missing]
+        shown = ", ".join(names) or describe([t for t in trainable if id(t) in missing])
+        raise ValueError(UNDECLARED_TENSORS_ERROR.format(kernel=name, module=type(module).__name__, names=shown))

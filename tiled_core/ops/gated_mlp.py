@@ -19,10 +19,9 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..activations import gated_activation
-from ..grad_accum import GradAccumulator
 from ..kernels.gated import DOWN_WEIGHT_ARG, GatedLayout, GatedShardKernel
-from ..shard_loops import backward_shards, forward_shards
 from ..shard_plan import make_shard_plan
+from ..sharded_autograd import GradAccumulator, backward_shards, forward_shards
 from .gradient_slots import fake_slots, flat_like, needed_only, slot
 
 

@@ -17,10 +17,9 @@ from typing import List, Optional
 
 import torch
 
-from ..grad_accum import GradAccumulator
 from ..kernels.rms_norm import WEIGHT, NormLayout, RMSNormShardKernel
-from ..shard_loops import backward_shards, forward_shards
 from ..shard_plan import make_shard_plan
+from ..sharded_autograd import GradAccumulator, backward_shards, forward_shards
 from .gradient_slots import fake_slots, flat_like, needed_only, slot
 
 

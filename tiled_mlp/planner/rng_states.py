@@ -20,7 +20,7 @@ from typing import Callable, Iterator, List, Tuple
 
 import torch
 
-from tiled_mlp.core import rng
+from tiled_mlp.core import sharded_autograd as rng
 
 
 @contextlib.contextmanager
