@@ -1,29 +1,16 @@
 """The kernel registry: which per-shard kernel a tiled call runs.
 
-A kernel is registered with a priority; a call asks the kernels of its shape in priority order, highest
-first, whether they apply to this module and this call (``why_not``: "" when one does, else why not),
-and runs the first that does. The chosen kernel and what every one before it answered are the call's
-report (``KernelChoice.describe``, which ``module.tiling.last_reason`` ends with).
+A call asks the registered kernels of its shape in priority order (highest first; ties in order of
+registration) whether they apply (``why_not``: "" or why not) and runs the first that does; the chosen one and
+every refusal before it are the call's report (``KernelChoice.describe``, the end of ``tiling.last_reason``).
+Shapes: ``"map"`` (a token-wise module, a ``ShardKernel`` run by ``sharded_apply``; built in: ``fast`` 10,
+``norm`` 5, ``generic`` 0) and ``"reduce"`` (the loss, a ``ReduceKernel`` run by ``sharded_reduce``; built in:
+``vocab_parallel`` 20, ``linear_head`` 10, ``module_head`` 0). The last built-in of each shape always applies.
 
-Two shapes, the two shapes of the sharded autograd:
-
-- ``"map"``: a token-wise module (``TiledMLP``): the kernel is a ``kernels.base.ShardKernel``, run by
-  ``sharded_apply``. Built in: ``"fast"`` (the gated kernel, priority 10), ``"norm"`` (a proven RMSNorm
-  form, ``norm_forms``, priority 5) and ``"generic"`` (the module's own forward per shard, priority 0,
-  which applies to every module).
-- ``"reduce"``: the loss (``tiled_cross_entropy``): a ``kernels.base.ReduceKernel``, run by
-  ``sharded_reduce``. Built in: ``"vocab_parallel"`` (priority 20, a plain linear head whose vocabulary
-  is split over ranks), ``"linear_head"`` (priority 10) and ``"module_head"`` (priority 0, every head
-  whose vocabulary is whole on the rank).
-
-A kernel registered with the default priority (100) is asked before every built-in one; one registered
-below 0 is never reached, since the last built-in of each shape always applies.
-
-A choice is asked for at every call, and remembered only where nothing could change it: every kernel that
-answered says its answer rests on the call's plan alone (``Kernel.answers_per_plan``), and the chosen one
-serves many calls. It is then kept with the plan, for as long as the plan holds, keyed by the registry's
-generation, the kernel asked for, the input's number of dimensions and whether the call has other sharded
-inputs; no kernel is asked again for such a call.
+A choice is remembered with the call's plan only where every kernel asked says its answer rests on the plan
+alone (``Kernel.answers_per_plan``) and the chosen one serves many calls; keyed by the registry's generation,
+the kernel asked for, the input's number of dimensions and whether the call has other sharded inputs.
+Every built kernel's declared tensors are checked against what the module trains (``check_declared_tensors``).
 """
 from __future__ import annotations
 
