@@ -8,6 +8,8 @@ a shard's forward and backward by hand (no autograd): ``h = tanh(x W1^T + b1)``,
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -59,3 +61,24 @@ class TanhMLPKernel(Kernel):
 
     def build(self, call: KernelCall) -> TanhShardKernel:
         return TanhShardKernel(call.module)  # type: ignore[arg-type]  # why_not checked the class
+
+
+DOCS_KERNEL_NAME = "tanh_mlp"  # the name docs/architecture.md's example registers
+
+
+def docs_kernel_example() -> str:
+    """The first python block of docs/architecture.md's "Adding a kernel" section, as written there."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    section = text[text.index("## Adding a kernel"):]
+    section = section[:section.index("\n## ", 1)]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "the kernel section holds a python example"
+    return match.group(1)
+
+
+def run_docs_kernel_example() -> dict:
+    """Run the example verbatim (it registers its kernel: ``unregister_kernel(DOCS_KERNEL_NAME)`` after);
+    its namespace."""
+    namespace: dict = {"__name__": "kernel_example"}
+    exec(compile(docs_kernel_example(), "docs/architecture.md", "exec"), namespace)
+    return namespace

@@ -13,31 +13,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from integration_tests.toy_kernel import DOCS_KERNEL_NAME, docs_kernel_example, run_docs_kernel_example
 from tests.reference import GatedMLP, assert_runs_close, step, untiled_run
 from tiled_mlp import TiledMLP, register_kernel, unregister_kernel
 from tiled_mlp.core.kernels import ShardKernel
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE_NAME = "tanh_mlp"
-
-
-def _kernel_example() -> str:
-    """The first python block of docs/architecture.md's "Adding a kernel" section, as written there."""
-    text = (ROOT / "docs" / "architecture.md").read_text()
-    section = text[text.index("## Adding a kernel"):]
-    section = section[:section.index("\n## ", 1)]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "the kernel section holds a python example"
-    return match.group(1)
+EXAMPLE_NAME = DOCS_KERNEL_NAME
 
 
 @pytest.fixture
 def example():
     """The example's namespace, after it ran (it registers its kernel, unregistered afterwards)."""
-    namespace: dict = {"__name__": "kernel_example"}
     try:
-        exec(compile(_kernel_example(), "docs/architecture.md", "exec"), namespace)
-        yield namespace
+        yield run_docs_kernel_example()
     finally:
         unregister_kernel(EXAMPLE_NAME)
 
@@ -68,7 +56,7 @@ def test_the_docs_kernel_example_runs_and_is_exact_in_float64(example):
 def test_the_docs_kernel_example_uses_at_most_five_concepts():
     """The example's kernel defines a name, a module type, forward_shard and backward_shard, and is registered:
     nothing else of the library is named."""
-    code = _kernel_example()
+    code = docs_kernel_example()
     kernel = code[code.index("class TanhKernel"):code.index("register_kernel(TanhKernel)")]
     defined = set(re.findall(r"^    (\w+) =|^    def (\w+)", kernel, re.M))
     assert {a or b for a, b in defined} == {"name", "module_type", "forward_shard", "backward_shard"}
