@@ -176,6 +176,24 @@ def test_a_backward_returning_too_few_gradients_is_refused(example):
         unregister_kernel("test_too_few")
 
 
+def test_an_input_gradient_that_does_not_fit_its_rows_is_refused_not_broadcast(example):
+    class Summed(example["TanhKernel"]):
+        name = "test_summed_dx"
+
+        def backward_shard(self, x, dy, tensors):
+            dx, grads = super().backward_shard(x, dy, tensors)
+            return dx.sum(0), grads  # one row: would broadcast over the shard's rows
+
+    register_kernel(Summed)
+    try:
+        tiled = TiledMLP(_seeded_tanh(example), num_shards=3, path="test_summed_dx")
+        x, dy = _inputs()
+        with pytest.raises(RuntimeError, match=r"backward returned rows of shape \(8,\) for rows of shape"):
+            tiled(x).backward(dy)
+    finally:
+        unregister_kernel("test_summed_dx")
+
+
 def test_a_kernel_without_a_module_type_declines_with_the_fix():
     class Nameless(ShardKernel):
         name = "test_no_module_type"

@@ -140,7 +140,7 @@ def test_a_kernel_declaring_a_wrong_output_width_is_refused_not_broadcast():
     register_kernel(ClaimsEight)
     try:
         tiled = TiledMLP(OneWide().double(), num_shards=3, path="test_claims_eight")
-        with pytest.raises(RuntimeError, match=r"returned rows of shape \(6, 1\) for rows of shape \(6, 8\)"):
+        with pytest.raises(RuntimeError, match=r"forward returned rows of shape \(6, 1\) for rows of shape \(6, 8\)"):
             tiled(torch.randn(2, 9, 8, dtype=torch.float64))
     finally:
         unregister_kernel("test_claims_eight")

@@ -68,8 +68,8 @@ UNWRITTEN_GRAD_ERROR = (
     "call writes it into its rows, and would otherwise hand autograd memory nobody wrote."
 )
 SHARD_SHAPE_ERROR = (
-    "kernel {kernel!r} for {module}: a shard's forward returned rows of shape {got} for rows of shape {want} "
-    "(the call's output, sized by the first shard or by the kernel's output_width)."
+    "kernel {kernel!r} for {module}: a shard's {what} returned rows of shape {got} for rows of shape {want} "
+    "(the call's output is sized by the first shard or by the kernel's output_width; an input gradient is the input's)."
 )
 LOSS_DOUBLE_BACKWARD_ERROR = (
     "the tiled loss does not support double backward: a backward with create_graph=True reached it (a Hessian, "
@@ -290,10 +290,15 @@ def forward_rows(kernel: ShardKernel, x_rows: torch.Tensor, out_rows: torch.Tens
     """One shard's output into its rows of the call's output (copied there where the kernel returned other memory)."""
     y = kernel.forward_into(x_rows, out_rows, tensors, shard)
     if y is not out_rows:
-        if y.shape != out_rows.shape:  # never broadcast into the rows in silence
-            raise RuntimeError(SHARD_SHAPE_ERROR.format(kernel=kernel.name, module=kernel.module_name,
-                                                        got=tuple(y.shape), want=tuple(out_rows.shape)))
-        out_rows.copy_(y)
+        _write(kernel, "forward", out_rows, y)
+
+
+def _write(kernel: ShardKernel, what: str, rows: torch.Tensor, got: torch.Tensor) -> None:
+    """``got`` into ``rows``, never broadcast in silence."""
+    if got.shape != rows.shape:
+        raise RuntimeError(SHARD_SHAPE_ERROR.format(kernel=kernel.name, module=kernel.module_name, what=what,
+                                                    got=tuple(got.shape), want=tuple(rows.shape)))
+    rows.copy_(got)
 
 
 def forward_shards(kernel: ShardKernel, x_flat: torch.Tensor, out_flat: torch.Tensor, slices: Sequence[slice],
@@ -321,7 +326,7 @@ def backward_shards(kernel: ShardKernel, slices: Sequence[slice], x_flat: torch.
             if dx is None:  # rows is not None here
                 raise RuntimeError(UNWRITTEN_GRAD_ERROR.format(kernel=kernel.name, module=kernel.module_name))
             if rows is not None:
-                rows.copy_(dx)
+                _write(kernel, "backward", rows, dx)
 
 
 def reduce_shards(kernel: ReduceKernel, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
