@@ -152,11 +152,10 @@ _AUTOCAST_OFF: Dict[torch.device, AutocastState] = {}
 
 
 # -- the input, saved by a node of its own before the shard loop -------------------------------------------------
-# Non-reentrant checkpointing recomputes a region in backward only until every tensor its forward saved is
-# recomputed ("early stop"). Saved by the Function itself, the input would be packed after the whole loop and
-# the checkpoint's recompute would run the MLP's forward once more; saved here, before the loop, where the MLP
-# is the last saver of the region (Llama, Qwen, Mistral) the recompute stops before the MLP. Only where a
-# saved-tensor hook is active (a checkpoint, ``save_on_cpu``): elsewhere the Function saves it, one node fewer.
+# Non-reentrant checkpointing stops its recompute once every tensor its forward saved is recomputed: saved here,
+# before the loop (not by the Function, after it), the recompute stops before the MLP where the MLP is the last
+# saver of the region (Llama, Qwen, Mistral): 2 MLP forwards a step, not 3. Only where a saved-tensor hook is
+# active (a checkpoint, ``save_on_cpu``); elsewhere the Function saves it, one node fewer.
 def saved_tensor_hooks_active() -> bool:
     """Whether a saved-tensor hook would see what is saved now (True where this torch cannot tell)."""
     try:
@@ -166,8 +165,7 @@ def saved_tensor_hooks_active() -> bool:
 
 
 class InputHolder:
-    """Where the map Function finds its input in backward: unpacking the saving node is what makes a
-    checkpoint recompute the region up to here."""
+    """Where the map Function finds its input in backward (unpacking it makes a checkpoint recompute up to here)."""
 
     __slots__ = ("node",)
 
@@ -181,8 +179,7 @@ class InputHolder:
 
 
 class SaveInput(torch.autograd.Function):
-    """``x`` -> a view of ``x``, saving ``x``. ``anchors`` (the parameters) make autograd record the node
-    whenever the call needs a backward at all (a frozen input alone would not)."""
+    """``x`` -> a view of ``x``, saving ``x``; ``anchors`` (the parameters) record the node for a frozen input too."""
 
     @staticmethod
     def forward(ctx, holder: InputHolder, x: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
@@ -218,7 +215,7 @@ class GradAccumulator:
         self._buffers: List[Optional[torch.Tensor]] = [None] * len(self._params)
 
     def dtype_for(self, index: int) -> torch.dtype:
-        """The dtype gradient ``index`` is summed in: ``accum_dtype`` raises precision, never lowers it."""
+        """``accum_dtype`` raises the precision gradient ``index`` is summed in, never lowers it."""
         own = self._params[index].dtype
         return own if self._accum_dtype is None else torch.promote_types(self._accum_dtype, own)
 
@@ -377,16 +374,15 @@ class ShardedRun(Generic[KernelT]):
 # -- the map shape ------------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class FirstShard:
-    """The first shard's output and RNG state, computed before the Function where its reads are watched, or
-    only what the Function needs to know about its input where it runs the first shard itself."""
+    """The first shard's output and RNG state where it ran before the Function (its reads watched), and what
+    the Function needs to know about its input."""
 
-    out: Optional[torch.Tensor]  # None: the Function runs the first shard too (nothing to watch)
+    out: Optional[torch.Tensor]  # None: the Function runs the first shard too
     rng_state: Optional[tuple]
     watched: Optional[List[torch.Tensor]]  # the tensors later shards may read; None: not watched
-    input_holder: Optional[InputHolder]  # where the input was saved; None: the Function saves it
-    input_requires_grad: bool  # the caller's input (the Function's own input may be its saved view)
-    # The input's version before the first shard; None where no graph is built (nothing is recomputed).
-    input_version: Optional[int]
+    input_holder: Optional[InputHolder]  # None: the Function saves its input itself
+    input_requires_grad: bool  # the caller's input's (the Function's may be its saved view)
+    input_version: Optional[int]  # None where no graph is built (nothing is recomputed)
 
 
 def _held_by_parametrization_cache(tensor: torch.Tensor) -> bool:
