@@ -217,7 +217,7 @@ def _in_layer(path: str) -> bool:
     return parts[-2] in ("kernels", "ops") or (parts[-2] == "core" and parts[-1] in LAYER)
 
 
-def test_a_warm_fast_path_call_runs_at_most_four_files_of_this_layer():
+def test_a_warm_fast_path_call_runs_at_most_three_files_of_this_layer():
     """Forward and backward of a warm gated call (one device), measured with ``sys.setprofile``."""
     torch.manual_seed(0)
     tiled = TiledMLP(GatedMLP(16, 44, "silu"), num_shards=4, path="fast")
@@ -239,4 +239,4 @@ def test_a_warm_fast_path_call_runs_at_most_four_files_of_this_layer():
     finally:
         sys.setprofile(None)
     ours = sorted({os.path.relpath(f, package) for f in seen if f.startswith(package) and _in_layer(f)})
-    assert len(ours) <= 4, ours
+    assert len(ours) <= 3, ours  # sharded_autograd.py, kernels/gated.py, kernel_registry.py

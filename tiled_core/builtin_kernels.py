@@ -10,11 +10,10 @@ import functools
 
 import torch
 
-from .activations import gated_activation
 from .fast_path import decide_fast_path
 from .gated_spec import foreign_child_hooks
 from .kernel_registry import MAP, REDUCE, Kernel, KernelCall, register_kernel
-from .kernels.gated import GatedShardKernel
+from .kernels.gated import GatedShardKernel, gated_activation
 from .kernels.generic import GenericShardKernel, generic_layout
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
 from .kernels.rms_norm import NormLayout, RMSNormShardKernel

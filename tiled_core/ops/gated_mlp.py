@@ -18,8 +18,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..activations import gated_activation
-from ..kernels.gated import DOWN_WEIGHT_ARG, GatedLayout, GatedShardKernel
+from ..kernels.gated import DOWN_WEIGHT_ARG, GatedLayout, GatedShardKernel, gated_activation
 from .gradient_slots import fake_slots, map_backward, map_forward, needed_only
 
 
