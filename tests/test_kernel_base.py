@@ -35,7 +35,7 @@ def _seeded_tanh(namespace: dict):
     return namespace["TanhMLP"](8, 20).double()
 
 
-def _inputs():
+def _tanh_batch():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 13, 8, dtype=torch.float64, generator=gen, requires_grad=True)
     return x, torch.randn(2, 13, 8, dtype=torch.float64, generator=gen)
@@ -44,7 +44,7 @@ def _inputs():
 def test_the_docs_kernel_example_runs_and_is_exact_in_float64(example):
     """Outputs, input gradient and every parameter's gradient, against the same module untiled."""
     module = _seeded_tanh(example)
-    x, dy = _inputs()
+    x, dy = _tanh_batch()
     want = untiled_run(copy.deepcopy(module), x, dy)
     tiled = TiledMLP(module, num_shards=3)
     have = step(tiled, x, dy)
@@ -73,7 +73,7 @@ def test_a_kernel_whose_params_leave_out_the_biases_is_refused_before_any_work(e
     register_kernel(WeightsOnly)
     try:
         tiled = TiledMLP(_seeded_tanh(example), num_shards=3, path="test_weights_only")
-        x, _ = _inputs()
+        x, _ = _tanh_batch()
         with pytest.raises(ValueError, match=r"leave out tensors the module trains \(fc1\.bias, fc2\.bias\)"):
             tiled(x)
         assert x.grad is None and all(p.grad is None for p in tiled.parameters())
@@ -95,7 +95,7 @@ def test_a_frozen_bias_left_out_of_params_is_not_refused(example):
         module = _seeded_tanh(example)
         module.fc2.bias.requires_grad_(False)
         tiled = TiledMLP(module, num_shards=3, path="test_weights_only_frozen")
-        x, dy = _inputs()
+        x, dy = _tanh_batch()
         tiled(x).backward(dy)
         assert module.fc2.bias.grad is None and module.fc1.bias.grad is not None
     finally:
@@ -127,7 +127,7 @@ def test_a_backward_that_rebinds_the_input_gradient_buffer_is_refused(example):
     register_kernel(Rebinds)
     try:
         tiled = TiledMLP(_seeded_tanh(example), num_shards=3, path="test_rebinds")
-        x, dy = _inputs()
+        x, dy = _tanh_batch()
         out = tiled(x)
         with pytest.raises(RuntimeError, match="returned no input gradient"):
             out.backward(dy)
@@ -150,7 +150,7 @@ def test_a_backward_that_returns_a_new_input_gradient_is_copied_into_its_rows(ex
     register_kernel(Returns)
     try:
         module = _seeded_tanh(example)
-        x, dy = _inputs()
+        x, dy = _tanh_batch()
         want = untiled_run(copy.deepcopy(module), x, dy)
         have = step(TiledMLP(module, num_shards=3, path="test_returns"), x, dy)
         assert_runs_close(want, have, tol=1e-12)
@@ -169,7 +169,7 @@ def test_a_backward_returning_too_few_gradients_is_refused(example):
     register_kernel(TooFew)
     try:
         tiled = TiledMLP(_seeded_tanh(example), num_shards=3, path="test_too_few")
-        x, dy = _inputs()
+        x, dy = _tanh_batch()
         with pytest.raises(RuntimeError, match="returned 2 gradients for 4 tensors"):
             tiled(x).backward(dy)
     finally:
@@ -187,7 +187,7 @@ def test_an_input_gradient_that_does_not_fit_its_rows_is_refused_not_broadcast(e
     register_kernel(Summed)
     try:
         tiled = TiledMLP(_seeded_tanh(example), num_shards=3, path="test_summed_dx")
-        x, dy = _inputs()
+        x, dy = _tanh_batch()
         with pytest.raises(RuntimeError, match=r"backward returned rows of shape \(8,\) for rows of shape"):
             tiled(x).backward(dy)
     finally:
