@@ -1,5 +1,6 @@
-"""A per-shard kernel the package does not ship (``toy_kernel.TanhMLPKernel``), added through
-``register_kernel`` alone, runs a tiled toy MLP under DDP in two gloo processes.
+"""A per-shard kernel the package does not ship, added through ``register_kernel`` alone, runs a tiled toy MLP
+under DDP in two gloo processes: ``toy_kernel.TanhMLPKernel`` (a registry entry of its own), and
+docs/architecture.md's kernel example, run verbatim on each rank.
 
 On each rank the outputs, the input gradients and every parameter gradient must equal (float64) a
 single-process untiled reference on the global batch; ``tiling.last_path`` names the kernel. Ranks see
@@ -7,7 +8,7 @@ different token counts, so different shard counts.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Callable, Dict
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from tiled_mlp import TiledMLP, register_kernel
 
 from .spawn import run_distributed
-from .toy_kernel import NAME, TanhMLP, TanhMLPKernel
+from .toy_kernel import DOCS_KERNEL_NAME, NAME, TanhMLP, TanhMLPKernel, run_docs_kernel_example
 from .toy_models import Residual
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
@@ -27,9 +28,9 @@ TOKENS = (11, 23)  # per rank
 TOL = 1e-12
 
 
-def make_model() -> nn.Module:
+def make_model(mlp_class: Callable[[int, int], nn.Module] = TanhMLP) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*(Residual(TanhMLP(HIDDEN, INTER)) for _ in range(2))).double()
+    return nn.Sequential(*(Residual(mlp_class(HIDDEN, INTER)) for _ in range(2))).double()
 
 
 def rank_batch(rank: int):
@@ -38,11 +39,14 @@ def rank_batch(rank: int):
     return x, torch.randn(x.shape, generator=generator, dtype=torch.float64)
 
 
-def ranks_main(rank: int, world_size: int) -> Dict:
+def ranks_main(rank: int, world_size: int, docs: bool = False) -> Dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    register_kernel(TanhMLPKernel())
-    model = make_model()
+    if docs:
+        model = make_model(run_docs_kernel_example()["TanhMLP"])  # the example registers its kernel
+    else:
+        register_kernel(TanhMLPKernel())
+        model = make_model()
     tiled = [TiledMLP(block.mlp, num_shards=2 + rank) for block in model]
     ddp = DDP(model)
     x, target = rank_batch(rank)
@@ -61,18 +65,20 @@ def relative_error(have: torch.Tensor, want: torch.Tensor) -> float:
     return float((have - want).abs().max() / want.abs().max())
 
 
-def test_a_registered_kernel_runs_under_ddp_exactly(tmp_path):
-    ranks = run_distributed(ranks_main, WORLD, tmp_path, timeout=90)
-    model = make_model()
+@pytest.mark.parametrize("docs", [False, True], ids=["kernel_entry", "docs_example"])
+def test_a_registered_kernel_runs_under_ddp_exactly(tmp_path, docs):
+    ranks = run_distributed(ranks_main, WORLD, tmp_path, docs, timeout=90)
+    kernel_name = DOCS_KERNEL_NAME if docs else NAME
+    model = make_model(TanhMLP)  # the same formula and parameter order as the docs' TanhMLP
     inputs = [rank_batch(rank) for rank in range(WORLD)]
     xs = [x.clone().requires_grad_(True) for x, _ in inputs]
     outs = [model(x) for x in xs]
     # DDP averages the parameter gradients over the ranks; each rank's input gradient is its own loss's.
     sum((out - target).pow(2).mean() for out, (_, target) in zip(outs, inputs, strict=True)).backward()
     for rank, got in enumerate(ranks):
-        assert got["paths"] == [NAME] * 2 and got["shards"] == [2 + rank] * 2, (got["paths"], got["shards"])
+        assert got["paths"] == [kernel_name] * 2 and got["shards"] == [2 + rank] * 2, (got["paths"], got["shards"])
         assert got["strategies"] == ["ddp"] * 2, got["strategies"]
-        assert all(f"kernel {NAME!r}" in reason for reason in got["reasons"]), got["reasons"]
+        assert all(f"kernel {kernel_name!r}" in reason for reason in got["reasons"]), got["reasons"]
         assert relative_error(got["out"], outs[rank].detach()) <= TOL, f"rank {rank}: outputs"
         assert relative_error(got["dx"], xs[rank].grad) <= TOL, f"rank {rank}: input gradients"
         want = {n: p.grad / WORLD for n, p in model.named_parameters()}

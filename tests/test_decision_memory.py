@@ -216,13 +216,13 @@ class _Recording(GenericEntry):
 
     def build(self, call):
         kernel = super().build(call)
-        forward_shard = kernel.forward_shard
+        forward_into = kernel.forward_into
 
         def recorded(*args, **kwargs):
             self.ran.append(kernel)
-            return forward_shard(*args, **kwargs)
+            return forward_into(*args, **kwargs)
 
-        kernel.forward_shard = recorded
+        kernel.forward_into = recorded
         self.built.append(kernel)
         return kernel
 

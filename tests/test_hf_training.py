@@ -112,17 +112,17 @@ def test_gradient_checkpointing_grads_equal_and_forward_counts(reentrant):
 
 def _count_fast_shard_forwards(monkeypatch) -> dict:
     """Counts the fast kernel's shard forwards (the backward recomputes only gate and up, in
-    backward_shard, so these are the full MLP forwards)."""
+    backward_into, so these are the full MLP forwards)."""
     from tiled_mlp.core.kernels.gated import GatedShardKernel
 
     counts = {"forward_shard": 0}
-    original = GatedShardKernel.forward_shard
+    original = GatedShardKernel.forward_into
 
     def counted(self, *args, **kwargs):
         counts["forward_shard"] += 1
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(GatedShardKernel, "forward_shard", counted)
+    monkeypatch.setattr(GatedShardKernel, "forward_into", counted)
     return counts
 
 

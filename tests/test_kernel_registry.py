@@ -119,9 +119,9 @@ def _named(name: str, shape: str = "map") -> Kernel:
     return kernel
 
 
-def test_a_kernel_declaring_an_output_width_does_not_size_the_output():
-    """Only the built-in gated kernel's width is used to allocate the output before the first shard: a
-    declared width would be trusted, and a wrong one broadcast into the output in silence."""
+def test_a_kernel_declaring_a_wrong_output_width_is_refused_not_broadcast():
+    """A declared width sizes the output before the first shard; a shard whose output does not fit its rows is
+    refused (a one-wide output would otherwise be broadcast into eight columns in silence)."""
     from torch import nn
 
     from integration_tests.toy_kernel import TanhShardKernel
@@ -132,23 +132,16 @@ def test_a_kernel_declaring_an_output_width_does_not_size_the_output():
             self.fc2 = nn.Linear(20, 1)
 
     class ClaimsEight(TanhShardKernel):
-        def out_features(self, tensors):
-            return 8
-
-    class Claiming(TanhMLPKernel):
         name = "test_claims_eight"
 
-        def build(self, call):
-            return ClaimsEight(call.module)
+        def output_width(self, tensors):
+            return 8
 
-    register_kernel(Claiming())
+    register_kernel(ClaimsEight)
     try:
-        torch.manual_seed(0)
-        plain = OneWide().double()
         tiled = TiledMLP(OneWide().double(), num_shards=3, path="test_claims_eight")
-        tiled.load_state_dict(plain.state_dict())
-        x = torch.randn(2, 9, 8, dtype=torch.float64)
-        torch.testing.assert_close(tiled(x), plain(x), rtol=1e-12, atol=1e-12)
+        with pytest.raises(RuntimeError, match=r"forward returned rows of shape \(6, 1\) for rows of shape \(6, 8\)"):
+            tiled(torch.randn(2, 9, 8, dtype=torch.float64))
     finally:
         unregister_kernel("test_claims_eight")
 

@@ -10,18 +10,17 @@ import functools
 
 import torch
 
-from .activations import gated_activation
-from .autocast_state import autocast_enabled
 from .fast_path import decide_fast_path
 from .gated_spec import foreign_child_hooks
 from .kernel_registry import MAP, REDUCE, Kernel, KernelCall, register_kernel
-from .kernels import GatedShardKernel, GenericShardKernel
-from .kernels.generic import generic_layout
+from .kernels.gated import GatedShardKernel, gated_activation
+from .kernels.generic import GenericShardKernel, generic_layout
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
 from .kernels.rms_norm import NormLayout, RMSNormShardKernel
 from .kernels.vocab_parallel import VocabParallelHeadKernel
 from .module_forward import forward_function
 from .norm_forms import norm_generation, norm_spec
+from .sharded_autograd import autocast_enabled
 from .tiling_state import tiling_of
 
 TOKEN_INPUTS_DECLINED = "the call has other sharded inputs besides the hidden states"

@@ -1,30 +1,17 @@
 """What a shard's collectives (a tensor-parallel hook's all-reduce) leave behind, and how the tiled call waits
-for it.
+for it. Two things outlive such a call for a while, neither a tensor the shard kept:
 
-A module's own forward run once per shard may call collectives: under DTensor tensor parallelism a
-``RowwiseParallel`` output hook all-reduces each shard's partial sum through torch's functional collectives
-(``torch.ops._c10d_functional``). Two things outlive such a call for a while, and neither is a tensor the
-shard kept:
+- **the pending result** (``AsyncCollectiveTensor``): c10d's work registry holds it until someone waits. The
+  forward waits when it copies the shard's output; the recompute needs only the graph, so it waits itself
+  (``wait_pending``), or every recomputed shard leaves one registered work behind.
+- **the backend's own reference**: gloo marks the work complete before its worker thread drops the tensors
+  (measured: about 1 call in 7 on 2 ranks), so the check that no tensor made in a shard outlives it waits a
+  bounded time for what a collective took or made (``wait_released``); anything else still alive is refused.
 
-- **the pending result.** The hook hands back an ``AsyncCollectiveTensor``; until someone waits for it,
-  c10d's work registry holds the collective's work and the tensor it writes. A forward waits when it copies
-  the shard's output into the call's; the backward recompute needs only the output's graph, never its value,
-  so it must wait itself (``wait_pending``), or every recomputed shard leaves one registered work behind.
-- **the backend's own reference.** Gloo runs a collective on a worker thread that marks the work complete
-  (waking the waiter) before it drops its reference to the work and so to the tensors: right after the wait,
-  the reduced tensor is still alive for a moment (measured: in about 1 call of 7 on 2 ranks). NCCL's watchdog
-  keeps a copy of the work without its outputs (``ProcessGroupNCCL.hpp``'s copy constructor; not measured
-  here). The tiled forward's check that no tensor made in a shard outlives it must wait for that reference to
-  go (``wait_released``), and only for what a collective took or made in the shard: anything else still alive
-  is kept by the code that ran, and refused at once.
-
-A collective is recognised by what it is: an operator (an ``OpOverload``, or the ``OpOverloadPacket`` DTensor
-calls) of one of c10d's operator namespaces (how DTensor redistributes), or a function of
-``torch.distributed.distributed_c10d`` (``torch.distributed.all_reduce`` and the other collectives hand
-themselves to torch function modes; DeepSpeed's AutoTP layers call them). What such a
-call took or made is watched by its memory, not only by the tensor object: a collective's pending result hands
-out its value through views made below any torch function mode (``AsyncCollectiveTensor.wait()``), and a view
-kept by a hook keeps the memory alive after the tensor the mode saw is gone.
+A collective is recognised by what it is: an operator of c10d's namespaces (how DTensor redistributes) or a
+function of ``torch.distributed.distributed_c10d`` (those hand themselves to torch function modes; DeepSpeed's
+AutoTP calls them). What it took or made is watched by its memory: a pending result hands out its value through
+views made below any function mode, and a view kept by a hook keeps the memory alive.
 """
 from __future__ import annotations
 

@@ -1,37 +1,27 @@
 """The kernel registry: which per-shard kernel a tiled call runs.
 
-A kernel is registered with a priority; a call asks the kernels of its shape in priority order, highest
-first, whether they apply to this module and this call (``why_not``: "" when one does, else why not),
-and runs the first that does. The chosen kernel and what every one before it answered are the call's
-report (``KernelChoice.describe``, which ``module.tiling.last_reason`` ends with).
+A call asks the registered kernels of its shape in priority order (highest first; ties in order of
+registration) whether they apply (``why_not``: "" or why not) and runs the first that does; the chosen one and
+every refusal before it are the call's report (``KernelChoice.describe``, the end of ``tiling.last_reason``).
+Shapes: ``"map"`` (a token-wise module, a ``ShardKernel`` run by ``sharded_apply``; built in: ``fast`` 10,
+``norm`` 5, ``generic`` 0) and ``"reduce"`` (the loss, a ``ReduceKernel`` run by ``sharded_reduce``; built in:
+``vocab_parallel`` 20, ``linear_head`` 10, ``module_head`` 0). The last built-in of each shape always applies.
 
-Two shapes, the two shapes of the sharded autograd:
-
-- ``"map"``: a token-wise module (``TiledMLP``): the kernel is a ``kernels.base.ShardKernel``, run by
-  ``sharded_apply``. Built in: ``"fast"`` (the gated kernel, priority 10), ``"norm"`` (a proven RMSNorm
-  form, ``norm_forms``, priority 5) and ``"generic"`` (the module's own forward per shard, priority 0,
-  which applies to every module).
-- ``"reduce"``: the loss (``tiled_cross_entropy``): a ``kernels.base.ReduceKernel``, run by
-  ``sharded_reduce``. Built in: ``"vocab_parallel"`` (priority 20, a plain linear head whose vocabulary
-  is split over ranks), ``"linear_head"`` (priority 10) and ``"module_head"`` (priority 0, every head
-  whose vocabulary is whole on the rank).
-
-A kernel registered with the default priority (100) is asked before every built-in one; one registered
-below 0 is never reached, since the last built-in of each shape always applies.
-
-A choice is asked for at every call, and remembered only where nothing could change it: every kernel that
-answered says its answer rests on the call's plan alone (``Kernel.answers_per_plan``), and the chosen one
-serves many calls. It is then kept with the plan, for as long as the plan holds, keyed by the registry's
-generation, the kernel asked for, the input's number of dimensions and whether the call has other sharded
-inputs; no kernel is asked again for such a call.
+A choice is remembered with the call's plan only where every kernel asked says its answer rests on the plan
+alone (``Kernel.answers_per_plan``) and the chosen one serves many calls; keyed by the registry's generation,
+the kernel asked for, the input's number of dimensions and whether the call has other sharded inputs.
+Every built kernel's declared tensors are checked against what the module trains (``check_declared_tensors``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
+
+from .kernels.base import ShardKernel
+from .tensor_reads import describe
 
 MAP = "map"
 REDUCE = "reduce"
@@ -120,11 +110,32 @@ def _reorder() -> None:
         _ORDERED[shape] = tuple(kernel for _, _, kernel in entries)
 
 
-def register_kernel(kernel: Kernel, *, priority: int = DEFAULT_PRIORITY, override: bool = False) -> Kernel:
-    """Add ``kernel`` to the kernels a tiled call of its shape asks, at ``priority`` (higher first; ties
-    in order of registration). Returns it. A taken name needs ``override=True``."""
+class ShardKernelEntry(Kernel):
+    """The registry entry of a ``ShardKernel`` subclass registered as it is: asked through its ``why_not``,
+    built from the module (``Cls(module)``)."""
+
+    def __init__(self, kernel_class: Type[ShardKernel]):
+        self.kernel_class = kernel_class
+        self.name = kernel_class.name
+
+    def why_not(self, call: KernelCall) -> str:
+        if call.token_inputs:
+            return "the call has other sharded inputs besides the hidden states"
+        return self.kernel_class.why_not(call)
+
+    def build(self, call: KernelCall) -> ShardKernel:
+        return self.kernel_class(call.module)
+
+
+def register_kernel(kernel: Union[Kernel, Type[ShardKernel]], *, priority: int = DEFAULT_PRIORITY,
+                    override: bool = False) -> Kernel:
+    """Add ``kernel`` (a ``Kernel`` entry, or a ``ShardKernel`` subclass) to the kernels a tiled call of its
+    shape asks, at ``priority`` (higher first; ties in order of registration). Returns its entry. A taken
+    name needs ``override=True``."""
+    if isinstance(kernel, type) and issubclass(kernel, ShardKernel):
+        kernel = ShardKernelEntry(kernel)
     if not isinstance(kernel, Kernel):
-        raise TypeError(f"register_kernel takes a Kernel instance, got {type(kernel).__name__}")
+        raise TypeError(f"register_kernel takes a Kernel instance or a ShardKernel subclass, got {kernel!r}")
     if not isinstance(kernel.name, str) or not kernel.name:
         raise ValueError(f"{type(kernel).__name__} has no name: set the class attribute `name`")
     if kernel.shape not in SHAPES:
@@ -182,8 +193,30 @@ def choose_kernel(shape: str, call: KernelCall, only: Optional[str] = None) -> K
         why = entry.why_not(call)
         if not why:
             choice = KernelChoice(entry, entry.build(call), tuple(declined))
-            if per_plan and getattr(choice.kernel, "serves_many_calls", False):
+            check_declared_tensors(entry.name, choice.kernel, call.module, call.trainable)
+            if per_plan and choice.kernel.serves_many_calls:
                 plan.choices[key] = choice
             return choice
         declined.append((entry.name, why))
     return KernelChoice(None, None, tuple(declined))
+
+
+UNDECLARED_TENSORS_ERROR = (
+    "kernel {kernel!r} for {module}: its params leave out tensors the module trains ({names}), whose gradients "
+    "would be lost. List every trainable tensor the kernel computes with in params (by default: all of "
+    "module.parameters())."
+)
+
+
+def check_declared_tensors(name: str, kernel: Any, module: nn.Module, trainable: Sequence[torch.Tensor]) -> None:
+    """Refuse a kernel whose ``params`` leave out a tensor the module trains (before any work, once per built
+    kernel: a kernel that serves many calls is remembered with the plan, checked)."""
+    params = kernel.params
+    if params is trainable:  # built from this very list (the generic and module-head kernels)
+        return
+    declared = {id(t) for t in params}
+    missing = {id(t) for t in trainable if id(t) not in declared}
+    if missing:
+        names = [n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in missing]
+        shown = ", ".join(names) or describe([t for t in trainable if id(t) in missing])
+        raise ValueError(UNDECLARED_TENSORS_ERROR.format(kernel=name, module=type(module).__name__, names=shown))

@@ -1,49 +1,43 @@
-"""The token-sharded autograd Function shared by every per-shard kernel.
+"""The one sharding mechanism every kernel runs through: token shards, recompute, one gradient delivery.
 
-Forward: flatten the leading dims into tokens, run the kernel one shard at a time into one output
-allocated in the caller's shape (no graph is kept: the generic kernel runs the module in the caller's
-grad mode and drops each shard's transient graph), keep only the input (saved before the loop by a node of
-its own, see ``saved_input``) and each shard's RNG state.
-Backward: recompute one shard at a time and sum the gradients over shards.
+Two autograd shapes share it. The **map** (``sharded_apply``, a ``ShardKernel``: a token-wise module) runs
+the kernel one shard at a time into one output in the caller's shape, keeping no graph, only the input and
+each shard's RNG state; its backward recomputes one shard at a time. The **reduce** (``sharded_reduce``, a
+``ReduceKernel``: a loss) sums the shards' losses and forms their gradients at once, in forward.
 
-The parameters are *inputs* of the Function and their summed gradients are returned from
-``backward``, so autograd accumulates each parameter's gradient exactly once per backward. That
-single delivery is what DDP's reducer, FSDP2's reduce-scatter and ZeRO's gradient hooks expect
-(any shard count, ``no_sync`` included); nothing backend-specific happens in here.
+The parameters are *inputs* of the Function and their gradients, summed over shards (``GradAccumulator``),
+are returned from ``backward``: autograd accumulates each exactly once per backward, which is what DDP's
+reducer, FSDP2's reduce-scatter and ZeRO's gradient hooks expect (any shard count, ``no_sync`` included).
+The strategy decides what an unused trainable parameter gets and may transform what is delivered
+(``ShardedRun.deliver_grads``); nothing backend-specific happens here.
 
-Any other tensor that needs a gradient and that the forward reads (a weight in a plain attribute or
-a closure, a tensor a hook adds, conditioning set from outside) is an input too: for a kernel that may
-read such tensors (the generic one) the first shard runs before the Function under a recorder of the
-tensors it reads, and what it found is passed in with the parameters; a kernel that reads nothing but
-its inputs (the fast one), or a call that builds no graph, runs every shard inside the Function. A later shard that reads one more such tensor is an error, never a lost gradient;
-so is a tensor made inside a shard that outlives it (a hook that stashes an activation for a loss).
+The library, not the kernel, owns every buffer: a kernel returns a shard's output and input gradient, and
+where it did not write them into the rows it was offered they are copied there; a needed input gradient
+that is not returned is refused (``UNWRITTEN_GRAD_ERROR``), never left as uninitialised memory.
 
-Backward trusts nothing autograd would check (``checks.py``): the version of every tensor the call
-computed with (the input, the parameters, every other tensor the forward read, with or without a
-gradient) is compared, and so is which tensors the recompute reads; a backward that builds a graph
-(``create_graph=True``: a Hessian, a gradient penalty) is refused rather than answered with zeros.
+Any other tensor that needs a gradient and that the forward reads (a weight in a plain attribute or a
+closure, a tensor a hook adds) is an input too: for a kernel that may read such tensors (the generic one)
+the first shard runs before the Function under a recorder of what it reads, and what it found is passed in
+with the parameters. A later shard that reads one more is an error, never a lost gradient; so is a tensor
+made inside a shard that outlives it. Backward compares the versions of every tensor the call computed
+with, and refuses a backward that builds a graph (double backward) rather than answer with zeros.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import gc
+import operator
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Generic, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, ContextManager, Dict, Generic, Iterator, List, Optional, Sequence, TypeVar
 
 import torch
 from torch.nn.utils import parametrize
 
-from .autocast_state import AutocastState
-from .checks import DOUBLE_BACKWARD_ERROR, INPUT_EDITED_ERROR, TensorVersions
+from .checks import DOUBLE_BACKWARD_ERROR, INPUT_EDITED_ERROR, MODIFIED_ERROR
 from .collectives import completed, wait_released
-from .grad_accum import GradAccumulator
-from .grad_delivery import delivered_grads, needed_grads
-from .kernels.base import ReduceKernel, ShardKernel, no_substitution
+from .kernels.base import ReduceKernel, ShardKernel
 from .local_view import LocalView
-from .rng import capture_rng_state
-from .saved_input import InputHolder, save_input
-from .shard_loops import backward_shards, forward_shards
 from .shard_plan import ShardPlan, make_shard_plan
 from .tensor_reads import TensorReads, describe
 
@@ -68,73 +62,338 @@ LATE_TENSOR_ERROR = (
     "{tensors}. The tiled call takes its gradient inputs from the first shard, so their gradients would be "
     "lost. Register them as parameters of the module, or read them in every call."
 )
+UNWRITTEN_GRAD_ERROR = (
+    "kernel {kernel!r} for {module}: its backward returned no input gradient for a shard whose input requires "
+    "grad. Return the shard's input gradient (zeros where the output does not depend on the input): the tiled "
+    "call writes it into its rows, and would otherwise hand autograd memory nobody wrote."
+)
+SHARD_SHAPE_ERROR = (
+    "kernel {kernel!r} for {module}: a shard's {what} returned rows of shape {got} for rows of shape {want} "
+    "(the call's output is sized by the first shard or by the kernel's output_width; an input gradient is the input's)."
+)
+LOSS_DOUBLE_BACKWARD_ERROR = (
+    "the tiled loss does not support double backward: a backward with create_graph=True reached it (a Hessian, "
+    "a gradient penalty). Its gradients were formed in forward without a graph, so every second-order term "
+    "through it would be zero. Compute this loss untiled for second-order gradients."
+)
+SECOND_BACKWARD_ERROR = (
+    "tiled loss: backward was run a second time through the same call (retain_graph=True). Its gradients were "
+    "formed in forward and handed over by the first backward; compute the loss again for another backward."
+)
 
 
+# -- RNG and autocast state, replayed around the recompute ------------------------------------------------------
+def _device_module(device: torch.device):
+    if device.type in ("cpu", "meta"):  # meta tensors (shape-only modelling) draw no numbers
+        return None
+    return torch.get_device_module(device.type)  # torch.cuda, torch.npu, ...: one code path for every device
+
+
+def capture_rng_state(device: torch.device):
+    """The generator state that the next random op on ``device`` (and on the CPU) will use."""
+    module = _device_module(device)
+    return torch.get_rng_state(), module.get_rng_state(device) if module is not None else None
+
+
+@contextlib.contextmanager
+def replay_rng_state(device: torch.device, state: Optional[tuple]) -> Iterator[None]:
+    """Run the body with ``state`` installed and put the caller's RNG back afterwards, even on error."""
+    if state is None:
+        yield
+        return
+    module = _device_module(device)
+    saved = capture_rng_state(device)
+    torch.set_rng_state(state[0])
+    if module is not None:
+        module.set_rng_state(state[1], device)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        if module is not None:
+            module.set_rng_state(saved[1], device)
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled`` for any device type; "meta" (shape-only modelling) has no autocast."""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """The forward's autocast state, replayed around the recompute (else a forward under autocast would be
+    recomputed in full precision)."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+
+    @classmethod
+    def capture(cls, device: torch.device) -> AutocastState:
+        # The state with autocast off is kept per device (``device.type`` builds a new string at every read).
+        off = _AUTOCAST_OFF.get(device)
+        device_type = device.type if off is None else off.device_type
+        if not autocast_enabled(device_type):
+            if off is None:
+                off = _AUTOCAST_OFF[device] = cls(device_type, False, torch.float32)
+            return off
+        return cls(device_type, True, torch.get_autocast_dtype(device_type))
+
+    def needs_replay(self) -> bool:
+        """Whether autocast is on at either end (a recompute must not pick up one around the caller's
+        ``backward()``); off at both, no context is entered."""
+        return self.enabled or autocast_enabled(self.device_type)
+
+    def replay(self):
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+
+
+_AUTOCAST_OFF: Dict[torch.device, AutocastState] = {}
+
+
+# -- the input, saved by a node of its own before the shard loop -------------------------------------------------
+# Non-reentrant checkpointing stops its recompute once every tensor its forward saved is recomputed: saved here,
+# before the loop (not by the Function, after it), the recompute stops before the MLP where the MLP is the last
+# saver of the region (Llama, Qwen, Mistral): 2 MLP forwards a step, not 3. Only where a saved-tensor hook is
+# active (a checkpoint, ``save_on_cpu``); elsewhere the Function saves it, one node fewer.
+def saved_tensor_hooks_active() -> bool:
+    """Whether a saved-tensor hook would see what is saved now (True where this torch cannot tell)."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    except (AttributeError, TypeError, RuntimeError):
+        return True
+
+
+class InputHolder:
+    """Where the map Function finds its input in backward (unpacking it makes a checkpoint recompute up to here)."""
+
+    __slots__ = ("node",)
+
+    def __init__(self) -> None:
+        self.node: Optional[Any] = None
+
+    def tensor(self) -> torch.Tensor:
+        assert self.node is not None, "SaveInput ran before the sharded Function"
+        (x,) = self.node.saved_tensors
+        return x
+
+
+class SaveInput(torch.autograd.Function):
+    """``x`` -> a view of ``x``, saving ``x``; ``anchors`` (the parameters) record the node for a frozen input too."""
+
+    @staticmethod
+    def forward(ctx, holder: InputHolder, x: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        holder.node = ctx
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (None, grad if ctx.needs_input_grad[1] else None, *([None] * (len(ctx.needs_input_grad) - 2)))
+
+
+def save_input(x: torch.Tensor, anchors: Sequence[torch.Tensor]):
+    """(the Function's input, the holder), or ``(x, None)`` where the Function saves ``x`` itself."""
+    if not torch.is_grad_enabled() or not saved_tensor_hooks_active():
+        return x, None
+    if not (x.requires_grad or any(t.requires_grad for t in anchors)):
+        return x, None
+    holder = InputHolder()
+    return SaveInput.apply(holder, x, *anchors), holder
+
+
+# -- gradients: one buffer per tensor, summed over shards, delivered once ----------------------------------------
+class GradAccumulator:
+    """One gradient buffer per tensor. The buffer is the gradient ``backward`` returns: the first shard's
+    contribution is written into fresh memory and later ones added in place; autograd then adds it to
+    ``.grad`` once per backward (micro-batch accumulation kept, every backend's hook fired once)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], needed: Sequence[bool], accum_dtype: Optional[torch.dtype] = None):
+        self._params = list(params)
+        self.needed = list(needed)
+        self._accum_dtype = accum_dtype  # None: each tensor's own dtype (no extra buffer, no cast)
+        self._buffers: List[Optional[torch.Tensor]] = [None] * len(self._params)
+
+    def dtype_for(self, index: int) -> torch.dtype:
+        """``accum_dtype`` raises the precision gradient ``index`` is summed in, never lowers it."""
+        own = self._params[index].dtype
+        return own if self._accum_dtype is None else torch.promote_types(self._accum_dtype, own)
+
+    def add(self, index: int, grad: Optional[torch.Tensor]) -> None:
+        """grad[index] += grad (None is skipped: the tensor was unused)."""
+        if grad is None or not self.needed[index]:
+            return
+        buffer = self._buffers[index]
+        if buffer is None:  # the shard's gradient becomes the buffer: no copy
+            self._buffers[index] = grad if grad.dtype == self.dtype_for(index) else grad.to(self.dtype_for(index))
+        else:
+            buffer.add_(grad)
+
+    def add_matmul(self, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """grad[index] += a @ b, straight into the buffer where dtypes allow."""
+        if not self.needed[index]:
+            return
+        buffer = self._buffers[index]
+        if self.dtype_for(index) != a.dtype:
+            self.add(index, torch.mm(a, b))
+        elif buffer is None:
+            self._buffers[index] = torch.mm(a, b)
+        else:
+            buffer.addmm_(a, b)
+
+    def add_rowsum(self, index: int, rows: torch.Tensor) -> None:
+        """grad[index] += rows.sum(0): bias gradients."""
+        if not self.needed[index]:
+            return
+        buffer = self._buffers[index]
+        if buffer is None or self.dtype_for(index) != rows.dtype:
+            self.add(index, rows.sum(0, dtype=self.dtype_for(index)))
+        else:
+            buffer.add_(rows.sum(0))
+
+    def results(self, zeros_for_unused: bool = False) -> List[Optional[torch.Tensor]]:
+        """The summed gradients in each tensor's dtype; None where none is needed, and for a needed tensor the
+        module did not use (as untiled) unless ``zeros_for_unused`` (a backend that waits for every one)."""
+        out: List[Optional[torch.Tensor]] = []
+        for param, buffer, needed in zip(self._params, self._buffers, self.needed, strict=True):
+            if not needed:
+                out.append(None)
+            elif buffer is None:
+                out.append(torch.zeros_like(param) if zeros_for_unused else None)
+            else:
+                out.append(buffer if buffer.dtype == param.dtype else buffer.to(param.dtype))
+        return out
+
+
+def needed_grads(run: ShardedRun[Any], needs_input_grad: Sequence[bool], num_params: int) -> List[bool]:
+    """Which of the Function's tensors get a gradient: those autograd asks for, less the parameters the
+    strategy leaves out (``param_mask``); tensors after the parameters always get theirs."""
+    mask = run.param_mask
+    return [need and (mask is None or i >= num_params or mask[i]) for i, need in enumerate(needs_input_grad)]
+
+
+def delivered_grads(run: ShardedRun[Any], grads: GradAccumulator, tensors: Sequence[torch.Tensor],
+                    num_params: int) -> List[Optional[torch.Tensor]]:
+    """What the Function returns for ``tensors`` (parameters first), where the parameters are whole."""
+    result = grads.results(run.zeros_for_unused)
+    if run.deliver_grads is not None:
+        result[:num_params] = run.deliver_grads(tensors[:num_params], result[:num_params])
+    return result
+
+
+# -- the shard loops (the Functions below, and the custom ops of ``ops/``) ---------------------------------------
+def forward_rows(kernel: ShardKernel, x_rows: torch.Tensor, out_rows: torch.Tensor, tensors: Sequence[torch.Tensor],
+                 shard: slice) -> None:
+    """One shard's output into its rows of the call's output (copied there where the kernel returned other memory)."""
+    y = kernel.forward_into(x_rows, out_rows, tensors, shard)
+    if y is not out_rows:
+        _write(kernel, "forward", out_rows, y)
+
+
+def _write(kernel: ShardKernel, what: str, rows: torch.Tensor, got: torch.Tensor) -> None:
+    """``got`` into ``rows``, never broadcast in silence."""
+    if got.shape != rows.shape:
+        raise RuntimeError(SHARD_SHAPE_ERROR.format(kernel=kernel.name, module=kernel.module_name, what=what,
+                                                    got=tuple(got.shape), want=tuple(rows.shape)))
+    rows.copy_(got)
+
+
+def forward_shards(kernel: ShardKernel, x_flat: torch.Tensor, out_flat: torch.Tensor, slices: Sequence[slice],
+                   tensors: Sequence[torch.Tensor]) -> None:
+    """Each shard of ``x_flat`` (``[tokens, hidden]``) through the kernel, into its rows of ``out_flat``."""
+    for shard in slices:
+        forward_rows(kernel, x_flat[shard], out_flat[shard], tensors, shard)
+
+
+def backward_shards(kernel: ShardKernel, slices: Sequence[slice], x_flat: torch.Tensor, dy_flat: torch.Tensor,
+                    dx_flat: Optional[torch.Tensor], grads: GradAccumulator, tensors: Sequence[torch.Tensor],
+                    rng_states: Optional[Sequence[Optional[tuple]]] = None) -> None:
+    """Each shard recomputed: its input gradient into its rows of ``dx_flat`` (None: not needed), its tensors'
+    gradients added to ``grads``; ``rng_states[i]`` replayed around shard ``i`` where not None."""
+    backward_into = kernel.backward_into
+    states = rng_states if rng_states is not None else (None,) * len(slices)
+    for shard, rng_state in zip(slices, states, strict=True):
+        rows = None if dx_flat is None else dx_flat[shard]
+        if rng_state is None:
+            dx = backward_into(x_flat[shard], dy_flat[shard], rows, grads, tensors, shard)
+        else:
+            with replay_rng_state(x_flat.device, rng_state):
+                dx = backward_into(x_flat[shard], dy_flat[shard], rows, grads, tensors, shard)
+        if dx is not rows:
+            if dx is None:  # rows is not None here
+                raise RuntimeError(UNWRITTEN_GRAD_ERROR.format(kernel=kernel.name, module=kernel.module_name))
+            if rows is not None:
+                _write(kernel, "backward", rows, dx)
+
+
+def reduce_shards(kernel: ReduceKernel, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
+                  dx_flat: Optional[torch.Tensor], grads: Optional[GradAccumulator], params: Sequence[torch.Tensor],
+                  slices: Sequence[slice]) -> torch.Tensor:
+    """The sum over shards of the kernel's shard losses of ``x`` against ``targets``, each times ``scale``; each
+    shard's input gradient into its rows of ``dx_flat`` and its parameters' added to ``grads``, where given."""
+    x_flat = x.detach().reshape(-1, x.shape[-1])
+    target_flat = targets.reshape(-1)
+    compute = kernel.compute_tensors(x, params)
+    total: Optional[torch.Tensor] = None
+    for shard in slices:
+        loss = kernel.shard(x_flat[shard], target_flat[shard], scale, None if dx_flat is None else dx_flat[shard],
+                            grads, compute)
+        total = loss if total is None else total.add_(loss)
+    assert total is not None  # a plan has at least one shard
+    return total
+
+
+# -- the run: everything a call needs besides its tensors --------------------------------------------------------
 KernelT = TypeVar("KernelT", ShardKernel, ReduceKernel)
 
 
 @dataclass
 class ShardedRun(Generic[KernelT]):
-    """Everything one tiled call needs besides its tensors, for either autograd shape: the token-wise
-    map (``sharded_apply``, a ``ShardKernel``) or the reduction (``sharded_reduce``, a ``ReduceKernel``)."""
+    """Everything one tiled call needs besides its tensors, for either shape (map or reduce)."""
 
     kernel: KernelT
     plan: ShardPlan
-    # Re-gathers the parameters for the backward recompute (a backend's strategy decides how); None: the
-    # strategy's ``gathered`` is the base class's no-op, and the backward enters no context for it.
+    # Re-gathers the parameters for the backward recompute (the strategy's); None: nothing to enter.
     gathered: Optional[Callable[[], ContextManager]] = None
     grad_accum_dtype: Optional[torch.dtype] = None
     replay_rng: bool = True
-    # Which of ``kernel.params`` receive gradients (the strategy's ``trainable_params``; the fast
-    # kernel takes all the projections' tensors, trained or not). None: all of them.
+    # Which of ``kernel.params`` receive gradients (the strategy's trainable ones); None: all of them.
     param_mask: Optional[Sequence[bool]] = None
-    # Trainable inputs that received no gradient get zeros (a backend that waits for every reachable
-    # parameter, DDP's reducer) instead of None (what the untiled module gives).
+    # Trainable inputs that received no gradient get zeros (DDP's reducer waits for every one), else None.
     zeros_for_unused: bool = False
-    # The strategy's ``deliver_grads``: what autograd accumulates into each parameter, given the
-    # gradients summed over the shards. Called once per backward, inside ``gathered``.
+    # The strategy's ``deliver_grads``: what autograd accumulates into each parameter, given the summed
+    # gradients. Called once per backward, inside ``gathered``.
     deliver_grads: Optional[Callable[[Sequence[torch.Tensor], List[Optional[torch.Tensor]]], List[Optional[torch.Tensor]]]] = None
-    # The backend legitimately replaces the parameters' storage between forward and backward (ZeRO-3
-    # re-gathers into ``.data``, FSDP2 frees and re-allocates): their versions are not compared.
+    # The backend replaces the parameters' storage between forward and backward (ZeRO-3, FSDP2): their
+    # versions are not compared.
     params_swap_storage: bool = False
-    # How the kernel sees the call's tensors where the parameters are distributed (``local_view.py``):
-    # ``sharded_apply`` enters it around the Function, which then sees plain local tensors only.
+    # How the kernel sees distributed parameters (``local_view.py``), entered around the Function.
     local_view: Optional[LocalView] = None
 
 
+# -- the map shape ------------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class FirstShard:
-    """The first shard's output and RNG state, computed before the Function (see the module doc), or
-    only what the Function needs to know about its input where the first shard runs inside it."""
+    """The first shard's output and RNG state where it ran before the Function (its reads watched), and what
+    the Function needs to know about its input."""
 
-    out: Optional[torch.Tensor]  # None: the Function runs the first shard too (nothing to watch)
+    out: Optional[torch.Tensor]  # None: the Function runs the first shard too
     rng_state: Optional[tuple]
     watched: Optional[List[torch.Tensor]]  # the tensors later shards may read; None: not watched
-    input_holder: Optional[InputHolder]  # where the input was saved; None: the Function saves it
-    input_requires_grad: bool  # the caller's input (the Function's own input may be its saved view)
-    # The input's version before the first shard (a forward must not edit it); None where no graph is
-    # built (nothing will be recomputed; inference tensors have no version counter).
-    input_version: Optional[int]
-
-
-def _maybe(context: Optional[ContextManager]) -> ContextManager:
-    return context if context is not None else contextlib.nullcontext()
-
-
-def _watch(known: Optional[Sequence[torch.Tensor]], grad_only: bool = True) -> Optional[TensorReads]:
-    return TensorReads(known=known, watch_kept=True, grad_only=grad_only) if known is not None else None
+    input_holder: Optional[InputHolder]  # None: the Function saves its input itself
+    input_requires_grad: bool  # the caller's input's (the Function's may be its saved view)
+    input_version: Optional[int]  # None where no graph is built (nothing is recomputed)
 
 
 def _held_by_parametrization_cache(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a value ``torch.nn.utils.parametrize.cached()`` keeps (by identity): PEFT's LoRA on a
-    parameter (``target_parameters``, fused MoE experts' weights) is such a parametrization."""
+    """Whether ``parametrize.cached()`` keeps ``tensor`` (PEFT's LoRA on a parameter is a parametrization)."""
     return parametrize._cache_enabled > 0 and any(value is tensor for value in parametrize._cache.values())
 
 
 def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = ()) -> None:
-    if not _only_collectives_keep(reads, expected):
-        # A reference cycle (a custom Function that stores its output on ctx, in a shard's transient
-        # graph) keeps a tensor only until the collector runs: collect once (holding none of them) before refusing.
+    if not all(map(reads.held_by_collective, reads.kept(expected))):
+        # A reference cycle (a custom Function that stores its output on ctx) keeps a tensor only until the
+        # collector runs: collect once before refusing.
         gc.collect()
         kept = reads.kept(expected)
         if not all(map(reads.held_by_collective, kept)):
@@ -143,38 +402,35 @@ def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = (
                 raise RuntimeError(PARAMETRIZATION_CACHE_ERROR.format(tensors=describe(cached)))
             raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=describe(kept)))
     # Only memory a collective took or made is left: its backend lets go of it a moment after the wait
-    # (``collectives.py``), and every rank waits alike, so none is left alone in the next shard's collective.
-    # Still alive after the bound, it is kept: by the tensor itself or by a view of it.
+    # (``collectives.py``). Still alive after the bound, it is kept.
     held = reads.collective_memory(expected)
     if held and not wait_released([ref for ref, _ in held]):
-        gc.collect()  # a reference cycle holding it, as above (collected only now: the backend's hold is common)
+        gc.collect()
         still = [what for ref, what in held if not ref.expired()]
         if still:
             raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=", ".join(still)))
 
 
-def _only_collectives_keep(reads: TensorReads, expected: Sequence[torch.Tensor]) -> bool:
-    """Whether every tensor made in the block that is still alive (none included) is one a collective took or
-    made. The tensors are held by this frame alone, which is gone when it returns."""
-    return all(map(reads.held_by_collective, reads.kept(expected)))
-
-
 def _watched_forward(run: ShardedRun[ShardKernel], first: FirstShard, x_flat: torch.Tensor, out_flat: torch.Tensor,
                      slices: Sequence[slice], later: int, tensors: Sequence[torch.Tensor], rng_states: list) -> None:
-    """The forward's shards from ``later`` on, each with its RNG state kept for the backward's replay and,
-    where the first shard's reads were recorded, its own reads checked against them."""
-    forward_shard = run.kernel.forward_shard
+    """The forward's shards from ``later`` on, each with its RNG state kept for the replay and, where the first
+    shard's reads were recorded, its own reads checked against them."""
+    kernel = run.kernel
     for index, shard in enumerate(slices[later:], start=later):
         rng_states.append(capture_rng_state(x_flat.device) if run.replay_rng else None)
         if first.watched is None:
-            forward_shard(x_flat[shard], out_flat[shard], tensors, shard)
+            forward_rows(kernel, x_flat[shard], out_flat[shard], tensors, shard)
             continue
         reads = TensorReads(known=first.watched, watch_kept=True, grad_only=True)
         with reads:
-            forward_shard(x_flat[shard], out_flat[shard], tensors, shard)
+            forward_rows(kernel, x_flat[shard], out_flat[shard], tensors, shard)
         if reads.foreign:
             raise RuntimeError(LATE_TENSOR_ERROR.format(shard=index, tensors=describe(reads.foreign_tensors())))
         _check_nothing_kept(reads)
+
+
+_version_of = operator.attrgetter("_version")
+_NO_CONTEXT = contextlib.ExitStack()  # entered where the recompute needs no context: nothing is ever pushed on it
 
 
 class ShardedMapFunction(torch.autograd.Function):
@@ -184,43 +440,44 @@ class ShardedMapFunction(torch.autograd.Function):
         x_flat = x.detach().reshape(-1, x.shape[-1])
         slices = run.plan.slice_tuple
         kernel = run.kernel
-        forward_shard = kernel.forward_shard
         autocast = AutocastState.capture(x.device)
         first_out, rng_states = first.out, [first.rng_state]
-        output_width = getattr(kernel, "_output_width", None)  # the gated kernel's (kernels/base.py)
-        if first_out is None and output_width is not None and not autocast.enabled:
+        width = kernel.output_width(tensors) if first_out is None and not autocast.enabled else None
+        if width is not None:
             # The kernel names its output's width, and without autocast its dtype is the input's: every
             # shard writes into the one output, the first included.
-            out = x.new_empty((*x.shape[:-1], output_width(tensors)))
-            out_flat = out.view(-1, out.shape[-1])
+            out = x.new_empty((*x.shape[:-1], width))
+            out_flat = out.view(-1, width)
             rng_states, later = [], 0
         else:
             if first_out is None:
                 rng_states = [capture_rng_state(x.device) if run.replay_rng else None]
-                first_out = forward_shard(x_flat[slices[0]], None, tensors, slices[0])
+                first_out = kernel.forward_into(x_flat[slices[0]], None, tensors, slices[0])
             out = first_out.new_empty((*x.shape[:-1], first_out.shape[-1]))
             out_flat = out.view(-1, out.shape[-1])
             out_flat[slices[0]].copy_(first_out)
             later = 1
         if first.watched is None and not run.replay_rng:
-            # Nothing to watch or replay per shard: the plain loop every driver of a kernel runs.
             rng_states += [None] * (len(slices) - later)
             forward_shards(kernel, x_flat, out_flat, slices[later:], tensors)
         else:
             _watched_forward(run, first, x_flat, out_flat, slices, later, tensors, rng_states)
         if first.input_version is not None and x._version != first.input_version:
-            raise RuntimeError(INPUT_EDITED_ERROR.format(module=run.kernel.module_name))
+            raise RuntimeError(INPUT_EDITED_ERROR.format(module=kernel.module_name))
         if first.input_holder is None:
             ctx.save_for_backward(x)
         ctx.input_holder = first.input_holder
         ctx.input_requires_grad = first.input_requires_grad
         ctx.run = run
         ctx.rng_states = rng_states
-        # Plain references, not saved tensors: backends swap parameter storage between forward and
-        # backward (ZeRO-3 replaces .data, FSDP2 frees and re-allocates) without it being a mutation.
-        # Their versions are compared in backward instead, where the backend allows it.
+        # Plain references, not saved tensors: backends swap parameter storage between forward and backward
+        # without it being a mutation. Their versions are compared in backward instead, where the backend allows.
         ctx.tensors = tensors
-        ctx.versions = _versions_to_check(run, tensors) if first.input_version is not None else None
+        if first.input_version is None:
+            ctx.checked = None
+        else:
+            checked = _versions_to_check(run, tensors)
+            ctx.checked, ctx.versions = checked, list(map(_version_of, checked))
         ctx.autocast = autocast
         return out
 
@@ -230,69 +487,49 @@ class ShardedMapFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError(DOUBLE_BACKWARD_ERROR)
         run: ShardedRun[ShardKernel] = ctx.run
-        if ctx.versions is not None:
-            ctx.versions.check(run.kernel.module_name)
+        kernel = run.kernel
+        if ctx.checked is not None and list(map(_version_of, ctx.checked)) != ctx.versions:
+            _raise_modified(ctx.checked, ctx.versions, kernel.module_name)
         # Under non-reentrant checkpointing, reading the saved input recomputes the region up to it.
         (x,) = ctx.saved_tensors if ctx.input_holder is None else (ctx.input_holder.tensor(),)
         tensors = ctx.tensors
         needs_input_grad = ctx.needs_input_grad
         need_dx = needs_input_grad[0] and ctx.input_requires_grad
-        num_params = len(run.kernel.params)
+        num_params = len(kernel.params)
         grads = GradAccumulator(tensors, needed_grads(run, needs_input_grad[3:], num_params), run.grad_accum_dtype)
-
         x_flat = x.detach().reshape(-1, x.shape[-1])
         dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
         dx_flat = torch.empty_like(x_flat) if need_dx else None
-
-        # One autocast context around the loop (the forward's state, whatever surrounds this backward);
-        # an RNG context only where a shard drew random numbers to replay. A context that would do nothing
-        # is not entered (each costs microseconds, the whole budget of a short call).
-        contexts = _recompute_contexts(run, tensors, ctx.autocast)
-        if not contexts:
-            tensor_grads = _recompute(run, ctx.rng_states, x, x_flat, dy_flat, dx_flat, grads, tensors, num_params)
-        else:
-            with contextlib.ExitStack() as stack:
-                for context in contexts:
-                    stack.enter_context(context)
-                tensor_grads = _recompute(run, ctx.rng_states, x, x_flat, dy_flat, dx_flat, grads, tensors, num_params)
-        dx = None if dx_flat is None else dx_flat.view_as(x)
-        return (dx, None, None, *tensor_grads)
+        # The recompute's contexts, outermost first, less those that would do nothing (each costs microseconds):
+        # the strategy's gathered region, the kernel's tensor substitution, the forward's autocast state.
+        contexts = [*((run.gathered(),) if run.gathered is not None else ()),
+                    *((kernel.using(tensors),) if kernel.substitutes_tensors else ()),
+                    *((ctx.autocast.replay(),) if ctx.autocast.needs_replay() else ())]
+        with contextlib.ExitStack() if contexts else _NO_CONTEXT as stack:
+            for context in contexts:
+                stack.enter_context(context)
+            backward_shards(kernel, run.plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, tensors, ctx.rng_states)
+            # Delivered inside the gathered region, where the parameters are whole.
+            tensor_grads = delivered_grads(run, grads, tensors, num_params)
+        return (None if dx_flat is None else dx_flat.view_as(x), None, None, *tensor_grads)
 
 
-def _recompute_contexts(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Tensor],
-                        autocast: AutocastState) -> List[ContextManager]:
-    """The contexts the backward recompute runs in, outermost first, less those that would do nothing:
-    the strategy's gathered region, the kernel's tensor substitution, the forward's autocast state."""
-    contexts: List[ContextManager] = []
-    if run.gathered is not None:
-        contexts.append(run.gathered())
-    using = run.kernel.using
-    if using is not no_substitution:
-        contexts.append(using(tensors))
-    if autocast.needs_replay():
-        contexts.append(autocast.replay())
-    return contexts
-
-
-def _recompute(run: ShardedRun[ShardKernel], rng_states: Sequence[Optional[tuple]], x: torch.Tensor,
-               x_flat: torch.Tensor, dy_flat: torch.Tensor, dx_flat: Optional[torch.Tensor], grads: GradAccumulator,
-               tensors: Sequence[torch.Tensor], num_params: int) -> List[Optional[torch.Tensor]]:
-    """The backward's shard loop and the delivered gradients (inside the recompute's contexts: the
-    gathered region is where the parameters are whole)."""
-    backward_shards(run.kernel, run.plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, tensors, rng_states)
-    return delivered_grads(run, grads, tensors, num_params)
-
-
-def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Tensor]) -> TensorVersions:
-    """The tensors the backward recomputes from, whose versions it checks: the Function's tensors and the
-    module's frozen parameters (a LoRA base weight), less the parameters of a backend that re-gathers
-    their storage between forward and backward."""
+def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """The tensors the backward recomputes from: the Function's tensors and the module's frozen parameters,
+    less the parameters of a backend that re-gathers their storage between forward and backward."""
+    kernel = run.kernel
     if run.params_swap_storage:
-        return TensorVersions(tensors[len(run.kernel.params):])
-    if run.kernel.owned_params is run.kernel.params:  # the fast kernel: the Function's tensors start with them
-        return TensorVersions(tensors)
+        return tensors[len(kernel.params):]
+    if kernel.owned_params is kernel.params:  # the Function's tensors start with every parameter
+        return tensors
     taken = {id(t) for t in tensors}
-    return TensorVersions([*tensors, *(p for p in run.kernel.owned_params if id(p) not in taken)])
+    return (*tensors, *(p for p in kernel.owned_params if id(p) not in taken))
+
+
+def _raise_modified(tensors: Sequence[torch.Tensor], versions: Sequence[int], where: str) -> None:
+    i = next(i for i, (t, v) in enumerate(zip(tensors, versions, strict=True)) if t._version != v)
+    raise RuntimeError(MODIFIED_ERROR.format(tensor=describe([tensors[i]]), now=tensors[i]._version,
+                                             then=versions[i], where=where))
 
 
 def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor:
@@ -305,16 +542,14 @@ def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor
     x_local = view.enter(x)
     local_tokens = x_local.numel() // x_local.shape[-1]
     if local_tokens != run.plan.num_tokens:
-        # A view that enters this rank's own tokens (sequence parallelism: the call was handed a DTensor of
-        # the whole sequence, of which this rank holds a slice) tiles those, over the planned shard count.
+        # A view that enters this rank's own tokens (sequence parallelism) tiles those, over the planned count.
         run = dataclasses.replace(run, plan=make_shard_plan(local_tokens, run.plan.num_shards))
     local_params = view.params(run.kernel.params)
-    using = run.kernel.using
-    if using is no_substitution:
+    if not run.kernel.substitutes_tensors:
         return view.leave(_sharded_apply(x_local, run, local_params))
-    # A kernel that runs the module's own forward reads its parameter slots: they hold the local tensors
-    # for the forward shards as for the recompute (``_recompute_contexts``).
-    with using(local_params):
+    # A kernel that runs the module's own forward reads its parameter slots: they hold the local tensors for
+    # the forward shards as for the recompute.
+    with run.kernel.using(local_params):
         out = _sharded_apply(x_local, run, local_params)
     return view.leave(out)
 
@@ -323,28 +558,66 @@ def _sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel], params: Sequen
     grad_enabled = torch.is_grad_enabled()
     input_version = x._version if grad_enabled and not x.is_inference() else None
     x_in, holder = save_input(x, params)
-    # Tensors the forward reads besides x and the parameters matter only when a graph is being built.
-    watch = run.kernel.may_read_other_tensors and grad_enabled
-    if not watch:
-        # Nothing to discover before the Function: it runs the first shard with the others (under the
-        # no-grad mode autograd gives every Function's forward, as the first shard runs here).
+    kernel = run.kernel
+    if not (kernel.may_read_other_tensors and grad_enabled):
+        # Nothing to discover before the Function: it runs the first shard with the others.
         return ShardedMapFunction.apply(x_in, run, FirstShard(None, None, None, holder, x.requires_grad, input_version),
                                         *params)
     x_root = x.detach()
     x_flat = x_root.reshape(-1, x.shape[-1])
     first_slice = run.plan.slice_tuple[0]
     rng_state = capture_rng_state(x.device) if run.replay_rng else None
-    # Every tensor the first shard reads from outside, with or without a gradient: the ones needing a
-    # gradient become inputs of the Function, the others are held to what the backward recompute reads.
-    reads = _watch([x_root, x_flat, *params, *run.kernel.owned_params] if watch else None, grad_only=False)
-    with torch.no_grad(), _maybe(reads):
-        first_out = completed(run.kernel.forward_shard(x_flat[first_slice], None, params, first_slice))
-    others = []
-    if reads is not None:
-        _check_nothing_kept(reads, expected=[first_out])
-        foreign = reads.foreign_tensors()
-        others = [t for t in foreign if t.requires_grad]
-        run.kernel.remember_reads([t for t in foreign if not t.requires_grad])
-    watched = [*params, *run.kernel.owned_params, *others] if watch else None
-    first = FirstShard(first_out, rng_state, watched, holder, x.requires_grad, input_version)
+    # Every tensor the first shard reads from outside, with or without a gradient: the ones needing a gradient
+    # become inputs of the Function, the others are held to what the backward recompute reads.
+    reads = TensorReads(known=[x_root, x_flat, *params, *kernel.owned_params], watch_kept=True, grad_only=False)
+    with torch.no_grad(), reads:
+        first_out = completed(kernel.forward_into(x_flat[first_slice], None, params, first_slice))
+    _check_nothing_kept(reads, expected=[first_out])
+    foreign = reads.foreign_tensors()
+    others = [t for t in foreign if t.requires_grad]
+    kernel.remember_reads([t for t in foreign if not t.requires_grad])
+    first = FirstShard(first_out, rng_state, [*params, *kernel.owned_params, *others], holder, x.requires_grad,
+                       input_version)
     return ShardedMapFunction.apply(x_in, run, first, *params, *others)
+
+
+# -- the reduce shape (a loss) ------------------------------------------------------------------------------------
+# Forward forms each shard's gradients at once (no [tokens, vocab] tensor outlives its shard, nothing is
+# recomputed, the parameters are read inside the one gathered region around the call). Backward scales them
+# by the gradient that arrives (the output is a scalar: exact for the input and the parameters alike) and
+# delivers them as the map shape does. Refused: double backward, and a second backward through one call.
+class ShardedReduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, run: ShardedRun[ReduceKernel],
+                building_graph: bool, *params: torch.Tensor) -> torch.Tensor:
+        # ``needs_input_grad`` says what requires grad, also under no_grad: ``building_graph`` is the caller's
+        # grad mode (no gradient is formed for a loss computed without a graph).
+        num_params = len(params)
+        needs = [building_graph and need for need in ctx.needs_input_grad]
+        needed = needed_grads(run, needs[5:], num_params)
+        grads = GradAccumulator(params, needed, run.grad_accum_dtype) if any(needed) else None
+        dx_flat = x.new_empty((x.numel() // x.shape[-1], x.shape[-1])) if needs[0] else None
+        total = reduce_shards(run.kernel, x, targets, scale, dx_flat, grads, params, run.plan.slice_tuple)
+        ctx.dx = None if dx_flat is None else dx_flat.view_as(x)
+        ctx.param_grads = delivered_grads(run, grads, params, num_params) if grads is not None else [None] * num_params
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise RuntimeError(LOSS_DOUBLE_BACKWARD_ERROR)
+        if ctx.param_grads is None:
+            raise RuntimeError(SECOND_BACKWARD_ERROR)
+        dx, param_grads = ctx.dx, ctx.param_grads
+        ctx.dx = ctx.param_grads = None  # handed over: nothing else keeps them alive after this backward
+        # A 0-dim factor, in place (the forward made each buffer and nothing else references it); under
+        # torch.compile AOT autograd turns the in-place product into a functional one.
+        scaled = [None if g is None else g.mul_(grad_loss) for g in (dx, *param_grads)]
+        return (scaled[0], None, None, None, None, *scaled[1:])
+
+
+def sharded_reduce(x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, run: ShardedRun[ReduceKernel],
+                   params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum over shards of ``run.kernel``'s shard losses (each times ``scale``). Call it inside the
+    strategy's gathered region: autograd records the parameters' shapes here, whole."""
+    return ShardedReduceFunction.apply(x, targets, scale, run, torch.is_grad_enabled(), *params)

@@ -16,7 +16,6 @@ from transformers import LlamaConfig  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
 
 import tiled_mlp.core.kernels.generic  # noqa: E402
-import tiled_mlp.core.rng  # noqa: E402
 import tiled_mlp.core.sharded_autograd  # noqa: E402
 from integration_tests.tiny_models import small_planner_llama  # noqa: E402
 from tiled_mlp.planner.step import Setting, build_model  # noqa: E402
@@ -54,7 +53,7 @@ class LiveStates:
 @contextlib.contextmanager
 def states_counted(monkeypatch) -> Iterator[LiveStates]:
     """Every ``capture_rng_state`` of the tiled path (both its call sites and ``replay_rng_state``'s own)."""
-    original = tiled_mlp.core.rng.capture_rng_state
+    original = tiled_mlp.core.sharded_autograd.capture_rng_state
     states = LiveStates()
 
     def counted(device):
@@ -63,7 +62,7 @@ def states_counted(monkeypatch) -> Iterator[LiveStates]:
         return state
 
     with monkeypatch.context() as patch:
-        for module in (tiled_mlp.core.rng, tiled_mlp.core.sharded_autograd, tiled_mlp.core.kernels.generic):
+        for module in (tiled_mlp.core.sharded_autograd, tiled_mlp.core.kernels.generic):
             patch.setattr(module, "capture_rng_state", counted)
         yield states
 

@@ -1,10 +1,6 @@
-"""Per-shard kernels: what one token shard computes in forward and in backward.
+"""Per-shard kernels: what one token shard computes in forward and in backward (``base.py``: the base
+classes; the built-in kernels beside it). They share the sharding, RNG replay and gradient delivery of
+``sharded_autograd``."""
+from .base import ReduceKernel, ShardKernel
 
-Both kernels share the sharding, RNG replay and gradient delivery of ``sharded_autograd``; they differ
-only in how a shard's forward and backward are computed.
-"""
-from .base import ShardKernel
-from .gated import GatedShardKernel
-from .generic import GenericShardKernel
-
-__all__ = ["ShardKernel", "GenericShardKernel", "GatedShardKernel"]
+__all__ = ["ShardKernel", "ReduceKernel"]

@@ -15,14 +15,110 @@ after their projections and the output after down; backward scales dy by ``ds`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ..gated_spec import GatedMLPSpec
-from ..grad_accum import GradAccumulator
-from .base import no_substitution
+from .base import ShardKernel
+
+if TYPE_CHECKING:
+    from ..gated_spec import GatedMLPSpec
+    from ..sharded_autograd import GradAccumulator
+
+# -- the gated activations ---------------------------------------------------------------------------------------
+# ``forward_mul(g, u)`` returns ``act(g) * u``; ``backward_mul(dh, g, u)`` returns ``(dg, du)`` and may overwrite
+# ``g``, ``u`` and ``dh`` (a shard's working set stays a few ``[tokens, intermediate]`` buffers). The native ones
+# use aten's fused ``*_backward`` ops (CPU, CUDA, Ascend NPU alike); a faster kernel for a device type (a Triton
+# kernel) is registered by whoever knows its library (``register_fused_kernel``) and used where the call allows.
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+class NativeGatedActivation:
+    """Pure-torch kernels (every device type)."""
+
+    def __init__(self, name: str):
+        if name not in ACTIVATIONS:
+            raise ValueError(f"unknown gated activation {name!r}; known: {', '.join(ACTIVATIONS)}")
+        self.name = name
+
+    def act(self, g: torch.Tensor) -> torch.Tensor:
+        if self.name == "silu":
+            return F.silu(g)
+        return F.gelu(g, approximate="tanh" if self.name == "gelu_tanh" else "none")
+
+    def act_backward(self, grad: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = grad * act'(g)``; ``out`` may be ``g`` itself (same-index elementwise aliasing)."""
+        if self.name == "silu":
+            return torch.ops.aten.silu_backward.grad_input(grad, g, grad_input=out)
+        approximate = "tanh" if self.name == "gelu_tanh" else "none"
+        return torch.ops.aten.gelu_backward.grad_input(grad, g, approximate=approximate, grad_input=out)
+
+    def forward_mul(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return self.act(g).mul_(u)
+
+    def backward_mul(self, dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        du = self.act(g).mul_(dh)  # du = dh * act(g)
+        dh.mul_(u)  # dh * u: the upstream gradient of act(g)
+        dg = self.act_backward(dh, g, out=g)
+        return dg, du
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """A faster kernel for some activations on one device type: ``factory(name)`` builds it, when
+    ``available()`` (its library is installed)."""
+
+    device_type: str
+    names: FrozenSet[str]
+    factory: Callable[[str], Any]
+    available: Callable[[], bool]
+
+
+# Registered fused kernels (``register_fused_kernel``); the last registered for a device and name wins.
+_FUSED: List[FusedKernel] = []
+_FUSED_GENERATION = [0]
+
+
+def fused_generation() -> int:
+    return _FUSED_GENERATION[0]
+
+
+def register_fused_kernel(device_type: str, names: Iterable[str], factory: Callable[[str], Any],
+                          available: Callable[[], bool] = lambda: True) -> FusedKernel:
+    """Use ``factory(name)`` (an object with ``forward_mul`` and ``backward_mul`` as
+    ``NativeGatedActivation``'s) for the activations ``names`` on tensors of ``device_type``, whenever
+    ``available()``; each call that takes the gated fast kernel with fused kernels allowed asks."""
+    names = frozenset(names)
+    unknown = sorted(names - set(ACTIVATIONS))
+    if unknown or not names:
+        raise ValueError(f"a fused kernel computes some of {', '.join(ACTIVATIONS)}; got {sorted(names)}")
+    if not isinstance(device_type, str) or not callable(factory) or not callable(available):
+        raise TypeError("register_fused_kernel takes a device type name, the activation names, a factory and "
+                        "an availability check")
+    kernel = FusedKernel(device_type, names, factory, available)
+    _FUSED.append(kernel)
+    _FUSED_GENERATION[0] += 1
+    return kernel
+
+
+def unregister_fused_kernel(kernel: FusedKernel) -> None:
+    """Withdraw what ``register_fused_kernel`` returned."""
+    _FUSED[:] = [k for k in _FUSED if k is not kernel]
+    _FUSED_GENERATION[0] += 1
+
+
+def gated_activation(name: str, device: torch.device, use_fused: bool = True):
+    """The kernel for ``name`` on ``device``: the last fused kernel registered for it and available,
+    when ``use_fused``, else the native one."""
+    if use_fused:
+        for kernel in reversed(_FUSED):
+            if kernel.device_type == device.type and name in kernel.names and kernel.available():
+                return kernel.factory(name)
+    return NativeGatedActivation(name)
+
+
+# -- the kernel ----------------------------------------------------------------------------------------------------
 
 ROLES = ("gate", "up", "gate_up", "down")
 # Where the down projection's weight index sits in ``GatedLayout.as_args``' ints (two per role, weight first).
@@ -81,15 +177,15 @@ class GatedLayout:
         return cls(slots, *(float(s) for s in scales))
 
 
-class GatedShardKernel:
-    # The forward's code and the structure proved that it reads nothing but the input and ``params``.
-    may_read_other_tensors = False
-    replays_rng = False  # the formula draws no random numbers
-    using = staticmethod(no_substitution)  # computes from the tensors it is given, never the module's
+class GatedShardKernel(ShardKernel):
+    """The formula computed directly; the forward's code and structure proved that it reads nothing but the
+    input and ``params`` and draws no random numbers."""
+
+    name = "fast"
+    replays_rng = False
     # Plain tensors only: distributed parameters reach it through the strategy's local view (``tiled_call``).
     runs_on_local_view = True
-    # Stateless: built once per call plan and run by every call of it (``builtin_kernels.GatedEntry``).
-    serves_many_calls = True
+    serves_many_calls = True  # stateless: built once per call plan
 
     def __init__(self, layout: GatedLayout, activation, params: List[torch.Tensor], module_name: str = "the gated MLP"):
         self.module_name = module_name
@@ -105,13 +201,9 @@ class GatedShardKernel:
     def for_spec(cls, spec: GatedMLPSpec, activation, module_name: str = "the gated MLP") -> GatedShardKernel:
         return cls(GatedLayout.of(spec), activation, spec.params, module_name)
 
-    def _output_width(self, tensors: Sequence[torch.Tensor]) -> int:
-        """The width of the output (the down projection's rows): the sharded Function allocates the
-        whole output before the first shard, which then writes into it like every other."""
+    def output_width(self, tensors: Sequence[torch.Tensor]) -> int:
+        """The down projection's rows (the output is written with ``out=``, in the input's dtype)."""
         return tensors[self._slots["down"].weight].shape[0]
-
-    def remember_reads(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Never called: the fast kernel reads nothing but the input and ``params``."""
 
     # -- projections -------------------------------------------------------------------------------
     def _gate_up(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]):
@@ -134,8 +226,8 @@ class GatedShardKernel:
             grads.add_rowsum(slots.bias, grad_rows)
 
     # -- kernel interface -------------------------------------------------------------------------
-    def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
-                      tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> torch.Tensor:
+    def forward_into(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
+                     tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> torch.Tensor:
         g, u, _ = self._gate_up(x_shard, tensors)
         h = self.activation.forward_mul(g, u)
         del g, u
@@ -148,8 +240,9 @@ class GatedShardKernel:
             out = torch.addmm(down_bias, h, down_weight.t(), out=out_shard)
         return out.mul_(self._down_scale) if self._down_scale != 1.0 else out
 
-    def backward_shard(self, x_shard: torch.Tensor, grad_out_shard: torch.Tensor, grad_in_shard: Optional[torch.Tensor],
-                       grads: GradAccumulator, tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> None:
+    def backward_into(self, x_shard: torch.Tensor, grad_out_shard: torch.Tensor, grad_in_shard: Optional[torch.Tensor],
+                      grads: GradAccumulator, tensors: Sequence[torch.Tensor],
+                      shard: Optional[slice] = None) -> Optional[torch.Tensor]:
         # ``shard`` is unused: the MLP has no sharded input but x.
         dy = grad_out_shard * self._down_scale if self._down_scale != 1.0 else grad_out_shard
         g, u, gu = self._gate_up(x_shard, tensors)
@@ -174,12 +267,11 @@ class GatedShardKernel:
             if du.data_ptr() != u.data_ptr():
                 u.copy_(du)
             self._add_weight_grads("gate_up", gu, x_shard, grads)
-            if grad_in_shard is not None:
-                torch.mm(gu, tensors[self._slots["gate_up"].weight], out=grad_in_shard)
-            return
+            return None if grad_in_shard is None else torch.mm(gu, tensors[self._slots["gate_up"].weight], out=grad_in_shard)
 
         self._add_weight_grads("gate", dg, x_shard, grads)
         self._add_weight_grads("up", du, x_shard, grads)
-        if grad_in_shard is not None:
-            torch.mm(dg, tensors[self._slots["gate"].weight], out=grad_in_shard)
-            grad_in_shard.addmm_(du, tensors[self._slots["up"].weight])
+        if grad_in_shard is None:
+            return None
+        torch.mm(dg, tensors[self._slots["gate"].weight], out=grad_in_shard)
+        return grad_in_shard.addmm_(du, tensors[self._slots["up"].weight])

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..checks import CHANGED_READ_ERROR, PlainValues, TensorVersions
 from ..collectives import is_pending, wait_pending
-from ..grad_accum import GradAccumulator
 from ..plain_values import snapshot
-from ..rng import capture_rng_state, replay_rng_state
+from ..sharded_autograd import capture_rng_state, replay_rng_state
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
+from .base import ShardKernel
+
+if TYPE_CHECKING:
+    from ..sharded_autograd import GradAccumulator
 
 HOOKS_CHANGED_ERROR = (
     "TiledMLP: the hooks on submodules of {module} changed between its forward and backward ({hooks}). The "
@@ -89,13 +92,14 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
 
 
-class GenericShardKernel:
+class GenericShardKernel(ShardKernel):
+    name = "generic"
     # Any forward: it may read tensors besides its parameters, which the sharded Function finds.
     may_read_other_tensors = True
-    # Set per call where the strategy's local view runs the module's own forward on local tensors
-    # (``builtin_kernels.GenericEntry``): the parameter slots then hold them in the forward too.
-    runs_on_local_view = False
-    replays_rng = True  # a forward may draw random numbers (dropout): the recompute replays them
+    # The module's parameter slots hold the Function's tensors around the recompute (``using``).
+    substitutes_tensors = True
+    # ``runs_on_local_view`` is set per call where the strategy's local view runs the module's own forward on
+    # local tensors (``builtin_kernels.GenericEntry``); a forward may draw random numbers (dropout): replayed.
 
     def __init__(self, forward_fn: Callable, module_name: str, params: List[torch.Tensor], shard_prefix: tuple,
                  layout: GenericLayout, current_hooks: Callable[[], List[str]], grad_mode: bool = True,
@@ -144,8 +148,8 @@ class GenericShardKernel:
             )
         return y.reshape(x_shard.shape[0], y.shape[-1])
 
-    def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
-                      tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> torch.Tensor:
+    def forward_into(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
+                     tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> torch.Tensor:
         # With grad mode on, the shard builds a graph that dies with ``y`` when this returns: one shard's
         # activations at a time, as in the backward recompute. Its saved tensors stay its own: an outer
         # saved-tensor hook must not see them (a non-reentrant checkpoint would count them and lose its
@@ -162,10 +166,7 @@ class GenericShardKernel:
                 if self._plain_values.changed():
                     del y  # its graph: one shard's activations at a time, the re-run's included
                     y = self._first_shard_again(x_shard, shard, rng_state)
-        y = y.detach()
-        if out_shard is None:
-            return y
-        return out_shard.copy_(y)
+        return y.detach()
 
     def _first_shard_again(self, x_shard: torch.Tensor, shard: Optional[slice], rng_state: tuple) -> torch.Tensor:
         """The first shard changed a value the code reads (a one-time set-up flag: bitsandbytes'
@@ -209,8 +210,9 @@ class GenericShardKernel:
             for owner, attr, original in reversed(swapped):
                 owner._parameters[attr] = original
 
-    def backward_shard(self, x_shard: torch.Tensor, grad_out_shard: torch.Tensor, grad_in_shard: Optional[torch.Tensor],
-                       grads: GradAccumulator, tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> None:
+    def backward_into(self, x_shard: torch.Tensor, grad_out_shard: torch.Tensor, grad_in_shard: Optional[torch.Tensor],
+                      grads: GradAccumulator, tensors: Sequence[torch.Tensor],
+                      shard: Optional[slice] = None) -> Optional[torch.Tensor]:
         wanted = [i for i, need in enumerate(grads.needed) if need]
         with torch.enable_grad():
             x_leaf = x_shard.detach().requires_grad_(grad_in_shard is not None)
@@ -220,18 +222,15 @@ class GenericShardKernel:
         wait_pending(y)
         inputs = ([x_leaf] if grad_in_shard is not None else []) + [tensors[i] for i in wanted]
         if not inputs or not y.requires_grad:
-            if grad_in_shard is not None:
-                grad_in_shard.zero_()
-            return
+            return None if grad_in_shard is None else grad_in_shard.zero_()
         shard_grads = torch.autograd.grad(y, inputs, grad_out_shard, allow_unused=True)
+        dx = None
         if grad_in_shard is not None:
             dx, shard_grads = shard_grads[0], shard_grads[1:]
-            if dx is None:
-                grad_in_shard.zero_()
-            else:
-                grad_in_shard.copy_(dx)
+            dx = grad_in_shard.zero_() if dx is None else dx
         for index, grad in zip(wanted, shard_grads, strict=True):
             grads.add(index, grad)
+        return dx
 
     def _recompute(self, x_leaf: torch.Tensor, tensors: Sequence[torch.Tensor], shard: Optional[slice]) -> torch.Tensor:
         if self._reads_checked:

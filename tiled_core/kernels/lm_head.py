@@ -18,15 +18,18 @@ autograd through ``logits.float()`` does.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ..autocast_state import autocast_enabled
-from ..grad_accum import GradAccumulator
+from ..sharded_autograd import autocast_enabled
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
+from .base import ReduceKernel
 from .cross_entropy import WHOLE_VOCAB, CrossEntropyOptions, VocabSpan, check_targets, cross_entropy_shard
+
+if TYPE_CHECKING:
+    from ..sharded_autograd import GradAccumulator
 
 HEAD_READ_ERROR = (
     "tiled loss: the head {head} read tensors that require grad besides its parameters ({tensors}); their "
@@ -48,15 +51,14 @@ def is_plain_linear(head: nn.Module, is_backend_hook: Callable[[Any], bool] = la
             and (own is None or is_backend_hook(own)))
 
 
-class LinearHeadKernel:
+class LinearHeadKernel(ReduceKernel):
     """``x @ W.T (+ b)`` per shard. Its rows may be a slice of the vocabulary (``span``: the
     vocabulary-parallel kernel, ``vocab_parallel.py``); the matmuls are the same, and the shard's
     input gradient is then this slice's part of the sum over slices."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], options: CrossEntropyOptions,
                  module_name: str = "the head", span: VocabSpan = WHOLE_VOCAB):
-        self.module_name = module_name
-        self.params: List[torch.Tensor] = [weight] if bias is None else [weight, bias]
+        super().__init__([weight] if bias is None else [weight, bias], module_name)
         self.options = options
         self.span = span
 
@@ -113,17 +115,12 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-class ModuleHeadKernel:
+class ModuleHeadKernel(ReduceKernel):
     def __init__(self, head: nn.Module, trainable: Sequence[torch.Tensor], options: CrossEntropyOptions):
-        self.module_name = type(head).__name__
+        super().__init__(trainable, type(head).__name__)
         self.head = head
-        self.params = list(trainable)
         self.options = options
         self._reads_checked = False  # the first shard's reads are checked (later shards run the same code)
-
-    def compute_tensors(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-        """The head computes with its own tensors: autograd takes the gradient back to them."""
-        return tensors
 
     def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
               grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:

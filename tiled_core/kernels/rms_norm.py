@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 
-from ..grad_accum import GradAccumulator
 from ..norm_forms import MULTIPLIES, MULTIPLY_IN_INPUT_DTYPE, NormSpec
-from .base import no_substitution
+from .base import ShardKernel
+
+if TYPE_CHECKING:
+    from ..sharded_autograd import GradAccumulator
 
 WEIGHT = 0  # the weight's index among the kernel's tensors (its only one)
 
@@ -78,12 +80,12 @@ def _recording() -> Iterator[None]:
         yield
 
 
-class RMSNormShardKernel:
-    may_read_other_tensors = False  # the body reads the input, the weight and a float: proven by its code
-    replays_rng = False  # the formula draws no random numbers
-    using = staticmethod(no_substitution)  # computes from the tensors it is given, never the module's
-    # Declined for distributed parameters (``builtin_kernels.NormEntry``): the generic kernel runs those.
-    runs_on_local_view = False
+class RMSNormShardKernel(ShardKernel):
+    """The body reads the input, the weight and a float (proven by its code) and draws no random numbers.
+    Declined for distributed parameters (``builtin_kernels.NormEntry``): the generic kernel runs those."""
+
+    name = "norm"
+    replays_rng = False
     serves_many_calls = True  # stateless: one per call plan
 
     def __init__(self, layout: NormLayout, weight: torch.Tensor, module_name: str = "the RMSNorm"):
@@ -91,9 +93,6 @@ class RMSNormShardKernel:
         self.params = [weight]
         self.owned_params = self.params  # the structure proved it owns nothing else
         self.module_name = module_name
-
-    def remember_reads(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Never called: the kernel reads nothing but the input and the weight."""
 
     def _scale(self, weight: torch.Tensor) -> torch.Tensor:
         """What multiplies the normed rows: ``offset + w`` in the body's dtype (``w`` itself without offset)."""
@@ -106,26 +105,28 @@ class RMSNormShardKernel:
             return scale * normed.to(x_dtype)
         return (normed * scale).to(x_dtype)
 
-    def forward_shard(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
-                      tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> torch.Tensor:
-        y = self._output(_normed(x_shard, self.layout.eps), x_shard.dtype, self._scale(tensors[WEIGHT]))
-        return y if out_shard is None else out_shard.copy_(y)
+    def forward_shard(self, x_shard: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self._output(_normed(x_shard, self.layout.eps), x_shard.dtype, self._scale(tensors[WEIGHT]))
 
-    def backward_shard(self, x_shard: torch.Tensor, grad_out_shard: torch.Tensor, grad_in_shard: Optional[torch.Tensor],
-                       grads: GradAccumulator, tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> None:
+    def backward_into(self, x_shard: torch.Tensor, grad_out_shard: torch.Tensor, grad_in_shard: Optional[torch.Tensor],
+                      grads: GradAccumulator, tensors: Sequence[torch.Tensor],
+                      shard: Optional[slice] = None) -> Optional[torch.Tensor]:
         weight = tensors[WEIGHT].detach()
         need_dw = grads.needed[WEIGHT]
+        dx = None
         with _recording():
             x = x_shard.detach().requires_grad_(grad_in_shard is not None)
             normed = _normed(x, self.layout.eps)
             if grad_in_shard is not None:
                 y = self._output(normed, x.dtype, self._scale(weight))
                 (dx,) = torch.autograd.grad(y, x, grad_out_shard)
-                grad_in_shard.copy_(dx)
-                del y, dx
-        if not need_dw:
-            return
-        normed = normed.detach()
+                del y
+        if need_dw:
+            self._add_weight_grad(x_shard, grad_out_shard, normed.detach(), grads)
+        return dx
+
+    def _add_weight_grad(self, x_shard: torch.Tensor, grad_out_shard: torch.Tensor, normed: torch.Tensor,
+                         grads: GradAccumulator) -> None:
         accum = grads.dtype_for(WEIGHT)
         if self.layout.multiply == MULTIPLY_IN_INPUT_DTYPE:
             # d(scale) = dy * normed.to(x.dtype): the rounding of the cast is the body's, the product and the

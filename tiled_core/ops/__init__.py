@@ -1,7 +1,7 @@
 """The tiled kernels as ``torch.library`` custom ops, for ``torch.compile``: Dynamo traces a tiled call
 as one node of the graph (no graph break), whose autograd, fake (shape) kernel and backward are
 registered here. The shards run eagerly inside the node, through the same kernels and shard loops as
-the sharded autograd Function (``shard_loops``). Which calls take an op is decided where the call is
+the sharded autograd Function (``sharded_autograd``). Which calls take an op is decided where the call is
 traced (``compiled_route``)."""
 from .gated_mlp import gated_mlp
 from .rms_norm import rms_norm

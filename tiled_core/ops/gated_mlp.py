@@ -18,12 +18,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..activations import gated_activation
-from ..grad_accum import GradAccumulator
-from ..kernels.gated import DOWN_WEIGHT_ARG, GatedLayout, GatedShardKernel
-from ..shard_loops import backward_shards, forward_shards
-from ..shard_plan import make_shard_plan
-from .gradient_slots import fake_slots, flat_like, needed_only, slot
+from ..kernels.gated import DOWN_WEIGHT_ARG, GatedLayout, GatedShardKernel, gated_activation
+from .gradient_slots import fake_slots, map_backward, map_forward, needed_only
 
 
 def _kernel(tensors: Sequence[torch.Tensor], slots: Sequence[int], scales: Sequence[float], activation: str,
@@ -41,12 +37,8 @@ def _down_rows(tensors: Sequence[torch.Tensor], slots: Sequence[int]) -> int:
 def gated_mlp(x: torch.Tensor, tensors: List[torch.Tensor], slots: List[int], scales: List[float], activation: str,
               use_fused: bool, num_shards: int, accum_dtype: Optional[torch.dtype]) -> torch.Tensor:
     """``down(act(gate(x) * gs) * (up(x) * us)) * ds`` over ``num_shards`` token shards, no intermediate kept."""
-    x_flat = x.reshape(-1, x.shape[-1])
-    out = x.new_empty((*x.shape[:-1], _down_rows(tensors, slots)))
-    plan = make_shard_plan(x_flat.shape[0], num_shards)
     kernel = _kernel(tensors, slots, scales, activation, use_fused, x.device)
-    forward_shards(kernel, x_flat, out.view(-1, out.shape[-1]), plan.slice_tuple, tensors)
-    return out
+    return map_forward(kernel, x, x.new_empty((*x.shape[:-1], _down_rows(tensors, slots))), tensors, num_shards)
 
 
 @gated_mlp.register_fake
@@ -59,15 +51,8 @@ def gated_mlp_backward(grad_out: torch.Tensor, x: torch.Tensor, tensors: List[to
                        scales: List[float], activation: str, use_fused: bool, num_shards: int,
                        accum_dtype: Optional[torch.dtype], needs: List[bool]) -> List[torch.Tensor]:
     """``[dx, *d tensors]``, each recomputed shard by shard; ``needs[i]`` False: an empty slot."""
-    x_flat = x.reshape(-1, x.shape[-1])
-    dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-    dx_flat = flat_like(x_flat) if needs[0] else None
-    grads = GradAccumulator(tensors, needs[1:], accum_dtype)
-    plan = make_shard_plan(x_flat.shape[0], num_shards)
     kernel = _kernel(tensors, slots, scales, activation, use_fused, x.device)
-    backward_shards(kernel, plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, tensors)
-    dx = None if dx_flat is None else dx_flat.view_as(x)
-    return [slot(dx, x), *(slot(g, t) for t, g in zip(tensors, grads.results(), strict=True))]
+    return map_backward(kernel, grad_out, x, tensors, num_shards, accum_dtype, needs)
 
 
 @gated_mlp_backward.register_fake

@@ -22,12 +22,10 @@ from typing import List, Optional
 
 import torch
 
-from ..grad_accum import GradAccumulator
 from ..kernels.cross_entropy import CrossEntropyOptions, check_targets
 from ..kernels.lm_head import LinearHeadKernel, loss_dtype
-from ..shard_loops import reduce_shards
 from ..shard_plan import make_shard_plan
-from ..sharded_reduce import LOSS_DOUBLE_BACKWARD_ERROR
+from ..sharded_autograd import LOSS_DOUBLE_BACKWARD_ERROR, GradAccumulator, reduce_shards
 from .gradient_slots import fake_slots, slot
 
 

@@ -17,11 +17,8 @@ from typing import List, Optional
 
 import torch
 
-from ..grad_accum import GradAccumulator
-from ..kernels.rms_norm import WEIGHT, NormLayout, RMSNormShardKernel
-from ..shard_loops import backward_shards, forward_shards
-from ..shard_plan import make_shard_plan
-from .gradient_slots import fake_slots, flat_like, needed_only, slot
+from ..kernels.rms_norm import NormLayout, RMSNormShardKernel
+from .gradient_slots import fake_slots, map_backward, map_forward, needed_only
 
 
 def _output_like(x: torch.Tensor, weight: torch.Tensor, layout: NormLayout) -> torch.Tensor:
@@ -33,11 +30,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, m
              accum_dtype: Optional[torch.dtype]) -> torch.Tensor:
     """The registered norm formula (``norm_forms``) over ``num_shards`` token shards."""
     layout = NormLayout(eps, offset, multiply)
-    x_flat = x.reshape(-1, x.shape[-1])
-    out = _output_like(x, weight, layout)
-    plan = make_shard_plan(x_flat.shape[0], num_shards)
-    forward_shards(RMSNormShardKernel(layout, weight), x_flat, out.view(-1, out.shape[-1]), plan.slice_tuple, [weight])
-    return out
+    return map_forward(RMSNormShardKernel(layout, weight), x, _output_like(x, weight, layout), [weight], num_shards)
 
 
 @rms_norm.register_fake
@@ -49,20 +42,10 @@ def _rms_norm_fake(x, weight, eps, offset, multiply, num_shards, accum_dtype):
 def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
                       multiply: str, num_shards: int, accum_dtype: Optional[torch.dtype],
                       needs: List[bool]) -> List[torch.Tensor]:
-    """``[dx, dweight]``, recomputed shard by shard; ``needs[i]`` False: an empty slot."""
-    x_flat = x.reshape(-1, x.shape[-1])
-    dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-    dx_flat = flat_like(x_flat) if needs[0] else None
-    grads = GradAccumulator([weight], needs[1:], accum_dtype)
-    plan = make_shard_plan(x_flat.shape[0], num_shards)
+    """``[dx, dweight]``, recomputed shard by shard; ``needs[i]`` False: an empty slot (a call with no token
+    gives the weight zeros, as untiled)."""
     kernel = RMSNormShardKernel(NormLayout(eps, offset, multiply), weight)
-    backward_shards(kernel, plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, [weight])
-    dx = None if dx_flat is None else dx_flat.view_as(x)
-    dweight = grads.results()[WEIGHT]
-    # A call with no token (0 shards' worth of sums) leaves no buffer: its gradient is zeros, as untiled.
-    if needs[1] and dweight is None:
-        dweight = torch.zeros_like(weight)
-    return [slot(dx, x), slot(dweight, weight)]
+    return map_backward(kernel, grad_out, x, [weight], num_shards, accum_dtype, needs)
 
 
 @rms_norm_backward.register_fake

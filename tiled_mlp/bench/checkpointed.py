@@ -2,7 +2,7 @@
 
 Long-context training checkpoints every decoder layer. Untiled, a checkpointed MLP runs its forward
 twice per step (the forward, the checkpoint's recompute); DeepSpeed's TiledMLP three times (plus its
-own backward recompute). Ours saves its input before the shard loop (``tiled_core/saved_input.py``),
+own backward recompute). Ours saves its input before the shard loop (``tiled_core/sharded_autograd.py``'s ``SaveInput``),
 so the checkpoint's recompute stops before the MLP and its own backward recompute is the second and
 last forward: in matmul units for a gated MLP, untiled 3 + 3 + 6 = 12, DeepSpeed 3 + 3 + 3 + 6 = 15,
 ours 3 + 8 = 11.

@@ -21,8 +21,8 @@ from typing import Callable, Dict
 import torch
 
 from tiled_mlp import TiledMLP
-from tiled_mlp.core.grad_accum import GradAccumulator
 from tiled_mlp.core.shard_plan import make_shard_plan
+from tiled_mlp.core.sharded_autograd import GradAccumulator
 
 from .mlp import SwiGLUMLP
 
@@ -77,9 +77,9 @@ def measure(calls: int = 500) -> Dict[str, float]:
             dx = torch.empty(TOKENS, HIDDEN)
             grads = GradAccumulator(params, [True] * len(params))
             for shard in plan.slices():
-                kernel.forward_shard(x_flat[shard], out[shard], params)
+                kernel.forward_into(x_flat[shard], out[shard], params, shard)
             for shard in plan.slices():
-                kernel.backward_shard(x_flat[shard], dy_flat[shard], dx[shard], grads, params)
+                kernel.backward_into(x_flat[shard], dy_flat[shard], dx[shard], grads, params, shard)
             grads.results()
 
     class BareFunction(torch.autograd.Function):
@@ -88,7 +88,7 @@ def measure(calls: int = 500) -> Dict[str, float]:
             ctx.save_for_backward(inp)
             out = torch.empty(TOKENS, HIDDEN)
             for shard in plan.slices():
-                kernel.forward_shard(x_flat[shard], out[shard], weights)
+                kernel.forward_into(x_flat[shard], out[shard], weights, shard)
             return out.view_as(inp)
 
         @staticmethod
@@ -97,7 +97,7 @@ def measure(calls: int = 500) -> Dict[str, float]:
             dx = torch.empty(TOKENS, HIDDEN)
             grads = GradAccumulator(params, [True] * len(params))
             for shard in plan.slices():
-                kernel.backward_shard(x_flat[shard], grad_out.reshape(TOKENS, HIDDEN)[shard], dx[shard], grads, params)
+                kernel.backward_into(x_flat[shard], grad_out.reshape(TOKENS, HIDDEN)[shard], dx[shard], grads, params, shard)
             return (dx.view_as(inp), *grads.results())
 
     results = per_call_us({

@@ -5,11 +5,11 @@ The generic kernel (``tiled_core/kernels/generic.py``) and the sharded Function
 recompute draws the forward's random numbers; ``replay_rng_state`` takes one more while it swaps a saved
 state in. Each is a CPU uint8 tensor of its own (5,056 bytes: the Mersenne Twister's state), made on the
 meta device too, and ``torch.get_rng_state`` is no dispatched op, so the dispatch-mode tracker never sees
-it. Here every real call of ``tiled_mlp.core.rng.capture_rng_state`` during the step hands its CPU state to
+it. Here every real call of ``tiled_mlp.core.sharded_autograd.capture_rng_state`` during the step hands its CPU state to
 ``on_state`` (the tracker's ``track_host``), which then follows the storage until it is freed: the counted
 bytes live exactly as long as the states do, whatever path, shard count or checkpointing made them.
 
-The function is replaced wherever a ``tiled_core`` module holds it by name (``from ..rng import
+The function is replaced wherever a ``tiled_core`` module holds it by name (``from ..sharded_autograd import
 capture_rng_state``), found by identity, so a module that imports it later is not missed.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable, Iterator, List, Tuple
 
 import torch
 
-from tiled_mlp.core import rng
+from tiled_mlp.core import sharded_autograd as rng
 
 
 @contextlib.contextmanager

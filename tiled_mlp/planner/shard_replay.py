@@ -6,7 +6,7 @@ meta-device ops through the tracker, and that loop is most of what a plan costs.
 kernel call's allocations and frees depend only on the shapes, dtypes and Python objects it is given,
 never on values, so the calls of one loop that see the same shapes log the same events.
 
-Within the step (``shards_replayed``), every kernel call (``forward_shard``, ``backward_shard``, a loss
+Within the step (``shards_replayed``), every kernel call (``forward_into``, ``backward_into``, a loss
 kernel's ``shard``) is keyed by the objects and shapes it gets: the loop's own tensors (the bases the
 shard views are cut from, alive exactly as long as the loop), the kernel, the gradient accumulator,
 every shape and dtype, and each shard's length (its offset aside). A call is run for real and its slice
@@ -35,7 +35,7 @@ import torch
 
 # The kernel interface the shard loops call, one call per shard (``tiled_core/kernels/base.py``), and
 # the modules that define the kernels.
-KERNEL_METHODS = ("forward_shard", "backward_shard", "shard")
+KERNEL_METHODS = ("forward_shard", "backward_shard", "forward_into", "backward_into", "shard")
 KERNEL_MODULES = ("tiled_mlp.core.kernels.gated", "tiled_mlp.core.kernels.generic", "tiled_mlp.core.kernels.lm_head",
                   "tiled_mlp.core.kernels.rms_norm")
 
