@@ -15,6 +15,7 @@ from .class_swap import install_tiling, prepare_tiling, untile
 from .fast_path import FastPathRefused, fast_path_problem
 from .gated_forms import GatedForm, register_gated_mlp, unregister_gated_mlp
 from .kernel_registry import Kernel, KernelCall, available_kernels, register_kernel, unregister_kernel
+from .kernels import ReduceKernel, ShardKernel
 from .module import TiledMLP, tile
 from .module_call import TiledInputs
 from .shard_plan import ShardPlan, make_shard_plan
@@ -28,6 +29,6 @@ from .tiling_state import TilingState
 # once and roll back together (``apply_tiled_mlp``): ``prepare_tiling``, ``install_tiling``, ``TilingState``.
 __all__ = ["TiledMLP", "tile", "untile", "TiledInputs", "prepare_tiling", "install_tiling", "TilingState",
            "FastPathRefused", "fast_path_problem", "GatedForm", "register_gated_mlp", "unregister_gated_mlp",
-           "Kernel", "KernelCall", "register_kernel", "unregister_kernel", "available_kernels", "tiled_call",
+           "Kernel", "KernelCall", "ShardKernel", "ReduceKernel", "register_kernel", "unregister_kernel", "available_kernels", "tiled_call",
            "ShardPlan", "make_shard_plan", "ShardedMapFunction", "ShardedRun", "sharded_apply",
            "ShardedReduceFunction", "sharded_reduce", "tiled_cross_entropy", "TiledCrossEntropy"]

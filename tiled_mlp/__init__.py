@@ -33,6 +33,8 @@ _load_from_checkout()
 from .core import (  # noqa: E402  (after the checkout's folders are found)
     Kernel,
     KernelCall,
+    ReduceKernel,
+    ShardKernel,
     TiledCrossEntropy,
     TiledInputs,
     TiledMLP,
@@ -81,6 +83,8 @@ __all__ = [
     "TiledInputs",
     "Kernel",
     "KernelCall",
+    "ShardKernel",
+    "ReduceKernel",
     "register_kernel",
     "unregister_kernel",
     "available_kernels",
