@@ -29,6 +29,7 @@ class RecordingStrategy(Strategy):
 
     name = "test_recording"
     priority = 50
+    gathers_params = True  # declared: the call enters ``gathered`` only where it is
     entered = []
 
     @classmethod
