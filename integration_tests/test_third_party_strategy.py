@@ -37,6 +37,7 @@ class ManualDataParallel(WaitsForEveryParameter, Strategy):
 
     name = "test_manual_dp"
     priority = 500
+    delivers_grads = True  # declared: the call hands the summed gradients to deliver_grads
 
     @classmethod
     @claims_need_process_group  # asked only where one is initialised, as here
