@@ -220,7 +220,7 @@ def test_a_registration_with_a_tensor_argument_can_be_repeated_and_overridden(re
     assert get_strategy("test_sp_recording").tag.sum().item() == 0
 
 
-def test_a_patched_base_gathered_is_entered_around_the_call_and_the_backward(monkeypatch):
+def test_a_declared_gathered_is_entered_around_the_call_and_the_backward(monkeypatch):
     entered = []
     base = Strategy.gathered
 
@@ -229,6 +229,7 @@ def test_a_patched_base_gathered_is_entered_around_the_call_and_the_backward(mon
         return base(self, module)
 
     monkeypatch.setattr(Strategy, "gathered", spy)
+    monkeypatch.setattr(Strategy, "gathers_params", True)  # the capability declared: the call enters it
     tiled = TiledMLP(GatedMLP(HIDDEN, INTER).double(), num_shards=2)
     tiled(torch.randn(1, 6, HIDDEN, dtype=torch.float64, requires_grad=True)).sum().backward()
     assert entered == ["TiledGatedMLP", "TiledGatedMLP"]  # around the forward, and around the recompute

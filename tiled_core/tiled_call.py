@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
@@ -28,7 +29,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from tiled_mlp.strategies import registry as _strategy_registry
 from tiled_mlp.strategies.base import Strategy
 from tiled_mlp.strategies.resolver import resolve_strategy
 
@@ -115,15 +115,22 @@ def inside_backward() -> bool:
     return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
 
 
+_BASE_CONFIGURED_FOR = Strategy.__dict__["configured_for"].__func__
+
+
 def _registrations() -> tuple:
-    registry = getattr(_strategy_registry, "_REGISTRY", None)
+    """The strategy registrations now, read without a call (the registry's module, found as the resolver loaded
+    it: the core imports only the strategy interface). Empty where the registry keeps them otherwise: then
+    nothing is kept."""
+    registry = getattr(sys.modules.get("tiled_mlp.strategies.registry"), "_REGISTRY", None)
     return () if registry is None else tuple(registry.values())
 
 
 def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
     """The fixed strategy, or "auto" resolved now (``state``: the module's tiling). Not kept across calls where a
     process group is initialised: a forward before ``fully_shard``, ``deepspeed.initialize``, a DDP or an FSDP1
-    wrap must not pin the single-device fallback. Without one, kept while the registrations are the same."""
+    wrap must not pin the single-device fallback. Without one, kept while the registrations are the same (and
+    the strategy was built from its registered arguments alone)."""
     fixed = state.fixed_strategy
     if fixed is not None:
         return fixed
@@ -142,7 +149,12 @@ def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
     if not in_backward:
         # Into the state's dict: not a setting that ``TilingState.__setattr__`` checks.
         fields["forward_strategy"] = strategy
-    fields["local_strategy"] = None if distributed else (strategy, _registrations())
+    # Kept for the next calls only where the strategy was built from its registered arguments alone (a class
+    # whose own ``configured_for`` reads the runtime is asked at every call) and no process group can change
+    # what claims the module.
+    registrations = () if distributed else _registrations()
+    own_build = getattr(type(strategy).configured_for, "__func__", None) is not _BASE_CONFIGURED_FOR
+    fields["local_strategy"] = None if own_build or not registrations else (strategy, registrations)
     return strategy
 
 
@@ -157,12 +169,6 @@ _tensor_state = operator.attrgetter("dtype", "device", "requires_grad")
 # Each module's class, its class's forward and its training mode, in one C-level read.
 _identity = operator.attrgetter("__class__", "__class__.forward", "training")
 _dict_of = operator.attrgetter("__dict__")
-# What the auto policy's answer rests on besides the sizes (``auto_shards.policy_inputs``), read without a call.
-_policy = operator.attrgetter(
-    "SHARD_INTERMEDIATE_BYTES", "WORKING_SET_SHARE", "WORKING_SET_BUFFERS", "MIN_TOKENS_PER_SHARD",
-    "MIN_INTERMEDIATE_SHARE", "MIN_SAVED_BYTES", "FAST_SAVED_INTERMEDIATES", "GENERIC_SAVED_INTERMEDIATES", "MiB",
-    "auto_decision", "fixed_bytes", "shard_count", "estimated_saved_bytes", "_size", "_shards")
-
 
 class ModuleTree:
     """The module tree below (and including) one module as it is now, compared at each call by identity in a few
@@ -262,7 +268,7 @@ class MapPlan:
         self.choices: Dict[tuple, Any] = {}
         self.guards: List[Callable[[], bool]] = []  # checked in strict mode only (the fast path's proof reads)
         self.generic = False  # whether the last kernel chosen keeps gradient buffers of its own
-        self.views: Dict[int, Any] = {}  # the strategy's local view for a kernel, by kernel (None: plain tensors)
+        self.views: Dict[type, Any] = {}  # the strategy's local view, by kernel class (None: plain tensors)
         # Tiled decisions of kernels that serve many calls, by (tokens, shard setting, policy).
         self.decisions: Dict[tuple, CallDecision] = {}
         self._trainable_bytes: Optional[int] = None
@@ -315,7 +321,7 @@ def _decide(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Stra
     where it was made before and holds nothing of a call; else made now."""
     num_tokens = x.numel() // x.shape[-1]
     configured = state.num_shards
-    memo_key = (num_tokens, configured, _policy(_auto_shards) if not isinstance(configured, int) else None)
+    memo_key = (num_tokens, configured, _auto_shards.policy_inputs(_auto_shards) if not isinstance(configured, int) else None)
     decision = plan.decisions.get(memo_key)
     if decision is None:
         decision, keep = _decide_now(module, state, plan, strategy, x, shard_forward, token_inputs, num_tokens)
@@ -444,11 +450,13 @@ def _local_view(strategy: Strategy, owner: nn.Module, kernel: Any, plan: Optiona
     with the plan where there is none (the plan fixes the parameters)."""
     if not getattr(kernel, "runs_on_local_view", False):
         return None
-    if plan is not None and plan.views.get(id(kernel), True) is None:
+    # Per kernel class: under one plan, a kernel class computes on the same tensors (the proven spec's, the
+    # trainable ones, the norm's weight).
+    if plan is not None and plan.views.get(type(kernel), True) is None:
         return None
     view = strategy.local_view(owner, kernel.params)
     if plan is not None and view is None:
-        plan.views[id(kernel)] = None
+        plan.views[type(kernel)] = None
     if view is not None and view.why_not:
         raise RuntimeError(f"{kernel} chosen for {type(owner).__name__}, whose local view declines it: {view.why_not}")
     return view
@@ -545,11 +553,6 @@ def _site_run(site: CallSite, strategy: Strategy, gathered: Optional[Callable[[]
     out = site.run(run)
     site.record(decision, run.plan)
     return out
-
-
-def membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor]) -> List[bool]:
-    ids = {id(t) for t in chosen}
-    return [id(t) in ids for t in tensors]
 
 
 __all__: Tuple[str, ...] = ("CallDecision", "TiledInputs", "autograd_carries_the_call", "decide_map_call",
