@@ -4,8 +4,9 @@ The decision rests on what the forward is (its function object, proven to comput
 by ``gated_forms``), the module's structure (its parameters, buffers, submodules, their classes and
 their classes' forwards, and hooks, and the hooks registered for every module), its training mode,
 the weights' and the input's dtype and device, every other attribute (a ``self.scale = 2.0``, a
-tensor attribute), and autocast. The call plan it is cached in is kept only while all of that holds
-(``call_plan.py``, ``module_snapshot.py``). Nothing is decided by running the forward: a forward the
+tensor attribute), and autocast. It is made once with the call plan (``tiled_call.MapPlan``), kept while
+what a training step can change holds (``tiled_call.ModuleTree``), and in strict mode while every attribute
+and what the proof read besides (``gated_forms.ProofReads``) holds. Nothing is decided by running the forward: a forward the
 fast kernel is not proven to compute takes the generic path, which runs it.
 """
 from __future__ import annotations
