@@ -13,6 +13,15 @@ from torch import nn
 HIDDEN, INTERMEDIATE, CALLS = 8, 16, 3
 
 
+def in_strict_mode(rank: int, world: int, case, *args) -> object:
+    """``case`` run in strict mode (``tiled_core/strict.py``), where kept tensors are looked for: a rank is
+    forked from a server that imported the library before the test's environment was set."""
+    from tiled_mlp.core.strict import strict_mode
+
+    with strict_mode():
+        return case(rank, world, *args)
+
+
 def collectives_seen(rank: int, world: int) -> Dict[str, object]:
     """What the watch records of a collective: torch.distributed's own in-place ``all_reduce`` (what DeepSpeed
     AutoTP's layers call), a functional one called as DTensor calls it (the operator packet), and a plain op;

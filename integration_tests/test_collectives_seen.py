@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .collective_cases import collectives_seen, kept_input_view, long_lived_memory_runs
+from .collective_cases import collectives_seen, in_strict_mode, kept_input_view, long_lived_memory_runs
 from .spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.mark.timeout(60)
 def test_torch_distributed_and_functional_collectives_are_both_seen(tmp_path):
-    for seen in run_distributed(collectives_seen, 2, tmp_path, timeout=50):
+    for seen in run_distributed(in_strict_mode, 2, tmp_path, collectives_seen, timeout=50):
         assert seen["in_place"] and seen["packet"] and seen["functional"] and not seen["plain"], seen
         # Alive: the in-place one's memory (its input is its result) and both functional results; none once those
         # are the expected ones (the functional inputs are dead by then).
@@ -29,6 +29,6 @@ def test_a_collective_on_a_buffer_or_the_input_is_no_kept_tensor(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_kept_view_of_the_input_a_collective_took_is_refused_on_every_rank(tmp_path):
-    for outcome in run_distributed(kept_input_view, 2, tmp_path, timeout=50):
+    for outcome in run_distributed(in_strict_mode, 2, tmp_path, kept_input_view, timeout=50):
         assert outcome.startswith("raised: ") and "were kept after their shard" in outcome, outcome
         assert "a collective took" in outcome, outcome

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from .collective_cases import in_strict_mode
 from .spawn import run_distributed
 from .tp_cases import HIDDEN, INTERMEDIATE, run_tp_cases, run_tp_refusals, run_uneven_auto
 
@@ -72,7 +73,8 @@ def test_what_no_kernel_proves_under_tensor_parallelism_is_refused_on_every_rank
     # keeps each shard's all-reduced output is refused on both ranks, with no rank left in the next collective.
     cases = [("sequence", "generic"), ("sequence_negative", "generic"), ("gelu_stashed", "auto"),
              ("gelu_dtensor_output", "auto")]
-    for rank_results in run_distributed(run_tp_refusals, WORLD, tmp_path, cases, timeout=50):
+    # Strict mode: a hook's kept tensors are looked for there (``tiled_core/strict.py``).
+    for rank_results in run_distributed(in_strict_mode, WORLD, tmp_path, run_tp_refusals, cases, timeout=50):
         sequence, negative, stashed, dtensor_output = (rank_results[case]["raised"] for case in cases)
         assert "returned a DTensor" in dtensor_output and "use_local_output=True" in dtensor_output, dtensor_output
         norm = rank_results["norm"]

@@ -155,7 +155,7 @@ def _run_mlp_case(rank: int, world: int, layout: str, path: str, num_shards: Uni
         optimizer.step()
         optimizer.zero_grad()
     tiling = mlp.tiling
-    sizes = tiling.call_sizes
+    sizes = tiling.call_plan
     return {"errors": errors, "path": tiling.last_path, "reason": tiling.last_reason, "num_shards": tiling.last_num_shards,
             "intermediate": sizes.intermediate, "param_bytes": sizes.param_bytes, "pending_works": _pending_works()}
 

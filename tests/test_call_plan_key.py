@@ -1,9 +1,11 @@
-"""What a tiled call caches (``tiled_core/call_plan.py``) is re-decided when what it rests on changes.
+"""What a tiled call keeps (``tiled_core/tiled_call.MapPlan``) is re-decided when what it rests on changes.
 
 Each test makes a first call (which caches the fast decision), changes one thing the fast kernel
 would not see, and checks that the next call follows the change: the fast path is left where it no
 longer computes the module, and the result is the untiled module's. A cache keyed on too little fails
-them by reusing the stale fast decision.
+them by reusing the stale fast decision. What only a rare configuration changes (an attribute written into
+an instance dict past ``nn.Module.__setattr__``, a class or torch function patched after tiling) is seen in
+strict mode (``tiled_core/strict.py``), and those tests run in it.
 """
 from __future__ import annotations
 
@@ -19,8 +21,15 @@ from torch import nn
 
 from tiled_mlp import TiledMLP
 from tiled_mlp.core import untile
+from tiled_mlp.core.strict import strict_mode
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def strict():
+    with strict_mode():
+        yield
 
 HIDDEN, INTER, TOKENS = 8, 12, 7
 
@@ -131,6 +140,7 @@ def test_a_child_swapped_after_a_fast_call_is_seen():
     assert tiled.tiling.call_plan.fast[0].activation == "gelu"
 
 
+@pytest.mark.usefixtures("strict")
 def test_an_instance_attribute_hiding_a_child_after_a_fast_call_is_seen():
     # The fast decision's own staleness check reads only the class: the plan's snapshot of the module's
     # dicts must see an instance attribute that the forward now reads instead of the registered child.
@@ -191,6 +201,7 @@ def _doubled_weight(linear):
 @pytest.mark.parametrize("change", ["activation class attribute", "projection class attribute",
                                     "projection class attribute lookup", "torch's attribute lookup",
                                     "projection call", "projection module global"])
+@pytest.mark.usefixtures("strict")
 def test_a_child_class_changed_after_a_fast_call_is_seen(monkeypatch, change):
     # The snapshot sees each child's class by identity, not what is added to that class later: the fast
     # decision's staleness check must read the children's classes as well as the module's.
@@ -231,18 +242,17 @@ def test_train_eval_toggle_keeps_exact_results():
     _assert_matches_untiled(tiled, "fast")
 
 
-def test_pass_through_reuses_the_last_sizes_and_a_long_call_still_tiles():
-    """num_shards="auto": a short call passes through on the last plan's sizes without a walk; a long
-    call after it still tiles, and both match the untiled module."""
+def test_pass_through_reuses_the_plan_and_a_long_call_still_tiles():
+    """num_shards="auto": a short call passes through on the kept plan, without a new walk; a long call after
+    it still tiles, and both match the untiled module."""
     mlp = seeded(GatedMLP, 8, 64, 1024, "silu", dtype=torch.float32)
     tiled = TiledMLP(mlp)
     short = torch.randn(1, 8, 64)
     tiled(short)
     assert tiled.tiling.last_path == "untiled"
-    sizes = tiled.tiling.call_sizes
-    assert tiled.tiling.call_plan is None  # a pass-through keeps the sizes only (nothing that holds a tensor)
+    plan = tiled.tiling.call_plan
     tiled(short)
-    assert tiled.tiling.last_path == "untiled" and tiled.tiling.call_sizes is sizes
+    assert tiled.tiling.last_path == "untiled" and tiled.tiling.call_plan is plan
     long = torch.randn(1, 8192, 64, requires_grad=True)
     out = tiled(long)
     assert tiled.tiling.last_path == "fast" and tiled.tiling.last_num_shards > 1

@@ -11,7 +11,15 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from tiled_mlp.core.collectives import is_collective, wait_released
+from tiled_mlp.core.strict import strict_mode
 from tiled_mlp.core.tensor_reads import TensorReads
+
+
+@pytest.fixture(autouse=True)
+def strict():
+    """Kept tensors are looked for in strict mode (``tiled_core/strict.py``)."""
+    with strict_mode():
+        yield
 
 
 def test_a_collective_is_known_by_its_operator_namespace():

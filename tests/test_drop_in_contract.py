@@ -31,6 +31,7 @@ from torch.func import functional_call
 
 from tiled_mlp import TiledMLP
 from tiled_mlp.core.shard_plan import make_shard_plan
+from tiled_mlp.core.strict import strict_mode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -370,6 +371,11 @@ def test_film_conditioning_from_outside_sends_its_gradient_upstream():
 
 
 def test_hook_that_stashes_an_activation_for_a_loss_is_an_error_under_grad():
+    with strict_mode():  # kept tensors are looked for in strict mode (``tiled_core/strict.py``)
+        _stashed_activation_is_an_error()
+
+
+def _stashed_activation_is_an_error():
     """Guards: a hook on a submodule that keeps a tensor (an activation penalty for the loss) would,
     tiled, keep a no-grad tensor of one shard: the loss term would silently carry no gradient. Under
     grad that is a clear RuntimeError before any gradient is written; under ``no_grad`` (evaluation)

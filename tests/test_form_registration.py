@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from reference import assert_runs_close, fresh_inputs, tiled_run, untiled_run
 from torch import nn
 
-from tiled_mlp.core.activations import NativeGatedActivation, register_fused_kernel, unregister_fused_kernel
 from tiled_mlp.core.code_forms import CodeForm
 from tiled_mlp.core.gated_forms import (
     F_SILU,
@@ -31,6 +30,7 @@ from tiled_mlp.core.gated_forms import (
     unregister_equivalent_linear,
     unregister_gated_form,
 )
+from tiled_mlp.core.kernels.gated import NativeGatedActivation, register_fused_kernel, unregister_fused_kernel
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
@@ -250,7 +250,8 @@ def test_a_registered_fused_kernel_is_used_on_its_device_type_exactly():
     (lambda: register_fused_kernel("cuda", ("relu",), CountingKernel), ValueError),
 ])
 def test_bad_registrations_are_refused_before_anything_is_registered(register, error):
-    from tiled_mlp.core import activations, gated_forms
+    from tiled_mlp.core import gated_forms
+    from tiled_mlp.core.kernels import gated as activations
 
     before = (list(gated_forms.KNOWN_BODIES), list(gated_forms._ACTIVATION_BODIES),
               set(gated_forms._EQUIVALENT_LINEARS), list(activations._FUSED))

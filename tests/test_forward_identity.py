@@ -15,6 +15,7 @@ from reference import GatedMLP, assert_runs_close, fresh_inputs, step
 from torch import nn
 
 from tiled_mlp import TiledMLP
+from tiled_mlp.core import strict
 
 pytestmark = pytest.mark.timeout(60)
 HIDDEN, INTER, SHAPE = 8, 16, (2, 12, 8)
@@ -71,6 +72,8 @@ def test_code_swapped_in_place_is_decided_again():
 
 
 def test_a_patched_torch_function_is_not_the_fast_kernels(monkeypatch):
+    # Torch functions patched after tiling are checked in strict mode (``tiled_core/strict.py``).
+    monkeypatch.setattr(strict, "ON", True)
     mlp, untiled = _pair()
     tiled = TiledMLP(mlp, num_shards=3)
     _assert_same_step_on_path(untiled, tiled, "fast")

@@ -16,8 +16,16 @@ from reference import GatedMLP, Run, assert_runs_close, fresh_inputs, step, unti
 from torch import nn
 
 from tiled_mlp import TiledMLP, register_gated_mlp, unregister_gated_mlp
+from tiled_mlp.core.strict import strict_mode
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def strict():
+    """The plain values a recompute reads again are compared in strict mode (``tiled_core/strict.py``)."""
+    with strict_mode():
+        yield
 
 HIDDEN, INTER, TOKENS = 8, 20, 12
 SHAPE = (2, TOKENS, HIDDEN)

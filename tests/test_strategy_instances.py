@@ -220,7 +220,7 @@ def test_a_registration_with_a_tensor_argument_can_be_repeated_and_overridden(re
     assert get_strategy("test_sp_recording").tag.sum().item() == 0
 
 
-def test_a_patched_base_gathered_is_entered_around_the_call_and_the_backward(monkeypatch):
+def test_a_declared_gathered_is_entered_around_the_call_and_the_backward(monkeypatch):
     entered = []
     base = Strategy.gathered
 

@@ -22,7 +22,7 @@ from loss_reference import (
 from torch import nn
 
 from tiled_mlp.core import TiledCrossEntropy, tiled_cross_entropy
-from tiled_mlp.core.sharded_reduce import LOSS_DOUBLE_BACKWARD_ERROR, SECOND_BACKWARD_ERROR
+from tiled_mlp.core.sharded_autograd import LOSS_DOUBLE_BACKWARD_ERROR, SECOND_BACKWARD_ERROR
 
 pytestmark = pytest.mark.timeout(60)
 one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)

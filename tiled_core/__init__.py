@@ -17,11 +17,9 @@ from .gated_forms import GatedForm, register_gated_mlp, unregister_gated_mlp
 from .kernel_registry import Kernel, KernelCall, available_kernels, register_kernel, unregister_kernel
 from .kernels import ReduceKernel, ShardKernel
 from .module import TiledMLP, tile
-from .module_call import TiledInputs
 from .shard_plan import ShardPlan, make_shard_plan
-from .sharded_autograd import ShardedMapFunction, ShardedRun, sharded_apply
-from .sharded_reduce import ShardedReduceFunction, sharded_reduce
-from .tiled_call import tiled_call
+from .sharded_autograd import ShardedMapFunction, ShardedReduceFunction, ShardedRun, sharded_apply, sharded_reduce
+from .tiled_call import TiledInputs, tiled_call
 from .tiled_loss import TiledCrossEntropy, tiled_cross_entropy
 from .tiling_state import TilingState
 

@@ -51,6 +51,8 @@ Three rules, all cheap enough for every forward:
 from __future__ import annotations
 
 import math
+import operator
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -206,13 +208,14 @@ def _shards(num_shards: int) -> str:
     return f"{num_shards} shard{'s' if num_shards != 1 else ''}"
 
 
-def policy_inputs() -> tuple:
-    """Everything module-level the policy's answer rests on besides the call's sizes: its constants
-    (tests and ``integration_tests/zero_training.py`` set ``MIN_SAVED_BYTES``) and its functions (a
-    patched rule). ``tests/test_auto_policy_memo.py`` checks that every constant is here."""
-    return (SHARD_INTERMEDIATE_BYTES, WORKING_SET_SHARE, WORKING_SET_BUFFERS, MIN_TOKENS_PER_SHARD,
-            MIN_INTERMEDIATE_SHARE, MIN_SAVED_BYTES, FAST_SAVED_INTERMEDIATES, GENERIC_SAVED_INTERMEDIATES,
-            MiB, auto_decision, fixed_bytes, shard_count, estimated_saved_bytes, _size, _shards)
+# Everything module-level the policy's answer rests on besides the call's sizes: its constants (tests and
+# ``integration_tests/zero_training.py`` set ``MIN_SAVED_BYTES``) and its functions (a patched rule).
+# ``tests/test_decision_memory.py`` checks that every constant is here.
+POLICY_NAMES = ("SHARD_INTERMEDIATE_BYTES", "WORKING_SET_SHARE", "WORKING_SET_BUFFERS", "MIN_TOKENS_PER_SHARD",
+                "MIN_INTERMEDIATE_SHARE", "MIN_SAVED_BYTES", "FAST_SAVED_INTERMEDIATES", "GENERIC_SAVED_INTERMEDIATES",
+                "MiB", "auto_decision", "fixed_bytes", "shard_count", "estimated_saved_bytes", "_size", "_shards")
+# ``policy_inputs(module)``: their values now, read in C (the call path reads them at every auto call).
+policy_inputs = operator.attrgetter(*POLICY_NAMES)
 
 
 # Answers by sizes, for one ``policy_inputs()``: a short call that passes through asks the same question
@@ -226,7 +229,7 @@ def remembered_auto_decision(num_tokens: int, hidden: int, intermediate: Optiona
                              element_bytes: int, generic_trainable_bytes: Optional[int]) -> AutoDecision:
     """``auto_decision`` on these sizes, answered from memory when asked before with the same sizes and
     the same ``policy_inputs()``."""
-    inputs = policy_inputs()
+    inputs = policy_inputs(sys.modules[__name__])
     if inputs != _REMEMBERED_FOR[0]:  # a constant or a rule set since: every answer may differ
         _REMEMBERED.clear()
         _REMEMBERED_FOR[0] = inputs

@@ -25,10 +25,10 @@ from torch import nn
 from tiled_mlp.strategies.resolver import resolve_strategy, strategy_from_arg
 
 from . import dynamo_support
-from .autocast_state import autocast_enabled
 from .head_call import hook_count
 from .kernels.lm_head import is_plain_linear
 from .kernels.vocab_parallel import SplitsHeadVocabulary
+from .sharded_autograd import autocast_enabled
 from .tiled_call import autograd_carries_the_call
 
 

@@ -4,8 +4,9 @@ The decision rests on what the forward is (its function object, proven to comput
 by ``gated_forms``), the module's structure (its parameters, buffers, submodules, their classes and
 their classes' forwards, and hooks, and the hooks registered for every module), its training mode,
 the weights' and the input's dtype and device, every other attribute (a ``self.scale = 2.0``, a
-tensor attribute), and autocast. The call plan it is cached in is kept only while all of that holds
-(``call_plan.py``, ``module_snapshot.py``). Nothing is decided by running the forward: a forward the
+tensor attribute), and autocast. It is made once with the call plan (``tiled_call.MapPlan``), kept while
+what a training step can change holds (``tiled_call.ModuleTree``), and in strict mode while every attribute
+and what the proof read besides (``gated_forms.ProofReads``) holds. Nothing is decided by running the forward: a forward the
 fast kernel is not proven to compute takes the generic path, which runs it.
 """
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import nn
 
-from .autocast_state import autocast_enabled
 from .gated_forms import known_form_and_body
 from .gated_spec import GatedMLPSpec, no_hook_is_backend, structural_spec
 from .module_forward import forward_function, is_tiled
+from .sharded_autograd import autocast_enabled
 
 
 def decide_fast_path(module: nn.Module, forward_fn: Optional[Callable], x: torch.Tensor,

@@ -25,8 +25,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Un
 import torch.nn.functional as F
 from torch import nn
 
-from .activations import ACTIVATIONS
 from .code_forms import CodeForm, GlobalReads, check_body, matches
+from .kernels.gated import ACTIVATIONS
 
 Scale = Union[float, str]  # a fixed factor, or the name of a float attribute the forward multiplies by
 

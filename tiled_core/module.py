@@ -20,7 +20,7 @@ token-wise module (MoE experts, norms) says only how its call's arguments enter 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -29,9 +29,8 @@ from tiled_mlp.strategies.resolver import StrategyArg
 
 from .class_swap import install_tiling, prepare_tiling, rebuild, record_own_names
 from .compiled_route import compiled_call
-from .module_call import TiledInputs, module_forward
-from .module_forward import hidden_states_argument
 from .shard_plan import NumShards
+from .tiled_call import TiledInputs, default_tiled_inputs, module_forward
 from .tiling_state import STATE_ATTR, TilingState
 
 
@@ -109,12 +108,10 @@ class TiledMLP(nn.Module):
         base = super().extra_repr()
         return f"{base}, {mine}" if base else mine
 
-    def tiled_inputs(self, *args, **kwargs) -> TiledInputs:
-        """How this call's arguments enter the tiled call: the hidden states alone, by position or by the
-        original forward's name for them. A subclass for a module with other token-wise inputs returns
-        them as ``token_inputs``."""
-        x = args[0] if len(args) == 1 and not kwargs else hidden_states_argument(self, args, kwargs)
-        return TiledInputs(x)
+    # How a call's arguments enter the tiled call (the hidden states alone); a subclass for a module with other
+    # token-wise inputs overrides it and returns them as ``TiledInputs.token_inputs``. The default is read by
+    # identity at each call (``tiled_call.module_forward``).
+    tiled_inputs: Callable[..., TiledInputs] = default_tiled_inputs
 
     # The generated class's ``forward`` (``TiledForward``) calls this in eager mode.
     _tiled_forward = module_forward

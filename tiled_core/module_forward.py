@@ -41,8 +41,13 @@ class TiledForward:
         self.function = forward
 
     def __get__(self, module, owner=None):
-        # Dynamo traces the read in ``nn.Module._call_impl`` (``self.forward``).
-        return self.function if module is None else bound(self.function, module)
+        # Dynamo traces the read in ``nn.Module._call_impl`` (``self.forward``): a ``functools.partial`` there
+        # (``dynamo_support.bound``), eagerly the function's own binding, read here without a call.
+        if module is None:
+            return self.function
+        if torch.compiler.is_compiling():
+            return bound(self.function, module)
+        return self.function.__get__(module, owner)
 
     def __set__(self, module, value) -> None:
         # ``module.forward = module._old_forward`` (accelerate removing its hook; unpickling a bound

@@ -44,6 +44,8 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from . import strict as _strict
+
 # Immutable values compared by value: two equal ones compute the same (``torch.device`` and
 # ``torch.Size`` objects are made anew at each read, equal but not identical).
 _PLAIN = (int, float, bool, complex, str, type(None), torch.device, torch.dtype, enum.Enum)
@@ -208,7 +210,9 @@ def _read(names: FrozenSet[str], modules: List[Tuple[str, Dict[str, Any]]]) -> R
 
 def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> ReadValues:
     """The values the code of ``module``'s tree may read. ``root_forward``: what ``module``'s forward runs
-    where it is not its class's (an instance forward)."""
+    where it is not its class's (an instance forward). Read in strict mode only (``strict.py``): else none."""
+    if not _strict.ON:
+        return ReadValues(frozenset(), [], [])
     collector = _NameCollector()
     classes: Set[type] = set()
     modules: List[Tuple[str, Dict[str, Any]]] = []

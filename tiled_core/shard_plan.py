@@ -7,10 +7,11 @@ that see different token counts (and so pick different shard counts) cannot dead
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import numbers
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 NumShards = Union[int, str]
@@ -19,31 +20,25 @@ AUTO = "auto"  # resolved to a count (or to "run untiled") by ``auto_shards.auto
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Token shards of one call: ``shard_sizes[i]`` tokens starting at ``offsets[i]``."""
+    """Token shards of one call: ``shard_sizes[i]`` tokens starting at ``offsets[i]``. Everything is computed
+    when the plan is made (plain attributes: read at every shard of every call, and ``make_shard_plan`` hands
+    out the same plan for the same sizes)."""
 
     num_tokens: int
     shard_sizes: tuple
+    num_shards: int = field(init=False, compare=False)
+    offsets: tuple = field(init=False, compare=False)
+    slice_tuple: tuple = field(init=False, compare=False, repr=False)
 
-    @property
-    def num_shards(self) -> int:
-        return len(self.shard_sizes)
-
-    @property
-    def offsets(self) -> tuple:
-        starts, total = [], 0
-        for size in self.shard_sizes:
-            starts.append(total)
-            total += size
-        return tuple(starts)
+    def __post_init__(self) -> None:
+        starts = tuple(itertools.accumulate(self.shard_sizes[:-1], initial=0))
+        object.__setattr__(self, "num_shards", len(self.shard_sizes))
+        object.__setattr__(self, "offsets", starts)
+        object.__setattr__(self, "slice_tuple", tuple(slice(start, start + size)
+                                                      for start, size in zip(starts, self.shard_sizes, strict=True)))
 
     def slices(self):
         return iter(self.slice_tuple)
-
-    # Read at every shard of every call; the plan never changes, and ``make_shard_plan`` hands out the
-    # same plan for the same sizes.
-    @functools.cached_property
-    def slice_tuple(self) -> tuple:
-        return tuple(slice(start, start + size) for start, size in zip(self.offsets, self.shard_sizes, strict=True))
 
 
 def check_num_shards(num_shards: NumShards) -> None:

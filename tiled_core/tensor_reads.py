@@ -14,8 +14,10 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
+from . import strict as _strict
 from .collectives import is_collective
 
 
@@ -86,13 +88,18 @@ class TensorReads(TorchFunctionMode):
             tensor read (what the fast path would skip), with the tensors made inside excluded.
         made_since: a tensor whose autograd node was created at or after this sequence number was made
             inside the block (a recompute under autograd), not read from outside.
-        watch_kept: keep weak references to what the block makes, for ``kept``.
+        watch_kept: keep weak references to what the block makes, for ``kept``: in strict mode
+            (``strict.py``), or where ``parametrize.cached()`` is on (an adapter put on a parameter as a
+            parametrization: its cache would keep the first shard's weight); elsewhere ``kept`` finds nothing.
     """
 
     def __init__(self, known: Iterable[torch.Tensor], grad_only: bool = True, made_since: Optional[int] = None,
                  watch_kept: bool = False):
         super().__init__()
-        self._made_refs: Optional[List[weakref.ref]] = [] if watch_kept else None
+        watched = watch_kept and (_strict.ON or parametrize._cache_enabled > 0)
+        self._made_refs: Optional[List[weakref.ref]] = [] if watched else None
+        # Made tensors are held only where kept tensors are not asked about at all (their ids then stay unique).
+        self._hold_made = not watch_kept
         known = list(known)
         self._known = {id(t) for t in known}
         # Where kept tensors are watched, what a collective took or made in the block (``collectives.py``): the
@@ -156,7 +163,7 @@ class TensorReads(TorchFunctionMode):
         # be free to die); a tensor that existed before the block never shares an id with one made inside
         # it while both live, so a stale id can only be another one made inside. (Made tensors need a
         # gradient too where the block runs with grad mode on: the generic forward in training.)
-        if self._made_refs is None:
+        if self._hold_made:
             self._made.extend(made)
         self._made_ids.update(map(id, made))
         self._made_ids.update(map(id, inner))

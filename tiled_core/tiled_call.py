@@ -1,38 +1,74 @@
-"""The one tiled call: every tiled module and the tiled loss run through ``tiled_call``.
+"""The one tiled call: a tiled module's forward (``module_forward``) and the tiled loss (``tiled_call``).
 
     strategy  ->  gathered region  ->  decision  ->  shard plan  ->  map or reduce run
 
-1. **strategy**: the backend the call runs under (``CallSite.strategy``: resolved for a module at
-   every call, since a model is usually wrapped by its backend after it was tiled).
-2. **gathered region**: the strategy's ``gathered`` context around everything below (a ZeRO-3
-   parameter is whole inside it): never one gather per shard.
-3. **decision** (``CallSite.decide``): run untiled, with a reason, or a kernel from the registry
-   (``kernel_registry.choose_kernel``) and a shard count.
-4. **shard plan**: the token slices (``shard_plan.make_shard_plan``).
-5. **run**: the sharded autograd Function of the caller's shape (``CallSite.run``: ``sharded_apply``,
-   a token-wise map, or ``sharded_reduce``, a sum over shards), with the strategy's gradient delivery.
+Decide once, check cheaply. What a module's call runs (the kernel, the fast path's proof, the sizes the
+auto policy reads, what the strategy says about the module) is decided at its first call and kept in a
+``MapPlan``. Each later call checks, by identity, only what a training step can change: the strategy
+(resolved at every call where a process group is initialised: a model is usually wrapped by its backend
+after it was tiled), the module's class and forward, the input's dtype, device and rank, autocast, and
+the module tree's classes, instance forwards, registries (PEFT adding adapters after tiling), hooks
+(accelerate's, a user's, ``register_module_forward_hook``), training modes and parameters' dtype, device
+and ``requires_grad``. Strict mode (``strict.py``) compares every attribute of every submodule as well,
+and the fast path's proof guards.
 
-A caller (``module_call.MapSite`` for tiled modules, ``tiled_loss.LossSite`` for the loss) says only
-what differs: how its strategy is found, how it decides, which Function runs, what it records.
+A strategy that delivers gradients itself (``Strategy.delivers_grads``) sees every call: its calls never
+pass through untiled (a call too short to tile runs as one shard), so every rank delivers alike.
 """
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.modules import module as _nn_module
 
 from tiled_mlp.strategies.base import Strategy
+from tiled_mlp.strategies.resolver import resolve_strategy
 
+from . import auto_shards as _auto_shards
+from . import gated_forms as _gated_forms
+from . import kernel_registry as _kernels
+from . import norm_forms as _norm_forms
+from . import strict as _strict
+from .auto_shards import AutoDecision, intermediate_size, remembered_auto_decision
+from .buffer_guard import buffers_kept
+from .fast_path import fast_refused
+from .kernel_registry import MAP, KernelCall, available_kernels, choose_kernel
+from .kernels import gated as _activations
+from .module_forward import adopt_instance_forward, base_forward, hidden_states_argument, original_forward
 from .shard_plan import ShardPlan, make_shard_plan
-from .sharded_autograd import ShardedRun
+from .sharded_autograd import ShardedRun, sharded_apply
+from .tiling_state import TilingState
+from .validation import check_input, expected_hidden_size
+
+
+class TiledInputs(NamedTuple):
+    """How one call's arguments enter the tiled call (``TiledMLP.tiled_inputs`` returns it)."""
+
+    hidden_states: torch.Tensor  # ``[..., tokens, hidden]``, sharded over its tokens
+    # Other token-wise inputs of any dtype (``[..., tokens, ...]``, the leading dims of the hidden
+    # states), sliced like them and passed after them to each shard (a MoE block's routing).
+    token_inputs: Sequence[torch.Tensor] = ()
+    # Whether the hidden states must match the module's input width (a module with input projections).
+    check_hidden: bool = True
+
+
+def default_tiled_inputs(module: nn.Module, *args, **kwargs) -> TiledInputs:
+    """``TiledMLP.tiled_inputs``: the hidden states alone, by position or by the original forward's name for them."""
+    x = args[0] if len(args) == 1 and not kwargs else hidden_states_argument(module, args, kwargs)
+    return TiledInputs(x)
 
 
 @dataclass(frozen=True)
 class CallDecision:
-    """One call's decision, made once inside the gathered region: no kernel means run untiled."""
+    """One call's decision, made inside the gathered region: no kernel means run untiled."""
 
     reason: str
     kernel: Optional[Any] = None  # a ``ShardKernel`` (map) or ``ReduceKernel`` (reduce)
@@ -44,108 +80,414 @@ class CallDecision:
     runs: Dict[tuple, ShardedRun] = field(default_factory=dict, compare=False, repr=False)
 
 
-class CallSite(Protocol):
-    """What differs between the callers of ``tiled_call``."""
-
-    #: The module whose backend gathers the parameters (the tiled module; the loss's head).
-    owner: nn.Module
-    grad_accum_dtype: Optional[torch.dtype]
-
-    def strategy(self) -> Strategy:
-        """The backend this call runs under, checked as supported."""
-
-    def decide(self, strategy: Strategy) -> CallDecision:
-        """Untiled with a reason, or a kernel and a shard count (inside the gathered region)."""
-
-    def untiled(self, decision: CallDecision) -> torch.Tensor:
-        """The call run as the plain module."""
-
-    def run(self, run: ShardedRun) -> torch.Tensor:
-        """The sharded autograd Function of this caller's shape over ``run``."""
-
-    def record(self, decision: CallDecision, plan: Optional[ShardPlan]) -> None:
-        """What the call leaves for its report (``module.tiling.last_*``)."""
-
-
-def membership(tensors: Sequence[torch.Tensor], chosen: Sequence[torch.Tensor]) -> List[bool]:
-    ids = {id(t) for t in chosen}
-    return [id(t) in ids for t in tensors]
-
-
-# The base class's no-op defaults, as defined (a later patch of ``Strategy.gathered`` is then not
-# mistaken for the no-op, and is entered like any override).
-_BASE_GATHERED = Strategy.gathered
-_BASE_DELIVER_GRADS = Strategy.deliver_grads
-
-
-def _is_base(method: Any, base_function: Any) -> bool:
-    """Whether a strategy's bound ``method`` is the base class's default (by the function object: a
-    subclass or an instance that overrides it is not)."""
-    return getattr(method, "__func__", None) is base_function
-
+# -- strategies ----------------------------------------------------------------------------------------
 
 def autograd_carries_the_call(strategy: Strategy) -> bool:
     """Whether the strategy neither gathers parameters around a call nor delivers gradients itself (its
-    ``gathered`` and ``deliver_grads`` are the base class's no-ops): autograd alone carries a call's tensors
-    and gradients, as for any op (what a custom op needs, ``compiled_route``)."""
-    return _is_base(strategy.gathered, _BASE_GATHERED) and _is_base(strategy.deliver_grads, _BASE_DELIVER_GRADS)
+    declared capabilities): autograd alone carries a call's tensors and gradients, as for any op (what a
+    custom op needs, ``compiled_route``)."""
+    return not strategy.gathers_params and not strategy.delivers_grads
 
 
-def tiled_call(site: CallSite) -> torch.Tensor:
-    """Run one tiled call of ``site``: strategy, gathered region, decision, shard plan, run."""
-    strategy = site.strategy()
-    gathered = strategy.gathered
-    if _is_base(gathered, _BASE_GATHERED):
-        # The base class's no-op (a single device, DDP): no context to enter, here or around the backward.
-        return _decide_and_run(site, strategy, None)
-    with gathered(site.owner):
-        return _decide_and_run(site, strategy, functools.partial(gathered, site.owner))
+UNDECLARED_CAPABILITY_ERROR = (
+    "{strategy} overrides Strategy.{method} but does not declare {flag} = True: the tiled call enters {method} "
+    "only where the strategy declares it, so {what}. Add `{flag} = True` to {cls}."
+)
 
 
-def _decide_and_run(site: CallSite, strategy: Strategy, gathered: Optional[Callable[[], ContextManager]]) -> torch.Tensor:
-    """The decision, the shard plan and the run of one call, inside the strategy's gathered region;
-    ``gathered`` enters it again around the backward (None: a no-op)."""
-    decision = site.decide(strategy)
+def check_declared(strategy: Strategy) -> None:
+    """Refuse a strategy that overrides ``gathered`` or ``deliver_grads`` without declaring the capability
+    (its override would never run: parameters never gathered, gradients never delivered)."""
+    cls = type(strategy)
+    for method, flag, what in (("gathered", "gathers_params", "its parameters would never be gathered"),
+                               ("deliver_grads", "delivers_grads", "its gradients would never be delivered")):
+        own = getattr(strategy, method)
+        if getattr(own, "__func__", own) is not getattr(Strategy, method) and not getattr(strategy, flag):
+            raise TypeError(UNDECLARED_CAPABILITY_ERROR.format(strategy=strategy.name or cls.__name__, method=method,
+                                                               flag=flag, what=what, cls=cls.__name__))
+
+
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def inside_backward() -> bool:
+    """Whether this thread is running an autograd backward (a checkpoint's recompute runs inside one)."""
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
+
+
+_BASE_CONFIGURED_FOR = Strategy.__dict__["configured_for"].__func__
+
+
+def _registrations() -> tuple:
+    """The strategy registrations now, read without a call (the registry's module, found as the resolver loaded
+    it: the core imports only the strategy interface). Empty where the registry keeps them otherwise: then
+    nothing is kept."""
+    registry = getattr(sys.modules.get("tiled_mlp.strategies.registry"), "_REGISTRY", None)
+    return () if registry is None else tuple(registry.values())
+
+
+def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
+    """The fixed strategy, or "auto" resolved now (``state``: the module's tiling). Not kept across calls where a
+    process group is initialised: a forward before ``fully_shard``, ``deepspeed.initialize``, a DDP or an FSDP1
+    wrap must not pin the single-device fallback. Without one, kept while the registrations are the same (and
+    the strategy was built from its registered arguments alone)."""
+    fixed = state.fixed_strategy
+    if fixed is not None:
+        return fixed
+    fields = state.__dict__
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed:
+        kept = fields.get("local_strategy")
+        if kept is not None and kept[1] == _registrations():
+            return kept[0]
+    in_backward = inside_backward()
+    if in_backward and state.forward_strategy is not None:
+        # A call inside a backward is a checkpoint recomputing a forward made outside it, where the
+        # backend's context was visible (DDP is seen only while its forward runs): the same backend.
+        return state.forward_strategy
+    strategy = resolve_strategy(module, state.ancestors() if state.ancestor_refs else ())
+    if not in_backward:
+        # Into the state's dict: not a setting that ``TilingState.__setattr__`` checks.
+        fields["forward_strategy"] = strategy
+    # Kept for the next calls only where the strategy was built from its registered arguments alone (a class
+    # whose own ``configured_for`` reads the runtime is asked at every call) and no process group can change
+    # what claims the module.
+    registrations = () if distributed else _registrations()
+    own_build = getattr(type(strategy).configured_for, "__func__", None) is not _BASE_CONFIGURED_FOR
+    fields["local_strategy"] = None if own_build or not registrations else (strategy, registrations)
+    return strategy
+
+
+# -- what a module's call rests on -------------------------------------------------------------------------
+
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOK_DICTS = tuple(getattr(_nn_module, name) for name in (
+    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
+    if isinstance(getattr(_nn_module, name, None), dict))
+_tensor_state = operator.attrgetter("dtype", "device", "requires_grad")
+# Each module's class, its class's forward and its training mode, in one C-level read.
+_identity = operator.attrgetter("__class__", "__class__.forward", "training")
+_dict_of = operator.attrgetter("__dict__")
+
+class ModuleTree:
+    """The module tree below (and including) one module as it is now, compared at each call by identity in a few
+    C-level passes (no Python frame per module): each module's class and its class's forward, an instance
+    ``forward`` in its ``__dict__`` (accelerate's hooks on a child: the fast kernel calls no child), its
+    registries' entries (a child or parameter replaced: PEFT's adapters), its hooks by handle id, its training
+    mode, each parameter's and buffer's dtype, device and ``requires_grad``, and the hooks registered for every
+    module. ``deep`` (strict mode): every attribute of every module by identity as well."""
+
+    __slots__ = ("modules", "module_dicts", "identities", "child_dicts", "instance_forwards", "dicts", "sizes", "filled",
+                 "filled_values", "keys", "values", "tensors", "states", "global_keys")
+
+    def __init__(self, module: nn.Module, deep: bool):
+        modules: List[nn.Module] = []
+        dicts: List[dict] = []
+        tensors: List[torch.Tensor] = []
+        stack = [module]
+        while stack:
+            sub = stack.pop()
+            d = sub.__dict__
+            modules.append(sub)
+            if deep:
+                dicts.append(d)
+            dicts.extend(d[name] for name in _REGISTRIES)
+            dicts.extend(d.get(name, {}) for name in _HOOK_DICTS)
+            tensors.extend(t for t in itertools.chain(d["_parameters"].values(), d["_buffers"].values()) if t is not None)
+            stack.extend(child for child in d["_modules"].values() if child is not None)
+        self.modules = tuple(modules)
+        self.identities = tuple(map(_identity, modules))
+        self.module_dicts = tuple(map(_dict_of, modules))
+        self.child_dicts = self.module_dicts[1:]
+        self.instance_forwards = tuple(map(dict.get, self.child_dicts, itertools.repeat("forward")))
+        self.dicts = tuple(dicts)
+        self.sizes = tuple(map(len, dicts))
+        # Keys and values are compared only in the dicts that held something (most hook dicts are empty).
+        self.filled = tuple(d for d in dicts if d)
+        self.filled_values = tuple(d.values() for d in self.filled)
+        self.keys = tuple(itertools.chain.from_iterable(self.filled))
+        self.values = tuple(itertools.chain.from_iterable(self.filled_values))
+        self.tensors = tuple(tensors)
+        self.states = tuple(map(_tensor_state, tensors))
+        self.global_keys = tuple(itertools.chain.from_iterable(_GLOBAL_HOOK_DICTS))
+
+    def holds(self, root: nn.Module) -> bool:
+        # Tuples compare their items by identity first (classes, functions, bound methods).
+        return (self.modules[0] is root
+                and all(map(operator.is_, map(_dict_of, self.modules), self.module_dicts))
+                and tuple(map(_identity, self.modules)) == self.identities
+                and tuple(map(dict.get, self.child_dicts, itertools.repeat("forward"))) == self.instance_forwards
+                and tuple(map(len, self.dicts)) == self.sizes
+                and tuple(itertools.chain.from_iterable(self.filled)) == self.keys
+                and all(map(operator.is_, itertools.chain.from_iterable(self.filled_values), self.values))
+                and tuple(map(_tensor_state, self.tensors)) == self.states
+                and tuple(itertools.chain.from_iterable(_GLOBAL_HOOK_DICTS)) == self.global_keys)
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False
+
+
+def call_config(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
+                token_inputs: Sequence[torch.Tensor]) -> tuple:
+    """What a plan rests on besides the module tree, compared by equality at each call."""
+    installed = state.instance_forward
+    forward = installed if installed is not None else base_forward(module)
+    device = x.device
+    return (type(strategy), type(module), forward, getattr(getattr(forward, "__func__", forward), "__code__", None),
+            x.dtype, device, x.dim(), not token_inputs, _autocast_enabled(device.type), state.path,
+            state.use_fused_kernel, _strict.ON, _gated_forms._GENERATION[0], _norm_forms._GENERATION[0],
+            _activations._FUSED_GENERATION[0], _kernels._GENERATION[0])
+
+
+class MapPlan:
+    """What a module's calls rest on, decided at the first call and kept while ``config`` and ``tree`` hold.
+    Kernels keep what they derive from the module here (``KernelCall.cache``: ``fast``, ``kernel_cache``, ...)."""
+
+    def __init__(self, module: nn.Module, strategy: Strategy, config: tuple, trainable: List[torch.Tensor]):
+        self.config = config
+        self.tree = ModuleTree(module, deep=_strict.ON)
+        self.strategy = strategy  # the instance the plan was checked with (``check_supported``)
+        self.trainable = trainable
+        self.hidden = expected_hidden_size(module)
+        self.intermediate = intermediate_size(module)
+        self.param_bytes = strategy.param_bytes(module)
+        self.allows_untiled = strategy.allows_untiled_call(module) and not strategy.delivers_grads
+        self.swaps = strategy.swaps_param_storage(module)
+        self.named_buffers = list(module.named_buffers())
+        # The kernels' per-plan state (``builtin_kernels``, ``kernel_registry``).
+        self.fast: Optional[tuple] = None
+        self.fast_kernel: Any = None
+        self.fast_params: Optional[List[torch.Tensor]] = None
+        self.generic_layout: Any = None
+        self.kernel_cache: Dict[str, Any] = {}
+        self.choices: Dict[tuple, Any] = {}
+        self.guards: List[Callable[[], bool]] = []  # checked in strict mode only (the fast path's proof reads)
+        self.generic = False  # whether the last kernel chosen keeps gradient buffers of its own
+        self.views: Dict[type, Any] = {}  # the strategy's local view, by kernel class (None: plain tensors)
+        # Tiled decisions of kernels that serve many calls, by (tokens, shard setting, policy).
+        self.decisions: Dict[tuple, CallDecision] = {}
+        self._trainable_bytes: Optional[int] = None
+
+    def add_guards(self, *guards: Callable[[], bool]) -> None:
+        """Hold this plan only while each of ``guards`` answers True (checked in strict mode)."""
+        self.guards.extend(guards)
+
+    @property
+    def trainable_bytes(self) -> int:
+        if self._trainable_bytes is None:
+            self._trainable_bytes = sum(p.numel() * p.element_size() for p in self.trainable)
+        return self._trainable_bytes
+
+    def holds(self, config: tuple, module: nn.Module) -> bool:
+        if self.config != config or not self.tree.holds(module):
+            return False
+        return not _strict.ON or all(guard() for guard in self.guards)
+
+
+def current_plan(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
+                 token_inputs: Sequence[torch.Tensor] = ()) -> MapPlan:
+    """The kept plan while it holds, else a new one (the strategy checked, the module's input checked again)."""
+    config = call_config(module, state, strategy, x, token_inputs)
+    plan = state.call_plan
+    if plan is not None and plan.holds(config, module):
+        if plan.strategy is not strategy:  # a strategy built anew for this call (DDP's, from its wrapper)
+            strategy.check_supported(module)
+        return plan
+    check_declared(strategy)
+    strategy.check_supported(module)
+    plan = MapPlan(module, strategy, config, strategy.trainable_params(module))
+    state.__dict__["call_plan"] = plan
+    return plan
+
+
+# -- the decision ------------------------------------------------------------------------------------------
+
+def decide_map_call(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
+                    shard_forward: Callable, token_inputs: Sequence[torch.Tensor]) -> CallDecision:
+    """What this call of ``module`` (``state``: its tiling) on ``x`` runs (inside the strategy's gathered
+    region, where a kernel's decision can read the parameters)."""
+    return _decide(module, state, current_plan(module, state, strategy, x, token_inputs), strategy, x,
+                   shard_forward, token_inputs)
+
+
+def _decide(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Strategy, x: torch.Tensor,
+            shard_forward: Callable, token_inputs: Sequence[torch.Tensor]) -> CallDecision:
+    """The plan's decision for this many tokens under this shard setting (and the auto policy's constants),
+    where it was made before and holds nothing of a call; else made now."""
+    num_tokens = x.numel() // x.shape[-1]
+    configured = state.num_shards
+    memo_key = (num_tokens, configured, _auto_shards.policy_inputs(_auto_shards) if not isinstance(configured, int) else None)
+    decision = plan.decisions.get(memo_key)
+    if decision is None:
+        decision, keep = _decide_now(module, state, plan, strategy, x, shard_forward, token_inputs, num_tokens)
+        if keep:
+            if len(plan.decisions) >= 64:
+                plan.decisions.clear()
+            plan.decisions[memo_key] = decision
+    return decision
+
+
+def _decide_now(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Strategy, x: torch.Tensor,
+                shard_forward: Callable, token_inputs: Sequence[torch.Tensor], num_tokens: int) -> Tuple[CallDecision, bool]:
+    """(the decision, whether the plan may keep it for the next such call)."""
+    by_policy = not isinstance(state.num_shards, int)
+    # A configured count never passes a call through for its length: only the auto policy asks the sizes.
+    untiled_allowed = (by_policy or num_tokens == 0) and plan.allows_untiled
+    if untiled_allowed and num_tokens == 0:
+        return CallDecision("untiled: no tokens"), True
+    if untiled_allowed and by_policy:
+        # The fast kernel's rule first: every other kernel only needs more tokens.
+        auto = shard_count(state, plan, x, num_tokens, generic=False)
+        if auto.num_shards is None:
+            return CallDecision(auto.reason), True
+    only = None if state.path == "auto" else state.path
+    choice = choose_kernel(MAP, KernelCall(module, x, strategy, plan.trainable, shard_forward, token_inputs, cache=plan),
+                           only)
+    if choice.entry is None:
+        if state.path == "fast":
+            raise fast_refused(module, dict(choice.declined).get("fast", "it declined"))
+        if only is not None and only not in dict(choice.declined):
+            raise RuntimeError(f"TiledMLP: path={only!r} names no registered kernel now (unregistered after tiling?); "
+                               f"registered: {available_kernels(MAP)}. Register it again, or set tiling.path")
+        raise RuntimeError(f"TiledMLP: no registered kernel runs {type(module).__name__}: {choice.describe()}")
+    # Kept only where the registry kept the choice with the plan (every kernel asked answers from the plan alone,
+    # and the chosen one serves many calls): a kernel built for one call holds what that call read.
+    keep = any(kept is choice for kept in plan.choices.values())
+    plan.generic = choice.entry.keeps_grad_buffers
+    auto = shard_count(state, plan, x, num_tokens, plan.generic)
+    reason, num_shards = auto.reason, auto.num_shards
+    if untiled_allowed and num_shards is None:
+        return CallDecision(reason), keep
+    if num_tokens == 0 or num_shards is None:
+        num_shards = 1  # the backend needs every rank on the tiled path (same collectives)
+        reason += f"; run as one shard: {strategy.name} needs every rank on the tiled path"
+    return CallDecision(f"{reason}; {choice.describe()}", choice.kernel, choice.name, num_tokens, num_shards,
+                        plan.trainable), keep
+
+
+def shard_count(state: TilingState, sizes: Any, x: torch.Tensor, num_tokens: int, generic: bool) -> AutoDecision:
+    """The configured count, or the auto policy's (``num_shards`` None: run untiled), and why, from a plan's sizes."""
+    num_shards = state.num_shards
+    if isinstance(num_shards, int):
+        return AutoDecision(num_shards, f"tiled: num_shards={num_shards} as configured")
+    trainable_bytes = sizes.trainable_bytes if generic else None
+    return remembered_auto_decision(num_tokens, x.shape[-1], sizes.intermediate, sizes.param_bytes, x.element_size(),
+                                    trainable_bytes)
+
+
+# -- a tiled module's call -----------------------------------------------------------------------------------
+
+def module_forward(module: nn.Module, *args, **kwargs) -> torch.Tensor:
+    """The forward of every tiled class in eager mode (``TiledForward`` calls it)."""
+    fields = module.__dict__
+    state: TilingState = fields["tiling"]
+    if state.shard_depth:
+        # Called from inside one of its own shards: an instance forward wrapping the tiled forward
+        # (accelerate's hooks: ``old = m.forward; m.forward = wrapper(old)``) reaches here; the shard
+        # computes the module's own forward.
+        return base_forward(module)(module, *args, **kwargs)
+    if "forward" in fields:
+        adopt_instance_forward(module, state)
+    tiled_inputs = type(module).tiled_inputs  # type: ignore[attr-defined]  # TiledMLP's
+    if tiled_inputs is default_tiled_inputs and len(args) == 1 and not kwargs:
+        x, token_inputs, check_hidden = args[0], (), True
+    else:
+        x, token_inputs, check_hidden = tiled_inputs(module, *args, **kwargs)
+    plan = state.call_plan
+    if (plan is None or type(x) is not torch.Tensor or x.dim() < 2 or not x.is_floating_point()
+            or (check_hidden and plan.hidden is not None and x.shape[-1] != plan.hidden)):
+        # A bad call is refused before any work (the plan's width may be stale: checked again below).
+        check_input(x, module if check_hidden else None)
+    flat_inputs = _flat_token_inputs(x, token_inputs) if token_inputs else ()
+    strategy = module_strategy(module, state)
+    state.__dict__["last_strategy"] = strategy  # a report field
+    if not strategy.gathers_params:
+        # A single device, DDP: no context to enter, here or around the backward.
+        return _map_run(module, state, strategy, x, token_inputs, flat_inputs, check_hidden, None)
+    with strategy.gathered(module):
+        return _map_run(module, state, strategy, x, token_inputs, flat_inputs, check_hidden,
+                        functools.partial(strategy.gathered, module))
+
+
+def _map_run(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
+             token_inputs: Sequence[torch.Tensor], flat_inputs: Sequence[torch.Tensor], check_hidden: bool,
+             gathered: Optional[Callable[[], ContextManager]]) -> torch.Tensor:
+    plan = state.call_plan
+    if plan is None or not plan.holds(call_config(module, state, strategy, x, flat_inputs), module):
+        plan = current_plan(module, state, strategy, x, flat_inputs)
+        if check_hidden:
+            check_input(x, module)
+    elif plan.strategy is not strategy:
+        strategy.check_supported(module)
+    shard_forward = functools.partial(original_forward, module)
+    decision = _decide(module, state, plan, strategy, x, shard_forward, flat_inputs)
+    fields = state.__dict__
     kernel = decision.kernel
     if kernel is None:
-        site.record(decision, None)
-        return site.untiled(decision)
-    deliver_grads = strategy.deliver_grads
-    deliver = None if _is_base(deliver_grads, _BASE_DELIVER_GRADS) else deliver_grads
-    # A kernel that computes on local tensors sees distributed parameters through the strategy's view.
-    view = strategy.local_view(site.owner, kernel.params) if getattr(kernel, "runs_on_local_view", False) else None
-    if view is not None and view.why_not:
-        raise RuntimeError(f"{decision.kernel_name} kernel chosen for {type(site.owner).__name__}, whose local view "
-                           f"declines it: {view.why_not}")
-    run = _run_for(decision, site, strategy, gathered, deliver, view)
-    out = site.run(run)
-    site.record(decision, run.plan)
+        # Nothing to split, or too short for tiling to lower the peak: the plain module.
+        fields["last_path"], fields["last_num_shards"], fields["last_reason"] = "untiled", 1, decision.reason
+        return shard_forward(x, *token_inputs)
+    run = _run_for(decision, module, strategy, gathered, plan, state.grad_accum_dtype)
+    if plan.named_buffers:
+        # Most MLPs hold no buffer, and enter nothing here; one that does (BatchNorm's running statistics) would
+        # update it once per shard and again in the recompute, silently: refused, its buffers put back.
+        with buffers_kept(type(module).__name__, plan.named_buffers):
+            out = sharded_apply(x, run)
+    else:
+        out = sharded_apply(x, run)
+    fields["last_path"], fields["last_num_shards"], fields["last_reason"] = (
+        decision.kernel_name, run.plan.num_shards, decision.reason)
     return out
 
 
-def _run_for(decision: CallDecision, site: CallSite, strategy: Strategy, gathered: Optional[Callable[[], ContextManager]],
-             deliver: Optional[Callable], view: Any) -> ShardedRun:
-    """The run of ``decision``. Where the strategy brings nothing made for this call (no gathered region, no
-    gradient delivery, no local view: a single device, DDP), the run an earlier call of the same decision made
-    with the same settings: a run holds nothing of a call, and a decision is reused only while its plan holds
-    and everything it was formed from is the same (``call_decision._tiled``)."""
+def _local_view(strategy: Strategy, owner: nn.Module, kernel: Any, plan: Optional[MapPlan]) -> Any:
+    """The strategy's local view for a kernel that computes on local tensors (None: plain tensors), kept
+    with the plan where there is none (the plan fixes the parameters)."""
+    if not getattr(kernel, "runs_on_local_view", False):
+        return None
+    # Per kernel class: under one plan, a kernel class computes on the same tensors (the proven spec's, the
+    # trainable ones, the norm's weight).
+    if plan is not None and plan.views.get(type(kernel), True) is None:
+        return None
+    view = strategy.local_view(owner, kernel.params)
+    if plan is not None and view is None:
+        plan.views[type(kernel)] = None
+    if view is not None and view.why_not:
+        raise RuntimeError(f"{kernel} chosen for {type(owner).__name__}, whose local view declines it: {view.why_not}")
+    return view
+
+
+def _run_for(decision: CallDecision, owner: nn.Module, strategy: Strategy,
+             gathered: Optional[Callable[[], ContextManager]], plan: Optional[MapPlan],
+             grad_accum_dtype: Optional[torch.dtype]) -> ShardedRun:
+    """The run of ``decision``: where the strategy brings nothing made for this call (no gathered region, no
+    gradient delivery, no local view), the run an earlier call of the same decision made with the same settings
+    (a run holds nothing of a call)."""
     kernel = decision.kernel
     assert kernel is not None and decision.num_shards is not None, "a decision with a kernel has a shard count"
-    swaps = strategy.swaps_param_storage(site.owner)
-    key = (site.grad_accum_dtype, strategy.unused_grads_as_zeros, swaps)
+    view = _local_view(strategy, owner, kernel, plan)
+    deliver = strategy.deliver_grads if strategy.delivers_grads else None
+    swaps = plan.swaps if plan is not None else strategy.swaps_param_storage(owner)
+    key = (grad_accum_dtype, strategy.unused_grads_as_zeros, swaps)
     reusable = gathered is None and deliver is None and view is None
     if reusable:
         run = decision.runs.get(key)
         if run is not None:
             return run
+    trainable = {id(t) for t in decision.trainable}
     run = ShardedRun(
         kernel=kernel,
         plan=make_shard_plan(decision.num_tokens, decision.num_shards),
         gathered=gathered,
-        grad_accum_dtype=site.grad_accum_dtype,
+        grad_accum_dtype=grad_accum_dtype,
         # A kernel that provably draws no random numbers (the gated one) has none to replay.
         replay_rng=getattr(kernel, "replays_rng", True),
-        param_mask=membership(kernel.params, decision.trainable),
+        param_mask=[id(t) in trainable for t in kernel.params],
         zeros_for_unused=strategy.unused_grads_as_zeros,
         deliver_grads=deliver,
         params_swap_storage=swaps,
@@ -154,3 +496,64 @@ def _run_for(decision: CallDecision, site: CallSite, strategy: Strategy, gathere
     if reusable:
         decision.runs[key] = run
     return run
+
+
+def _flat_token_inputs(x: torch.Tensor, token_inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each token input as ``[tokens, ...]`` (a view where its layout allows), checked against ``x``'s tokens."""
+    lead = x.shape[:-1]
+    flat = []
+    for token_input in token_inputs:
+        if tuple(token_input.shape[:len(lead)]) != tuple(lead):
+            raise ValueError(f"a sharded input of shape {tuple(token_input.shape)} does not share the leading (token) dims "
+                             f"{tuple(lead)} of the hidden states {tuple(x.shape)}")
+        flat.append(token_input.reshape(-1, *token_input.shape[len(lead):]))
+    return flat
+
+
+# -- the loss's call -------------------------------------------------------------------------------------------
+
+class CallSite(Protocol):
+    """What the tiled loss (``tiled_loss.LossSite``) gives ``tiled_call``."""
+
+    #: The module whose backend gathers the parameters (the loss's head).
+    owner: nn.Module
+    grad_accum_dtype: Optional[torch.dtype]
+
+    def strategy(self) -> Strategy:
+        """The backend this call runs under, checked as supported."""
+
+    def decide(self, strategy: Strategy) -> CallDecision:
+        """A kernel and a shard count (inside the gathered region)."""
+
+    def untiled(self, decision: CallDecision) -> torch.Tensor:
+        """The call run as the plain module."""
+
+    def run(self, run: ShardedRun) -> torch.Tensor:
+        """The sharded autograd Function of this caller's shape over ``run``."""
+
+    def record(self, decision: CallDecision, plan: Optional[ShardPlan]) -> None:
+        """What the call leaves for its report."""
+
+
+def tiled_call(site: CallSite) -> torch.Tensor:
+    """Run one tiled call of ``site``: strategy, gathered region, decision, shard plan, run."""
+    strategy = site.strategy()
+    if not strategy.gathers_params:
+        return _site_run(site, strategy, None)
+    with strategy.gathered(site.owner):
+        return _site_run(site, strategy, functools.partial(strategy.gathered, site.owner))
+
+
+def _site_run(site: CallSite, strategy: Strategy, gathered: Optional[Callable[[], ContextManager]]) -> torch.Tensor:
+    decision = site.decide(strategy)
+    if decision.kernel is None:
+        site.record(decision, None)
+        return site.untiled(decision)
+    run = _run_for(decision, site.owner, strategy, gathered, None, site.grad_accum_dtype)
+    out = site.run(run)
+    site.record(decision, run.plan)
+    return out
+
+
+__all__: Tuple[str, ...] = ("CallDecision", "TiledInputs", "autograd_carries_the_call", "decide_map_call",
+                            "module_forward", "module_strategy", "tiled_call")

@@ -38,8 +38,7 @@ from .loss_shards import loss_num_shards
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .sequence_group import check_group, group_count, sum_over_group
 from .shard_plan import AUTO, NumShards, ShardPlan, check_num_shards
-from .sharded_autograd import ShardedRun
-from .sharded_reduce import sharded_reduce
+from .sharded_autograd import ShardedRun, sharded_reduce
 from .tiled_call import CallDecision, tiled_call
 
 REDUCTIONS = ("mean", "sum")

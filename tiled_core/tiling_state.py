@@ -68,10 +68,11 @@ class TilingState:
     # A forward another library installed on the instance before tiling (accelerate's device hooks):
     # each shard runs it, and untiling puts it back.
     instance_forward: Optional[Any] = field(default=None, repr=False)
-    # What the last call decided before touching a tensor, and what that rests on (``call_plan.py``).
+    # What the calls decided, and what that rests on (``tiled_call.MapPlan``).
     call_plan: Optional[Any] = field(default=None, repr=False, compare=False)
-    # The sizes the last plan read (``call_plan.PlanSizes``): all a pass-through decision needs.
-    call_sizes: Optional[Any] = field(default=None, repr=False, compare=False)
+    # The strategy "auto" resolved where no process group is initialised, and the registrations it was
+    # resolved among (``tiled_call.module_strategy``).
+    local_strategy: Optional[Any] = field(default=None, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # ``mlp.tiling.path = "bogus"`` is refused, not run as if it were another path.
@@ -95,7 +96,7 @@ class TilingState:
         state = dict(self.__dict__)
         state["ancestor_refs"] = ()
         state["call_plan"] = None
-        state["call_sizes"] = None
+        state["local_strategy"] = None
         state["forward_strategy"] = None
         state["last_strategy"] = None
         state["shard_depth"] = 0

@@ -8,7 +8,7 @@ from typing import Tuple
 
 import torch
 
-from tiled_mlp.core.activations import NativeGatedActivation, register_fused_kernel
+from tiled_mlp.core.kernels.gated import NativeGatedActivation, register_fused_kernel
 
 
 class LigerGatedActivation:
