@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict, Optional, Union
+from typing import Dict, Union
 
 import pytest
-import torch
 from torch import nn
 
 from tiled_mlp import TiledMLP
 from tiled_mlp.strategies import unregister_strategy
 
 from .spawn import run_distributed
-from .toy_models import GatedMLP, Residual
+from .toy_models import GatedMLP, averaged_grads, regression_batch, regression_loss, residual_stack
 
 pytestmark = pytest.mark.distributed
 
@@ -38,32 +37,24 @@ def example_code() -> str:
     return match.group(1)
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*(Residual(GatedMLP(HIDDEN, INTER)) for _ in range(2))).double()
+def _docs_model() -> nn.Module:
+    return residual_stack(GatedMLP, HIDDEN, INTER)
 
 
-def rank_batch(rank: int):
-    generator = torch.Generator().manual_seed(200 + rank)
-    x = torch.randn(1, TOKENS[rank], HIDDEN, generator=generator, dtype=torch.float64)
-    return x, torch.randn(x.shape, generator=generator, dtype=torch.float64)
+def _docs_batch(rank: int):
+    return regression_batch(200 + rank, TOKENS[rank], HIDDEN)
 
 
-def loss_of(model: nn.Module, batch) -> torch.Tensor:
-    x, target = batch
-    return (model(x) - target).pow(2).mean()
-
-
-def ranks_main(rank: int, world_size: int, disagree: bool) -> Dict[str, object]:
+def docs_example_ranks(rank: int, world_size: int, disagree: bool) -> Dict[str, object]:
     exec(compile(example_code(), str(DOCS), "exec"), {})  # defines and registers ManualDataParallel
     # The defaults (strategy="auto", num_shards="auto"); where the ranks disagree, rank 1 tiles its calls in 2.
     num_shards: Union[int, str] = 2 if disagree and rank == 1 else "auto"
     try:
-        model = make_model()
+        model = _docs_model()
         for p in model.parameters():
             p._manual_dp = True  # type: ignore[attr-defined]  # the example's claims reads this mark
         tiled = [TiledMLP(block.mlp, num_shards=num_shards) for block in model]
-        loss_of(model, rank_batch(rank)).backward()
+        regression_loss(model, _docs_batch(rank)).backward()
         return {
             "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
             "strategies": [m.tiling.last_strategy.name for m in tiled],
@@ -75,17 +66,11 @@ def ranks_main(rank: int, world_size: int, disagree: bool) -> Dict[str, object]:
         unregister_strategy("manual_dp")
 
 
-def reference_grads() -> Dict[str, Optional[torch.Tensor]]:
-    model = make_model()
-    (sum(loss_of(model, rank_batch(rank)) for rank in range(WORLD)) / WORLD).backward()
-    return {n: p.grad for n, p in model.named_parameters()}
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("disagree", [False, True], ids=["same_policy", "ranks_disagree"])
 def test_the_docs_strategy_example_delivers_on_every_call(tmp_path, disagree):
-    ranks = run_distributed(ranks_main, WORLD, tmp_path, disagree, timeout=60)
-    want = reference_grads()
+    ranks = run_distributed(docs_example_ranks, WORLD, tmp_path, disagree, timeout=60)
+    want = averaged_grads(_docs_model(), [_docs_batch(rank) for rank in range(WORLD)])
     for rank, got in enumerate(ranks):
         for name, reference in want.items():
             error = float((got["grads"][name] - reference).abs().max() / reference.abs().max())

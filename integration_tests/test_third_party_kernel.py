@@ -8,17 +8,16 @@ different token counts, so different shard counts.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Dict
 
 import pytest
 import torch
-from torch import nn
 
 from tiled_mlp import TiledMLP, register_kernel
 
 from .spawn import run_distributed
 from .toy_kernel import DOCS_KERNEL_NAME, NAME, TanhMLP, TanhMLPKernel, run_docs_kernel_example
-from .toy_models import Residual
+from .toy_models import regression_batch, residual_stack
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -28,28 +27,21 @@ TOKENS = (11, 23)  # per rank
 TOL = 1e-12
 
 
-def make_model(mlp_class: Callable[[int, int], nn.Module] = TanhMLP) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*(Residual(mlp_class(HIDDEN, INTER)) for _ in range(2))).double()
-
-
-def rank_batch(rank: int):
-    generator = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(1, TOKENS[rank], HIDDEN, generator=generator, dtype=torch.float64)
-    return x, torch.randn(x.shape, generator=generator, dtype=torch.float64)
+def _kernel_batch(rank: int):
+    return regression_batch(100 + rank, TOKENS[rank], HIDDEN)
 
 
 def ranks_main(rank: int, world_size: int, docs: bool = False) -> Dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if docs:
-        model = make_model(run_docs_kernel_example()["TanhMLP"])  # the example registers its kernel
+        model = residual_stack(run_docs_kernel_example()["TanhMLP"], HIDDEN, INTER)  # the example registers its kernel
     else:
         register_kernel(TanhMLPKernel())
-        model = make_model()
+        model = residual_stack(TanhMLP, HIDDEN, INTER)
     tiled = [TiledMLP(block.mlp, num_shards=2 + rank) for block in model]
     ddp = DDP(model)
-    x, target = rank_batch(rank)
+    x, target = _kernel_batch(rank)
     x.requires_grad_(True)
     out = ddp(x)
     (out - target).pow(2).mean().backward()
@@ -69,8 +61,8 @@ def relative_error(have: torch.Tensor, want: torch.Tensor) -> float:
 def test_a_registered_kernel_runs_under_ddp_exactly(tmp_path, docs):
     ranks = run_distributed(ranks_main, WORLD, tmp_path, docs, timeout=90)
     kernel_name = DOCS_KERNEL_NAME if docs else NAME
-    model = make_model(TanhMLP)  # the same formula and parameter order as the docs' TanhMLP
-    inputs = [rank_batch(rank) for rank in range(WORLD)]
+    model = residual_stack(TanhMLP, HIDDEN, INTER)  # the same formula and parameter order as the docs' TanhMLP
+    inputs = [_kernel_batch(rank) for rank in range(WORLD)]
     xs = [x.clone().requires_grad_(True) for x, _ in inputs]
     outs = [model(x) for x in xs]
     # DDP averages the parameter gradients over the ranks; each rank's input gradient is its own loss's.

@@ -21,7 +21,7 @@ from tiled_mlp import TiledMLP
 from tiled_mlp.strategies import Strategy, WaitsForEveryParameter, claims_need_process_group, register_strategy
 
 from .spawn import run_distributed
-from .toy_models import GatedMLP, Residual, add_lora
+from .toy_models import GatedMLP, add_lora, averaged_grads, regression_batch, regression_loss, residual_stack
 
 pytestmark = pytest.mark.distributed
 
@@ -53,39 +53,32 @@ class ManualDataParallel(WaitsForEveryParameter, Strategy):
         return grads
 
 
-def make_model(kind: str) -> nn.Module:
+def _manual_dp_model(kind: str) -> nn.Module:
     """Two residual gated MLPs: plain (the fast path), or with LoRA adapters and a parameter the forward
     never reads (the generic path; frozen bases get no gradient, the unused one zeros)."""
-    torch.manual_seed(0)
-    mlps = [GatedMLP(HIDDEN, INTER) for _ in range(2)]
-    if kind == "generic":
-        for mlp in mlps:
-            add_lora(mlp)
-            mlp.unused = nn.Parameter(torch.ones(3))
-    return nn.Sequential(*(Residual(mlp) for mlp in mlps)).double()
+    return residual_stack(GatedMLP if kind == "fast" else _lora_mlp, HIDDEN, INTER)
 
 
-def rank_batch(rank: int):
-    generator = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(1, TOKENS[rank], HIDDEN, generator=generator, dtype=torch.float64)
-    return x, torch.randn(x.shape, generator=generator, dtype=torch.float64)
+def _lora_mlp(hidden: int, intermediate: int) -> nn.Module:
+    mlp = add_lora(GatedMLP(hidden, intermediate))
+    mlp.unused = nn.Parameter(torch.ones(3))
+    return mlp
 
 
-def loss_of(model: nn.Module, batch) -> torch.Tensor:
-    x, target = batch
-    return (model(x) - target).pow(2).mean()
+def _manual_dp_batch(rank: int):
+    return regression_batch(100 + rank, TOKENS[rank], HIDDEN)
 
 
 def ranks_main(rank: int, world_size: int) -> Dict[str, dict]:
     register_strategy(ManualDataParallel)
     out = {}
     for kind in ("fast", "generic"):
-        model = make_model(kind)
+        model = _manual_dp_model(kind)
         for p in model.parameters():
             setattr(p, MARK, True)  # the backend's own bookkeeping
         # strategy="auto" (the default): resolved from the registered class's own claims.
         tiled = [TiledMLP(block.mlp, num_shards=2 + rank) for block in model]
-        loss_of(model, rank_batch(rank)).backward()
+        regression_loss(model, _manual_dp_batch(rank)).backward()
         out[kind] = {
             "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
             "strategies": [m.tiling.last_strategy.name for m in tiled],
@@ -93,12 +86,6 @@ def ranks_main(rank: int, world_size: int) -> Dict[str, dict]:
             "shards": [m.tiling.last_num_shards for m in tiled],
         }
     return out
-
-
-def reference_grads(kind: str) -> Dict[str, Optional[torch.Tensor]]:
-    model = make_model(kind)
-    (sum(loss_of(model, rank_batch(rank)) for rank in range(WORLD)) / WORLD).backward()
-    return {n: p.grad for n, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +96,7 @@ def ranks(tmp_path_factory):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["fast", "generic"])
 def test_registered_backend_is_resolved_and_reduces_gradients_exactly(ranks, kind):
-    want = reference_grads(kind)
+    want = averaged_grads(_manual_dp_model(kind), [_manual_dp_batch(rank) for rank in range(WORLD)])
     for rank, result in enumerate(ranks):
         got = result[kind]
         assert got["strategies"] == ["test_manual_dp"] * 2, got["strategies"]

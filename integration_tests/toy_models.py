@@ -117,3 +117,28 @@ def make_toy_model(seed: int = 0, tiled: bool = False, lora: bool = False, dtype
             layer.mlp = TiledMLP(layer.mlp, **tile_kwargs)
     # Cast last, so LoRA adapters created above get the dtype too (parameters keep their identity).
     return model.to(dtype)
+
+
+def residual_stack(make_mlp, hidden: int, intermediate: int, blocks: int = 2) -> nn.Sequential:
+    """``blocks`` residual MLPs built by ``make_mlp(hidden, intermediate)`` from seed 0, in float64: the same
+    weights on every rank and in the single-process reference."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(Residual(make_mlp(hidden, intermediate)) for _ in range(blocks))).double()
+
+
+def regression_batch(seed: int, tokens: int, hidden: int):
+    """One rank's ``(x, target)``, ``[1, tokens, hidden]`` in float64, from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, tokens, hidden, generator=generator, dtype=torch.float64)
+    return x, torch.randn(x.shape, generator=generator, dtype=torch.float64)
+
+
+def regression_loss(model: nn.Module, batch) -> torch.Tensor:
+    x, target = batch
+    return (model(x) - target).pow(2).mean()
+
+
+def averaged_grads(model: nn.Module, batches) -> dict:
+    """The gradients of the ranks' mean loss, in one process: what data parallelism must deliver."""
+    (sum(regression_loss(model, batch) for batch in batches) / len(batches)).backward()
+    return {n: p.grad for n, p in model.named_parameters()}

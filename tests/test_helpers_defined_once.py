@@ -25,9 +25,6 @@ PENDING: Dict[str, Set[str]] = {
     "_Block": {"tests/test_compile_core.py", "tests/test_compile_graph.py"},
     "_tiled_llama": {"tests/test_compile_eager_fallback.py", "tests/test_compile_graph.py"},
     "build": {"integration_tests/compile_training.py", "tests/test_fast_path_proof.py"},
-    "loss_of": {"integration_tests/compile_cases.py", "integration_tests/test_third_party_strategy.py"},
-    "make_model": {"integration_tests/test_third_party_kernel.py", "integration_tests/test_third_party_strategy.py"},
-    "rank_batch": {"integration_tests/test_third_party_kernel.py", "integration_tests/test_third_party_strategy.py"},
     "ranks_main": {"integration_tests/test_strategy_arguments.py", "integration_tests/test_third_party_kernel.py",
                    "integration_tests/test_third_party_strategy.py"},
 }
