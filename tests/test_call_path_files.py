@@ -2,8 +2,8 @@
 
 A warm call of a tiled gated MLP (the fast kernel, a single device, the default settings), forward and
 backward, is recorded with ``sys.setprofile``: every Python frame that runs, by its file. The library's files
-(``tiled_core/``, ``strategies/``, ``tiled_mlp/``) among them are listed: at most 8 in all, and at most 4 of them
-above the sharded autograd Function (the call path: the tiled forward, the call, the strategy).
+(``tiled_core/``, ``strategies/``, ``tiled_mlp/``) among them are listed: at most 8 in all, at most 4 of them
+above the sharded autograd Function (the call path: the tiled forward, the call, the strategy) and 3 below it.
 """
 from __future__ import annotations
 
@@ -71,6 +71,13 @@ def test_the_call_path_of_a_warm_fast_call_touches_at_most_4_files(small_floor):
     files = _library_files_run(_warm_fast_call())
     above = sorted(name for name in files if not name.startswith(BELOW))
     assert len(above) <= 4, f"{len(above)} call-path files run in a warm fast-path call: {above}"
+
+
+def test_the_layer_below_a_warm_fast_call_runs_at_most_3_files(small_floor):
+    files = _library_files_run(_warm_fast_call())
+    below = sorted(name for name in files if name.startswith(BELOW))
+    assert "tiled_core/sharded_autograd.py" in below, below  # measured where it runs
+    assert len(below) <= 3, f"{len(below)} files below the call path run in a warm fast-path call: {below}"
 
 
 def test_a_warm_fast_call_touches_at_most_8_library_files(small_floor):

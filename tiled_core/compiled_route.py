@@ -118,7 +118,7 @@ def _traced_route(module: nn.Module, default_inputs: bool, watched: Tuple[Any, .
     ``watched`` (``_watched``) is passed only so that Dynamo guards on it: the graph is traced again when
     anything in it changes."""
     route = decide_route(module, default_inputs, shape, dtype, device)
-    # Report fields (as ``MapSite.record`` writes them): the compiled call runs what was decided here, and
+    # Report fields (as the eager call writes them): the compiled call runs what was decided here, and
     # the op cannot write them when it runs. An eager route writes its own at each call.
     fields = tiling_of(module).__dict__
     fields["compiled_reason"] = route.reason
@@ -165,7 +165,7 @@ def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], 
         return _eager_call(module, "the call passes keyword arguments or more than the hidden states", args, kwargs)
     x = args[0]
     if default_inputs:
-        # The eager call's input checks (``MapSite``), traced: an input it refuses is refused compiled too (the op
+        # The eager call's input checks (``tiled_call``), traced: an input it refuses is refused compiled too (the op
         # would flatten a 1-D input into one token). A module with inputs of its own checks them in its eager call.
         check_input(x, module)
     # Symbolic sizes (dynamic shapes) cannot be a constant's argument: each is specialized, so a new length

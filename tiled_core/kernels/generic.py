@@ -44,7 +44,7 @@ EXTERNAL_TENSOR_ERROR = (
 @dataclass(frozen=True)
 class GenericLayout:
     """What the generic kernel reads of the module's structure. Built once per call plan, whose key
-    covers every submodule's parameters and hooks (``call_plan.py``), not at every call."""
+    covers every submodule's parameters and hooks (``tiled_call.py``'s plan), not at every call."""
 
     # For each parameter the Function takes, every (owner module, attribute) that holds it (tied
     # weights: several).

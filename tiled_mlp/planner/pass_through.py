@@ -2,7 +2,7 @@
 
 Under ``num_shards="auto"`` a tiled MLP runs untiled where tiling would not pay (``auto_shards.py``),
 and the call then runs the module's own forward on the hidden states it was given, nothing else
-(``MapSite.untiled``). When every tiled module of a step does that, the step is the same model's step
+(``tiled_call``'s untiled pass-through). When every tiled module of a step does that, the step is the same model's step
 without tiled MLPs, allocation for allocation, so the planner models the twin (the setting with
 ``tiled=False``, all else equal) once for both. Short lengths are where this happens: an 8B model
 passes its MLPs through up to about 2048 tokens, the length the search models first and, when

@@ -1,7 +1,7 @@
 """Same-size shards of one tiled call modelled once, their allocations logged again for the others.
 
-A tiled call runs its kernel once per token shard (``tiled_core/sharded_autograd.py``,
-``sharded_reduce.py``): an 8B step at a million tokens is thousands of kernel calls, each tens of
+A tiled call runs its kernel once per token shard (``tiled_core/sharded_autograd.py``, both
+shapes): an 8B step at a million tokens is thousands of kernel calls, each tens of
 meta-device ops through the tracker, and that loop is most of what a plan costs. On the meta device a
 kernel call's allocations and frees depend only on the shapes, dtypes and Python objects it is given,
 never on values, so the calls of one loop that see the same shapes log the same events.
