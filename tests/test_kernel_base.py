@@ -155,40 +155,26 @@ def test_a_backward_that_returns_a_new_input_gradient_is_copied_into_its_rows(ex
         unregister_kernel("test_returns")
 
 
-def test_a_backward_returning_too_few_gradients_is_refused(example):
-    class TooFew(example["TanhKernel"]):
-        name = "test_too_few"
+@pytest.mark.parametrize("slip, message", [
+    (lambda dx, grads: (dx, grads[::2]), "returned 2 gradients for 4 tensors"),  # the weights' only
+    # One row: it would broadcast over the shard's rows.
+    (lambda dx, grads: (dx.sum(0), grads), r"backward returned rows of shape \(8,\) for rows of shape"),
+], ids=["too_few_gradients", "input_gradient_off_its_rows"])
+def test_a_backward_whose_gradients_do_not_fit_is_refused_not_broadcast(example, slip, message):
+    class Slipping(example["TanhKernel"]):
+        name = "test_slipping"
 
         def backward_shard(self, x, dy, tensors):
-            dx, grads = super().backward_shard(x, dy, tensors)
-            return dx, grads[::2]  # the weights' only
+            return slip(*super().backward_shard(x, dy, tensors))
 
-    register_kernel(TooFew)
+    register_kernel(Slipping)
     try:
-        tiled = TiledMLP(_seeded_tanh(example), num_shards=3, path="test_too_few")
+        tiled = TiledMLP(_seeded_tanh(example), num_shards=3, path="test_slipping")
         x, dy = _tanh_batch()
-        with pytest.raises(RuntimeError, match="returned 2 gradients for 4 tensors"):
+        with pytest.raises(RuntimeError, match=message):
             tiled(x).backward(dy)
     finally:
-        unregister_kernel("test_too_few")
-
-
-def test_an_input_gradient_that_does_not_fit_its_rows_is_refused_not_broadcast(example):
-    class Summed(example["TanhKernel"]):
-        name = "test_summed_dx"
-
-        def backward_shard(self, x, dy, tensors):
-            dx, grads = super().backward_shard(x, dy, tensors)
-            return dx.sum(0), grads  # one row: would broadcast over the shard's rows
-
-    register_kernel(Summed)
-    try:
-        tiled = TiledMLP(_seeded_tanh(example), num_shards=3, path="test_summed_dx")
-        x, dy = _tanh_batch()
-        with pytest.raises(RuntimeError, match=r"backward returned rows of shape \(8,\) for rows of shape"):
-            tiled(x).backward(dy)
-    finally:
-        unregister_kernel("test_summed_dx")
+        unregister_kernel("test_slipping")
 
 
 def test_a_kernel_without_a_module_type_declines_with_the_fix():
