@@ -170,17 +170,10 @@ def _choice_key(shape: str, only: Optional[str], x: torch.Tensor, token_inputs: 
     return (_GENERATION[0], shape, only, x.dim(), not token_inputs)
 
 
-def remembered_choice(plan: Any, shape: str, only: Optional[str], x: torch.Tensor,
-                      token_inputs: Sequence[torch.Tensor]) -> Optional[KernelChoice]:
-    """The choice ``choose_kernel`` remembered with ``plan`` (a held call plan) for such a call, or None: asked
-    before a ``KernelCall`` is made (see the module doc)."""
-    return plan.choices.get(_choice_key(shape, only, x, token_inputs))
-
-
 def choose_kernel(shape: str, call: KernelCall, only: Optional[str] = None) -> KernelChoice:
     """The first kernel of ``shape`` that applies to ``call`` (only the one named ``only``, when given:
     the others decline as not asked for), built for it; remembered with the call's plan where it may (see
-    the module doc, and ``remembered_choice``)."""
+    the module doc)."""
     plan = call.cache
     key = None if plan is None else _choice_key(shape, only, call.x, call.token_inputs)
     declined: List[Tuple[str, str]] = []

@@ -94,12 +94,6 @@ def base_forward(module: nn.Module) -> Callable:
     return type(module)._tiled_base.forward  # type: ignore[attr-defined]  # set on every tiled class
 
 
-def current_forward(module: nn.Module, state: TilingState) -> Callable:
-    """What the module's forward is now (``state``: its tiling): the instance forward, else the original class's."""
-    installed = state.instance_forward
-    return installed if installed is not None else base_forward(module)
-
-
 def forward_function(module: nn.Module) -> Optional[Callable]:
     """The plain function the module's forward runs now, where it is a function *of this module*:
     the class's forward, or an instance forward bound to this very module. None for anything else

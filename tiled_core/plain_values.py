@@ -171,15 +171,6 @@ def _class_names(cls: type) -> FrozenSet[str]:
     return names
 
 
-def names_read_by(cls: type, instance_forward: Optional[Callable] = None) -> Set[str]:
-    """Every attribute name the code of ``cls`` (and its bases below ``nn.Module``) and ``instance_forward``
-    loads, every string constant in it, and the same for the functions it reaches by a global name."""
-    collector = _NameCollector()
-    collector.add_class(cls)
-    collector.add(_function(instance_forward))
-    return collector.names
-
-
 # (qualified name, the owning module's ``__dict__``, attribute, value, compared by identity)
 Entry = Tuple[str, Dict[str, Any], str, Any, bool]
 

@@ -80,10 +80,6 @@ _FUSED: List[FusedKernel] = []
 _FUSED_GENERATION = [0]
 
 
-def fused_generation() -> int:
-    return _FUSED_GENERATION[0]
-
-
 def register_fused_kernel(device_type: str, names: Iterable[str], factory: Callable[[str], Any],
                           available: Callable[[], bool] = lambda: True) -> FusedKernel:
     """Use ``factory(name)`` (an object with ``forward_mul`` and ``backward_mul`` as

@@ -517,13 +517,6 @@ def forward_layers(causal_lm: nn.Module) -> ForwardLayers:
     return ForwardLayers(wrapped, trl_head, hooked, hooked.inner if hooked is not None else forward)
 
 
-def forward_reaching(causal_lm: nn.Module) -> Optional[Any]:
-    """The tiled loss that ``causal_lm``'s forward runs (None: none): its instance forward, inside
-    accelerate's device hook and/or mixed-precision wrapper and/or TRL's fused LM head (for calls without
-    ``fused_lm_head``), or bound to the model (accelerate's ``unwrap_model(keep_fp32_wrapper=False)``)."""
-    return _reaches(causal_lm, forward_layers(causal_lm).forward)
-
-
 def _reaches(causal_lm: nn.Module, forward: Optional[Callable]) -> Optional[Any]:
     if isinstance(forward, types.MethodType) and forward.__self__ is causal_lm:
         forward = forward.__func__
