@@ -49,7 +49,7 @@ def refusal(fn) -> str:
     return ""
 
 
-def ranks_main(rank: int, world_size: int) -> Dict[str, object]:
+def strategy_argument_ranks(rank: int, world_size: int) -> Dict[str, object]:
     from tiled_mlp import TiledMLP
     from tiled_mlp.core import tiled_cross_entropy
     from tiled_mlp.strategies import (
@@ -126,7 +126,7 @@ def ranks_main(rank: int, world_size: int) -> Dict[str, object]:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_distributed(ranks_main, WORLD, tmp_path_factory.mktemp("strategy_arguments"), timeout=90)
+    return run_distributed(strategy_argument_ranks, WORLD, tmp_path_factory.mktemp("strategy_arguments"), timeout=90)
 
 
 def test_auto_under_ddp_returns_an_instance_with_the_wrappers_process_group(ranks):

@@ -31,7 +31,7 @@ def _kernel_batch(rank: int):
     return regression_batch(100 + rank, TOKENS[rank], HIDDEN)
 
 
-def ranks_main(rank: int, world_size: int, docs: bool = False) -> Dict:
+def kernel_ranks(rank: int, world_size: int, docs: bool = False) -> Dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if docs:
@@ -59,7 +59,7 @@ def relative_error(have: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("docs", [False, True], ids=["kernel_entry", "docs_example"])
 def test_a_registered_kernel_runs_under_ddp_exactly(tmp_path, docs):
-    ranks = run_distributed(ranks_main, WORLD, tmp_path, docs, timeout=90)
+    ranks = run_distributed(kernel_ranks, WORLD, tmp_path, docs, timeout=90)
     kernel_name = DOCS_KERNEL_NAME if docs else NAME
     model = residual_stack(TanhMLP, HIDDEN, INTER)  # the same formula and parameter order as the docs' TanhMLP
     inputs = [_kernel_batch(rank) for rank in range(WORLD)]

@@ -69,7 +69,7 @@ def _manual_dp_batch(rank: int):
     return regression_batch(100 + rank, TOKENS[rank], HIDDEN)
 
 
-def ranks_main(rank: int, world_size: int) -> Dict[str, dict]:
+def manual_dp_ranks(rank: int, world_size: int) -> Dict[str, dict]:
     register_strategy(ManualDataParallel)
     out = {}
     for kind in ("fast", "generic"):
@@ -90,7 +90,7 @@ def ranks_main(rank: int, world_size: int) -> Dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_distributed(ranks_main, WORLD, tmp_path_factory.mktemp("manual_dp"), timeout=90)
+    return run_distributed(manual_dp_ranks, WORLD, tmp_path_factory.mktemp("manual_dp"), timeout=90)
 
 
 @pytest.mark.timeout(120)

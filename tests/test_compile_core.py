@@ -125,7 +125,7 @@ def test_compiled_module_with_tiled_loss_equals_eager_untiled():
     _assert_close(want, [loss.detach(), h.grad, *(p.grad for p in model.parameters())])
 
 
-class _Block(nn.Module):
+class _NormResidual(nn.Module):
     """A residual block around an MLP, so that the compiled region holds more than the tiled call."""
 
     def __init__(self, mlp: nn.Module):
@@ -141,7 +141,7 @@ class _Block(nn.Module):
 def test_compiled_block_with_tiled_mlp_equals_eager_untiled(path, tied):
     # tied: gate and up share one weight, which the op takes once and both roles' gradients are summed into.
     torch.manual_seed(0)
-    plain = _Block(GatedMLP(HIDDEN, 20)).double()
+    plain = _NormResidual(GatedMLP(HIDDEN, 20)).double()
     if tied:
         plain.mlp.up_proj.weight = plain.mlp.gate_proj.weight
     tiled = copy.deepcopy(plain)

@@ -48,7 +48,7 @@ def eager_fallback(monkeypatch):
     torch._dynamo.reset()
 
 
-def _tiled_llama():
+def _tiled_llama_and_ids():
     pytest.importorskip("transformers")
     from integration_tests.tiny_models import VOCAB, tiny_model
     from tiled_mlp import apply_tiled_mlp
@@ -62,7 +62,7 @@ def _tiled_llama():
 
 
 def test_a_compiled_tiny_llama_runs_every_tiled_call_eagerly_and_equals_the_untiled_model():
-    reference, model, ids, vocab = _tiled_llama()
+    reference, model, ids, vocab = _tiled_llama_and_ids()
     logits = reference(input_ids=ids).logits  # the untiled loss in float64 (transformers' own is float32)
     want = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
     (want * 3).backward()
@@ -77,7 +77,7 @@ def test_a_compiled_tiny_llama_runs_every_tiled_call_eagerly_and_equals_the_unti
 
 
 def test_the_breaks_are_there_and_fullgraph_refuses_them():
-    _, model, ids, _ = _tiled_llama()
+    _, model, ids, _ = _tiled_llama_and_ids()
     explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
     assert explained.graph_break_count > 0
     torch._dynamo.reset()

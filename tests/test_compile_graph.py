@@ -90,7 +90,7 @@ def test_fullgraph_compile_equals_the_untiled_model_in_float64():
         assert have is not None and (have - want).abs().max().item() < BOUND, name
 
 
-class _Block(nn.Module):
+class _WorkAroundMLP(nn.Module):
     """Work on both sides of the MLP, so that a break inside the MLP's call shows as two graphs."""
 
     def __init__(self):
@@ -104,7 +104,7 @@ class _Block(nn.Module):
 
 def test_a_generic_mlp_runs_eagerly_behind_one_break_and_says_why():
     torch.manual_seed(0)
-    block = _Block().double()
+    block = _WorkAroundMLP().double()
     reference = copy.deepcopy(block)
     TiledMLP(block.mlp, num_shards=3, path="generic")
     x = torch.randn(2, 9, 8, dtype=torch.float64)

@@ -44,14 +44,14 @@ class GatedLooking(nn.Module):
         self.act_fn = nn.SiLU()
 
 
-class PlainMLP(GatedLooking):
+class ExactSwiGLU(GatedLooking):
     """Exactly SwiGLU: the fast path may stand in for it."""
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-def build(cls, seed: int = 0, dtype=torch.float64, **kwargs) -> nn.Module:
+def seeded_mlp(cls, seed: int = 0, dtype=torch.float64, **kwargs) -> nn.Module:
     torch.manual_seed(seed)
     return cls(**kwargs).to(dtype)
 
@@ -85,7 +85,7 @@ def test_a_forward_that_edits_its_input_in_place_is_refused_loudly(path):
     views of the saved input, which the forward doubles, so its recompute would double it again. The
     tiled call cannot recompute from an input its forward overwrote: it must refuse, before any
     number comes out."""
-    mlp = build(InPlaceInputMLP)
+    mlp = seeded_mlp(InPlaceInputMLP)
     x, dy = fresh_inputs(SHAPE, HIDDEN, seed=1)
     leaf = x.detach().clone().requires_grad_()
     copy.deepcopy(mlp)(leaf * 1).backward(dy)  # untiled: fine on a non-leaf input
@@ -105,7 +105,7 @@ class ClampedSwiGLU(GatedLooking):
 
 
 def test_gpt_oss_style_clamp_takes_the_generic_path_and_is_exact():
-    mlp = build(ClampedSwiGLU)
+    mlp = seeded_mlp(ClampedSwiGLU)
     x, dy = fresh_inputs(SHAPE, HIDDEN, seed=2)
     x = x * 50
     with torch.no_grad():  # the clamp must be active on these inputs, or the test compares nothing
@@ -128,13 +128,13 @@ class GradModeBranchMLP(GatedLooking):
 def test_a_branch_on_grad_mode_computes_what_the_untiled_module_does_in_training(path):
     """A probe under no_grad sees the plain formula; the training call multiplies by 1.5. The generic
     path too: its forward shards must run in the caller's grad mode (the recompute runs with grad)."""
-    mlp = build(GradModeBranchMLP)
+    mlp = seeded_mlp(GradModeBranchMLP)
     x, dy = fresh_inputs(SHAPE, HIDDEN, seed=3)
     assert_tiled_equals_untiled(mlp, x, dy, path=path)
 
 
 def test_a_branch_on_grad_mode_computes_what_the_untiled_module_does_under_no_grad():
-    mlp = build(GradModeBranchMLP)
+    mlp = seeded_mlp(GradModeBranchMLP)
     x, _ = fresh_inputs(SHAPE, HIDDEN, seed=4, requires_grad=False)
     tiled = tiled_copy(mlp)
     with torch.no_grad():
@@ -155,7 +155,7 @@ class FalconH1StyleMLP(GatedLooking):
 def test_bf16_multipliers_close_to_one_are_not_dropped():
     """In bf16 a numeric probe needs a tolerance of a few percent, so it would accept a forward whose
     multipliers change the output by less than that, and the fast kernel would drop them."""
-    mlp = build(FalconH1StyleMLP, dtype=torch.bfloat16)
+    mlp = seeded_mlp(FalconH1StyleMLP, dtype=torch.bfloat16)
     x, _ = fresh_inputs((1, 24, HIDDEN), HIDDEN, dtype=torch.bfloat16, seed=5)
     x = (x * 4).detach().requires_grad_()
     want = copy.deepcopy(mlp)(x.detach().clone().requires_grad_())
@@ -192,7 +192,7 @@ def check_change_after_first_call(mlp: nn.Module, change, change_is_per_instance
 
 
 def test_the_class_forward_patched_after_the_first_call():
-    class Patched(PlainMLP):
+    class Patched(ExactSwiGLU):
         pass
 
     def gate_only(self, x):
@@ -201,7 +201,7 @@ def test_the_class_forward_patched_after_the_first_call():
     def change(module):
         Patched.forward = gate_only
 
-    check_change_after_first_call(build(Patched), change, change_is_per_instance=False)
+    check_change_after_first_call(seeded_mlp(Patched), change, change_is_per_instance=False)
 
 
 def test_a_class_attribute_the_forward_reads_flipped_after_the_first_call():
@@ -215,14 +215,14 @@ def test_a_class_attribute_the_forward_reads_flipped_after_the_first_call():
     def change(module):
         Switchable.use_up = False
 
-    check_change_after_first_call(build(Switchable), change, change_is_per_instance=False)
+    check_change_after_first_call(seeded_mlp(Switchable), change, change_is_per_instance=False)
 
 
 def test_the_activation_class_swapped_after_the_first_call():
     def change(module):
         module.act_fn.__class__ = nn.Tanh
 
-    check_change_after_first_call(build(PlainMLP), change, change_is_per_instance=True)
+    check_change_after_first_call(seeded_mlp(ExactSwiGLU), change, change_is_per_instance=True)
 
 
 class ScaledLinear(nn.Linear):
@@ -234,7 +234,7 @@ def test_a_projection_class_swapped_after_the_first_call():
     def change(module):
         module.down_proj.__class__ = ScaledLinear
 
-    check_change_after_first_call(build(PlainMLP), change, change_is_per_instance=True)
+    check_change_after_first_call(seeded_mlp(ExactSwiGLU), change, change_is_per_instance=True)
 
 
 def test_a_flag_flipped_inside_a_mutable_attribute_after_the_first_call():
@@ -250,7 +250,7 @@ def test_a_flag_flipped_inside_a_mutable_attribute_after_the_first_call():
     def change(module):
         module.config.use_up = False
 
-    check_change_after_first_call(build(Configured), change, change_is_per_instance=True)
+    check_change_after_first_call(seeded_mlp(Configured), change, change_is_per_instance=True)
 
 
 # -- the fast path is still taken where it should be --------------------------------------------------

@@ -20,14 +20,7 @@ TEST_PREFIX = "test_"
 # rewritten on other branches this session (the fast-path proof, call plan, compile, kernel and strategy
 # tests); the entry goes when they import the shared helper or rename theirs. An entry that no longer
 # matches a duplicate fails the stale-entry test below, so the list only shrinks.
-PENDING: Dict[str, Set[str]] = {
-    "PlainMLP": {"tests/reference.py", "tests/test_fast_path_proof.py"},
-    "_Block": {"tests/test_compile_core.py", "tests/test_compile_graph.py"},
-    "_tiled_llama": {"tests/test_compile_eager_fallback.py", "tests/test_compile_graph.py"},
-    "build": {"integration_tests/compile_training.py", "tests/test_fast_path_proof.py"},
-    "ranks_main": {"integration_tests/test_strategy_arguments.py", "integration_tests/test_third_party_kernel.py",
-                   "integration_tests/test_third_party_strategy.py"},
-}
+PENDING: Dict[str, Set[str]] = {}
 
 
 def _is_fixture(node: ast.AST) -> bool:
