@@ -103,3 +103,27 @@ def test_auto_asks_a_layout_class_once_per_layout_and_again_when_it_changes(mark
     assert type(resolve_strategy(module, ancestors=(nn.Sequential(),))) is MarkedByLayout
     assert marked_by_layout.asked == 5
 
+
+
+def test_auto_sees_a_strategy_registered_or_unregistered_after_the_first_call():
+    # "auto" keeps what it resolved while the registrations are the same object; a registration after the
+    # module's first call must reach its next call, and its removal too.
+    class ClaimsAll(ClaimsNothing):
+        name, priority = "test_claims_all", 900
+
+        @classmethod
+        def claims(cls, module, ancestors=()):
+            return True
+
+    tiled = TiledMLP(GatedMLP(8, 20).double(), num_shards=2)
+    x = torch.randn(1, 6, 8, dtype=torch.float64)
+    tiled(x)
+    assert tiled.tiling.last_strategy.name == "single_device"
+    register_strategy(ClaimsAll)
+    try:
+        tiled(x)
+        assert tiled.tiling.last_strategy.name == "test_claims_all"
+    finally:
+        unregister_strategy("test_claims_all")
+    tiled(x)
+    assert tiled.tiling.last_strategy.name == "single_device"

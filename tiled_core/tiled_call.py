@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
@@ -30,7 +29,7 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 
 from tiled_mlp.strategies.base import Strategy
-from tiled_mlp.strategies.resolver import resolve_strategy
+from tiled_mlp.strategies.resolver import registrations_by_priority, resolve_strategy
 
 from . import auto_shards as _auto_shards
 from . import gated_forms as _gated_forms
@@ -118,14 +117,6 @@ def inside_backward() -> bool:
 _BASE_CONFIGURED_FOR = Strategy.__dict__["configured_for"].__func__
 
 
-def _registrations() -> tuple:
-    """The strategy registrations now, read without a call (the registry's module, found as the resolver loaded
-    it: the core imports only the strategy interface). Empty where the registry keeps them otherwise: then
-    nothing is kept."""
-    registry = getattr(sys.modules.get("tiled_mlp.strategies.registry"), "_REGISTRY", None)
-    return () if registry is None else tuple(registry.values())
-
-
 def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
     """The fixed strategy, or "auto" resolved now (``state``: the module's tiling). Not kept across calls where a
     process group is initialised: a forward before ``fully_shard``, ``deepspeed.initialize``, a DDP or an FSDP1
@@ -138,7 +129,7 @@ def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
     distributed = dist.is_available() and dist.is_initialized()
     if not distributed:
         kept = fields.get("local_strategy")
-        if kept is not None and kept[1] == _registrations():
+        if kept is not None and kept[1] is registrations_by_priority():  # a new object at every registry change
             return kept[0]
     in_backward = inside_backward()
     if in_backward and state.forward_strategy is not None:
@@ -152,7 +143,7 @@ def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
     # Kept for the next calls only where the strategy was built from its registered arguments alone (a class
     # whose own ``configured_for`` reads the runtime is asked at every call) and no process group can change
     # what claims the module.
-    registrations = () if distributed else _registrations()
+    registrations = None if distributed else registrations_by_priority()
     own_build = getattr(type(strategy).configured_for, "__func__", None) is not _BASE_CONFIGURED_FOR
     fields["local_strategy"] = None if own_build or not registrations else (strategy, registrations)
     return strategy
