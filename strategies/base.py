@@ -94,14 +94,17 @@ def check_spans_sequence_group(backend: str, model: nn.Module, backend_ranks, gr
 CAPABILITIES = (("gathers_params", "gathered"), ("delivers_grads", "deliver_grads"))
 
 
-def check_declarations(cls: type) -> None:
-    """Refuse a class whose capability flags and methods disagree (see the module docstring)."""
+def check_declarations(obj: Any) -> None:
+    """Refuse a class, or an instance (a method set on it), whose capability flags and methods disagree (see
+    the module docstring)."""
+    cls = obj if isinstance(obj, type) else type(obj)
     for flag, method in CAPABILITIES:
-        declared, defined = getattr(cls, flag), getattr(cls, method) is not getattr(Strategy, method)
+        own = getattr(obj, method)
+        declared, defined = getattr(obj, flag), getattr(own, "__func__", own) is not getattr(Strategy, method)
         if defined and not declared:
             raise TypeError(f"{cls.__name__} defines {method} but does not declare {flag} = True: the tiled call "
                             f"uses {method} only where the class declares it. Set {flag} = True on {cls.__name__}")
-        if declared and not defined:
+        if declared and not defined and obj is cls:  # a class's definition (an instance's flag comes from it)
             raise TypeError(f"{cls.__name__} declares {flag} = True but does not define {method}: define "
                             f"{method}, or leave {flag} False")
 

@@ -127,3 +127,12 @@ def test_auto_sees_a_strategy_registered_or_unregistered_after_the_first_call():
         unregister_strategy("test_claims_all")
     tiled(x)
     assert tiled.tiling.last_strategy.name == "single_device"
+
+
+def test_an_instance_given_deliver_grads_without_the_flag_is_refused_at_its_first_call():
+    # The class check cannot see a method set on an instance: the call checks the instance it runs.
+    strategy = SingleDeviceStrategy()
+    strategy.deliver_grads = lambda params, grads: grads  # type: ignore[method-assign]
+    tiled = TiledMLP(GatedMLP(8, 20).double(), num_shards=2, strategy=strategy)
+    with pytest.raises(TypeError, match="SingleDeviceStrategy defines deliver_grads but does not declare delivers_grads"):
+        tiled(torch.randn(1, 6, 8, dtype=torch.float64))

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from tiled_mlp.strategies.base import Strategy
+from tiled_mlp.strategies.base import Strategy, check_declarations
 from tiled_mlp.strategies.resolver import registrations_by_priority, resolve_strategy
 
 from . import auto_shards as _auto_shards
@@ -43,7 +43,7 @@ from .kernel_registry import MAP, KernelCall, available_kernels, choose_kernel
 from .kernels import gated as _activations
 from .module_forward import adopt_instance_forward, base_forward, hidden_states_argument, original_forward
 from .shard_plan import ShardPlan, make_shard_plan
-from .sharded_autograd import ShardedRun, sharded_apply
+from .sharded_autograd import ShardedRun, autocast_enabled, sharded_apply
 from .tiling_state import TilingState
 from .validation import check_input, expected_hidden_size
 
@@ -86,24 +86,6 @@ def autograd_carries_the_call(strategy: Strategy) -> bool:
     declared capabilities): autograd alone carries a call's tensors and gradients, as for any op (what a
     custom op needs, ``compiled_route``)."""
     return not strategy.gathers_params and not strategy.delivers_grads
-
-
-UNDECLARED_CAPABILITY_ERROR = (
-    "{strategy} overrides Strategy.{method} but does not declare {flag} = True: the tiled call enters {method} "
-    "only where the strategy declares it, so {what}. Add `{flag} = True` to {cls}."
-)
-
-
-def check_declared(strategy: Strategy) -> None:
-    """Refuse a strategy that overrides ``gathered`` or ``deliver_grads`` without declaring the capability
-    (its override would never run: parameters never gathered, gradients never delivered)."""
-    cls = type(strategy)
-    for method, flag, what in (("gathered", "gathers_params", "its parameters would never be gathered"),
-                               ("deliver_grads", "delivers_grads", "its gradients would never be delivered")):
-        own = getattr(strategy, method)
-        if getattr(own, "__func__", own) is not getattr(Strategy, method) and not getattr(strategy, flag):
-            raise TypeError(UNDECLARED_CAPABILITY_ERROR.format(strategy=strategy.name or cls.__name__, method=method,
-                                                               flag=flag, what=what, cls=cls.__name__))
 
 
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
@@ -216,13 +198,6 @@ class ModuleTree:
                 and tuple(itertools.chain.from_iterable(_GLOBAL_HOOK_DICTS)) == self.global_keys)
 
 
-def _autocast_enabled(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type autocast does not know (meta)
-        return False
-
-
 def call_config(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
                 token_inputs: Sequence[torch.Tensor]) -> tuple:
     """What a plan rests on besides the module tree, compared by equality at each call."""
@@ -230,7 +205,7 @@ def call_config(module: nn.Module, state: TilingState, strategy: Strategy, x: to
     forward = installed if installed is not None else base_forward(module)
     device = x.device
     return (type(strategy), type(module), forward, getattr(getattr(forward, "__func__", forward), "__code__", None),
-            x.dtype, device, x.dim(), not token_inputs, _autocast_enabled(device.type), state.path,
+            x.dtype, device, x.dim(), not token_inputs, autocast_enabled(device.type), state.path,
             state.use_fused_kernel, _strict.ON, _gated_forms._GENERATION[0], _norm_forms._GENERATION[0],
             _activations._FUSED_GENERATION[0], _kernels._GENERATION[0])
 
@@ -289,7 +264,7 @@ def current_plan(module: nn.Module, state: TilingState, strategy: Strategy, x: t
         if plan.strategy is not strategy:  # a strategy built anew for this call (DDP's, from its wrapper)
             strategy.check_supported(module)
         return plan
-    check_declared(strategy)
+    check_declarations(strategy)  # an instance may override what its class declares
     strategy.check_supported(module)
     plan = MapPlan(module, strategy, config, strategy.trainable_params(module))
     state.__dict__["call_plan"] = plan
