@@ -11,6 +11,8 @@ has a neutral default. What a backend does beyond the defaults it *declares*:
   summed gradients itself (no wrapper does it). Otherwise autograd accumulates each into ``.grad``
   exactly once per parameter per backward, whatever the shard count, which is what DDP's reducer,
   FSDP2's reduce-scatter and ZeRO's per-parameter hooks rely on;
+- ``configures_from_runtime = True`` with ``configured_for``: "auto" builds the instance from the runtime
+  (DDP's process group) at every call; otherwise one instance built from the registered arguments is shared;
 - ``claims_from_layout = True``: ``claims`` reads only the module's layout (``resolver.py``), so "auto"
   asks it once per layout rather than at every call;
 - the mixins ``WaitsForEveryParameter`` (zeros for a trainable parameter no shard used) and
@@ -91,7 +93,8 @@ def check_spans_sequence_group(backend: str, model: nn.Module, backend_ranks, gr
 
 
 # Each declared capability: the flag, and the method a class sets it with.
-CAPABILITIES = (("gathers_params", "gathered"), ("delivers_grads", "deliver_grads"))
+CAPABILITIES = (("gathers_params", "gathered"), ("delivers_grads", "deliver_grads"),
+                ("configures_from_runtime", "configured_for"))
 
 
 def check_declarations(obj: Any) -> None:
@@ -100,7 +103,8 @@ def check_declarations(obj: Any) -> None:
     cls = obj if isinstance(obj, type) else type(obj)
     for flag, method in CAPABILITIES:
         own = getattr(obj, method)
-        declared, defined = getattr(obj, flag), getattr(own, "__func__", own) is not getattr(Strategy, method)
+        base = getattr(Strategy, method)
+        declared, defined = getattr(obj, flag), getattr(own, "__func__", own) is not getattr(base, "__func__", base)
         if defined and not declared:
             raise TypeError(f"{cls.__name__} defines {method} but does not declare {flag} = True: the tiled call "
                             f"uses {method} only where the class declares it. Set {flag} = True on {cls.__name__}")
@@ -118,6 +122,7 @@ class Strategy(ABC):
     #: Declared capabilities (module docstring).
     gathers_params: ClassVar[bool] = False
     delivers_grads: ClassVar[bool] = False
+    configures_from_runtime: ClassVar[bool] = False
     claims_from_layout: ClassVar[bool] = False
     #: Set by ``WaitsForEveryParameter``: a trainable parameter no shard used gets zeros, not None.
     unused_grads_as_zeros: ClassVar[bool] = False
@@ -134,9 +139,8 @@ class Strategy(ABC):
 
     @classmethod
     def configured_for(cls, module: nn.Module, ancestors: Sequence[nn.Module] = (), **init_kwargs: Any) -> Strategy:
-        """The instance that runs ``module`` once this class claimed it. An override may read from the runtime
-        what was not registered (DDP's process group) and is then asked at every call, so must stay cheap;
-        with this default the registration builds one instance that every call shares."""
+        """The instance that runs ``module`` once this class claimed it (declared by ``configures_from_runtime``:
+        an override is asked at every call, so must stay cheap)."""
         return cls(**init_kwargs)
 
     def check_supported(self, module: nn.Module) -> None:  # noqa: B027 - optional: most backends refuse nothing

@@ -32,6 +32,7 @@ def _active_ddp_module():
 class DDPStrategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
     name = "ddp"
     priority = 50
+    configures_from_runtime = True
 
     def __init__(self, process_group: Optional[Any] = None):
         #: The process group DDP averages gradients over; None: the running DDP module's, where one runs.

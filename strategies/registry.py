@@ -29,13 +29,9 @@ class Registration:
     cls: Type[Strategy]
     init_kwargs: Mapping[str, Any]
     description: str = ""
-    # The instance "auto" resolves to where the class keeps the base ``configured_for`` (it rests on the
-    # registered arguments alone): every call it claims shares it, as calls share a fixed instance.
+    # The instance "auto" resolves to where the class builds from its registered arguments alone (no
+    # ``configures_from_runtime``): every call it claims shares it, as calls share a fixed instance.
     _shared: List[Strategy] = field(default_factory=list, compare=False, repr=False)
-
-    @property
-    def builds_from_arguments_alone(self) -> bool:
-        return getattr(self.cls.configured_for, "__func__", None) is _BASE_CONFIGURED_FOR
 
     def build(self) -> Strategy:
         """An instance configured with the stored arguments alone (a name given to ``TiledMLP``)."""
@@ -52,7 +48,7 @@ class Registration:
         if self._shared:
             return self._shared[0]
         strategy = self._named(self.cls.configured_for(module, ancestors, **self.init_kwargs))
-        if self.builds_from_arguments_alone:
+        if not self.cls.configures_from_runtime:
             self._shared.append(strategy)
         return strategy
 
@@ -62,7 +58,6 @@ class Registration:
         return strategy
 
 
-_BASE_CONFIGURED_FOR = Strategy.__dict__["configured_for"].__func__
 _REGISTRY: Dict[str, Registration] = {}
 
 
@@ -118,9 +113,8 @@ def _same(a: Registration, b: Registration) -> bool:
 
 
 def _check_init_kwargs(entry: Registration) -> None:
-    """Refuse, at registration rather than at the first forward, arguments the constructor cannot take, and
-    required ones left out where the class builds from its arguments alone (an own ``configured_for`` may
-    read them from the runtime)."""
+    """Refuse, at registration, arguments the constructor cannot take, and required ones left out unless the
+    class reads them from the runtime (``configures_from_runtime``)."""
     cls, signature = entry.cls, inspect.signature(entry.cls)
     try:
         signature.bind_partial(**entry.init_kwargs)
@@ -129,7 +123,7 @@ def _check_init_kwargs(entry: Registration) -> None:
                         f"({dict(entry.init_kwargs)!r}): {error}") from None
     missing = [p.name for p in signature.parameters.values() if p.default is p.empty and p.name not in entry.init_kwargs
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if missing and entry.builds_from_arguments_alone:
+    if missing and not cls.configures_from_runtime:
         raise TypeError(f"{cls.__name__}'s constructor needs {', '.join(missing)}, which its registration "
                         f"{entry.name!r} does not give: register_strategy({cls.__name__}, "
                         f"{', '.join(f'{m}=...' for m in missing)}), or read them from the runtime in "

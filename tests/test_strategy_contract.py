@@ -18,9 +18,12 @@ pytestmark = pytest.mark.timeout(30)
 
 
 
-@pytest.mark.parametrize("flag, method", [("gathers_params", "gathered"), ("delivers_grads", "deliver_grads")])
+@pytest.mark.parametrize("flag, method", [("gathers_params", "gathered"), ("delivers_grads", "deliver_grads"),
+                                          ("configures_from_runtime", "configured_for")])
 def test_a_capability_method_without_its_flag_is_refused_when_the_class_is_defined(flag, method):
-    body = {method: lambda self, *args: args[-1] if method == "deliver_grads" else contextlib.nullcontext()}
+    bodies = {"deliver_grads": lambda self, *args: args[-1], "gathered": lambda self, *args: contextlib.nullcontext(),
+              "configured_for": classmethod(lambda cls, module, ancestors=(), **kwargs: cls(**kwargs))}
+    body = {method: bodies[method]}
     with pytest.raises(TypeError, match=rf"Undeclared defines {method} but does not declare {flag} = True"):
         type("Undeclared", (ClaimsNothing,), body)
     with pytest.raises(TypeError, match=rf"FlagOnly declares {flag} = True but does not define {method}"):
@@ -41,7 +44,7 @@ def test_a_flag_set_after_the_class_was_defined_is_refused_at_registration():
 
 
 class NeedsMesh(ClaimsNothing):
-    """Builds from its registered arguments alone (the base ``configured_for``): its mesh must be registered."""
+    """Builds from its registered arguments alone (no ``configures_from_runtime``): its mesh must be registered."""
 
     name = "test_needs_mesh"
 

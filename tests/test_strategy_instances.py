@@ -34,6 +34,7 @@ class MeshStrategy(Strategy):
 
     name = "test_mesh"
     priority = 60
+    configures_from_runtime = True
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -236,9 +237,9 @@ def test_a_declared_gathered_is_entered_around_the_call_and_the_backward(monkeyp
 
 
 def test_auto_shares_the_instance_a_registration_builds_from_its_arguments_alone(registered):
-    """A class that keeps the base ``configured_for`` builds from the registered arguments alone: every call "auto"
-    resolves to it shares one instance (as every call shares a fixed one); a class that reads the runtime in its
-    own ``configured_for`` is built at every call."""
+    """A class without ``configures_from_runtime`` builds from the registered arguments alone: every call "auto"
+    resolves to it shares one instance (as every call shares a fixed one); a class that declares it and reads
+    the runtime in its own ``configured_for`` is built at every call."""
 
     class Fixed(Strategy):
         name, priority = "test_fixed_arguments", 70
