@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 import types
 from dataclasses import dataclass, field
-from itertools import repeat
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 _COMPARED = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_posonlyargcount",
              "co_kwonlyargcount", "co_freevars", "co_cellvars")
@@ -105,40 +103,6 @@ def same_code(code: types.CodeType, form: CodeForm, doc: Optional[str]) -> bool:
             # By type as well as value: 1 == 1.0 == True and 0.0 == -0.0 for ``==``, not for ``repr``.
             and repr(code.co_consts) == repr(want.co_consts)
             and code.co_flags & _KIND_FLAGS == want.co_flags & _KIND_FLAGS)
-
-
-class GlobalReads:
-    """The module globals that matched functions read (each ``(fn, form)``: what ``globals_hold`` checks for
-    one), held as flat columns so that checking them all is a few C passes: a name of the function's module
-    globals, or one attribute of it (``F.silu``); a longer path is walked as ``globals_hold`` does."""
-
-    __slots__ = ("_dicts", "_names", "_objects", "_attr_dicts", "_attr_heads", "_attr_names", "_attr_objects", "_deep")
-
-    def __init__(self, reads: Iterable[Tuple[types.FunctionType, CodeForm]]):
-        direct, one_attribute, deep = [], [], []
-        for fn, form in reads:
-            # ``__globals__`` is read-only: the function reads this very dict for as long as it lives.
-            for head, attrs, obj in form.global_paths:
-                if not attrs:
-                    direct.append((fn.__globals__, head, obj))
-                elif len(attrs) == 1:
-                    one_attribute.append((fn.__globals__, head, attrs[0], obj))
-                else:
-                    deep.append((fn.__globals__, head, attrs, obj))
-        self._dicts, self._names, self._objects = _columns(direct, 3)
-        self._attr_dicts, self._attr_heads, self._attr_names, self._attr_objects = _columns(one_attribute, 4)
-        self._deep = tuple(deep)
-
-    def hold(self) -> bool:
-        """Whether every global read is still the object it was."""
-        return (all(map(operator.is_, map(dict.get, self._dicts, self._names, repeat(_MISSING)), self._objects))
-                and all(map(operator.is_, map(getattr, map(dict.get, self._attr_dicts, self._attr_heads, repeat(_MISSING)),
-                                              self._attr_names, repeat(_MISSING)), self._attr_objects))
-                and all([_path_holds(*read) for read in self._deep]))
-
-
-def _columns(rows: list, width: int) -> Tuple[tuple, ...]:
-    return tuple(zip(*rows, strict=True)) if rows else ((),) * width
 
 
 def _path_holds(module_globals: dict, head: str, attrs: Tuple[str, ...], obj: Any) -> bool:

@@ -20,12 +20,12 @@ import functools
 import operator
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch.nn.functional as F
 from torch import nn
 
-from .code_forms import CodeForm, GlobalReads, check_body, matches
+from .code_forms import CodeForm, check_body, globals_hold, matches
 from .kernels.gated import ACTIVATIONS
 
 Scale = Union[float, str]  # a fixed factor, or the name of a float attribute the forward multiplies by
@@ -299,7 +299,6 @@ TORCH_MODULE_GETATTR = nn.Module.__getattr__
 _TORCH_CALLS = (nn.Module.__call__, nn.Module._call_impl, nn.Module._wrapped_call_impl)
 _lookup_of = operator.attrgetter("__getattribute__", "__getattr__", "__mro__")
 _calls_of = operator.attrgetter("__call__", "_call_impl", "_wrapped_call_impl")
-_isdisjoint: Callable[[Any, Any], bool] = type({}.keys()).isdisjoint
 
 
 def called_as_torch_calls(cls: type) -> bool:
@@ -309,47 +308,28 @@ def called_as_torch_calls(cls: type) -> bool:
 
 
 class ProofReads:
-    """What a decision proven from forwards' code read outside the module tree's own dicts (which the plan's
-    snapshot compares), and whether any of it changed since:
-    - the attributes instances of some classes read by name: shadowed by a class attribute or property of
-      that name anywhere in the class's MRO, or by a custom attribute lookup (``__getattribute__``,
-      ``__getattr__`` other than torch's);
-    - classes whose instances the forward calls: called through a ``__call__`` other than torch's;
-    - forwards whose code matched a body: the module globals that body names rebound;
-    - the torch functions the accepted forms call, patched (``torch_functions``: ``torch_functions_intact``).
-    Built once per decision, checked at every call that reuses it (a guard on its call plan)."""
-
-    __slots__ = ("_classes", "_lookups", "_key_views", "_names", "_called", "_torch_calls", "_globals",
-                 "_torch_functions")
+    """What a decision proven from forwards' code read outside the module tree's own dicts, and whether it still
+    holds (strict mode checks it at every call that reuses the decision): no attribute the instances of some
+    classes read by name shadowed by a class attribute, property or custom lookup; each called class called
+    through torch's own ``__call__``; the module globals of each matched body (``code_forms.globals_hold``);
+    and, with ``torch_functions``, the torch functions the forms call (``torch_functions_intact``)."""
 
     def __init__(self, reads: Iterable[Tuple[type, Tuple[str, ...]]], called: Iterable[type] = (),
                  codes: Iterable[Optional[CodeRead]] = (), torch_functions: bool = False):
         names_by_class: Dict[type, Set[str]] = {}
         for cls, names in reads:
             names_by_class.setdefault(cls, set()).update(names)
-        self._classes = tuple(names_by_class)
-        self._lookups = [(object.__getattribute__, TORCH_MODULE_GETATTR, cls.__mro__) for cls in self._classes]
-        # Every class of every MRO once, with the names any instance of a class below it reads, as its
-        # dict's live key view: the check is C passes, with no Python call per class.
-        wanted: Dict[type, Set[str]] = {}
-        for cls, class_names in names_by_class.items():
-            for klass in cls.__mro__:
-                wanted.setdefault(klass, set()).update(class_names)
-        self._key_views = tuple(vars(klass).keys() for klass in wanted)
-        self._names = tuple(map(frozenset, wanted.values()))
+        self._reads = [(cls, names, (object.__getattribute__, TORCH_MODULE_GETATTR, cls.__mro__))
+                       for cls, names in names_by_class.items()]
         self._called = tuple(dict.fromkeys(called))
-        self._torch_calls = (_TORCH_CALLS,) * len(self._called)  # what each class's calls must be
-        self._globals = GlobalReads([code for code in codes if code is not None])
-        self._torch_functions = torch_functions  # the decision relies on the torch functions the forms call
+        self._codes = [code for code in codes if code is not None]
+        self._torch_functions = torch_functions
 
     def holds(self) -> bool:
-        """Whether everything read is still what it was (a guard on the call plan the decision is kept in)."""
-        # Equal lookups: the same two functions (compared by identity) and an equal MRO (the same classes,
-        # so the same dicts whose keys are read below). Each class's calls as ``called_as_torch_calls`` asks.
-        return (list(map(_lookup_of, self._classes)) == self._lookups
-                and all(map(_isdisjoint, self._key_views, self._names))
-                and tuple(map(_calls_of, self._called)) == self._torch_calls
-                and self._globals.hold()
+        return (all(_lookup_of(cls) == lookup and all(names.isdisjoint(vars(klass)) for klass in cls.__mro__)
+                    for cls, names, lookup in self._reads)
+                and all(map(called_as_torch_calls, self._called))
+                and all(globals_hold(fn, form) for fn, form in self._codes)
                 and (not self._torch_functions or torch_functions_intact()))
 
 
