@@ -1,27 +1,12 @@
-"""The contract between the backend-neutral tiled core and a parallel backend.
+"""The contract between the backend-neutral core and a parallel backend (docs/architecture.md, "Adding a
+strategy").
 
-A strategy is an instance holding its backend's configuration (a process group, a mesh), given to its
-constructor, stored with its registration (``register_strategy(cls, **init_kwargs)``) or read from the
-runtime by ``configured_for`` when "auto" resolves it. Only ``claims`` is required; every other member
-has a neutral default. What a backend does beyond the defaults it *declares*:
-
-- ``gathers_params = True`` with ``gathered(module)``: the call runs inside that context, and again
-  around its backward recompute (ZeRO-3);
-- ``delivers_grads = True`` with ``deliver_grads(params, grads)``: the backend reduces each call's
-  summed gradients itself (no wrapper does it). Otherwise autograd accumulates each into ``.grad``
-  exactly once per parameter per backward, whatever the shard count, which is what DDP's reducer,
-  FSDP2's reduce-scatter and ZeRO's per-parameter hooks rely on;
-- ``configures_from_runtime = True`` with ``configured_for``: "auto" builds the instance from the runtime
-  (DDP's process group) at every call; otherwise one instance built from the registered arguments is shared;
-- ``claims_from_layout = True``: ``claims`` reads only the module's layout (``resolver.py``), so "auto"
-  asks it once per layout rather than at every call;
-- the mixins ``WaitsForEveryParameter`` (zeros for a trainable parameter no shard used) and
-  ``SequenceParallelAware`` (how the gradient reduction treats a sequence-parallel group).
-
-A method overridden without its flag, or a flag without its method, is refused when the class is
-defined (and again when it is registered). The remaining defaults answer for tensor parallelism composed
-beside any strategy (``tensor_parallel.py``) and for the loss's head; a backend overrides them where its
-own hooks or storage differ (FSDP2, ZeRO).
+A strategy is an instance holding its backend's configuration. Only ``claims`` is required; every other member
+has a neutral default, and what a backend does beyond it is *declared*: a flag with its method
+(``gathers_params``/``gathered``, ``delivers_grads``/``deliver_grads``, ``configures_from_runtime``/
+``configured_for``), ``claims_from_layout``, or a mixin (``WaitsForEveryParameter``, ``SequenceParallelAware``).
+A method without its flag, or a flag without its method, is refused when the class is defined and again when
+it is registered.
 """
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
 """DTensor tensor parallelism (``parallelize_module``) beside whichever strategy claims the parameters.
 
-Not a strategy of its own: the parameters may be claimed by the single-device strategy (pure TP) or FSDP2
-(FSDP2 x TP on a 2-D mesh); every strategy's ``local_view``, ``is_backend_hook`` and ``per_shard_problem``
-consult this file (``base.Strategy``). The layouts, what is proven and what is refused: docs/backends.md.
-
-Hooks are recognised by what they are: ``distribute_module`` registers lambdas (their code objects are read
-from it) closing over a ``functools.partial`` of a style's static ``_prepare_input_fn`` / ``_prepare_output_fn``
-(compared as objects, never by name; a subclass that overrides them is not proven). Hugging Face's own styles
-register no hook but replace each Linear's forward: ``hf_tensor_parallel.py`` proves them.
-
-``TensorParallelView``, the gated fast kernel's local view: on a colwise gate and up and a rowwise down, each
-rank computes ``act(x Wg_r^T) * (x Wu_r^T)`` on its slice of the intermediate dimension and ``h_r Wd_r^T``, a
-partial sum. The input goes through gate_proj's own input hook, then ``to_local(grad_placements=[Partial()])``
-(its gradient reduced once, in backward); the output is ``from_local(out, mesh, [Partial()])`` through
-down_proj's own output hook: one collective per call, never per shard, and no weight gathered.
-``SequenceParallelView``: a norm under ``SequenceParallel`` tiles each rank's own tokens (see the class).
+Not a strategy of its own: every strategy's ``local_view``, ``is_backend_hook`` and ``per_shard_problem``
+consult this file. Hooks are recognised by what they are (``distribute_module``'s lambdas over a proven
+style's functions, compared as objects); Hugging Face's styles are proven in ``hf_tensor_parallel.py``. The
+layouts, the local views' arithmetic, what is proven and what is refused: docs/backends.md, "Tensor parallelism".
 """
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """Is a function exactly a given body of code? Decided by its bytecode, not by running it.
 
-The gated fast kernel stands in for a module's forward. A numeric probe of that forward cannot prove
-it may: a probe is fooled by a clamp that random inputs never reach, a branch on
-``torch.is_grad_enabled()``, a factor within bf16's tolerance of 1, or an in-place edit of the input
-that the probe's own input shares. What a function *is* can be decided instead: its code object.
-
-A ``CodeForm`` is a method body written as source. ``matches(fn, form)`` compiles that body, on the
-running interpreter, into a method with ``fn``'s own argument name and docstring, and compares the
-code objects field by field (instructions, constants, names, local names, argument counts, flags).
-Equal code with the same globals runs the same operations on the same attributes of ``self``: the
-installed library's forward is checked as it is, whatever its version, and a patched, wrapped or
-edited forward is a different function with other code. What the code reads through ``self``
-(submodules, factors) is checked by the caller (``gated_forms``). Which bodies are worth comparing
-against is not known here: they are registered by whoever knows a library's text.
+A numeric probe cannot prove a forward computes a formula (a clamp random inputs never reach, a branch on
+grad mode, a factor within bf16's tolerance of 1). ``matches(fn, form)`` compiles the form's body on the running
+interpreter with ``fn``'s argument name and docstring and compares the code objects field by field: a patched,
+wrapped or edited forward is other code. What the code reads through ``self`` is checked by the caller
+(``gated_forms``); the module globals it names, by ``globals_hold``.
 """
 from __future__ import annotations
 

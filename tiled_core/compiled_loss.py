@@ -1,18 +1,7 @@
 """What the tiled loss becomes when ``torch.compile`` traces it: one op, ``tiled_mlp::linear_cross_entropy``
 (``ops/``), for a plain linear head whose backend owns nothing around the call, else the eager tiled loss
-behind one graph break.
-
-The route is decided once where the call is traced, from what the head and its backend *are*:
-
-- the op: a plain ``nn.Linear`` head (``is_plain_linear``) with no hooks of its own, whole local tensors,
-  a backend whose ``gathered`` and ``deliver_grads`` are the base no-ops (a single device, DDP, FSDP2 with the
-  head inside a unit whose hooks ran already), no autocast and no sequence group;
-- the eager loss otherwise: ZeRO-3 gathers the head in its hooks, a tensor-parallel head splits the
-  vocabulary, a PEFT head runs its own forward per shard, sequence parallelism sums over ranks, and every
-  call on torch < 2.9 (``dynamo_support``).
-
-Everything else the loss does (the labels' shift, the denominator, the checks of the arguments) is traced
-as written in ``tiled_loss``; the labels' values are checked by the op at every call.
+behind one graph break (docs/compile.md, "Which calls trace"). Decided once where the call is traced; the rest
+of the loss (the labels' shift, the denominator, the argument checks) is traced as written in ``tiled_loss``.
 """
 from __future__ import annotations
 

@@ -1,27 +1,11 @@
 """What a tiled module's call becomes when ``torch.compile`` traces it.
 
-Dynamo cannot trace the eager tiled call (its shard loop, RNG capture and checks run Python at every
-call), so the call is decided once, where it is traced, by the same decision the eager call makes
-(``decide_map_call``, on a stand-in input of the traced input's shape, dtype and device), and becomes:
-
-- ``untiled``: the policy passes the call through (too short to lower the peak): the module's own
-  forward, traced like any module (nothing of it is hidden from the compiler);
-- ``gated_op``: the gated fast kernel as one node, ``torch.ops.tiled_mlp.gated_mlp`` (``ops/``), on the
-  module's own parameters, over the decided shard count;
-- ``norm_op``: a proven RMSNorm (the norm kernel, ``norm_forms``) as one node, ``torch.ops.tiled_mlp.rms_norm``,
-  on the module's own weight (read by name), with the form's eps, offset and multiply dtype as constants;
-- ``eager``: everything else runs the eager tiled call in a frame Dynamo skips, one graph break, with
-  the reason kept in ``module.tiling.compiled_reason``: the generic kernel (a module's own forward must
-  run per shard), a backend that gathers parameters or delivers gradients itself (ZeRO, whose hooks
-  run inside the call), a distributed parameter (tensor parallelism), an instance forward, a module
-  with other sharded inputs (MoE), a call with keyword arguments, and every call on torch < 2.9
-  (``dynamo_support``). A symbolic size (dynamic shapes) is specialized: a new length traces the call again.
-
-The decision rests on the module as it is when traced; the compiled graph keeps it while Dynamo's guards
-hold: the module and its class, the parameters the op reads (identity, shape, dtype, device), the class's
-forward function, the activation's class, and the global state (grad mode, autocast). A change they do not
-see (an attribute a form reads, set after compiling) needs ``torch._dynamo.reset()``, as for any compiled
-module whose Python state changes.
+Dynamo cannot trace the eager tiled call (its shard loop and checks run Python), so the eager call's own
+decision (``decide_map_call``, on a stand-in input of the traced input's shape, dtype and device) runs once
+where the call is traced and picks a route: ``untiled`` (the module's own forward), ``gated_op`` or
+``norm_op`` (one custom op of ``ops/``), or ``eager`` (the eager call behind one graph break, the reason in
+``module.tiling.compiled_reason``). Which calls take which route, and what the graph rests on:
+docs/compile.md.
 """
 from __future__ import annotations
 

@@ -1,38 +1,10 @@
-"""One way to decide something once, where Dynamo traces a call, from the objects the call sees.
+"""Deciding something once where Dynamo traces a call, from the objects the call sees.
 
-The traced routes (``compiled_route``, ``compiled_loss``, the HF tiled loss's forward) are each decided by
-a Python function that must see objects (the module, its head, its strategy, the loss's forward), run once
-at trace time, its answer a constant of the graph that Dynamo keeps while the objects are the same ones.
-``torch._dynamo.assume_constant_result`` runs a function at trace time, but what it may be given differs
-by release (``invoke_and_store_as_constant``, read in 2.11, 2.12 and 2.13):
-
-- torch 2.12 and later hand it a user-defined object itself and guard on its identity (``ID_MATCH``);
-- torch 2.11 and earlier convert every argument to a Python constant, which an object is not, and stop the
-  compile (``UnspecializedNNModuleVariable ... is not a constant``).
-
-There (from 2.9, ``TRACES_TILED_CALLS``), each object is given as its ``id``, which those releases trace as
-a constant (``BuiltinVariable.call_id``): an nn.Module by its submodule, a user-defined object read from
-the frame (it has a source) with an identity guard (``ID_MATCH``), the guard 2.12 installs for an object
-argument. The decision turns the id back into the object (``_object_at``) while Dynamo traces the frame
-that holds it (Dynamo calls it only from ``invoke_and_store_as_constant``), and checks that it is of the
-class the traced code saw. What those releases give for other kinds of objects, and what the routes pass
-them for:
-
-- a ``functools.partial`` is given as a placeholder of Dynamo's own, without a guard: the routes pass
-  partials (an accelerate hook's instance forward) only to be guarded where 2.12 guards them, never read;
-- an object built inside the compiled function is given before its ``__init__`` ran (Dynamo builds it
-  without running it, on every release): a strategy or module made inside the compiled region must be made
-  outside it;
-- a bound method is a graph break at ``id()``, as it is for 2.12's argument.
-
-From 2.12 on ``id()`` of a value Dynamo has no source for is a made-up number (``FakeIdVariable``), so the
-objects themselves are passed there; a test that forces the ids there passes only objects read from the
-frame. Outside a trace the wrapper is a plain call.
-
-Nothing here imports Dynamo (``torch._dynamo`` brings ``torch._inductor`` and sympy, about 1 s): what is
-needed where Dynamo traces is marked the way its own decorators mark it, or made at the first call
-(``_marked_constant``, ``disable``, ``run_eagerly_at_top_level``); ``tests/test_light_import.py`` checks each
-against Dynamo's own.
+A decision runs at trace time through ``assume_constant_result`` and its answer is a constant of the graph,
+kept while the objects are the same. torch 2.12 and later pass objects and guard on their identity; 2.9 to
+2.11 pass each object as its ``id`` and the decision turns it back (docs/compile.md, "On older torch", says
+what differs there). Nothing here imports Dynamo: its marks are made the way its decorators make them, or at
+the first call, and ``tests/test_light_import.py`` checks each against Dynamo's own.
 """
 from __future__ import annotations
 
@@ -78,15 +50,9 @@ def _object_at(address: int) -> Any:
 
 
 def _specialized(value: Any) -> Any:
-    """``value`` with each int in it (it or a tuple's item) made a constant. ``assume_constant_result`` takes
-    no symbolic int (dynamic shapes: ``dynamic=True``, or Dynamo's automatic dynamic shapes from a second
-    input length on): torch 2.9 to 2.11 stop the compile with an internal error, 2.12 and later with
-    ``Unsupported: assume_constant_result argument conversion failed`` (a graph break, an error under
-    ``fullgraph=True``). Traced code cannot tell a SymInt from an int (Dynamo shows it as an int):
-    ``operator.index`` specializes it, guarded (``int()`` does not), so each new size traces the call again,
-    as ``dynamic=False`` does (a route rests on the length: the auto policy's shard count, a call too short
-    to tile). A size marked with ``torch._dynamo.mark_dynamic`` must not be specialized: Dynamo refuses
-    that (``ConstraintViolationError``); ``maybe_mark_dynamic`` is accepted."""
+    """``value`` with each int in it (it or a tuple's item) made a constant: ``assume_constant_result`` takes no
+    symbolic int. ``operator.index`` specializes one, guarded, so each new size traces the call again, as
+    ``dynamic=False`` does (docs/compile.md). A size marked with ``mark_dynamic`` must not be given here."""
     if type(value) is int:
         return operator.index(value)
     if type(value) in (tuple, torch.Size):

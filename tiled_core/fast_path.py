@@ -1,13 +1,6 @@
-"""Whether a call may take the gated fast kernel.
-
-The decision rests on what the forward is (its function object, proven to compute the gated formula
-by ``gated_forms``), the module's structure (its parameters, buffers, submodules, their classes and
-their classes' forwards, and hooks, and the hooks registered for every module), its training mode,
-the weights' and the input's dtype and device, every other attribute (a ``self.scale = 2.0``, a
-tensor attribute), and autocast. It is made once with the call plan (``tiled_call.MapPlan``), kept while
-what a training step can change holds (``tiled_call.ModuleTree``), and in strict mode while every attribute
-and what the proof read besides (``gated_forms.ProofReads``) holds. Nothing is decided by running the forward: a forward the
-fast kernel is not proven to compute takes the generic path, which runs it.
+"""Whether a call may take the gated fast kernel: decided from what the forward is (``gated_forms``) and the
+module's structure (``gated_spec``), never by running it, once per call plan (docs/architecture.md). A forward
+the fast kernel is not proven to compute takes the generic path, which runs it.
 """
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """Which forwards compute ``down(act(gate(x) * gs) * (up(x) * us)) * ds``, and under which names.
 
-The fast kernel may stand in for a module's forward only when that forward is known to compute the
-gated formula from the module's children, by what the forward *is*:
-- **a registered body** (``register_gated_form``): the source of a method body and the form it
-  computes. A forward qualifies when its bytecode equals the body's (``code_forms``): exact for the
-  library installed, whatever its version, and never for a patched or edited forward. The core
-  knows no library's bodies; the integrations that know them register them when imported.
-- **a registered class** (``register_gated_mlp``): a user names the attributes of their own class;
-  the class's forward function object at registration is what qualifies (one patched later does not).
-
-Everything else (a clamp, a branch, a factor, an in-place edit, a forward read from a mutable
-config) takes the generic path, which runs the module's own forward and is exact. The activation is
-recognised the same way (``activation_name``): torch's ``nn.SiLU`` and ``nn.GELU`` by their exact
-class and the code of their forward, any other class by a registered body (``register_activation``).
+A forward qualifies by what it *is*, never by running it: a registered body whose bytecode it equals
+(``register_gated_form``, ``code_forms``; the integrations register the libraries' bodies), or a class a user
+registered (``register_gated_mlp``: the forward function the class has at registration). Anything else takes
+the generic path, which runs the module's own forward. Activations are recognised the same way
+(``activation_name``): torch's ``nn.SiLU``/``nn.GELU`` by class and code, others by ``register_activation``.
 """
 from __future__ import annotations
 

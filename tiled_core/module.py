@@ -1,21 +1,12 @@
 """``TiledMLP``: tiles any token-wise MLP *in place*, so that nothing but its memory changes.
 
-``TiledMLP(mlp)`` returns ``mlp`` itself, its class swapped for a generated subclass of both
-``TiledMLP`` and its own class (``TiledLlamaMLP``, ``class_swap.py``), as ``fully_shard`` does for
-FSDP2; ``tile(mlp)`` is the same as a verb. Why in place and not a wrapper: everything that names
-parameters (``named_parameters``, PEFT's adapter keys, DeepSpeed's consolidated and ``zero_to_fp32``
-checkpoints, DCP's optimizer state) walks the module tree, not ``state_dict``. A wrapper holding the
-MLP as a child adds a level to every such name, and hiding it in ``state_dict`` by hooks leaves all
-those paths wrong. In place, the module tree, every name, ``state_dict``, attribute reads and writes
-(``mlp.down_proj = new``), ``isinstance(mlp, LlamaMLP)``, ``deepcopy`` and ``pickle`` are those of the
-untiled module; the tiling lives in one attribute, ``mlp.tiling``, and ``untile(mlp)`` puts the
-original class back.
-
-The generated class's ``forward`` is the tiled call (``tiled_call.py``): the module's own hooks (a
-backend's unshard and reshard, ZeRO-3's gather and release) fire once around it, as untiled, and each
-shard calls the original class's forward directly. A subclass of ``TiledMLP`` for another kind of
-token-wise module (MoE experts, norms) says only how its call's arguments enter the tiled call
-(``tiled_inputs``) and whether the gated fast kernel may ever stand in for it (``tiled_no_fast_path``).
+``TiledMLP(mlp)`` swaps ``mlp``'s class for a generated subclass of both (``class_swap.py``), as ``fully_shard``
+does: everything that names parameters (PEFT's adapter keys, DeepSpeed and DCP checkpoints) walks the module
+tree, which a wrapper would change (docs/guarantees.md, "Drop-in"). The tiling lives in ``mlp.tiling``;
+``untile(mlp)`` puts the original class back. The generated ``forward`` is the tiled call (``tiled_call.py``),
+so the module's own hooks fire once around it, as untiled. A subclass for another token-wise module (MoE
+experts, norms) says how its arguments enter the call (``tiled_inputs``) and whether the fast kernel may stand
+in for it (``tiled_no_fast_path``).
 """
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
 """Strict mode: the per-call checks that guard against rare configurations, off by default.
 
-By default a tiled call decides once (when a module is first called, and again where something a training
-step can change has changed: a class or forward rebound, a hook added, the strategy, the input's dtype or
-device, the training mode, autocast) and checks only that, by identity. Strict mode
-(``TILED_MLP_STRICT=1`` in the environment, read at import, or ``set_strict(True)``) adds what no
-mainstream configuration needs but a paranoid run may want:
-
-- every attribute of every submodule by identity, and the plain values the generic path's recompute reads
-  again (``plain_values``: the bytecode of the tree's methods is read to find them);
-- the fast path's proof guards: the classes, module globals and torch functions its proof read
-  (``gated_forms.ProofReads``);
-- tensors kept by a hook after their shard (waiting on a collective's buffers, with ``gc.collect``).
-
-(Buffers updated in place by the forward, ``buffer_guard``, are refused in both modes: a module without
-buffers, most MLPs, enters no guard.)
+``TILED_MLP_STRICT=1`` (read at import) or ``set_strict(True)`` adds every attribute of every submodule by
+identity, the plain values the recompute reads (``plain_values``), the fast path's proof guards
+(``gated_forms.ProofReads``) and kept-tensor polling. What each guards against: docs/architecture.md,
+"Strict mode".
 """
 from __future__ import annotations
 
