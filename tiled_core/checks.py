@@ -16,7 +16,6 @@ Activation checkpointing has no such check; rebound there, a value silently chan
 """
 from __future__ import annotations
 
-import itertools
 import operator
 from typing import Any, List, Sequence, Tuple
 
@@ -102,17 +101,8 @@ class PlainValues:
     later, as ``TensorVersions``: plain ones by value, others by identity, and a name the code reads
     that a module did not have then."""
 
-    __slots__ = ("taken", "_owners", "_attrs", "_values", "_dicts", "_keys")
-
     def __init__(self, taken: ReadValues):
         self.taken = taken
-        # Flat columns for one C-level pass in the common case, nothing rebound and nothing added (about
-        # 15 us for a PEFT-LoRA MLP's seventy values on thirty-five modules).
-        self._owners = tuple(entry[1] for entry in taken.entries)
-        self._attrs = tuple(entry[2] for entry in taken.entries)
-        self._values = tuple(entry[3] for entry in taken.entries)
-        self._dicts = tuple(d for _, d, _ in taken.modules)
-        self._keys = tuple(keys for _, _, keys in taken.modules)
 
     def retaken(self) -> PlainValues:
         return PlainValues(self.taken.retaken())
@@ -120,8 +110,6 @@ class PlainValues:
     def changed(self) -> List[Tuple[str, Any, Any, bool]]:
         """(qualified name, value then, value now, compared by identity) of each value that is no longer
         what it was."""
-        if self._all_the_same():
-            return []
         out = []
         for name, d, attr, then, by_identity in self.taken.entries:
             now = d.get(attr, _UNSET)
@@ -135,10 +123,6 @@ class PlainValues:
                     if not is_checked_elsewhere(d[attr]):
                         out.append((f"{prefix}.{attr}" if prefix else attr, _UNSET, d[attr], False))
         return out
-
-    def _all_the_same(self) -> bool:
-        return (all(map(operator.is_, map(dict.get, self._owners, self._attrs, itertools.repeat(_UNSET)), self._values))
-                and all(map(operator.eq, map(dict.keys, self._dicts), self._keys)))
 
     def check(self, where: str) -> None:
         changed = self.changed()

@@ -37,7 +37,6 @@ import dis
 import enum
 import functools
 import types
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
@@ -149,26 +148,13 @@ def _own_classes(cls: type) -> List[type]:
             if klass not in (nn.Module, object) and not klass.__module__.startswith(_OWN_PACKAGE)]
 
 
-# Per class: (the identities of its classes' attributes, the names they read). Walking a PEFT layer's
-# classes and the helpers they reach costs about 100 us; checking that none of their attributes was
-# rebound since (a method patched on the class) costs about 2.
-_CLASS_NAMES: weakref.WeakKeyDictionary[type, Tuple[tuple, FrozenSet[str]]] = weakref.WeakKeyDictionary()
-
-
 def _class_names(cls: type) -> FrozenSet[str]:
-    classes = _own_classes(cls)
-    signature = tuple(tuple(map(id, vars(klass).values())) for klass in classes)
-    cached = _CLASS_NAMES.get(cls)
-    if cached is not None and cached[0] == signature:
-        return cached[1]
     collector = _NameCollector()
-    for klass in classes:
+    for klass in _own_classes(cls):
         for value in vars(klass).values():
             for function in ((value.fget, value.fset) if isinstance(value, property) else (value,)):
                 collector.add(_function(function))
-    names = frozenset(collector.names)
-    _CLASS_NAMES[cls] = (signature, names)
-    return names
+    return frozenset(collector.names)
 
 
 # (qualified name, the owning module's ``__dict__``, attribute, value, compared by identity)
