@@ -1,19 +1,10 @@
-"""Tensor parallelism on the output head: ``lm_head`` parallelized with ``ColwiseParallel`` (torchtitan's layout:
-``output_layouts=Shard(-1), use_local_output=False``, optionally ``input_layouts=Shard(1)``), its weight a DTensor
-``Shard(0)`` over a 1-D mesh: each rank holds ``[vocab / tp, hidden]`` rows. The tiled loss computes with plain
-local tensors (``tiled_core/kernels/vocab_parallel.py``) that ``vocab_slice`` builds:
-
-- the hidden states as the head's own input hook makes them (redistributed to ``Replicate``), then ``to_local()``
-  behind ``SumGradOverGroup``: each rank's input gradient, its part of a sum over the mesh, is all-reduced once
-  per call in place in the loss's own ``dx`` buffer (``to_local(grad_placements=[Partial()])`` would allocate a
-  second ``[tokens, hidden]`` buffer, more than a whole loss shard);
-- the weight and bias by ``to_local()``: their gradients reach each rank's own rows, with no collective;
-- the mesh's process group and this rank's first vocabulary id.
-
-Hugging Face's own ``ColwiseParallel`` (``colwise``, ``colwise_gather_output``) replaces the head's forward instead
-of hooking it; ``hf_tensor_parallel.py`` proves it. Refused before any work, naming the layout and the fix: another
-style, a weight not ``Shard(0)`` over a 1-D mesh, a bias not laid out as the weight, and a loss also split over a
-sequence-parallel group (docs/backends.md).
+"""Tensor parallelism on the output head: ``lm_head`` under ``ColwiseParallel`` (torchtitan's layout), its
+weight a DTensor ``Shard(0)`` over a 1-D mesh. ``vocab_slice`` hands the tiled loss plain local tensors
+(``tiled_core/kernels/vocab_parallel.py``): the hidden states through the head's own input hook, then
+``to_local()`` behind ``SumGradOverGroup`` (the input gradient all-reduced once per call in place in the loss's
+``dx`` buffer, not a second ``[tokens, hidden]`` one); the weight and bias by ``to_local()``; the group and this
+rank's first vocabulary id. Hugging Face's own styles are proven in ``hf_tensor_parallel.py``. What is refused,
+and the proof: docs/backends.md, "The vocabulary-parallel tiled loss".
 """
 from __future__ import annotations
 

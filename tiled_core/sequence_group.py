@@ -1,29 +1,11 @@
 """A loss over a sequence split across ranks (sequence parallelism): summed per rank, divided once.
 
-Under sequence parallelism (Ulysses, context parallelism) each rank of a group holds a slice of the same
-sequences, and so a slice of the loss's tokens. The loss of the whole sequence is the sum of every
-rank's per-token losses divided once by the count of valid tokens over the whole group (or by the
-count the caller gives: every SP rank, DP rank and accumulation step of one optimizer step). A mean of
-per-rank means is wrong as soon as the ranks' masks differ (a prompt masked on one rank only).
-
-Two collectives, both on the group, both of one scalar:
-
-- ``group_count``: the valid-token count, summed over the group before the loss is computed (no
-  gradient; it only divides).
-- ``sum_over_group``: the per-rank partial losses summed, differentiably. Every rank returns the loss
-  of the whole sequence, and its backward sums the incoming gradients over the group too. So when each
-  rank runs ``loss.backward()``, a rank's partial loss receives the group size: the gradient backends
-  produce after averaging over their ranks (DDP, FSDP2 and DeepSpeed ZeRO-3 average over the world, the
-  SP ranks among them) is the whole sequence's, exactly as if one rank had run it. This is the
-  convention of Hugging Face's DeepSpeed-SP loss (a differentiable all-gather, weighted), in one
-  all-reduce. A backend that divides by the DP size only, summing over the SP ranks (DeepSpeed's stage 0
-  and ZeRO-1/2 under its SP groups, ZeRO-3 without reduce-scatter), says so
-  (``SequenceParallelAware.sums_over_sequence_ranks``, a strategy's capability, read from the backend's own
-  objects) and the backward then hands each rank 1 instead. A backend whose reduction does not span the
-  group, or one in play that cannot say (no such capability), is refused before the loss
-  (``SequenceParallelAware.check_sequence_group``).
-
-torch.distributed only: no backend module is imported.
+A mean of per-rank means is wrong as soon as the ranks' masks differ, so ``group_count`` sums the valid-token
+count over the group (no gradient), and ``sum_over_group`` sums the per-rank partial losses differentiably:
+every rank returns the whole sequence's loss. Its backward hands each rank the factor the backend's gradient
+reduction turns into the whole sequence's gradient: the group's size where the backend averages over the SP
+ranks, 1 where it sums (``SequenceParallelAware.sums_over_sequence_ranks``); docs/long-context-stack.md, "The
+long-sequence stack". torch.distributed only: no backend module is imported.
 """
 from __future__ import annotations
 

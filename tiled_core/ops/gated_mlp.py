@@ -1,16 +1,10 @@
-"""``torch.ops.tiled_mlp.gated_mlp``: the gated fast kernel (``kernels/gated.py``) over token shards, as
-one custom op with a registered backward (``gated_mlp_backward``), so that a compiled model traces a
-tiled gated MLP without a graph break.
+"""``torch.ops.tiled_mlp.gated_mlp``: the gated fast kernel (``kernels/gated.py``) over token shards as one
+custom op with a registered backward, so that a compiled model traces a tiled gated MLP without a graph break.
 
-Its arguments say everything the kernel needs, as plain values: the input, the projections' tensors,
-where each sits among them (``GatedLayout.as_args``), the activation's name, the shard count and the
-dtype the weight gradients are summed in. So the op is a pure function of its arguments, as a graph
-node must be: nothing is looked up from a module or a table at run time.
-
-Autograd saves the input and the tensors with ``save_for_backward``, which checks their versions in
-backward as for any op (an input edited in place after the forward is an error, not a wrong gradient).
-Backward recomputes gate and up one shard at a time and never down's forward, as the eager kernel does.
-Backward of the backward is not registered: a double backward through it is refused by autograd.
+A pure function of its arguments, as a graph node must be (the projections' tensors, their layout
+``GatedLayout.as_args``, the activation's name, the shard count, the gradients' dtype). ``save_for_backward``
+refuses an input edited in place after the forward; backward recomputes gate and up per shard and never down's
+forward; a double backward is refused by autograd (none is registered).
 """
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """``torch.ops.tiled_mlp.linear_cross_entropy``: the tiled loss of a plain linear head (``LinearHeadKernel``
-over token shards), as one custom op, so that a compiled model traces the loss without a graph break.
+over token shards) as one custom op, so that a compiled model traces the loss without a graph break.
 
-The op returns the loss *and* its gradients, formed shard by shard in the forward as the eager loss
-forms them (``sharded_reduce``): no ``[tokens, vocab]`` tensor outlives its shard and nothing is
-recomputed. Its registered backward scales those gradients by the gradient that reaches the loss (the
-loss is a scalar, so that is exact for the input and the head alike), a traced product that inductor
-takes in place. A backward that builds a graph (``create_graph=True``) is refused, as the eager loss
-refuses it: by the registered backward itself where autograd runs it, and by AOT autograd where it traced
-it, since the factor comes through an op that reads the head's weight (``loss_gradient_scale``): AOT
-refuses a double backward through a graph whose backward reads a tensor that requires grad. A product of
-the formed gradients alone would have let it through, with every second-order term silently zero. Which
-gradients to form is an argument (the traced call knows what requires grad); the gradients' outputs are
-0-element tensors where none is formed.
-
-Labels out of the vocabulary are refused inside the op, at every call (their values are data, which a
-traced graph cannot check before it runs).
+The op returns the loss *and* its gradients, formed shard by shard in the forward as the eager loss forms them:
+no ``[tokens, vocab]`` tensor outlives its shard and nothing is recomputed. The registered backward scales them
+by the incoming gradient (exact: the loss is a scalar). A double backward is refused, as eagerly: by the
+backward itself, and under AOT autograd because the factor comes through an op that reads the head's weight
+(``loss_gradient_scale``); a product of the formed gradients alone would let it through with every
+second-order term silently zero. Labels out of the vocabulary are refused inside the op, at every call.
 """
 from __future__ import annotations
 

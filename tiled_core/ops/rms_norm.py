@@ -1,15 +1,9 @@
-"""``torch.ops.tiled_mlp.rms_norm``: the norm kernel (``kernels/rms_norm.py``) over token shards, as one
-custom op with a registered backward (``rms_norm_backward``), so that a compiled model traces a tiled
-RMSNorm without a graph break.
+"""``torch.ops.tiled_mlp.rms_norm``: the norm kernel (``kernels/rms_norm.py``) over token shards as one custom
+op with a registered backward, so that a compiled model traces a tiled RMSNorm without a graph break.
 
-Its arguments say everything the kernel needs, as plain values: the input, the weight, eps, the offset
-added to the weight, the dtype it multiplies in (``norm_forms``), the shard count and the dtype the
-weight gradient is summed in. Nothing is looked up from a module at run time: a pure function of its
-arguments, as a graph node must be.
-
-Autograd saves the input and the weight with ``save_for_backward`` (an input edited in place after the
-forward is autograd's error, not a wrong gradient). Backward recomputes one shard at a time. Backward of
-the backward is not registered: a double backward through it is refused by autograd.
+A pure function of its arguments (the input, the weight, the form's eps, offset and multiply dtype from
+``norm_forms``, the shard count, the gradient's dtype). ``save_for_backward`` refuses an input edited in place
+after the forward; backward recomputes per shard; a double backward is refused by autograd.
 """
 from __future__ import annotations
 
