@@ -174,6 +174,17 @@ def test_a_patched_helper_an_integer_eps_and_a_class_weight_decline(monkeypatch)
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 2 * self.eps)
 
     assert "its method _norm is not the one" in _declines(Patched(HIDDEN).double(), x)
+
+    class ClassEps(LlamaRMSNorm):  # a class attribute the forward's read could find instead of the instance's
+        variance_epsilon = 0.5
+
+    class OwnLookup(LlamaRMSNorm):
+        def __getattribute__(self, name):
+            return super().__getattribute__(name)
+
+    for cls in (ClassEps, OwnLookup):
+        assert "its class defines weight or variance_epsilon, or a custom attribute lookup" in _declines(
+            cls(HIDDEN).double(), x), cls
     monkeypatch.setattr(torch, "rsqrt", lambda t: 1 / torch.sqrt(t))
     assert "its forward is not one the norm kernel" in _declines(_norm_of("llama", torch.float64), x)
 

@@ -18,6 +18,7 @@ could answer those reads instead, no submodule (so no hook that a shard would ha
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from .code_forms import CodeForm, check_body, matches
-from .gated_forms import TORCH_MODULE_GETATTR
+from .gated_forms import shadowed
 
 MULTIPLY_IN_INPUT_DTYPE = "input_dtype"  # ``weight * normed.to(input_dtype)``: the output in promote(w, x)
 MULTIPLY_IN_FLOAT32 = "float32"  # ``(normed * weight.float()).type_as(x)``: the output in x's dtype
@@ -107,37 +108,20 @@ UNKNOWN_NORM = ("its forward is not one the norm kernel is known to compute (a r
                 "tiled_mlp.core.norm_forms.register_norm_form)")
 
 
-def _custom_lookup(cls: type) -> bool:
-    return (cls.__getattribute__ is not object.__getattribute__
-            or getattr(cls, "__getattr__", None) is not TORCH_MODULE_GETATTR)
-
-
-def _class_attribute(cls: type, name: str) -> Any:
-    """What ``name`` is on the class, by its MRO, without running a descriptor (None: absent)."""
-    for klass in cls.__mro__:
-        if name in vars(klass):
-            return vars(klass)[name]
-    return None
-
-
 def norm_spec(module: nn.Module, forward_fn: Optional[Any]) -> Tuple[Optional[NormSpec], str]:
     """(the spec, "") when ``forward_fn`` (what the module's forward runs, None: not a function of this
     module) provably computes a registered norm on this module's attributes, else (None, why not)."""
     form = known_norm_form(forward_fn)
     if form is None:
         return None, UNKNOWN_NORM
-    cls = type(module)
-    if _custom_lookup(cls):
-        return None, "its class has a custom attribute lookup"
+    if shadowed(module, (form.weight, form.eps)):
+        return None, f"its class defines {form.weight} or {form.eps}, or a custom attribute lookup, which the forward reads"
     attributes = module.__dict__
     for name, helper in form.helpers:
         if name in attributes:
             return None, f"an instance attribute replaces the method {name}"
-        if not matches(_class_attribute(cls, name), helper):
+        if not matches(inspect.getattr_static(type(module), name, None), helper):
             return None, f"its method {name} is not the one the form's body calls (patched or edited)"
-    shadowed = [n for n in (form.weight, form.eps) if _class_attribute(cls, n) is not None]
-    if shadowed:
-        return None, f"its class defines {', '.join(shadowed)}, which the forward reads from the instance"
     if next(iter(attributes["_modules"]), None) is not None:
         return None, "it has submodules (a norm has none: their hooks would not run)"
     weight = attributes["_parameters"].get(form.weight)
