@@ -2,7 +2,7 @@
 
 The norm kernel (``kernels/rms_norm.py``) stands in for a module's forward only where that forward's
 bytecode is a registered body (``code_forms``): the body is registered with the ``NormForm`` it
-computes, by whoever knows a library's text (``tiled_mlp.integrations.hf_norm_forms``); the core knows
+computes, by whoever knows a library's text (``tiled_mlp.integrations.hf_forms``); the core knows
 none. A body may call methods of its own class (Gemma's ``self._norm``): each is proven the same way,
 by its own registered body (``NormForm.helpers``).
 

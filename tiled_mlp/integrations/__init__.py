@@ -2,10 +2,10 @@
 time; the helpers that build models import transformers when called.
 
 Importing this package registers with the core what it knows of other libraries (``hf_forms``:
-Hugging Face's gated MLP and activation bodies; ``hf_norm_forms``: its RMSNorm bodies; ``deepspeed_linear``: ZeRO-3's ``F.linear``;
+Hugging Face's gated MLP, activation and RMSNorm bodies; ``deepspeed_linear``: ZeRO-3's ``F.linear``;
 ``liger_activation``: Liger-Kernel's fused activations on CUDA), so every use through ``tiled_mlp``
 has them; the core alone knows only torch's own modules, functions and kernels."""
-from . import deepspeed_linear, hf_forms, hf_norm_forms, liger_activation  # noqa: F401  (registrations made at import)
+from . import deepspeed_linear, hf_forms, liger_activation  # noqa: F401  (registrations made at import)
 from .args import TiledMLPFlags, add_tiled_mlp_args, read_tiled_mlp_flags
 from .causal_lm_loss import is_tiled_loss, remove_tiled_loss, set_tiled_loss_label_smoothing
 from .hf import (

@@ -90,7 +90,7 @@ def apply_tiled_mlp(
         mixin = {"experts": TiledExperts, "norm": TiledNorm}.get(candidate.kind, TiledMLP)
         block_path, accum = path, grad_accum_dtype
         if candidate.kind == "norm":  # path='fast' is the MLPs'; its weight sums every token
-            # "auto": the norm kernel where the forward is a registered norm body (``hf_norm_forms``), else generic.
+            # "auto": the norm kernel where the forward is a registered norm body (``hf_forms``), else generic.
             block_path, accum = "auto", grad_accum_dtype or NORM_ACCUM_DTYPE
         # With the ancestors, a backend already wrapping the model (FSDP1 is rejected) is caught now;
         # so is path='fast' on a block whose forward or structure cannot take it.

@@ -1,24 +1,26 @@
-"""The forward bodies Hugging Face transformers writes for its gated MLPs and activation modules,
-registered with the core when this package is imported, so their instances take the gated fast kernel.
+"""The forward bodies Hugging Face transformers writes for its gated MLPs, activations and RMSNorms,
+registered with the core when this package is imported, so their instances take the gated fast kernel or
+the norm kernel.
 
-Each body is the library's source text; the core compares a forward's bytecode with the body compiled
-on the running interpreter (``tiled_mlp.core.code_forms``), so a match is exact for the installed version
-and a patched or edited forward never matches. transformers is not imported: a class whose forward
-is one of these bodies qualifies wherever it comes from.
+Each body is the library's source text; the core compares a forward's bytecode with the body compiled on the
+running interpreter (``tiled_mlp.core.code_forms``), so a match is exact for the installed version and a
+patched or edited forward never matches. transformers is not imported.
 
-- ``LLAMA_BODIES``: the body ~140 MLP classes share (Llama, Mistral, Qwen2/3, Gemma, ...), written
-  three ways across them, and Llama 4's with ``activation_fn``.
-- ``PHI3_BODY``: Phi-3's fused ``gate_up_proj``, chunked into gate and up (GLM's and others' too).
-- ``FALCON_H1_BODY``: FalconH1's, with its gate and down multipliers read from the module.
-- The activations: ``SiLUActivation`` (``nn.functional.silu``), and the classes whose forward calls
-  the function they hold in ``self.act`` (``GELUActivation``, ``PytorchGELUTanh``, ...).
+- ``LLAMA_BODIES``: the body ~140 MLP classes share (Llama, Mistral, Qwen2/3, Gemma, ...), written three
+  ways across them, and Llama 4's with ``activation_fn``; ``PHI3_BODY``: a fused ``gate_up_proj`` chunked
+  into gate and up; ``FALCON_H1_BODY``: gate and down multipliers read from the module.
+- The activations: ``SiLUActivation``, and the classes that call the function they hold in ``self.act``.
+- The norms: Llama's ``self.weight * normed.to(input_dtype)`` (~140 classes) and Gemma's
+  ``(normed * (1.0 + self.weight.float())).type_as(x)``, whose ``_norm`` method is proven the same way.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from tiled_mlp.core.code_forms import CodeForm
 from tiled_mlp.core.gated_forms import F_SILU, GatedForm, register_activation, register_gated_form
+from tiled_mlp.core.norm_forms import MULTIPLY_IN_FLOAT32, MULTIPLY_IN_INPUT_DTYPE, NormForm, register_norm_form
 
 LLAMA = GatedForm()
 LLAMA_BODIES = (
@@ -40,6 +42,27 @@ FALCON_H1_BODY = CodeForm("y = self.up_proj({x}) * self.act_fn(self.gate_proj({x
 SILU_ACTIVATION_BODY = CodeForm("return nn.functional.silu({x})", {"nn": nn, "nn.functional.silu": F_SILU})
 CALLS_ITS_FUNCTION_BODY = CodeForm("return self.act({x})")
 
+# What the norm bodies load from the module's globals: torch itself, and the functions and dtype they read on
+# it (a monkeypatched ``torch.rsqrt`` is not what the kernel computes).
+_TORCH = {"torch": torch, "torch.rsqrt": torch.rsqrt, "torch.float32": torch.float32}
+
+LLAMA_NORM = NormForm(weight="weight", eps="variance_epsilon", multiply=MULTIPLY_IN_INPUT_DTYPE)
+LLAMA_NORM_BODY = CodeForm(
+    "input_dtype = {x}.dtype\n"
+    "{x} = {x}.to(torch.float32)\n"
+    "variance = {x}.pow(2).mean(-1, keepdim=True)\n"
+    "{x} = {x} * torch.rsqrt(variance + self.variance_epsilon)\n"
+    "return self.weight * {x}.to(input_dtype)", _TORCH)
+
+GEMMA_NORM_HELPER = CodeForm("return {x} * torch.rsqrt({x}.pow(2).mean(-1, keepdim=True) + self.eps)",
+                             {"torch": torch, "torch.rsqrt": torch.rsqrt})
+GEMMA_NORM = NormForm(weight="weight", eps="eps", offset=1.0, multiply=MULTIPLY_IN_FLOAT32,
+                      helpers=(("_norm", GEMMA_NORM_HELPER),))
+GEMMA_NORM_BODY = CodeForm(
+    "output = self._norm({x}.float())\n"
+    "output = output * (1.0 + self.weight.float())\n"
+    "return output.type_as({x})")
+
 
 def register_hf_forms() -> None:
     for body in LLAMA_BODIES:
@@ -49,6 +72,8 @@ def register_hf_forms() -> None:
     register_gated_form(FALCON_H1_BODY, FALCON_H1)
     register_activation(SILU_ACTIVATION_BODY, computes="silu")
     register_activation(CALLS_ITS_FUNCTION_BODY, function_attribute="act")
+    register_norm_form(LLAMA_NORM_BODY, LLAMA_NORM)
+    register_norm_form(GEMMA_NORM_BODY, GEMMA_NORM)
 
 
 register_hf_forms()
