@@ -56,15 +56,11 @@ class GatedForm:
 KNOWN_BODIES: List[Tuple[CodeForm, GatedForm]] = []
 
 # Registered classes: the forward function object -> its form (kept alive, so no id is reused), and
-# each class's registered function. ``registry_generation`` counts changes to every table in this
-# file: cached fast-path decisions key on it.
+# each class's registered function. ``_GENERATION`` counts changes to every table in this file:
+# the call plan keys on it (``tiled_call``).
 _REGISTERED: Dict[Any, GatedForm] = {}
 _REGISTERED_BY_CLASS: Dict[type, Any] = {}
 _GENERATION = [0]
-
-
-def registry_generation() -> int:
-    return _GENERATION[0]
 
 
 def _changed() -> None:
