@@ -1,14 +1,10 @@
 """Hugging Face's own tensor parallelism (``from_pretrained(..., tp_plan="auto")``): the one seam that reads it.
 
-transformers 5.25 lays a model out with its own styles (``transformers.distributed.tensor_parallel``): each
-parameter becomes a DTensor and ``install_forward`` *replaces the module's forward* on the instance with a closure
-``tp_forward`` over the style, the module, the mesh and the class's own forward; no hook is registered. Its
-``ColwiseParallel`` and ``RowwiseParallel`` compute with DTensors what torch's styles compute around the same
-``F.linear``, so the gated local view and the vocabulary-parallel loss apply, with the layouts read from the style
-instance. Recognised by what it is (docs/backends.md): ``tp_forward``'s own code object, exactly HF's two style
-classes with transformers' own methods and their three layouts only, ``nn.Linear.forward`` bound to the module,
-a DTensor weight on the closure's mesh. Checked on ``CHECKED_VERSIONS`` only (5.6 laid models out with hooks on
-plain local tensors): a model it laid out (``_is_hooked``) under another version is refused at tiling.
+transformers 5.25 replaces each parallelized module's forward on the instance with a closure ``tp_forward``
+(no hook); its ``ColwiseParallel`` and ``RowwiseParallel`` compute what torch's styles compute, so the gated
+local view and the vocabulary-parallel loss apply, with the layouts read from the style instance. Recognised by
+what it is, checked on ``CHECKED_VERSIONS`` only, and a model laid out under another version refused at tiling:
+docs/backends.md, "Hugging Face's own tensor parallelism".
 """
 from __future__ import annotations
 

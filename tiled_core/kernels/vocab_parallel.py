@@ -1,22 +1,12 @@
-"""The loss of an output head whose vocabulary is split over ranks (tensor parallelism: each rank of
-a group holds some rows of ``lm_head.weight``, ``[vocab / tp, hidden]``, and the whole hidden states).
+"""The loss of an output head whose vocabulary is split over ranks (tensor parallelism: each rank holds
+``[vocab / tp, hidden]`` rows of ``lm_head.weight`` and the whole hidden states).
 
-Per token shard each rank computes its own columns of the logits, ``x_s @ W_local.T`` (``[s, vocab / tp]``,
-never the whole vocabulary, never the whole sequence), and the cross-entropy of ``cross_entropy.py``
-over the whole vocabulary: the row maximum is all-reduced (max), then the sum of exponentials, the
-target's logit (picked by the one rank whose rows hold it, zero elsewhere) and, under label smoothing,
-the sum of the logits, in one all-reduce (sum). Every rank gets the same loss, and the gradient of its
-own columns, from which ``LinearHeadKernel``'s matmuls (the same code) form:
-
-- ``dW_local`` (and ``db_local``): this rank's rows, complete: no collective;
-- ``dx_s = dlogits_local @ W_local``: this rank's part of a sum over the group. It is written into the
-  call's one ``dx`` buffer and reduced once per call, not per shard: the sum over ranks is linear, so
-  reducing the summed buffer is the same sum, with one collective instead of one per shard. The caller
-  makes the hidden states a local view whose gradient autograd all-reduces over the group on the way
-  back (``VocabSlice.hidden``), so the kernel itself issues no collective in backward.
-
-Every rank runs the same shards (the same tokens, and a shard count sized on the most rows any rank
-holds), so the ranks issue the same collectives in the same order.
+``LinearHeadKernel`` on this rank's rows, with the cross-entropy's whole-vocabulary quantities (the row
+maximum, the sum of exponentials, the target's logit, the sum of logits) reduced over the group
+(``cross_entropy.VocabSpan``): every rank gets the same loss and its own rows' ``dW``, with no collective; the
+input gradient is a partial sum the caller reduces once per call (``VocabSlice.hidden``). Every rank runs the
+same shards, so the ranks issue the same collectives in the same order. docs/backends.md, "The
+vocabulary-parallel tiled loss".
 """
 from __future__ import annotations
 
