@@ -1,16 +1,11 @@
 """The kernel registry: which per-shard kernel a tiled call runs.
 
-A call asks the registered kernels of its shape in priority order (highest first; ties in order of
-registration) whether they apply (``why_not``: "" or why not) and runs the first that does; the chosen one and
-every refusal before it are the call's report (``KernelChoice.describe``, the end of ``tiling.last_reason``).
-Shapes: ``"map"`` (a token-wise module, a ``ShardKernel`` run by ``sharded_apply``; built in: ``fast`` 10,
-``norm`` 5, ``generic`` 0) and ``"reduce"`` (the loss, a ``ReduceKernel`` run by ``sharded_reduce``; built in:
-``vocab_parallel`` 20, ``linear_head`` 10, ``module_head`` 0). The last built-in of each shape always applies.
-
-A choice is remembered with the call's plan only where every kernel asked says its answer rests on the plan
-alone (``Kernel.answers_per_plan``) and the chosen one serves many calls; keyed by the registry's generation,
-the kernel asked for, the input's number of dimensions and whether the call has other sharded inputs.
-Every built kernel's declared tensors are checked against what the module trains (``check_declared_tensors``).
+A call asks the registered kernels of its shape (``"map"``: a token-wise module; ``"reduce"``: the loss) in
+priority order whether they apply (``why_not``: "" or why not) and runs the first that does; every refusal
+before it goes into ``tiling.last_reason``. The last built-in of each shape always applies. A choice is
+remembered with the call's plan where every kernel asked answers per plan (``Kernel.answers_per_plan``); every
+built kernel's declared tensors are checked against what the module trains (``check_declared_tensors``).
+docs/architecture.md, "Adding a kernel".
 """
 from __future__ import annotations
 
@@ -63,12 +58,9 @@ class Kernel:
     #: map only: the kernel keeps a gradient buffer per trainable parameter beside the module's (the
     #: generic kernel does): the auto shard policy counts those bytes.
     keeps_grad_buffers: bool = True
-    #: map only: ``why_not`` answers from nothing but the call's plan (``call.cache``: the module tree its
-    #: snapshot holds, and its configuration: the forward, the path asked for, the kernels the module's class
-    #: allows, the strategy's type, the input's dtype and device, autocast), the input's number of dimensions and
-    #: whether the call has other sharded inputs, and from what the guards it added to the plan watch
-    #: (``CallPlan.add_guards``); and ``build`` makes the same kernel for every such call. The registry may then
-    #: answer for it while the plan holds.
+    #: map only: ``why_not`` answers from the call's plan alone (``call.cache``), the input's number of dimensions,
+    #: whether the call has other sharded inputs and the guards it added to the plan, and ``build`` makes the same
+    #: kernel for every such call: the registry may answer for it while the plan holds (docs/architecture.md).
     answers_per_plan: bool = False
 
     def why_not(self, call: KernelCall) -> str:

@@ -1,16 +1,11 @@
-"""The kernel base classes: what one token shard computes, with a default for everything optional.
+"""The kernel base classes: what one token shard computes, with a default for everything optional
+(docs/architecture.md, "Adding a kernel", whose example runs as a test).
 
-A minimal map kernel (the example in docs/architecture.md, run as a test) is a ``ShardKernel`` subclass with
-a ``name``, the ``module_type`` it runs, ``forward_shard`` and ``backward_shard``; ``register_kernel(Cls)``
-adds it. Shards are 2-D ``[shard_tokens, features]`` rows. ``tensors`` are the tensors the sharded Function
-was given: ``params`` (by default every parameter of the module, in ``module.parameters()`` order), then any
-other tensor the forward was found to read. A kernel computes with exactly these, never with what the module
-holds at backward time.
-
-The library owns every buffer: a kernel *returns* a shard's output and gradients and the sharded Function
-writes them where they belong, so no kernel can leave an output or a gradient unwritten. A built-in kernel
-that writes straight into the rows it is offered (``forward_into``, ``backward_into``) returns those very
-rows, and nothing is copied.
+Shards are 2-D ``[shard_tokens, features]`` rows; ``tensors`` are the sharded Function's: ``params`` (by default
+every parameter of the module, in ``module.parameters()`` order), then any other tensor the forward was found to
+read. A kernel computes with exactly these. The library owns every buffer: a kernel *returns* a shard's output
+and gradients, so none can be left unwritten; a built-in kernel that writes into the rows it is offered
+(``forward_into``, ``backward_into``) returns those very rows, and nothing is copied.
 """
 from __future__ import annotations
 
