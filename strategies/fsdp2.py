@@ -235,11 +235,8 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
         return True
 
     def is_head_call_hook(self, lm_head: nn.Module, hook) -> bool:
-        """FSDP2's forward hooks of the unit the head belongs to (a unit of its own, or one module of a unit:
-        accelerate's ``[norm, lm_head]``) surround the loss as they surround ``lm_head(hidden)``: the pre-hook
-        unshards the unit's parameters once for the whole loss and puts the post-backward reduce-scatter on
-        the hidden states, the post-hook reshards (if the unit reshards after forward) and puts the
-        pre-backward unshard on the loss (``docs/backends.md``, FSDP2)."""
+        """FSDP2's forward hooks of the unit the head belongs to (its own, or accelerate's ``[norm, lm_head]``)
+        surround the loss as they surround ``lm_head(hidden)`` (docs/backends.md, "The head as an FSDP2 unit")."""
         return is_head_unit_hook(lm_head, hook) or self.is_backend_hook(hook)
 
     def head_call_gathers(self, lm_head: nn.Module) -> bool:
@@ -248,14 +245,9 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
         return any(is_head_unit_hook(lm_head, hook) for hook in hooks)
 
     def head_call_sees_graph(self, lm_head: nn.Module) -> bool:
-        """Not where the head is one module of a unit of several (accelerate's ``[norm, lm_head]``). The model's
-        forward ran that unit's pass (the norm, then ``lm_head`` on no tokens), and FSDP2 counts the loss's call
-        of the head as a pass of its own: its pre-hook would put the unit's post-backward on the hidden states,
-        between the loss and the norm, where it would reduce-scatter before the norm's gradient exists and
-        reshard the norm's weight before the norm's backward reads it. Given a detached stand-in, the call puts
-        nothing there and leaves the unit unsharded (a module of it, the norm, has not run in this pass): the
-        loss's backward computes with it and the unit's post-backward of the model's own pass (on the norm's
-        input), or the root's at the end of the backward, reduce-scatters once, every gradient in."""
+        """Not where the head is one module of a unit of several: the model's forward already ran that unit's pass,
+        and a second one would put its post-backward between the loss and the norm, reduce-scattering before the
+        norm's gradient exists (docs/backends.md, "The head as an FSDP2 unit")."""
         return len(unit_modules(lm_head)) <= 1
 
     def check_supported(self, module: nn.Module) -> None:

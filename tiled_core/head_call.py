@@ -1,25 +1,16 @@
 """Run the tiled loss inside the output head's own call, so that the head's module hooks surround it.
 
-A backend that gathers parameters per module (DeepSpeed ZeRO-3) does it in hooks on the module's call:
-gather before its forward and release after; and, for the backward, gather again when the gradient of
-the module's output arrives and release once the gradient of its input is out. The loss reads the head's
-weight without calling the head (the kernels compute the shard's matmuls themselves), so without a call
-of the head those hooks would not fire around it, and the weight would have to be held by some other
-module for the whole step. Here the head is called once, with the hidden states as its input and the
-loss as its output: its forward, for that one call, is ``work``.
+A backend that gathers parameters per module (ZeRO-3) does it in hooks on the module's call: gather before its
+forward and release after, and again around its backward. The loss reads the head's weight without calling the
+head, so the head is called once here, with the hidden states as its input and the loss as its output: its
+forward, for that one call, is ``work``. That forward is put on the head *instance* and takes itself off before
+``work`` starts, so ``work`` (the module kernel calls ``head.forward`` per shard) sees the real one. Hooks of the
+head that are not its backend's would see the loss as the head's output: ``foreign_head_hooks`` names them and
+the caller refuses them before any work; hooks registered for every module are not refused.
 
-The forward is put on the head *instance* and takes itself off before ``work`` starts, so ``work`` sees
-the head as it is (its class forward, or a forward that was on the instance before: the module kernel
-calls ``head.forward`` per shard, which must be the real one). Hooks of the head that are not its
-backend's would see the loss as the head's output (and could change it): ``foreign_head_hooks`` names
-them, and the caller refuses them before any work. Hooks registered for every module's calls
-(``register_module_forward_hook``: torch's module trackers) are not refused; they see this call too.
-
-A backend whose hooks must not see the hidden states' graph (``Strategy.head_call_sees_graph``: an FSDP2 unit
-of several modules, whose earlier modules made the hidden states) is handed a detached stand-in as the
-head's input: its hooks gather and release the parameters as for any call, and put nothing on the hidden
-states' backward; ``work`` computes with the hidden states themselves, in the dtype and on the device the
-hooks gave the stand-in (a mixed-precision cast of the head's inputs, a root unit's move to its device).
+A backend whose hooks must not see the hidden states' graph (``Strategy.head_call_sees_graph``, an FSDP2 unit
+of several modules) is handed a detached stand-in: its hooks gather and release as for any call, and ``work``
+computes with the hidden states themselves, in the dtype and on the device the hooks gave the stand-in.
 """
 from __future__ import annotations
 
