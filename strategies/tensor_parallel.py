@@ -313,21 +313,11 @@ def is_sequence_parallel_module(module: nn.Module) -> bool:
 
 @dataclass
 class SequenceParallelView:
-    """The local view of a token-wise module under ``SequenceParallel`` (a norm between the TP regions of
-    torchtitan's plan). Its own input hook made the call's input a DTensor ``Shard(sequence_dim)`` of this
-    rank's tokens, and its weight is ``Replicate``: the module's own forward on the local tokens with the
-    local weight is what the DTensor forward computes on this rank, so each rank tiles its own tokens and no
-    token is gathered.
-
-    - input: ``to_local()`` of the hook's DTensor (its gradient flows back as ``Shard(sequence_dim)``);
-    - parameters: ``to_local(grad_placements=[Partial()])``: each rank's tokens give part of the weight
-      gradient, which reaches ``weight.grad`` as a ``Partial`` DTensor, exactly as the untiled DTensor
-      forward leaves it (reduced where it is read: ``full_tensor()``, the optimizer's step);
-    - output: ``DTensor.from_local(out, mesh, [Shard(sequence_dim)])``, which the module's own output hook
-      (run by ``nn.Module.__call__`` around the tiled forward) hands on, local or not as it says.
-
-    The generic kernel runs on it (``runs_module_forward``): the module's parameter slots hold the local
-    tensors while it computes (``GenericShardKernel.using``)."""
+    """The local view of a token-wise module under ``SequenceParallel`` (a norm between torchtitan's TP regions):
+    its input is a DTensor ``Shard(sequence_dim)`` of this rank's tokens and its weight ``Replicate``, so the
+    module's own forward on the local tokens and weight is what the DTensor forward computes here, and each rank
+    tiles its own tokens with no gather. The weight's gradient leaves as a ``Partial`` DTensor, exactly as the
+    untiled forward leaves it. The generic kernel runs on it (``runs_module_forward``); docs/backends.md."""
 
     why_not: str = ""
     mesh: Any = None
