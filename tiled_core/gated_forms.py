@@ -285,7 +285,8 @@ def activation_reads(act: Any) -> Tuple[Optional[str], Tuple[str, ...], Optional
 # patched on ``nn.Module`` itself is not torch's.
 TORCH_MODULE_GETATTR = nn.Module.__getattr__
 _TORCH_CALLS = (nn.Module.__call__, nn.Module._call_impl, nn.Module._wrapped_call_impl)
-_lookup_of = operator.attrgetter("__getattribute__", "__getattr__", "__mro__")
+_TORCH_LOOKUP = (object.__getattribute__, TORCH_MODULE_GETATTR)
+_lookup_of = operator.attrgetter("__getattribute__", "__getattr__")
 _calls_of = operator.attrgetter("__call__", "_call_impl", "_wrapped_call_impl")
 
 
@@ -307,24 +308,27 @@ class ProofReads:
         names_by_class: Dict[type, Set[str]] = {}
         for cls, names in reads:
             names_by_class.setdefault(cls, set()).update(names)
-        self._reads = [(cls, names, (object.__getattribute__, TORCH_MODULE_GETATTR, cls.__mro__))
-                       for cls, names in names_by_class.items()]
+        self._reads = [(cls, tuple(names), cls.__mro__) for cls, names in names_by_class.items()]
         self._called = tuple(dict.fromkeys(called))
         self._codes = [code for code in codes if code is not None]
         self._torch_functions = torch_functions
 
     def holds(self) -> bool:
-        return (all(_lookup_of(cls) == lookup and all(names.isdisjoint(vars(klass)) for klass in cls.__mro__)
-                    for cls, names, lookup in self._reads)
+        return (all(cls.__mro__ == mro and not class_shadows(cls, names) for cls, names, mro in self._reads)
                 and all(map(called_as_torch_calls, self._called))
                 and all(globals_hold(fn, form) for fn, form in self._codes)
                 and (not self._torch_functions or torch_functions_intact()))
 
 
+def class_shadows(cls: type, names: Tuple[str, ...]) -> bool:
+    """Whether reading one of ``names`` on an instance of ``cls`` could find something other than what the
+    instance holds itself (a class attribute or property of that name, or a custom attribute lookup). Asked at
+    every norm call: a few C passes (a class dict's key view checks the few names, not the dict)."""
+    return _lookup_of(cls) != _TORCH_LOOKUP or not all([vars(klass).keys().isdisjoint(names) for klass in cls.__mro__])
+
+
 def shadowed(module: nn.Module, names: Tuple[str, ...]) -> bool:
-    """Whether reading one of ``names`` on ``module`` could find something other than what it holds
-    itself (a class attribute or property of that name, or a custom attribute lookup)."""
-    return not ProofReads(((type(module), names),)).holds()
+    return class_shadows(type(module), names)
 
 
 def resolve_scale(module: nn.Module, scale: Scale) -> Optional[float]:
