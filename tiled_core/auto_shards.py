@@ -328,10 +328,12 @@ _REMEMBERED_LIMIT = 512  # distinct sizes kept; varying sequence lengths start i
 
 
 def remembered_auto_decision(num_tokens: int, hidden: int, intermediate: Optional[int], weight_bytes: int,
-                             element_bytes: int, generic_trainable_bytes: Optional[int], device: DeviceClass = CPU,
-                             compiling: bool = False) -> AutoDecision:
-    """``auto_decision`` on these sizes (``device``: ``device_class(x.device)``), answered from memory when
-    asked before with the same sizes, device and compiling, and the same ``policy_inputs()``."""
+                             element_bytes: int, generic_trainable_bytes: Optional[int],
+                             device: Optional[DeviceClass] = None, compiling: bool = False) -> AutoDecision:
+    """``auto_decision`` on these sizes (``device``: ``device_class(x.device)``; None: ``MODELLED_DEVICE``),
+    answered from memory when asked before with the same sizes, device and compiling, and the same
+    ``policy_inputs()``."""
+    device = MODELLED_DEVICE if device is None else device
     inputs = policy_inputs(sys.modules[__name__])
     if inputs != _REMEMBERED_FOR[0]:  # a constant or a rule set since: every answer may differ
         _REMEMBERED.clear()
