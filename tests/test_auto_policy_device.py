@@ -47,8 +47,8 @@ def test_hoppers_count_at_the_seeds_size_models_within_0_23_of_untiled():
     shards = auto_num_shards(131072, SEED, HOPPER)
     untiled, _ = modeled_step("untiled", 4096, 12288, 131072, torch.bfloat16)
     tiled, used = modeled_step("fast", 4096, 12288, 131072, torch.bfloat16, num_shards=shards)
+    assert tiled / untiled <= 0.23, (shards, tiled / untiled)  # 0.2286; 32 shards (4096 tokens) model 0.231
     assert used == shards == 37
-    assert tiled / untiled <= 0.23, tiled / untiled  # 0.2286; 32 shards (4096 tokens) model 0.231
 
 
 def test_compiled_cuda_calls_with_less_work_than_a_floor_shard_pass_through():
