@@ -116,7 +116,7 @@ MIN_TOKENS_PER_SHARD_BY_DEVICE = (("hopper", 3584), ("accelerator", 2048))
 # Under torch.compile on CUDA, the shard of the size the floor was measured on (hidden, intermediate): a
 # call with less matmul work than one such shard (tokens x hidden x intermediate) would be cut into
 # launch-bound shards. On the H200 (docs/gpu.md, the torch.compile table's first row) 8192 x 1024 x 2816,
-# 0.11 of such a shard, took 4.28x the compiled untiled step tiled in 8 shards (5.80 against 1.35 ms).
+# 0.13 of such a shard on Hopper, took 4.28x the compiled untiled step tiled in 8 shards (5.80 against 1.35 ms).
 FLOOR_MEASURED_AT = (4096, 12288)
 # The device a call on the meta device (the planner's steps, no real device) is decided for.
 MODELLED_DEVICE = CPU
