@@ -97,26 +97,15 @@ class DeviceClass:
 
 
 CPU = DeviceClass("cpu")
-# Rule 1's floor on tokens a shard, by device. The CPU's is MIN_TOKENS_PER_SHARD (measured above). On a GPU
-# a shard costs launches and per-shard work that a matmul of ~1.4K tokens does not hide. One H200
-# (docs/gpu.md: the 131072 row of "The MLP" table and the shard sweep under it; hidden 4096, intermediate
-# 12288, bf16), memory and time against untiled: 97 shards of ~1352 tokens (rule 1 without this floor) 0.218
-# and 1.304 (1.324 in the sweep), 64 of 2048 0.220 and 1.242, 32 of 4096 0.227 and 1.210, 16 of 8192 0.240
-# and 1.211. About 4096 tokens reach the time's floor (recompute: 11 matmul units against 9, 1.22). The
-# fake-tensor model (native activation, one buffer more than the measured Liger SiLU-mul) puts 32 shards at
-# 0.231 and 37 of 3543 at 0.229, so Hopper's floor is 3584, the largest multiple of 512 within 0.23 at that
-# size (37 shards: time not measured; between 32's and 64's). A shard's four [3584, 12288] buffers (336 MiB)
-# are 7% of the MLP's own fixed bytes there, small beside what a step holds anyway (every layer's
-# checkpointed input, the loss). Capability 9.0 and up: Hopper, and Blackwell, whose faster matmuls need
-# at least as many tokens to hide a launch. Every other accelerator (pre-Hopper CUDA, ROCm, NPU, XPU, MPS,
-# CUDA faked without a GPU) is not measured and takes 2048: on the H200 that cost 0.002 of the untiled peak
-# against rule 1 alone (0.222 modelled) and took 0.06 off its time; a slower device hides a launch behind
-# fewer tokens.
+# Rule 1's floor on tokens a shard by device (the CPU's: MIN_TOKENS_PER_SHARD). From docs/gpu.md, one H200,
+# "The MLP" table's 131072 row and the shard sweep under it (hidden 4096, intermediate 12288, bf16; memory,
+# time against untiled): 97 shards (rule 1 alone) 0.218, 1.304; 64: 0.220, 1.242; 32: 0.227, 1.210; 16:
+# 0.240, 1.211. ~4096 tokens reach the recompute's time floor (1.22); 3584 is the largest multiple of 512
+# whose count (37) the fake-tensor model keeps within 0.23 there (4096: 0.231). Capability >= 9.0 (Hopper,
+# Blackwell) takes it; any other accelerator, not measured, takes 2048 (docs/auto-policy.md#by-device).
 MIN_TOKENS_PER_SHARD_BY_DEVICE = (("hopper", 3584), ("accelerator", 2048))
-# Under torch.compile on CUDA, the shard of the size the floor was measured on (hidden, intermediate): a
-# call with less matmul work than one such shard (tokens x hidden x intermediate) would be cut into
-# launch-bound shards. On the H200 (docs/gpu.md, the torch.compile table's first row) 8192 x 1024 x 2816,
-# 0.13 of such a shard on Hopper, took 4.28x the compiled untiled step tiled in 8 shards (5.80 against 1.35 ms).
+# The MLP the floors were measured on (hidden, intermediate): compiled on CUDA, a call with less matmul work
+# than one floor shard of it is launch-bound when cut (docs/gpu.md's torch.compile table, first row).
 FLOOR_MEASURED_AT = (4096, 12288)
 # The device a call on the meta device (the planner's steps, no real device) is decided for.
 MODELLED_DEVICE = CPU
@@ -167,12 +156,12 @@ def launch_bound(num_tokens: int, size: MLPSize, device: DeviceClass) -> bool:
 @contextlib.contextmanager
 def modelled_as(device: DeviceClass) -> Iterator[None]:
     """Calls on the meta device (a modelled step) decided as on ``device`` while inside."""
-    module = sys.modules[__name__]
-    before, module.MODELLED_DEVICE = module.MODELLED_DEVICE, device  # type: ignore[attr-defined]
+    global MODELLED_DEVICE
+    before, MODELLED_DEVICE = MODELLED_DEVICE, device
     try:
         yield
     finally:
-        module.MODELLED_DEVICE = before  # type: ignore[attr-defined]
+        MODELLED_DEVICE = before
 
 
 @dataclass(frozen=True, slots=True)
