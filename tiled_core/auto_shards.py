@@ -8,9 +8,9 @@ Three rules, all cheap enough for every forward:
    peak within ~12% of that floor. Shards are capped at ``SHARD_INTERMEDIATE_BYTES`` (32 MiB) per
    buffer: at 131072 tokens, hidden 4096, intermediate 12288, bf16 that is 97 shards of ~1365 tokens,
    0.219 of untiled, within 3% of the floor (0.213: input, output, their gradients, weights and
-   theirs), where 64 MiB gave 0.225 and 193 shards 0.216; ~1.4K tokens still keep a GPU's matrix
-   units busy. (Fused MoE experts see only shard x top-k / experts tokens each and take the
-   hidden-size rule below, so their shards stay large.) Shards are floored at ``MIN_TOKENS_PER_SHARD`` (1024) so smaller MLPs
+   theirs), where 64 MiB gave 0.225 and 193 shards 0.216 (on a GPU such
+   shards cost time: rule 4's floor binds there). (Fused MoE experts see only shard x top-k / experts tokens each and take the
+   hidden-size rule below, so their shards stay large.) On the CPU shards are floored at ``MIN_TOKENS_PER_SHARD`` (1024) so smaller MLPs
    are not cut into slivers that only add time: hidden 1024, intermediate 2816, 8192 tokens, CPU fp32,
    the fast path took 1.23x the untiled step with 4 shards of 2048 tokens, 1.25x with 8 of 1024 and
    1.36x with 15 of 546 (docs/auto-policy.md).
@@ -46,16 +46,23 @@ Three rules, all cheap enough for every forward:
    shard always: a LoRA MLP in one shard reached 1.07x untiled, a small GELU MLP 1.19x (measured with
    the exact tracker; ``tests/test_auto_policy.py`` sweeps such modules).
 
+4. **The device** (``DeviceClass``, read once per device by ``device_class``): rule 1's token floor is
+   the CPU's 1024 there, 3584 on a Hopper-class CUDA GPU and 2048 on any other accelerator; and under
+   ``torch.compile`` on CUDA a call with less matmul work than one floor shard passes through
+   (``launch_bound``). The numbers and their sources are at ``MIN_TOKENS_PER_SHARD_BY_DEVICE``.
+
 ``auto_decision`` returns the count with a sentence saying why; ``auto_num_shards`` only the count.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
+import torch
 from torch import nn
 
 from .validation import INPUT_PROJECTIONS
@@ -78,6 +85,83 @@ FAST_SAVED_INTERMEDIATES = 4
 GENERIC_SAVED_INTERMEDIATES = 2
 
 MiB = 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceClass:
+    """What the policy needs to know about a device: its type and, for CUDA, the compute capability
+    (None: unknown, as for CUDA tensors faked on a machine without a GPU)."""
+
+    type: str  # "cpu", "cuda", "rocm" (torch's "cuda" device on a ROCm build), "npu", "xpu", ...
+    capability: Optional[Tuple[int, int]] = None
+
+
+CPU = DeviceClass("cpu")
+# Rule 1's floor on tokens a shard by device (the CPU's: MIN_TOKENS_PER_SHARD). From docs/gpu.md, one H200,
+# "The MLP" table's 131072 row and the shard sweep under it (hidden 4096, intermediate 12288, bf16; memory,
+# time against untiled): 97 shards (rule 1 alone) 0.218, 1.304; 64: 0.220, 1.242; 32: 0.227, 1.210; 16:
+# 0.240, 1.211. ~4096 tokens reach the recompute's time floor (1.22); 3584 is the largest multiple of 512
+# whose count (37) the fake-tensor model keeps within 0.23 there (4096: 0.231). Capability >= 9.0 (Hopper,
+# Blackwell) takes it; any other accelerator, not measured, takes 2048 (docs/auto-policy.md#by-device).
+MIN_TOKENS_PER_SHARD_BY_DEVICE = (("hopper", 3584), ("accelerator", 2048))
+# The MLP the floors were measured on (hidden, intermediate): compiled on CUDA, a call with less matmul work
+# than one floor shard of it is launch-bound when cut (docs/gpu.md's torch.compile table, first row).
+FLOOR_MEASURED_AT = (4096, 12288)
+# The device a call on the meta device (the planner's steps, no real device) is decided for.
+MODELLED_DEVICE = CPU
+
+_CLASSES: Dict[torch.device, DeviceClass] = {}
+
+
+def device_class(device: Optional[torch.device]) -> DeviceClass:
+    """The policy's class of ``device`` (read once per device); the meta device, and None, stand for
+    ``MODELLED_DEVICE``."""
+    if device is None or device.type == "meta":
+        return MODELLED_DEVICE
+    known = _CLASSES.get(device)
+    if known is None:
+        known = _CLASSES[device] = _read_class(device)
+    return known
+
+
+def _read_class(device: torch.device) -> DeviceClass:
+    if device.type != "cuda":
+        return DeviceClass(device.type)
+    if torch.version.hip is not None:  # AMD's GPUs answer as "cuda", with capabilities of their own
+        return DeviceClass("rocm")
+    if not torch.cuda.is_available():  # fake CUDA tensors on a machine without a GPU
+        return DeviceClass("cuda")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return DeviceClass("cuda", tuple(torch.cuda.get_device_capability(index)))  # type: ignore[arg-type]
+
+
+def min_tokens_per_shard(device: DeviceClass) -> int:
+    """Rule 1's floor on tokens a shard on ``device`` (see ``MIN_TOKENS_PER_SHARD_BY_DEVICE``)."""
+    if device.type == "cpu":
+        return MIN_TOKENS_PER_SHARD
+    floors = dict(MIN_TOKENS_PER_SHARD_BY_DEVICE)
+    hopper = device.type == "cuda" and device.capability is not None and device.capability >= (9, 0)
+    return floors["hopper" if hopper else "accelerator"]
+
+
+def launch_bound(num_tokens: int, size: MLPSize, device: DeviceClass) -> bool:
+    """Whether a compiled call on ``device`` has less matmul work than one floor shard of the MLP the floor
+    was measured on: cut, every shard would be launch-bound (CUDA only; needs the intermediate size)."""
+    assert size.intermediate is not None, "the work is counted from the intermediate size"
+    hidden, intermediate = FLOOR_MEASURED_AT
+    floor_work = min_tokens_per_shard(device) * hidden * intermediate
+    return device.type == "cuda" and num_tokens * size.hidden * size.intermediate < floor_work
+
+
+@contextlib.contextmanager
+def modelled_as(device: DeviceClass) -> Iterator[None]:
+    """Calls on the meta device (a modelled step) decided as on ``device`` while inside."""
+    global MODELLED_DEVICE
+    before, MODELLED_DEVICE = MODELLED_DEVICE, device
+    try:
+        yield
+    finally:
+        MODELLED_DEVICE = before
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,13 +228,13 @@ class AutoDecision:
     reason: str
 
 
-def shard_count(num_tokens: int, size: MLPSize) -> int:
-    """Rule 1: shards whose ``[tokens, intermediate]`` buffer stays near the floor's scale (needs the
-    intermediate size)."""
+def shard_count(num_tokens: int, size: MLPSize, device: DeviceClass = CPU) -> int:
+    """Rule 1: shards whose ``[tokens, intermediate]`` buffer stays near the floor's scale, of at least
+    ``device``'s floor of tokens (needs the intermediate size)."""
     assert size.intermediate is not None, "the shard-size rule needs the intermediate size"
     fixed = fixed_bytes(size, num_tokens)
     buffer_bytes = min(SHARD_INTERMEDIATE_BYTES, WORKING_SET_SHARE * fixed / WORKING_SET_BUFFERS)
-    tokens_per_shard = max(MIN_TOKENS_PER_SHARD, int(buffer_bytes // (size.intermediate * size.element_bytes)))
+    tokens_per_shard = max(min_tokens_per_shard(device), int(buffer_bytes // (size.intermediate * size.element_bytes)))
     return max(1, math.ceil(num_tokens / tokens_per_shard))
 
 
@@ -171,8 +255,9 @@ def estimated_saved_bytes(num_tokens: int, size: MLPSize, num_shards: int) -> fl
     return saved - extra
 
 
-def auto_decision(num_tokens: int, size: MLPSize) -> AutoDecision:
-    """The shard count for ``num_tokens`` tokens (None: run the module untiled), and why."""
+def auto_decision(num_tokens: int, size: MLPSize, device: DeviceClass = CPU, compiling: bool = False) -> AutoDecision:
+    """The shard count for ``num_tokens`` tokens on ``device`` (None: run the module untiled), and why;
+    ``compiling``: the call is being traced by ``torch.compile``."""
     if size.intermediate is None:
         if num_tokens <= size.hidden:  # one shard would be the whole call: the machinery for nothing
             return AutoDecision(None, f"untiled: {num_tokens} tokens, no more than the hidden size ({size.hidden}), "
@@ -185,7 +270,11 @@ def auto_decision(num_tokens: int, size: MLPSize) -> AutoDecision:
     if intermediate_bytes < MIN_INTERMEDIATE_SHARE * fixed:
         return AutoDecision(None, f"untiled: a [tokens, intermediate] buffer ({_size(intermediate_bytes)}) is "
                                   f"under {MIN_INTERMEDIATE_SHARE:.0%} of the {_size(fixed)} no tiling removes")
-    num_shards = shard_count(num_tokens, size)
+    if compiling and launch_bound(num_tokens, size, device):
+        return AutoDecision(None, f"untiled: compiled on {device.type}, the call is less matmul work than one "
+                                  f"{min_tokens_per_shard(device)}-token shard of a {FLOOR_MEASURED_AT[0]} x "
+                                  f"{FLOOR_MEASURED_AT[1]} MLP, so its shards would be launch-bound")
+    num_shards = shard_count(num_tokens, size, device)
     saved = estimated_saved_bytes(num_tokens, size, num_shards)
     shards = ("generic path, " if size.generic_trainable_bytes is not None else "") + _shards(num_shards)
     if saved <= 0:
@@ -213,7 +302,9 @@ def _shards(num_shards: int) -> str:
 # ``tests/test_decision_memory.py`` checks that every constant is here.
 POLICY_NAMES = ("SHARD_INTERMEDIATE_BYTES", "WORKING_SET_SHARE", "WORKING_SET_BUFFERS", "MIN_TOKENS_PER_SHARD",
                 "MIN_INTERMEDIATE_SHARE", "MIN_SAVED_BYTES", "FAST_SAVED_INTERMEDIATES", "GENERIC_SAVED_INTERMEDIATES",
-                "MiB", "auto_decision", "fixed_bytes", "shard_count", "estimated_saved_bytes", "_size", "_shards")
+                "MiB", "MIN_TOKENS_PER_SHARD_BY_DEVICE", "FLOOR_MEASURED_AT", "MODELLED_DEVICE", "auto_decision",
+                "fixed_bytes", "shard_count", "estimated_saved_bytes", "min_tokens_per_shard", "launch_bound", "_size",
+                "_shards")
 # ``policy_inputs(module)``: their values now, read in C (the call path reads them at every auto call).
 policy_inputs = operator.attrgetter(*POLICY_NAMES)
 
@@ -226,23 +317,27 @@ _REMEMBERED_LIMIT = 512  # distinct sizes kept; varying sequence lengths start i
 
 
 def remembered_auto_decision(num_tokens: int, hidden: int, intermediate: Optional[int], weight_bytes: int,
-                             element_bytes: int, generic_trainable_bytes: Optional[int]) -> AutoDecision:
-    """``auto_decision`` on these sizes, answered from memory when asked before with the same sizes and
-    the same ``policy_inputs()``."""
+                             element_bytes: int, generic_trainable_bytes: Optional[int],
+                             device: Optional[DeviceClass] = None, compiling: bool = False) -> AutoDecision:
+    """``auto_decision`` on these sizes (``device``: ``device_class(x.device)``; None: ``MODELLED_DEVICE``),
+    answered from memory when asked before with the same sizes, device and compiling, and the same
+    ``policy_inputs()``."""
+    device = MODELLED_DEVICE if device is None else device
     inputs = policy_inputs(sys.modules[__name__])
     if inputs != _REMEMBERED_FOR[0]:  # a constant or a rule set since: every answer may differ
         _REMEMBERED.clear()
         _REMEMBERED_FOR[0] = inputs
-    key = (num_tokens, hidden, intermediate, weight_bytes, element_bytes, generic_trainable_bytes)
+    key = (num_tokens, hidden, intermediate, weight_bytes, element_bytes, generic_trainable_bytes, device, compiling)
     decision = _REMEMBERED.get(key)
     if decision is None:
         if len(_REMEMBERED) >= _REMEMBERED_LIMIT:
             _REMEMBERED.clear()
         decision = _REMEMBERED[key] = auto_decision(
-            num_tokens, MLPSize(hidden, intermediate, weight_bytes, element_bytes, generic_trainable_bytes))
+            num_tokens, MLPSize(hidden, intermediate, weight_bytes, element_bytes, generic_trainable_bytes), device,
+            compiling)
     return decision
 
 
-def auto_num_shards(num_tokens: int, size: MLPSize) -> Optional[int]:
-    """The shard count for ``num_tokens`` tokens, or None to run the module untiled."""
-    return auto_decision(num_tokens, size).num_shards
+def auto_num_shards(num_tokens: int, size: MLPSize, device: DeviceClass = CPU) -> Optional[int]:
+    """The shard count for ``num_tokens`` tokens on ``device``, or None to run the module untiled."""
+    return auto_decision(num_tokens, size, device).num_shards

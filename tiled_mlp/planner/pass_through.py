@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from tiled_mlp.core.auto_shards import MLPSize, auto_decision, intermediate_size
+from tiled_mlp.core.auto_shards import MLPSize, auto_decision, device_class, intermediate_size
 from tiled_mlp.core.module_forward import is_tiled
 from tiled_mlp.core.tiling_state import tiling_of
 from tiled_mlp.strategies.resolver import resolve_strategy
@@ -73,6 +73,6 @@ def mlps_pass_through(model: nn.Module, layers: int, tokens: int, hidden: int, d
         if not strategy.allows_untiled_call(module):
             return False
         size = MLPSize(hidden, intermediate_size(module), strategy.param_bytes(module), element, None)
-        if auto_decision(tokens, size).num_shards is not None:
+        if auto_decision(tokens, size, device_class(torch.device("meta"))).num_shards is not None:
             return False
     return True
