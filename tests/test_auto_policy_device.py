@@ -118,3 +118,25 @@ def test_the_planners_step_cuts_the_shards_the_policy_gives_its_device():
             step_timeline(model, 8192, 1, replay_shards=False)
             counts = {m.tiling.last_num_shards for m in model.modules() if hasattr(m, "tiling")}
             assert counts == {auto_num_shards(8192, llama, device)} == {3 if device == HOPPER else 8}, device
+
+
+def test_a_module_call_follows_its_devices_policy_eager_and_compiled(monkeypatch):
+    # The CPU read as a Hopper GPU: the call asks the policy for its input's device, and the compiled route's
+    # decision is not the eager one's (the memo is keyed by compiling).
+    monkeypatch.setattr(auto_shards, "MIN_SAVED_BYTES", 0)  # small sizes, so that compiling is quick
+    monkeypatch.setattr(auto_shards, "_CLASSES", {torch.device("cpu"): DeviceClass("cuda", (9, 0))})
+    from tiled_mlp import TiledMLP
+    from tiled_mlp.bench.mlp import SwiGLUMLP
+
+    torch.manual_seed(0)
+    mlp = TiledMLP(SwiGLUMLP(64, 176))
+    x = torch.randn(1, 8192, 64)
+    mlp(x)
+    assert (mlp.tiling.last_path, mlp.tiling.last_num_shards) == ("fast", 3), mlp.tiling.last_reason
+    torch._dynamo.reset()
+    torch.compile(mlp)(x)
+    assert mlp.tiling.last_path == "untiled", mlp.tiling.compiled_reason
+    assert "launch-bound" in mlp.tiling.compiled_reason
+    mlp(x)
+    assert (mlp.tiling.last_path, mlp.tiling.last_num_shards) == ("fast", 3)
+    torch._dynamo.reset()

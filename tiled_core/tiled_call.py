@@ -96,9 +96,6 @@ def inside_backward() -> bool:
     return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
 
 
-_BASE_CONFIGURED_FOR = Strategy.__dict__["configured_for"].__func__
-
-
 def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
     """The fixed strategy, or "auto" resolved now (``state``: the module's tiling). Not kept across calls where a
     process group is initialised: a forward before ``fully_shard``, ``deepspeed.initialize``, a DDP or an FSDP1
@@ -126,7 +123,7 @@ def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
     # whose own ``configured_for`` reads the runtime is asked at every call) and no process group can change
     # what claims the module.
     registrations = None if distributed else registrations_by_priority()
-    own_build = getattr(type(strategy).configured_for, "__func__", None) is not _BASE_CONFIGURED_FOR
+    own_build = type(strategy).configures_from_runtime
     fields["local_strategy"] = None if own_build or not registrations else (strategy, registrations)
     return strategy
 
@@ -287,7 +284,9 @@ def _decide(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Stra
     where it was made before and holds nothing of a call; else made now."""
     num_tokens = x.numel() // x.shape[-1]
     configured = state.num_shards
-    memo_key = (num_tokens, configured, _auto_shards.policy_inputs(_auto_shards) if not isinstance(configured, int) else None)
+    # Compiling is part of the key: the auto policy passes a launch-bound call through under torch.compile only.
+    memo_key = (num_tokens, configured, _auto_shards.policy_inputs(_auto_shards) if not isinstance(configured, int) else None,
+                torch.compiler.is_compiling())
     decision = plan.decisions.get(memo_key)
     if decision is None:
         decision, keep = _decide_now(module, state, plan, strategy, x, shard_forward, token_inputs, num_tokens)
@@ -343,7 +342,7 @@ def shard_count(state: TilingState, sizes: Any, x: torch.Tensor, num_tokens: int
         return AutoDecision(num_shards, f"tiled: num_shards={num_shards} as configured")
     trainable_bytes = sizes.trainable_bytes if generic else None
     return remembered_auto_decision(num_tokens, x.shape[-1], sizes.intermediate, sizes.param_bytes, x.element_size(),
-                                    trainable_bytes)
+                                    trainable_bytes, _auto_shards.device_class(x.device), torch.compiler.is_compiling())
 
 
 # -- a tiled module's call -----------------------------------------------------------------------------------
