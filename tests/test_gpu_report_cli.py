@@ -186,7 +186,7 @@ def test_a_run_writes_what_it_measured_and_keeps_the_rest(capsys, tmp_path, monk
 
 
 # -- the sections compose the benches (tiny sizes, CPU) -------------------------------------------------
-def test_the_sections_compose_the_benches(monkeypatch):
+def test_the_sections_compose_the_benches(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_sections, "MLP_HIDDEN", 32)
     monkeypatch.setattr(gpu_sections, "MLP_INTERMEDIATE", 64)
     monkeypatch.setattr(gpu_sections, "MLP_SEQS", (64, 256))
@@ -205,10 +205,15 @@ def test_the_sections_compose_the_benches(monkeypatch):
     for name in measured:
         block = gpu_doc.render_section(name, store, NEW)
         assert "not measured" not in block and block.count("\n|") >= 3, block
+    written = gpu_doc.plot(str(tmp_path), store, NEW)
+    assert written == [str(tmp_path / gpu_doc.PLOTS["mlp"]), str(tmp_path / gpu_doc.PLOTS["checkpointed"])]
+    assert all(os.path.getsize(path) > 0 for path in written)
 
 
 def test_a_spent_budget_starts_no_new_row(monkeypatch):
     lines = []
     ctx = gpu_sections.Context(device=torch.device("cpu"), repeats=1, budget_s=0, say=lines.append)
     assert gpu_sections.measure_mlp(ctx) == {}
-    assert lines == [f"mlp: {seq} tokens skipped (section budget 0 s spent)" for seq in gpu_sections.MLP_SEQS]
+    assert lines == [f"mlp: {seq} tokens skipped (section budget 0 s or the report's spent)" for seq in gpu_sections.MLP_SEQS]
+    late = gpu_sections.Context(device=torch.device("cpu"), repeats=1, budget_s=600, say=lines.append, deadline=0)
+    assert gpu_sections.measure_checkpointed(late) == {}

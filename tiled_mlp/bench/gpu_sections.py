@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,10 +45,12 @@ class Context:
     budget_s: float  # this section's: no new row starts once it is spent
     say: Callable[[str], None]  # one line per measurement
     planner_max_seq: int = 262144
+    deadline: float = math.inf  # the whole report's (time.perf_counter()): no new row starts after it
     started: float = field(default_factory=time.perf_counter)
 
     def allows(self) -> bool:
-        return time.perf_counter() - self.started < self.budget_s
+        now = time.perf_counter()
+        return now - self.started < self.budget_s and now < self.deadline
 
 
 class LineProgress(Progress):
@@ -86,7 +89,7 @@ def measure_mlp(ctx: Context) -> Dict[str, dict]:
     rows = {}
     for seq in MLP_SEQS:
         if not ctx.allows():
-            ctx.say(f"mlp: {seq} tokens skipped (section budget {ctx.budget_s:.0f} s spent)")
+            ctx.say(f"mlp: {seq} tokens skipped (section budget {ctx.budget_s:.0f} s or the report's spent)")
             continue
         cfg = BenchConfig(seqs=[seq], dtype=torch.bfloat16, device=str(ctx.device), impls=mlp_impls(),
                           repeats=ctx.repeats, hidden=MLP_HIDDEN, intermediate=MLP_INTERMEDIATE)
@@ -105,7 +108,7 @@ def measure_checkpointed(ctx: Context) -> Dict[str, dict]:
     rows = {}
     for region in regions:
         if not ctx.allows():
-            ctx.say(f"checkpointed: {region} skipped (section budget {ctx.budget_s:.0f} s spent)")
+            ctx.say(f"checkpointed: {region} skipped (section budget {ctx.budget_s:.0f} s or the report's spent)")
             continue
         with _quiet_stdout():
             cells = run(region, impls, CHECKPOINTED["hidden"], CHECKPOINTED["intermediate"], CHECKPOINTED["seq"],
@@ -133,7 +136,7 @@ def measure_compiled(ctx: Context) -> Dict[str, dict]:
     for seq, hidden, intermediate in COMPILE_SIZES:
         key = f"{seq}x{hidden}x{intermediate}"
         if not ctx.allows():
-            ctx.say(f"compiled: {key} skipped (section budget {ctx.budget_s:.0f} s spent)")
+            ctx.say(f"compiled: {key} skipped (section budget {ctx.budget_s:.0f} s or the report's spent)")
             continue
         cfg = CompileBenchConfig(hidden=hidden, intermediate=intermediate, seq=seq, dtype=torch.bfloat16,
                                  device=str(ctx.device), repeats=ctx.repeats, warmup=3)

@@ -33,6 +33,9 @@ def add_parser(subparsers) -> None:
                    help=f"the folder holding {gpu_doc.DOC} and {gpu_doc.STORE} (default docs/)")
     p.add_argument("--planner-max-seq", type=parsing.positive_int, default=262144,
                    help="the longest length the planner section steps (its attention time grows as its square)")
+    p.add_argument("--time-budget", type=parsing.positive_int, default=420, metavar="SECONDS",
+                   help="no new row starts after this many seconds (default 420: the report ends within 8 minutes, "
+                        "start-up and the last row included)")
     p.set_defaults(run=run)
 
 
@@ -125,7 +128,7 @@ def run(args, parser_error) -> int:
         section = SECTIONS[name]
         say(f"{name}: {section.title} (estimated {section.estimate_s} s, budget {section.budget_s} s)")
         ctx = Context(device=device, repeats=args.repeats, budget_s=section.budget_s, say=say,
-                      planner_max_seq=args.planner_max_seq)
+                      planner_max_seq=args.planner_max_seq, deadline=started + args.time_budget)
         measured[name] = section.measure(ctx)
         say(f"{name}: {len(measured[name])} row(s) in {time.perf_counter() - ctx.started:.0f} s")
         # Written after every section: a run cut short keeps what it measured.
