@@ -217,3 +217,21 @@ def test_a_spent_budget_starts_no_new_row(monkeypatch):
     assert lines == [f"mlp: {seq} tokens skipped (section budget 0 s or the report's spent)" for seq in gpu_sections.MLP_SEQS]
     late = gpu_sections.Context(device=torch.device("cpu"), repeats=1, budget_s=600, say=lines.append, deadline=0)
     assert gpu_sections.measure_checkpointed(late) == {}
+
+
+# -- the planner section's choice of lengths (meta tensors: no device) ----------------------------------
+def test_the_longest_length_is_the_planners_with_the_unmodelled_margin():
+    from tiled_mlp.bench import planner_vs_device as pvd
+
+    budget = 16 * 2**30
+    longest = pvd.longest_fitting(budget, 4, cap=1 << 20, fraction=1.0)
+    assert longest % pvd.SEQ_STEP == 0 and longest > 0
+
+    def held(seq):
+        return pvd.modelled_peak(seq, 4, "tiled+tiled-loss+norms+ckpt") + pvd.UNMODELLED_BYTES_PER_TOKEN * seq
+
+    assert held(longest) <= budget < held(longest + pvd.SEQ_STEP)
+    assert pvd.longest_fitting(budget, 4, cap=pvd.SEQ_STEP, fraction=1.0) == pvd.SEQ_STEP  # the cap holds
+    assert pvd.plan_rows([16384, 65536], longest, untiled_max=16384) == [
+        (16384, "untiled+ckpt"), (16384, "tiled+tiled-loss+norms+ckpt"), (65536, "tiled+tiled-loss+norms+ckpt"),
+        (longest, "tiled+tiled-loss+norms+ckpt")]
