@@ -235,3 +235,22 @@ def test_the_longest_length_is_the_planners_with_the_unmodelled_margin():
     assert pvd.plan_rows([16384, 65536], longest, untiled_max=16384) == [
         (16384, "untiled+ckpt"), (16384, "tiled+tiled-loss+norms+ckpt"), (65536, "tiled+tiled-loss+norms+ckpt"),
         (longest, "tiled+tiled-loss+norms+ckpt")]
+
+
+def test_a_failing_section_costs_only_its_own_rows(capsys, tmp_path, monkeypatch, as_if_cuda):
+    monkeypatch.setattr(gpu_report_cmd, "cuda_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(gpu_report_cmd, "this_run", lambda device: dict(RUNS[NEW]))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def out_of_memory(ctx):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setitem(gpu_sections.SECTIONS, "loss", gpu_sections.Section("The loss", out_of_memory, 1, 10))
+    monkeypatch.setitem(gpu_sections.SECTIONS, "mlp", gpu_sections.Section(
+        "The MLP", lambda ctx: {"2048": mlp_row(2048, 2.0, 1, 1.0, 1.02)}, 1, 10))
+    monkeypatch.setattr(gpu_doc, "plot", lambda folder, store, current: [])
+    assert main(["gpu-report", "--sections", "loss,mlp", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "loss: FAILED after 0 s: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB\n" in err
+    assert "failed: loss (their rows keep their previous figures)" in err
+    assert "| 2048 | 100.0 MiB, 2.00 ms |" in (tmp_path / gpu_doc.DOC).read_text()

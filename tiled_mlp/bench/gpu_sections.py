@@ -78,9 +78,17 @@ def _have(module: str) -> bool:
 
 
 def mlp_impls() -> List[str]:
+    """untiled and ours, and each peer that imports here (liger-kernel's tiled MLP came in a later release
+    than its first: an installed one without it is left out)."""
     from .impls import available_impls
 
-    return [i for i in ("untiled", "auto", "deepspeed", "liger") if i in available_impls()]
+    names = [i for i in ("untiled", "auto", "deepspeed", "liger") if i in available_impls()]
+    if "liger" in names:
+        try:
+            from liger_kernel.transformers.tiled_mlp import LigerTiledSwiGLUMLP  # noqa: F401
+        except Exception:  # not in this release, or its Triton kernels cannot load here
+            names.remove("liger")
+    return names
 
 
 def measure_mlp(ctx: Context) -> Dict[str, dict]:

@@ -124,12 +124,20 @@ def run(args, parser_error) -> int:
     say(f"{run_info['card']}, driver {run_info['driver'] or '?'}; sections {', '.join(names)}, "
         f"estimated {sum(SECTIONS[n].estimate_s for n in names)} s")
     measured = {}
+    failed: list = []
     for name in names:
         section = SECTIONS[name]
         say(f"{name}: {section.title} (estimated {section.estimate_s} s, budget {section.budget_s} s)")
         ctx = Context(device=device, repeats=args.repeats, budget_s=section.budget_s, say=say,
                       planner_max_seq=args.planner_max_seq, deadline=started + args.time_budget)
-        measured[name] = section.measure(ctx)
+        try:
+            measured[name] = section.measure(ctx)
+        except Exception as error:  # one section's failure (out of memory, a peer's bug) must not cost the others
+            failed.append(name)
+            say(f"{name}: FAILED after {time.perf_counter() - ctx.started:.0f} s: {type(error).__name__}: "
+                f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}")
+            torch.cuda.empty_cache()
+            continue
         say(f"{name}: {len(measured[name])} row(s) in {time.perf_counter() - ctx.started:.0f} s")
         # Written after every section: a run cut short keeps what it measured.
         store = gpu_doc.merge(store, run_id, run_info, {name: measured[name]})
@@ -139,5 +147,6 @@ def run(args, parser_error) -> int:
         written += gpu_doc.plot(args.out, store, run_id)
     else:
         say("matplotlib is not installed: no plots (pip install 'tiled-mlp[bench]')")
-    say(f"wrote {', '.join(written)} in {time.perf_counter() - started:.0f} s")
-    return 0
+    say(f"wrote {', '.join(written)} in {time.perf_counter() - started:.0f} s"
+        + (f"; failed: {', '.join(failed)} (their rows keep their previous figures)" if failed else ""))
+    return 1 if failed else 0
