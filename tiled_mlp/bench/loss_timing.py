@@ -17,16 +17,12 @@ from torch import nn
 
 from .cpu_allocator import keep_freed_memory_in_process
 from .loss_methods import Step, run_step
+from .measure import _synchronize  # an accelerator's step is timed to its end, not to its launch
 
 
 def round_orders(names: List[str], rounds: int) -> List[List[str]]:
     """Round r runs the methods starting at the (r mod n)-th."""
     return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)]
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type != "cpu":  # an accelerator's step is timed to its end, not to its launch
-        torch.get_device_module(device.type).synchronize()
 
 
 def timed_rounds(steps: Mapping[str, Step], head: nn.Linear, x: torch.Tensor, labels: torch.Tensor, rounds: int,
