@@ -249,6 +249,9 @@ def test_a_failing_section_costs_only_its_own_rows(capsys, tmp_path, monkeypatch
     monkeypatch.setitem(gpu_sections.SECTIONS, "mlp", gpu_sections.Section(
         "The MLP", lambda ctx: {"2048": mlp_row(2048, 2.0, 1, 1.0, 1.02)}, 1, 10))
     monkeypatch.setattr(gpu_doc, "plot", lambda folder, store, current: [])
+    (tmp_path / gpu_doc.STORE).write_text(json.dumps(canned_store()))
+    assert main(["gpu-report", "--sections", "loss", "--out", str(tmp_path)]) == 1  # nothing measured: still written
+    assert "_Not measured in the run of 2026-02-03 on NVIDIA H100 80GB HBM3._" in (tmp_path / gpu_doc.DOC).read_text()
     assert main(["gpu-report", "--sections", "loss,mlp", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "loss: FAILED after 0 s: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB\n" in err

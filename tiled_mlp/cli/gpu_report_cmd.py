@@ -123,6 +123,7 @@ def run(args, parser_error) -> int:
     run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     say(f"{run_info['card']}, driver {run_info['driver'] or '?'}; sections {', '.join(names)}, "
         f"estimated {sum(SECTIONS[n].estimate_s for n in names)} s")
+    store = gpu_doc.merge(store, run_id, run_info, {})  # the run is named in the tables even where nothing is measured
     measured = {}
     failed: list = []
     for name in names:
