@@ -21,7 +21,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -132,7 +132,8 @@ def build_variants(cfg: CompileBenchConfig) -> Tuple[nn.Module, Dict[str, nn.Mod
                      compiled_tiled=tiled["compiled_tiled"])
 
 
-def run_compile_bench(cfg: CompileBenchConfig, show_progress: bool = True) -> dict:
+def run_compile_bench(cfg: CompileBenchConfig, show_progress: bool = True, progress: Optional[Progress] = None) -> dict:
+    """``progress``: where each step is reported (default: a bar of its own)."""
     device = torch.device(cfg.device)
     if device.type == "cpu":
         keep_freed_memory_in_process()  # steady CPU timings (see cpu_allocator)
@@ -142,7 +143,7 @@ def run_compile_bench(cfg: CompileBenchConfig, show_progress: bool = True) -> di
     x_data, grad_out = make_inputs(cfg.seq, cfg.hidden, cfg.dtype, device, cfg.batch, cfg.seed)
     x_data.requires_grad_(False)
     steps = 1 + len(VARIANTS) * (cfg.warmup + 1) + cfg.repeats
-    progress = Progress(steps, f"bench --compile ({cfg.backend})", enabled=show_progress)
+    progress = progress or Progress(steps, f"bench --compile ({cfg.backend})", enabled=show_progress)
     try:
         explain = _explain(built["compiled_tiled"], x_data)
         progress.step("dynamo explain of the compiled tiled module")

@@ -5,6 +5,7 @@
   Triton activation (the two differ only on CUDA with liger-kernel installed).
 - ``auto``: ours with ``num_shards="auto"`` (its own shard policy, whatever ``num_shards`` says).
 - ``deepspeed``: DeepSpeed's TiledMLP (the algorithm ms-swift, Liger and Axolotl reuse), when installed.
+- ``liger``: Liger's ``LigerTiledSwiGLUMLP`` (Triton SiLU-mul; CUDA only), when liger-kernel is installed.
 """
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import contextlib
 import copy
 import importlib.util
 import sys
+from types import SimpleNamespace
 from typing import Callable, Dict
+
+import torch
 
 from tiled_mlp.core import TiledMLP
 
@@ -43,6 +47,21 @@ def _deepspeed(mlp, num_shards):
     return lambda x: DeepSpeedTiledMLP.apply(mlp_forward, mlp, x, num_shards, compute_params)
 
 
+def _liger(mlp, num_shards):
+    # Read in liger-kernel's src/liger_kernel/transformers/tiled_mlp.py: LigerTiledSwiGLUMLP(config, num_shards)
+    # reads config.hidden_size, intermediate_size and hidden_act, owns gate_proj/up_proj/down_proj Linears
+    # and tiles with its own apply_tiled_mlp. Its Linears are swapped for the bench MLP's, so every
+    # implementation steps the same weights.
+    from liger_kernel.transformers.tiled_mlp import LigerTiledSwiGLUMLP
+
+    config = SimpleNamespace(hidden_size=mlp.gate_proj.in_features, intermediate_size=mlp.gate_proj.out_features,
+                             hidden_act="silu")
+    with torch.device("meta"):  # its own weights are replaced at once: allocate none
+        liger = LigerTiledSwiGLUMLP(config, num_shards=num_shards)
+    liger.gate_proj, liger.up_proj, liger.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    return liger
+
+
 IMPLS: Dict[str, Callable] = {
     "untiled": _untiled,
     "deepspeed": _deepspeed,
@@ -51,6 +70,7 @@ IMPLS: Dict[str, Callable] = {
     # On CUDA with liger-kernel installed "fast" uses Liger's Triton SiLU-mul; this is the native one.
     "fast_native_act": _ours("fast", use_fused_kernel=False),
     "auto": _ours("auto", auto=True),
+    "liger": _liger,
 }
 
 
@@ -58,4 +78,6 @@ def available_impls():
     names = list(IMPLS)
     if importlib.util.find_spec("deepspeed") is None:
         names.remove("deepspeed")
+    if importlib.util.find_spec("liger_kernel") is None:
+        names.remove("liger")
     return names

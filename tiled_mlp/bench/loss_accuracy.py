@@ -23,9 +23,9 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def gradient_errors(methods: Mapping[str, LossMethod], tokens: int, hidden: int, vocab: int,
                     deepspeed_shards: int, seed: int = 0,
-                    on_method: Optional[Callable[[str], None]] = None) -> Dict[str, Dict[str, float]]:
+                    on_method: Optional[Callable[[str], None]] = None, device: str = "cpu") -> Dict[str, Dict[str, float]]:
     """{method: {"loss": ..., "dx": ..., "dW": ...}} relative to ``untiled`` (whose own errors are 0)."""
-    head, x, labels = make_case(tokens, hidden, vocab, torch.float32, seed)
+    head, x, labels = make_case(tokens, hidden, vocab, torch.float32, seed, device)
     results: Dict[str, tuple] = {}
     for name, method in methods.items():
         step = method.make(head, deepspeed_shards) if name == "deepspeed" else method.make(head)

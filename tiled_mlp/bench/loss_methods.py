@@ -163,17 +163,18 @@ def shard_count(method: str, tokens: int, hidden: int, vocab: int, dtype: torch.
     return loss_num_shards(tokens, vocab)
 
 
-def make_case(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int = 0):
-    """(head, hidden states requiring grad, labels) with real values; every 10th label ignored, so the
-    valid-token count N differs from the token count (as padding and prompt masking make it)."""
+def make_case(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
+    """(head, hidden states requiring grad, labels) with real values, on ``device`` (drawn on the CPU: the
+    same values everywhere); every 10th label ignored, so the valid-token count N differs from the token
+    count (as padding and prompt masking make it)."""
     generator = torch.Generator().manual_seed(seed)
-    head = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+    head = nn.Linear(hidden, vocab, bias=False, dtype=dtype, device=device)
     with torch.no_grad():
         head.weight.copy_(torch.randn(vocab, hidden, generator=generator) / math.sqrt(hidden))
-    x = torch.randn(1, tokens, hidden, generator=generator).to(dtype).requires_grad_(True)
+    x = torch.randn(1, tokens, hidden, generator=generator).to(device=device, dtype=dtype).requires_grad_(True)
     labels = torch.randint(0, vocab, (1, tokens), generator=generator)
     labels[:, ::10] = IGNORE_INDEX
-    return head, x, labels
+    return head, x, labels.to(device)
 
 
 def run_step(step: Step, head: nn.Linear, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,9 @@ import torch
 
 from .loss_accuracy import gradient_errors
 from .loss_memory import fake_peak, memory_reference
-from .loss_methods import available_methods, make_case, shard_count
+from .loss_methods import available_methods, make_case, run_step, shard_count
 from .loss_timing import medians, timed_rounds
+from .measure import storage_bytes
 
 Size = Tuple[int, int, int]  # tokens, hidden, vocab
 
@@ -35,10 +36,15 @@ class LossBenchConfig:
     # size; a fixed count shows the error with real sharding (it does not depend on the count).
     deepspeed_accuracy_shards: int = 4
     seed: int = 0
+    # Where the time (and, on CUDA, the allocator's peak) and the gradient error are measured, and the
+    # timed size's dtype; the modelled peak is the fake tensors' wherever this runs.
+    device: str = "cpu"
+    time_dtype: torch.dtype = torch.float32
 
     def as_dict(self) -> Dict[str, Any]:
         out = asdict(self)
         out["memory_dtype"] = str(self.memory_dtype).replace("torch.", "")
+        out["time_dtype"] = str(self.time_dtype).replace("torch.", "")
         return out
 
 
@@ -46,7 +52,7 @@ def run_loss_bench(cfg: LossBenchConfig, on_step: Optional[Callable[[str], None]
     step = on_step or (lambda label: None)
     methods, skipped = available_methods()
     rows: Dict[str, Dict[str, Any]] = {name: dict(method=name, label=m.label) for name, m in methods.items()}
-    dtypes = {"memory": cfg.memory_dtype, "time": torch.float32, "accuracy": torch.float32}
+    dtypes = {"memory": cfg.memory_dtype, "time": cfg.time_dtype, "accuracy": torch.float32}
     for name, row in rows.items():
         row["shards"] = {}
         for what, size in (("memory", cfg.memory_size), ("time", cfg.time_size), ("accuracy", cfg.accuracy_size)):
@@ -54,7 +60,7 @@ def run_loss_bench(cfg: LossBenchConfig, on_step: Optional[Callable[[str], None]
             row["shards"][what] = shard_count(name, *size, dtypes[what], fixed)
 
     errors = gradient_errors(methods, *cfg.accuracy_size, cfg.deepspeed_accuracy_shards, cfg.seed,
-                             on_method=lambda name: step(f"gradient error: {name}"))
+                             on_method=lambda name: step(f"gradient error: {name}"), device=cfg.device)
     for name, row in rows.items():
         row["errors"] = errors[name]
 
@@ -64,15 +70,21 @@ def run_loss_bench(cfg: LossBenchConfig, on_step: Optional[Callable[[str], None]
                           largest_at_peak=[dict(what=w, bytes=b, count=n) for w, b, n in peak.largest])
         step(f"peak memory: {name}")
 
-    timed = {name: m for name, m in methods.items() if name not in NOT_TIMED}
-    head, x, labels = make_case(*cfg.time_size, torch.float32, cfg.seed)
+    # NOT_TIMED holds at float32 weights only: under bf16 the float32 accumulation is other code.
+    not_timed = NOT_TIMED if cfg.time_dtype == torch.float32 else {}
+    timed = {name: m for name, m in methods.items() if name not in not_timed}
+    head, x, labels = make_case(*cfg.time_size, cfg.time_dtype, cfg.seed, cfg.device)
     steps = {name: m.make(head) for name, m in timed.items()}
+    if x.device.type == "cuda":  # the allocator's peak of each step at the timed size, beside the model's
+        for name, loss_step in steps.items():
+            rows[name]["device_peak_bytes"] = cuda_step_peak(loss_step, head, x, labels)
+            step(f"allocator peak: {name}")
     samples = timed_rounds(steps, head, x, labels, cfg.rounds, on_round=step)
     seconds = medians(samples)
     for name, row in rows.items():
         row["seconds"] = seconds.get(name)
         row["time_samples"] = samples.get(name)
-        row["time_note"] = NOT_TIMED.get(name)
+        row["time_note"] = not_timed.get(name)
         row["time_ratio"] = None if name not in seconds else seconds[name] / seconds["untiled"]
 
     reference = memory_reference(*cfg.memory_size, cfg.memory_dtype)
@@ -80,6 +92,19 @@ def run_loss_bench(cfg: LossBenchConfig, on_step: Optional[Callable[[str], None]
                 reference=dict(floor_bytes=reference.floor_bytes, shard_tokens=reference.shard_tokens,
                                shard_pair_bytes=reference.shard_pair_bytes,
                                floor_plus_shard_bytes=reference.floor_plus_shard))
+
+
+def cuda_step_peak(loss_step, head, x, labels) -> int:
+    """The allocator's peak over one step, above what the process held before it, plus x, the labels and
+    W (held before it: counted as the modelled peak counts them)."""
+    head.zero_grad(set_to_none=True)
+    x.grad = None
+    torch.cuda.synchronize(x.device)
+    torch.cuda.reset_peak_memory_stats(x.device)
+    held = torch.cuda.memory_allocated(x.device)
+    run_step(loss_step, head, x, labels)
+    torch.cuda.synchronize(x.device)
+    return torch.cuda.max_memory_allocated(x.device) - held + storage_bytes(x, labels, head.weight)
 
 
 def total_steps(rounds: int) -> int:

@@ -1,4 +1,4 @@
-"""CPU time of one loss forward+backward per method: one warm-up round, then rounds in which every
+"""Time (CPU, or an accelerator's) of one loss forward+backward per method: one warm-up round, then rounds in which every
 method runs once, each round starting at the next method, median over rounds.
 
 Interleaving puts a slow spell of a shared machine (tens of percent over minutes) on every method alike,
@@ -17,6 +17,7 @@ from torch import nn
 
 from .cpu_allocator import keep_freed_memory_in_process
 from .loss_methods import Step, run_step
+from .measure import _synchronize  # an accelerator's step is timed to its end, not to its launch
 
 
 def round_orders(names: List[str], rounds: int) -> List[List[str]]:
@@ -27,7 +28,9 @@ def round_orders(names: List[str], rounds: int) -> List[List[str]]:
 def timed_rounds(steps: Mapping[str, Step], head: nn.Linear, x: torch.Tensor, labels: torch.Tensor, rounds: int,
                  on_round: Optional[Callable[[str], None]] = None) -> Dict[str, List[float]]:
     """Seconds of every timed step, per method (``rounds`` each, the warm-up round not among them)."""
-    keep_freed_memory_in_process()
+    device = x.device
+    if device.type == "cpu":
+        keep_freed_memory_in_process()
     names = list(steps)
     for name in names:
         run_step(steps[name], head, x, labels)
@@ -36,8 +39,10 @@ def timed_rounds(steps: Mapping[str, Step], head: nn.Linear, x: torch.Tensor, la
     seconds: Dict[str, List[float]] = {name: [] for name in names}
     for index, order in enumerate(round_orders(names, rounds)):
         for name in order:
+            _synchronize(device)
             start = time.perf_counter()
             run_step(steps[name], head, x, labels)
+            _synchronize(device)
             seconds[name].append(time.perf_counter() - start)
         if on_round is not None:
             on_round(f"timed round {index + 1}/{rounds}")

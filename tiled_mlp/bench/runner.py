@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
@@ -33,8 +33,8 @@ class BenchConfig:
 
 
 def shards_for(impl: str, cfg: BenchConfig, seq: int) -> Union[int, str]:
-    if impl == "deepspeed":
-        # DeepSpeed's own policy: about `hidden` tokens per shard.
+    if impl in ("deepspeed", "liger"):
+        # DeepSpeed's own policy (Liger's too): about `hidden` tokens per shard.
         return max(1, math.ceil(seq * cfg.batch / cfg.hidden)) if cfg.num_shards == "auto" else cfg.num_shards
     if impl == "untiled":
         return 1
@@ -74,10 +74,11 @@ def _measure_model(cfg: BenchConfig, seq: int, impls: List[str], progress: Progr
     return rows
 
 
-def run_bench(cfg: BenchConfig, show_progress: bool = True) -> List[dict]:
+def run_bench(cfg: BenchConfig, show_progress: bool = True, progress: Optional[Progress] = None) -> List[dict]:
+    """``progress``: where each measurement is reported (default: a bar of its own)."""
     impls = ["untiled"] + [i for i in cfg.impls if i != "untiled"]
     rounds = 0 if cfg.model_memory else cfg.repeats
-    progress = Progress(len(cfg.seqs) * (len(impls) + rounds), "bench", enabled=show_progress)
+    progress = progress or Progress(len(cfg.seqs) * (len(impls) + rounds), "bench", enabled=show_progress)
     rows: List[dict] = []
     try:
         for seq in cfg.seqs:

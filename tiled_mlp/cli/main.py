@@ -6,13 +6,23 @@ import gc
 import sys
 from typing import List, NoReturn, Optional
 
-from . import bench_cmd, bench_loss_cmd, checkpointed_cmd, norms_cmd, offload_cmd, overhead_cmd, plan_cmd
+from . import (
+    bench_cmd,
+    bench_loss_cmd,
+    checkpointed_cmd,
+    gpu_report_cmd,
+    norms_cmd,
+    offload_cmd,
+    overhead_cmd,
+    plan_cmd,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiled-mlp", description="Token-sharded MLPs for long-sequence training.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (bench_cmd, bench_loss_cmd, checkpointed_cmd, offload_cmd, norms_cmd, overhead_cmd, plan_cmd):
+    for command in (bench_cmd, bench_loss_cmd, checkpointed_cmd, offload_cmd, norms_cmd, overhead_cmd, plan_cmd,
+                    gpu_report_cmd):
         command.add_parser(sub)
     try:
         from . import demo_cmd
