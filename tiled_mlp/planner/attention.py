@@ -233,6 +233,22 @@ def describe(config, choice: str) -> str:
             "with an additive [batch, 1, tokens, tokens] mask of the model's dtype built once per forward per layer kind")
 
 
+def workspace_note(config, choice: str, seq: int, sp: int = 1, batch: int = 1,
+                   dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
+    """The plan's line naming the GPU kernel assumed for ``choice`` and what its workspace adds at ``seq``
+    tokens (None where the attention has none: eager)."""
+    from .attention_workspace import SDPA_EFFICIENT, TITLES, for_config
+
+    held = for_config(config, seq, batch, sp, dtype, choice)
+    if held is None:
+        return None
+    rank = f" per rank (its 1/{sp} of the heads over the whole sequence)" if sp > 1 else ""
+    masked = (f"; the masked sliding-window calls, {TITLES[SDPA_EFFICIENT]}" if choice == SDPA
+              and sliding_window(config) is not None else "")
+    return (f"attention workspace (a GPU kernel's own buffers, held while each layer's attention backward runs, "
+            f"transient): {held.describe()} at {seq:,} tokens{rank}{masked}.")
+
+
 @contextlib.contextmanager
 def positions_read() -> Iterator[None]:
     """While a step runs: transformers' packed-sequence check on meta position ids answered as the planner's
