@@ -72,11 +72,11 @@ def _flash(query, key, value, dropout_p, is_causal, attn_mask, scale) -> torch.T
     kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     if _KERNEL is None or query.device.type != "meta":
         return kernel(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-    from .attention_workspace import SDPA_EFFICIENT, Call, workspace
+    from .attention_workspace import Call, kernel_for_call, workspace
 
     call = Call(query.shape[0], query.shape[2], key.shape[2], query.shape[1], key.shape[1], query.shape[3],
                 query.dtype)
-    held = workspace(SDPA_EFFICIENT if attn_mask is not None else _KERNEL, call)
+    held = workspace(kernel_for_call(_KERNEL, call, attn_mask is not None), call)
     return _WithWorkspace.apply(query, key, value, attn_mask, (dropout_p, is_causal, scale), held)
 
 

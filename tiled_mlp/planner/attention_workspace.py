@@ -52,7 +52,7 @@ class Call:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def grouped(self) -> bool:
@@ -117,24 +117,22 @@ def _fields(w: Workspace) -> Tuple[int, int, Tuple[Tuple[str, int], ...]]:
     return w.forward, w.backward, w.parts
 
 
-def flash_attention_3(call: Call, arch: int = 90) -> Workspace:
-    """FlashAttention-3 (Hopper), ``flash_attn_interface``'s backward.
+def flash_attention_3(call: Call) -> Workspace:
+    """FlashAttention-3 (Hopper, sm90), ``flash_attn_interface``'s backward of a causal call.
 
-    Read: Dao-AILab/flash-attention hopper/flash_api.cpp ``mha_bwd``: block sizes by head dim
-    (sm90: kBlockM 64 for a causal d <= 128 above 96, 128 for d <= 64, 64 above 128; kBlockN 128 for
-    d <= 128, 96 to 192, else 80); d_rounded = d up to 64, 96, 128, 192 or 256; ``softmax_d`` and
-    ``softmax_lse_log2`` float32 [b, h, round(s_q, kBlockM)]; ``dq_accum`` float32
-    [b, h, round(s_q, kBlockM) * d_rounded]; under GQA/MQA ``dk_accum`` and ``dv_accum`` float32
-    [b, h_k, round(s_k, kBlockN) * d_rounded] (accumulated per key/value head, not expanded);
-    ``dq_semaphore`` int32 [ceil(s_q / kBlockM), b, h]. The forward adds none at training lengths."""
+    Read: Dao-AILab/flash-attention hopper/flash_api.cpp ``mha_bwd``: d_rounded = d up to 64, 96, 128, 192
+    or 256; block sizes by it (sm90, causal: kBlockM 128 for d_rounded <= 64, else 64; kBlockN 128 for
+    d_rounded <= 128, 96 to 192, else 80); ``softmax_d`` and ``softmax_lse_log2`` float32
+    [b, h, round(s_q, kBlockM)]; ``dq_accum`` float32 [b, h, round(s_q, kBlockM) * d_rounded]; under
+    GQA/MQA ``dk_accum`` and ``dv_accum`` float32 [b, h_k, round(s_k, kBlockN) * d_rounded] (accumulated
+    per key/value head, not expanded); ``dq_semaphore`` int32 [ceil(s_q / kBlockM), b, h]. The forward adds
+    none at training lengths."""
     d = call.head_dim
-    d_rounded = next(r for r in (64, 96, 128, 192, 256) if d <= r) if d <= 256 else _up(d, 64)
-    if arch >= 90:
-        block_m = 128 if d_rounded <= 64 else (64 if d_rounded <= 96 else 64 if d_rounded <= 128 else 64)
-        block_n = 128 if d_rounded <= 128 else (96 if d_rounded <= 192 else 80)
-    else:
-        block_m = 128 if d_rounded <= 64 else 64
-        block_n = 128 if d_rounded <= 128 else (80 if d_rounded <= 192 else 64)
+    if d > 256:
+        raise ValueError(f"FlashAttention-3 takes head dims up to 256 (got {d})")
+    d_rounded = next(r for r in (64, 96, 128, 192, 256) if d <= r)
+    block_m = 128 if d_rounded <= 64 else 64
+    block_n = 128 if d_rounded <= 128 else (96 if d_rounded <= 192 else 80)
     q_rows = call.batch * _up(call.q_tokens, block_m)
     parts = {"float32 dq accumulator": q_rows * call.heads * d_rounded * F32,
              "float32 softmax_d and lse_log2": 2 * q_rows * call.heads * F32,
@@ -157,8 +155,12 @@ def sdpa_efficient(call: Call) -> Workspace:
     64 x 128 for d <= 128 (kMaxK 128, the dQ tile's kN = kBlockSizeJ), 64 x 64 above (kMaxK 65536); the
     key splits' count is not modelled above d = 128 (one split assumed). The forward, for d > 128 with
     a 16-bit output, keeps a float32 output accumulator [b, s_q, h, d] (kernel_forward.h,
-    ``kNeedsOutputAccumulatorBuffer``). GQA/MQA: transformers repeats key and value before a masked sdpa
-    call, so the kernel sees equal heads."""
+    ``kNeedsOutputAccumulatorBuffer``; not read, from the kernel's documented rule). GQA/MQA: transformers
+    repeats key and value before a masked sdpa call, so the kernel sees equal heads; an unmasked grouped
+    call (float32, which flash does not take) reads key and value at ``kv_head_id`` but writes the key and
+    value gradients at ``head_id`` (``Params::advance_to_block``), so they are made for every query head
+    and summed after (that sum, in attention_backward.cu, was not read): modelled as FlashAttention-2's
+    expansion, [b, s_k, h, d] each in the input dtype."""
     d, half = call.head_dim, call.itemsize <= 2
     block_i, block_j = (64, 128) if d <= 128 else (64, 64)
     max_k = 128 if d <= 128 else 65536
@@ -169,6 +171,8 @@ def sdpa_efficient(call: Call) -> Workspace:
     per_head = _up(gq + gkv, 4) * F32
     parts = {"float32 dq accumulator tiles": call.batch * call.heads * _up(gq, 4) * F32,
              "float32 dk, dv tiles": call.batch * call.heads * (per_head - _up(gq, 4) * F32)}
+    if call.grouped:
+        parts["dk, dv expanded to every query head"] = 2 * call.batch * call.kv_tokens * call.heads * d * call.itemsize
     forward = call.batch * call.q_tokens * call.heads * d * F32 if half and d > 128 else 0
     return _workspace(SDPA_EFFICIENT, forward, parts)
 
@@ -223,6 +227,15 @@ def gpu_kernel(choice: str, masked: bool = False) -> Optional[str]:
     return None
 
 
+def kernel_for_call(kernel: str, call: Call, masked: bool) -> str:
+    """The kernel that runs ``call`` where ``kernel`` is assumed for the step: sdpa sends a masked call, and
+    one its flash backend cannot take (float32: flash takes only 16-bit inputs, sdp_utils.cpp's
+    ``check_dtypes_flash_attention``), to the memory-efficient backend."""
+    if kernel == SDPA_FLASH and (masked or call.itemsize > 2):
+        return SDPA_EFFICIENT
+    return SDPA_EFFICIENT if masked else kernel
+
+
 def ulysses_call(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, sp: int = 1,
                  dtype: torch.dtype = torch.bfloat16) -> Call:
     """The call each rank's attention makes under Ulysses SP of ``sp`` ranks: the whole sequence, ``heads /
@@ -237,12 +250,16 @@ def for_config(config, seq: int, batch: int = 1, sp: int = 1, dtype: torch.dtype
                attention: str = "sdpa", backend: Optional[str] = None) -> Optional[Workspace]:
     """The workspace of one attention call of ``config`` (a transformers config) at ``seq`` tokens, on one
     rank of Ulysses SP over ``sp``: ``backend`` where given, else the kernel a CUDA step runs for
-    ``attention`` (``gpu_kernel``). None where that kernel allocates nothing of its own (eager)."""
+    ``attention``'s unmasked calls (``gpu_kernel``, ``kernel_for_call``). None where the attention runs no
+    kernel of its own (eager). The one function a comparison against a real CUDA step needs."""
     text = config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    backend = backend or gpu_kernel(attention)
+    call = ulysses_call(batch, seq, heads, kv_heads, head_dim, sp, dtype)
     if backend is None:
-        return None
-    return workspace(backend, ulysses_call(batch, seq, heads, kv_heads, head_dim, sp, dtype))
+        assumed = gpu_kernel(attention)
+        if assumed is None:
+            return None
+        backend = kernel_for_call(assumed, call, masked=False)
+    return workspace(backend, call)
