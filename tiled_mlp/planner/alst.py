@@ -234,10 +234,10 @@ def findings(config, climbed: List[Climbed], budget: float = BUDGET) -> List[str
                             if rung.world_size > 1 else "")
                          + (f"; ours stops where the host is full ({_gib(node)} GiB a node, the device at "
                             f"{_gib(p.held_bytes)})" if _host_bound(p) else "") + ".")
-    longest = max((c for c in climbed if c.point is not None), key=lambda c: c.point.seq, default=None)
-    if longest is not None:
-        lines.append("- " + str(attention.workspace_note(config, attention.FLASH, longest.point.seq,
-                                                         longest.rung.setting.sp)))
+    found = [(c.point.seq, c.rung.setting.sp) for c in climbed if c.point is not None]
+    if found:
+        seq, sp = max(found)
+        lines.append(f"- {attention.workspace_note(config, attention.FLASH, seq, sp)}")
     return lines + ["", *ALST_RUNS]
 
 
