@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 
 from integration_tests.tiny_models import small_planner_llama  # noqa: E402
-from tiled_mlp.planner import attention  # noqa: E402
+from tiled_mlp.planner import alst, attention  # noqa: E402
 from tiled_mlp.planner import attention_workspace as aw  # noqa: E402
 from tiled_mlp.planner.backends import Backend  # noqa: E402
 from tiled_mlp.planner.plan import Planner, Request  # noqa: E402
@@ -156,7 +156,8 @@ def test_the_workspace_is_held_beside_everything_the_attention_backward_reads(mo
     timeline = p.timeline(SETTING, SEQ, describe=True)
     live = timeline.at_peak()
     labels = " | ".join(live)
-    assert next(iter(live.values())) == huge
+    assert next(iter(live.values())) == huge and attention.is_workspace(next(iter(live)))
+    assert alst.families(small_planner_llama(4), live, 1)["the attention kernel's own workspace"] == huge
     assert "_scaled_dot_product_flash_attention_for_cpu_backward.default bfloat16 [1, 4, 256, 16]" in labels  # dq
     assert "_scaled_dot_product_flash_attention_for_cpu_backward.default bfloat16 [1, 2, 256, 16]" in labels  # dk, dv
     assert "_scaled_dot_product_flash_attention_for_cpu.default bfloat16 [1, 4, 256, 16]" in labels  # the saved output

@@ -147,6 +147,8 @@ def families(config, allocations: Dict[str, float], sp: int) -> Dict[str, float]
     for label, nbytes in allocations.items():
         if label in ("weights", "gradients"):
             family = label
+        elif attention.is_workspace(label):
+            family = "the attention kernel's own workspace"
         else:
             dtype, shape = (label.split(" ", 2) + ["", ""])[1:3]
             dims = [d for d in shape.strip("[]").split(",") if d.strip().isdigit()]

@@ -108,6 +108,11 @@ class _WithWorkspace(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
+def is_workspace(label: str) -> bool:
+    """Whether an allocation's label (``Timeline.at_peak``) is a kernel workspace ``_transient`` made."""
+    return label.startswith("aten.empty.memory_format uint8 [") and label.endswith(", 1]")
+
+
 def _transient(nbytes: int, device: torch.device) -> None:
     """``nbytes`` allocated and freed at once: a point on the step's timeline (the last dim is 1, never
     the vocabulary, so the tracker counts it as an activation)."""
