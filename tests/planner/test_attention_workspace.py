@@ -191,5 +191,7 @@ def test_eager_attention_adds_no_workspace_and_the_plan_names_the_kernel():
     note = attention.workspace_note(load_config("llama-3.1-8b"), "sdpa", 131072)
     assert note is not None and note.startswith("attention workspace")
     assert "sdpa's flash backend (FlashAttention-2) backward, 4.02 GiB" in note and "131,072 tokens" in note
-    assert "per rank" in str(attention.workspace_note(load_config("llama-3.1-8b"), "flash_attention_2", 131072, sp=8))
+    sp8 = attention.workspace_note(load_config("llama-3.1-8b"), "flash_attention_2", 131072, sp=8)
+    tp8 = attention.workspace_note(load_config("llama-3.1-8b"), "flash_attention_2", 131072, tp=8)
+    assert sp8 == tp8 and "backward, 0.50 GiB" in str(tp8) and "per rank (its 1/8 of the heads" in str(tp8)
     assert attention.workspace_note(load_config("llama-3.1-8b"), "eager", 131072) is None

@@ -349,7 +349,8 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
         print("\n".join([header, *report.table(points, budget, budget_from, request.host_budget),
                          *report.longest_lines(longest, budget, request.seq_step, request.host_budget),
                          *advice, *report.notes(points, args.dtype, backend, request.optimizer_on_device,
-                                                request.config, request.attention, attention_from, args.batch)]))
+                                                request.config, request.attention, attention_from, args.batch,
+                                                args.tp)]))
     if args.plot:
         from ..planner.plot import plot_plan
 

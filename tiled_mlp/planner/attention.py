@@ -239,15 +239,16 @@ def describe(config, choice: str) -> str:
 
 
 def workspace_note(config, choice: str, seq: int, sp: int = 1, batch: int = 1,
-                   dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
+                   dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> Optional[str]:
     """The plan's line naming the GPU kernel assumed for ``choice`` and what its workspace adds at ``seq``
-    tokens (None where the attention has none: eager)."""
+    tokens, on a rank of SP over ``sp`` or TP over ``tp`` (None where the attention has none: eager)."""
     from .attention_workspace import SDPA_EFFICIENT, TITLES, for_config
 
-    held = for_config(config, seq, batch, sp, dtype, choice)
+    held = for_config(config, seq, batch, sp, dtype, choice, tp=tp)
     if held is None:
         return None
-    rank = f" per rank (its 1/{sp} of the heads over the whole sequence)" if sp > 1 else ""
+    ranks = sp * tp
+    rank = f" per rank (its 1/{ranks} of the heads over the whole sequence)" if ranks > 1 else ""
     masked = (f"; the masked sliding-window calls, {TITLES[SDPA_EFFICIENT]}" if choice == SDPA
               and sliding_window(config) is not None else "")
     return (f"attention workspace (a GPU kernel's own buffers, held while each layer's attention backward runs, "

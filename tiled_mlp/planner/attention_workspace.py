@@ -247,16 +247,17 @@ def ulysses_call(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int,
 
 
 def for_config(config, seq: int, batch: int = 1, sp: int = 1, dtype: torch.dtype = torch.bfloat16,
-               attention: str = "sdpa", backend: Optional[str] = None) -> Optional[Workspace]:
+               attention: str = "sdpa", backend: Optional[str] = None, tp: int = 1) -> Optional[Workspace]:
     """The workspace of one attention call of ``config`` (a transformers config) at ``seq`` tokens, on one
-    rank of Ulysses SP over ``sp``: ``backend`` where given, else the kernel a CUDA step runs for
+    rank of Ulysses SP over ``sp`` or of tensor parallelism over ``tp`` (each divides the heads the same
+    way, the call keeps the whole sequence): ``backend`` where given, else the kernel a CUDA step runs for
     ``attention``'s unmasked calls (``gpu_kernel``, ``kernel_for_call``). None where the attention runs no
     kernel of its own (eager). The one function a comparison against a real CUDA step needs."""
     text = config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    call = ulysses_call(batch, seq, heads, kv_heads, head_dim, sp, dtype)
+    call = ulysses_call(batch, seq, heads, kv_heads, head_dim, sp * tp, dtype)
     if backend is None:
         assumed = gpu_kernel(attention)
         if assumed is None:
