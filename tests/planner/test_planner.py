@@ -103,7 +103,7 @@ def test_json_records_and_the_longest_sequence(capsys):
     records = json.loads(capsys.readouterr().out)
     assert records[0] == {"budget_bytes": 80 * 2**30, "budget_from": "--budget", "host_budget_bytes": None,
                           "attention": "sdpa", "attention_from": "transformers' default for LlamaForCausalLM",
-                          "tensor_parallel": 1, "data_parallel": 8}
+                          "attention_kernel": "sdpa_flash", "tensor_parallel": 1, "data_parallel": 8}
     points = [r for r in records if "seq" in r]
     assert {r["setting"] for r in points} == {"untiled", "tiled", "tiled-loss", "tiled+tiled-loss"} and len(points) == 8
     for r in points:

@@ -216,19 +216,20 @@ def test_alsts_last_rungs_end_a_step_short_for_hugging_faces_float32_rmsnorm(run
 
 @pytest.mark.slow  # two full-scale points of thousands of tiled shards each: minutes, `pytest -m slow`
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("rung, ours, host_bound", [(alst.RUNGS[7], 7_299_072, True), (alst.RUNGS[8], 1_170_432, False)],
+@pytest.mark.parametrize("rung, ours", [(alst.RUNGS[7], 6_512_640), (alst.RUNGS[8], 834_560)],
                          ids=["8 ranks, SP=8, everything + tiled norms", "1 GPU + tiled norms"])
-def test_with_tiled_norms_alsts_rows_reach_about_twice_its_lengths(rung, ours, host_bound):
+def test_with_tiled_norms_alsts_rows_reach_well_past_its_lengths(rung, ours):
     """The same two rows with this library's tiled RMSNorms (the float32 term gone) on a node of 2 TB
-    of host memory: 7,299,072 tokens on 8 ranks, where the host fills first (the device at 75 GiB), and
-    1,170,432 on one GPU, where the device does; each the longest on its grid."""
+    of host memory, with FlashAttention-2's own workspace held while each attention backward runs (the
+    peak there): 6,512,640 tokens on 8 ranks and 834,560 on one GPU, 1.76 and 1.67 of ALST's lengths, each
+    the longest on its grid, where the device fills first."""
     config = load_config(alst.MODEL)
     planner = alst.planner_for(config, rung, node_host=2e12)
     step = planner.seq_step(rung.setting)
     at, past = planner.point(rung.setting, ours), planner.point(rung.setting, ours + step)
     assert at.fits and not past.fits
-    assert past.device_fits is host_bound and past.host_fits is not host_bound
-    assert ours > 1.9 * rung.alst_tokens
+    assert not past.device_fits and past.host_fits
+    assert ours > 1.6 * rung.alst_tokens
 
 
 def test_the_tiled_norms_rows_step_is_composed_as_its_full_depth_step():

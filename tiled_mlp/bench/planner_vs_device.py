@@ -3,8 +3,8 @@ tracker's peak on the device (exact bytes) and the caching allocator's ``max_mem
 Llama-3.1-8B's shapes cut to a few layers, untiled and with the whole stack (docs/gpu.md's planner table).
 
 The allocator sees what the trackers cannot: memory a kernel allocates for itself (attention's backward
-workspace). ``modelled_kernel_workspace`` is where the planner's term for it is reported beside the
-modelled peak once the planner has one.
+workspace). A GPU plan models it (``tiled_mlp/planner/attention_workspace.py``); each row reports it beside
+the peak without it, and the allocator against their sum.
 """
 from __future__ import annotations
 
@@ -21,10 +21,6 @@ SETTINGS = {
     "untiled+ckpt": dict(tiled=False, checkpointing=True),
     "tiled+tiled-loss+norms+ckpt": dict(tiled=True, checkpointing=True, tiled_loss=True, tiled_norms=True),
 }
-# What the allocator held beyond the modelled peak per token on the H200 (docs/gpu.md: 1.38 GiB at 65536
-# tokens, 3.14 GiB at 131072): the margin the longest-length search leaves for it while the planner does
-# not model it.
-UNMODELLED_BYTES_PER_TOKEN = 24 * 2**10
 SEQ_STEP = 16384
 
 
@@ -34,37 +30,32 @@ def _setting(name: str):
     return Setting(**SETTINGS[name])
 
 
-def modelled_peak(seq: int, depth: int, setting_name: str) -> int:
-    """The planner's peak bytes of one step at ``seq`` tokens (meta tensors: nothing allocated)."""
+def modelled_peak(seq: int, depth: int, setting_name: str, gpu: bool = True) -> int:
+    """The planner's peak bytes of one step at ``seq`` tokens (meta tensors: nothing allocated); ``gpu``: with
+    the workspace sdpa's CUDA kernels allocate inside themselves, as a GPU plan models it."""
+    from tiled_mlp.planner import attention
+    from tiled_mlp.planner.attention_workspace import gpu_kernel
     from tiled_mlp.planner.presets import load_config
     from tiled_mlp.planner.step import build_model, step_timeline
 
     meta = build_model(load_config(MODEL), depth, torch.bfloat16, "meta", _setting(setting_name))
     try:
-        return int(step_timeline(meta, seq, 1).peak()[0])
+        with attention.gpu_workspace(gpu_kernel("sdpa") if gpu else None):
+            return int(step_timeline(meta, seq, 1).peak()[0])
     finally:
         del meta
         gc.collect()
 
 
-def modelled_kernel_workspace(seq: int, depth: int, setting_name: str) -> Optional[int]:
-    """The planner's bytes for memory kernels allocate for themselves at the step's peak (the attention
-    backward's workspace), or None while the planner has no such term.
-
-    Hook for the attention-workspace model (tiled_mlp/planner/attention.py): return its bytes for this
-    step here; every row then reports modelled + workspace and the allocator over that sum."""
-    return None
-
-
 def longest_fitting(device_bytes: int, depth: int, cap: int, fraction: float = 0.9) -> int:
-    """The longest multiple of ``SEQ_STEP`` tokens (at most ``cap``) whose whole-stack step, modelled, plus
-    the unmodelled kernel memory measured per token, fits ``fraction`` of ``device_bytes``; 0 if none."""
+    """The longest multiple of ``SEQ_STEP`` tokens (at most ``cap``) whose whole-stack step, modelled as on a
+    GPU (the attention kernels' workspace included), fits ``fraction`` of ``device_bytes``; 0 if none."""
     from tiled_mlp.planner.search import longest_fitting as search
 
     name = "tiled+tiled-loss+norms+ckpt"
 
     def held(seq: int) -> float:
-        return float(modelled_peak(seq, depth, name) + UNMODELLED_BYTES_PER_TOKEN * seq)
+        return float(modelled_peak(seq, depth, name))
 
     return search(held, fraction * device_bytes, SEQ_STEP, cap).seq
 
@@ -75,8 +66,8 @@ def measure_row(seq: int, depth: int, setting_name: str, device: torch.device) -
     from tiled_mlp.planner.step import build_model, step_timeline
 
     started = time.perf_counter()
-    modelled = modelled_peak(seq, depth, setting_name)
-    workspace = modelled_kernel_workspace(seq, depth, setting_name)
+    modelled = modelled_peak(seq, depth, setting_name, gpu=False)
+    workspace = modelled_peak(seq, depth, setting_name) - modelled
     modelled_s = time.perf_counter() - started
     gc.collect()
     torch.cuda.empty_cache()
@@ -93,9 +84,9 @@ def measure_row(seq: int, depth: int, setting_name: str, device: torch.device) -
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    with_workspace = modelled + (workspace or 0)
+    with_workspace = modelled + workspace
     return dict(seq=seq, setting=setting_name, depth=depth, modelled_gib=modelled / GiB,
-                workspace_gib=None if workspace is None else workspace / GiB,
+                workspace_gib=workspace / GiB,
                 tracked_gib=tracked / GiB, tracked_minus_modelled_bytes=tracked - modelled,
                 allocator_gib=allocator / GiB, allocated_before_step_gib=before / GiB,
                 allocator_over_modelled=allocator / with_workspace,

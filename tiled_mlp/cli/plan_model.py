@@ -195,7 +195,7 @@ def _run(args, parser_error) -> int:
     request = Request(config, seqs, settings, backend,
                       args.batch, args.dtype, budget,
                       optimizer_on_device=not (args.offload_optimizer or args.offload_params),
-                      host_budget=args.host_budget, attention=attention_choice)
+                      host_budget=args.host_budget, attention=attention_choice, gpu=True)
     request.seq_step = math.lcm(request.seq_step, args.sp)  # the search's grid: lengths the SP ranks split
     planner = Planner(request)
     warnings: List[str] = []
@@ -336,7 +336,8 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
     if args.json:
         limits = dict(budget_bytes=int(budget), budget_from=budget_from,
                       host_budget_bytes=None if request.host_budget is None else int(request.host_budget),
-                      attention=request.attention, attention_from=attention_from, tensor_parallel=args.tp,
+                      attention=request.attention, attention_from=attention_from,
+                      attention_kernel=planner.gpu_kernel(), tensor_parallel=args.tp,
                       data_parallel=backend.world_size)
         records = ([limits] + [p.record() for p in points]
                    + [dict(setting=k, max_seq=v.seq, at_cap=v.at_cap) for k, v in longest.items()])
@@ -348,7 +349,8 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
         print("\n".join([header, *report.table(points, budget, budget_from, request.host_budget),
                          *report.longest_lines(longest, budget, request.seq_step, request.host_budget),
                          *advice, *report.notes(points, args.dtype, backend, request.optimizer_on_device,
-                                                request.config, request.attention, attention_from)]))
+                                                request.config, request.attention, attention_from, args.batch,
+                                                args.tp)]))
     if args.plot:
         from ..planner.plot import plot_plan
 

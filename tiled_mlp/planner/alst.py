@@ -93,13 +93,14 @@ class Climbed:
 
 def planner_for(config, rung: Rung, budget: float = BUDGET, node_host: Optional[float] = None) -> Planner:
     """A plan of ``rung``'s one setting, as ALST ran it: ZeRO-3, the optimizer on the host, bfloat16,
-    FlashAttention-2; each rank with its share of ``node_host`` where one is given."""
+    FlashAttention-2 with its GPU workspace (``attention_workspace.py``); each rank with its share of
+    ``node_host`` where one is given."""
     # The search's cap: two and a half times ALST's length, a rank's share of it.
     cap_per_rank = math.ceil(2.5 * rung.alst_tokens / rung.setting.sp / rung.grid) * rung.grid
     request = Request(config, [], [rung.setting], Backend("zero3", rung.world_size, offload_params=rung.offload_params),
                       dtype=torch.bfloat16, budget=budget, optimizer_on_device=False, seq_step=rung.grid,
                       seq_cap=cap_per_rank, host_budget=None if node_host is None else node_host / rung.world_size,
-                      verify_full_depth=False, attention=attention.FLASH)
+                      verify_full_depth=False, attention=attention.FLASH, gpu=True)
     return Planner(request)
 
 
@@ -146,6 +147,8 @@ def families(config, allocations: Dict[str, float], sp: int) -> Dict[str, float]
     for label, nbytes in allocations.items():
         if label in ("weights", "gradients"):
             family = label
+        elif attention.is_workspace(label):
+            family = "the attention kernel's own workspace"
         else:
             dtype, shape = (label.split(" ", 2) + ["", ""])[1:3]
             dims = [d for d in shape.strip("[]").split(",") if d.strip().isdigit()]
@@ -233,6 +236,10 @@ def findings(config, climbed: List[Climbed], budget: float = BUDGET) -> List[str
                             if rung.world_size > 1 else "")
                          + (f"; ours stops where the host is full ({_gib(node)} GiB a node, the device at "
                             f"{_gib(p.held_bytes)})" if _host_bound(p) else "") + ".")
+    found = [(c.point.seq, c.rung.setting.sp) for c in climbed if c.point is not None]
+    if found:
+        seq, sp = max(found)
+        lines.append(f"- {attention.workspace_note(config, attention.FLASH, seq, sp)}")
     return lines + ["", *ALST_RUNS]
 
 

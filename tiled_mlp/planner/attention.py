@@ -44,8 +44,79 @@ CHOICES = (SDPA, FLASH, EAGER)
 
 
 def causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True, scale=scaling)[0]
+    out = _flash(query, key, value, 0.0, True, None, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+# The GPU kernel whose own workspace each unmasked fused call on the meta device adds (``gpu_workspace``);
+# None: none, a CPU step's.
+_KERNEL: Optional[str] = None
+
+
+@contextlib.contextmanager
+def gpu_workspace(kernel: Optional[str]) -> Iterator[None]:
+    """While a modelled step runs: every fused attention call on the meta device adds the memory the GPU
+    ``kernel`` (``attention_workspace.BACKENDS``) allocates inside itself, a masked sdpa call that of sdpa's
+    memory-efficient kernel; None adds none (a CPU step, which allocates nothing beyond its tensors)."""
+    global _KERNEL
+    previous, _KERNEL = _KERNEL, kernel
+    try:
+        yield
+    finally:
+        _KERNEL = previous
+
+
+def _flash(query, key, value, dropout_p, is_causal, attn_mask, scale) -> torch.Tensor:
+    """aten's CPU flash attention over ``query``, ``key``, ``value`` ([batch, heads, tokens, head_dim]): as it
+    is, or on the meta device under ``gpu_workspace`` with the GPU kernel's workspace (``_WithWorkspace``)."""
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if _KERNEL is None or query.device.type != "meta":
+        return kernel(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    from .attention_workspace import Call, kernel_for_call, workspace
+
+    call = Call(query.shape[0], query.shape[2], key.shape[2], query.shape[1], key.shape[1], query.shape[3],
+                query.dtype)
+    held = workspace(kernel_for_call(_KERNEL, call, attn_mask is not None), call)
+    return _WithWorkspace.apply(query, key, value, attn_mask, (dropout_p, is_causal, scale), held)
+
+
+class _WithWorkspace(torch.autograd.Function):
+    """The CPU flash kernel and its backward, each holding the GPU kernel's workspace for a moment while it
+    runs: the forward's once its outputs exist, the backward's once the gradients exist beside everything the
+    backward reads (the saved query, key, value, output and log-sum-exp, the incoming gradient), the moment a
+    GPU kernel holds its buffers. The same tensors are saved as the kernel's own autograd node saves."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, options, held):
+        dropout_p, is_causal, scale = options
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        ctx.save_for_backward(query, key, value, out, lse, attn_mask)
+        ctx.options, ctx.held = options, held
+        if held.forward:
+            _transient(held.forward, query.device)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, attn_mask = ctx.saved_tensors
+        dropout_p, is_causal, scale = ctx.options
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key, value, out, lse, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        if ctx.held.backward:
+            _transient(ctx.held.backward, query.device)
+        return (*grads, None, None, None)
+
+
+def is_workspace(label: str) -> bool:
+    """Whether an allocation's label (``Timeline.at_peak``) is a kernel workspace ``_transient`` made."""
+    return label.startswith("aten.empty.memory_format uint8 [") and label.endswith(", 1]")
+
+
+def _transient(nbytes: int, device: torch.device) -> None:
+    """``nbytes`` allocated and freed at once: a point on the step's timeline (the last dim is 1, never
+    the vocabulary, so the tracker counts it as an activation)."""
+    torch.empty((nbytes, 1), dtype=torch.uint8, device=device)
 
 
 class _DeviceKernel(torch.overrides.TorchFunctionMode):
@@ -65,8 +136,7 @@ def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         # One expression: the -inf scalar is freed before the kernel runs, as in SDPA's own conversion.
         attn_mask = torch.where(attn_mask, 0.0, torch.scalar_tensor(-math.inf, dtype=query.dtype, device=attn_mask.device))
-    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return kernel(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    return _flash(query, key, value, dropout_p, is_causal, attn_mask, scale)
 
 
 def sdpa_attention(module, query, key, value, attention_mask, **kwargs):
@@ -166,6 +236,23 @@ def describe(config, choice: str) -> str:
                 + sliding)
     return ("eager: every layer [batch, heads, tokens, tokens] scores and their float32 softmax kept for the backward, "
             "with an additive [batch, 1, tokens, tokens] mask of the model's dtype built once per forward per layer kind")
+
+
+def workspace_note(config, choice: str, seq: int, sp: int = 1, batch: int = 1,
+                   dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> Optional[str]:
+    """The plan's line naming the GPU kernel assumed for ``choice`` and what its workspace adds at ``seq``
+    tokens, on a rank of SP over ``sp`` or TP over ``tp`` (None where the attention has none: eager)."""
+    from .attention_workspace import SDPA_EFFICIENT, TITLES, for_config
+
+    held = for_config(config, seq, batch, sp, dtype, choice, tp=tp)
+    if held is None:
+        return None
+    ranks = sp * tp
+    rank = f" per rank (its 1/{ranks} of the heads over the whole sequence)" if ranks > 1 else ""
+    masked = (f"; the masked sliding-window calls, {TITLES[SDPA_EFFICIENT]}" if choice == SDPA
+              and sliding_window(config) is not None else "")
+    return (f"attention workspace (a GPU kernel's own buffers, held while each layer's attention backward runs, "
+            f"transient): {held.describe()} at {seq:,} tokens{rank}{masked}.")
 
 
 @contextlib.contextmanager

@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
+from . import attention
+from .attention_workspace import gpu_kernel
 from .backends import OPTIMIZER, Backend, ParamSizes
 from .compose import SHALLOW, compose, layers_alike
 from .layers import decoder_layers, describe_kinds, param_sizes
@@ -140,6 +142,9 @@ class Request:
     verify_full_depth: bool = True
     # The attention the step runs (``attention.CHOICES``); None: what transformers picks for the config.
     attention: Optional[str] = None
+    # A GPU's step: each attention kernel's own workspace added where its backward runs
+    # (``attention_workspace.py``). False: a CPU step's, byte for byte (the tests' real steps).
+    gpu: bool = False
 
 
 @dataclass
@@ -243,9 +248,18 @@ class Planner:
         if seq % setting.sp:
             raise ValueError(f"{seq} tokens do not split across {setting.sp} ranks of sequence parallelism; give a "
                              f"multiple of {setting.sp}")
+        with attention.gpu_workspace(self.gpu_kernel()):
+            return self._timeline(setting, seq, describe, full_depth)
+
+    def gpu_kernel(self) -> Optional[str]:
+        """The attention kernel whose workspace the step adds (None: a CPU step, or eager attention)."""
+        req = self.request
+        return gpu_kernel(req.attention or attention.default_for(req.config)[0]) if req.gpu else None
+
+    def _timeline(self, setting: Setting, seq: int, describe: bool, full_depth: bool) -> Timeline:
         twin = self.pass_through_twin(setting, seq)
         if twin is not None:
-            return self.timeline(twin, seq, describe, full_depth)
+            return self._timeline(twin, seq, describe, full_depth)
         tokens, batch = seq // setting.sp, self.request.batch
         if not full_depth and self.composable(setting):
             shallow, deeper = (step_sections(m, tokens, batch, describe) for m in self.shallow_pair(setting))

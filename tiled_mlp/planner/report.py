@@ -79,7 +79,8 @@ def longest_lines(longest: Dict[str, Longest], budget: float, step: int = 1024,
 
 
 def notes(points: List[Point], dtype: torch.dtype, backend: Backend, optimizer_on_device: bool, config: Any = None,
-          attention_choice: Optional[str] = None, attention_from: str = "") -> List[str]:
+          attention_choice: Optional[str] = None, attention_from: str = "", batch: int = 1,
+          tp: int = 1) -> List[str]:
     """The plan's closing notes; the attention modelled among them where ``attention_choice`` is given."""
     lines = []
     if any(p.dominant == LOGITS for p in points):
@@ -96,6 +97,11 @@ def notes(points: List[Point], dtype: torch.dtype, backend: Backend, optimizer_o
                 "kernel over the whole sequence on every layer" if sequence_parallel
                 else attention.describe(config, attention_choice))
         lines.append(f"modelled attention ({attention_from}): {what}.")
+        longest = max(points, key=lambda p: p.seq, default=None)
+        if longest is not None:
+            sp = longest.seq // (longest.tokens_per_rank or longest.seq)
+            note = attention.workspace_note(config, attention_choice, longest.seq, sp, batch, dtype, tp)
+            lines += [note] if note else []
     lines.append("counted in 'host': the CPU generator states the generic tiled path saves per shard (5,056 B "
                  "each, alive until the step's graph is freed); not counted: library kernels' workspaces (cuBLAS, "
                  "CPU matmul).")
