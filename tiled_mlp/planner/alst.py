@@ -253,7 +253,7 @@ ALST_RUNS = [
     "its SwiGLU keeps the SiLU's output, which Liger's fused kernels do not. With Hugging Face's norms that is the term "
     "where ours is shorter. The last two rows (not ALST's) tile the RMSNorms with this library instead "
     "(apply_tiled_mlp(norms=True): a norm keeps only its input, its float32 tensors exist one shard at a time), as "
-    "Liger's keep none: the device then holds about twice ALST's lengths, so ALST's lengths (set by hand, below) "
+    "Liger's keep none: the device then holds 1.7 to 1.8 times ALST's lengths, so ALST's lengths (set by hand, below) "
     "were lengths that ran, not where its devices ran out; with the checkpoints offloaded, a node's host memory is "
     "what a longer run meets first (--host-budget).",
     "- the lengths are set by hand, round, in each config's max_length (32_000, 160_000, 1_100_000, '1_200_000 # ok', "
