@@ -71,7 +71,8 @@ def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...]
         return _eager_route(f"the {strategy.name} strategy gathers parameters or delivers gradients itself")
     # A stand-in input: the decision reads the input's sizes, dtype and device, never its values.
     x = torch.empty((), dtype=dtype, device=device).expand(shape)
-    decision = decide_map_call(module, state, strategy, x, functools.partial(original_forward, module), ())
+    decision = decide_map_call(module, state, strategy, x, functools.partial(original_forward, module), (),
+                               compiling=True)
     kernel = decision.kernel
     if kernel is None:
         return CompiledRoute(UNTILED, f"{decision.reason} (traced as the module's own forward)")

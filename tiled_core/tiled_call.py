@@ -271,25 +271,26 @@ def current_plan(module: nn.Module, state: TilingState, strategy: Strategy, x: t
 # -- the decision ------------------------------------------------------------------------------------------
 
 def decide_map_call(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
-                    shard_forward: Callable, token_inputs: Sequence[torch.Tensor]) -> CallDecision:
+                    shard_forward: Callable, token_inputs: Sequence[torch.Tensor], compiling: bool = False) -> CallDecision:
     """What this call of ``module`` (``state``: its tiling) on ``x`` runs (inside the strategy's gathered
-    region, where a kernel's decision can read the parameters)."""
+    region, where a kernel's decision can read the parameters); ``compiling``: for the graph Dynamo traces."""
     return _decide(module, state, current_plan(module, state, strategy, x, token_inputs), strategy, x,
-                   shard_forward, token_inputs)
+                   shard_forward, token_inputs, compiling)
 
 
 def _decide(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Strategy, x: torch.Tensor,
-            shard_forward: Callable, token_inputs: Sequence[torch.Tensor]) -> CallDecision:
+            shard_forward: Callable, token_inputs: Sequence[torch.Tensor], compiling: bool = False) -> CallDecision:
     """The plan's decision for this many tokens under this shard setting (and the auto policy's constants),
-    where it was made before and holds nothing of a call; else made now."""
+    eager or compiled, where it was made before and holds nothing of a call; else made now."""
     num_tokens = x.numel() // x.shape[-1]
     configured = state.num_shards
     # Compiling is part of the key: the auto policy passes a launch-bound call through under torch.compile only.
     memo_key = (num_tokens, configured, _auto_shards.policy_inputs(_auto_shards) if not isinstance(configured, int) else None,
-                torch.compiler.is_compiling())
+                compiling)
     decision = plan.decisions.get(memo_key)
     if decision is None:
-        decision, keep = _decide_now(module, state, plan, strategy, x, shard_forward, token_inputs, num_tokens)
+        decision, keep = _decide_now(module, state, plan, strategy, x, shard_forward, token_inputs, num_tokens,
+                                     compiling)
         if keep:
             if len(plan.decisions) >= 64:
                 plan.decisions.clear()
@@ -298,7 +299,8 @@ def _decide(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Stra
 
 
 def _decide_now(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Strategy, x: torch.Tensor,
-                shard_forward: Callable, token_inputs: Sequence[torch.Tensor], num_tokens: int) -> Tuple[CallDecision, bool]:
+                shard_forward: Callable, token_inputs: Sequence[torch.Tensor], num_tokens: int,
+                compiling: bool) -> Tuple[CallDecision, bool]:
     """(the decision, whether the plan may keep it for the next such call)."""
     by_policy = not isinstance(state.num_shards, int)
     # A configured count never passes a call through for its length: only the auto policy asks the sizes.
@@ -307,7 +309,7 @@ def _decide_now(module: nn.Module, state: TilingState, plan: MapPlan, strategy: 
         return CallDecision("untiled: no tokens"), True
     if untiled_allowed and by_policy:
         # The fast kernel's rule first: every other kernel only needs more tokens.
-        auto = shard_count(state, plan, x, num_tokens, generic=False)
+        auto = shard_count(state, plan, x, num_tokens, False, compiling)
         if auto.num_shards is None:
             return CallDecision(auto.reason), True
     only = None if state.path == "auto" else state.path
@@ -324,7 +326,7 @@ def _decide_now(module: nn.Module, state: TilingState, plan: MapPlan, strategy: 
     # and the chosen one serves many calls): a kernel built for one call holds what that call read.
     keep = any(kept is choice for kept in plan.choices.values())
     plan.generic = choice.entry.keeps_grad_buffers
-    auto = shard_count(state, plan, x, num_tokens, plan.generic)
+    auto = shard_count(state, plan, x, num_tokens, plan.generic, compiling)
     reason, num_shards = auto.reason, auto.num_shards
     if untiled_allowed and num_shards is None:
         return CallDecision(reason), keep
@@ -335,14 +337,15 @@ def _decide_now(module: nn.Module, state: TilingState, plan: MapPlan, strategy: 
                         plan.trainable), keep
 
 
-def shard_count(state: TilingState, sizes: Any, x: torch.Tensor, num_tokens: int, generic: bool) -> AutoDecision:
+def shard_count(state: TilingState, sizes: Any, x: torch.Tensor, num_tokens: int, generic: bool,
+                compiling: bool) -> AutoDecision:
     """The configured count, or the auto policy's (``num_shards`` None: run untiled), and why, from a plan's sizes."""
     num_shards = state.num_shards
     if isinstance(num_shards, int):
         return AutoDecision(num_shards, f"tiled: num_shards={num_shards} as configured")
     trainable_bytes = sizes.trainable_bytes if generic else None
     return remembered_auto_decision(num_tokens, x.shape[-1], sizes.intermediate, sizes.param_bytes, x.element_size(),
-                                    trainable_bytes, _auto_shards.device_class(x.device), torch.compiler.is_compiling())
+                                    trainable_bytes, _auto_shards.device_class(x.device), compiling)
 
 
 # -- a tiled module's call -----------------------------------------------------------------------------------
