@@ -6,14 +6,11 @@ text MLP of most multimodal models, per-expert MLPs and shared experts). A trans
 module (``experts(hidden_states, top_k_index, top_k_weights)``) is tiled through ``TiledExperts``. The walk
 stops at a match, so nothing is tiled twice.
 
-A mixture-of-experts block as a whole is never tiled: its router would run inside the shard loop, whose forward
-builds no autograd graph, so the router logits transformers records for the load-balancing loss
-(``output_router_logits``) would carry no gradient (measured: the tiled Mixtral's ``aux_loss`` had no
-``grad_fn``). The router is small (``[tokens, experts]``); the experts hold the large intermediates. Fused experts
-modules (Mixtral, Qwen3-MoE and ~60 others) take one token a row, with three inputs: ``TiledExperts`` (tiled in
-place, like ``TiledMLP``) shards the hidden states and passes the indices (integers, as they are) and the routing
-weights as the call's other sharded inputs (``token_inputs``). The routing weights need a gradient (it reaches
-the router): the sharded core finds them read by the first shard and makes them an input of its Function.
+A mixture-of-experts block as a whole is never tiled: its router would run inside the shard loop, which builds
+no graph, so the router logits recorded for the load-balancing loss would carry no gradient (measured: the tiled
+Mixtral's ``aux_loss`` had no ``grad_fn``). ``TiledExperts`` shards the fused experts' hidden states with their
+indices and routing weights as the call's other sharded inputs (``token_inputs``); the weights' gradient reaches
+the router.
 
 What the tiled call can run is also checked here, before anything is patched: the block's forward must
 take exactly one argument (``TiledMLP.forward(x)`` passes nothing else) and must not declare a tuple

@@ -1,19 +1,10 @@
-"""The long-sequence stack on a Hugging Face causal LM in one call, and off again in one.
+"""The long-sequence stack on a Hugging Face causal LM in one call, and off again in one
+(docs/long-context-stack.md, "The long-sequence stack").
 
-``apply_long_context(model)`` composes the library's pieces, each also callable alone:
-
-1. the tiled MLP, the tiled RMSNorms and the tiled loss (``apply_tiled_mlp(model, loss=True,
-   norms=True)``): no MLP intermediate, no norm's float32 copy and no logits held at full length;
-2. layer checkpointing (Hugging Face's, non-reentrant), turned on if the model has none, and checkpoint
-   offload (``apply_checkpoint_offload``): each checkpointed layer's input, but the last's, waits for its
-   backward in host memory;
-3. Ulysses sequence parallelism (``apply_sequence_parallel``) when ``sequence_parallel > 1``: every
-   rank holds ``1 / sequence_parallel`` of each sequence.
-
-The order matters once: SP needs the tiled loss on the model (its per-rank sums are divided once by the
-group's count), so the loss goes first. Everything SP can refuse without a change is asked before the
-first step, and an error at any later step undoes the steps before it. A model that already carries a
-piece (tiled before, its own offload) is refused: ``remove()`` could not tell its pieces from the call's.
+``apply_long_context(model)`` composes the tiled MLP, RMSNorms and loss, layer checkpointing with checkpoint
+offload, and Ulysses SP, each also callable alone. The loss goes first (SP divides its per-rank sums once over
+the group); every refusal SP can make is asked before any change, and an error at a later step undoes the
+steps before it. A model already carrying a piece is refused: ``remove()`` could not tell them apart.
 """
 from __future__ import annotations
 
