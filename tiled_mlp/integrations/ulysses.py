@@ -144,8 +144,7 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
         # DeepSpeed wraps what the name holds when it registers: it runs this after its all-to-all.
         ALL_ATTENTION_FUNCTIONS[attention] = whole_sequence_attention(held, kind, decoder.config)
     try:
-        mpu = deepspeed_internals.register_ulysses(installed.model, attention, size, micro_batch_size,
-                                                   ALL_ATTENTION_FUNCTIONS)
+        mpu = deepspeed_internals.register_ulysses(installed.model, attention, size, micro_batch_size)
     except BaseException:
         # DeepSpeed creates its SP groups before its own checks (eager refused, a config mismatch): a
         # refused call must leave nothing behind, or the next apply finds the groups "already exist".
