@@ -89,19 +89,19 @@ def _builder_of_another_shape(config, input_embeds, attention_mask, cache_positi
 
 
 def test_the_cache_argument_is_read_from_the_builder_signature():
-    before = transformers_internals._adapted(_builder_before_5_24)
-    after = transformers_internals._adapted(_builder_from_5_24)
+    before = transformers_internals._adapt(_builder_before_5_24)
+    after = transformers_internals._adapt(_builder_from_5_24)
     assert (before.cache_keyword, after.cache_keyword) == ("past_key_values", "cache")
     positions = torch.arange(4)[None]
     assert before(None, torch.empty(1, 4, 0), None, positions) == {"past_key_values": None, "position_ids": positions}
     assert after(None, torch.empty(1, 4, 0), None, positions) == {"cache": None, "position_ids": positions}
     # Decided once per function: the same adapted builder for the same function.
-    assert transformers_internals._adapted(_builder_from_5_24) is after
+    assert transformers_internals._adapt(_builder_from_5_24) is after
 
 
 def test_a_builder_of_another_shape_is_refused_when_adapted_not_when_called():
     with pytest.raises(UncheckedVersionError, match="does not take the arguments the stack passes"):
-        transformers_internals._adapted(_builder_of_another_shape)
+        transformers_internals._adapt(_builder_of_another_shape)
 
 
 def test_the_installed_builders_give_hfs_own_masks():

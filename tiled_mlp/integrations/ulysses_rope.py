@@ -78,7 +78,7 @@ def length_dependent_rotaries(model: nn.Module) -> List[nn.Module]:
         if not dependent:
             continue
         forward = getattr(type(module).forward, "__code__", None)
-        if wrapper is None or forward is not wrapper:
+        if forward is not wrapper:
             raise ValueError(UNKNOWN_FORWARD_ERROR.format(module=type(module).__name__, rope_type=dependent[0],
                                                           independent=", ".join(LENGTH_INDEPENDENT)))
         found.append(module)
