@@ -126,10 +126,8 @@ def describe_forward(thing: Any) -> str:
 
 def instance_forward_refusal(model: nn.Module) -> str:
     """Why the forward set on ``model``'s instance stops the tiled loss ('' where there is none, or it is
-    the class's forward bound to the model, as it is or inside accelerate's device hook): the tiled loss
-    runs the model's forward with ``labels=None`` and computes the loss itself, so what a forward of its
-    own does to the loss would be lost, and one that does not take ``labels`` by name would never reach
-    the tiled loss at all."""
+    the class's forward bound to the model, as it is or inside accelerate's device hook): what a forward of
+    its own does to the loss would be lost."""
     if mixed_precision_forward(model) is not None:
         return ("accelerate's mixed precision (Accelerator.prepare) wrapped its forward, and the tiled loss would run "
                 "outside that wrapper. Apply the tiled loss before accelerator.prepare(model)")
@@ -195,12 +193,8 @@ def loss_function_refusal(model: nn.Module) -> str:
 
 
 class TiledLossForward:
-    """The forward installed on a causal LM instance (see the module docstring). Picklable and
-    deep-copyable with the model (it holds the model and its settings, nothing else; the model's
-    forward pre-hook is this object's ``check_call``). Under sequence parallelism (``ulysses.py``) it
-    also holds the group its loss is divided over: a deep copy shares that group (a process-wide
-    handle), and pickling refuses it (a group cannot leave its process).
-    """
+    """The forward installed on a causal LM instance; picklable and deep-copyable with the model. Under
+    sequence parallelism it holds the group its loss is divided over: a deep copy shares it, pickling refuses it."""
 
     def __init__(self, model: nn.Module, form: LossForm, previous: Optional[Callable], num_shards: NumShards,
                  grad_accum_dtype: Optional[torch.dtype]):
@@ -370,9 +364,8 @@ class TiledLossForward:
                      for f in dataclasses.fields(out) if f.name in ("loss", "logits") or fields.get(f.name) is not None)
 
     def _note_bypass(self) -> None:
-        """A training call without labels (grad enabled, the model in training mode): the tiled loss cannot
-        run, and the model forms the whole logits. Whatever computes the loss from them is outside the
-        model, where this forward cannot see why; said once."""
+        """A training call without labels: the model forms the whole logits for a loss computed outside it,
+        where this forward cannot see why; said once."""
         if self._bypass_noted or not (torch.is_grad_enabled() and self.model.training) or torch.compiler.is_compiling():
             return
         self._bypass_noted = True

@@ -1,17 +1,9 @@
 """Hugging Face models: tile every MLP block of a model in place with one call, and undo it.
 
-``apply_tiled_mlp`` tiles each MLP block in place (``TiledMLP(block)`` returns the block itself): the
-module tree, every parameter and module name, the parameters themselves (an optimizer made before or
-after keeps working) and ``state_dict`` stay what they were, so ``save_pretrained``/``from_pretrained``,
-PEFT adapters, backend checkpoints and optimizer state see the untiled layout.
-
-Apply it before wrapping the model in FSDP2 or DeepSpeed: the chain of modules above each block is
-recorded (``tiling.set_ancestors``) so the backend is detected at the first forward, from a wrapped
-decoder layer or root alike.
-
-The model can also ask for it itself: ``enable_tiled_mlp(config)`` sets ``config.use_tiled_mlp`` (saved in
-``config.json``), and ``from_config``/``from_pretrained``/``maybe_apply_tiled_mlp`` honour it.
-transformers is imported lazily and only by those helpers; the matching itself is structural.
+Tiling is in place (``TiledMLP(block)`` returns the block itself), so every name, parameter and ``state_dict``
+key stays: optimizers, PEFT adapters and checkpoints see the untiled layout. The chain of modules above each
+block is recorded (``set_ancestors``) so a backend wrapping the model later is detected at the first forward.
+A config can ask for tiling itself (``enable_tiled_mlp``, honoured by ``from_config``/``from_pretrained``).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ import inspect
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -136,24 +136,13 @@ TENSOR_PARALLEL_ERROR = (
 )
 
 
-def dtensor_parameter_names(module: nn.Module) -> List[str]:
-    """The names of ``module``'s parameters that are DTensors."""
-    from torch.distributed.tensor import DTensor
-
-    return [name for name, p in module.named_parameters() if isinstance(p, DTensor)]
-
-
 def check_attention_not_tensor_parallel(attention: nn.Module, heads: object) -> None:
     """Raise ``TENSOR_PARALLEL_ERROR`` where ``attention`` (a module Ulysses wraps) holds a DTensor parameter."""
-    names = dtensor_parameter_names(attention)
+    from torch.distributed.tensor import DTensor
+
+    names = [name for name, p in attention.named_parameters() if isinstance(p, DTensor)]
     if names:
         raise ValueError(TENSOR_PARALLEL_ERROR.format(module=type(attention).__name__, names=names, heads=heads))
-
-
-def attention_modules(model: nn.Module) -> List[nn.Module]:
-    """The model's attention modules: those carrying ``num_key_value_groups``, the attribute DeepSpeed's Ulysses
-    attention reads and writes on the module it is called with (every Hugging Face attention has it)."""
-    return [m for m in model.modules() if isinstance(getattr(m, "num_key_value_groups", None), int)]
 
 
 def check_no_tensor_parallel_attention(model: nn.Module, heads: object) -> None:
@@ -163,5 +152,6 @@ def check_no_tensor_parallel_attention(model: nn.Module, heads: object) -> None:
 
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         return
-    for attention in attention_modules(model):
-        check_attention_not_tensor_parallel(attention, heads)
+    for module in model.modules():  # the attention modules: every HF one has the num_key_value_groups DeepSpeed uses
+        if isinstance(getattr(module, "num_key_value_groups", None), int):
+            check_attention_not_tensor_parallel(module, heads)
