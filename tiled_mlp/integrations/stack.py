@@ -9,7 +9,7 @@ steps before it. A model already carrying a piece is refused: ``remove()`` could
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -96,8 +96,7 @@ def apply_long_context(
     if sequence_parallel != 1:
         check_sequence_parallel(model, sequence_parallel)
     stack = LongContextStack(model)
-    undo: List[Callable[[], Any]] = []
-    try:
+    try:  # each piece is recorded on the handle as soon as it is on, so remove() undoes exactly those
         if tiled_mlp or tiled_norms:
             if not tiled_mlp:
                 tiling["include"] = []  # the norms alone: an empty include selects no MLP block
@@ -105,19 +104,14 @@ def apply_long_context(
                                            loss_num_shards=loss_num_shards, grad_accum_dtype=grad_accum_dtype, **tiling)
         elif tiled_loss:
             stack.report = apply_tiled_loss(model, num_shards=loss_num_shards, grad_accum_dtype=grad_accum_dtype)
-        if stack.report is not None:
-            undo.append(lambda: remove_tiled_mlp(model))
         if checkpoint_offload:
             if not checkpointed_layers(model):
-                turned_on = stack.checkpointing_turned_on = checkpointing_on(model)
-                undo.append(lambda: checkpointing_off(model, turned_on))
+                stack.checkpointing_turned_on = checkpointing_on(model)
             stack.offload = apply_checkpoint_offload(model)
-            undo.append(stack.offload.remove)
         if sequence_parallel != 1:
             stack.sequence_parallel = apply_sequence_parallel(model, sequence_parallel,
                                                               micro_batch_size=micro_batch_size)
     except BaseException:
-        for step in reversed(undo):
-            step()
+        stack.remove()
         raise
     return stack
