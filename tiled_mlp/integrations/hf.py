@@ -52,11 +52,8 @@ def apply_tiled_mlp(
     before put its fused LM head on the model's forward (it computes the loss without the logits), the loss
     is left to it and the report says so (``TilingReport.loss_left_to``).
 
-    ``norms=True`` also tiles the model's RMSNorms of the hidden size (``norms.norm_names``: for Llama
-    each decoder layer's two and the final one; none inside an MLP tiled here), on the norm kernel where
-    the forward is a registered norm body, else the generic path (``path`` is the MLPs'), with ``num_shards`` and weight gradients summed in float32 or wider: a tiled
-    norm keeps only its input for backward (Hugging Face's RMSNorm keeps float32 copies of the whole
-    ``[tokens, hidden]``) and recomputes a shard at a time. ``exclude`` applies to them too.
+    ``norms=True`` also tiles the model's RMSNorms of the hidden size (``norms.norm_names``; docs/long-context-stack.md,
+    "Tiled RMSNorms"), with ``num_shards``, weight gradients summed in float32 or wider; ``exclude`` applies to them.
 
     ``include``/``exclude`` are glob patterns on qualified module names (``"model.layers.*.mlp"``);
     ``include`` may also name a custom token-wise block that no structural rule recognises. Blocks that
