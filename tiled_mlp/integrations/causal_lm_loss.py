@@ -258,7 +258,10 @@ class TiledLossForward:
 
     def _check_forward(self) -> None:
         layers = forward_layers(self.model)
-        if _reaches(self.model, layers.forward) is not self:
+        reached = layers.forward  # this object itself, or bound to the model by accelerate's unwrap_model
+        if isinstance(reached, types.MethodType) and reached.__self__ is self.model:
+            reached = reached.__func__
+        if reached is not self:
             replacer = describe_forward(layers.forward) if layers.forward is not None else "the class forward"
             raise RuntimeError(
                 f"tiled loss: {type(self.model).__name__}'s forward was replaced after the tiled loss was installed "
@@ -459,12 +462,6 @@ def forward_layers(causal_lm: nn.Module) -> ForwardLayers:
         forward = trl_head.inner
     hooked = device_hook_forward(causal_lm, forward) if forward is not None else None
     return ForwardLayers(wrapped, trl_head, hooked, hooked.inner if hooked is not None else forward)
-
-
-def _reaches(causal_lm: nn.Module, forward: Optional[Callable]) -> Optional[Any]:
-    if isinstance(forward, types.MethodType) and forward.__self__ is causal_lm:
-        forward = forward.__func__
-    return forward if isinstance(forward, TiledLossForward) else None
 
 
 def _under(layers: ForwardLayers) -> str:

@@ -37,14 +37,6 @@ FUSED_EXPERTS_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 FUSED_EXPERTS = "its weights are not gated nn.Linear projections (fused MoE experts)"
 
 
-def is_fused_experts(module: nn.Module) -> bool:
-    try:
-        names = tuple(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return False
-    return names == FUSED_EXPERTS_INPUTS
-
-
 class TiledExperts(TiledMLP):
     """Tiles a fused experts module in place: same call, same parameters and names."""
 
@@ -82,20 +74,15 @@ def _is_linear_like(module) -> bool:
     )
 
 
-def gated_layout(module: nn.Module) -> Optional[Tuple[str, ...]]:
-    for layout in GATED_LAYOUTS:
-        if all(_is_linear_like(getattr(module, name, None)) for name in layout):
-            return layout
-    return None
-
-
 def structural_kind(module: nn.Module) -> Optional[str]:
     """"gated" or "experts" for a block the walk tiles, None for anything else."""
-    if gated_layout(module) is not None:
+    if any(all(_is_linear_like(getattr(module, name, None)) for name in layout) for layout in GATED_LAYOUTS):
         return "gated"
-    if is_fused_experts(module):
-        return "experts"
-    return None
+    try:
+        names = tuple(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return "experts" if names == FUSED_EXPERTS_INPUTS else None
 
 
 def call_problem(module: nn.Module) -> str:
