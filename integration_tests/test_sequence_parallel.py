@@ -212,8 +212,8 @@ def test_data_loader_gives_the_batches_and_losses_of_shard(tmp_path):
     from tiled_mlp.integrations.seams import deepspeed_internals
     from tiled_mlp.strategies import checked_versions
 
-    if not deepspeed_internals.DATA_LOADER_CHECKED.contains(str(checked_versions.installed("deepspeed"))):
-        pytest.skip("DeepSpeed's data-loader adapter is refused on this release (tests/test_seams.py)")
+    if not deepspeed_internals.CHECKED.contains(str(checked_versions.installed("deepspeed"))):
+        pytest.skip("DeepSpeed's Ulysses SP is refused on this release (tests/test_seams.py)")
     results = run_sp_group("sp2-loader", tmp_path, 120)
     failures = check_cases(GROUPS["sp2-loader"], results)
     for case in GROUPS["sp2-loader"]:

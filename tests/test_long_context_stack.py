@@ -134,6 +134,22 @@ def test_a_failing_step_undoes_the_steps_before_it():
     assert all(not layer._forward_pre_hooks for layer in model.model.layers)
 
 
+def test_a_step_failing_after_the_others_are_on_undoes_them(monkeypatch):
+    """The SP step fails after the tiling, the loss, checkpointing and the offload are on: all are taken off."""
+    from tiled_mlp.integrations import stack as stack_module
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("the SP step failed")
+
+    monkeypatch.setattr(stack_module, "check_sequence_parallel", lambda model, size: None)
+    monkeypatch.setattr(stack_module, "apply_sequence_parallel", fails)
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError, match="the SP step failed"):
+        apply_long_context(model, sequence_parallel=2)
+    assert not is_tiled(model) and not is_tiled_loss(model) and not checkpointed_layers(model)
+    assert all(not layer._forward_pre_hooks for layer in model.model.layers)
+
+
 def test_flags_for_each_piece():
     parser = add_tiled_mlp_args(argparse.ArgumentParser())
     args = parser.parse_args(["--use_tiled_mlp", "--use_tiled_loss", "true", "--use_checkpoint_offload",

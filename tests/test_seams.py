@@ -89,19 +89,19 @@ def _builder_of_another_shape(config, input_embeds, attention_mask, cache_positi
 
 
 def test_the_cache_argument_is_read_from_the_builder_signature():
-    before = transformers_internals._adapted(_builder_before_5_24)
-    after = transformers_internals._adapted(_builder_from_5_24)
+    before = transformers_internals._adapt(_builder_before_5_24)
+    after = transformers_internals._adapt(_builder_from_5_24)
     assert (before.cache_keyword, after.cache_keyword) == ("past_key_values", "cache")
     positions = torch.arange(4)[None]
     assert before(None, torch.empty(1, 4, 0), None, positions) == {"past_key_values": None, "position_ids": positions}
     assert after(None, torch.empty(1, 4, 0), None, positions) == {"cache": None, "position_ids": positions}
     # Decided once per function: the same adapted builder for the same function.
-    assert transformers_internals._adapted(_builder_from_5_24) is after
+    assert transformers_internals._adapt(_builder_from_5_24) is after
 
 
 def test_a_builder_of_another_shape_is_refused_when_adapted_not_when_called():
     with pytest.raises(UncheckedVersionError, match="does not take the arguments the stack passes"):
-        transformers_internals._adapted(_builder_of_another_shape)
+        transformers_internals._adapt(_builder_of_another_shape)
 
 
 def test_the_installed_builders_give_hfs_own_masks():
@@ -125,41 +125,13 @@ def test_the_installed_builders_give_hfs_own_masks():
     assert torch.equal(mask[0, 0], want)
 
 
-def test_deepspeeds_data_loader_adapter_is_refused_outside_its_checked_releases(monkeypatch):
+def test_deepspeed_0_18_is_refused_when_sequence_parallelism_is_applied(monkeypatch):
+    """0.18 wrote its Ulysses wrapper under every attention name and its data-loader adapter all-gathers a 0-d
+    tensor that gloo refuses; the seam keeps no adaptation for either, so the release is refused at apply time
+    (``check_sequence_parallel`` asks ``require``; ``data_loader`` exists only on an applied handle)."""
     from tiled_mlp.integrations.seams import deepspeed_internals
 
     monkeypatch.setattr(checked_versions, "installed", lambda package: "0.18.6")
     monkeypatch.delenv(checked_versions.UNCHECKED_ENV, raising=False)
-    with pytest.raises(UncheckedVersionError, match="data_loader .* deepspeed 0.19.8 to 0.19.x; deepspeed 0.18.6"):
-        deepspeed_internals.data_loader([], 0, None, 2, torch.device("cpu"))
-
-
-def test_a_registration_that_writes_every_attention_name_is_scoped_back_to_one(monkeypatch):
-    """DeepSpeed 0.18 writes its wrapper under every name of transformers' registry; the seam keeps it
-    under the model's attention name alone."""
-    pytest.importorskip("deepspeed")
-    pytest.importorskip("transformers")
-    from deepspeed.runtime.sequence_parallel import ulysses_sp
-
-    from tiled_mlp.integrations.seams import deepspeed_internals
-
-    functions = transformers_internals.attention_functions()
-    before = dict(functions._local_mapping)
-
-    def wrapper(*args, **kwargs):
-        return None
-
-    def every_name(cls, model, **kwargs):
-        for name in list(functions.keys()):
-            functions[name] = wrapper
-        return "mpu"
-
-    monkeypatch.setattr(ulysses_sp.UlyssesSPAttentionHF, "register_with_transformers", classmethod(every_name))
-    try:
-        assert deepspeed_internals.register_ulysses(None, "sdpa", 2, 1, functions) == "mpu"
-        assert functions["sdpa"] is wrapper
-        assert {k: v for k, v in functions._local_mapping.items() if k != "sdpa"} == before
-        assert all(functions[name] is not wrapper for name in functions.keys() if name != "sdpa")
-    finally:
-        functions._local_mapping.clear()
-        functions._local_mapping.update(before)
+    with pytest.raises(UncheckedVersionError, match="Ulysses .* deepspeed 0.19.8 to 0.19.x; deepspeed 0.18.6"):
+        deepspeed_internals.require("Ulysses sequence parallelism")

@@ -20,11 +20,8 @@ _WORDS = "true/false, 1/0, yes/no or on/off"
 
 
 def parse_bool(value: Any, name: str = "use_tiled_mlp") -> bool:
-    """A flag's value: a bool, the ints 1/0, or true/false, 1/0, yes/no, on/off in any case.
-
-    ``bool("false")`` is True, so a string is never passed to ``bool``: anything else is a ``ValueError``
-    naming ``name`` and the accepted values.
-    """
+    """A flag's value: a bool, the ints 1/0, or true/false, 1/0, yes/no, on/off in any case (never
+    ``bool(text)``: ``bool("false")`` is True); anything else is a ``ValueError`` naming ``name``."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -62,20 +59,20 @@ _bool_arg = _argparse_type(parse_bool, f"expected {_WORDS} (any case), got {{tex
 
 def add_tiled_mlp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("tiled MLP")
-    group.add_argument("--use_tiled_mlp", type=_bool_arg, nargs="?", const=True, default=False, metavar="BOOL",
-                       help="run each MLP block in token shards to cut activation memory at long context; "
+
+    def flag(name: str, text: str) -> None:  # bare, or with a word: ms-swift passes ``--use_tiled_mlp true``
+        group.add_argument(name, type=_bool_arg, nargs="?", const=True, default=False, metavar="BOOL", help=text)
+
+    flag("--use_tiled_mlp", "run each MLP block in token shards to cut activation memory at long context; "
                             "bare or with true/false, 1/0, yes/no, on/off (default: off)")
     group.add_argument("--tiled_mlp_num_shards", type=_argparse_type(parse_num_shards), default="auto",
                        help="shards per MLP call: an integer, or 'auto' (sized from the sequence length)")
-    group.add_argument("--use_tiled_loss", type=_bool_arg, nargs="?", const=True, default=False, metavar="BOOL",
-                       help="compute a causal LM's loss (LM head + cross-entropy) in token shards, never holding "
-                            "the logits; with labels the model returns no logits (default: off)")
-    group.add_argument("--use_tiled_norms", type=_bool_arg, nargs="?", const=True, default=False, metavar="BOOL",
-                       help="run each hidden-size RMSNorm in token shards too, keeping only its input for backward "
-                            "(Hugging Face's keeps float32 copies of it) (default: off)")
-    group.add_argument("--use_checkpoint_offload", type=_bool_arg, nargs="?", const=True, default=False,
-                       metavar="BOOL", help="keep each checkpointed layer's input (all but the last) in host memory "
-                                            "until its backward; turns on non-reentrant layer checkpointing if off")
+    flag("--use_tiled_loss", "compute a causal LM's loss (LM head + cross-entropy) in token shards, never holding "
+                             "the logits; with labels the model returns no logits (default: off)")
+    flag("--use_tiled_norms", "run each hidden-size RMSNorm in token shards too, keeping only its input for backward "
+                              "(Hugging Face's keeps float32 copies of it) (default: off)")
+    flag("--use_checkpoint_offload", "keep each checkpointed layer's input (all but the last) in host memory "
+                                     "until its backward; turns on non-reentrant layer checkpointing if off")
     group.add_argument("--ulysses_sp_size", type=_argparse_type(parse_sp_size), default=1, metavar="N",
                        help="Ulysses sequence parallelism (DeepSpeed's): N ranks share each sequence; needs the "
                             "tiled loss (default: 1, off)")
@@ -107,12 +104,8 @@ class TiledMLPFlags:
 
 
 def read_tiled_mlp_flags(source: Union[argparse.Namespace, Mapping[str, Any], None]) -> TiledMLPFlags:
-    """The flags from parsed arguments or a dict (a YAML/JSON training config).
-
-    Absent keys (or ``None``, a key left empty in YAML) take the defaults. ``use_tiled_mlp`` goes
-    through ``parse_bool`` and ``tiled_mlp_num_shards`` through ``parse_num_shards``; a bad value of
-    either is a ``ValueError`` naming the key, even when tiling is off.
-    """
+    """The flags from parsed arguments or a dict (a YAML/JSON training config); absent keys (or ``None``)
+    take the defaults, a bad value is a ``ValueError`` naming the key, even when tiling is off."""
     if source is None:
         return TiledMLPFlags()
     values = source if isinstance(source, Mapping) else vars(source)

@@ -1,24 +1,11 @@
-"""Axolotl: a plugin that tiles the model Axolotl loaded, named under ``plugins:`` in the YAML.
+"""Axolotl: a plugin that tiles the model Axolotl loaded (docs/frameworks.md, "Axolotl"), named under
+``plugins:`` as ``tiled_mlp.integrations.axolotl.TiledMLPPlugin``, tuned by ``tiled_mlp_lib_*`` keys
+(``axolotl_args``; Axolotl's own ``tiled_mlp`` keys are its built-in tiled MLP, refused beside this plugin).
 
-    plugins:
-      - tiled_mlp.integrations.axolotl.TiledMLPPlugin
-    tiled_mlp_lib_num_shards: auto      # optional; the MLPs' and norms' shards
-    tiled_mlp_lib_loss: true            # optional; the tiled LM head + cross entropy
-    tiled_mlp_lib_loss_num_shards: auto # optional
-    tiled_mlp_lib_norms: true           # optional; the RMSNorms
-
-Axolotl's ``ModelLoader.load`` calls each plugin's ``post_model_load(cfg, model)`` once the model is built,
-its adapters attached and moved to its device, and before the trainer (and so its optimizer and
-accelerate's ``prepare``) exists: the plugin tiles the MLP blocks, RMSNorms and loss there, in place
-(``apply_tiled_mlp``), so the optimizer steps the same parameters under the same names. Its config keys
-(``axolotl_args.TiledMLPLibArgs``) are prefixed ``tiled_mlp_lib_``: Axolotl's own ``tiled_mlp`` and
-``tiled_mlp_num_shards`` belong to its built-in tiled MLP, and setting ``tiled_mlp: true`` with this
-plugin is refused when the config is validated.
-
-``TiledMLPPlugin`` subclasses Axolotl's ``BasePlugin`` (so every hook Axolotl calls exists) and is made on
-first use, a lazily resolved module attribute: importing this module does not import Axolotl. The
-Axolotl release is checked in ``pre_model_load`` (before the model is loaded) and again where the model is
-tiled (``framework_settings.AXOLOTL``).
+``ModelLoader.load`` calls ``post_model_load(cfg, model)`` once the model is built, its adapters attached,
+and before the trainer exists: the plugin tiles there, in place. ``TiledMLPPlugin`` subclasses Axolotl's
+``BasePlugin`` and is made on first use (a lazy module attribute), so importing this module does not import
+Axolotl; the release is checked in ``pre_model_load`` and again where it tiles (``framework_settings.AXOLOTL``).
 """
 from __future__ import annotations
 

@@ -1,52 +1,19 @@
 """Hugging Face causal LMs: route the loss through the tiled loss, so the logits are never held.
 
-A causal LM's forward computes ``logits = lm_head(hidden)`` over every token, then
-``loss_function(logits, labels)``: at 131072 tokens and a 128K vocabulary those logits and the loss's
-copies of them are most of a checkpointed step's peak. ``install_tiled_loss(model)`` puts a forward on the
-model *instance* (``model.forward``; no class is swapped, no module added, so every parameter name,
-``state_dict`` key and adapter key stays) that, when labels are given:
+What it does and refuses: docs/long-context-stack.md, "Tiled loss" ("On a Hugging Face causal LM").
+``install_tiled_loss`` puts a ``TiledLossForward`` on the model *instance* (no class swapped, so every
+name and key stays): given labels it runs the model's own forward with ``labels=None`` and an empty
+``logits_to_keep``, takes the decoder's final hidden states through a forward hook registered with it,
+and returns the output with ``loss = tiled_cross_entropy(hidden, lm_head, labels)`` and no logits. The
+loss runs inside one call of ``lm_head`` (``tiled_core/head_call.py``), so a backend's hooks on the head
+surround it. What installing cannot see (a loss function or a forward set on the model since) is checked at
+every call by a forward pre-hook, before any work; the forward may sit inside accelerate's device hook or
+mixed-precision wrapper (``accelerate_forward``) or TRL's fused head (``trl_seam``).
 
-1. runs the model's own forward with ``labels=None`` and an empty ``logits_to_keep``: everything the
-   model computes (the decoder, gradient checkpointing, a MoE router's auxiliary loss) is its own code,
-   and ``lm_head`` runs on zero tokens;
-2. takes the decoder's final hidden states (a forward hook on ``model.get_decoder()``, registered with the
-   tiled loss and removed with it, which keeps them only while this forward runs the model's);
-3. returns the model's output with ``loss = tiled_cross_entropy(hidden, model.lm_head, labels, ...)``
-   (plus ``router_aux_loss_coef * aux_loss`` for the MoE families, as their forward adds it) and no
-   ``logits``. The tiled loss runs inside one call of ``lm_head`` (``tiled_core/head_call.py``), so a
-   backend's hooks on ``lm_head`` (ZeRO-3's gather and release) surround it as they surround the
-   model's own ``lm_head(hidden)``.
-
-Without labels, or without a graph being built (evaluation: ``Trainer.evaluate`` with metrics reads the
-logits), the model's forward runs unchanged, logits included.
-
-Which models: the families whose forward is known to compute exactly ``lm_head`` -> (soft-capping) ->
-``loss_function`` (``KNOWN_FORMS``), decided by what the model *is*: its class and that class's forward
-function are those of the installed transformers, its instance has no forward of its own, and the loss
-function it would call (``model.loss_function``: one set on the model or its class, else
-``LOSS_MAPPING[model.loss_type]``) is transformers' ``ForCausalLMLoss`` itself, the one the tiled loss
-reproduces. Anything else is refused: its loss would silently change.
-
-What ``install_tiled_loss`` cannot see is checked at every call, before any work: the loss function
-(set on the model after installing), and the model's forward (a forward pre-hook checks that the
-model's forward still reaches this one: directly, inside accelerate's device hook and/or mixed-precision
-wrapper (``accelerate_forward``), inside TRL's fused LM head (``trl_seam``: a TRL trainer built after
-installing wraps it; TRL's fused calls compute TRL's own loss, without the logits), or bound to the model
-by accelerate's ``unwrap_model``). A message naming a forward that replaced this one names it by where its
-code was defined (``describe_forward``), not by the names ``functools.wraps`` copied onto it.
-
-Label smoothing (``set_tiled_loss_label_smoothing``; from a Trainer, ``trainer_label_smoothing``) is the tiled
-loss's, in training and in evaluation. A training call without labels cannot run the tiled loss: the first
-one warns (whatever computes the loss from the logits is outside the model). Under
-accelerate's device hook (``dispatch_model``, ``cpu_offload``) the tiled forward is what the hook wraps
-(``model._old_forward``), so the hook still moves the inputs and outputs around it.
-
-Under ``torch.compile`` the call is traced into the model's graph: the checks above and the binding of the
-keyword arguments are made once where Dynamo traces it (``_traced_plan``, with the model's forward and loss
-function as arguments, so that Dynamo guards on them and a change traces the call again), and the loss is
-one op (``tiled_core/compiled_loss.py``). A call the op cannot take (positional arguments, sequence
-parallelism, a head that is not a plain ``nn.Linear`` or is gathered by its backend) runs eagerly in a frame
-Dynamo skips: one graph break.
+Under ``torch.compile`` those checks and the binding of the arguments are made once where Dynamo traces
+the call (``_traced_plan``, with the forward and loss function as arguments so that Dynamo guards on
+them), and the loss is one op (``tiled_core/compiled_loss.py``); a call the op cannot take runs eagerly
+in a frame Dynamo skips: one graph break.
 """
 from __future__ import annotations
 
@@ -136,10 +103,6 @@ def known_form(model: nn.Module) -> Tuple[Optional[LossForm], str]:
     return KNOWN_FORMS[(klass.__module__, name)], ""
 
 
-def _name(thing: Any) -> str:
-    return getattr(thing, "__qualname__", None) or type(thing).__qualname__
-
-
 def describe_forward(thing: Any) -> str:
     """Where a forward was defined, as ``module.qualname``, read from its code and the globals it runs in:
     ``functools.wraps`` copies another function's names (and ``__wrapped__``) onto a wrapper, its code keeps
@@ -163,10 +126,8 @@ def describe_forward(thing: Any) -> str:
 
 def instance_forward_refusal(model: nn.Module) -> str:
     """Why the forward set on ``model``'s instance stops the tiled loss ('' where there is none, or it is
-    the class's forward bound to the model, as it is or inside accelerate's device hook): the tiled loss
-    runs the model's forward with ``labels=None`` and computes the loss itself, so what a forward of its
-    own does to the loss would be lost, and one that does not take ``labels`` by name would never reach
-    the tiled loss at all."""
+    the class's forward bound to the model, as it is or inside accelerate's device hook): what a forward of
+    its own does to the loss would be lost."""
     if mixed_precision_forward(model) is not None:
         return ("accelerate's mixed precision (Accelerator.prepare) wrapped its forward, and the tiled loss would run "
                 "outside that wrapper. Apply the tiled loss before accelerator.prepare(model)")
@@ -211,40 +172,29 @@ def loss_left_to_trl(model: nn.Module) -> str:
             "loss is not installed (TRL's calls with fused_lm_head=True never reach the model's forward)")
 
 
-def _reproduced_loss_function() -> Callable:
-    """The loss function the tiled loss computes: transformers' causal LM loss."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    return ForCausalLMLoss
-
-
-def _class_defining(klass: type, name: str) -> type:
-    return next(k for k in klass.__mro__ if name in vars(k))
-
-
 def loss_function_refusal(model: nn.Module) -> str:
     """Why the loss function ``model`` would call is not the one the tiled loss computes ('' when it is)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
     used = model.loss_function
-    if used is _reproduced_loss_function():
+    if used is ForCausalLMLoss:
         return ""
+    definer = next((k for k in type(model).__mro__ if "loss_function" in vars(k)), type(model))
     if "_loss_function" in vars(model):
         source = "it sets its own loss_function"
-    elif _class_defining(type(model), "loss_function").__module__ != "transformers.modeling_utils":
-        source = f"{_class_defining(type(model), 'loss_function').__name__} defines its own loss_function"
+    elif definer.__module__ != "transformers.modeling_utils":
+        source = f"{definer.__name__} defines its own loss_function"
     else:
         source = f"its loss_type is {getattr(model, 'loss_type', None)!r}"
-    return (f"{source} ({_name(used)}), not transformers' ForCausalLMLoss, the one the tiled loss computes; the "
+    name = getattr(used, "__qualname__", None) or type(used).__qualname__
+    return (f"{source} ({name}), not transformers' ForCausalLMLoss, the one the tiled loss computes; the "
             "tiled loss would replace it. Keep the default loss (no loss_function of its own, loss_type "
             "'ForCausalLM'), or leave the tiled loss off")
 
 
 class TiledLossForward:
-    """The forward installed on a causal LM instance (see the module docstring). Picklable and
-    deep-copyable with the model (it holds the model and its settings, nothing else; the model's
-    forward pre-hook is this object's ``check_call``). Under sequence parallelism (``ulysses.py``) it
-    also holds the group its loss is divided over: a deep copy shares that group (a process-wide
-    handle), and pickling refuses it (a group cannot leave its process).
-    """
+    """The forward installed on a causal LM instance; picklable and deep-copyable with the model. Under
+    sequence parallelism it holds the group its loss is divided over: a deep copy shares it, pickling refuses it."""
 
     def __init__(self, model: nn.Module, form: LossForm, previous: Optional[Callable], num_shards: NumShards,
                  grad_accum_dtype: Optional[torch.dtype]):
@@ -308,11 +258,14 @@ class TiledLossForward:
 
     def _check_forward(self) -> None:
         layers = forward_layers(self.model)
-        if _reaches(self.model, layers.forward) is not self:
-            replacer = layers.forward if layers.forward is not None else "the class forward"
+        reached = layers.forward  # this object itself, or bound to the model by accelerate's unwrap_model
+        if isinstance(reached, types.MethodType) and reached.__self__ is self.model:
+            reached = reached.__func__
+        if reached is not self:
+            replacer = describe_forward(layers.forward) if layers.forward is not None else "the class forward"
             raise RuntimeError(
                 f"tiled loss: {type(self.model).__name__}'s forward was replaced after the tiled loss was installed "
-                f"(it is {_described(replacer)}{_under(layers)}); the tiled loss cannot tell whether it still runs or "
+                f"(it is {replacer}{_under(layers)}); the tiled loss cannot tell whether it still runs or "
                 "what the new forward does to the loss. Put the forward back, or remove the tiled loss first "
                 "(remove_tiled_loss(model)) to run it with the model's own loss")
         if layers.trl_head is not None and not self._trl_noted:
@@ -397,7 +350,7 @@ class TiledLossForward:
         if why:
             raise RuntimeError(f"tiled loss: {why}")
         softcap = getattr(self.model.config, self.form.softcap_attr) if self.form.softcap_attr else None
-        loss = _tiled_loss(
+        loss = tiled_cross_entropy(
             hidden, self.model.get_output_embeddings(), labels, shift_labels=extra.get("shift_labels"),
             ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
             label_smoothing=self.label_smoothing, logit_softcap=softcap, num_shards=self.num_shards,
@@ -414,9 +367,8 @@ class TiledLossForward:
                      for f in dataclasses.fields(out) if f.name in ("loss", "logits") or fields.get(f.name) is not None)
 
     def _note_bypass(self) -> None:
-        """A training call without labels (grad enabled, the model in training mode): the tiled loss cannot
-        run, and the model forms the whole logits. Whatever computes the loss from them is outside the
-        model, where this forward cannot see why; said once."""
+        """A training call without labels: the model forms the whole logits for a loss computed outside it,
+        where this forward cannot see why; said once."""
         if self._bypass_noted or not (torch.is_grad_enabled() and self.model.training) or torch.compiler.is_compiling():
             return
         self._bypass_noted = True
@@ -440,11 +392,6 @@ def _no_logits(head: nn.Module) -> Any:
         if any(isinstance(p, DTensor) for p in head.parameters()):
             return 1
     return torch.empty(0, dtype=torch.long)
-
-
-def _tiled_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """``tiled_cross_entropy`` (under torch.compile: one op, ``compiled_loss``)."""
-    return tiled_cross_entropy(*args, **kwargs)
 
 
 @dynamo_support.decided_where_traced
@@ -515,16 +462,6 @@ def forward_layers(causal_lm: nn.Module) -> ForwardLayers:
         forward = trl_head.inner
     hooked = device_hook_forward(causal_lm, forward) if forward is not None else None
     return ForwardLayers(wrapped, trl_head, hooked, hooked.inner if hooked is not None else forward)
-
-
-def _reaches(causal_lm: nn.Module, forward: Optional[Callable]) -> Optional[Any]:
-    if isinstance(forward, types.MethodType) and forward.__self__ is causal_lm:
-        forward = forward.__func__
-    return forward if isinstance(forward, TiledLossForward) else None
-
-
-def _described(forward: Any) -> str:
-    return forward if isinstance(forward, str) else describe_forward(forward)
 
 
 def _under(layers: ForwardLayers) -> str:
@@ -610,10 +547,10 @@ def is_tiled_loss(model: nn.Module) -> bool:
 def remove_tiled_loss(model: nn.Module) -> bool:
     """Put the model's own forward back (inside accelerate's wrappers on it: what ``add_hook_to_module``
     and ``Accelerator.prepare`` build around it); False where no tiled loss was installed."""
-    causal_lm = find_causal_lm(model)
-    installed = _installed_on(causal_lm) if causal_lm is not None else None
-    if causal_lm is None or installed is None:
+    installed = tiled_loss_forward(model)
+    if installed is None:
         return False
+    causal_lm = installed.model
     installed._check_forward()  # a forward put over it since: removing the tiled loss would not undo that
     layers = forward_layers(causal_lm)
     if layers.trl_head is not None:

@@ -1,17 +1,9 @@
 """Hugging Face models: tile every MLP block of a model in place with one call, and undo it.
 
-``apply_tiled_mlp`` tiles each MLP block in place (``TiledMLP(block)`` returns the block itself): the
-module tree, every parameter and module name, the parameters themselves (an optimizer made before or
-after keeps working) and ``state_dict`` stay what they were, so ``save_pretrained``/``from_pretrained``,
-PEFT adapters, backend checkpoints and optimizer state see the untiled layout.
-
-Apply it before wrapping the model in FSDP2 or DeepSpeed: the chain of modules above each block is
-recorded (``tiling.set_ancestors``) so the backend is detected at the first forward, from a wrapped
-decoder layer or root alike.
-
-The model can also ask for it itself: ``enable_tiled_mlp(config)`` sets ``config.use_tiled_mlp`` (saved in
-``config.json``), and ``from_config``/``from_pretrained``/``maybe_apply_tiled_mlp`` honour it.
-transformers is imported lazily and only by those helpers; the matching itself is structural.
+Tiling is in place (``TiledMLP(block)`` returns the block itself), so every name, parameter and ``state_dict``
+key stays: optimizers, PEFT adapters and checkpoints see the untiled layout. The chain of modules above each
+block is recorded (``set_ancestors``) so a backend wrapping the model later is detected at the first forward.
+A config can ask for tiling itself (``enable_tiled_mlp``, honoured by ``from_config``/``from_pretrained``).
 """
 from __future__ import annotations
 
@@ -60,11 +52,8 @@ def apply_tiled_mlp(
     before put its fused LM head on the model's forward (it computes the loss without the logits), the loss
     is left to it and the report says so (``TilingReport.loss_left_to``).
 
-    ``norms=True`` also tiles the model's RMSNorms of the hidden size (``norms.norm_names``: for Llama
-    each decoder layer's two and the final one; none inside an MLP tiled here), on the norm kernel where
-    the forward is a registered norm body, else the generic path (``path`` is the MLPs'), with ``num_shards`` and weight gradients summed in float32 or wider: a tiled
-    norm keeps only its input for backward (Hugging Face's RMSNorm keeps float32 copies of the whole
-    ``[tokens, hidden]``) and recomputes a shard at a time. ``exclude`` applies to them too.
+    ``norms=True`` also tiles the model's RMSNorms of the hidden size (``norms.norm_names``; docs/long-context-stack.md,
+    "Tiled RMSNorms"), with ``num_shards``, weight gradients summed in float32 or wider; ``exclude`` applies to them.
 
     ``include``/``exclude`` are glob patterns on qualified module names (``"model.layers.*.mlp"``);
     ``include`` may also name a custom token-wise block that no structural rule recognises. Blocks that

@@ -1,23 +1,10 @@
-"""LLaMA-Factory: a ``TrainerCallback`` that tiles the model its trainer is built with.
+"""LLaMA-Factory: a ``TrainerCallback`` that tiles the model its trainer is built with (docs/frameworks.md,
+"LLaMA-Factory"): ``run_exp(args, callbacks=[TiledMLPCallback()])``.
 
-    from llamafactory.train.tuner import run_exp
-    from tiled_mlp.integrations.llamafactory import TiledMLPCallback
-
-    run_exp(args, callbacks=[TiledMLPCallback(num_shards="auto")])
-
-``run_exp`` hands its callbacks to the trainer it builds (``CustomSeq2SeqTrainer`` for ``stage: sft``,
-``CustomTrainer`` for ``pt``), and transformers' ``Trainer.__init__`` ends with the callbacks' ``on_init_end``,
-given the model (after LLaMA-Factory's ``load_model``: adapters attached, dtype set). That is where this
-callback tiles it: before ``train()`` builds the optimizer and before accelerate's ``prepare`` wraps the
-model (DDP, FSDP2, DeepSpeed), which is the order ``apply_tiled_mlp`` asks for. Tiling is in place, so
-the optimizer steps the same parameters under the same names either way.
-
-``on_train_begin`` only checks: a callback added after the trainer was built (``trainer.add_callback``)
-never saw ``on_init_end`` with this model, and training it untiled while the user asked for tiling is
-refused there, naming the fix.
-
-Importing this module needs transformers (every LLaMA-Factory install has it), not LLaMA-Factory: the
-LLaMA-Factory release is checked when the model is tiled (``framework_settings.LLAMAFACTORY``).
+``Trainer.__init__`` ends with the callbacks' ``on_init_end``, given the model after LLaMA-Factory's
+``load_model`` and before the optimizer and accelerate's ``prepare``: it tiles there, in place.
+``on_train_begin`` refuses a callback added after the trainer was built (it never saw the model). Importing
+needs transformers only; the LLaMA-Factory release is checked when tiling (``framework_settings.LLAMAFACTORY``).
 """
 from __future__ import annotations
 

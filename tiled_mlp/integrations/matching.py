@@ -6,14 +6,11 @@ text MLP of most multimodal models, per-expert MLPs and shared experts). A trans
 module (``experts(hidden_states, top_k_index, top_k_weights)``) is tiled through ``TiledExperts``. The walk
 stops at a match, so nothing is tiled twice.
 
-A mixture-of-experts block as a whole is never tiled: its router would run inside the shard loop, whose forward
-builds no autograd graph, so the router logits transformers records for the load-balancing loss
-(``output_router_logits``) would carry no gradient (measured: the tiled Mixtral's ``aux_loss`` had no
-``grad_fn``). The router is small (``[tokens, experts]``); the experts hold the large intermediates. Fused experts
-modules (Mixtral, Qwen3-MoE and ~60 others) take one token a row, with three inputs: ``TiledExperts`` (tiled in
-place, like ``TiledMLP``) shards the hidden states and passes the indices (integers, as they are) and the routing
-weights as the call's other sharded inputs (``token_inputs``). The routing weights need a gradient (it reaches
-the router): the sharded core finds them read by the first shard and makes them an input of its Function.
+A mixture-of-experts block as a whole is never tiled: its router would run inside the shard loop, which builds
+no graph, so the router logits recorded for the load-balancing loss would carry no gradient (measured: the tiled
+Mixtral's ``aux_loss`` had no ``grad_fn``). ``TiledExperts`` shards the fused experts' hidden states with their
+indices and routing weights as the call's other sharded inputs (``token_inputs``); the weights' gradient reaches
+the router.
 
 What the tiled call can run is also checked here, before anything is patched: the block's forward must
 take exactly one argument (``TiledMLP.forward(x)`` passes nothing else) and must not declare a tuple
@@ -38,14 +35,6 @@ Patterns = Union[None, str, Iterable[str]]
 FUSED_EXPERTS_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 # The experts' weights are 3-D parameters, not gated Linears: the gated fast kernel never applies.
 FUSED_EXPERTS = "its weights are not gated nn.Linear projections (fused MoE experts)"
-
-
-def is_fused_experts(module: nn.Module) -> bool:
-    try:
-        names = tuple(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return False
-    return names == FUSED_EXPERTS_INPUTS
 
 
 class TiledExperts(TiledMLP):
@@ -85,20 +74,15 @@ def _is_linear_like(module) -> bool:
     )
 
 
-def gated_layout(module: nn.Module) -> Optional[Tuple[str, ...]]:
-    for layout in GATED_LAYOUTS:
-        if all(_is_linear_like(getattr(module, name, None)) for name in layout):
-            return layout
-    return None
-
-
 def structural_kind(module: nn.Module) -> Optional[str]:
     """"gated" or "experts" for a block the walk tiles, None for anything else."""
-    if gated_layout(module) is not None:
+    if any(all(_is_linear_like(getattr(module, name, None)) for name in layout) for layout in GATED_LAYOUTS):
         return "gated"
-    if is_fused_experts(module):
-        return "experts"
-    return None
+    try:
+        names = tuple(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return "experts" if names == FUSED_EXPERTS_INPUTS else None
 
 
 def call_problem(module: nn.Module) -> str:

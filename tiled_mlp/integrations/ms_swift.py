@@ -1,21 +1,14 @@
-"""ms-swift: tile the model that ``swift sft`` builds, through ms-swift's ``--external_plugins``.
+"""ms-swift: tile the model that ``swift sft`` builds, through ms-swift's ``--external_plugins`` (docs/ms-swift.md).
 
-ms-swift 4.6.0 has no tiling flag of its own (``--use_tiled_mlp`` fails with ``ValueError: remaining_argv``). Its
-``--external_plugins`` imports a Python file before training; the file this package ships for it
-(``python -m tiled_mlp.integrations.ms_swift`` prints its path) wraps ``SwiftSft.prepare_model``, so the model
-ms-swift built and adapted (LoRA by default) is tiled just before its trainer is made::
-
-    swift sft ... --external_plugins "$(python -m tiled_mlp.integrations.ms_swift)" \\
-        --model_kwargs '{"use_tiled_mlp": true, "tiled_mlp_num_shards": 4, "use_tiled_norms": true}'
-
-The flags are ``apply_from_flags``' names, read from ms-swift's own ``--model_kwargs`` (which ms-swift also
-exports to the environment, upper-cased) or from the environment (``USE_TILED_MLP=true TILED_MLP_NUM_SHARDS=4
-swift sft ...``); ``--model_kwargs`` wins where both say something.
+ms-swift 4.6.0 has no tiling flag of its own. The plugin file this package ships (``python -m
+tiled_mlp.integrations.ms_swift`` prints its path) wraps ``SwiftSft.prepare_model``, so the model ms-swift built
+and adapted is tiled just before its trainer is made; the flags are ``apply_from_flags``' names, from
+``--model_kwargs`` or else the environment (upper-cased).
 
 This module is the one seam to ms-swift: it touches ``swift.pipelines.train.sft.SwiftSft.prepare_model`` (a
 classmethod taking ``(args, model, **options)`` and returning the model) and ``args.model_kwargs``. It tiles only
-on the ms-swift releases it was checked on (the installed one, ``checked_versions.installed("ms-swift")``) and only
-in ``swift sft``; elsewhere, when a flag asks for tiling, it refuses before any work with an error naming them.
+on the ms-swift releases it was checked on and only in ``swift sft``; elsewhere, when a flag asks for tiling, it
+refuses before any work with an error naming them.
 """
 from __future__ import annotations
 

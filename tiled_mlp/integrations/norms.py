@@ -9,7 +9,7 @@ Under ZeRO-3 a parameter's local tensor is empty and its shape is ``ds_shape``: 
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -42,11 +42,6 @@ def hidden_size(model: nn.Module) -> Optional[int]:
     return width if isinstance(width, int) else None
 
 
-def _shape(param: torch.Tensor) -> Tuple[int, ...]:
-    """The parameter's full shape: ZeRO-3 keeps it in ``ds_shape`` and an empty local tensor."""
-    return tuple(getattr(param, "ds_shape", None) or param.shape)
-
-
 def is_norm(module: nn.Module, hidden: int) -> bool:
     """An RMSNorm with no submodule and one 1-D weight of ``hidden`` elements."""
     if not (isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")):
@@ -54,7 +49,8 @@ def is_norm(module: nn.Module, hidden: int) -> bool:
     if next(module.children(), None) is not None:
         return False
     params = list(module.parameters())
-    return len(params) == 1 and _shape(params[0]) == (hidden,)
+    # The full shape: ZeRO-3 keeps it in ``ds_shape`` beside an empty local tensor.
+    return len(params) == 1 and tuple(getattr(params[0], "ds_shape", None) or params[0].shape) == (hidden,)
 
 
 def norm_names(model: nn.Module, inside: Sequence[str] = ()) -> List[str]:

@@ -57,10 +57,8 @@ def apply_checkpoint_offload(model: nn.Module) -> CheckpointOffload:
 
 
 class _CheckpointCall(nn.Module):
-    """Where an HF layer that runs its checkpoint in ``__call__`` (around its own module hooks, so hooks on
-    the layer would sit inside the checkpoint and see none of its saved inputs) calls its checkpoint
-    function: a module of its own, whose hooks sit outside the checkpoint, as the layer's own do where HF
-    checkpoints ``forward``. The layer's input is its first positional argument in both."""
+    """Where an HF layer that checkpoints in ``__call__`` (around its own hooks, which would then see none of
+    the saved inputs) calls its checkpoint function: a module whose hooks sit outside the checkpoint."""
 
     def __init__(self, checkpoint: Any) -> None:
         super().__init__()
@@ -120,15 +118,12 @@ def _forward_hook_ids(model: nn.Module) -> List[Tuple[nn.Module, int]]:
     return [(module, key) for module in model.modules() for key in module._forward_hooks]
 
 
-def _attributes(model: nn.Module) -> List[Tuple[nn.Module, str, Any]]:
-    return [(module, name, vars(module).get(name, _ABSENT)) for module in model.modules() for name in _ATTRIBUTES_SET]
-
-
 def checkpointing_on(model: nn.Module) -> CheckpointingTurnedOn:
     """Hugging Face's non-reentrant layer checkpointing on ``model`` (what the offload works on; the
     planner's modelled step turns it on the same way); returns what it added."""
     hooks_before = {(id(module), key) for module, key in _forward_hook_ids(model)}
-    attributes_before = _attributes(model)
+    attributes_before = [(module, name, vars(module).get(name, _ABSENT)) for module in model.modules()
+                         for name in _ATTRIBUTES_SET]
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # type: ignore[operator]

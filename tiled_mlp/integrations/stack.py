@@ -1,24 +1,15 @@
-"""The long-sequence stack on a Hugging Face causal LM in one call, and off again in one.
+"""The long-sequence stack on a Hugging Face causal LM in one call, and off again in one
+(docs/long-context-stack.md, "The long-sequence stack").
 
-``apply_long_context(model)`` composes the library's pieces, each also callable alone:
-
-1. the tiled MLP, the tiled RMSNorms and the tiled loss (``apply_tiled_mlp(model, loss=True,
-   norms=True)``): no MLP intermediate, no norm's float32 copy and no logits held at full length;
-2. layer checkpointing (Hugging Face's, non-reentrant), turned on if the model has none, and checkpoint
-   offload (``apply_checkpoint_offload``): each checkpointed layer's input, but the last's, waits for its
-   backward in host memory;
-3. Ulysses sequence parallelism (``apply_sequence_parallel``) when ``sequence_parallel > 1``: every
-   rank holds ``1 / sequence_parallel`` of each sequence.
-
-The order matters once: SP needs the tiled loss on the model (its per-rank sums are divided once by the
-group's count), so the loss goes first. Everything SP can refuse without a change is asked before the
-first step, and an error at any later step undoes the steps before it. A model that already carries a
-piece (tiled before, its own offload) is refused: ``remove()`` could not tell its pieces from the call's.
+``apply_long_context(model)`` composes the tiled MLP, RMSNorms and loss, layer checkpointing with checkpoint
+offload, and Ulysses SP, each also callable alone. The loss goes first (SP divides its per-rank sums once over
+the group); every refusal SP can make is asked before any change, and an error at a later step undoes the
+steps before it. A model already carrying a piece is refused: ``remove()`` could not tell them apart.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -105,8 +96,7 @@ def apply_long_context(
     if sequence_parallel != 1:
         check_sequence_parallel(model, sequence_parallel)
     stack = LongContextStack(model)
-    undo: List[Callable[[], Any]] = []
-    try:
+    try:  # each piece is recorded on the handle as soon as it is on, so remove() undoes exactly those
         if tiled_mlp or tiled_norms:
             if not tiled_mlp:
                 tiling["include"] = []  # the norms alone: an empty include selects no MLP block
@@ -114,19 +104,14 @@ def apply_long_context(
                                            loss_num_shards=loss_num_shards, grad_accum_dtype=grad_accum_dtype, **tiling)
         elif tiled_loss:
             stack.report = apply_tiled_loss(model, num_shards=loss_num_shards, grad_accum_dtype=grad_accum_dtype)
-        if stack.report is not None:
-            undo.append(lambda: remove_tiled_mlp(model))
         if checkpoint_offload:
             if not checkpointed_layers(model):
-                turned_on = stack.checkpointing_turned_on = checkpointing_on(model)
-                undo.append(lambda: checkpointing_off(model, turned_on))
+                stack.checkpointing_turned_on = checkpointing_on(model)
             stack.offload = apply_checkpoint_offload(model)
-            undo.append(stack.offload.remove)
         if sequence_parallel != 1:
             stack.sequence_parallel = apply_sequence_parallel(model, sequence_parallel,
                                                               micro_batch_size=micro_batch_size)
     except BaseException:
-        for step in reversed(undo):
-            step()
+        stack.remove()
         raise
     return stack

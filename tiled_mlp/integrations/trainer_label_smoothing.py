@@ -1,31 +1,16 @@
-"""transformers' Trainer with ``label_smoothing_factor``: hand the smoothing to the tiled loss.
+"""transformers' Trainer with ``label_smoothing_factor``: hand the smoothing to the tiled loss
+(docs/long-context-stack.md, "Label smoothing from the Trainer").
 
-With ``label_smoothing_factor > 0`` the Trainer builds ``trainer.label_smoother`` (a ``LabelSmoother``) and,
-in ``Trainer.compute_loss``, takes ``labels`` out of the inputs, calls the model without them and smooths the
-loss from the logits it returns. The tiled loss then never runs (a call without labels), and the model forms
-the whole ``[tokens, vocab]`` logits at every step. The tiled forward says so at the first such call (a
-warning: what computes a loss outside the model cannot be seen from inside it).
+With a ``LabelSmoother`` the Trainer takes ``labels`` out of the inputs and smooths the loss from the logits, so
+the tiled loss never runs. ``use_tiled_label_smoothing(trainer)`` gives the tiled loss the smoother's
+``epsilon`` and sets ``trainer.label_smoother`` to None, so ``compute_loss`` passes the labels (and
+``num_items_in_batch``) to the model: the same numbers, per valid token ``(1 - eps) * nll + eps *
+mean_j(-log p_j)``, but for ``LabelSmoother``'s float32 sum of the smoothing term.
 
-``use_tiled_label_smoothing(trainer)`` moves the smoothing into the tiled loss: it gives the tiled loss the
-label smoother's ``epsilon`` and sets ``trainer.label_smoother`` to None, so ``compute_loss`` passes the
-labels (and ``num_items_in_batch``) to the model, whose tiled loss computes the same smoothed loss without the
-logits. The numbers are ``LabelSmoother``'s: per valid token ``(1 - eps) * nll + eps * mean_j(-log p_j)``, the
-sum divided by ``num_items_in_batch`` where the Trainer gives it, else by the valid tokens (for a causal LM
-the Trainer shifts the labels, as the tiled loss does). ``LabelSmoother`` sums its smoothing term in float32
-(``dtype=torch.float32``) whatever the logits' dtype; the tiled loss sums it in the loss dtype (float64 for a
-float64 model), so in float64 the two differ at float32's rounding of that one term.
-
-Read on transformers 5.25.0 and 5.19.0 (``CHECKED``, with the releases between; the tests pass on both ends): the attribute ``label_smoother``, the ``LabelSmoother``
-class and its ``epsilon``/``ignore_index``, and ``Trainer.compute_loss``'s use of them. Refused, before
-anything changes:
-- a trainer whose ``compute_loss`` is not ``Trainer``'s own (TRL's ``SFTTrainer`` smooths from the logits in
-  its own ``compute_loss``: dropping its smoother would drop the smoothing), or that has a
-  ``compute_loss_func`` (it computes the loss from the logits, before the smoother);
-- a model that does not take ``num_items_in_batch`` (``trainer.model_accepts_loss_kwargs`` False: the
-  smoother would divide by the whole batch's count and the model by its own);
-- a mixture-of-experts family: the model's loss adds the router's auxiliary loss, which the
-  ``LabelSmoother`` (reading the logits only) leaves out, so the numbers would change;
-- no tiled loss on the trainer's model, a label smoother of another class or another ``ignore_index``.
+Read on transformers 5.19.0 and 5.25.0 (``CHECKED``): the attribute ``label_smoother``, ``LabelSmoother`` and its
+``epsilon``/``ignore_index``, and ``Trainer.compute_loss``'s use of them. Refused before anything changes: a
+``compute_loss`` of the trainer's own (TRL's ``SFTTrainer`` smooths in it), a ``compute_loss_func``, a model
+not taking ``num_items_in_batch``, the MoE families (the smoother leaves the router's auxiliary loss out).
 """
 from __future__ import annotations
 

@@ -1,28 +1,14 @@
-"""TRL's fused LM head, as the tiled loss sees it: recognised by what it is, on the TRL versions it was read on.
+"""TRL's fused LM head, as the tiled loss sees it: recognised by what it is, on the TRL versions it was read on
+(docs/long-context-stack.md, "TRL").
 
-TRL's trainers (``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer``, ``GRPOTrainer``, ``RLOOTrainer``) call
-``trl.trainer.utils.add_fused_lm_head(model)`` when they are built. It sets ``model.forward`` to a method
-bound to the model whose function is a closure (``_fused_forward``) over the forward the model had then
-(``original_forward``), made to look like the class's forward (``functools.wraps(type(model).forward)``:
-its ``__name__``, ``__qualname__``, ``__module__`` and ``__wrapped__`` are the class forward's). Called with
-``fused_lm_head=True`` (every labelled call TRL's trainers make), it runs the decoder itself
-(``model.base_model``) and computes per-token log-probabilities through ``lm_head`` in tiles of tokens and
-vocabulary (``trl.kernels.ChunkedLogProbFunction``), never the ``[tokens, vocab]`` logits, and the trainer
-forms the loss from them; ``original_forward`` is not called. Without ``fused_lm_head`` it calls
-``original_forward`` with the arguments as given.
-
-So the loss TRL's trainers train on never passes through the model's forward: TRL already computes it
-without the logits, and a tiled loss on that forward would not run for it. What this module gives the
-tiled loss:
-
-- ``fused_head(forward)``: TRL's fused forward and what it wraps, when ``forward`` is one. Recognised by
-  its code object, which is the nested function's code that the installed ``add_fused_lm_head`` holds
-  (each call makes a new closure over that one code object; ``functools.wraps`` changes names, not code),
-  and read through its closure cell ``original_forward``. On a TRL version it was not read on, that is
-  refused: the closure's layout and what the fused call does could differ.
-- ``describe``: who TRL is in a message (its version and function).
-
-TRL is never imported here: its fused forward can only exist once ``trl.trainer.utils`` is imported.
+TRL's trainers call ``trl.trainer.utils.add_fused_lm_head(model)`` when built: ``model.forward`` becomes a method
+whose function is a closure (``_fused_forward``) over the forward the model had (cell ``original_forward``),
+made to look like the class's forward with ``functools.wraps``. Called with ``fused_lm_head=True`` (every
+labelled call of TRL's trainers) it runs the decoder itself and computes per-token log-probabilities through
+``lm_head`` in tiles, never the logits, and never calls ``original_forward``; without it, it calls
+``original_forward``. ``fused_head`` recognises it by its code object (the nested function's code in the
+installed ``add_fused_lm_head``: names change under ``wraps``, code does not) and refuses a TRL release it was not
+read on. TRL is never imported here: its fused forward can exist only once ``trl.trainer.utils`` is.
 """
 from __future__ import annotations
 

@@ -1,35 +1,11 @@
 """Ulysses sequence parallelism on a Hugging Face model, beside the tiled MLP and the tiled loss.
 
-The engine is DeepSpeed's (``deepspeed.runtime.sequence_parallel.ulysses_sp``), not one of ours:
-``UlyssesSPAttentionHF`` takes the place of the model's attention function (an all-to-all turns each
-rank's [its tokens, all heads] into [all tokens, its heads], the attention runs, and an all-to-all turns
-it back) and ``UlyssesSPDataLoaderAdapter`` gives each rank its slice of every sample, labels shifted
-before the split. What this module adds is the composition:
-
-- each rank's tiled MLPs tile that rank's tokens (shard counts are per rank, from the local length:
-  nothing to do, the MLP only ever sees the local slice);
-- the tiled loss sums over the rank's slice and divides once, by the valid tokens of the whole group
-  (``tiled_mlp.core.sequence_group``), so every rank returns the whole sequence's loss, with gradients
-  that the backend's averaging over ranks turns into the whole sequence's gradient (DDP, FSDP2, ZeRO-3;
-  DeepSpeed's ZeRO-1/2, and ZeRO-3 with ``reduce_scatter: false``, sum over the SP ranks instead: see
-  ``tiled_core/sequence_group.py``).
-
-- the attention masks DeepSpeed's wrapper drops (a sliding window, a padding mask) are rebuilt for the
-  whole sequence after the all-to-all, or refused where they cannot be (``ulysses_masks.py``);
-- a RoPE whose frequencies follow the sequence's length (``dynamic``, ``longrope``) takes the whole
-  sequence's on every rank, not its slice's (``ulysses_rope.py``).
-
-Sequence parallelism is not a parameter strategy: which backend owns the weights (DDP, FSDP2, ZeRO) is
-still resolved per tiled call, and SP composes beside it. The strategies see it at the tiled loss: each
-that carries the ``SequenceParallelAware`` capability says whether its gradient reduction sums or averages
-over the SP ranks, and refuses a reduction that leaves SP ranks out; a backend in play without that
-capability is refused (``strategies/resolver.py``: ``sums_over_sequence_ranks``).
-
-The model's own loss must not run under SP (a per-rank mean over a slice is the wrong loss when the
-ranks' masks differ), so the tiled loss must be on the model first. Hugging Face's Trainer, with
-accelerate's ``ParallelismConfig(sp_backend="deepspeed")``, does the same composition itself: it
-re-weights each rank's mean by its valid tokens, which the tiled loss also survives unchanged (its
-per-rank mean is a mean); this module is for loops that do not use the Trainer.
+The engine is DeepSpeed's (``UlyssesSPAttentionHF``, ``UlyssesSPDataLoaderAdapter``); this module adds the
+composition, described with what it refuses in docs/long-context-stack.md ("Sequence parallelism"): the
+tiled loss divides once over the group (``tiled_core/sequence_group.py``; the backends' sum-or-average answer
+is ``SequenceParallelAware``'s), the masks DeepSpeed's wrapper drops are rebuilt or refused
+(``ulysses_masks.py``), a length-dependent RoPE gets the whole sequence's frequencies (``ulysses_rope.py``).
+The model's own loss must not run under SP (a per-rank mean over a slice), so the tiled loss goes on first.
 """
 from __future__ import annotations
 
@@ -88,14 +64,10 @@ class SequenceParallel:
         return dist.get_rank(self.group)
 
     def shard(self, batch: Mapping[str, Any]) -> Dict[str, Any]:
-        """This rank's slice of a batch every rank of the group holds whole (``[batch, tokens]`` tensors).
-
-        As DeepSpeed's data-loader adapter does for each sample: ``labels`` become ``shift_labels`` (shifted
-        over the whole sequence, before the split: the last token of one slice predicts the first of the
-        next), ``position_ids`` default to ``arange`` (what the model would use), and every tensor is cut
-        along the tokens. The length must be a multiple of the SP size, and the batch ``micro_batch_size``
-        samples (what DeepSpeed's attention was built for: ``apply_sequence_parallel(..., micro_batch_size=)``).
-        """
+        """This rank's slice of a batch every rank holds whole (``[batch, tokens]`` tensors), as DeepSpeed's
+        data-loader adapter cuts a sample: ``labels`` become ``shift_labels`` shifted over the whole sequence
+        before the split (a slice's last token predicts the next slice's first), ``position_ids`` default to
+        ``arange``."""
         batch = dict(batch)
         ids = batch.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
@@ -146,20 +118,10 @@ class SequenceParallel:
 
 
 def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: int = 1) -> SequenceParallel:
-    """Ulysses SP of ``size`` ranks on ``model`` (a causal LM with the tiled loss on it), on the process
-    group already initialized; consecutive ranks share a sequence (DeepSpeed's layout: with 4 ranks and
-    ``size=2``, ranks 0-1 and 2-3). Every rank calls it. Returns the handle; ``.remove()`` undoes it.
-
-    The attention implementation stays the model's (``sdpa``, a flash-attention kernel, flex): DeepSpeed
-    wraps it, for this model's attention modules only (other models in the process keep theirs).
-    Refused before any change: ``eager`` (it needs a [tokens, tokens] mask), MoE families (their router
-    loss is not a sum over tokens), sizes that do not divide the heads or the world, a sliding window
-    under an attention other than sdpa or flash attention, masks other than causal, windowed and padded,
-    a length-dependent RoPE (``dynamic``, ``longrope``) on a rotary embedding whose forward is not
-    transformers' ``dynamic_rope_update`` (``ulysses_rope.py``; with it, every rank gets the whole
-    sequence's frequencies), DTensor tensor parallelism on the attention (at the first attention call where
-    it is applied after SP).
-    """
+    """Ulysses SP of ``size`` ranks on ``model`` (a causal LM with the tiled loss on it); every rank calls it,
+    consecutive ranks share a sequence (DeepSpeed's layout). The model's attention implementation is wrapped
+    for its own attention modules only. Every refusal (``check_sequence_parallel``) comes before any change.
+    Returns the handle; ``.remove()`` undoes it."""
     import torch.distributed as dist
 
     from .causal_lm_loss import tiled_loss_forward
@@ -175,15 +137,14 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     decoder = installed.model.get_decoder()
     # What the name holds, a user's override included: this model's attention after the all-to-all, and
     # every other model's attention, are what they would be without SP.
-    held = ALL_ATTENTION_FUNCTIONS[attention] if attention in ALL_ATTENTION_FUNCTIONS else None
+    held = ALL_ATTENTION_FUNCTIONS.get(attention)
     kind = attention_kind(held)
     undo = undo_attention(installed.model, attention, ALL_ATTENTION_FUNCTIONS)
     if held is not None:
         # DeepSpeed wraps what the name holds when it registers: it runs this after its all-to-all.
         ALL_ATTENTION_FUNCTIONS[attention] = whole_sequence_attention(held, kind, decoder.config)
     try:
-        mpu = deepspeed_internals.register_ulysses(installed.model, attention, size, micro_batch_size,
-                                                   ALL_ATTENTION_FUNCTIONS)
+        mpu = deepspeed_internals.register_ulysses(installed.model, attention, size, micro_batch_size)
     except BaseException:
         # DeepSpeed creates its SP groups before its own checks (eager refused, a config mismatch): a
         # refused call must leave nothing behind, or the next apply finds the groups "already exist".
@@ -237,7 +198,7 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
                          "use sdpa, flash_attention_2 or flex_attention (DeepSpeed's rule)")
     ALL_ATTENTION_FUNCTIONS = transformers_internals.attention_functions()
     attention = config._attn_implementation
-    held = ALL_ATTENTION_FUNCTIONS[attention] if attention in ALL_ATTENTION_FUNCTIONS else None
+    held = ALL_ATTENTION_FUNCTIONS.get(attention)
     refuse_held_attention(attention, held)
     check_masks(text, attention, attention_kind(held))
     check_no_tensor_parallel_attention(causal_lm, heads)
@@ -249,9 +210,8 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
 
 
 def shares_heads(heads: int, kv_heads: int, size: int) -> Tuple[bool, bool]:
-    """Whether ``size`` Ulysses ranks can share the query heads (each rank attends over whole heads: ``size``
-    divides them) and the key/value heads (``size`` divides them, or is a multiple of them: DeepSpeed's
-    class then repeats each key/value head ``size / kv_heads`` times)."""
+    """Whether ``size`` ranks can share the query heads (it divides them: whole heads a rank) and the key/value
+    heads (it divides them, or is a multiple: DeepSpeed repeats each key/value head ``size / kv_heads`` times)."""
     return heads % size == 0, kv_heads % size == 0 or size % kv_heads == 0
 
 
@@ -279,14 +239,12 @@ def _scope_to(model: nn.Module, attention: str, functions: Any, before: Optional
 
 def undo_attention(model: nn.Module, attention: str, functions: Any) -> Callable[[], None]:
     """What puts back what DeepSpeed's SP changes outside its groups: the attention function under
-    ``attention`` (``ALL_ATTENTION_FUNCTIONS`` keeps a per-instance override over the library-wide mapping;
-    DeepSpeed writes the override, so where there was none before, the override is deleted rather than
-    set to the old function, which would hide a later ``AttentionInterface.register``), and every
-    attention module's ``num_key_value_groups`` (DeepSpeed sets it to 1 in the forward when SP
-    replicates the key/value heads; left so, a forward without SP would not repeat them)."""
+    ``attention`` (DeepSpeed writes ``ALL_ATTENTION_FUNCTIONS``' per-instance override: one absent before is
+    deleted, not set, which would hide a later ``AttentionInterface.register``), and every attention module's
+    ``num_key_value_groups`` (DeepSpeed sets it to 1 when SP replicates the key/value heads)."""
     local = getattr(functions, "_local_mapping", None)
     had_override = local is not None and attention in local
-    before = functions[attention] if attention in functions else None
+    before = functions.get(attention)
     groups = {m: m.num_key_value_groups for m in model.modules() if isinstance(getattr(m, "num_key_value_groups", None), int)}
 
     def undo() -> None:

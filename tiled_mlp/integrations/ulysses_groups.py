@@ -1,33 +1,17 @@
-"""What Ulysses SP leaves in DeepSpeed's process-wide state, and what it checks at each forward.
+"""What Ulysses SP leaves in DeepSpeed's and transformers' process-wide state, and what it checks at each forward.
 
-DeepSpeed's groups: ``deepspeed.initialize(mpu=sp.mpu)`` writes the SP state module into
-``deepspeed.utils.groups.mpu`` (and ``deepspeed.checkpointing.configure(mpu_=...)`` into its own ``mpu``),
-where every later engine reads its SP size and groups. Releasing the SP groups leaves those slots pointing
-at a module with no groups, and the next plain ``deepspeed.initialize`` stops on "sequence data parallel
-group is not initialized". ``DeepSpeedSlots`` remembers the slots when SP is applied and puts back, on
-removal, each one that still holds the SP state.
-
-The attention registry: transformers' ``ALL_ATTENTION_FUNCTIONS`` is one per process, and SP routes the
-entry of its model's attention name through DeepSpeed's all-to-all for that model. The entry is marked
-with the stack that holds it (``hold_attention``), so that a second apply while it is held says which
-stack holds it and how to free it (``refuse_held_attention``), rather than mistaking the held entry for
-a user's own attention function.
-
-The forward guard: DeepSpeed's Ulysses attention is built for a fixed micro batch (its shape assertion fires
-deep inside the first attention call), and under SP the positions of a rank's slice start where the slice
-starts, which only ``position_ids`` carry (without them each rank's model counts from 0: wrong for every
-rank but the first, and the sign of a batch handed to the model whole instead of cut by ``shard()``).
-``guard_inputs`` refuses both at the model's forward, before any layer runs, naming the fix.
-
-Tensor parallelism on the attention SP wraps is refused: DeepSpeed's ``UlyssesSPAttentionHF`` is built on the
-config's head counts and all-to-alls [its tokens, every head] into [every token, its share of the heads], asserting
-that shape, while under DTensor TP on q/k/v/o a rank holds only its slice of the heads (measured: SP=2 beside TP=2
-on 4 gloo ranks stops at the first attention, naming neither problem nor fix). Composing them would need the
-attention built on local head counts, SP groups orthogonal to TP groups and the TP projections' gradients summed
-over SP ranks, none of which can be set up or checked here. Decided by the parameters: a ``DTensor`` parameter of
-an attention module. At the attention call that is exact (FSDP2 has unsharded its own parameters by then); at
-apply time FSDP2's sharded parameters are DTensors too, so the check there runs only on a model with no FSDP2
-unit (the call check covers ``fully_shard`` applied after SP).
+- DeepSpeed's ``mpu`` slots: ``deepspeed.initialize(mpu=sp.mpu)`` writes the SP state module into
+  ``deepspeed.utils.groups.mpu`` (and ``deepspeed.checkpointing``'s), where every later engine reads its SP
+  groups; once released, the next plain ``deepspeed.initialize`` stops on "sequence data parallel group is
+  not initialized". ``DeepSpeedSlots`` puts back each slot that still holds the SP state.
+- transformers' ``ALL_ATTENTION_FUNCTIONS`` is one per process: the entry SP writes is marked with its stack
+  (``hold_attention``), so a second apply names the holder (``refuse_held_attention``).
+- ``guard_inputs``: DeepSpeed's attention is built for a fixed micro batch (its assertion fires deep in the
+  first attention call), and a slice's positions come only from ``position_ids``: both refused at the forward.
+- DTensor tensor parallelism on the attention: ``UlyssesSPAttentionHF`` is built on the config's head counts
+  and asserts whole heads, while a TP rank holds a slice (measured: SP=2 beside TP=2 on 4 gloo ranks stops at
+  the first attention, naming neither problem nor fix). Refused at the attention call; at apply only on a
+  model with no FSDP2 unit (whose sharded parameters are DTensors too until its forward).
 """
 from __future__ import annotations
 
@@ -35,7 +19,7 @@ import inspect
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -113,7 +97,6 @@ def guard_inputs(model: nn.Module, micro_batch_size: int) -> Any:
     return model.register_forward_pre_hook(check, with_kwargs=True)
 
 
-
 # The attribute marking an attention function that an SP stack put in transformers' registry.
 _HELD_BY = "_tiled_mlp_sequence_parallel_model"
 
@@ -153,24 +136,13 @@ TENSOR_PARALLEL_ERROR = (
 )
 
 
-def dtensor_parameter_names(module: nn.Module) -> List[str]:
-    """The names of ``module``'s parameters that are DTensors."""
-    from torch.distributed.tensor import DTensor
-
-    return [name for name, p in module.named_parameters() if isinstance(p, DTensor)]
-
-
 def check_attention_not_tensor_parallel(attention: nn.Module, heads: object) -> None:
     """Raise ``TENSOR_PARALLEL_ERROR`` where ``attention`` (a module Ulysses wraps) holds a DTensor parameter."""
-    names = dtensor_parameter_names(attention)
+    from torch.distributed.tensor import DTensor
+
+    names = [name for name, p in attention.named_parameters() if isinstance(p, DTensor)]
     if names:
         raise ValueError(TENSOR_PARALLEL_ERROR.format(module=type(attention).__name__, names=names, heads=heads))
-
-
-def attention_modules(model: nn.Module) -> List[nn.Module]:
-    """The model's attention modules: those carrying ``num_key_value_groups``, the attribute DeepSpeed's Ulysses
-    attention reads and writes on the module it is called with (every Hugging Face attention has it)."""
-    return [m for m in model.modules() if isinstance(getattr(m, "num_key_value_groups", None), int)]
 
 
 def check_no_tensor_parallel_attention(model: nn.Module, heads: object) -> None:
@@ -180,5 +152,6 @@ def check_no_tensor_parallel_attention(model: nn.Module, heads: object) -> None:
 
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         return
-    for attention in attention_modules(model):
-        check_attention_not_tensor_parallel(attention, heads)
+    for module in model.modules():  # the attention modules: every HF one has the num_key_value_groups DeepSpeed uses
+        if isinstance(getattr(module, "num_key_value_groups", None), int):
+            check_attention_not_tensor_parallel(module, heads)

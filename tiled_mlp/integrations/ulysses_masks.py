@@ -1,34 +1,16 @@
-"""Causal order, sliding windows and padding for the attention under Ulysses sequence parallelism.
+"""Causal order, sliding windows and padding for the attention under Ulysses sequence parallelism
+(docs/long-context-stack.md, "Sequence parallelism": attention masks).
 
-DeepSpeed's wrapper drops every attention mask (each rank's model built it for its slice; after the
-all-to-all the attention runs on the whole sequence). Under sdpa the mask is where a sliding window and a
-padding mask live, so both would be lost. After the all-to-all a rank holds the whole sequence for its
-heads, and the whole sequence's ``position_ids`` (DeepSpeed all-gathers them): the mask can be built there,
-for the whole sequence, by Hugging Face's own functions (``masking_utils.create_causal_mask`` and
-``create_sliding_window_causal_mask``), so the window's bounds, the padding and the rows a left padding
-leaves with no key are HF's by construction. Packed samples (``position_ids`` restarting, no padding
-mask) are told apart exactly when HF's decoder tells them apart: when it holds no cache for this call
-(``use_cache=False``, or forced off by gradient checkpointing in training). That decision is HF's own,
-observed rather than re-derived: the decoder hands the cache it built its masks with (or ``None``) to
-each of its layers, and a pre-hook on the layers reads it (``CACHE_KWARGS``).
-
-Two pieces carry it:
-
-- a forward pre-hook on the decoder (the model that builds the masks) all-gathers the 2-D padding mask
-  over the SP group (each rank holds its slice; ``shard()`` and DeepSpeed's data loader cut it along the
-  tokens) and hands the whole mask to every attention call as one more keyword argument, which Hugging
-  Face passes down from the decoder to the attention function, and which its checkpointing keeps bound
-  to the layer for the recompute (a forward's mask never meets another forward's recompute);
-- a forward pre-hook on each decoder layer (HF's ``GradientCheckpointingLayer``, before its checkpointing
-  drops the cache) records whether the decoder passed it a cache;
-- the inner attention DeepSpeed calls after the all-to-all (``whole_sequence_attention``) takes that argument
-  and the layer's ``sliding_window`` (what each HF attention module passes for its own layer: the
-  config's window on a sliding layer, ``None`` on a full one) and calls the library's attention with HF's mask.
-
-What cannot be exact is refused: a flash attention gets the window as it would without SP (the
-same call, the same ``sliding_window`` and ``position_ids``, no mask either way) but cannot take a
-padding mask here; flex attention and any other attention get DeepSpeed's causal mask only, so a windowed
-config is refused when SP is applied, and a padding mask at the call.
+DeepSpeed's wrapper drops every attention mask. After its all-to-all a rank holds the whole sequence for its
+heads and the whole sequence's ``position_ids``, so under sdpa the mask is built there by Hugging Face's own
+functions (``create_causal_mask``, ``create_sliding_window_causal_mask``): the window, the padding and the
+rows a left padding leaves with no key are HF's by construction. Three hooks carry it: a pre-hook on the
+decoder all-gathers the 2-D padding mask and passes it down to the attention as one more keyword argument
+(which HF's checkpointing keeps bound for the recompute); a pre-hook on each decoder layer records whether
+the decoder passed it a cache (HF tells packed samples apart only without one: its decision, observed,
+``CACHE_KWARGS``); ``whole_sequence_attention`` builds HF's mask from both. Flash attention keeps the window
+as without SP but takes no padding mask; any other attention gets DeepSpeed's causal call, so a window or a
+padding mask under it is refused.
 """
 from __future__ import annotations
 
@@ -59,11 +41,9 @@ class WholeSequence:
     cached: Optional[bool] = None
 
 
-def attention_kind(function: Optional[Callable]) -> str:
-    """``"sdpa"`` or ``"flash"`` for the library's own functions (what the masks here are built for);
-    ``"other"`` for anything else (flex attention, a registered custom function, a user's function put
-    under a library name: it gets DeepSpeed's call as it comes)."""
-    return transformers_internals.library_attention_kind(function)
+# "sdpa" or "flash" for transformers' own functions (what the masks here are built for), "other" for any other
+# (flex, a registered or user's function under a library name: it gets DeepSpeed's call as it comes).
+attention_kind = transformers_internals.library_attention_kind
 
 
 def is_windowed(config: Any) -> bool:
@@ -131,12 +111,10 @@ def capture_padding(decoder: nn.Module, group: Any, kind: str) -> Callable[[], N
 
 
 def whole_padding(arguments: Dict[str, Any], group: Any) -> Optional[torch.Tensor]:
-    """The padding mask of the whole sequence from each rank's call (``None`` if no rank gave one).
-
-    Every rank all-gathers, mask or not (a rank that skipped the collective would hang the others), its
-    slice with a leading column saying whether it gave a mask. A mask is this rank's slice
-    ``[batch, tokens here]``, or the whole ``[batch, tokens here * SP size]`` (then its own slice is sent
-    and the gathered whole must equal it: the ranks agree on one mask)."""
+    """The padding mask of the whole sequence from each rank's call (``None`` if no rank gave one). Every rank
+    all-gathers, mask or not (a rank skipping the collective would hang the others), its slice with a leading
+    column saying whether it gave one. A mask is this rank's slice or the whole; a whole one must equal
+    the gathered whole."""
     import torch.distributed as dist
 
     tokens = arguments.get("input_ids")
@@ -173,10 +151,9 @@ def whole_padding(arguments: Dict[str, Any], group: Any) -> Optional[torch.Tenso
 
 
 def whole_sequence_attention(library: Callable, kind: str, config: Any) -> Callable:
-    """The inner attention DeepSpeed runs after its all-to-all on this model: ``library`` (the function the
-    attention's name has in transformers) with the whole sequence's mask where ``kind`` is ``"sdpa"``; the call
-    as it comes otherwise (a padding mask was refused in the decoder's hook, a window at apply). Called at
-    apply time: transformers' mask builders are adapted to the installed release here, once."""
+    """The inner attention DeepSpeed runs after its all-to-all on this model: ``library`` with the whole
+    sequence's mask where ``kind`` is ``"sdpa"``, else the call as it comes (a padding mask was refused in the
+    decoder's hook, a window at apply)."""
     windowed = is_windowed(config)
     builders = transformers_internals.mask_builders()
 
@@ -189,7 +166,7 @@ def whole_sequence_attention(library: Callable, kind: str, config: Any) -> Calla
         if windowed and "sliding_window" not in kwargs:
             raise RuntimeError(f"sequence parallelism: {type(module).__name__} does not pass its sliding_window to the "
                                "attention function, so its layer's window is unknown here; not supported under SP")
-        if kind == "other" and whole.cached is not True and _packed(kwargs.get("position_ids")):
+        if kind == "other" and whole.cached is not True and transformers_internals.packed_sequences(kwargs.get("position_ids")):
             # Without a cache HF hands the attention a mask that keeps packed samples apart; DeepSpeed hands this
             # attention none (flex: a causal BlockMask over the whole row), so the samples would attend across.
             raise RuntimeError(f"sequence parallelism: packed samples (position_ids restarting) without a cache, under "
@@ -210,18 +187,11 @@ def whole_sequence_attention(library: Callable, kind: str, config: Any) -> Calla
     return attention
 
 
-def _packed(positions: Optional[torch.Tensor]) -> bool:
-    """Whether HF would read ``positions`` as several samples packed in a row (its own test)."""
-    return transformers_internals.packed_sequences(positions)
-
-
 def hf_mask(config: Any, query: torch.Tensor, whole: WholeSequence, kwargs: Dict[str, Any],
             builders: Tuple[MaskBuilder, MaskBuilder]) -> Any:
     """Hugging Face's sdpa mask for the whole sequence ``query`` covers ([batch, heads, tokens, dim]), for
     the layer whose ``sliding_window`` is in ``kwargs``: what the decoder builds without SP (``None`` where
-    sdpa's own causal flag is the mask). ``kwargs["position_ids"]`` are the whole sequence's (DeepSpeed
-    all-gathers them before the attention runs). ``builders``: transformers' full and sliding-window mask
-    builders (``transformers_internals.mask_builders``)."""
+    sdpa's own causal flag is the mask)."""
     window = kwargs.get("sliding_window")
     if window is not None and window != getattr(config, "sliding_window", None):
         raise RuntimeError(f"sequence parallelism: a layer's sliding_window ({window}) is not the config's "

@@ -1,30 +1,15 @@
-"""Length-dependent RoPE under Ulysses SP: every rank takes the whole sequence's frequencies.
+"""Length-dependent RoPE under Ulysses SP: every rank takes the whole sequence's frequencies
+(docs/long-context-stack.md, "Sequence parallelism": RoPE).
 
-Hugging Face's rotary embeddings run once per forward, on each rank before the attention's all-to-all,
-over that rank's slice of ``position_ids``. For most RoPE types the frequencies are fixed at construction
-and a position's angle depends on the position alone, so a slice gets the same cos/sin as the whole
-sequence. Two types pick their frequencies from the call (``transformers.modeling_rope_utils``,
-``dynamic_rope_update``, read in 5.25.0): the decorated ``forward`` takes
-``seq_len = max(position_ids) + 1`` and
-
-- a ``rope_type`` containing ``"dynamic"`` (dynamic NTK) recomputes ``inv_freq`` for ``seq_len`` when it
-  grows past the longest length seen, and resets it below the trained length;
-- ``"longrope"`` (Phi-3-128k, Phi-3.5) takes its long factors where ``seq_len`` exceeds
-  ``original_max_position_embeddings``, its short ones otherwise.
-
-Every other type registered in ``ROPE_INIT_FUNCTIONS`` (``linear``, ``yarn``, ``llama3``,
-``proportional``), and ``default``, is computed once in ``__init__`` without a length
-(``LENGTH_INDEPENDENT``). Under SP a rank whose slice ends early (rank 0 always) would take the short or
-unscaled frequencies the whole sequence does not: a silent wrong loss and gradients.
-
-The fix keeps Hugging Face's own code: each call of a length-dependent rotary embedding on the SP model is
-given one more position, the largest of the whole sequence (an all-reduce MAX of the ranks' largest
-positions over the SP group, one integer per forward), so its ``max(position_ids) + 1`` is the whole
-sequence's; the extra position's cos/sin are cut off its output. A position's cos/sin is an elementwise
-function of that position and the frequencies, so the rank's own positions get bit for bit what the
-whole sequence gives them. A rotary embedding whose ``forward`` is not Hugging Face's decorated one
-(``dynamic_rope_update``), with a length-dependent type, is refused: what it reads from the call is not
-known here.
+Hugging Face's rotary embeddings run on each rank, before the all-to-all, over its slice of ``position_ids``.
+Two types pick their frequencies from the call (``dynamic_rope_update``, read in transformers 5.25.0: it takes
+``seq_len = max(position_ids) + 1``): ``"dynamic"`` recomputes ``inv_freq`` past the longest length seen and
+resets below the trained one; ``"longrope"`` takes its long factors past ``original_max_position_embeddings``.
+Every other registered type is fixed at construction (``LENGTH_INDEPENDENT``). So a rank whose slice ends
+early would take the short frequencies: silently wrong. Each call of such a rotary embedding is given the
+group's largest position as one extra position (an all-reduce MAX) and its cos/sin cut off the output; a
+position's cos/sin is elementwise, so the rank's own get bit for bit the whole sequence's. A length-dependent
+rotary embedding whose ``forward`` is not HF's decorated one is refused.
 """
 from __future__ import annotations
 
@@ -93,7 +78,7 @@ def length_dependent_rotaries(model: nn.Module) -> List[nn.Module]:
         if not dependent:
             continue
         forward = getattr(type(module).forward, "__code__", None)
-        if wrapper is None or forward is not wrapper:
+        if forward is not wrapper:
             raise ValueError(UNKNOWN_FORWARD_ERROR.format(module=type(module).__name__, rope_type=dependent[0],
                                                           independent=", ".join(LENGTH_INDEPENDENT)))
         found.append(module)

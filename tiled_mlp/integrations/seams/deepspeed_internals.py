@@ -2,9 +2,7 @@
 
 - ``UlyssesSPAttentionHF.register_with_transformers``: wraps a model's attention in DeepSpeed's all-to-all
   and creates the SP groups; ``UlyssesSPDataLoaderAdapter``: each rank's slice of every sample;
-- the SP groups' module (``parallel_state_sp``): whether its groups exist, and their release.
-  ``_release_sequence_parallel_groups`` exists from 0.19; before it, the release is the same two
-  module globals set to ``None``, done here;
+- the SP groups' module (``parallel_state_sp``): whether its groups exist, and their release;
 - the module-level ``mpu`` slots DeepSpeed's engines read their parallel groups from
   (``deepspeed.utils.groups``, activation checkpointing's), which ``deepspeed.initialize(mpu=)`` fills.
 
@@ -22,9 +20,9 @@ from tiled_mlp.strategies import checked_versions
 from tiled_mlp.strategies.checked_versions import CheckedRange
 
 # 0.19.8, the release the package declares: on 0.19.0 (and 0.18.6) the sequence-parallel ZeRO-3 cases gave a wrong
-# loss now and then, unexplained (docs/backends.md), so no earlier release counts as checked for SP either. Before 0.18
-# ``register_with_transformers`` took a model path only (it loaded the config itself) and overwrote every
-# attention name in the process; 0.18 wrote its wrapper under every attention name (undone below).
+# loss now and then, unexplained (docs/backends.md), so no earlier release counts as checked for SP either. 0.18
+# wrote its Ulysses wrapper under every attention name in the process (0.19.8 under the one asked for), and its
+# data-loader adapter all-gathered a 0-d tensor, which gloo refuses.
 CHECKED = CheckedRange("deepspeed", "0.19.8", "0.19.8")
 SP_STATE_MODULE = "deepspeed.runtime.sequence_parallel.parallel_state_sp"
 # Module-level ``mpu`` slots DeepSpeed reads its parallel groups from.
@@ -43,34 +41,18 @@ def init_distributed(backend: str) -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
-def register_ulysses(model: nn.Module, attention: str, size: int, micro_batch_size: int, functions: Any) -> Any:
-    """DeepSpeed's Ulysses wrapper around what ``attention`` names in ``functions`` (transformers'
-    ``ALL_ATTENTION_FUNCTIONS``), for ``model``'s attention modules; creates the SP groups and returns
-    DeepSpeed's SP state module (its ``mpu``). DeepSpeed 0.18 writes its wrapper under every attention name
-    in the process, 0.19 under ``attention`` alone: every other name gets back what it held (its
-    per-instance override, or none)."""
+def register_ulysses(model: nn.Module, attention: str, size: int, micro_batch_size: int) -> Any:
+    """DeepSpeed's Ulysses wrapper around what ``attention`` names in transformers' ``ALL_ATTENTION_FUNCTIONS``
+    (written there, under that name alone), for ``model``'s attention modules; creates the SP groups and
+    returns DeepSpeed's SP state module (its ``mpu``)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    local = functions._local_mapping
-    before = dict(local)
-    mpu = UlyssesSPAttentionHF.register_with_transformers(
+    return UlyssesSPAttentionHF.register_with_transformers(
         model, core_attn_implementation=attention, sequence_parallel_size=size,
         micro_batch_size=micro_batch_size, seq_length_is_variable=True)
-    for name in [name for name in local if name != attention]:
-        if name in before:
-            local[name] = before[name]
-        else:
-            del local[name]
-    return mpu
-
-
-# DeepSpeed's data-loader adapter: on 0.18.6 its length exchange all-gathers a 0-d tensor, which gloo
-# refuses ("invalid tensor size at index 0 (expected (), got (1))"); checked on 0.19.8.
-DATA_LOADER_CHECKED = CheckedRange("deepspeed", "0.19.8", "0.19.8")
 
 
 def data_loader(loader: Iterable, rank: int, group: Any, size: int, device: torch.device) -> Any:
-    checked_versions.require(DATA_LOADER_CHECKED, "sequence parallelism's data_loader (DeepSpeed's UlyssesSPDataLoaderAdapter)")
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
     return UlyssesSPDataLoaderAdapter(loader, sp_rank=rank, sp_group=group, sp_world_size=size, device=device)
@@ -87,9 +69,4 @@ def release_sp_groups() -> None:
     """DeepSpeed's SP groups forgotten (the process groups themselves stay with torch.distributed)."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
-    release = getattr(parallel_state_sp, "_release_sequence_parallel_groups", None)
-    if release is not None:
-        release()
-    else:
-        parallel_state_sp._SEQUENCE_PARALLEL_GROUP = None
-        parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP = None
+    parallel_state_sp._release_sequence_parallel_groups()

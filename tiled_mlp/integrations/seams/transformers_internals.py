@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -56,14 +57,12 @@ def library_attention_kind(function: Optional[Callable]) -> str:
     return kinds.get(function, "other")
 
 
-def rope_update_wrapper_code() -> Optional[Any]:
+def rope_update_wrapper_code() -> Any:
     """The code object of ``modeling_rope_utils.dynamic_rope_update``'s wrapper (one per release: a constant of
     the decorator), what a length-dependent rotary's forward is when transformers' own rule picks its
-    frequencies; ``None`` where the release has no such decorator."""
-    try:
-        from transformers.modeling_rope_utils import dynamic_rope_update
-    except ImportError:
-        return None
+    frequencies."""
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
     return dynamic_rope_update(lambda self, x, position_ids: None).__code__
 
 
@@ -95,25 +94,16 @@ class MaskBuilder:
                              position_ids=position_ids, **{self.cache_keyword: None})
 
 
-_BUILDERS: Dict[Callable, MaskBuilder] = {}  # by the builder function's identity: its signature is read once
-
-
 def mask_builders() -> Tuple[MaskBuilder, MaskBuilder]:
     """The full-attention and the sliding-window mask builders of the installed transformers, adapted to
     its cache argument; refused (``UncheckedVersionError``) where a builder takes other arguments than the
     checked releases' builders do. Call at apply time."""
     from transformers import masking_utils
 
-    return (_adapted(masking_utils.create_causal_mask), _adapted(masking_utils.create_sliding_window_causal_mask))
+    return (_adapt(masking_utils.create_causal_mask), _adapt(masking_utils.create_sliding_window_causal_mask))
 
 
-def _adapted(function: Callable) -> MaskBuilder:
-    builder = _BUILDERS.get(function)
-    if builder is None:
-        builder = _BUILDERS[function] = _adapt(function)
-    return builder
-
-
+@functools.cache  # by the builder function's identity: its signature is read once
 def _adapt(function: Callable) -> MaskBuilder:
     parameters = inspect.signature(function).parameters
     keyword = next((name for name in _CACHE_KEYWORDS if name in parameters), None)
