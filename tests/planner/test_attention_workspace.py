@@ -119,7 +119,7 @@ SETTING = Setting(tiled=True, checkpointing=True, num_shards=2, tiled_loss=True,
 SEQ = 256
 
 
-def planner(gpu: bool, layers: int = 4, attention_choice: str = "sdpa") -> Planner:
+def workspace_planner(gpu: bool, layers: int = 4, attention_choice: str = "sdpa") -> Planner:
     return Planner(Request(small_planner_llama(layers), [SEQ], [SETTING], Backend("single", 1), dtype=torch.bfloat16,
                            gpu=gpu, attention=attention_choice))
 
@@ -130,7 +130,7 @@ def _workspace_events(timeline):
 
 @pytest.mark.parametrize("choice", ["sdpa", "flash_attention_2"])
 def test_a_gpu_plan_is_the_cpu_plan_with_one_transient_workspace_per_layer(choice):
-    cpu, gpu = (planner(g, attention_choice=choice).timeline(SETTING, SEQ, describe=True) for g in (False, True))
+    cpu, gpu = (workspace_planner(g, attention_choice=choice).timeline(SETTING, SEQ, describe=True) for g in (False, True))
     marks = _workspace_events(gpu)
     assert len(marks) == 4 and not _workspace_events(cpu)
     # Each is freed as soon as it is made, and nothing else in the step changes: the same storages, and after
@@ -152,7 +152,7 @@ def test_the_workspace_is_held_beside_everything_the_attention_backward_reads(mo
     key, value, output and log-sum-exp (a GPU kernel reads them while its buffers are held)."""
     huge = 2**40
     monkeypatch.setitem(aw.BACKENDS, aw.SDPA_FLASH, lambda c: aw.Workspace(aw.SDPA_FLASH, 0, huge))
-    p = planner(True)
+    p = workspace_planner(True)
     timeline = p.timeline(SETTING, SEQ, describe=True)
     live = timeline.at_peak()
     labels = " | ".join(live)
@@ -163,7 +163,7 @@ def test_the_workspace_is_held_beside_everything_the_attention_backward_reads(mo
     assert "_scaled_dot_product_flash_attention_for_cpu.default bfloat16 [1, 4, 256, 16]" in labels  # the saved output
     assert "_scaled_dot_product_flash_attention_for_cpu.default float32 [1, 4, 256]" in labels  # its log-sum-exp
     assert "aten.add.Tensor bfloat16 [1, 4, 256, 16]" in labels  # the saved query (after its rotary embedding)
-    assert timeline.peak()[0] - huge <= planner(False).timeline(SETTING, SEQ).peak()[0]  # live then: within the step
+    assert timeline.peak()[0] - huge <= workspace_planner(False).timeline(SETTING, SEQ).peak()[0]  # live then: within the step
 
 
 def test_the_peak_rises_only_by_what_the_workspace_adds_at_its_moment():
@@ -180,14 +180,14 @@ def test_the_peak_rises_only_by_what_the_workspace_adds_at_its_moment():
 
 
 def test_the_composed_gpu_step_is_its_full_depth_step():
-    p = planner(True, layers=5)
+    p = workspace_planner(True, layers=5)
     composed, full = p.timeline(SETTING, SEQ), p.timeline(SETTING, SEQ, full_depth=True)
     assert len(p.stepped(SETTING)) == 2
     assert composed.points == full.points
 
 
 def test_eager_attention_adds_no_workspace_and_the_plan_names_the_kernel():
-    assert not _workspace_events(planner(True, attention_choice="eager").timeline(SETTING, SEQ, describe=True))
+    assert not _workspace_events(workspace_planner(True, attention_choice="eager").timeline(SETTING, SEQ, describe=True))
     note = attention.workspace_note(load_config("llama-3.1-8b"), "sdpa", 131072)
     assert note is not None and note.startswith("attention workspace")
     assert "sdpa's flash backend (FlashAttention-2) backward, 4.02 GiB" in note and "131,072 tokens" in note
