@@ -44,3 +44,36 @@ def test_remade_outputs_log_the_step_of_every_kernel_event_for_event(setting, mo
     for shortened in (first, remade):
         assert shortened.events == full.events
         assert shortened.points == full.points and shortened.host == full.host
+
+
+class ViewsKeyed(MetaOutputs):
+    """The cache with view ops keyed like any other: what it keeps for them says whether leaving them
+    unkeyed (``MetaOutputs._key``) can change a step."""
+
+    @staticmethod
+    def _key(func, args, kwargs):
+        if not isinstance(func, torch._ops.OpOverload):
+            return None
+        from tiled_mlp.planner import meta_outputs
+
+        try:
+            return (func, meta_outputs._args_key(args), meta_outputs._key_of(kwargs) if kwargs else None)
+        except meta_outputs._NotMeta:
+            return None
+
+
+@pytest.mark.parametrize("setting", SETTINGS[1:], ids=lambda s: s.name)
+def test_view_ops_are_never_remembered_so_they_are_not_keyed(setting, monkeypatch):
+    model = build_model(small_planner_llama(2), None, torch.bfloat16, "meta", setting)
+    keyed = ViewsKeyed()
+    monkeypatch.setattr(timeline_module, "_META_OUTPUTS", keyed)
+    every = [step_timeline(model, 96, 1, describe=True, replay_shards=False) for _ in range(2)]
+    views = {key: spec for key, spec in keyed._kept.items() if key[0].is_view}
+    assert views, "the step makes view ops (the shard loops' slices)"
+    assert all(spec is None for spec in views.values()), "a view op's output would be remade"
+    unkeyed = MetaOutputs()
+    monkeypatch.setattr(timeline_module, "_META_OUTPUTS", unkeyed)
+    shortened = [step_timeline(model, 96, 1, describe=True, replay_shards=False) for _ in range(2)]
+    assert not any(key[0].is_view for key in unkeyed._kept), "view ops are keyed"
+    for short, full in zip(shortened, every, strict=True):
+        assert short.events == full.events and short.points == full.points and short.host == full.host

@@ -66,3 +66,31 @@ def test_a_cpu_step_runs_every_shard(monkeypatch):
     monkeypatch.setattr(step_module, "shards_replayed", counted)
     step_timeline(build_model(small_planner_llama(2), None, torch.float32, "cpu", setting), SEQ, 1)
     assert seen == [], "a measured CPU step must not be shortened"
+
+
+@pytest.mark.parametrize("setting", SETTINGS[2:], ids=lambda s: s.name)
+def test_the_full_depth_check_replays_shards_and_logs_every_shard(setting, monkeypatch):
+    """The check of an answer (``Planner._full_depth_record``) steps every layer of the full-depth model
+    with its shards replayed: its record is the one of the full-depth step that runs every shard."""
+    from tiled_mlp.planner.backends import Backend
+    from tiled_mlp.planner.plan import Planner, Request
+
+    replays = []
+
+    @contextlib.contextmanager
+    def counted(tracker):
+        with shards_replayed(tracker) as replay:
+            replays.append(replay)
+            yield replay
+
+    planner = Planner(Request(small_planner_llama(5), [SEQ], [setting], Backend("single", 1), dtype=torch.bfloat16))
+    assert planner.composable(setting), "the model's step is composed: its answers are checked at full depth"
+    every_shard = planner.timeline(setting, SEQ, describe=True, full_depth=True)
+    expected = planner.point_of(setting, SEQ, every_shard, planner.request.backend).record()
+    monkeypatch.setattr(step_module, "shards_replayed", counted)
+    checked = planner._full_depth_record(setting, SEQ)
+    assert len(replays) == 1 and replays[0].replayed > 0, "the check's step replays shards"
+    assert checked == expected
+    replayed = planner.timeline(setting, SEQ, describe=True, full_depth=True, replay_shards=True)
+    assert replayed.events == every_shard.events and replayed.points == every_shard.points
+    assert replayed.host == every_shard.host and replayed.host_at_peak == every_shard.host_at_peak

@@ -104,7 +104,9 @@ class MetaOutputs:
 
     @staticmethod
     def _key(func, args: tuple, kwargs: dict) -> Optional[Hashable]:
-        if not isinstance(func, torch._ops.OpOverload):
+        # A view op's output shares its input's storage, which ``_spec_of`` never remembers: it is not keyed
+        # at all (three in four ops of a tiled step are a shard loop's slices).
+        if not isinstance(func, torch._ops.OpOverload) or func.is_view:
             return None
         try:
             return (func, _args_key(args), _key_of(kwargs) if kwargs else None)

@@ -240,26 +240,29 @@ class Planner:
             self._passes[key] = mlps_pass_through(model, depth, tokens, hidden, self.request.dtype)
         return twin if self._passes[key] else None
 
-    def timeline(self, setting: Setting, seq: int, describe: bool = False, full_depth: bool = False) -> Timeline:
+    def timeline(self, setting: Setting, seq: int, describe: bool = False, full_depth: bool = False,
+                 replay_shards: Optional[bool] = None) -> Timeline:
         """The full-depth step's timeline, of one rank: ``seq / sp`` tokens (not cached: the points are),
         composed from two shallow steps where the layers are alike (``compose.py``), else modelled at
         full depth, as it always is with ``full_depth``. ``describe``: with what made each allocation
-        (``Timeline.at_peak``)."""
+        (``Timeline.at_peak``). ``replay_shards``: a full-depth step's same-size shards modelled once
+        (``shard_replay.py``); by default only where the step is not asked at full depth."""
         if seq % setting.sp:
             raise ValueError(f"{seq} tokens do not split across {setting.sp} ranks of sequence parallelism; give a "
                              f"multiple of {setting.sp}")
         with attention.gpu_workspace(self.gpu_kernel()):
-            return self._timeline(setting, seq, describe, full_depth)
+            return self._timeline(setting, seq, describe, full_depth, replay_shards)
 
     def gpu_kernel(self) -> Optional[str]:
         """The attention kernel whose workspace the step adds (None: a CPU step, or eager attention)."""
         req = self.request
         return gpu_kernel(req.attention or attention.default_for(req.config)[0]) if req.gpu else None
 
-    def _timeline(self, setting: Setting, seq: int, describe: bool, full_depth: bool) -> Timeline:
+    def _timeline(self, setting: Setting, seq: int, describe: bool, full_depth: bool,
+                  replay_shards: Optional[bool]) -> Timeline:
         twin = self.pass_through_twin(setting, seq)
         if twin is not None:
-            return self._timeline(twin, seq, describe, full_depth)
+            return self._timeline(twin, seq, describe, full_depth, replay_shards)
         tokens, batch = seq // setting.sp, self.request.batch
         if not full_depth and self.composable(setting):
             shallow, deeper = (step_sections(m, tokens, batch, describe) for m in self.shallow_pair(setting))
@@ -267,8 +270,8 @@ class Planner:
             if events is not None:
                 return replay(events, describe)
             self._full_depth_only.add(setting)
-        # The full-depth step that checks an answer runs every shard (``shard_replay.py`` is not used).
-        return step_timeline(self.model(setting), tokens, batch, describe=describe, replay_shards=not full_depth)
+        return step_timeline(self.model(setting), tokens, batch, describe=describe,
+                             replay_shards=not full_depth if replay_shards is None else replay_shards)
 
     def peak_allocations(self, setting: Setting, seq: int) -> Dict[str, float]:
         """What the rank's device holds at the step's peak at ``seq`` tokens, by what made it, largest
@@ -379,7 +382,11 @@ class Planner:
             return {**self._full_depth_record(twin, seq), "setting": setting.name}
         key = (setting, seq)
         if key not in self._full_records:
-            timeline = self.timeline(setting, seq, full_depth=True)
+            # What this checks is the composition: every layer stepped. Its shards are replayed as the
+            # composed step's are (``shard_replay.py``, held equal to every shard run by
+            # ``tests/planner/test_planner_shard_replay.py`` and ``test_planner_compose.py``), a third of
+            # the cost of running them at an 8B answer's hundred-odd shards a layer.
+            timeline = self.timeline(setting, seq, full_depth=True, replay_shards=True)
             self._full_records[key] = self.point_of(setting, seq, timeline, self.request.backend).record()
         return self._full_records[key]
 

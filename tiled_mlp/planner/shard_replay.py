@@ -20,8 +20,9 @@ shard (another key), and every call of a key whose slices never repeat. What the
 kernel calls (the generator states it saves per shard, the loss's running sum) still runs for real.
 
 Only the meta step takes this path (a CPU step is measured, every shard run); the planner's full-depth
-re-check of its answers runs without it, and ``tests/planner/test_planner_shard_replay.py`` holds the shortened
-log equal, event for event, to the full one.
+re-check of its answers takes it too (what that checks is the composition of layers), and
+``tests/planner/test_planner_shard_replay.py`` holds the shortened log equal, event for event, to the full one,
+the re-check's included.
 """
 from __future__ import annotations
 
