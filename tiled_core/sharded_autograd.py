@@ -269,7 +269,9 @@ def needed_grads(run: ShardedRun[Any], needs_input_grad: Sequence[bool], num_par
     """Which of the Function's tensors get a gradient: those autograd asks for, less the parameters the
     strategy leaves out (``param_mask``); tensors after the parameters always get theirs."""
     mask = run.param_mask
-    return [need and (mask is None or i >= num_params or mask[i]) for i, need in enumerate(needs_input_grad)]
+    if mask is None:
+        return list(needs_input_grad)
+    return [need and (i >= num_params or mask[i]) for i, need in enumerate(needs_input_grad)]
 
 
 def delivered_grads(run: ShardedRun[Any], grads: GradAccumulator, tensors: Sequence[torch.Tensor],
@@ -300,9 +302,14 @@ def _write(kernel: ShardKernel, what: str, rows: torch.Tensor, got: torch.Tensor
 
 def forward_shards(kernel: ShardKernel, x_flat: torch.Tensor, out_flat: torch.Tensor, slices: Sequence[slice],
                    tensors: Sequence[torch.Tensor]) -> None:
-    """Each shard of ``x_flat`` (``[tokens, hidden]``) through the kernel, into its rows of ``out_flat``."""
+    """Each shard of ``x_flat`` (``[tokens, hidden]``) through the kernel, into its rows of ``out_flat``
+    (``forward_rows``'s body in the loop: it runs at every call)."""
+    forward_into = kernel.forward_into
     for shard in slices:
-        forward_rows(kernel, x_flat[shard], out_flat[shard], tensors, shard)
+        rows = out_flat[shard]
+        y = forward_into(x_flat[shard], rows, tensors, shard)
+        if y is not rows:
+            _write(kernel, "forward", rows, y)
 
 
 def backward_shards(kernel: ShardKernel, slices: Sequence[slice], x_flat: torch.Tensor, dy_flat: torch.Tensor,
@@ -433,6 +440,26 @@ _version_of = operator.attrgetter("_version")
 _NO_CONTEXT = contextlib.ExitStack()  # entered where the recompute needs no context: nothing is ever pushed on it
 
 
+def _recompute_contexts(run: ShardedRun[ShardKernel], kernel: ShardKernel, tensors: Sequence[torch.Tensor],
+                        autocast: AutocastState) -> contextlib.ExitStack:
+    """The recompute's contexts entered, outermost first: the strategy's gathered region, the kernel's tensor
+    substitution, the forward's autocast state; those that would do nothing are left out (each costs microseconds)."""
+    if run.gathered is None and not kernel.substitutes_tensors and not autocast.needs_replay():
+        return _NO_CONTEXT
+    stack = contextlib.ExitStack()
+    try:
+        if run.gathered is not None:
+            stack.enter_context(run.gathered())
+        if kernel.substitutes_tensors:
+            stack.enter_context(kernel.using(tensors))
+        if autocast.needs_replay():
+            stack.enter_context(autocast.replay())
+    except BaseException:
+        stack.close()  # the contexts already entered are left, as a with statement would
+        raise
+    return stack
+
+
 class ShardedMapFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, run: ShardedRun[ShardKernel], first: FirstShard, *tensors: torch.Tensor) -> torch.Tensor:
@@ -502,12 +529,7 @@ class ShardedMapFunction(torch.autograd.Function):
         dx_flat = torch.empty_like(x_flat) if need_dx else None
         # The recompute's contexts, outermost first, less those that would do nothing (each costs microseconds):
         # the strategy's gathered region, the kernel's tensor substitution, the forward's autocast state.
-        contexts = [*((run.gathered(),) if run.gathered is not None else ()),
-                    *((kernel.using(tensors),) if kernel.substitutes_tensors else ()),
-                    *((ctx.autocast.replay(),) if ctx.autocast.needs_replay() else ())]
-        with contextlib.ExitStack() if contexts else _NO_CONTEXT as stack:
-            for context in contexts:
-                stack.enter_context(context)
+        with _recompute_contexts(run, kernel, tensors, ctx.autocast):
             backward_shards(kernel, run.plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, tensors, ctx.rng_states)
             # Delivered inside the gathered region, where the parameters are whole.
             tensor_grads = delivered_grads(run, grads, tensors, num_params)

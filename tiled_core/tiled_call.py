@@ -455,7 +455,7 @@ def _run_for(decision: CallDecision, owner: nn.Module, strategy: Strategy,
         grad_accum_dtype=grad_accum_dtype,
         # A kernel that provably draws no random numbers (the gated one) has none to replay.
         replay_rng=getattr(kernel, "replays_rng", True),
-        param_mask=[id(t) in trainable for t in kernel.params],
+        param_mask=None if all(id(t) in trainable for t in kernel.params) else [id(t) in trainable for t in kernel.params],
         zeros_for_unused=strategy.unused_grads_as_zeros,
         deliver_grads=deliver,
         params_swap_storage=swaps,
