@@ -120,6 +120,30 @@ def test_the_planners_step_cuts_the_shards_the_policy_gives_its_device():
             assert counts == {auto_num_shards(8192, llama, device)} == {3 if device == HOPPER else 8}, device
 
 
+def test_a_gpu_plan_decides_its_steps_as_a_hopper_gpu_and_a_cpu_plan_as_the_cpu():
+    """``Request.gpu`` (the CLI's plans, ALST's ladder) picks the shard policy with the attention workspace:
+    the plan's own steps follow it, with no context from the caller."""
+    pytest.importorskip("transformers")
+    from tiled_mlp.planner.backends import Backend
+    from tiled_mlp.planner.plan import Planner, Request
+    from tiled_mlp.planner.presets import load_config
+    from tiled_mlp.planner.step import Setting
+
+    config = load_config("llama-3.1-8b")
+    config.num_hidden_layers = 2
+    setting = Setting(tiled=True, checkpointing=True)
+    llama = swiglu_size(4096, 14336, torch.bfloat16)
+    for gpu, device in ((False, CPU), (True, HOPPER)):
+        planner = Planner(Request(config, [], [setting], Backend("single", 1), budget=80 * 2**30, gpu=gpu))
+        assert planner.shard_device() == device
+        assert (planner.pass_through_twin(setting, 3072) is None) == (auto_num_shards(3072, llama, device) == 3)
+        planner.timeline(setting, 8192, full_depth=True, replay_shards=False)
+        model = planner.model(setting)
+        counts = {m.tiling.last_num_shards for m in model.modules() if hasattr(m, "tiling")}
+        assert counts == {auto_num_shards(8192, llama, device)} == {3 if gpu else 8}, device
+    assert auto_shards.MODELLED_DEVICE == CPU  # put back after each step
+
+
 def test_a_module_call_follows_its_devices_policy_eager_and_compiled(monkeypatch):
     # The CPU read as a Hopper GPU: the call asks the policy for its input's device, and the compiled route's
     # decision is not the eager one's (the memo is keyed by compiling).

@@ -308,3 +308,26 @@ def test_a_config_with_yarn_is_not_told_it_needs_position_scaling():
     assert position_warnings(config, [8192, 16384], {}) == []  # within 4 x 4096
     (line,) = position_warnings(config, [32768], {})
     assert "needs position scaling" not in line and "YaRN scaling covers (factor 4.0 over 4,096)" in line
+
+
+def test_verify_full_depth_checks_each_answer_again_and_gives_the_same_plan(capsys, tmp_path, monkeypatch):
+    # Off by default (the composition is proven in test_planner_compose.py); the flag runs the check, and the
+    # header says which was done.
+    from tiled_mlp.planner import plan as plan_module
+
+    planner_llama(4).save_pretrained(tmp_path)
+    checked = []
+    agrees = plan_module.Planner._full_depth_agrees
+    monkeypatch.setattr(plan_module.Planner, "_full_depth_agrees",
+                        lambda self, setting, found: checked.append(setting) or agrees(self, setting, found))
+    argv = ["plan", "--model", str(tmp_path), "--seq", "1024", "--dtype", "fp32", "--tiled", "none",
+            "--budget", "256MiB", "--workers", "1"]
+    outputs = []
+    for extra in ([], ["--verify-full-depth"]):
+        assert main(argv + extra) == 0
+        outputs.append(capsys.readouterr().out)
+    assert checked, "--verify-full-depth ran no full-depth check"
+    plain, verified = (out.splitlines() for out in outputs)
+    assert "--verify-full-depth models each answer again" in plain[0]
+    assert "each longest length modelled again at full depth" in verified[0]
+    assert plain[1:] == verified[1:]

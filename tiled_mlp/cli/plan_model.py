@@ -18,6 +18,7 @@ import torch
 from tiled_mlp.core.shard_plan import NumShards
 
 from ..bench.progress import Progress
+from ..core import auto_shards
 from ..planner import alst, attention, check, report, sequence_parallel, tensor_parallel, workers
 from ..planner.advice import what_to_change
 from ..planner.backends import BACKENDS, Backend
@@ -59,6 +60,10 @@ def add_arguments(p) -> None:
     g.add_argument("--tiled-norms", action="store_true",
                    help="beside each setting that tiles the MLPs, the same with the hidden-size RMSNorms tiled too "
                         "('+norms', apply_tiled_mlp(norms=True), with the MLPs' shard count)")
+    g.add_argument("--verify-full-depth", action="store_true",
+                   help="model each longest length (and one grid step more) again with every layer stepped, and "
+                        "check it equals the step composed from 2- and 3-layer steps (about 2x the time; the "
+                        "composition's exactness is what tests/planner/test_planner_compose.py proves)")
     g.add_argument("--offload-params", action="store_true",
                    help="ZeRO-3 with the parameters on the host too (offload_param and offload_optimizer to the CPU, "
                         "as ALST's one-GPU run); implies --backend zero3 and --offload-optimizer")
@@ -195,7 +200,8 @@ def _run(args, parser_error) -> int:
     request = Request(config, seqs, settings, backend,
                       args.batch, args.dtype, budget,
                       optimizer_on_device=not (args.offload_optimizer or args.offload_params),
-                      host_budget=args.host_budget, attention=attention_choice, gpu=True)
+                      host_budget=args.host_budget, attention=attention_choice, gpu=True,
+                      verify_full_depth=args.verify_full_depth)
     request.seq_step = math.lcm(request.seq_step, args.sp)  # the search's grid: lengths the SP ranks split
     planner = Planner(request)
     warnings: List[str] = []
@@ -345,12 +351,12 @@ def _output(args, planner: Planner, points: List[Point], longest: Dict[str, Long
     else:
         header = report.header(args.model, request.config, planner.param_sizes(), planner.layer_kinds(), args.dtype,
                                args.batch, backend, args.sp, any(planner.composable(s) for s in request.settings),
-                               args.tp)
+                               args.tp, verified=request.verify_full_depth)
         print("\n".join([header, *report.table(points, budget, budget_from, request.host_budget),
                          *report.longest_lines(longest, budget, request.seq_step, request.host_budget),
                          *advice, *report.notes(points, args.dtype, backend, request.optimizer_on_device,
                                                 request.config, request.attention, attention_from, args.batch,
-                                                args.tp)]))
+                                                args.tp, auto_shards.min_tokens_per_shard(planner.shard_device()))]))
     if args.plot:
         from ..planner.plot import plot_plan
 

@@ -16,11 +16,14 @@ offload trades one for the other, and at a node's millions of tokens the host ca
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple
 
 import torch
+
+from tiled_mlp.core import auto_shards
 
 from . import attention
 from .attention_workspace import gpu_kernel
@@ -40,6 +43,8 @@ __all__ = ["IN_FLIGHT", "OFFLOADED", "OPTIMIZER", "LOGITS_KNOB", "Point", "Plann
 LOGITS_KNOB = ("the tiled loss, which never holds the logits (the 'tiled-loss' settings, --tiled-loss; in training "
                "apply_tiled_mlp(model, loss=True) or apply_tiled_loss(model))")
 
+
+GPU_SHARD_DEVICE = auto_shards.DeviceClass("cuda", (9, 0))  # H100, H200
 
 @dataclass
 class Point:
@@ -237,7 +242,8 @@ class Planner:
                             else (self.model(setting), self.layers))
             tokens = seq // setting.sp * self.request.batch
             hidden = self.request.config.get_text_config().hidden_size
-            self._passes[key] = mlps_pass_through(model, depth, tokens, hidden, self.request.dtype)
+            with self._shard_policy():
+                self._passes[key] = mlps_pass_through(model, depth, tokens, hidden, self.request.dtype)
         return twin if self._passes[key] else None
 
     def timeline(self, setting: Setting, seq: int, describe: bool = False, full_depth: bool = False,
@@ -250,8 +256,17 @@ class Planner:
         if seq % setting.sp:
             raise ValueError(f"{seq} tokens do not split across {setting.sp} ranks of sequence parallelism; give a "
                              f"multiple of {setting.sp}")
-        with attention.gpu_workspace(self.gpu_kernel()):
+        with attention.gpu_workspace(self.gpu_kernel()), self._shard_policy():
             return self._timeline(setting, seq, describe, full_depth, replay_shards)
+
+    def shard_device(self) -> auto_shards.DeviceClass:
+        """The device whose auto shard policy the step's tiled calls follow: a GPU plan's is a Hopper-class
+        GPU's (the class docs/gpu.md measured), so modelled and real shard counts agree there; a CPU plan's
+        is the modelled device (``auto_shards.modelled_as``; the CPU unless a caller says otherwise)."""
+        return GPU_SHARD_DEVICE if self.request.gpu else auto_shards.MODELLED_DEVICE
+
+    def _shard_policy(self) -> ContextManager:
+        return auto_shards.modelled_as(GPU_SHARD_DEVICE) if self.request.gpu else contextlib.nullcontext()
 
     def gpu_kernel(self) -> Optional[str]:
         """The attention kernel whose workspace the step adds (None: a CPU step, or eager attention)."""

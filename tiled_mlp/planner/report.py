@@ -17,7 +17,7 @@ GiB = 2**30
 
 
 def header(name: str, config, sizes: ParamSizes, kinds: str, dtype: torch.dtype, batch: int, backend: Backend,
-           sp: int = 1, composed: bool = False, tp: int = 1) -> str:
+           sp: int = 1, composed: bool = False, tp: int = 1, verified: bool = True) -> str:
     text = config.get_text_config()
     layers = f"{text.num_hidden_layers} layers" + (f" ({kinds})" if kinds else "")
     where = f"{backend.name} x{backend.world_size}" + (" (parameters offloaded to the host)" if backend.offload_params
@@ -28,7 +28,10 @@ def header(name: str, config, sizes: ParamSizes, kinds: str, dtype: torch.dtype,
             + (f", tensor parallelism over {tp} ranks (DTensor, torchtitan's Llama plan: each holds 1/{tp} of the "
                f"attention, MLP and LM-head weights; parameters above are per rank)" if tp > 1 else "")
             + ("; every layer modelled (meta device: the alike layers' step put together from its 2- and 3-layer "
-               "steps, event for event; each longest length modelled again at full depth)" if composed
+               "steps, event for event" + ("; each longest length modelled again at full depth)" if verified
+                                           else ", exact as tests/planner/test_planner_compose.py proves; "
+                                                "--verify-full-depth models each answer again with every layer)")
+               if composed
                else "; every layer modelled (full depth, meta device)"))
 
 
@@ -80,7 +83,7 @@ def longest_lines(longest: Dict[str, Longest], budget: float, step: int = 1024,
 
 def notes(points: List[Point], dtype: torch.dtype, backend: Backend, optimizer_on_device: bool, config: Any = None,
           attention_choice: Optional[str] = None, attention_from: str = "", batch: int = 1,
-          tp: int = 1) -> List[str]:
+          tp: int = 1, shard_floor: Optional[int] = None) -> List[str]:
     """The plan's closing notes; the attention modelled among them where ``attention_choice`` is given."""
     lines = []
     if any(p.dominant == LOGITS for p in points):
@@ -102,6 +105,9 @@ def notes(points: List[Point], dtype: torch.dtype, backend: Backend, optimizer_o
             sp = longest.seq // (longest.tokens_per_rank or longest.seq)
             note = attention.workspace_note(config, attention_choice, longest.seq, sp, batch, dtype, tp)
             lines += [note] if note else []
+    if shard_floor is not None:
+        lines.append(f"shards: num_shards='auto' as on a Hopper-class GPU, at least {shard_floor:,} tokens a shard "
+                     "(docs/auto-policy.md), the count a training step on that GPU cuts.")
     lines.append("counted in 'host': the CPU generator states the generic tiled path saves per shard (5,056 B "
                  "each, alive until the step's graph is freed); not counted: library kernels' workspaces (cuBLAS, "
                  "CPU matmul).")
