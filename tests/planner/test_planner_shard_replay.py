@@ -34,8 +34,8 @@ SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
-def test_replayed_shards_log_the_full_step_event_for_event(setting, monkeypatch):
+def replays_kept():
+    """(the list, a stand-in for ``step.shards_replayed`` that keeps each step's replay in it)."""
     replays = []
 
     @contextlib.contextmanager
@@ -44,6 +44,12 @@ def test_replayed_shards_log_the_full_step_event_for_event(setting, monkeypatch)
             replays.append(replay)
             yield replay
 
+    return replays, counted
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+def test_replayed_shards_log_the_full_step_event_for_event(setting, monkeypatch):
+    replays, counted = replays_kept()
     model = build_model(small_planner_llama(2), None, torch.bfloat16, "meta", setting)
     full = step_timeline(model, SEQ, 1, describe=True, replay_shards=False)
     monkeypatch.setattr(step_module, "shards_replayed", counted)
@@ -75,14 +81,7 @@ def test_the_full_depth_check_replays_shards_and_logs_every_shard(setting, monke
     from tiled_mlp.planner.backends import Backend
     from tiled_mlp.planner.plan import Planner, Request
 
-    replays = []
-
-    @contextlib.contextmanager
-    def counted(tracker):
-        with shards_replayed(tracker) as replay:
-            replays.append(replay)
-            yield replay
-
+    replays, counted = replays_kept()
     planner = Planner(Request(small_planner_llama(5), [SEQ], [setting], Backend("single", 1), dtype=torch.bfloat16))
     assert planner.composable(setting), "the model's step is composed: its answers are checked at full depth"
     every_shard = planner.timeline(setting, SEQ, describe=True, full_depth=True)
