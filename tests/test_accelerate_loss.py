@@ -25,8 +25,11 @@ def accelerator():
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
+    # A process-wide singleton: another test in this process (a Trainer's TrainingArguments) may have made one
+    # with other settings, which Accelerator() refuses to change; reset before and after.
+    AcceleratorState._reset_state(reset_partial_state=True)
     yield Accelerator(mixed_precision="bf16", cpu=True)
-    AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.mark.timeout(60)
