@@ -527,8 +527,6 @@ class ShardedMapFunction(torch.autograd.Function):
         x_flat = x.detach().reshape(-1, x.shape[-1])
         dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
         dx_flat = torch.empty_like(x_flat) if need_dx else None
-        # The recompute's contexts, outermost first, less those that would do nothing (each costs microseconds):
-        # the strategy's gathered region, the kernel's tensor substitution, the forward's autocast state.
         with _recompute_contexts(run, kernel, tensors, ctx.autocast):
             backward_shards(kernel, run.plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, tensors, ctx.rng_states)
             # Delivered inside the gathered region, where the parameters are whole.
