@@ -13,6 +13,8 @@ import os
 import re
 from typing import Dict, List, Optional
 
+from .report import markdown_head
+
 STORE = "gpu_report.json"
 DOC = "gpu.md"
 PLOTS = {"mlp": "gpu_bench.png", "checkpointed": "gpu_checkpointed.png"}
@@ -84,7 +86,7 @@ def _ratio(value, digits: int = 3) -> str:
 def mlp_table(rows: List[dict], runs: dict, current: Optional[str]) -> str:
     impls = [i for i in MLP_COLUMNS if any(i in r["cells"] for r in rows)]
     head = ["tokens", "untiled"] + [f"{MLP_COLUMNS[i]} (shards: memory, time)" for i in impls]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     for r in sorted(rows, key=lambda r: r["seq"]):
         base = r["cells"]["untiled"]
         line = [f"{r['seq']}{_mark(r, runs, current)}", f"{base['peak_mb']:.1f} MiB, {base['ms']:.2f} ms"]
@@ -102,7 +104,7 @@ def mlp_table(rows: List[dict], runs: dict, current: Optional[str]) -> str:
 def checkpointed_table(rows: List[dict], runs: dict, current: Optional[str]) -> str:
     impls = [i for i in CHECKPOINTED_COLUMNS if any(i in r["cells"] for r in rows)]
     head = ["region (one non-reentrant checkpoint)", "untiled"] + [CHECKPOINTED_COLUMNS[i] for i in impls]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     order = list(REGION_NAMES)
     for r in sorted(rows, key=lambda r: order.index(r["region"]) if r["region"] in order else len(order)):
         base = r["cells"]["untiled"]
@@ -122,7 +124,7 @@ def loss_table(rows: List[dict], runs: dict, current: Optional[str]) -> str:
     head = ["method", f"time at {t[0]} x {t[1]} x {t[2]} ({config.get('time_dtype', 'float32')}), vs untiled",
             "allocator peak there", f"modelled peak at {m[0]} x {m[1]} x {m[2]} ({config['memory_dtype']})",
             "dx, dW error vs untiled (float32)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     for r in rows:
         time_cell = r.get("time_note") or (f"{r['seconds'] * 1e3:.1f} ms, {r['time_ratio']:.3f}"
                                            if r.get("seconds") is not None else "-")
@@ -141,7 +143,7 @@ def compiled_table(rows: List[dict], runs: dict, current: Optional[str]) -> str:
     head = ["size (tokens x hidden x intermediate)", "shards", "compiled untiled", "eager tiled", "compiled tiled",
             "compiled tiled / compiled untiled (target 1.20)", "compiled tiled / eager tiled (target 1.00)",
             "peaks (MiB): compiled untiled, eager tiled, compiled tiled", "graphs, breaks"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     for r in sorted(rows, key=lambda r: (r["seq"], r["hidden"])):
         v = r["variants"]
         checks = r["time"]
@@ -161,7 +163,7 @@ def compiled_table(rows: List[dict], runs: dict, current: Optional[str]) -> str:
 def planner_table(rows: List[dict], runs: dict, current: Optional[str]) -> str:
     head = ["tokens", "setting", "modelled", "modelled attention workspace", "tracked on the device",
             "allocator", "allocator / modelled (target 1.03)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     for r in sorted(rows, key=lambda r: (r["seq"], r["setting"] != "untiled+ckpt")):
         extra = r["tracked_minus_modelled_bytes"]
         tracked = "equal" if extra == 0 else f"{extra:+d} bytes"

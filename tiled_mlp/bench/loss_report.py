@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from .report import markdown_head
+
 GiB = 2**30
 
 
@@ -41,7 +43,7 @@ def format_report(result: Dict[str, Any]) -> str:
         f"gradient error: fp32, {_size(cfg['accuracy_size'])}, relative to the untiled loss in the same run "
         f"(DeepSpeed at {cfg['deepspeed_accuracy_shards']} shards, ArcticTraining's pattern)",
         "",
-        "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+        *markdown_head(head),
     ]
     lines += [_row(row, floor) for row in rows]
     lines += [

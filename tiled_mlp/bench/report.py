@@ -5,6 +5,11 @@ import json
 from typing import Dict, List, Optional
 
 
+def markdown_head(head: List[str]) -> List[str]:
+    """A markdown table's header and rule lines for the columns ``head``."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+
 def _by_seq(rows: List[dict]) -> Dict[int, Dict[str, dict]]:
     table: Dict[int, Dict[str, dict]] = {}
     for row in rows:
@@ -28,7 +33,7 @@ def format_table(rows: List[dict], tiled: str = "auto") -> str:
             f"{tiled} shards", f"{tiled} grad err"]
     for impl in impls:
         head += [f"{impl} ms", f"{impl} MB", f"{impl} shards"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     for seq, cells in table.items():
         base, ours = cells["untiled"], cells.get(tiled)
         if ours is None:
