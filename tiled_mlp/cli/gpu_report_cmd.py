@@ -8,7 +8,6 @@ or H200. Rows a run does not measure keep their previous figures, marked "not me
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -20,6 +19,7 @@ import torch
 
 from ..bench import gpu_doc
 from ..bench.gpu_sections import SECTIONS, Context
+from ..strategies.checked_versions import installed
 from . import parsing
 
 
@@ -79,13 +79,6 @@ def cuda_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-
-
 def _driver() -> str:
     if shutil.which("nvidia-smi") is None:
         return ""
@@ -101,7 +94,7 @@ def this_run(device: torch.device) -> dict:
     return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
                 card=torch.cuda.get_device_name(device), driver=_driver(),
                 memory_gib=round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1),
-                versions={name: _version(name) for name in gpu_doc.VERSIONS})
+                versions={name: installed(name) or "" for name in gpu_doc.VERSIONS})
 
 
 def run(args, parser_error) -> int:
@@ -124,6 +117,7 @@ def run(args, parser_error) -> int:
     say(f"{run_info['card']}, driver {run_info['driver'] or '?'}; sections {', '.join(names)}, "
         f"estimated {sum(SECTIONS[n].estimate_s for n in names)} s")
     store = gpu_doc.merge(store, run_id, run_info, {})  # the run is named in the tables even where nothing is measured
+    titles = {n: s.title for n, s in SECTIONS.items()}
     measured = {}
     failed: list = []
     for name in names:
@@ -142,8 +136,8 @@ def run(args, parser_error) -> int:
         say(f"{name}: {len(measured[name])} row(s) in {time.perf_counter() - ctx.started:.0f} s")
         # Written after every section: a run cut short keeps what it measured.
         store = gpu_doc.merge(store, run_id, run_info, {name: measured[name]})
-        gpu_doc.write(args.out, store, run_id, {n: s.title for n, s in SECTIONS.items()})
-    written = gpu_doc.write(args.out, store, run_id, {n: s.title for n, s in SECTIONS.items()})
+        gpu_doc.write(args.out, store, run_id, titles)
+    written = gpu_doc.write(args.out, store, run_id, titles)
     if plots:
         written += gpu_doc.plot(args.out, store, run_id)
     else:
