@@ -14,6 +14,7 @@ call's shape. ``plan.py`` adds the backward's workspace at the moment the attent
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -110,11 +111,7 @@ def flash_attention_2(call: Call, varlen: bool = False) -> Workspace:
 def sdpa_flash(call: Call) -> Workspace:
     """sdpa's flash backend: ``_scaled_dot_product_flash_attention`` calls PyTorch's copy of
     FlashAttention-2's ``mha_bwd`` (non-varlen), whose allocations ``flash_attention_2`` gives."""
-    return Workspace(SDPA_FLASH, *_fields(flash_attention_2(call)))
-
-
-def _fields(w: Workspace) -> Tuple[int, int, Tuple[Tuple[str, int], ...]]:
-    return w.forward, w.backward, w.parts
+    return dataclasses.replace(flash_attention_2(call), backend=SDPA_FLASH)
 
 
 def flash_attention_3(call: Call) -> Workspace:
@@ -214,14 +211,14 @@ def workspace(backend: str, call: Call) -> Workspace:
     return BACKENDS[backend](call)
 
 
-def gpu_kernel(choice: str, masked: bool = False) -> Optional[str]:
+def gpu_kernel(choice: str) -> Optional[str]:
     """The kernel a CUDA step runs for the planner's attention ``choice`` (``attention.CHOICES``): sdpa's
-    flash backend for an unmasked sdpa call (a masked one: memory-efficient), FlashAttention-2 for
-    flash_attention_2, none for eager (its ops are all dispatched and modelled). sdpa's flash backend, not
+    flash backend for sdpa (its masked calls go to the memory-efficient one: ``kernel_for_call``),
+    FlashAttention-2 for flash_attention_2, none for eager (its ops are all dispatched and modelled). sdpa's flash backend, not
     cuDNN, is assumed: on the H200 the allocator's excess (about 24 KiB a token at Llama-3.1-8B's heads)
     exceeds all cuDNN's documented workspace (16.1 KiB a token) and fits FlashAttention-2's (32.1)."""
     if choice == "sdpa":
-        return SDPA_EFFICIENT if masked else SDPA_FLASH
+        return SDPA_FLASH
     if choice in ("flash_attention_2", FA2):
         return FA2
     return None
