@@ -239,6 +239,29 @@ def test_the_longest_length_is_the_planners_gpu_step_with_the_attention_workspac
         (longest, "tiled+tiled-loss+norms+ckpt")]
 
 
+def test_a_rows_modelled_steps_cut_their_shards_as_the_measured_device_does(monkeypatch):
+    # The step measured on a device runs the auto policy of that device's class: the modelled steps it is held
+    # against must too (a CPU device here; a GPU plan's default is a Hopper-class GPU's).
+    from tiled_mlp.bench import planner_vs_device as pvd
+    from tiled_mlp.core.auto_shards import CPU
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def modelled(seq, depth, name, gpu=True, shards_as=None):
+        seen.append((gpu, shards_as))
+        if len(seen) == 2:
+            raise Stop  # before the device's own step
+        return 0
+
+    monkeypatch.setattr(pvd, "modelled_peak", modelled)
+    with pytest.raises(Stop):
+        pvd.measure_row(16384, 4, "tiled+tiled-loss+norms+ckpt", torch.device("cpu"))
+    assert seen == [(False, CPU), (True, CPU)]
+
+
 def test_a_failing_section_costs_only_its_own_rows(capsys, tmp_path, monkeypatch, as_if_cuda):
     monkeypatch.setattr(gpu_report_cmd, "cuda_device", lambda: torch.device("cpu"))
     monkeypatch.setattr(gpu_report_cmd, "this_run", lambda device: dict(RUNS[NEW]))

@@ -26,6 +26,8 @@ from typing import Callable, Dict, List
 
 import torch
 
+from tiled_mlp.core import auto_shards
+
 from .progress import Progress
 
 MLP_HIDDEN, MLP_INTERMEDIATE = 4096, 12288  # the seed's
@@ -158,13 +160,15 @@ def measure_planner(ctx: Context) -> Dict[str, dict]:
     from . import planner_vs_device
 
     total = torch.cuda.get_device_properties(ctx.device).total_memory
-    longest = planner_vs_device.longest_fitting(total, PLANNER_DEPTH, ctx.planner_max_seq)
+    longest = planner_vs_device.longest_fitting(total, PLANNER_DEPTH, ctx.planner_max_seq,
+                                                shards_as=auto_shards.device_class(ctx.device))
     ctx.say(f"planner: longest whole-stack length modelled to fit 0.9 of {total / 2**30:.1f} GiB at "
             f"{PLANNER_DEPTH} layers (capped at {ctx.planner_max_seq}): {longest}")
 
     def said(row: dict) -> None:
-        ctx.say(f"planner: {row['seq']} {row['setting']}: modelled {row['modelled_gib']:.3f} GiB, allocator "
-                f"{row['allocator_gib']:.3f} GiB ({row['allocator_over_modelled']:.3f})")
+        ctx.say(f"planner: {row['seq']} {row['setting']}: modelled {row['modelled_gib']:.3f} GiB + attention "
+                f"workspace {row['workspace_gib']:.3f} GiB, allocator {row['allocator_gib']:.3f} GiB "
+                f"({row['allocator_over_modelled']:.3f} of both)")
 
     rows = planner_vs_device.run(PLANNER_SEQS, PLANNER_DEPTH, ctx.device, PLANNER_UNTILED_MAX, longest, said,
                                  ctx.allows)

@@ -14,6 +14,9 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
+from tiled_mlp.core import auto_shards
+from tiled_mlp.core.auto_shards import DeviceClass
+
 MODEL = "llama-3.1-8b"
 GiB = 2**30
 # The whole stack, and the untiled step it is held against.
@@ -30,32 +33,38 @@ def _setting(name: str):
     return Setting(**SETTINGS[name])
 
 
-def modelled_peak(seq: int, depth: int, setting_name: str, gpu: bool = True) -> int:
-    """The planner's peak bytes of one step at ``seq`` tokens (meta tensors: nothing allocated); ``gpu``: with
-    the workspace sdpa's CUDA kernels allocate inside themselves, as a GPU plan models it."""
+def modelled_peak(seq: int, depth: int, setting_name: str, gpu: bool = True,
+                  shards_as: Optional[DeviceClass] = None) -> int:
+    """The planner's peak bytes of one step at ``seq`` tokens (meta tensors: nothing allocated), its tiled calls
+    cut as the auto policy cuts them on ``shards_as`` (None: a Hopper-class GPU, as a GPU plan models it);
+    ``gpu``: with the workspace sdpa's CUDA kernels allocate inside themselves."""
     from tiled_mlp.planner import attention
     from tiled_mlp.planner.attention_workspace import gpu_kernel
+    from tiled_mlp.planner.plan import GPU_SHARD_DEVICE
     from tiled_mlp.planner.presets import load_config
     from tiled_mlp.planner.step import build_model, step_timeline
 
     meta = build_model(load_config(MODEL), depth, torch.bfloat16, "meta", _setting(setting_name))
     try:
-        with attention.gpu_workspace(gpu_kernel("sdpa") if gpu else None):
+        with attention.gpu_workspace(gpu_kernel("sdpa") if gpu else None), \
+                auto_shards.modelled_as(shards_as or GPU_SHARD_DEVICE):
             return int(step_timeline(meta, seq, 1).peak()[0])
     finally:
         del meta
         gc.collect()
 
 
-def longest_fitting(device_bytes: int, depth: int, cap: int, fraction: float = 0.9) -> int:
+def longest_fitting(device_bytes: int, depth: int, cap: int, fraction: float = 0.9,
+                    shards_as: Optional[DeviceClass] = None) -> int:
     """The longest multiple of ``SEQ_STEP`` tokens (at most ``cap``) whose whole-stack step, modelled as on a
-    GPU (the attention kernels' workspace included), fits ``fraction`` of ``device_bytes``; 0 if none."""
+    GPU (the attention kernels' workspace included, shards as on ``shards_as``), fits ``fraction`` of
+    ``device_bytes``; 0 if none."""
     from tiled_mlp.planner.search import longest_fitting as search
 
     name = "tiled+tiled-loss+norms+ckpt"
 
     def held(seq: int) -> float:
-        return float(modelled_peak(seq, depth, name))
+        return float(modelled_peak(seq, depth, name, shards_as=shards_as))
 
     return search(held, fraction * device_bytes, SEQ_STEP, cap).seq
 
@@ -66,8 +75,10 @@ def measure_row(seq: int, depth: int, setting_name: str, device: torch.device) -
     from tiled_mlp.planner.step import build_model, step_timeline
 
     started = time.perf_counter()
-    modelled = modelled_peak(seq, depth, setting_name, gpu=False)
-    workspace = modelled_peak(seq, depth, setting_name) - modelled
+    # Modelled as ``device`` cuts the shards of the step measured on it.
+    shards_as = auto_shards.device_class(device)
+    modelled = modelled_peak(seq, depth, setting_name, gpu=False, shards_as=shards_as)
+    workspace = modelled_peak(seq, depth, setting_name, shards_as=shards_as) - modelled
     modelled_s = time.perf_counter() - started
     gc.collect()
     torch.cuda.empty_cache()
