@@ -16,10 +16,9 @@ offload trades one for the other, and at a node's millions of tokens the host ca
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -242,7 +241,7 @@ class Planner:
                             else (self.model(setting), self.layers))
             tokens = seq // setting.sp * self.request.batch
             hidden = self.request.config.get_text_config().hidden_size
-            with self._shard_policy():
+            with auto_shards.modelled_as(self.shard_device()):
                 self._passes[key] = mlps_pass_through(model, depth, tokens, hidden, self.request.dtype)
         return twin if self._passes[key] else None
 
@@ -256,7 +255,7 @@ class Planner:
         if seq % setting.sp:
             raise ValueError(f"{seq} tokens do not split across {setting.sp} ranks of sequence parallelism; give a "
                              f"multiple of {setting.sp}")
-        with attention.gpu_workspace(self.gpu_kernel()), self._shard_policy():
+        with attention.gpu_workspace(self.gpu_kernel()), auto_shards.modelled_as(self.shard_device()):
             return self._timeline(setting, seq, describe, full_depth, replay_shards)
 
     def shard_device(self) -> auto_shards.DeviceClass:
@@ -264,9 +263,6 @@ class Planner:
         GPU's (the class docs/gpu.md measured), so modelled and real shard counts agree there; a CPU plan's
         is the modelled device (``auto_shards.modelled_as``; the CPU unless a caller says otherwise)."""
         return GPU_SHARD_DEVICE if self.request.gpu else auto_shards.MODELLED_DEVICE
-
-    def _shard_policy(self) -> ContextManager:
-        return auto_shards.modelled_as(GPU_SHARD_DEVICE) if self.request.gpu else contextlib.nullcontext()
 
     def gpu_kernel(self) -> Optional[str]:
         """The attention kernel whose workspace the step adds (None: a CPU step, or eager attention)."""
