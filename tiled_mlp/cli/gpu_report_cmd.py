@@ -17,9 +17,10 @@ import time
 
 import torch
 
+from tiled_mlp.strategies.checked_versions import installed
+
 from ..bench import gpu_doc
 from ..bench.gpu_sections import SECTIONS, Context
-from ..strategies.checked_versions import installed
 from . import parsing
 
 

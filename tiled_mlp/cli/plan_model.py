@@ -15,10 +15,10 @@ from typing import Dict, List, NoReturn, Optional, Tuple
 
 import torch
 
+from tiled_mlp.core import auto_shards
 from tiled_mlp.core.shard_plan import NumShards
 
 from ..bench.progress import Progress
-from ..core import auto_shards
 from ..planner import alst, attention, check, report, sequence_parallel, tensor_parallel, workers
 from ..planner.advice import what_to_change
 from ..planner.backends import BACKENDS, Backend
