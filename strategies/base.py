@@ -14,13 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .tensor_parallel import (
-    composed_problem,
-    is_tensor_parallel_hook,
-    local_param_bytes,
-    per_shard_problem,
-    tensor_parallel_view,
-)
+from .hf_tensor_parallel import version_problem
+from .tensor_parallel import is_tensor_parallel_hook, local_numel, per_shard_problem, tensor_parallel_view
 
 _DISTRIBUTED_BUILT = dist.is_available()
 
@@ -132,7 +127,7 @@ class Strategy(ABC):
 
     def param_bytes(self, module: nn.Module) -> int:
         """Bytes for the auto shard policy: alike on every rank, so that they choose one shard count."""
-        return local_param_bytes(module)
+        return sum(local_numel(p) * p.element_size() for p in module.parameters())
 
     def is_backend_hook(self, hook) -> bool:
         """Is this hook on a submodule the backend's own, which ``gathered`` or the local view stands in for?"""
@@ -140,7 +135,7 @@ class Strategy(ABC):
 
     def check_composed(self, module: nn.Module) -> None:
         """Raise, at tiling, for a tensor-parallel layout beside this backend that the library was not checked on."""
-        problem = composed_problem(module)
+        problem = version_problem(module)
         if problem:
             raise UnsupportedBackendError(problem)
 
