@@ -16,7 +16,7 @@ from typing import Any, List, Optional
 
 from torch import nn
 
-from .base import UnsupportedBackendError
+from .base import UnsupportedBackendError, check_spans_sequence_group
 
 # DeepSpeed's classes by (module, name): recognised without importing deepspeed.
 ENGINE_CLASS = ("deepspeed.runtime.engine", "DeepSpeedEngine")
@@ -47,11 +47,6 @@ ENGINE_GROUP_ERROR = (
     "sequence parallelism: the DeepSpeed engine training {model} was built with the SP group of ranks {engine}, "
     "but the loss is split across ranks {loss}. Build the engine with the SP handle's groups: "
     "deepspeed.initialize(..., mpu=sp.mpu)."
-)
-ENGINE_SPAN_ERROR = (
-    "sequence parallelism: the DeepSpeed engine training {model} averages its gradients over ranks {engine}, which "
-    "do not include every rank {loss} of the sequence-parallel group: the SP ranks' shares would not be summed. "
-    "Build the engine over every rank (deepspeed.initialize(..., mpu=sp.mpu))."
 )
 
 
@@ -120,10 +115,10 @@ def engine_sums_over_sequence_ranks(engine: Any, model: nn.Module, group: Option
             raise UnsupportedBackendError(ENGINE_GROUP_ERROR.format(model=name, engine=engine_ranks, loss=loss_ranks))
     optimizer = engine.optimizer
     sums = _sums(optimizer, model, sp_size, int(engine.zero_optimization_stage()))
-    if not sums and loss_ranks is not None:
+    if not sums and group is not None:
         averaged = _ranks(getattr(optimizer, "dp_process_group", None) or engine.seq_data_parallel_group)
-        if not set(loss_ranks) <= set(averaged):
-            raise UnsupportedBackendError(ENGINE_SPAN_ERROR.format(model=name, engine=averaged, loss=loss_ranks))
+        check_spans_sequence_group("the DeepSpeed engine", model, averaged, group,
+                                   "Build the engine over every rank (deepspeed.initialize(..., mpu=sp.mpu)).")
     return sums
 
 
