@@ -145,22 +145,16 @@ def _zero3_gathered(module: nn.Module) -> Iterator[None]:
         return
     if not in_backward:
         _register_descendant_params_as_external(module)
-    inflight = [p.ds_id for p in params if p.ds_status == ZeroParamStatus.INFLIGHT]
-    if inflight:
-        raise RuntimeError(
-            f"TiledMLP: ZeRO-3 parameters {inflight} of {type(module).__name__} are still being fetched by DeepSpeed "
-            "when the tiled call needs them. Please report the model layout."
-        )
-    # What is still partitioned: only at the first call, before the registration above took effect.
-    # Every rank holds the same statuses at the same point, so this all-gather matches across ranks.
+    # Gathering in the backward would release them on exit, before autograd accumulates the recompute's gradients.
+    unready = [p.ds_id for p in params if p.ds_status == ZeroParamStatus.INFLIGHT
+               or (in_backward and p.ds_status == ZeroParamStatus.NOT_AVAILABLE)]
+    if unready:
+        raise RuntimeError(f"TiledMLP: ZeRO-3 has not gathered parameters {unready} of {type(module).__name__} when its "
+                           "tiled call needs them: its module hooks did not run around the call. Please report the "
+                           "model layout.")
+    # Still partitioned only at the first call, before the registration above took effect: every rank holds the
+    # same statuses at the same point, so this all-gather matches across ranks.
     missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-    if missing and in_backward:
-        # Gathering here would release the parameters on exit, before autograd accumulates the
-        # gradients the recompute returns, into the full-size buffers it needs.
-        raise RuntimeError(
-            f"TiledMLP: ZeRO-3 did not gather parameters {[p.ds_id for p in missing]} of {type(module).__name__} "
-            "before its backward; its module hooks did not run around the tiled call. Please report the model layout."
-        )
     with GatheredParameters(missing, modifier_rank=None), _descendant_hooks_suspended(module):
         yield
 
