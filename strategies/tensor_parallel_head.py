@@ -13,6 +13,7 @@ from . import hf_tensor_parallel as hf_tp
 from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, VocabSlice
 from .tensor_parallel import (
     colwise_input_hook,
+    has_dtensor,
     is_sequence_parallel_module,
     layout_of,
     style_hooks_of,
@@ -41,18 +42,6 @@ SEQUENCE_GROUP_ERROR = (
     "over a sequence-parallel group and its vocabulary over a tensor-parallel one together is not supported. "
     "Give the tensor-parallel head its sequence through ColwiseParallel(input_layouts=Shard(1)) instead."
 )
-
-
-def _linear_styles() -> tuple:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return (ColwiseParallel, RowwiseParallel)
-
-
-def _is_dtensor(tensor: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 class SumGradOverGroup(torch.autograd.Function):
@@ -84,7 +73,7 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         a DTensor's mesh holds its own (the planner's fake group)."""
         # From the parameter dict: ZeRO-3 would gather a weight read as an attribute inside another module's forward.
         weight = module._parameters.get("weight")
-        if weight is None or type(weight) is nn.Parameter or not _is_dtensor(weight):
+        if weight is None or type(weight) is nn.Parameter or not has_dtensor([weight]):
             return False
         if not style_hooks_of(module):
             # Hugging Face's own tensor parallelism registers no hook: it marks the modules it laid out.
@@ -112,7 +101,9 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         elif (input_hook := colwise_input_hook(module)) is None or input_hook.mesh != weight.device_mesh:
             style_classes = {style for _, style in style_hooks_of(module)}
             styles = sorted(style.__name__ for style in style_classes)
-            if not any(issubclass(style, _linear_styles()) for style in style_classes):
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+            if not any(issubclass(style, (ColwiseParallel, RowwiseParallel)) for style in style_classes):
                 # Not a Linear's style (SequenceParallel on a norm, say): not a head, whichever call tiles it.
                 raise UnsupportedBackendError(NOT_LINEAR_STYLE_ERROR.format(
                     module=head, layout=f"{'/'.join(styles)} (weight {layout_of(weight)})"))
@@ -123,8 +114,8 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         for what, tensor in (("weight", weight), ("bias", bias)):
             if tensor is None:
                 continue
-            if not _is_dtensor(tensor) or tensor.device_mesh.ndim != 1:
-                fix = MESH_FIX if _is_dtensor(tensor) else STYLE_FIX
+            if not has_dtensor([tensor]) or tensor.device_mesh.ndim != 1:
+                fix = MESH_FIX if has_dtensor([tensor]) else STYLE_FIX
                 raise UnsupportedBackendError(LAYOUT_ERROR.format(
                     head=head, layout=f"its {what} {layout_of(tensor)}", bias=bias_text, fix=fix))
             if tuple(tensor.placements) != (Shard(0),) or tensor.device_mesh != weight.device_mesh:
