@@ -1,7 +1,5 @@
-"""Pluggable parallel backends for TiledMLP (strategy instances, optional capabilities as mixins), a
-registry of classes with their constructor arguments, and a resolver."""
-# The folder is installed as tiled_mlp.strategies; imported by its repository name (from the repository's root) it would
-# be a second copy of every module, with registries of its own.
+"""Pluggable parallel backends for TiledMLP: strategy classes, their registry, and the resolver."""
+# Imported by its repository name (from the repository's root) it would be a second copy with its own registry.
 if __name__ != "tiled_mlp.strategies":
     raise ImportError(f"{__name__} is installed as tiled_mlp.strategies: import tiled_mlp.strategies (or tiled_mlp)")
 
@@ -28,16 +26,9 @@ from .resolver import resolve_strategy, strategy_from_arg
 from .single_device import SingleDeviceStrategy
 from .tensor_parallel_head import TensorParallelHeadStrategy
 
-for _builtin, _description in (
-    (SingleDeviceStrategy, "one device: whole parameters, gradients through autograd (the fallback)"),
-    (DDPStrategy, "DistributedDataParallel: its reducer all-reduces each gradient, delivered once"),
-    (FSDP1Strategy, "FullyShardedDataParallel (FSDP1): refused, with the way to FSDP2"),
-    (FSDP2Strategy, "fully_shard (FSDP2): its hooks unshard around the call and reduce-scatter the gradients"),
-    (DeepSpeedZeroStrategy, "DeepSpeed ZeRO stages 1-3: ZeRO-3's parameters gathered once around the call"),
-    (DeepSpeedAutoTPStrategy, "a DeepSpeed AutoTP layer whose output stays split: refused"),
-    (TensorParallelHeadStrategy, "lm_head parallelized with ColwiseParallel: the vocabulary-parallel loss"),
-):
-    register_strategy(_builtin, description=_description)
+for _builtin in (SingleDeviceStrategy, DDPStrategy, FSDP1Strategy, FSDP2Strategy, DeepSpeedZeroStrategy,
+                 DeepSpeedAutoTPStrategy, TensorParallelHeadStrategy):
+    register_strategy(_builtin)
 
 __all__ = [
     "Strategy",

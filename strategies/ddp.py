@@ -1,11 +1,9 @@
-"""DDP (``torch.nn.parallel.DistributedDataParallel``): parameters are local and whole, gradients arrive once
-through autograd and DDP's reducer all-reduces them. The one difference from a single device: an unused parameter
-is an input of the tiled Function, so DDP finds it reachable and waits for its gradient: it gets zeros.
+"""DDP (``DistributedDataParallel``): parameters are local and whole, gradients arrive once through autograd and
+DDP's reducer all-reduces them. An unused parameter is an input of the tiled Function, so DDP waits for its
+gradient: it gets zeros.
 
-Claiming: DDP wraps the root, usually after tiling, so no recorded ancestor shows it. While a DDP module runs its
-forward it is ``DistributedDataParallel._active_ddp_module`` (private, set for torch.compile's DDP optimizer); a
-recorded DDP ancestor counts too. The instance carries the process group DDP averages over: the one given or
-registered, else, when "auto" resolves it, the running DDP module's.
+DDP wraps the root, usually after tiling, so no recorded ancestor shows it: while its forward runs it is
+``DistributedDataParallel._active_ddp_module`` (private, set for torch.compile's DDP optimizer).
 """
 from __future__ import annotations
 
@@ -43,17 +41,13 @@ class DDPStrategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         from torch.nn.parallel import DistributedDataParallel
 
-        if any(isinstance(m, DistributedDataParallel) for m in ancestors):
-            return True
-        # A DDP forward running on this thread is what called this module (no walk of the model: this
-        # runs at every tiled call). A module called inside it but not wrapped by it (a frozen
-        # teacher) would get zeros for unused trainable parameters instead of None, nothing else.
-        return _active_ddp_module() is not None
+        # A module called inside a DDP forward but not wrapped by it (a frozen teacher) would get zeros for
+        # unused trainable parameters instead of None, nothing else.
+        return any(isinstance(m, DistributedDataParallel) for m in ancestors) or _active_ddp_module() is not None
 
     @classmethod
     def configured_for(cls, module: nn.Module, ancestors: Sequence[nn.Module] = (), **init_kwargs: Any) -> DDPStrategy:
-        """The DDP module around the call (the nearest recorded ancestor, else the running one) gives its
-        process group, unless one was registered."""
+        """The process group of the DDP module around the call, unless one was registered."""
         if init_kwargs.get("process_group") is None:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -64,9 +58,8 @@ class DDPStrategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
         return cls(**init_kwargs)
 
     def check_sequence_group(self, module: nn.Module, group: Any) -> None:
-        """DDP averages over its process group: it must hold every SP rank. Without one given, the group is
-        the running DDP module's, where it wraps ``module`` (the loss inside the model's forward); a loss
-        computed after it returned is checked only against a given group."""
+        """DDP's process group must hold every SP rank. Without one given, the running DDP module's where it wraps
+        ``module``; a loss computed after it returned is checked only against a given group."""
         import torch.distributed as dist
 
         process_group = self.process_group

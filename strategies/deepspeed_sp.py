@@ -1,33 +1,13 @@
-"""How a DeepSpeed engine reduces gradients over a sequence-parallel group, read from the engine itself.
+"""How a DeepSpeed engine reduces gradients over a sequence-parallel group, read from the engine itself
+(docs/long-context-stack.md). DeepSpeed 0.19.8 decides per code path: stage 0's all-reduce and ZeRO-1/2 divide
+by the DP ranks only (they sum over the SP ranks); ZeRO-3's reduce-scatter averages over every rank, except that
+with ``reduce_scatter: false`` and ``contiguous_gradients`` a bucket of at most ``reduce_bucket_size`` sums over
+SP; an engine built without SP groups (``mpu``) averages over its data-parallel group.
 
-Under Ulysses SP every rank returns the whole sequence's loss; the loss's backward must hand each SP rank
-the factor that the engine's gradient reduction turns into the whole sequence's gradient: 1 where the
-engine *sums* over the SP ranks, the group's size where it *averages* over them
-(``tiled_core/sequence_group.py``). DeepSpeed 0.19.8 decides per code path (read from its source):
-
-- the engine's own all-reduce (stage 0, any precision: ``engine.buffered_allreduce_fallback``) divides by
-  ``seq_dp_world / sp``, the DP ranks only: it sums over the SP ranks. ``gradient_predivide_factor``
-  cancels out on that path.
-- ZeRO-1/2 (``stage_1_and_2.py``: ``average_tensor``, ``gradient_reduction_w_predivide``,
-  ``allreduce_bucket``) divide by ``dp_world / sp``: they sum over the SP ranks, except the
-  no-reduce-scatter path with a predivide factor equal to the world size, which averages.
-- ZeRO-3 (``stage3.py``): its reduce-scatter (``__avg_scatter_grads``, via ``reduce_scatter_coalesced``)
-  averages over every rank. With ``reduce_scatter: false`` and ``contiguous_gradients`` a bucket no
-  larger than ``reduce_bucket_size`` goes through ``__avg_scatter_contiguous_grads`` instead, which divides
-  by ``world / sp`` (sums over SP); a bucket holding one parameter larger than that goes through the
-  reduce-scatter (averages). So a model with parameters on both sides of ``reduce_bucket_size`` has no
-  single factor.
-- An engine built without SP groups (``mpu``) has ``sequence_parallel_size`` 1 and averages over its
-  data-parallel group.
-
-The engine is found from the model itself: ``deepspeed.initialize`` registers a forward pre-hook on the
-module it wraps, a closure over the engine. Where the engine wraps a module above the model the loss knows
-(a PEFT model), the ZeRO optimizer is found from the parameters it links to itself (``_z3_optimizer``,
-``_zero_optimizer`` with CPU offload); ZeRO-1/2 without offload links only master fragments
-(``_hp_mapping``), and an engine built while DeepSpeed held SP groups sums over them (its predivide factor
-cannot be read there). Where neither can be found while DeepSpeed holds SP groups
-(``deepspeed.utils.groups.mpu``: a float32 stage 0 under a wrapper), or the configuration has no single
-factor, the answer is refused with an error that names the fix.
+The engine is the closure of the forward pre-hook ``deepspeed.initialize`` puts on the module it wraps; above
+the model (a PEFT model), the ZeRO optimizer linked from the parameters (``_z3_optimizer``, ``_zero_optimizer``),
+or ZeRO-1/2's master fragments (``_hp_mapping``). Private DeepSpeed names read here: re-check them whenever the
+pinned DeepSpeed version changes.
 """
 from __future__ import annotations
 
@@ -36,13 +16,9 @@ from typing import Any, List, Optional
 
 from torch import nn
 
-from .base import UnsupportedBackendError
+from .base import UnsupportedBackendError, check_spans_sequence_group
 
-# DeepSpeed private names read here (groups._get_sequence_parallel_world_size, parallel_state_sp's
-# _SEQUENCE_PARALLEL_GROUP, the optimizers' _z3_optimizer / _zero_optimizer / _hp_mapping links): re-check
-# them against DeepSpeed's source whenever the pinned DeepSpeed version changes.
-# DeepSpeed's classes by (module, name): recognized without importing deepspeed (the DeepSpeed strategy
-# decides before it is loaded whether it is in play, and reads ENGINE_CLASS from here).
+# DeepSpeed's classes by (module, name): recognised without importing deepspeed.
 ENGINE_CLASS = ("deepspeed.runtime.engine", "DeepSpeedEngine")
 _STAGE3_CLASS = ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3")
 
@@ -72,20 +48,13 @@ ENGINE_GROUP_ERROR = (
     "but the loss is split across ranks {loss}. Build the engine with the SP handle's groups: "
     "deepspeed.initialize(..., mpu=sp.mpu)."
 )
-ENGINE_SPAN_ERROR = (
-    "sequence parallelism: the DeepSpeed engine training {model} averages its gradients over ranks {engine}, which "
-    "do not include every rank {loss} of the sequence-parallel group: the SP ranks' shares would not be summed. "
-    "Build the engine over every rank (deepspeed.initialize(..., mpu=sp.mpu))."
-)
 
 
 def is_instance_of(obj: Any, qualified: tuple) -> bool:
-    """Is ``obj`` an instance of the class ``qualified`` (module, name) names, or of a subclass of it?"""
     return any((cls.__module__, cls.__name__) == qualified for cls in type(obj).__mro__)
 
 
 def closure_values(fn: Any) -> List[Any]:
-    """What a function's closure cells hold (empty cells left out)."""
     values = []
     for cell in getattr(fn, "__closure__", None) or ():
         try:
@@ -95,33 +64,21 @@ def closure_values(fn: Any) -> List[Any]:
     return values
 
 
-def _removed(handle: Any) -> bool:
-    hooks = handle.hooks_dict_ref()
-    return hooks is None or handle.id not in hooks
-
-
 def optimizer_destroyed(optimizer: Any) -> bool:
-    """Has ``destroy()`` run on this ZeRO (or bf16) optimizer? It removes the per-parameter gradient hooks
-    through which the optimizer reduces (``_grad_acc_hooks``); once all are removed it reduces nothing."""
+    """``destroy()`` removes the per-parameter gradient hooks the ZeRO (or bf16) optimizer reduces through. It
+    leaves the engine's pre-hook on the module, and a stage-0 engine keeps nothing that tells: it counts as live."""
     hooks = list(getattr(optimizer, "_grad_acc_hooks", None) or ())
-    return bool(hooks) and all(_removed(h) for h in hooks)
-
-
-def engine_destroyed(engine: Any) -> bool:
-    """``DeepSpeedEngine.destroy()`` leaves the engine's forward pre-hook on the module; what it changes is
-    its ZeRO optimizer (``optimizer_destroyed``). A stage-0 engine keeps nothing that tells: it counts as live."""
-    return optimizer_destroyed(getattr(engine, "optimizer", None))
+    return bool(hooks) and all(h.hooks_dict_ref() is None or h.id not in h.hooks_dict_ref() for h in hooks)
 
 
 def engines_of(model: nn.Module) -> List[Any]:
-    """The live DeepSpeed engines wrapping ``model`` or a module inside it, newest last: each is the closure
-    of the forward pre-hook ``deepspeed.initialize`` put on the module it wraps (destroyed ones left out)."""
+    """The live DeepSpeed engines wrapping ``model`` or a module inside it, newest last."""
     found: List[Any] = []
     for module in model.modules():
         for hook in module._forward_pre_hooks.values():
             for candidate in closure_values(hook):
                 if (is_instance_of(candidate, ENGINE_CLASS) and getattr(candidate, "module", None) is module
-                        and not engine_destroyed(candidate)):
+                        and not optimizer_destroyed(getattr(candidate, "optimizer", None))):
                     found.append(candidate)
     return found
 
@@ -147,8 +104,8 @@ def _ranks(group: Any) -> List[int]:
 
 
 def engine_sums_over_sequence_ranks(engine: Any, model: nn.Module, group: Optional[Any]) -> bool:
-    """Does ``engine`` sum (rather than average) its gradients over the SP ranks? Raises where its
-    configuration gives no single answer, or where its groups are not the loss's (``group``)."""
+    """Does ``engine`` sum (rather than average) over the SP ranks? Raises where its configuration gives no
+    single answer, or where its groups are not the loss's (``group``)."""
     name = type(model).__name__
     sp_size = getattr(engine, "sequence_parallel_size", 1)
     loss_ranks = _ranks(group) if group is not None else None
@@ -158,15 +115,14 @@ def engine_sums_over_sequence_ranks(engine: Any, model: nn.Module, group: Option
             raise UnsupportedBackendError(ENGINE_GROUP_ERROR.format(model=name, engine=engine_ranks, loss=loss_ranks))
     optimizer = engine.optimizer
     sums = _sums(optimizer, model, sp_size, int(engine.zero_optimization_stage()))
-    if not sums and loss_ranks is not None:
+    if not sums and group is not None:
         averaged = _ranks(getattr(optimizer, "dp_process_group", None) or engine.seq_data_parallel_group)
-        if not set(loss_ranks) <= set(averaged):
-            raise UnsupportedBackendError(ENGINE_SPAN_ERROR.format(model=name, engine=averaged, loss=loss_ranks))
+        check_spans_sequence_group("the DeepSpeed engine", model, averaged, group,
+                                   "Build the engine over every rank (deepspeed.initialize(..., mpu=sp.mpu)).")
     return sums
 
 
 def _zero3_sums(optimizer: Any, model: nn.Module) -> bool:
-    """ZeRO-3 under SP: which of its two reductions every trained parameter's gradient takes."""
     if optimizer.reduce_scatter or not optimizer.contiguous_gradients:
         return False  # reduce-scatter for every bucket: averaged over every rank
     if float(optimizer.gradient_predivide_factor) != 1.0:
@@ -183,8 +139,6 @@ def _zero3_sums(optimizer: Any, model: nn.Module) -> bool:
 
 
 def _refuse_two_backends(model: nn.Module) -> None:
-    """A live DeepSpeed engine on ``model`` while FSDP2 shards it or a DDP forward runs it: two backends
-    reduce the gradients, and no single factor is right for both."""
     from torch.distributed.fsdp import FSDPModule
 
     from .ddp import _active_ddp_module
@@ -196,9 +150,8 @@ def _refuse_two_backends(model: nn.Module) -> None:
 
 
 def zero_optimizer_of(model: nn.Module) -> Optional[Any]:
-    """The ZeRO optimizer linked to ``model``'s parameters: ZeRO-3 links every parameter of the module it
-    trains (``_z3_optimizer``), ZeRO-1/2 each trained parameter whose master fragment this rank holds
-    (``_zero_optimizer``; every rank holds a slice of the flat buffer, so at least one)."""
+    """ZeRO-3 links every parameter it trains; ZeRO-1/2 (with CPU offload) each one whose master fragment this
+    rank holds (every rank holds at least one)."""
     for p in model.parameters():
         optimizer = getattr(p, "_z3_optimizer", None) or getattr(p, "_zero_optimizer", None)
         if optimizer is not None and not optimizer_destroyed(optimizer):
@@ -207,8 +160,7 @@ def zero_optimizer_of(model: nn.Module) -> Optional[Any]:
 
 
 def _sums(optimizer: Any, model: nn.Module, sp_size: int, stage: Any) -> bool:
-    """Does ``optimizer`` (of ZeRO stage ``stage``, "1/2" where only the optimizer is known) sum over its
-    ``sp_size`` SP ranks: ZeRO-3 by its reduction paths, stage 0 and ZeRO-1/2 always (a predivide factor refused)."""
+    """``stage``: "1/2" where only the optimizer is known."""
     if is_instance_of(optimizer, _STAGE3_CLASS):
         return sp_size > 1 and _zero3_sums(optimizer, model)
     if sp_size <= 1 or stage == 0:
@@ -220,8 +172,7 @@ def _sums(optimizer: Any, model: nn.Module, sp_size: int, stage: Any) -> bool:
 
 
 def deepspeed_sums_over_sequence_ranks(model: nn.Module, group: Optional[Any]) -> bool:
-    """The answer for ``model`` (the whole model where the caller has it): read from its engine (the newest,
-    where several were built on it), else from the ZeRO optimizer its parameters are linked to; False where
+    """Read from ``model``'s newest engine, else from the ZeRO optimizer its parameters link to; False where
     DeepSpeed trains nothing under SP; refused where DeepSpeed holds SP groups but neither can be found."""
     if "deepspeed" not in sys.modules:
         return False

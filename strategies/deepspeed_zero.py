@@ -1,21 +1,11 @@
-"""DeepSpeed ZeRO (stages 1, 2 and 3).
+"""DeepSpeed ZeRO (stages 1, 2 and 3). Stages 1 and 2 keep parameters whole and reduce from per-parameter hooks,
+which the core's single delivery satisfies.
 
-Stages 1 and 2 keep parameters whole and reduce from per-parameter hooks, which the core's single delivery
-satisfies: this strategy only names the backend.
-
-Stage 3 partitions every parameter (``ds_id``/``ds_status``) and puts gather/release hooks around every
-submodule's forward and backward. Around the tiled call they are what is wanted, once. Inside it they are not:
-the generic kernel calls the MLP's forward per shard, so the child Linears' hooks would all-gather once per
-shard and recompute, and ranks with different shard counts would issue different collectives (deadlock, and
-ZeRO's trace check fails). So the children's parameters are registered as ZeRO-3 *external parameters* of
-the MLP, which its own hooks fetch before its forward and its backward and release after them (after autograd
-accumulated their gradients), and ``gathered`` suspends the descendants' ZeRO-3 hooks for the shard loop and
-the recompute; at the very first call, before the registration took effect, it gathers with
-``GatheredParameters``, one all-gather alike on every rank. Not ``set_z3_leaf_modules``: it must be set before
-``deepspeed.initialize``, and its full backward hook fires before the module's backward when no input
-requires grad, so gradients would be reduced before the tiled call produced them.
-
-deepspeed is imported lazily, and only once parameters carry ZeRO-3 attributes.
+ZeRO-3 gathers and releases around every submodule's forward and backward: around the tiled call, once, as
+wanted; inside it once per shard (and ranks with different shard counts would deadlock). So the children's
+parameters become ZeRO-3 external parameters of the MLP, fetched by its own hooks, and ``gathered`` suspends the
+descendants' hooks for the shard loop and the recompute. Not ``set_z3_leaf_modules``: it must be set before
+``deepspeed.initialize``, and with no input requiring grad it reduces before the tiled backward ran.
 """
 from __future__ import annotations
 
@@ -46,19 +36,16 @@ def is_zero3_param(param) -> bool:
 
 
 def is_zero12_param(param) -> bool:
-    # ZeRO-1/2 (and DeepSpeed's bf16 optimizer) link each trained parameter to its fp32 master
-    # fragment; the attribute is set on every rank, None where the fragment lives on another rank.
+    # ZeRO-1/2 (and the bf16 optimizer) set it on every rank, None where the master fragment lives elsewhere.
     return hasattr(param, "_hp_mapping")
 
 
 def is_zero3_module_hook(hook) -> bool:
-    """Is ``hook`` one of the gather/release hooks ZeRO-3 registers on every submodule?"""
     return any(getattr(fn, "__qualname__", "").startswith(_ZERO3_HOOK_OWNER) for fn in _wrapped_functions(hook))
 
 
 def _wrapped_functions(fn, depth: int = 3):
-    """``fn`` and the functions its decorators wrap: DeepSpeed decorates these hooks with
-    ``torch.compiler.disable`` (which sets ``__wrapped__``) and ``instrument_w_nvtx`` (a closure)."""
+    # DeepSpeed wraps its hooks in ``torch.compiler.disable`` (``__wrapped__``) and ``instrument_w_nvtx`` (a closure).
     yield fn
     if depth == 0:
         return
@@ -67,17 +54,13 @@ def _wrapped_functions(fn, depth: int = 3):
             yield from _wrapped_functions(candidate, depth - 1)
 
 
-# ZeRO-3 is checked on DeepSpeed 0.19.8. Before it, tiled ZeRO-3 steps gave wrong numbers now and then, a different
-# case each run: on 0.18.6 NaN or 6e-3-off gradients (integration_tests/test_zero.py), on 0.18.6 and 0.19.0 the
-# sequence-parallel ZeRO-3 cases' loss 0.4% off at step 0 (2 runs in 3 on 0.19.0, against 3 exact on 0.19.8, the
-# rest of the environment unchanged). Unexplained, so refused there rather than left silent;
-# TILED_MLP_UNCHECKED_VERSIONS=deepspeed (or all) turns it into the user's risk.
+# Before 0.19.8 tiled ZeRO-3 steps gave wrong numbers now and then, unexplained (0.18.6: NaN or 6e-3-off gradients;
+# 0.19.0: the SP cases' loss 0.4% off), so refused there.
 ZERO3_OLDEST = "0.19.8"
 
 
 @functools.cache
 def zero3_version_problem() -> str:
-    """Why ZeRO-3 is refused on the installed DeepSpeed ("" where it is checked); read once per process."""
     installed = versions.installed("deepspeed")
     if installed is None or versions.CheckedRange("deepspeed", ZERO3_OLDEST).contains(installed) \
             or versions.unchecked_allowed("deepspeed"):
@@ -89,8 +72,6 @@ def zero3_version_problem() -> str:
 
 
 class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
-    """ZeRO reduces in buckets filled by per-parameter hooks on every rank alike: each parameter the
-    engine saw as reachable must deliver a gradient, whatever this rank's tokens used."""
 
     name = "deepspeed_zero"
     priority = 200
@@ -105,25 +86,20 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
         return any(is_instance_of(m, ENGINE_CLASS) for m in ancestors)
 
     def check_supported(self, module: nn.Module) -> None:
-        """ZeRO-3 on a DeepSpeed release it was not checked on (``zero3_version_problem``): refused before any work.
-        On a checked release this is one cached call."""
         problem = zero3_version_problem()
         if problem and any(is_zero3_param(p) for p in module.parameters()):
             raise UnsupportedBackendError(problem)
 
     def param_bytes(self, module: nn.Module) -> int:
-        """Outside the tiled call ZeRO-3 parameters are partitioned (``.data`` is empty): count ``ds_numel``."""
+        # Outside the tiled call ZeRO-3's ``.data`` is empty.
         return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
 
     def allows_untiled_call(self, module: nn.Module) -> bool:
-        """Not under ZeRO-3: the plain module gathers each child Linear with its own hooks, the tiled
-        call gathers them with the MLP's, so a rank running untiled beside one that tiles (fewer tokens
-        with num_shards="auto") would issue other collectives and deadlock. It tiles in one shard."""
+        # Not under ZeRO-3: untiled, each child Linear gathers with its own hooks, so a rank running untiled beside
+        # one that tiles would issue other collectives and deadlock. It tiles in one shard instead.
         return not any(is_zero3_param(p) for p in module.parameters())
 
     def swaps_param_storage(self, module: nn.Module) -> bool:
-        """ZeRO-3 releases each parameter after forward (``.data`` emptied) and re-gathers it before
-        backward; stages 1 and 2 keep them as they are."""
         return any(is_zero3_param(p) for p in module.parameters())
 
     def gathered(self, module: nn.Module) -> ContextManager:
@@ -132,23 +108,15 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
         return _zero3_gathered(module)
 
     def sums_over_sequence_ranks(self, module: nn.Module, group: Any = None) -> bool:
-        """Read from the DeepSpeed engine that wraps ``module`` (the whole model where the caller has it: a
-        frozen ``lm_head`` carries no ZeRO attribute), by its stage and configuration: stage 0 and ZeRO-1/2
-        given DeepSpeed's SP groups, and ZeRO-3 with ``reduce_scatter: false``, sum over the SP ranks;
-        ZeRO-3's reduce-scatter and an engine without SP groups average (``deepspeed_sp.py``). With a
-        ``group``, the same read of the engine checks it (``check_sequence_group``): one walk of the model."""
+        # Read from the engine wrapping ``module`` (the whole model: a frozen lm_head carries no ZeRO attribute);
+        # with a ``group`` the same read checks it.
         return process_group_ready() and deepspeed_sums_over_sequence_ranks(module, group)
 
     def check_sequence_group(self, module: nn.Module, group: Any) -> None:
-        """Refuse an engine whose SP group is not the loss's, one that averages over ranks that leave SP
-        ranks out, one whose configuration has no single factor, and an engine that cannot be found while
-        DeepSpeed holds SP groups (``deepspeed_sp.py``)."""
         self.sums_over_sequence_ranks(module, group)
 
     @staticmethod
     def is_backend_hook(hook) -> bool:
-        """ZeRO-3's own hooks are replaced by ``gathered`` inside the tiled call, so a child Linear
-        that carries only those may be bypassed by the fast kernel."""
         return is_zero3_module_hook(hook)
 
 
@@ -177,28 +145,21 @@ def _zero3_gathered(module: nn.Module) -> Iterator[None]:
         return
     if not in_backward:
         _register_descendant_params_as_external(module)
-    inflight = [p.ds_id for p in params if p.ds_status == ZeroParamStatus.INFLIGHT]
-    if inflight:
-        raise RuntimeError(
-            f"TiledMLP: ZeRO-3 parameters {inflight} of {type(module).__name__} are still being fetched by DeepSpeed "
-            "when the tiled call needs them. Please report the model layout."
-        )
-    # What is still partitioned: only at the first call, before the registration above took effect.
-    # Every rank holds the same statuses at the same point, so this all-gather matches across ranks.
+    # Gathering in the backward would release them on exit, before autograd accumulates the recompute's gradients.
+    unready = [p.ds_id for p in params if p.ds_status == ZeroParamStatus.INFLIGHT
+               or (in_backward and p.ds_status == ZeroParamStatus.NOT_AVAILABLE)]
+    if unready:
+        raise RuntimeError(f"TiledMLP: ZeRO-3 has not gathered parameters {unready} of {type(module).__name__} when its "
+                           "tiled call needs them: its module hooks did not run around the call. Please report the "
+                           "model layout.")
+    # Still partitioned only at the first call, before the registration above took effect: every rank holds the
+    # same statuses at the same point, so this all-gather matches across ranks.
     missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-    if missing and in_backward:
-        # Gathering here would release the parameters on exit, before autograd accumulates the
-        # gradients the recompute returns, into the full-size buffers it needs.
-        raise RuntimeError(
-            f"TiledMLP: ZeRO-3 did not gather parameters {[p.ds_id for p in missing]} of {type(module).__name__} "
-            "before its backward; its module hooks did not run around the tiled call. Please report the model layout."
-        )
     with GatheredParameters(missing, modifier_rank=None), _descendant_hooks_suspended(module):
         yield
 
 
 def _running_forward_module():
-    """The module whose forward ZeRO-3 is running now (its own stack of them), or None outside any."""
     from deepspeed.runtime.zero import parameter_offload
 
     stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
@@ -206,8 +167,6 @@ def _running_forward_module():
 
 
 def _register_descendant_params_as_external(module: nn.Module) -> None:
-    """Make ZeRO-3 fetch the children's parameters with the MLP's own hooks (before its forward, again before its
-    backward, released after each), each registered once (DeepSpeed keys them by ``id``)."""
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
     own = {id(p) for p in module.parameters(recurse=False)}
@@ -233,8 +192,7 @@ def _descendant_hooks_suspended(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         for hooks, original, mine in reversed(removed):
-            # Back in their original order (ZeRO's hooks interleave with others); hooks that others
-            # added or removed meanwhile stay added or removed.
+            # Back in their original order; hooks others added or removed meanwhile stay added or removed.
             current = dict(hooks)
             restored = [(k, h) for k, h in original if k in mine or k in current]
             restored += [(k, h) for k, h in current.items() if k not in mine and all(k != ok for ok, _ in original)]

@@ -1,5 +1,5 @@
-"""FSDP1 (``FullyShardedDataParallel``) is rejected: it flattens parameters into a ``FlatParameter``
-and owns their views, so the module's parameters are not the tensors autograd accumulates into."""
+"""FSDP1 (``FullyShardedDataParallel``) is refused: it flattens parameters into a ``FlatParameter`` and owns
+their views, so the module's parameters are not the tensors autograd accumulates into."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -25,37 +25,21 @@ def _is_fsdp1_tensor(t) -> bool:
     return bool(getattr(t, "_fsdp_flattened", False) or getattr(t._base, "_fsdp_flattened", False))
 
 
-def _fsdp1_class():
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return FullyShardedDataParallel
-
-
-def _is_fsdp1_module(module: nn.Module) -> bool:
-    if isinstance(module, _fsdp1_class()):
-        return True
-    return any(_is_fsdp1_tensor(t) for t in (*vars(module).values(), *module._parameters.values()))
-
-
-def is_under_fsdp1(module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-    """FSDP1 wraps an ancestor (checked alone: another branch of the model is not our concern), or
-    owns the module's own parameters (checked over its whole subtree)."""
-    return any(isinstance(a, _fsdp1_class()) for a in ancestors) or any(map(_is_fsdp1_module, module.modules()))
-
-
 class FSDP1Strategy(SequenceParallelAware, Strategy):
-    """Sequence-parallel aware with nothing to check: every tiled call under FSDP1, the loss's head
-    included, is refused by ``check_supported`` before it runs."""
+    """Sequence-parallel aware with nothing to check: ``check_supported`` refuses every call first."""
 
     name = "fsdp1"
-    priority = 1000  # ask first: a rejection must win over any strategy that would run it
+    priority = 1000  # ask first: a refusal must win over any strategy that would run it
     claims_from_layout = True
 
     @classmethod
     @claims_need_process_group
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        return is_under_fsdp1(module, ancestors)
+        """FSDP1 wraps an ancestor, or owns a parameter anywhere in the module's subtree."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return any(isinstance(m, FullyShardedDataParallel) for m in (*ancestors, *module.modules())) or any(
+            _is_fsdp1_tensor(t) for m in module.modules() for t in (*vars(m).values(), *m._parameters.values()))
 
     def check_supported(self, module: nn.Module) -> None:
         raise UnsupportedBackendError(FSDP1_ERROR)
-

@@ -1,10 +1,6 @@
 """Hugging Face's own tensor parallelism (``from_pretrained(..., tp_plan="auto")``): the one seam that reads it.
-
-transformers 5.25 replaces each parallelized module's forward on the instance with a closure ``tp_forward``
-(no hook); its ``ColwiseParallel`` and ``RowwiseParallel`` compute what torch's styles compute, so the gated
-local view and the vocabulary-parallel loss apply, with the layouts read from the style instance. Recognised by
-what it is, checked on ``CHECKED_VERSIONS`` only, and a model laid out under another version refused at tiling:
-docs/backends.md, "Hugging Face's own tensor parallelism".
+transformers 5.25 replaces each parallelized module's forward with a closure ``tp_forward`` (no hook) whose
+styles compute what torch's do; recognised by what it is, on ``CHECKED_VERSIONS`` only (docs/backends.md).
 """
 from __future__ import annotations
 
@@ -32,22 +28,16 @@ VERSION_ERROR = (
 )
 
 
-def transformers_version() -> Optional[str]:
-    """The installed transformers' version (None where it is not installed: then no model uses it)."""
-    return installed("transformers")
-
-
 def version_checked() -> bool:
     """The installed transformers is of a minor series checked (a patch release keeps its layouts)."""
-    return in_any(checked_on("transformers", CHECKED_VERSIONS), transformers_version())
+    return in_any(checked_on("transformers", CHECKED_VERSIONS), installed("transformers"))
 
 
 _FOUND: dict = {}
 
 
 def _tp_parts() -> Optional[Tuple[Any, type, type]]:
-    """(tp_forward's code object, HF's ColwiseParallel, RowwiseParallel) of the imported transformers, on a
-    checked version; None otherwise (a model laid out by it has imported it)."""
+    """(tp_forward's code object, HF's ColwiseParallel, RowwiseParallel) on a checked version, else None."""
     tp = sys.modules.get(_TP_MODULE)
     if tp is None or not version_checked():
         return None
@@ -62,7 +52,6 @@ def _tp_parts() -> Optional[Tuple[Any, type, type]]:
 
 
 def _cells(forward: Any) -> Optional[dict]:
-    """The closure of HF's ``tp_forward`` by name, or None where ``forward`` is not that function."""
     parts = _tp_parts()
     code = getattr(forward, "__code__", None)
     if parts is None or code is None or code is not parts[0]:
@@ -71,19 +60,14 @@ def _cells(forward: Any) -> Optional[dict]:
 
 
 def installed_style(module: nn.Module) -> Any:
-    """The HF style instance whose ``tp_forward`` is ``module``'s instance forward (any style, proven or not: to
-    name it in a refusal), else None."""
+    """The HF style instance whose ``tp_forward`` is ``module``'s forward, proven or not (to name it), else None."""
     cells = _cells(vars(module).get("forward"))
     return None if cells is None or cells.get("module") is not module else cells.get("self")
 
 
 def _own_methods(cls: type) -> bool:
     """The style class's methods are transformers' own (not replaced on the class by another library)."""
-    for name in _STYLE_METHODS:
-        fn = getattr(cls, name, None)
-        if getattr(fn, "__module__", None) != _TP_MODULE:
-            return False
-    return True
+    return all(getattr(getattr(cls, name, None), "__module__", None) == _TP_MODULE for name in _STYLE_METHODS)
 
 
 def _placements(layout: Any) -> tuple:
@@ -102,7 +86,6 @@ class LinearStyle:
     use_local_output: bool
 
     def replicated_input(self, x: torch.Tensor) -> Any:
-        """A colwise style's input as its DTensor path makes it: ``Replicate`` on the mesh."""
         from torch.distributed.tensor import DTensor, Replicate
 
         if not isinstance(x, DTensor):
@@ -112,14 +95,12 @@ class LinearStyle:
         return x
 
     def reduced_output(self, partial: Any) -> Any:
-        """A rowwise style's ``Partial`` output as its DTensor path hands it on (the linear has no bias)."""
         if tuple(partial.placements) != self.output_layouts:
             partial = partial.redistribute(placements=list(self.output_layouts))
         return partial.to_local() if self.use_local_output else partial
 
 
 def linear_style(module: nn.Module) -> Optional[LinearStyle]:
-    """``module``'s HF tensor-parallel forward, where it is a proven Linear style (module docstring), else None."""
     cells = _cells(vars(module).get("forward"))
     if cells is None or cells.get("module") is not module:
         return None
@@ -143,19 +124,17 @@ def linear_style(module: nn.Module) -> Optional[LinearStyle]:
 
 
 def is_hf_tensor_parallel_forward(forward: Any) -> bool:
-    """A proven HF Linear style's ``tp_forward`` (installed on its own module): the local views stand in for it."""
     cells = _cells(forward)
     module = None if cells is None else cells.get("module")
     return isinstance(module, nn.Module) and vars(module).get("forward") is forward and linear_style(module) is not None
 
 
 def version_problem(module: nn.Module) -> str:
-    """Why ``module`` cannot be tiled beside HF's tensor parallelism ("" where it can): a module at or below it
-    that HF's tensor parallelism laid out (``_is_hooked``) under a transformers version not checked."""
+    """Why ``module`` cannot be tiled: HF's tensor parallelism laid it out (``_is_hooked``) under an unchecked version."""
     if version_checked() or "transformers" not in sys.modules:
         return ""
     hooked = [name or type(module).__name__ for name, sub in module.named_modules() if vars(sub).get("_is_hooked")]
     if not hooked:
         return ""
     return VERSION_ERROR.format(where=", ".join(hooked[:4]) + (", ..." if len(hooked) > 4 else ""),
-                                version=transformers_version(), checked=", ".join(CHECKED_VERSIONS))
+                                version=installed("transformers"), checked=", ".join(CHECKED_VERSIONS))

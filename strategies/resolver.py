@@ -1,14 +1,11 @@
-"""Picks the strategy for a module (the highest-priority registration whose class claims it, built as
-configured), and asks the strategies in play how a loss split across sequence-parallel ranks must scale.
+"""Picks the strategy for a module (the highest-priority registration whose class claims it), and asks the
+strategies in play how a loss split across sequence-parallel ranks must scale.
 
-"auto" resolves at every call of a module, so the resolver decides once what it can: a class that declares
-``claims_from_layout`` is asked once per *layout* of the module, remembered per module and compared by
-identity at each call (the registry's order, which also says whether a process group is initialised; the
-recorded ancestors; the classes of the module tree; each parameter object and how many attributes it
-carries; the module's own hook counts). Wrapping changes the layout: ``fully_shard`` and FSDP1 replace
-the parameters, ZeRO marks them with attributes, ``parallelize_module`` makes them DTensors and adds hooks.
-Every other class (DDP, seen only while its forward runs; a third party's) is asked at every call, in order.
-"""
+"auto" resolves at every call: a class that declares ``claims_from_layout`` is asked once per layout of the
+module, compared by identity at each call (the registry's order, whether a process group is initialised, the
+recorded ancestors, the module tree's classes, each parameter and how many attributes it carries, the module's
+own hook counts). ``fully_shard``, FSDP1, ZeRO and ``parallelize_module`` all change that layout. Every other
+class (DDP, seen only while its forward runs) is asked at every call."""
 from __future__ import annotations
 
 import operator
@@ -18,8 +15,8 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
-from .base import SequenceParallelAware, Strategy, UnsupportedBackendError
-from .registry import Registration, claimable_registrations, get_strategy, registrations_by_priority
+from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, process_group_ready
+from .registry import Registration, get_strategy, registrations_by_priority
 
 StrategyArg = Union[str, Strategy]
 
@@ -33,10 +30,8 @@ SEQUENCE_PARALLEL_UNAWARE_ERROR = (
 
 
 def _layout(module: nn.Module, ancestors: Sequence[nn.Module]) -> Tuple[List[Any], List[int]]:
-    """What a ``claims_from_layout`` class may read: the objects (ancestors, each submodule's class, each
-    parameter), and counts (the module's hooks, each parameter's attributes)."""
     objects: List[Any] = [*ancestors]
-    counts = [len(module._forward_pre_hooks), len(module._forward_hooks)]
+    counts = [process_group_ready(), len(module._forward_pre_hooks), len(module._forward_hooks)]
     todo: List[Optional[nn.Module]] = [module]
     while todo:
         sub = todo.pop()
@@ -53,9 +48,8 @@ def _layout(module: nn.Module, ancestors: Sequence[nn.Module]) -> Tuple[List[Any
 
 @dataclass
 class _Resolution:
-    """What "auto" found for one layout: the registrations to go through at each call, in order, each with
-    whether it is known to claim (the last one, where a layout class claimed). The layout's objects are held
-    weakly: a parameter keeps its optimizer, which may keep the model."""
+    """What "auto" found for one layout: the registrations to ask at each call, each with whether it is known
+    to claim. The layout's objects are held weakly: a parameter keeps its optimizer, which may keep the model."""
 
     registrations: List[Registration]
     refs: List[Any]
@@ -71,77 +65,54 @@ _RESOLUTIONS: weakref.WeakKeyDictionary[nn.Module, _Resolution] = weakref.WeakKe
 
 
 def resolve_strategy(module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> Strategy:
-    registrations = claimable_registrations()
-    if registrations.reads_layout:
-        objects, counts = _layout(module, ancestors)
-        found = _RESOLUTIONS.get(module)
-        if found is None or not found.holds(registrations, objects, counts):
-            found = _RESOLUTIONS[module] = _Resolution(registrations, [weakref.ref(o) for o in objects], counts,
-                                                       _steps(registrations, module, ancestors))
-        for entry, claimed in found.steps:
-            if claimed or entry.cls.claims(module, ancestors):
-                return entry.build_for(module, ancestors)
-    else:
+    registrations = registrations_by_priority()
+    objects, counts = _layout(module, ancestors)
+    found = _RESOLUTIONS.get(module)
+    if found is None or not found.holds(registrations, objects, counts):
+        steps = []
         for entry in registrations:
-            if entry.cls.claims(module, ancestors):
-                return entry.build_for(module, ancestors)
+            claimed = entry.cls.claims_from_layout and entry.cls.claims(module, ancestors)
+            if claimed or not entry.cls.claims_from_layout:
+                steps.append((entry, claimed))
+            if claimed:
+                break
+        found = _RESOLUTIONS[module] = _Resolution(registrations, [weakref.ref(o) for o in objects], counts, steps)
+    for entry, claimed in found.steps:
+        if claimed or entry.cls.claims(module, ancestors):
+            return entry.build_for(module, ancestors)
     raise RuntimeError("no registered strategy claims the module (the single_device fallback was unregistered?)")
 
 
-def _steps(registrations: List[Registration], module: nn.Module, ancestors: Sequence[nn.Module]) -> List[Tuple[Registration, bool]]:
-    steps = []
-    for entry in registrations:
-        if not entry.cls.claims_from_layout:
-            steps.append((entry, False))
-        elif entry.cls.claims(module, ancestors):
-            steps.append((entry, True))
-            break
-    return steps
-
-
 def sums_over_sequence_ranks(module: nn.Module, group: Any = None, strategy: Optional[Strategy] = None) -> bool:
-    """Does a backend in play sum ``module``'s model's gradients over a sequence-parallel group's ranks
-    (``SequenceParallelAware.sums_over_sequence_ranks``)? In play: every registered strategy with that
-    capability (each answers from its backend's own state: a frozen ``lm_head`` is claimed by none), and
-    ``strategy``, the one the caller fixed. With a ``group``, each one first checks that it can carry a
-    loss split across it, whatever the others answer. Refused before any of them is asked: a fixed
-    strategy without the capability, or a registered one without it that claims ``module``."""
-    in_play = _sequence_parallel_strategies(module, strategy)
+    """Does a backend in play sum ``module``'s model's gradients over a sequence-parallel group's ranks? In play:
+    ``strategy`` (the caller's fixed one), and the first registration of every ``SequenceParallelAware`` class
+    (each answers from its backend's own state). With a ``group``, each first checks that it can carry a loss
+    split across it. Refused: a fixed strategy without the capability, or a registered one without it that claims
+    ``module``."""
+    in_play: List[Any] = []
+    if strategy is not None:
+        if not isinstance(strategy, SequenceParallelAware):
+            raise _unaware(strategy.name or type(strategy).__name__, type(strategy), "was given as the strategy")
+        in_play.append(strategy)
+    asked = set()
+    for entry in registrations_by_priority():
+        if entry.cls in asked:
+            continue  # another registration of the same class runs only where a caller names it
+        asked.add(entry.cls)
+        if issubclass(entry.cls, SequenceParallelAware):
+            in_play.append(entry.build())
+        elif entry.cls.claims(module):
+            raise _unaware(entry.name, entry.cls, f"claims {type(module).__name__}")
     return any([s.sums_over_sequence_ranks(module, group) for s in in_play])
 
 
-def _sequence_parallel_strategies(module: nn.Module, fixed: Optional[Strategy]) -> List[SequenceParallelAware]:
-    found: List[SequenceParallelAware] = []
-    if fixed is not None:
-        if not isinstance(fixed, SequenceParallelAware):
-            raise _unaware(fixed, type(fixed), "was given as the strategy")
-        found.append(fixed)
-    # Per class, the registration "auto" would resolve (the first by priority); another registration
-    # of the same class, under its own name and arguments, runs only where a caller names it. An aware class
-    # answers from its backend's own state, claimed or not; an unaware one is asked to claim only where "auto"
-    # would ask it.
-    asked = set()
-    claimable = claimable_registrations()
-    for entry in registrations_by_priority():
-        if entry.cls in asked:
-            continue
-        asked.add(entry.cls)
-        if issubclass(entry.cls, SequenceParallelAware):
-            found.append(entry.build())  # type: ignore[arg-type]  # an aware class builds an aware instance
-        elif entry in claimable and entry.cls.claims(module):
-            raise _unaware(entry.name, entry.cls, f"claims {type(module).__name__}")
-    return found
-
-
-def _unaware(strategy: Any, cls: type, role: str) -> UnsupportedBackendError:
-    name = strategy if isinstance(strategy, str) else getattr(strategy, "name", "") or cls.__name__
+def _unaware(name: str, cls: type, role: str) -> UnsupportedBackendError:
     return UnsupportedBackendError(SEQUENCE_PARALLEL_UNAWARE_ERROR.format(strategy=name, cls=cls.__name__, role=role))
 
 
 def strategy_from_arg(strategy: StrategyArg) -> Union[Strategy, None]:
-    """A fixed strategy (an instance used as given, a registered name built with its stored arguments, a
-    class built without arguments), or None for "auto" (resolved at the first forward, once the backend
-    wrapped it)."""
+    """A fixed strategy (an instance as given, a registered name built with its stored arguments, a class built
+    without arguments), or None for "auto"."""
     if isinstance(strategy, Strategy):
         return strategy
     if isinstance(strategy, type) and issubclass(strategy, Strategy):

@@ -1,8 +1,5 @@
-"""One device: parameters are local and whole, gradients arrive once through autograd, and a
-parameter the call did not use keeps a None gradient, as untiled (DDP: ``ddp.py``).
-
-Under sequence parallelism it reduces nothing across ranks, so it sums over none of them: the loss
-keeps its convention (each rank's gradient as a backend averaging over the ranks expects it)."""
+"""One device: parameters local and whole, gradients once through autograd, an unused parameter's gradient left
+None as untiled. Under sequence parallelism it reduces nothing across ranks, so it sums over none of them."""
 from __future__ import annotations
 
 from typing import Sequence

@@ -1,8 +1,6 @@
-"""DTensor tensor parallelism (``parallelize_module``) beside whichever strategy claims the parameters.
-
-Not a strategy of its own: every strategy's ``local_view``, ``is_backend_hook`` and ``per_shard_problem``
-consult this file. Hooks are recognised by what they are (``distribute_module``'s lambdas over a proven
-style's functions, compared as objects); Hugging Face's styles are proven in ``hf_tensor_parallel.py``. The
+"""DTensor tensor parallelism (``parallelize_module``) beside whichever strategy claims the parameters: every
+strategy's ``local_view``, ``is_backend_hook`` and ``per_shard_problem`` consult this file. Hooks are recognised
+by what they are (``distribute_module``'s lambdas over a proven style's functions, compared as objects). The
 layouts, the local views' arithmetic, what is proven and what is refused: docs/backends.md, "Tensor parallelism".
 """
 from __future__ import annotations
@@ -20,7 +18,6 @@ from . import hf_tensor_parallel as hf_tp
 
 @functools.lru_cache(maxsize=1)
 def _styles() -> Tuple[frozenset, Any, Any, Any, Any]:
-    """The code objects of ``distribute_module``'s hook lambdas, and the proven styles' hook functions."""
     from torch.distributed.tensor import _api
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -31,8 +28,6 @@ def _styles() -> Tuple[frozenset, Any, Any, Any, Any]:
 
 @dataclass(frozen=True)
 class StyleHook:
-    """A hook ``distribute_module`` registered: the style's partial and the mesh it closes over."""
-
     hook: Callable
     function: Callable  # the style's static method (the partial's ``func``)
     layouts: tuple  # the partial's bound arguments (input and desired layouts; output layouts, use_local_output)
@@ -40,7 +35,6 @@ class StyleHook:
 
 
 def _hook_parts(hook: Any) -> Optional[Tuple[functools.partial, Any]]:
-    """The style's partial and the mesh of any ``distribute_module`` hook, proven or not, else None."""
     code = getattr(hook, "__code__", None)
     if code is None or code not in _styles()[0]:
         return None
@@ -58,8 +52,7 @@ def style_hook(hook: Any, functions: Optional[Sequence[Any]] = None) -> Optional
 
 
 def parallel_style_of(hook: Any) -> Optional[type]:
-    """The ParallelStyle class that defines the function a ``distribute_module`` hook runs, proven or not (to name
-    it in a refusal: ``style_hook`` is what proves one), else None."""
+    """The ParallelStyle class whose function a ``distribute_module`` hook runs, proven or not (to name it)."""
     from torch.distributed.tensor.parallel.style import ParallelStyle
 
     parts = _hook_parts(hook)
@@ -74,20 +67,16 @@ def parallel_style_of(hook: Any) -> Optional[type]:
 
 
 def style_hooks_of(module: nn.Module) -> List[Tuple[Any, type]]:
-    """(hook, style class) for every ``distribute_module`` hook on ``module`` itself, pre-hooks first."""
     pre, post = _hooks(module)
     return [(hook, style) for hook in (*pre, *post) if (style := parallel_style_of(hook)) is not None]
 
 
 def colwise_input_hook(module: nn.Module) -> Optional[StyleHook]:
-    """``module``'s forward pre-hook that is ColwiseParallel's own input hook (not a subclass's), if any."""
     found = [parts for parts in map(style_hook, _hooks(module)[0]) if parts is not None and parts.function is _styles()[1]]
     return found[0] if len(found) == 1 else None
 
 
 def is_tensor_parallel_hook(hook: Any) -> bool:
-    """A ColwiseParallel / RowwiseParallel hook on a Linear, or the forward Hugging Face's own Linear styles put
-    on one (``hf_tensor_parallel.py``): the local view stands in for it."""
     return style_hook(hook) is not None or hf_tp.is_hf_tensor_parallel_forward(hook)
 
 
@@ -104,9 +93,7 @@ def has_dtensor(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def local_numel(t: torch.Tensor) -> int:
-    """Elements the largest share of a DTensor's ranks holds (each sharded dim split as ``torch.chunk`` does: the
-    first ranks hold ceil(size / ranks)), else the tensor's own: uneven splits aside, what this rank holds. The
-    largest share, so that every rank of the group sizes its shards alike (``auto_shards._local_rows``)."""
+    """Elements the largest share of a DTensor's ranks holds (``torch.chunk``'s split), alike on every rank."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
@@ -121,8 +108,7 @@ def local_numel(t: torch.Tensor) -> int:
 
 @dataclass
 class TensorParallelView:
-    """The local view of one gated MLP call under tensor parallelism (see the module docstring); where
-    ``why_not`` is set, the fast kernel declines with it and nothing else is used."""
+    """The local view of one gated MLP call; where ``why_not`` is set, the fast kernel declines with it."""
 
     why_not: str = ""
     gate: Optional[nn.Module] = None
@@ -170,9 +156,8 @@ def _one_style_hook(module: nn.Module, name: str, function: Any, kind: str) -> T
 
 
 def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> Optional[Any]:
-    """None where no parameter is a DTensor; else the sequence-parallel view of a module that carries
-    ``SequenceParallel``'s own hooks (``sequence_parallel_view``), or the view of a gated MLP whose gate, up
-    and down projections are ``gate_proj``, ``up_proj`` and ``down_proj``, or a declined one that says why."""
+    """None where no parameter is a DTensor; else the view of a ``SequenceParallel`` module or of a gated MLP
+    (``gate_proj``, ``up_proj``, ``down_proj``), or a declined one that says why."""
     if not has_dtensor(params):
         return None
     if is_sequence_parallel_module(module):
@@ -232,8 +217,7 @@ def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> O
 
 
 def _hook_layouts(gate: nn.Module, up: nn.Module, down: nn.Module, mesh: Any) -> Any:
-    """torch's styles (``parallelize_module``): each projection's one proven input and output hook, their layouts
-    and the hooks the view runs; or why not."""
+    """torch's styles: each projection's layouts and the hooks the view runs; or why not."""
     _, col_in, col_out, row_in, row_out = _styles()
     found = {}
     for linear, name, fn_in, fn_out in ((gate, "gate_proj", col_in, col_out), (up, "up_proj", col_in, col_out),
@@ -252,9 +236,7 @@ def _hook_layouts(gate: nn.Module, up: nn.Module, down: nn.Module, mesh: Any) ->
 
 
 def _hf_layouts(gate: nn.Module, up: nn.Module, down: nn.Module, mesh: Any) -> Any:
-    """Hugging Face's own styles (``from_pretrained(..., tp_plan=...)``: each Linear's forward replaced, no hook):
-    its ColwiseParallel gate and up, its RowwiseParallel down, their layouts read from the style instances; or
-    why not. A colwise style makes its input Replicate, a rowwise one keeps it as it reads it."""
+    """Hugging Face's own styles (each Linear's forward replaced, no hook): the same, read from the style instances."""
     from torch.distributed.tensor import Replicate
 
     styles, layouts = [], []
@@ -296,15 +278,13 @@ DTENSOR_PARAMS_REFUSED = (
 
 
 def _sequence_parallel_hook(hook: Any) -> Optional[StyleHook]:
-    """The parts of ``SequenceParallel``'s own input or output hook (not a subclass's), else None."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     return style_hook(hook, (SequenceParallel._prepare_input_fn, SequenceParallel._prepare_output_fn))
 
 
 def is_sequence_parallel_module(module: nn.Module) -> bool:
-    """Every tensor-parallel hook on ``module`` itself is ``SequenceParallel``'s (proven or a subclass's):
-    a module it replicates and runs on the rank's slice of the sequence (a norm), never a head."""
+    """Every tensor-parallel hook on ``module`` itself is ``SequenceParallel``'s: a norm, never a head."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     found = style_hooks_of(module)
@@ -313,11 +293,8 @@ def is_sequence_parallel_module(module: nn.Module) -> bool:
 
 @dataclass
 class SequenceParallelView:
-    """The local view of a token-wise module under ``SequenceParallel`` (a norm between torchtitan's TP regions):
-    its input is a DTensor ``Shard(sequence_dim)`` of this rank's tokens and its weight ``Replicate``, so the
-    module's own forward on the local tokens and weight is what the DTensor forward computes here, and each rank
-    tiles its own tokens with no gather. The weight's gradient leaves as a ``Partial`` DTensor, exactly as the
-    untiled forward leaves it. The generic kernel runs on it (``runs_module_forward``); docs/backends.md."""
+    """A token-wise module under ``SequenceParallel`` (a norm): each rank tiles its own tokens with the local
+    weight; the weight's gradient leaves as a ``Partial`` DTensor, as untiled. The generic kernel runs on it."""
 
     why_not: str = ""
     mesh: Any = None
@@ -336,8 +313,7 @@ class SequenceParallelView:
             raise RuntimeError("tensor parallelism: SequenceParallel shards the hidden dimension of the input "
                                f"(sequence_dim={self.sequence_dim}): a norm over a slice of the hidden features is "
                                "not the norm; shard a token dimension")
-        # The output is a token-wise map of the input: its global shape is the input's (as the input hook
-        # computed it), not one re-derived from this rank's slice.
+        # A token-wise map: the output's global shape is the input's, not one re-derived from this rank's slice.
         self.global_shape = tuple(x.shape)
         return x.to_local()
 
@@ -356,7 +332,6 @@ class SequenceParallelView:
 
 
 def layout_of(x: Any) -> str:
-    """A tensor's layout for an error message: a DTensor's placements and mesh, or "a plain tensor"."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(x, DTensor):
@@ -370,7 +345,6 @@ def _declined_sequence(why: str) -> SequenceParallelView:
 
 
 def sequence_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> SequenceParallelView:
-    """The view of a module whose own hooks are ``SequenceParallel``'s, or a declined one that says why."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if any(name for name, _ in module.named_modules()):
@@ -405,19 +379,15 @@ def sequence_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) ->
 
 
 def _shards_tokens(placements: Sequence[Any], token_dims: int) -> bool:
-    """A placement shards a token dimension of an input ``[..., tokens, hidden]`` (``token_dims`` of them before
-    the hidden one; a layout's dim counts from the end where negative)."""
     from torch.distributed.tensor import Shard
 
     return any(isinstance(p, Shard) and p.dim % (token_dims + 1) < token_dims for p in placements)
 
 
 def per_shard_problem(module: nn.Module, token_dims: int) -> str:
-    """Why the generic kernel (``module``'s own forward once per token shard) is refused under tensor parallelism
-    ("" where it computes what one call does): a proven style's hook that shards a token dimension (it would split
-    each shard's tokens, not the call's), else DTensor parameters no proven style's hook of their own submodule lays
-    out (``DTENSOR_PARAMS_REFUSED``). Styles that keep the tokens whole run their collectives once per shard, over
-    that shard's tokens, as one call does over all of them. ``token_dims``: the input's dimensions before the hidden one."""
+    """Why the generic kernel (the module's forward once per token shard) is refused under tensor parallelism ("" where
+    it computes what one call does): a style's hook that shards a token dimension, or DTensor parameters no proven
+    style lays out. Styles that keep the tokens whole run their collectives per shard, as one call does."""
     unlaid = []
     for name, sub in module.named_modules():
         if not name:
@@ -452,15 +422,3 @@ def per_shard_problem(module: nn.Module, token_dims: int) -> str:
         where = ", ".join(unlaid + (["the module itself"] if has_dtensor(own) else []))
         return DTENSOR_PARAMS_REFUSED.format(module=type(module).__name__, where=where)
     return ""
-
-
-def composed_problem(module: nn.Module) -> str:
-    """Why ``module`` cannot be tiled beside the tensor parallelism that laid it out ("" where it can), decided at
-    tiling: Hugging Face's own, from a transformers version its seam was not checked on."""
-    return hf_tp.version_problem(module)
-
-
-def local_param_bytes(module: nn.Module) -> int:
-    """Bytes of the parameters the largest share of their ranks holds (``local_numel``): what this rank's memory
-    sees, uneven splits aside, where every rank of the group must size its shards alike."""
-    return sum(local_numel(p) * p.element_size() for p in module.parameters())

@@ -1,10 +1,6 @@
-"""Tensor parallelism on the output head: ``lm_head`` under ``ColwiseParallel`` (torchtitan's layout), its
-weight a DTensor ``Shard(0)`` over a 1-D mesh. ``vocab_slice`` hands the tiled loss plain local tensors
-(``tiled_core/kernels/vocab_parallel.py``): the hidden states through the head's own input hook, then
-``to_local()`` behind ``SumGradOverGroup`` (the input gradient all-reduced once per call in place in the loss's
-``dx`` buffer, not a second ``[tokens, hidden]`` one); the weight and bias by ``to_local()``; the group and this
-rank's first vocabulary id. Hugging Face's own styles are proven in ``hf_tensor_parallel.py``. What is refused,
-and the proof: docs/backends.md, "The vocabulary-parallel tiled loss".
+"""Tensor parallelism on the output head: ``lm_head`` under ``ColwiseParallel`` (torchtitan's layout, or Hugging
+Face's own colwise style), its weight a DTensor ``Shard(0)`` over a 1-D mesh. ``vocab_slice`` hands the tiled loss
+plain local tensors. What is refused, and the proof: docs/backends.md, "The vocabulary-parallel tiled loss".
 """
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ from . import hf_tensor_parallel as hf_tp
 from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, VocabSlice
 from .tensor_parallel import (
     colwise_input_hook,
-    composed_problem,
+    has_dtensor,
     is_sequence_parallel_module,
     layout_of,
     style_hooks_of,
@@ -48,28 +44,9 @@ SEQUENCE_GROUP_ERROR = (
 )
 
 
-def _linear_styles() -> tuple:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return (ColwiseParallel, RowwiseParallel)
-
-
-def _own_weight(module: nn.Module) -> Any:
-    """``module``'s own ``weight`` parameter, read from its parameter dict, not as an attribute: ZeRO-3 gathers
-    a parameter read as an attribute inside another module's forward (the loss runs inside the model's), and
-    keeps it whole. (Asked at every call of every tiled module: ``dict.get`` stays cheap.)"""
-    return module._parameters.get("weight")
-
-
-def _is_dtensor(tensor: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
 class SumGradOverGroup(torch.autograd.Function):
-    """The identity forward; backward all-reduces (sums) the gradient over ``group`` in place. The
-    gradient is the tiled loss's own ``dx`` buffer, made for this one use (no other reference sees it)."""
+    """The identity forward; backward sums the gradient over ``group`` in place: it is the tiled loss's own ``dx``
+    buffer, made for this one use."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -85,27 +62,21 @@ class SumGradOverGroup(torch.autograd.Function):
 
 
 class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
-    """A head parallelized by a tensor-parallel style: its parameters are DTensors whose local rows are
-    all this rank computes with; gradients reach them through autograd (``to_local``), once per backward."""
-
     name = "tensor_parallel_head"
-    # Above FSDP2: a tensor-parallel head whose weight FSDP2 also shards (a 2-D mesh) is refused here,
-    # by its layout, rather than as FSDP2's.
+    # Above FSDP2: a head whose weight FSDP2 also shards (a 2-D mesh) is refused here, by its layout.
     priority = 150
 
     @classmethod
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        """The module itself carries a tensor-parallel style's hooks and a DTensor ``weight`` (an MLP whose Linears
-        are parallelized carries neither), and is a Linear or carries a style other than ``SequenceParallel`` (a
-        norm on the rank's slice of the sequence is never a head). Not asked of the default process group: a
-        DTensor's mesh holds its own (the planner's fake group). The base ``is_backend_hook`` names the head's
-        ColwiseParallel hooks: the loss runs the input one itself and makes no logits for the output one."""
-        weight = _own_weight(module)
-        if weight is None or type(weight) is nn.Parameter or not _is_dtensor(weight):
+        """The module itself carries a tensor-parallel style and a DTensor ``weight`` (an MLP whose Linears are
+        parallelized carries neither), and is no ``SequenceParallel`` norm. Not gated on the default process group:
+        a DTensor's mesh holds its own (the planner's fake group)."""
+        # From the parameter dict: ZeRO-3 would gather a weight read as an attribute inside another module's forward.
+        weight = module._parameters.get("weight")
+        if weight is None or type(weight) is nn.Parameter or not has_dtensor([weight]):
             return False
         if not style_hooks_of(module):
-            # Hugging Face's own tensor parallelism replaces the forward and registers no hook: it marks the
-            # modules it laid out (refused in ``check_supported`` where its seam does not prove the style).
+            # Hugging Face's own tensor parallelism registers no hook: it marks the modules it laid out.
             return bool(vars(module).get("_is_hooked"))
         return isinstance(module, nn.Linear) or not is_sequence_parallel_module(module)
 
@@ -114,7 +85,7 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         weight: Any = getattr(module, "weight", None)  # a DTensor (claims)
         bias: Any = getattr(module, "bias", None)
         bias_text = " and bias" if bias is not None else ""
-        problem = composed_problem(module)
+        problem = hf_tp.version_problem(module)
         if problem:
             raise UnsupportedBackendError(problem)
         if not style_hooks_of(module):  # Hugging Face's own styles (``claims``)
@@ -130,7 +101,9 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         elif (input_hook := colwise_input_hook(module)) is None or input_hook.mesh != weight.device_mesh:
             style_classes = {style for _, style in style_hooks_of(module)}
             styles = sorted(style.__name__ for style in style_classes)
-            if not any(issubclass(style, _linear_styles()) for style in style_classes):
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+            if not any(issubclass(style, (ColwiseParallel, RowwiseParallel)) for style in style_classes):
                 # Not a Linear's style (SequenceParallel on a norm, say): not a head, whichever call tiles it.
                 raise UnsupportedBackendError(NOT_LINEAR_STYLE_ERROR.format(
                     module=head, layout=f"{'/'.join(styles)} (weight {layout_of(weight)})"))
@@ -141,8 +114,8 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         for what, tensor in (("weight", weight), ("bias", bias)):
             if tensor is None:
                 continue
-            if not _is_dtensor(tensor) or tensor.device_mesh.ndim != 1:
-                fix = MESH_FIX if _is_dtensor(tensor) else STYLE_FIX
+            if not has_dtensor([tensor]) or tensor.device_mesh.ndim != 1:
+                fix = MESH_FIX if has_dtensor([tensor]) else STYLE_FIX
                 raise UnsupportedBackendError(LAYOUT_ERROR.format(
                     head=head, layout=f"its {what} {layout_of(tensor)}", bias=bias_text, fix=fix))
             if tuple(tensor.placements) != (Shard(0),) or tensor.device_mesh != weight.device_mesh:
@@ -154,7 +127,6 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
             raise UnsupportedBackendError(SEQUENCE_GROUP_ERROR.format(head=type(module).__name__))
 
     def vocab_slice(self, head: nn.Module, hidden: torch.Tensor) -> VocabSlice:
-        """This rank's view of ``head`` (checked by ``check_supported``) for the loss of ``hidden``."""
         input_hook = colwise_input_hook(head)
         if input_hook is not None:
             made = input_hook.hook(head, (hidden,))
@@ -168,12 +140,10 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         mesh = weight.device_mesh
         vocab = weight.shape[0]
         rows = weight.to_local()
-        # Shard(0) splits as torch.chunk does: ceil(vocab / tp) rows per rank in rank order, the last
-        # ranks fewer (or none).
+        # Shard(0) splits as torch.chunk does: ceil(vocab / tp) rows per rank, the last ranks fewer (or none).
         max_rows = -(-vocab // mesh.size())
         group = mesh.get_group()
-        # The group's own rank in it (a 1-D mesh's local rank), asked of the group itself rather than through
-        # torch.distributed's default group, which a mesh over a group of its own needs not have.
+        # Asked of the group itself: a mesh over a group of its own needs no default group.
         start = min(group.rank() * max_rows, vocab)
         if rows.shape[0] != min(max_rows, vocab - start):
             raise UnsupportedBackendError(f"tiled loss: {type(head).__name__}'s local weight has {rows.shape[0]} rows, "
