@@ -1,11 +1,5 @@
-"""Checkpoint offload on a model: find its checkpointed layers and put their inputs in host memory.
-
-The layers are those whose forward runs the checkpoint while their module hooks stay outside it (so
-the offload's hooks see the checkpoint's saved inputs, ``tiled_mlp.core.checkpoint_offload``): torch's
-``checkpoint_wrapper`` modules, or else Hugging Face's ``GradientCheckpointingLayer``s with
-checkpointing on (``model.gradient_checkpointing_enable()``, which checkpoints ``forward``, not
-``__call__``). Found by class, never guessed from names.
-"""
+"""Checkpoint offload on a model: its checkpointed layers, found by class (torch's ``checkpoint_wrapper``, else HF's
+``GradientCheckpointingLayer`` with checkpointing on), keep their inputs in host memory until backward."""
 from __future__ import annotations
 
 import functools
@@ -24,8 +18,6 @@ NO_LAYERS_ERROR = (
 
 
 def checkpointed_layers(model: nn.Module) -> List[nn.Module]:
-    """The modules that run a checkpoint inside their forward, in module order (the call order of a
-    decoder's layers)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     wrappers: List[nn.Module] = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
@@ -41,8 +33,7 @@ def checkpointed_layers(model: nn.Module) -> List[nn.Module]:
 
 
 def apply_checkpoint_offload(model: nn.Module) -> CheckpointOffload:
-    """Offload the input of every checkpointed layer of ``model`` but the last; returns the handle
-    (``.host_bytes`` says what host memory it holds, ``.remove()`` undoes it)."""
+    """Offload the input of every checkpointed layer but the last; ``.remove()`` on the handle undoes it."""
     layers = checkpointed_layers(model)
     if not layers:
         raise ValueError(NO_LAYERS_ERROR.format(model=type(model).__name__))
@@ -57,8 +48,8 @@ def apply_checkpoint_offload(model: nn.Module) -> CheckpointOffload:
 
 
 class _CheckpointCall(nn.Module):
-    """Where an HF layer that checkpoints in ``__call__`` (around its own hooks, which would then see none of
-    the saved inputs) calls its checkpoint function: a module whose hooks sit outside the checkpoint."""
+    """An HF layer that checkpoints in ``__call__`` wraps its own hooks, which would see none of the saved inputs:
+    its checkpoint function is called through this module, whose hooks sit outside the checkpoint."""
 
     def __init__(self, checkpoint: Any) -> None:
         super().__init__()
@@ -70,8 +61,6 @@ class _CheckpointCall(nn.Module):
 
 @dataclass
 class _OffloadAtCheckpointCalls(CheckpointOffload):
-    """The offload on ``_CheckpointCall`` sites; ``remove()`` also gives each layer back its checkpoint function."""
-
     checkpointed: List[Tuple[nn.Module, Any]] = field(default_factory=list)
 
     def remove(self) -> None:
@@ -106,10 +95,6 @@ _ABSENT = object()
 
 @dataclass
 class CheckpointingTurnedOn:
-    """What ``checkpointing_on`` added to a model, so that ``checkpointing_off`` takes off exactly that:
-    the forward hooks it registered (transformers' ``make_inputs_require_grads`` on the input
-    embeddings, the user's own left in place) and the instance attributes it set, as they were."""
-
     added_hooks: List[Tuple[nn.Module, int]] = field(default_factory=list)  # (module, hook id)
     attributes: List[Tuple[nn.Module, str, Any]] = field(default_factory=list)  # (module, name, value before)
 
@@ -119,8 +104,7 @@ def _forward_hook_ids(model: nn.Module) -> List[Tuple[nn.Module, int]]:
 
 
 def checkpointing_on(model: nn.Module) -> CheckpointingTurnedOn:
-    """Hugging Face's non-reentrant layer checkpointing on ``model`` (what the offload works on; the
-    planner's modelled step turns it on the same way); returns what it added."""
+    """Hugging Face's non-reentrant layer checkpointing on ``model``; returns what it added."""
     hooks_before = {(id(module), key) for module, key in _forward_hook_ids(model)}
     attributes_before = [(module, name, vars(module).get(name, _ABSENT)) for module in model.modules()
                          for name in _ATTRIBUTES_SET]
@@ -137,7 +121,6 @@ def checkpointing_on(model: nn.Module) -> CheckpointingTurnedOn:
 
 
 def checkpointing_off(model: nn.Module, turned_on: CheckpointingTurnedOn) -> None:
-    """Checkpointing off again, and what ``checkpointing_on`` added (``turned_on``) taken off."""
     disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
     disable()  # type: ignore[operator]
     for module, key in turned_on.added_hooks:

@@ -1,11 +1,6 @@
-"""The long-sequence stack on a Hugging Face causal LM in one call, and off again in one
-(docs/long-context-stack.md, "The long-sequence stack").
-
-``apply_long_context(model)`` composes the tiled MLP, RMSNorms and loss, layer checkpointing with checkpoint
-offload, and Ulysses SP, each also callable alone. The loss goes first (SP divides its per-rank sums once over
-the group); every refusal SP can make is asked before any change, and an error at a later step undoes the
-steps before it. A model already carrying a piece is refused: ``remove()`` could not tell them apart.
-"""
+"""The long-sequence stack in one call, and off again in one: tiled MLP, RMSNorms and loss, checkpoint offload and
+Ulysses SP. The loss goes first (SP divides its per-rank sums over the group); SP's refusals come before any
+change, and an error at a later step undoes the steps before it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,13 +27,10 @@ from .ulysses import SequenceParallel, apply_sequence_parallel, check_sequence_p
 
 @dataclass
 class LongContextStack:
-    """What ``apply_long_context`` put on a model; ``remove()`` takes it all off, last piece first."""
-
     model: nn.Module
     report: Optional[TilingReport] = None
     offload: Optional[CheckpointOffload] = None
     sequence_parallel: Optional[SequenceParallel] = None
-    # What this call added to turn checkpointing on (None: it was on already), so ``remove`` takes off that.
     checkpointing_turned_on: Optional[CheckpointingTurnedOn] = None
 
     def remove(self) -> None:
@@ -70,14 +62,8 @@ def apply_long_context(
     grad_accum_dtype: Optional[torch.dtype] = None,
     **tiling: Any,
 ) -> LongContextStack:
-    """Turn the long-sequence stack on for ``model`` (see the module docstring); returns the handle.
-    ``tiled_norms``: the RMSNorms tiled too (``apply_tiled_mlp(norms=True)``: exact, no slower, and without
-    Hugging Face's float32 copies), with or without the MLPs.
-    ``tiling``: more options of ``apply_tiled_mlp`` (``strategy``, ``path``, ``include``, ``exclude``).
-
-    Under sequence parallelism every rank calls this, after ``torch.distributed`` is initialized; feed
-    each rank ``handle.sequence_parallel.shard(batch)`` or ``handle.sequence_parallel.data_loader(loader)``.
-    """
+    """The stack on ``model``; ``tiling``: more options of ``apply_tiled_mlp``. Under SP every rank calls it and feeds
+    ``handle.sequence_parallel.shard(batch)``."""
     if sequence_parallel != 1 and not tiled_loss:
         raise ValueError("apply_long_context: sequence_parallel > 1 needs tiled_loss=True (the loss of a sequence "
                          "split across ranks is summed per rank and divided once by the group's valid tokens)")
