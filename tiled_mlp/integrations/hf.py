@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import glob
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from torch import nn
 
@@ -17,9 +17,6 @@ from .causal_lm_loss import check_tiled_loss, install_tiled_loss, loss_left_to_t
 from .matching import Patterns, Scan, TiledExperts, scan
 from .norms import NORM_ACCUM_DTYPE, TiledNorm, norm_names, why_no_norms
 from .report import TiledBlock, TilingReport
-
-if TYPE_CHECKING:
-    from .stack import LongContextStack
 
 logger = logging.getLogger(__name__)
 
@@ -122,20 +119,6 @@ def apply_tiled_loss(model: nn.Module, num_shards: NumShards = "auto", grad_accu
     return report
 
 
-def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[LongContextStack]:
-    """``apply_long_context`` as the flags (parsed arguments or a training config's dict) ask; None when they ask
-    for nothing."""
-    from .stack import apply_long_context
-
-    flags = read_tiled_mlp_flags(source)
-    if not flags.asks_for_anything:
-        return None
-    return apply_long_context(model, tiled_mlp=flags.use_tiled_mlp, tiled_loss=flags.use_tiled_loss,
-                              tiled_norms=flags.use_tiled_norms,
-                              checkpoint_offload=flags.use_checkpoint_offload,
-                              sequence_parallel=flags.ulysses_sp_size, num_shards=flags.num_shards, **kwargs)
-
-
 def remove_tiled_mlp(model: nn.Module) -> List[str]:
     """Untile every tiled block in place and remove the tiled loss; returns the blocks' qualified names."""
     remove_tiled_loss(model)
@@ -182,12 +165,10 @@ def _apply_request(given: Dict[str, Any], config: Any) -> None:
     """An explicit ``use_tiled_mlp`` decides over the config; a shard count alone needs the config to ask."""
     if not given:
         return
-    if CONFIG_FLAG not in given:
-        if not _config_flags(config, (CONFIG_FLAG,)).use_tiled_mlp:
-            raise ValueError(f"{CONFIG_NUM_SHARDS}={given[CONFIG_NUM_SHARDS]!r} was given, but nothing asks for tiling "
-                             f"(the config does not, and {CONFIG_FLAG} was not passed): pass {CONFIG_FLAG}=True too")
-        given = {CONFIG_FLAG: True, **given}
-    request = read_tiled_mlp_flags(given)
+    if CONFIG_FLAG not in given and not _config_flags(config, (CONFIG_FLAG,)).use_tiled_mlp:
+        raise ValueError(f"{CONFIG_NUM_SHARDS}={given[CONFIG_NUM_SHARDS]!r} was given, but nothing asks for tiling "
+                         f"(the config does not, and {CONFIG_FLAG} was not passed): pass {CONFIG_FLAG}=True too")
+    request = read_tiled_mlp_flags({CONFIG_FLAG: True, **given})
     if request.use_tiled_mlp:
         # The path saved with the model (``enable_tiled_mlp(config, path="generic")``) stays.
         enable_tiled_mlp(config, request.num_shards, path=getattr(config, CONFIG_PATH, "auto"))

@@ -15,8 +15,7 @@ from tiled_mlp.strategies import checked_versions
 from tiled_mlp.strategies.checked_versions import checked_on, in_any
 
 from .args import DEFAULTS, parse_flag, read_tiled_mlp_flags
-from .hf import apply_from_flags
-from .stack import LongContextStack
+from .stack import LongContextStack, apply_from_flags
 
 CHECKED_VERSIONS = ("4.6.0",)
 CHECKED_PIPELINES = ("SwiftSft",)  # `swift sft`; RLHF also prepares reward and reference models through it

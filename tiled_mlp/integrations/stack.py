@@ -12,6 +12,7 @@ from torch import nn
 from tiled_mlp.core.checkpoint_offload import CheckpointOffload
 from tiled_mlp.core.shard_plan import NumShards
 
+from .args import read_tiled_mlp_flags
 from .causal_lm_loss import is_tiled_loss
 from .hf import apply_tiled_loss, apply_tiled_mlp, is_tiled, remove_tiled_mlp
 from .offload import (
@@ -101,3 +102,15 @@ def apply_long_context(
         stack.remove()
         raise
     return stack
+
+
+def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[LongContextStack]:
+    """``apply_long_context`` as the flags (parsed arguments or a training config's dict) ask; None when they ask
+    for nothing."""
+    flags = read_tiled_mlp_flags(source)
+    if not flags.asks_for_anything:
+        return None
+    return apply_long_context(model, tiled_mlp=flags.use_tiled_mlp, tiled_loss=flags.use_tiled_loss,
+                              tiled_norms=flags.use_tiled_norms,
+                              checkpoint_offload=flags.use_checkpoint_offload,
+                              sequence_parallel=flags.ulysses_sp_size, num_shards=flags.num_shards, **kwargs)
