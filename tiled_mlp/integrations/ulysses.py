@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .causal_lm_loss import check_tiled_loss, tiled_loss_forward
 from .seams import deepspeed_internals, transformers_internals
 from .seams.deepspeed_internals import DeepSpeedSlots
 from .ulysses_masks import attention_kind, capture_padding, check_masks, whole_sequence_attention
@@ -72,14 +74,10 @@ class SequenceParallel:
 
     @property
     def size(self) -> int:
-        import torch.distributed as dist
-
         return dist.get_world_size(self.group)
 
     @property
     def rank(self) -> int:
-        import torch.distributed as dist
-
         return dist.get_rank(self.group)
 
     def shard(self, batch: Mapping[str, Any]) -> Dict[str, Any]:
@@ -116,8 +114,6 @@ class SequenceParallel:
     def remove(self) -> None:
         """Attention, loss, hooks and DeepSpeed's ``mpu`` slots as before SP; SP groups released. Call it once a
         DeepSpeed engine built with ``mpu=self.mpu`` is done with (it keeps asking for the groups)."""
-        from .causal_lm_loss import tiled_loss_forward
-
         if self._undo is not None:
             self._undo()
             self._undo = None
@@ -134,10 +130,6 @@ class SequenceParallel:
 def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: int = 1) -> SequenceParallel:
     """Ulysses SP of ``size`` consecutive ranks on ``model`` (a causal LM with the tiled loss on it); every rank
     calls it. Every refusal comes before any change. ``.remove()`` on the handle undoes it."""
-    import torch.distributed as dist
-
-    from .causal_lm_loss import tiled_loss_forward
-
     check_sequence_parallel(model, size)
     installed = tiled_loss_forward(model)
     if installed is None:
@@ -172,10 +164,6 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
 
 def check_sequence_parallel(model: nn.Module, size: int) -> None:
     """Every refusal that needs no change to make, before any (``apply_long_context`` asks first too)."""
-    import torch.distributed as dist
-
-    from .causal_lm_loss import check_tiled_loss
-
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("sequence parallelism: initialize torch.distributed first (every rank calls this)")
     transformers_internals.require("Ulysses sequence parallelism")
@@ -209,7 +197,7 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
     check_masks(text, attention, attention_kind(held))
     # Tensor parallelism on the attention; under FSDP2 its own sharded parameters are DTensors until its forward,
     # so there the attention call decides (``_scope_to``).
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # imported where used: it loads DTensor, seconds
 
     if not any(isinstance(m, FSDPModule) for m in causal_lm.modules()):
         for module in causal_lm.modules():  # every HF attention module has the num_key_value_groups DeepSpeed uses

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .seams import transformers_internals
@@ -92,8 +93,6 @@ def capture_padding(decoder: nn.Module, group: Any, kind: str) -> List[Any]:
 def whole_padding(arguments: Dict[str, Any], group: Any) -> Optional[torch.Tensor]:
     """The whole sequence's padding mask (None: no rank gave one). Every rank all-gathers, mask or not (a rank
     skipping the collective would hang the others), its slice with a leading column saying whether it gave one."""
-    import torch.distributed as dist
-
     tokens = arguments.get("input_ids")
     tokens = tokens if tokens is not None else arguments.get("inputs_embeds")
     if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .seams import transformers_internals
@@ -90,8 +91,6 @@ def _positions(args: Tuple, kwargs: Dict) -> Tuple[Optional[torch.Tensor], bool]
 def whole_sequence_rope(rotaries: List[nn.Module], group: Any) -> List[Any]:
     """Hooks (returned) giving each call of ``rotaries`` the SP group's largest position as one extra position,
     cut off its output."""
-    import torch.distributed as dist
-
     def add_largest(module: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict]:
         positions, by_name = _positions(args, kwargs)
         if not isinstance(positions, torch.Tensor):
