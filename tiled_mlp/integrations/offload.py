@@ -2,9 +2,8 @@
 ``GradientCheckpointingLayer`` with checkpointing on), keep their inputs in host memory until backward."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 from torch import nn
 
@@ -58,6 +57,10 @@ class _CheckpointCall(nn.Module):
     def forward(self, *args: Any, function: Any) -> Any:
         return self.checkpoint(function, *args)
 
+    def checkpoint_function(self, function: Any, *args: Any) -> Any:
+        """What the layer calls as its checkpoint function: the checkpoint, run through this module's hooks."""
+        return self(*args, function=function)
+
 
 @dataclass
 class _OffloadAtCheckpointCalls(CheckpointOffload):
@@ -75,14 +78,10 @@ def _offload_at_checkpoint_calls(layers: List[nn.Module]) -> CheckpointOffload:
     for layer in layers:
         checkpoint = layer._gradient_checkpointing_func
         site = _CheckpointCall(checkpoint)
-        setattr(layer, "_gradient_checkpointing_func", functools.partial(_call_site, site))  # noqa: B010
+        setattr(layer, "_gradient_checkpointing_func", site.checkpoint_function)  # noqa: B010
         sites.append(site)
         checkpointed.append((layer, checkpoint))
     return _OffloadAtCheckpointCalls(sites, checkpointed=checkpointed)
-
-
-def _call_site(site: _CheckpointCall, function: Any, *args: Any) -> Any:
-    return site(*args, function=function)
 
 
 # Instance attributes transformers sets while turning checkpointing on: the input-gradient hooks'
@@ -93,18 +92,13 @@ _ATTRIBUTES_SET = ("_require_grads_hooks", "_require_grads_hook", "gradient_chec
 _ABSENT = object()
 
 
-@dataclass
-class CheckpointingTurnedOn:
-    added_hooks: List[Tuple[nn.Module, int]] = field(default_factory=list)  # (module, hook id)
-    attributes: List[Tuple[nn.Module, str, Any]] = field(default_factory=list)  # (module, name, value before)
-
-
 def _forward_hook_ids(model: nn.Module) -> List[Tuple[nn.Module, int]]:
     return [(module, key) for module in model.modules() for key in module._forward_hooks]
 
 
-def checkpointing_on(model: nn.Module) -> CheckpointingTurnedOn:
-    """Hugging Face's non-reentrant layer checkpointing on ``model``; returns what it added."""
+def checkpointing_on(model: nn.Module) -> Callable[[], None]:
+    """Hugging Face's non-reentrant layer checkpointing on ``model``; returns what turns it off and takes off exactly
+    the hooks and attributes it added (the user's own stay)."""
     hooks_before = {(id(module), key) for module, key in _forward_hook_ids(model)}
     attributes_before = [(module, name, vars(module).get(name, _ABSENT)) for module in model.modules()
                          for name in _ATTRIBUTES_SET]
@@ -117,17 +111,17 @@ def checkpointing_on(model: nn.Module) -> CheckpointingTurnedOn:
         raise ValueError(f"checkpoint offload: {type(model).__name__} has no checkpointed layer and no "
                          "gradient_checkpointing_enable(); wrap its layers in torch's checkpoint_wrapper first")
     added = [(module, key) for module, key in _forward_hook_ids(model) if (id(module), key) not in hooks_before]
-    return CheckpointingTurnedOn(added, attributes_before)
 
+    def checkpointing_off() -> None:
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()  # type: ignore[operator]
+        for module, key in added:
+            for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
+                hooks.pop(key, None)
+        for module, name, value in attributes_before:
+            if value is _ABSENT:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = value
 
-def checkpointing_off(model: nn.Module, turned_on: CheckpointingTurnedOn) -> None:
-    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-    disable()  # type: ignore[operator]
-    for module, key in turned_on.added_hooks:
-        for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
-            hooks.pop(key, None)
-    for module, name, value in turned_on.attributes:
-        if value is _ABSENT:
-            module.__dict__.pop(name, None)
-        else:
-            module.__dict__[name] = value
+    return checkpointing_off

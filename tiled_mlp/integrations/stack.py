@@ -4,7 +4,7 @@ change, and an error at a later step undoes the steps before it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -15,13 +15,7 @@ from tiled_mlp.core.shard_plan import NumShards
 from .args import read_tiled_mlp_flags
 from .causal_lm_loss import is_tiled_loss
 from .hf import apply_tiled_loss, apply_tiled_mlp, is_tiled, remove_tiled_mlp
-from .offload import (
-    CheckpointingTurnedOn,
-    apply_checkpoint_offload,
-    checkpointed_layers,
-    checkpointing_off,
-    checkpointing_on,
-)
+from .offload import apply_checkpoint_offload, checkpointed_layers, checkpointing_on
 from .report import TilingReport
 from .ulysses import SequenceParallel, apply_sequence_parallel, check_sequence_parallel
 
@@ -32,7 +26,7 @@ class LongContextStack:
     report: Optional[TilingReport] = None
     offload: Optional[CheckpointOffload] = None
     sequence_parallel: Optional[SequenceParallel] = None
-    checkpointing_turned_on: Optional[CheckpointingTurnedOn] = None
+    checkpointing_turned_on: Optional[Callable[[], None]] = None  # turns off what this stack turned on
 
     def remove(self) -> None:
         if self.sequence_parallel is not None:
@@ -42,7 +36,7 @@ class LongContextStack:
             self.offload.remove()
             self.offload = None
         if self.checkpointing_turned_on is not None:
-            checkpointing_off(self.model, self.checkpointing_turned_on)
+            self.checkpointing_turned_on()
             self.checkpointing_turned_on = None
         if self.report is not None:
             remove_tiled_mlp(self.model)  # the tiled loss too
