@@ -161,9 +161,10 @@ def mask_refusals(rank: int, world: int) -> Dict[str, Tuple[str, str]]:
     out["four_d_mask"] = raised(lambda: model(**four_d))
     one_rank = dict(batch) if rank == 0 else {k: v for k, v in batch.items() if k != "attention_mask"}
     out["one_rank_mask"] = raised(lambda: model(**one_rank))
-    unhook = capture_padding(model.get_decoder(), sp.group, "flash")  # as under a flash-attention core
+    hooks = capture_padding(model.get_decoder(), sp.group, "flash")  # as under a flash-attention core
     out["flash_padding"] = raised(lambda: model(**batch))
-    unhook()
+    for hook in hooks:
+        hook.remove()
     out["after"] = ("", repr(float(model(**batch).loss.detach())))
     sp.remove()
     return out

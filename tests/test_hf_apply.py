@@ -65,6 +65,24 @@ class Net(nn.Module):
         return self.odd(x, 0.5)
 
 
+class RoutedGatedBlock(nn.Module):
+    """A gated block that also returns router logits, as MoE blocks do: not one tensor, so not tileable as a call."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x) -> tuple[torch.Tensor, torch.Tensor]:  # a string here (this module's future import)
+        return self.down_proj(self.gate_proj(x) * self.up_proj(x)), x.sum(-1)
+
+
+def test_a_block_returning_a_tuple_is_skipped_and_said_why():
+    model = nn.Sequential(RoutedGatedBlock())
+    report = apply_tiled_mlp(model)
+    assert not report.patched and report.skipped[0][0] == "0"
+    assert "forward returns a tuple" in report.skipped[0][1]
+
+
 @pytest.mark.timeout(30)
 def test_unknown_architecture_matched_by_structure_and_skips_reported():
     torch.manual_seed(0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from tiled_mlp.integrations.ulysses_groups import guard_inputs
+from tiled_mlp.integrations.ulysses import guard_inputs
 
 
 class Takes(nn.Module):

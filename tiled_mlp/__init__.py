@@ -5,11 +5,9 @@ from pathlib import Path
 
 
 def _load_from_checkout() -> None:
-    """The repository keeps ``tiled_core/`` and ``strategies/`` beside this folder; a wheel (and the editable
-    install's finder) installs them as ``tiled_mlp.core`` and ``tiled_mlp.strategies`` (pyproject's
-    ``package-dir``). Where this package runs from a checkout (``tiled_mlp/core`` is not here, the folders
-    are beside it), both are loaded from that same checkout under their installed names: from a checkout's
-    root, its own code runs, never another checkout's through an editable install."""
+    """A wheel installs ``tiled_core/`` and ``strategies/`` as ``tiled_mlp.core`` and ``tiled_mlp.strategies``
+    (``package-dir``); run from a checkout, both load from that same checkout under those names, never another
+    checkout's through an editable install."""
     here = Path(__file__).resolve().parent
     for name, folder in (("strategies", "strategies"), ("core", "tiled_core")):
         init = here.parent / folder / "__init__.py"

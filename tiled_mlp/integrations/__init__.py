@@ -1,15 +1,11 @@
-"""Integrations with model libraries. Nothing here imports transformers, peft or accelerate at import
-time; the helpers that build models import transformers when called.
+"""Integrations with model libraries; nothing here imports transformers, peft or accelerate at import time.
+Importing this package registers with the core what it knows of other libraries' forms and kernels."""
+from tiled_mlp.core.gated_forms import register_equivalent_linear
 
-Importing this package registers with the core what it knows of other libraries (``hf_forms``:
-Hugging Face's gated MLP, activation and RMSNorm bodies; ``deepspeed_linear``: ZeRO-3's ``F.linear``;
-``liger_activation``: Liger-Kernel's fused activations on CUDA), so every use through ``tiled_mlp``
-has them; the core alone knows only torch's own modules, functions and kernels."""
-from . import deepspeed_linear, hf_forms, liger_activation  # noqa: F401  (registrations made at import)
+from . import hf_forms, liger_activation  # noqa: F401  (registrations made at import)
 from .args import TiledMLPFlags, add_tiled_mlp_args, read_tiled_mlp_flags
 from .causal_lm_loss import is_tiled_loss, remove_tiled_loss, set_tiled_loss_label_smoothing
 from .hf import (
-    apply_from_flags,
     apply_tiled_loss,
     apply_tiled_mlp,
     enable_tiled_mlp,
@@ -21,7 +17,7 @@ from .hf import (
 )
 from .offload import apply_checkpoint_offload
 from .report import TiledBlock, TilingReport
-from .stack import LongContextStack, apply_long_context
+from .stack import LongContextStack, apply_from_flags, apply_long_context
 from .trainer_label_smoothing import use_tiled_label_smoothing
 from .ulysses import SequenceParallel, apply_sequence_parallel
 
@@ -32,3 +28,7 @@ __all__ = [
     "maybe_apply_tiled_mlp", "from_config", "from_pretrained", "TilingReport", "TiledBlock", "add_tiled_mlp_args",
     "read_tiled_mlp_flags", "apply_from_flags", "TiledMLPFlags",
 ]
+
+# ZeRO-3 installs its own ``F.linear`` process-wide (same math, its own autograd Function): the gated fast kernel,
+# which calls torch's, may stand in for a forward calling it, while it is that module's own function.
+register_equivalent_linear("deepspeed.runtime.zero.linear", "zero3_linear_wrap")

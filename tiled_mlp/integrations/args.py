@@ -1,27 +1,24 @@
-"""Training-script flags (argparse or a dict), one per piece of the long-sequence stack:
-``--use_tiled_mlp``, ``--tiled_mlp_num_shards``, ``--use_tiled_loss``, ``--use_tiled_norms``, ``--use_checkpoint_offload`` and
-``--ulysses_sp_size`` (not ms-swift's ``--sequence_parallel_size``, which turns on ms-swift's own SP:
-read from the same arguments, both would split the sequence twice).
-
-``--use_tiled_mlp`` takes an optional boolean, so both ``--use_tiled_mlp`` and ms-swift's
-``--use_tiled_mlp true`` work; a dict (a YAML/JSON training config) may spell it as a bool or a string.
-"""
+"""The training-script flags of the long-sequence stack, read one way from argparse, a dict (a YAML/JSON training
+config), a model's config or the environment. ``--ulysses_sp_size`` is not ms-swift's ``--sequence_parallel_size``
+(its own SP: both would split the sequence twice)."""
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Union
 
 from tiled_mlp.core.shard_plan import NumShards, parse_num_shards
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 _WORDS = "true/false, 1/0, yes/no or on/off"
+# Each flag and its default; the default's kind picks the parser (``parse_flag``).
+DEFAULTS = {"use_tiled_mlp": False, "tiled_mlp_num_shards": "auto", "use_tiled_loss": False,
+            "use_checkpoint_offload": False, "ulysses_sp_size": 1, "use_tiled_norms": False}
 
 
 def parse_bool(value: Any, name: str = "use_tiled_mlp") -> bool:
-    """A flag's value: a bool, the ints 1/0, or true/false, 1/0, yes/no, on/off in any case (never
-    ``bool(text)``: ``bool("false")`` is True); anything else is a ``ValueError`` naming ``name``."""
+    """Never ``bool(text)``: ``bool("false")`` is True."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -36,15 +33,32 @@ def parse_bool(value: Any, name: str = "use_tiled_mlp") -> bool:
 
 
 def parse_shards(value: Any, name: str) -> NumShards:
-    """A shard count (``parse_num_shards``); a bad one is a ``ValueError`` naming ``name``."""
     try:
         return parse_num_shards(value)
     except (ValueError, TypeError) as error:
         raise ValueError(f"{name}: {error}") from None
 
 
-def _argparse_type(parse: Callable[[str], Any], message: Optional[str] = None) -> Callable[[str], Any]:
-    """argparse ``type=`` for ``parse``: its errors as argparse errors (``message``, given the text, where set)."""
+def parse_sp_size(value: Any, name: str = "ulysses_sp_size") -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (1: no sequence parallelism), got {value!r}")
+    return value
+
+
+def parse_flag(value: Any, name: str, default: Any) -> Any:
+    """``value`` parsed as ``default`` is (None: the default); a bad one is a ``ValueError`` naming ``name``."""
+    if value is None:
+        return default
+    if isinstance(default, bool):
+        return parse_bool(value, name)
+    if default == "auto":
+        return parse_shards(value, name)
+    return parse_sp_size(value, name)
+
+
+def _argparse_type(parse: Callable[[str], Any], message: str = "") -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         try:
             return parse(text)
@@ -79,15 +93,6 @@ def add_tiled_mlp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-def parse_sp_size(value: Any, name: str = "ulysses_sp_size") -> int:
-    """An SP size: an int >= 1 (1 is off), or its decimal text."""
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1 (1: no sequence parallelism), got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class TiledMLPFlags:
     use_tiled_mlp: bool = False
@@ -104,19 +109,8 @@ class TiledMLPFlags:
 
 
 def read_tiled_mlp_flags(source: Union[argparse.Namespace, Mapping[str, Any], None]) -> TiledMLPFlags:
-    """The flags from parsed arguments or a dict (a YAML/JSON training config); absent keys (or ``None``)
-    take the defaults, a bad value is a ``ValueError`` naming the key, even when tiling is off."""
-    if source is None:
-        return TiledMLPFlags()
-    values = source if isinstance(source, Mapping) else vars(source)
-
-    def read(key: str, parse: Callable[[Any, str], Any], default: Any) -> Any:
-        value = values.get(key)
-        return default if value is None else parse(value, key)
-
-    return TiledMLPFlags(use_tiled_mlp=read("use_tiled_mlp", parse_bool, False),
-                         num_shards=read("tiled_mlp_num_shards", parse_shards, "auto"),
-                         use_tiled_loss=read("use_tiled_loss", parse_bool, False),
-                         use_checkpoint_offload=read("use_checkpoint_offload", parse_bool, False),
-                         use_tiled_norms=read("use_tiled_norms", parse_bool, False),
-                         ulysses_sp_size=read("ulysses_sp_size", parse_sp_size, 1))
+    """The flags from parsed arguments or a dict; a bad value is a ``ValueError`` naming the key, even when off."""
+    values = {} if source is None else source if isinstance(source, Mapping) else vars(source)
+    parsed = {name: parse_flag(values.get(name), name, default) for name, default in DEFAULTS.items()}
+    parsed["num_shards"] = parsed.pop("tiled_mlp_num_shards")
+    return TiledMLPFlags(**parsed)

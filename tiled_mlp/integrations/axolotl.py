@@ -1,25 +1,48 @@
-"""Axolotl: a plugin that tiles the model Axolotl loaded (docs/frameworks.md, "Axolotl"), named under
-``plugins:`` as ``tiled_mlp.integrations.axolotl.TiledMLPPlugin``, tuned by ``tiled_mlp_lib_*`` keys
-(``axolotl_args``; Axolotl's own ``tiled_mlp`` keys are its built-in tiled MLP, refused beside this plugin).
-
-``ModelLoader.load`` calls ``post_model_load(cfg, model)`` once the model is built, its adapters attached,
-and before the trainer exists: the plugin tiles there, in place. ``TiledMLPPlugin`` subclasses Axolotl's
-``BasePlugin`` and is made on first use (a lazy module attribute), so importing this module does not import
-Axolotl; the release is checked in ``pre_model_load`` and again where it tiles (``framework_settings.AXOLOTL``).
-"""
+"""Axolotl: a plugin, listed under ``plugins:`` as ``tiled_mlp.integrations.axolotl.TiledMLPPlugin``, that tiles the
+model in ``post_model_load`` (built, adapters attached, no trainer yet), tuned by ``tiled_mlp_lib_*`` keys. The
+plugin class is made on first use, so importing this module does not import Axolotl."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from .args import parse_flag
 from .framework_settings import AXOLOTL, FrameworkTiling
 from .report import TilingReport
 
-ARGS_MODEL = "tiled_mlp.integrations.axolotl_args.TiledMLPLibArgs"
 KEY_PREFIX = "tiled_mlp_lib_"
 
 
+class TiledMLPLibArgs(BaseModel):
+    """The plugin's keys in an Axolotl config, prefixed so that none is Axolotl's own (built-in) ``tiled_mlp*``."""
+
+    tiled_mlp_lib_num_shards: Optional[Union[int, str]] = Field(
+        default=None, json_schema_extra={"description": "tiled-mlp: shards per MLP and norm call, 'auto' or an int >= 1"})
+    tiled_mlp_lib_loss: Optional[Union[bool, str]] = Field(
+        default=None, json_schema_extra={"description": "tiled-mlp: tile the LM head + cross entropy (default true)"})
+    tiled_mlp_lib_loss_num_shards: Optional[Union[int, str]] = Field(
+        default=None, json_schema_extra={"description": "tiled-mlp: shards per loss call, 'auto' or an int >= 1"})
+    tiled_mlp_lib_norms: Optional[Union[bool, str]] = Field(
+        default=None, json_schema_extra={"description": "tiled-mlp: tile the RMSNorms (default true)"})
+
+    @field_validator("tiled_mlp_lib_num_shards", "tiled_mlp_lib_loss", "tiled_mlp_lib_loss_num_shards",
+                     "tiled_mlp_lib_norms", mode="before")
+    @classmethod
+    def _parsed(cls, value: Any, info: Any) -> Any:
+        return parse_flag(value, info.field_name, getattr(FrameworkTiling, info.field_name[len(KEY_PREFIX):]))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_with_axolotls_own(cls, data: Any) -> Any:
+        # Axolotl's ``tiled_mlp`` patches each MLP class's forward: both would shard an already sharded call.
+        if isinstance(data, dict) and data.get("tiled_mlp"):
+            raise ValueError("Axolotl's own `tiled_mlp: true` and tiled-mlp's plugin both tile the MLPs: keep one "
+                             "(remove `tiled_mlp`, or the plugin from `plugins:`)")
+        return data
+
+
 def settings_from(cfg: Any) -> FrameworkTiling:
-    """The tiling a (validated) Axolotl config asks for; absent keys take the defaults."""
     def get(name: str) -> Any:
         return cfg.get(KEY_PREFIX + name) if hasattr(cfg, "get") else getattr(cfg, KEY_PREFIX + name, None)
 
@@ -28,12 +51,10 @@ def settings_from(cfg: Any) -> FrameworkTiling:
 
 
 class _TilesAfterLoad:
-    """The plugin's hooks; ``TiledMLPPlugin`` is this class with Axolotl's ``BasePlugin`` under it."""
-
     report: Optional[TilingReport] = None  # what the model got
 
     def get_input_args(self) -> str:
-        return ARGS_MODEL
+        return f"{__name__}.TiledMLPLibArgs"
 
     def pre_model_load(self, cfg: Any) -> None:
         AXOLOTL.require()  # refused before Axolotl spends time loading the model
@@ -44,23 +65,14 @@ class _TilesAfterLoad:
         self.report = settings_from(cfg).apply(model)
 
 
-def _plugin_class() -> type:
-    from axolotl.integrations.base import BasePlugin
-
-    return type("TiledMLPPlugin", (_TilesAfterLoad, BasePlugin), {
-        "__module__": __name__,
-        "__qualname__": "TiledMLPPlugin",
-        "__doc__": "Axolotl plugin: tiles the loaded model's MLPs, RMSNorms and loss in post_model_load "
-                   "(see the module docstring).",
-    })
-
-
 _made: Dict[str, type] = {}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "TiledMLPPlugin":
-        if name not in _made:
-            _made[name] = _plugin_class()
-        return _made[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name != "TiledMLPPlugin":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _made:
+        from axolotl.integrations.base import BasePlugin
+
+        _made[name] = type(name, (_TilesAfterLoad, BasePlugin), {"__module__": __name__, "__qualname__": name})
+    return _made[name]

@@ -1,18 +1,9 @@
-"""What a training framework's entry point tiles (``axolotl.py``, ``llamafactory.py``), parsed once.
-
-Both entry points tile the same three things by default, the MLP blocks, the RMSNorms and the causal LM's
-loss, in place (``apply_tiled_mlp``), so the trainer's optimizer, built before or after, steps the same
-parameters under the same names. The settings are parsed where they are given (a constructor, a config
-being validated): a bad value is refused before the framework loads anything.
-
-An entry point also relies on how its framework calls it: which hook runs when, what it is handed. That contract
-is read from the framework's source at one release and tested there end to end, so each entry point names the
-releases it was checked on (``CheckedFramework``) and refuses any other when it is applied (not when it is
-imported), naming the installed version, the checked ones and the fix.
-"""
+"""What a training framework's entry point tiles (``axolotl.py``, ``llamafactory.py``), and the framework releases
+it was checked on: how a framework calls its plugins is read from its source at one release and tested there end
+to end, so any other release is refused when the entry point is applied, not when it is imported."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional, Tuple
 
 from torch import nn
@@ -20,7 +11,7 @@ from torch import nn
 from tiled_mlp.core.shard_plan import NumShards
 from tiled_mlp.strategies.checked_versions import checked_on, in_any, installed
 
-from .args import parse_bool, parse_shards
+from .args import parse_flag
 from .hf import apply_tiled_mlp
 from .report import TilingReport
 
@@ -35,15 +26,9 @@ class FrameworkTiling:
     @classmethod
     def parse(cls, num_shards: Any = "auto", loss: Any = True, loss_num_shards: Any = "auto", norms: Any = True,
               prefix: str = "") -> FrameworkTiling:
-        """The settings from user input; a ``ValueError`` naming the key (``prefix`` + name) for a bad value."""
-        def shards(value: Any, name: str) -> NumShards:
-            return parse_shards("auto" if value is None else value, prefix + name)
-
-        def flag(value: Any, name: str) -> bool:
-            return True if value is None else parse_bool(value, prefix + name)
-
-        return cls(shards(num_shards, "num_shards"), flag(loss, "loss"), shards(loss_num_shards, "loss_num_shards"),
-                   flag(norms, "norms"))
+        """The settings from user input (None: the default); a ``ValueError`` naming ``prefix`` + the key."""
+        given = (num_shards, loss, loss_num_shards, norms)
+        return cls(*(parse_flag(value, prefix + f.name, f.default) for f, value in zip(fields(cls), given, strict=True)))
 
     def apply(self, model: nn.Module) -> TilingReport:
         return apply_tiled_mlp(model, num_shards=self.num_shards, loss=self.loss,
@@ -51,13 +36,11 @@ class FrameworkTiling:
 
 
 class FrameworkVersionError(RuntimeError):
-    """The framework installed is not a release the entry point was checked on."""
+    pass
 
 
 @dataclass(frozen=True)
 class CheckedFramework:
-    """A framework's distribution name on the package index and the exact releases an entry point was tested on."""
-
     label: str  # the framework's name in messages ("Axolotl")
     distribution: str  # its distribution name (``pip install NAME``)
     checked: Tuple[str, ...]  # exact release strings
@@ -76,7 +59,6 @@ class CheckedFramework:
         return None
 
     def require(self) -> str:
-        """The installed version; ``FrameworkVersionError`` where it is not one checked."""
         problem = self.refusal()
         if problem is not None:
             raise FrameworkVersionError(problem)

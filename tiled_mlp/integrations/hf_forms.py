@@ -1,18 +1,6 @@
-"""The forward bodies Hugging Face transformers writes for its gated MLPs, activations and RMSNorms,
-registered with the core when this package is imported, so their instances take the gated fast kernel or
-the norm kernel.
-
-Each body is the library's source text; the core compares a forward's bytecode with the body compiled on the
-running interpreter (``tiled_mlp.core.code_forms``), so a match is exact for the installed version and a
-patched or edited forward never matches. transformers is not imported.
-
-- ``LLAMA_BODIES``: the body ~140 MLP classes share (Llama, Mistral, Qwen2/3, Gemma, ...), written three
-  ways across them, and Llama 4's with ``activation_fn``; ``PHI3_BODY``: a fused ``gate_up_proj`` chunked
-  into gate and up; ``FALCON_H1_BODY``: gate and down multipliers read from the module.
-- The activations: ``SiLUActivation``, and the classes that call the function they hold in ``self.act``.
-- The norms: Llama's ``self.weight * normed.to(input_dtype)`` (~140 classes) and Gemma's
-  ``(normed * (1.0 + self.weight.float())).type_as(x)``, whose ``_norm`` method is proven the same way.
-"""
+"""The forward bodies transformers writes for its gated MLPs (Llama's, shared by ~140 classes, written three ways;
+Llama 4's, Phi3's fused gate_up, Falcon-H1's multipliers), activations and RMSNorms, registered with the core at
+import: the core compares a forward's bytecode with each body compiled here, so a patched forward never matches."""
 from __future__ import annotations
 
 import torch

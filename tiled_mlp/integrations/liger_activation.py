@@ -1,5 +1,5 @@
-"""Liger-Kernel's Triton SiLU-mul and GELU(tanh)-mul, registered with the core as the fused gated
-kernels on CUDA, used when liger-kernel is installed (imported only then, at the first such call)."""
+"""Liger-Kernel's Triton SiLU-mul and GELU(tanh)-mul, registered as the fused gated kernels on CUDA where
+liger-kernel is installed (imported at the first such call)."""
 from __future__ import annotations
 
 import functools
@@ -12,8 +12,6 @@ from tiled_mlp.core.kernels.gated import NativeGatedActivation, register_fused_k
 
 
 class LigerGatedActivation:
-    """Liger-Kernel's Triton SiLU-mul and GELU(tanh)-mul (CUDA only); both write gradients in place."""
-
     def __init__(self, name: str):
         if name == "silu":
             from liger_kernel.ops.swiglu import swiglu_backward, swiglu_forward

@@ -1,11 +1,5 @@
-"""LLaMA-Factory: a ``TrainerCallback`` that tiles the model its trainer is built with (docs/frameworks.md,
-"LLaMA-Factory"): ``run_exp(args, callbacks=[TiledMLPCallback()])``.
-
-``Trainer.__init__`` ends with the callbacks' ``on_init_end``, given the model after LLaMA-Factory's
-``load_model`` and before the optimizer and accelerate's ``prepare``: it tiles there, in place.
-``on_train_begin`` refuses a callback added after the trainer was built (it never saw the model). Importing
-needs transformers only; the LLaMA-Factory release is checked when tiling (``framework_settings.LLAMAFACTORY``).
-"""
+"""LLaMA-Factory: ``run_exp(args, callbacks=[TiledMLPCallback()])``. ``Trainer.__init__`` ends with the callbacks'
+``on_init_end``, given the loaded model before the optimizer and accelerate's ``prepare``: it tiles there, in place."""
 from __future__ import annotations
 
 import weakref
@@ -19,11 +13,8 @@ from .report import TilingReport
 
 
 class TiledMLPCallback(TrainerCallback):
-    """Tiles the MLPs, the RMSNorms and the loss (each on by default) of the model the trainer is built with.
-
-    ``num_shards``/``loss_num_shards``: ``"auto"`` or an int >= 1; a bad value, or a LLaMA-Factory release
-    not checked, is refused here, before ``run_exp`` loads anything. ``report`` holds what the last model tiled got.
-    """
+    """Tiles the MLPs, the RMSNorms and the loss (each on by default) of the model the trainer is built with; bad
+    settings or an unchecked LLaMA-Factory release are refused here, before ``run_exp`` loads anything."""
 
     def __init__(self, num_shards: Any = "auto", loss: Any = True, loss_num_shards: Any = "auto",
                  norms: Any = True) -> None:

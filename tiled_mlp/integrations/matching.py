@@ -1,21 +1,6 @@
-"""Finding the MLP blocks of a model by structure, so no list of architectures has to be kept.
-
-A module is an MLP block when it has Linear-like children named ``gate_proj``/``up_proj``/``down_proj``
-or ``gate_up_proj``/``down_proj`` (every Llama-family, Gemma, Qwen, Mistral and Phi3 text MLP, the
-text MLP of most multimodal models, per-expert MLPs and shared experts). A transformers fused experts
-module (``experts(hidden_states, top_k_index, top_k_weights)``) is tiled through ``TiledExperts``. The walk
-stops at a match, so nothing is tiled twice.
-
-A mixture-of-experts block as a whole is never tiled: its router would run inside the shard loop, which builds
-no graph, so the router logits recorded for the load-balancing loss would carry no gradient (measured: the tiled
-Mixtral's ``aux_loss`` had no ``grad_fn``). ``TiledExperts`` shards the fused experts' hidden states with their
-indices and routing weights as the call's other sharded inputs (``token_inputs``); the weights' gradient reaches
-the router.
-
-What the tiled call can run is also checked here, before anything is patched: the block's forward must
-take exactly one argument (``TiledMLP.forward(x)`` passes nothing else) and must not declare a tuple
-result (the generic kernel needs one tensor).
-"""
+"""Finding a model's MLP blocks by structure (gated Linear-like children, or transformers' fused experts), so no list
+of architectures is kept. A whole MoE block is never tiled: its router would run inside the shard loop, which
+builds no graph, and the load-balancing loss would lose its gradient."""
 from __future__ import annotations
 
 import fnmatch
@@ -50,14 +35,10 @@ class TiledExperts(TiledMLP):
 
 @dataclass
 class Candidate:
-    """A module to tile, where it sits, and the chain of modules above it (root first)."""
-
     name: str
     module: Any  # an nn.Module; a TiledMLP for the blocks found already tiled
-    parent: nn.Module
-    attr: str
-    ancestors: List[nn.Module] = field(default_factory=list)
-    kind: str = "gated"  # "gated", "experts" (fused MoE experts), "named" (an include pattern alone), "norm"
+    ancestors: List[nn.Module]  # root first
+    kind: str  # "gated", "experts" (fused MoE experts), "named" (an include pattern alone), "norm", "tiled"
 
 
 @dataclass
@@ -75,7 +56,6 @@ def _is_linear_like(module) -> bool:
 
 
 def structural_kind(module: nn.Module) -> Optional[str]:
-    """"gated" or "experts" for a block the walk tiles, None for anything else."""
     if any(all(_is_linear_like(getattr(module, name, None)) for name in layout) for layout in GATED_LAYOUTS):
         return "gated"
     try:
@@ -131,11 +111,7 @@ def _matches(name: str, patterns: Optional[List[str]]) -> bool:
 
 
 def scan(model: nn.Module, include: Patterns = None, exclude: Patterns = None) -> Scan:
-    """Every module to tile in ``model`` (glob patterns on qualified names select and exclude).
-
-    ``include`` narrows the structural matches to those it names, and also selects modules that no
-    structural rule finds (a custom MLP): the caller then vouches that the module is token-wise.
-    """
+    """Every module to tile; ``include`` narrows the structural matches and also selects modules no rule finds."""
     include_patterns, exclude_patterns = _as_patterns(include), _as_patterns(exclude)
     result = Scan()
 
@@ -144,33 +120,22 @@ def scan(model: nn.Module, include: Patterns = None, exclude: Patterns = None) -
         for attr, child in parent.named_children():
             name = f"{prefix}{attr}"
             if isinstance(child, TiledMLP):
-                result.already_tiled.append(Candidate(name, child, parent, attr, chain, "tiled"))
+                result.already_tiled.append(Candidate(name, child, chain, "tiled"))
                 continue
             kind = structural_kind(child)
-            chosen = kind is not None and (include_patterns is None or _matches(name, include_patterns))
-            if not chosen and _matches(name, include_patterns):
-                kind, chosen = "named", True
-            if chosen and _matches(name, exclude_patterns):
+            if include_patterns is not None:
+                kind = (kind or "named") if _matches(name, include_patterns) else None
+            if kind is not None and _matches(name, exclude_patterns):
                 result.skipped.append((name, "excluded by pattern"))
                 continue
-            if chosen:
+            if kind is not None:
                 problem = "" if kind == "experts" else call_problem(child)
                 if not problem:
-                    result.candidates.append(Candidate(name, child, parent, attr, chain, kind or "named"))
+                    result.candidates.append(Candidate(name, child, chain, kind))
                     continue
                 result.skipped.append((name, problem))
             visit(child, name + ".", chain)
 
     visit(model, "", [])
     return result
-
-
-def find_tiled(model: nn.Module) -> List[Tuple[str, nn.Module, str, TiledMLP]]:
-    """(qualified name, parent, attribute, TiledMLP) for every TiledMLP in ``model``."""
-    found = []
-    for parent_name, parent in model.named_modules():
-        for attr, child in parent.named_children():
-            if isinstance(child, TiledMLP):
-                found.append((f"{parent_name}.{attr}" if parent_name else attr, parent, attr, child))
-    return found
 

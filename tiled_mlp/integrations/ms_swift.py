@@ -1,15 +1,7 @@
-"""ms-swift: tile the model that ``swift sft`` builds, through ms-swift's ``--external_plugins`` (docs/ms-swift.md).
-
-ms-swift 4.6.0 has no tiling flag of its own. The plugin file this package ships (``python -m
-tiled_mlp.integrations.ms_swift`` prints its path) wraps ``SwiftSft.prepare_model``, so the model ms-swift built
-and adapted is tiled just before its trainer is made; the flags are ``apply_from_flags``' names, from
-``--model_kwargs`` or else the environment (upper-cased).
-
-This module is the one seam to ms-swift: it touches ``swift.pipelines.train.sft.SwiftSft.prepare_model`` (a
-classmethod taking ``(args, model, **options)`` and returning the model) and ``args.model_kwargs``. It tiles only
-on the ms-swift releases it was checked on and only in ``swift sft``; elsewhere, when a flag asks for tiling, it
-refuses before any work with an error naming them.
-"""
+"""ms-swift: tile the model ``swift sft`` builds, through ``--external_plugins`` (docs/ms-swift.md). The plugin file
+(``python -m tiled_mlp.integrations.ms_swift`` prints its path) wraps ``SwiftSft.prepare_model``, the one ms-swift
+internal this seam touches, and reads ``apply_from_flags``' flags from ``--model_kwargs`` or else the environment
+(upper-cased). It tiles only on the releases and in the pipeline it was checked on, refusing others before any work."""
 from __future__ import annotations
 
 import functools
@@ -22,30 +14,27 @@ from torch import nn
 from tiled_mlp.strategies import checked_versions
 from tiled_mlp.strategies.checked_versions import checked_on, in_any
 
-from .args import TiledMLPFlags, read_tiled_mlp_flags
-from .hf import apply_from_flags
-from .stack import LongContextStack
+from .args import DEFAULTS, parse_flag, read_tiled_mlp_flags
+from .stack import LongContextStack, apply_from_flags
 
 CHECKED_VERSIONS = ("4.6.0",)
 CHECKED_PIPELINES = ("SwiftSft",)  # `swift sft`; RLHF also prepares reward and reference models through it
 # What was checked end to end under ms-swift's trainer: the MLP blocks and the norms.
 FLAGS = ("use_tiled_mlp", "tiled_mlp_num_shards", "use_tiled_norms")
-# Flags of apply_from_flags not checked under ms-swift: its trainer computes the loss and token accuracy from the
-# logits (which the tiled loss never forms), has its own sequence parallelism, and checkpoints reentrantly.
+# Not checked under ms-swift: its trainer computes the loss and token accuracy from the logits (which the tiled
+# loss never forms), has its own sequence parallelism, and checkpoints reentrantly.
 UNCHECKED_FLAGS = ("use_tiled_loss", "ulysses_sp_size", "use_checkpoint_offload")
+# In a folder of its own: ms-swift puts a plugin's folder first on ``sys.path``, where ``hf``, ``args``... would shadow.
 PLUGIN_FILE = Path(__file__).with_name("ms_swift_plugin") / "tiled_mlp_ms_swift.py"
 _MARK = "__tiled_mlp_wrapped__"
 
 
 def plugin_path() -> str:
-    """The file to hand ``swift sft --external_plugins``. It sits in a folder of its own: ms-swift puts a
-    plugin's folder first on ``sys.path``, where this package's modules (``hf``, ``args``, ...) would shadow others."""
     return str(PLUGIN_FILE)
 
 
 def read_flags(model_kwargs: Optional[Mapping[str, Any]], environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
-    """The flags asked for: each of ``FLAGS`` and ``UNCHECKED_FLAGS`` from ``model_kwargs`` (any key case), else
-    from ``environ`` under its upper-case name; absent ones are left out."""
+    """Each flag from ``model_kwargs`` (any key case), else from ``environ`` upper-cased; absent ones left out."""
     given = {str(key).lower(): value for key, value in (model_kwargs or {}).items()}
     flags = {}
     for name in FLAGS + UNCHECKED_FLAGS:
@@ -56,8 +45,7 @@ def read_flags(model_kwargs: Optional[Mapping[str, Any]], environ: Mapping[str, 
     return flags
 
 
-def check_supported(version: str, pipeline: str, flags: TiledMLPFlags) -> None:
-    """Refuse, before any work, what this seam was not checked on (called once a flag asks for something)."""
+def check_supported(version: str, pipeline: str, flags: Mapping[str, Any]) -> None:
     if not in_any(checked_on("ms-swift", CHECKED_VERSIONS, exact=True), version):
         raise RuntimeError(
             f"tiled-mlp's ms-swift plugin was checked on ms-swift {', '.join(CHECKED_VERSIONS)}, not {version}: "
@@ -66,9 +54,7 @@ def check_supported(version: str, pipeline: str, flags: TiledMLPFlags) -> None:
         raise RuntimeError(
             f"tiled-mlp's ms-swift plugin was checked with `swift sft` ({', '.join(CHECKED_PIPELINES)}), not "
             f"{pipeline}: leave the tiling flags unset there")
-    asked = [name for name, on in (("use_tiled_loss", flags.use_tiled_loss),
-                                   ("ulysses_sp_size", flags.ulysses_sp_size > 1),
-                                   ("use_checkpoint_offload", flags.use_checkpoint_offload)) if on]
+    asked = [name for name in UNCHECKED_FLAGS if parse_flag(flags.get(name), name, DEFAULTS[name]) != DEFAULTS[name]]
     if asked:
         raise RuntimeError(
             f"tiled-mlp's ms-swift plugin does not apply {', '.join(asked)}: not checked under ms-swift's trainer, "
@@ -78,13 +64,11 @@ def check_supported(version: str, pipeline: str, flags: TiledMLPFlags) -> None:
 
 def tile_prepared_model(model: nn.Module, args: Any, pipeline: str, version: str,
                         log: Callable[[str], Any] = print) -> Optional[LongContextStack]:
-    """Tile ``model`` (what ``prepare_model`` returned) as the flags ask; returns ``apply_from_flags``' handle,
-    or None when no flag asks for anything. A bad flag value is a ``ValueError`` naming it, before any work."""
+    """Tile what ``prepare_model`` returned as the flags ask; None when they ask for nothing."""
     flags = read_flags(getattr(args, "model_kwargs", None))
-    parsed = read_tiled_mlp_flags(flags)
-    if not parsed.asks_for_anything:
+    if not read_tiled_mlp_flags(flags).asks_for_anything:
         return None
-    check_supported(version, pipeline, parsed)
+    check_supported(version, pipeline, flags)
     handle = apply_from_flags(model, flags)
     if handle is not None:
         log(str(handle.report))

@@ -1,12 +1,5 @@
-"""Which RMSNorms ``apply_tiled_mlp(norms=True)`` tiles: found by class (``torch.nn.RMSNorm``, or a class
-named ``...RMSNorm`` as every Hugging Face family names its own) and structure (no submodule, one 1-D
-weight of the model's hidden size), so token-wise by construction. Per-head norms (Qwen3's q_norm and
-k_norm, of the head size) and norms inside a block tiled already are not among them.
-
-The hidden size is read from the token embeddings (through a PEFT wrapper to its base layer) or the
-text config; a model that says neither gets no norm tiled, and says so, rather than every RMSNorm.
-Under ZeRO-3 a parameter's local tensor is empty and its shape is ``ds_shape``: that one is judged.
-"""
+"""Which RMSNorms ``apply_tiled_mlp(norms=True)`` tiles: an ``RMSNorm`` class with no submodule and one 1-D weight of
+the model's hidden size (so not Qwen3's per-head q_norm/k_norm). A model whose hidden size is unknown gets none."""
 from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
@@ -20,14 +13,10 @@ NORM_ACCUM_DTYPE = torch.float32  # a norm's weight gradient sums every token: n
 
 
 class TiledNorm(TiledMLP):
-    """Tiles an RMSNorm in place (``apply_tiled_mlp(norms=True)``): same call, same names. Its one input
-    is the hidden states, and its output has their width."""
-
     tiled_no_fast_path = "it is a norm, not a gated MLP"
 
 
 def hidden_size(model: nn.Module) -> Optional[int]:
-    """The width of the model's token embeddings, else its text config's ``hidden_size`` (None: neither)."""
     try:
         embeddings = model.get_input_embeddings()  # type: ignore[operator]
     except (AttributeError, NotImplementedError, TypeError):
@@ -43,7 +32,6 @@ def hidden_size(model: nn.Module) -> Optional[int]:
 
 
 def is_norm(module: nn.Module, hidden: int) -> bool:
-    """An RMSNorm with no submodule and one 1-D weight of ``hidden`` elements."""
     if not (isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")):
         return False
     if next(module.children(), None) is not None:
@@ -54,9 +42,7 @@ def is_norm(module: nn.Module, hidden: int) -> bool:
 
 
 def norm_names(model: nn.Module, inside: Sequence[str] = ()) -> List[str]:
-    """The qualified names of the norms to tile: ``is_norm`` at the model's hidden size, none of them
-    within a tiled block or within the blocks named in ``inside`` (about to be tiled: a norm inside an
-    MLP is tiled with it). Empty when the hidden size is unknown (``hidden_size``)."""
+    """The norms to tile, none within a tiled block or a block named in ``inside`` (it is tiled with that)."""
     hidden = hidden_size(model)
     if hidden is None:
         return []
@@ -68,7 +54,6 @@ def norm_names(model: nn.Module, inside: Sequence[str] = ()) -> List[str]:
 
 
 def why_no_norms(model: nn.Module) -> str:
-    """What the report says when ``norm_names`` is empty ('': the norms are tiled already)."""
     hidden = hidden_size(model)
     if hidden is None:
         return ("the model's hidden size is unknown (no embedding width, no config.hidden_size), so no RMSNorm is "

@@ -1,16 +1,9 @@
-"""Checkpoint offload on a model: find its checkpointed layers and put their inputs in host memory.
-
-The layers are those whose forward runs the checkpoint while their module hooks stay outside it (so
-the offload's hooks see the checkpoint's saved inputs, ``tiled_mlp.core.checkpoint_offload``): torch's
-``checkpoint_wrapper`` modules, or else Hugging Face's ``GradientCheckpointingLayer``s with
-checkpointing on (``model.gradient_checkpointing_enable()``, which checkpoints ``forward``, not
-``__call__``). Found by class, never guessed from names.
-"""
+"""Checkpoint offload on a model: its checkpointed layers, found by class (torch's ``checkpoint_wrapper``, else HF's
+``GradientCheckpointingLayer`` with checkpointing on), keep their inputs in host memory until backward."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 from torch import nn
 
@@ -24,8 +17,6 @@ NO_LAYERS_ERROR = (
 
 
 def checkpointed_layers(model: nn.Module) -> List[nn.Module]:
-    """The modules that run a checkpoint inside their forward, in module order (the call order of a
-    decoder's layers)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     wrappers: List[nn.Module] = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
@@ -41,8 +32,7 @@ def checkpointed_layers(model: nn.Module) -> List[nn.Module]:
 
 
 def apply_checkpoint_offload(model: nn.Module) -> CheckpointOffload:
-    """Offload the input of every checkpointed layer of ``model`` but the last; returns the handle
-    (``.host_bytes`` says what host memory it holds, ``.remove()`` undoes it)."""
+    """Offload the input of every checkpointed layer but the last; ``.remove()`` on the handle undoes it."""
     layers = checkpointed_layers(model)
     if not layers:
         raise ValueError(NO_LAYERS_ERROR.format(model=type(model).__name__))
@@ -57,8 +47,8 @@ def apply_checkpoint_offload(model: nn.Module) -> CheckpointOffload:
 
 
 class _CheckpointCall(nn.Module):
-    """Where an HF layer that checkpoints in ``__call__`` (around its own hooks, which would then see none of
-    the saved inputs) calls its checkpoint function: a module whose hooks sit outside the checkpoint."""
+    """An HF layer that checkpoints in ``__call__`` wraps its own hooks, which would see none of the saved inputs:
+    its checkpoint function is called through this module, whose hooks sit outside the checkpoint."""
 
     def __init__(self, checkpoint: Any) -> None:
         super().__init__()
@@ -67,11 +57,13 @@ class _CheckpointCall(nn.Module):
     def forward(self, *args: Any, function: Any) -> Any:
         return self.checkpoint(function, *args)
 
+    def checkpoint_function(self, function: Any, *args: Any) -> Any:
+        """What the layer calls as its checkpoint function: the checkpoint, run through this module's hooks."""
+        return self(*args, function=function)
+
 
 @dataclass
 class _OffloadAtCheckpointCalls(CheckpointOffload):
-    """The offload on ``_CheckpointCall`` sites; ``remove()`` also gives each layer back its checkpoint function."""
-
     checkpointed: List[Tuple[nn.Module, Any]] = field(default_factory=list)
 
     def remove(self) -> None:
@@ -86,14 +78,10 @@ def _offload_at_checkpoint_calls(layers: List[nn.Module]) -> CheckpointOffload:
     for layer in layers:
         checkpoint = layer._gradient_checkpointing_func
         site = _CheckpointCall(checkpoint)
-        setattr(layer, "_gradient_checkpointing_func", functools.partial(_call_site, site))  # noqa: B010
+        setattr(layer, "_gradient_checkpointing_func", site.checkpoint_function)  # noqa: B010
         sites.append(site)
         checkpointed.append((layer, checkpoint))
     return _OffloadAtCheckpointCalls(sites, checkpointed=checkpointed)
-
-
-def _call_site(site: _CheckpointCall, function: Any, *args: Any) -> Any:
-    return site(*args, function=function)
 
 
 # Instance attributes transformers sets while turning checkpointing on: the input-gradient hooks'
@@ -104,23 +92,13 @@ _ATTRIBUTES_SET = ("_require_grads_hooks", "_require_grads_hook", "gradient_chec
 _ABSENT = object()
 
 
-@dataclass
-class CheckpointingTurnedOn:
-    """What ``checkpointing_on`` added to a model, so that ``checkpointing_off`` takes off exactly that:
-    the forward hooks it registered (transformers' ``make_inputs_require_grads`` on the input
-    embeddings, the user's own left in place) and the instance attributes it set, as they were."""
-
-    added_hooks: List[Tuple[nn.Module, int]] = field(default_factory=list)  # (module, hook id)
-    attributes: List[Tuple[nn.Module, str, Any]] = field(default_factory=list)  # (module, name, value before)
-
-
 def _forward_hook_ids(model: nn.Module) -> List[Tuple[nn.Module, int]]:
     return [(module, key) for module in model.modules() for key in module._forward_hooks]
 
 
-def checkpointing_on(model: nn.Module) -> CheckpointingTurnedOn:
-    """Hugging Face's non-reentrant layer checkpointing on ``model`` (what the offload works on; the
-    planner's modelled step turns it on the same way); returns what it added."""
+def checkpointing_on(model: nn.Module) -> Callable[[], None]:
+    """Hugging Face's non-reentrant layer checkpointing on ``model``; returns what turns it off and takes off exactly
+    the hooks and attributes it added (the user's own stay)."""
     hooks_before = {(id(module), key) for module, key in _forward_hook_ids(model)}
     attributes_before = [(module, name, vars(module).get(name, _ABSENT)) for module in model.modules()
                          for name in _ATTRIBUTES_SET]
@@ -133,18 +111,17 @@ def checkpointing_on(model: nn.Module) -> CheckpointingTurnedOn:
         raise ValueError(f"checkpoint offload: {type(model).__name__} has no checkpointed layer and no "
                          "gradient_checkpointing_enable(); wrap its layers in torch's checkpoint_wrapper first")
     added = [(module, key) for module, key in _forward_hook_ids(model) if (id(module), key) not in hooks_before]
-    return CheckpointingTurnedOn(added, attributes_before)
 
+    def checkpointing_off() -> None:
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()  # type: ignore[operator]
+        for module, key in added:
+            for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
+                hooks.pop(key, None)
+        for module, name, value in attributes_before:
+            if value is _ABSENT:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = value
 
-def checkpointing_off(model: nn.Module, turned_on: CheckpointingTurnedOn) -> None:
-    """Checkpointing off again, and what ``checkpointing_on`` added (``turned_on``) taken off."""
-    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-    disable()  # type: ignore[operator]
-    for module, key in turned_on.added_hooks:
-        for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
-            hooks.pop(key, None)
-    for module, name, value in turned_on.attributes:
-        if value is _ABSENT:
-            module.__dict__.pop(name, None)
-        else:
-            module.__dict__[name] = value
+    return checkpointing_off

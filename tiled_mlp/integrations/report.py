@@ -14,10 +14,8 @@ from .norms import TiledNorm
 
 
 def expected_path(tiled: TiledMLP) -> str:
-    """The kernel the built-in registry's order picks for a ``[batch, tokens, hidden]`` call, as far as the forward,
-    the structure and the backend (its hooks, its local view of distributed weights, its refusal of a per-shard
-    forward) decide before the first forward; that settles the rest (the fast kernel also needs the input in the
-    weights' dtype and no autocast)."""
+    """The kernel a ``[batch, tokens, hidden]`` call will take, as far as the forward, the structure and the backend
+    decide before the first forward (which also needs the input in the weights' dtype and no autocast)."""
     state = tiled.tiling
     if state.path != "auto":
         return f"{state.path} (requested)"
@@ -26,8 +24,6 @@ def expected_path(tiled: TiledMLP) -> str:
     # ones a call computes with: for it the structure alone is reported.
     now = not strategy.swaps_param_storage(tiled)
     if isinstance(tiled, TiledNorm):
-        # The norm kernel's own structural decision (``builtin_kernels.NormEntry``): the forward is a registered
-        # RMSNorm body, read on this module, and its weight is not a distributed one.
         norm, why_not = norm_spec(tiled, forward_function(tiled))
         if norm is not None and (not now or strategy.local_view(tiled, [norm.weight]) is None):
             return "norm (a registered RMSNorm forward: the norm kernel)"
@@ -52,10 +48,14 @@ def expected_path(tiled: TiledMLP) -> str:
 @dataclass
 class TiledBlock:
     name: str
-    mlp_class: str
     kind: str  # "gated", "experts", "named", "norm" (norms=True), or "tiled" for a block found already tiled
     tiled: TiledMLP
-    expected_path: str
+    mlp_class: str = field(init=False)
+    expected_path: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.mlp_class = type(self.tiled).__name__
+        self.expected_path = expected_path(self.tiled)
 
     @property
     def last_path(self) -> str:
@@ -68,15 +68,11 @@ class TilingReport:
     patched: List[TiledBlock] = field(default_factory=list)
     already_tiled: List[TiledBlock] = field(default_factory=list)
     skipped: List[Tuple[str, str]] = field(default_factory=list)
-    # The causal LM whose loss now runs through the tiled loss (``loss=True``), by class name; "" if none.
-    tiled_loss: str = ""
-    # Where ``loss=True`` found the loss already computed without the logits by another library's head (TRL's
-    # fused LM head), and so left to it: the causal LM and what computes its loss; "" if not.
-    loss_left_to: str = ""
+    tiled_loss: str = ""  # the causal LM whose loss the tiled loss now computes, by class name
+    loss_left_to: str = ""  # what computes the loss without the logits already (TRL's fused LM head)
 
     @property
     def blocks(self) -> List[TiledBlock]:
-        """Every tiled block of the model, patched now or before."""
         return self.patched + self.already_tiled
 
     def paths(self) -> Dict[str, str]:

@@ -1,15 +1,10 @@
-"""The long-sequence stack on a Hugging Face causal LM in one call, and off again in one
-(docs/long-context-stack.md, "The long-sequence stack").
-
-``apply_long_context(model)`` composes the tiled MLP, RMSNorms and loss, layer checkpointing with checkpoint
-offload, and Ulysses SP, each also callable alone. The loss goes first (SP divides its per-rank sums once over
-the group); every refusal SP can make is asked before any change, and an error at a later step undoes the
-steps before it. A model already carrying a piece is refused: ``remove()`` could not tell them apart.
-"""
+"""The long-sequence stack in one call, and off again in one: tiled MLP, RMSNorms and loss, checkpoint offload and
+Ulysses SP. The loss goes first (SP divides its per-rank sums over the group); SP's refusals come before any
+change, and an error at a later step undoes the steps before it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -17,29 +12,21 @@ from torch import nn
 from tiled_mlp.core.checkpoint_offload import CheckpointOffload
 from tiled_mlp.core.shard_plan import NumShards
 
+from .args import read_tiled_mlp_flags
 from .causal_lm_loss import is_tiled_loss
 from .hf import apply_tiled_loss, apply_tiled_mlp, is_tiled, remove_tiled_mlp
-from .offload import (
-    CheckpointingTurnedOn,
-    apply_checkpoint_offload,
-    checkpointed_layers,
-    checkpointing_off,
-    checkpointing_on,
-)
+from .offload import apply_checkpoint_offload, checkpointed_layers, checkpointing_on
 from .report import TilingReport
 from .ulysses import SequenceParallel, apply_sequence_parallel, check_sequence_parallel
 
 
 @dataclass
 class LongContextStack:
-    """What ``apply_long_context`` put on a model; ``remove()`` takes it all off, last piece first."""
-
     model: nn.Module
     report: Optional[TilingReport] = None
     offload: Optional[CheckpointOffload] = None
     sequence_parallel: Optional[SequenceParallel] = None
-    # What this call added to turn checkpointing on (None: it was on already), so ``remove`` takes off that.
-    checkpointing_turned_on: Optional[CheckpointingTurnedOn] = None
+    checkpointing_turned_on: Optional[Callable[[], None]] = None  # turns off what this stack turned on
 
     def remove(self) -> None:
         if self.sequence_parallel is not None:
@@ -49,7 +36,7 @@ class LongContextStack:
             self.offload.remove()
             self.offload = None
         if self.checkpointing_turned_on is not None:
-            checkpointing_off(self.model, self.checkpointing_turned_on)
+            self.checkpointing_turned_on()
             self.checkpointing_turned_on = None
         if self.report is not None:
             remove_tiled_mlp(self.model)  # the tiled loss too
@@ -70,14 +57,8 @@ def apply_long_context(
     grad_accum_dtype: Optional[torch.dtype] = None,
     **tiling: Any,
 ) -> LongContextStack:
-    """Turn the long-sequence stack on for ``model`` (see the module docstring); returns the handle.
-    ``tiled_norms``: the RMSNorms tiled too (``apply_tiled_mlp(norms=True)``: exact, no slower, and without
-    Hugging Face's float32 copies), with or without the MLPs.
-    ``tiling``: more options of ``apply_tiled_mlp`` (``strategy``, ``path``, ``include``, ``exclude``).
-
-    Under sequence parallelism every rank calls this, after ``torch.distributed`` is initialized; feed
-    each rank ``handle.sequence_parallel.shard(batch)`` or ``handle.sequence_parallel.data_loader(loader)``.
-    """
+    """The stack on ``model``; ``tiling``: more options of ``apply_tiled_mlp``. Under SP every rank calls it and feeds
+    ``handle.sequence_parallel.shard(batch)``."""
     if sequence_parallel != 1 and not tiled_loss:
         raise ValueError("apply_long_context: sequence_parallel > 1 needs tiled_loss=True (the loss of a sequence "
                          "split across ranks is summed per rank and divided once by the group's valid tokens)")
@@ -115,3 +96,15 @@ def apply_long_context(
         stack.remove()
         raise
     return stack
+
+
+def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[LongContextStack]:
+    """``apply_long_context`` as the flags (parsed arguments or a training config's dict) ask; None when they ask
+    for nothing."""
+    flags = read_tiled_mlp_flags(source)
+    if not flags.asks_for_anything:
+        return None
+    return apply_long_context(model, tiled_mlp=flags.use_tiled_mlp, tiled_loss=flags.use_tiled_loss,
+                              tiled_norms=flags.use_tiled_norms,
+                              checkpoint_offload=flags.use_checkpoint_offload,
+                              sequence_parallel=flags.ulysses_sp_size, num_shards=flags.num_shards, **kwargs)

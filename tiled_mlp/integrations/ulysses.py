@@ -1,32 +1,22 @@
-"""Ulysses sequence parallelism on a Hugging Face model, beside the tiled MLP and the tiled loss.
-
-The engine is DeepSpeed's (``UlyssesSPAttentionHF``, ``UlyssesSPDataLoaderAdapter``); this module adds the
-composition, described with what it refuses in docs/long-context-stack.md ("Sequence parallelism"): the
-tiled loss divides once over the group (``tiled_core/sequence_group.py``; the backends' sum-or-average answer
-is ``SequenceParallelAware``'s), the masks DeepSpeed's wrapper drops are rebuilt or refused
-(``ulysses_masks.py``), a length-dependent RoPE gets the whole sequence's frequencies (``ulysses_rope.py``).
-The model's own loss must not run under SP (a per-rank mean over a slice), so the tiled loss goes on first.
-"""
+"""Ulysses sequence parallelism on a Hugging Face model, beside the tiled MLP and the tiled loss (docs/long-context-stack.md,
+"Sequence parallelism"). The engine is DeepSpeed's; this module adds the composition: the tiled loss divides once
+over the group, masks DeepSpeed's wrapper drops are rebuilt or refused (``ulysses_masks``), a length-dependent RoPE
+gets the whole sequence's frequencies (``ulysses_rope``), and the process-wide state SP writes is put back."""
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .causal_lm_loss import check_tiled_loss, tiled_loss_forward
 from .seams import deepspeed_internals, transformers_internals
-from .ulysses_groups import (
-    DeepSpeedSlots,
-    check_attention_not_tensor_parallel,
-    check_batch_size,
-    check_no_tensor_parallel_attention,
-    guard_inputs,
-    hold_attention,
-    refuse_held_attention,
-)
+from .seams.deepspeed_internals import DeepSpeedSlots
 from .ulysses_masks import attention_kind, capture_padding, check_masks, whole_sequence_attention
 from .ulysses_rope import length_dependent_rotaries, whole_sequence_rope
 
@@ -35,6 +25,37 @@ NO_TILED_LOSS_ERROR = (
     "model's own loss would be a mean over that slice (wrong whenever the ranks' valid tokens differ). Put the "
     "tiled loss on first: apply_tiled_mlp(model, loss=True) or apply_tiled_loss(model)."
 )
+BATCH_SIZE_ERROR = (
+    "sequence parallelism: a batch of {batch} samples, but DeepSpeed's Ulysses attention was built for micro "
+    "batches of {expected} (its shapes are fixed at apply time). Pass micro_batch_size={batch} to "
+    "apply_sequence_parallel(model, size, micro_batch_size={batch}) (or apply_long_context(..., "
+    "micro_batch_size={batch})), and feed every step that many samples. A short last batch of an epoch (HF "
+    "Trainer's dataloader_drop_last=False, a DataLoader's drop_last=False) has fewer: drop it "
+    "(dataloader_drop_last=True / drop_last=True)."
+)
+NO_POSITIONS_ERROR = (
+    "sequence parallelism: {model} was called without position_ids. Under SP each rank holds a slice of the "
+    "sequence, whose positions start where the slice starts; without them every rank counts from 0 (and a batch "
+    "handed to every rank whole, not cut, goes unnoticed). Feed each rank sp.shard(batch) (it cuts the batch and "
+    "adds position_ids) or batches from sp.data_loader(loader)."
+)
+HELD_ATTENTION_ERROR = (
+    "sequence parallelism: transformers' attention under {name!r} is held, process-wide, by an earlier Ulysses SP "
+    "stack (on {holder}), applied and not removed; its entry routes that stack's model through DeepSpeed's "
+    "all-to-all. One SP stack per process at a time: call .remove() on the earlier handle (the LongContextStack "
+    "apply_long_context returned, or the SequenceParallel of apply_sequence_parallel), also after a failed "
+    "forward, then apply again."
+)
+TENSOR_PARALLEL_ERROR = (
+    "sequence parallelism: {module}'s parameters {names} are DTensors (tensor parallelism: parallelize_module). "
+    "DeepSpeed's Ulysses attention exchanges whole attention heads across the SP ranks and is built for the "
+    "config's {heads} query heads; under tensor parallelism a rank holds only its slice of the heads, which the "
+    "all-to-all would treat as whole. Ulysses SP and tensor parallelism on the attention do not compose here: "
+    "leave q_proj/k_proj/v_proj/o_proj out of the tensor-parallel plan, or use "
+    "tensor parallelism without sequence parallelism."
+)
+# The attribute marking the attention function an SP stack put in transformers' process-wide registry.
+_HELD_BY = "_tiled_mlp_sequence_parallel_model"
 
 
 @dataclass
@@ -47,27 +68,21 @@ class SequenceParallel:
     attention_implementation: str  # the model's attn_implementation, under which the Ulysses wrapper is registered
     _undo: Optional[Callable[[], None]] = field(default=None, repr=False)  # attention and modules as before
     micro_batch_size: int = 1  # samples per batch, what DeepSpeed's Ulysses attention was built for
-    _input_guard: Any = field(default=None, repr=False)  # the forward pre-hook of ``ulysses_groups.guard_inputs``
-    # DeepSpeed's ``mpu`` slots before SP (its groups are handed to engines through them): put back by remove()
+    _hooks: List[Any] = field(default_factory=list, repr=False)
+    # DeepSpeed's ``mpu`` slots before SP (later engines read their groups there): put back by remove()
     _deepspeed_slots: DeepSpeedSlots = field(default_factory=DeepSpeedSlots.remember, repr=False)
 
     @property
     def size(self) -> int:
-        import torch.distributed as dist
-
         return dist.get_world_size(self.group)
 
     @property
     def rank(self) -> int:
-        import torch.distributed as dist
-
         return dist.get_rank(self.group)
 
     def shard(self, batch: Mapping[str, Any]) -> Dict[str, Any]:
-        """This rank's slice of a batch every rank holds whole (``[batch, tokens]`` tensors), as DeepSpeed's
-        data-loader adapter cuts a sample: ``labels`` become ``shift_labels`` shifted over the whole sequence
-        before the split (a slice's last token predicts the next slice's first), ``position_ids`` default to
-        ``arange``."""
+        """This rank's slice of a batch every rank holds whole, cut as DeepSpeed's data-loader adapter cuts it:
+        ``labels`` become ``shift_labels`` shifted over the whole sequence, ``position_ids`` default to ``arange``."""
         batch = dict(batch)
         ids = batch.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
@@ -91,41 +106,30 @@ class SequenceParallel:
         return {k: (v[:, cut] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
     def data_loader(self, loader: Iterable, device: Optional[torch.device] = None) -> Any:
-        """DeepSpeed's ``UlyssesSPDataLoaderAdapter`` around ``loader`` (each rank's loader yields its own
-        samples; each sample is split across the group in turn). Unlike ``shard``, it requires
-        ``position_ids`` in every batch and yields CPU tensors (DeepSpeed keeps the prefill on the host)."""
+        """DeepSpeed's ``UlyssesSPDataLoaderAdapter`` around ``loader``: it needs ``position_ids`` in every batch
+        and yields CPU tensors."""
         device = device if device is not None else next(self.model.parameters()).device
         return deepspeed_internals.data_loader(loader, self.rank, self.group, self.size, device)
 
     def remove(self) -> None:
-        """The model's attention and loss as before; DeepSpeed's SP groups released, and the slots DeepSpeed
-        reads its groups from (``deepspeed.utils.groups.mpu``) as they were before SP, so that a later plain
-        ``deepspeed.initialize`` builds an engine without SP. Call it once a DeepSpeed engine built with
-        ``mpu=self.mpu`` is done with: the engine keeps asking for the released groups."""
-        from .causal_lm_loss import tiled_loss_forward
-
+        """Attention, loss, hooks and DeepSpeed's ``mpu`` slots as before SP; SP groups released. Call it once a
+        DeepSpeed engine built with ``mpu=self.mpu`` is done with (it keeps asking for the groups)."""
         if self._undo is not None:
             self._undo()
             self._undo = None
         installed = tiled_loss_forward(self.model)
         if installed is not None:
             installed.sequence_group = None
-        if self._input_guard is not None:
-            self._input_guard.remove()
-            self._input_guard = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         deepspeed_internals.release_sp_groups()
         self._deepspeed_slots.restore()
 
 
 def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: int = 1) -> SequenceParallel:
-    """Ulysses SP of ``size`` ranks on ``model`` (a causal LM with the tiled loss on it); every rank calls it,
-    consecutive ranks share a sequence (DeepSpeed's layout). The model's attention implementation is wrapped
-    for its own attention modules only. Every refusal (``check_sequence_parallel``) comes before any change.
-    Returns the handle; ``.remove()`` undoes it."""
-    import torch.distributed as dist
-
-    from .causal_lm_loss import tiled_loss_forward
-
+    """Ulysses SP of ``size`` consecutive ranks on ``model`` (a causal LM with the tiled loss on it); every rank
+    calls it. Every refusal comes before any change. ``.remove()`` on the handle undoes it."""
     check_sequence_parallel(model, size)
     installed = tiled_loss_forward(model)
     if installed is None:
@@ -146,32 +150,20 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     try:
         mpu = deepspeed_internals.register_ulysses(installed.model, attention, size, micro_batch_size)
     except BaseException:
-        # DeepSpeed creates its SP groups before its own checks (eager refused, a config mismatch): a
-        # refused call must leave nothing behind, or the next apply finds the groups "already exist".
+        # DeepSpeed creates its SP groups before its own checks: a refused call must leave nothing behind.
         undo()
         deepspeed_internals.release_sp_groups()
         raise
     _scope_to(installed.model, attention, ALL_ATTENTION_FUNCTIONS, held)
     group = mpu.get_sequence_parallel_group()
     installed.sequence_group = group
-    unhook = capture_padding(decoder, group, kind)
-    unrope = whole_sequence_rope(length_dependent_rotaries(installed.model), group)
-
-    def undo_all() -> None:
-        unrope()
-        unhook()
-        undo()
-
-    return SequenceParallel(model, group, mpu, attention, undo_all, micro_batch_size,
-                            guard_inputs(installed.model, micro_batch_size))
+    hooks = [*capture_padding(decoder, group, kind), *whole_sequence_rope(length_dependent_rotaries(installed.model), group),
+             guard_inputs(installed.model, micro_batch_size)]
+    return SequenceParallel(model, group, mpu, attention, undo, micro_batch_size, hooks)
 
 
 def check_sequence_parallel(model: nn.Module, size: int) -> None:
     """Every refusal that needs no change to make, before any (``apply_long_context`` asks first too)."""
-    import torch.distributed as dist
-
-    from .causal_lm_loss import check_tiled_loss
-
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("sequence parallelism: initialize torch.distributed first (every rank calls this)")
     transformers_internals.require("Ulysses sequence parallelism")
@@ -183,8 +175,7 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
         raise ValueError(f"sequence parallelism: the world of {world} ranks does not divide into groups of {size}")
     causal_lm, form = check_tiled_loss(model)
     if form.router_aux_loss:
-        # The router's load-balancing loss is a function of every token's routing, not a sum over tokens: a
-        # rank's slice gives another number, which this module does not reduce over the group.
+        # The router's load-balancing loss is not a sum over tokens: a rank's slice gives another number.
         raise ValueError(f"sequence parallelism: {type(causal_lm).__name__} adds a router auxiliary loss, which is not "
                          "a sum over tokens and is not reduced across the SP ranks here; MoE models are not supported")
     config: Any = causal_lm.config  # a transformers PretrainedConfig
@@ -196,12 +187,22 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
     if config._attn_implementation in ("eager", "paged|eager"):
         raise ValueError("sequence parallelism: eager attention needs a [tokens, tokens] mask, which Ulysses drops; "
                          "use sdpa, flash_attention_2 or flex_attention (DeepSpeed's rule)")
-    ALL_ATTENTION_FUNCTIONS = transformers_internals.attention_functions()
     attention = config._attn_implementation
-    held = ALL_ATTENTION_FUNCTIONS.get(attention)
-    refuse_held_attention(attention, held)
+    held = transformers_internals.attention_functions().get(attention)
+    holder = getattr(held, _HELD_BY, None)
+    if holder is not None:
+        owner = holder()
+        described = f"{type(owner).__name__} at {id(owner):#x}" if owner is not None else "a model since deleted"
+        raise RuntimeError(HELD_ATTENTION_ERROR.format(name=attention, holder=described))
     check_masks(text, attention, attention_kind(held))
-    check_no_tensor_parallel_attention(causal_lm, heads)
+    # Tensor parallelism on the attention; under FSDP2 its own sharded parameters are DTensors until its forward,
+    # so there the attention call decides (``_scope_to``).
+    from torch.distributed.fsdp import FSDPModule  # imported where used: it loads DTensor, seconds
+
+    if not any(isinstance(m, FSDPModule) for m in causal_lm.modules()):
+        for module in causal_lm.modules():  # every HF attention module has the num_key_value_groups DeepSpeed uses
+            if isinstance(getattr(module, "num_key_value_groups", None), int):
+                check_attention_not_tensor_parallel(module, heads)
     length_dependent_rotaries(causal_lm)  # a length-dependent RoPE it cannot give the whole length: refused
     if deepspeed_internals.sp_groups_exist():
         raise RuntimeError("sequence parallelism: DeepSpeed's SP groups already exist in this process, process-wide: "
@@ -210,16 +211,51 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
 
 
 def shares_heads(heads: int, kv_heads: int, size: int) -> Tuple[bool, bool]:
-    """Whether ``size`` ranks can share the query heads (it divides them: whole heads a rank) and the key/value
-    heads (it divides them, or is a multiple: DeepSpeed repeats each key/value head ``size / kv_heads`` times)."""
+    """Whether ``size`` ranks divide the query heads, and divide or are a multiple of the key/value heads (DeepSpeed
+    repeats each key/value head ``size / kv_heads`` times)."""
     return heads % size == 0, kv_heads % size == 0 or size % kv_heads == 0
 
 
+def check_batch_size(batch: int, expected: int) -> None:
+    if batch != expected:
+        raise ValueError(BATCH_SIZE_ERROR.format(batch=batch, expected=expected))
+
+
+def check_attention_not_tensor_parallel(attention: nn.Module, heads: object) -> None:
+    # DeepSpeed's attention is built on the config's head counts; a TP rank holds a slice of them.
+    from torch.distributed.tensor import DTensor
+
+    names = [name for name, p in attention.named_parameters() if isinstance(p, DTensor)]
+    if names:
+        raise ValueError(TENSOR_PARALLEL_ERROR.format(module=type(attention).__name__, names=names, heads=heads))
+
+
+def guard_inputs(model: nn.Module, micro_batch_size: int) -> Any:
+    """A forward pre-hook refusing a batch of another size than DeepSpeed's attention was built for (its own assertion
+    fires deep in the first attention call) and a call without ``position_ids``; returns its handle."""
+    signature = inspect.signature(model.forward)
+
+    def check(module: nn.Module, args: Tuple, kwargs: Dict) -> None:
+        named: Dict[str, Any] = dict(kwargs)
+        try:
+            named.update(signature.bind_partial(*args).arguments)
+        except TypeError:
+            pass  # an unusual forward: judged by its keyword arguments
+        tokens = named.get("input_ids")
+        tokens = tokens if tokens is not None else named.get("inputs_embeds")
+        if not isinstance(tokens, torch.Tensor):
+            return
+        if tokens.dim() >= 2:
+            check_batch_size(tokens.shape[0], micro_batch_size)
+        if named.get("position_ids") is None:
+            raise ValueError(NO_POSITIONS_ERROR.format(model=type(module).__name__))
+
+    return model.register_forward_pre_hook(check, with_kwargs=True)
+
+
 def _scope_to(model: nn.Module, attention: str, functions: Any, before: Optional[Callable]) -> None:
-    """DeepSpeed writes its Ulysses wrapper under ``attention`` for the whole process: every model using that
-    attention (a reference, teacher or evaluation model beside this one) would exchange heads across
-    ranks too, and be silently wrong. Route only this model's attention modules to it, every other one
-    to ``before`` (what the name held before SP, a user's override included)."""
+    """DeepSpeed writes its wrapper under ``attention`` for the whole process: every other model using that name (a
+    reference or teacher model) would exchange heads too, silently wrong. Route only this model's modules to it."""
     ulysses = functions[attention]
     ours = weakref.WeakSet(m for m in model.modules())
     config: Any = model.config
@@ -227,21 +263,20 @@ def _scope_to(model: nn.Module, attention: str, functions: Any, before: Optional
 
     def scoped(module, *args, **kwargs):
         if module in ours:
-            # Tensor parallelism applied after SP: refused before DeepSpeed's all-to-all (``ulysses_groups.py``).
-            check_attention_not_tensor_parallel(module, heads)
+            check_attention_not_tensor_parallel(module, heads)  # tensor parallelism applied after SP
             return ulysses(module, *args, **kwargs)
         if before is None:
             raise RuntimeError(f"sequence parallelism: no attention function was registered under {attention!r} before SP")
         return before(module, *args, **kwargs)
 
-    functions[attention] = hold_attention(scoped, model)
+    setattr(scoped, _HELD_BY, weakref.ref(model))
+    functions[attention] = scoped
 
 
 def undo_attention(model: nn.Module, attention: str, functions: Any) -> Callable[[], None]:
-    """What puts back what DeepSpeed's SP changes outside its groups: the attention function under
-    ``attention`` (DeepSpeed writes ``ALL_ATTENTION_FUNCTIONS``' per-instance override: one absent before is
-    deleted, not set, which would hide a later ``AttentionInterface.register``), and every attention module's
-    ``num_key_value_groups`` (DeepSpeed sets it to 1 when SP replicates the key/value heads)."""
+    """What puts back the attention function under ``attention`` (an override absent before is deleted, not set, which
+    would hide a later ``AttentionInterface.register``) and every module's ``num_key_value_groups`` (DeepSpeed sets it
+    to 1 when SP replicates the key/value heads)."""
     local = getattr(functions, "_local_mapping", None)
     had_override = local is not None and attention in local
     before = functions.get(attention)

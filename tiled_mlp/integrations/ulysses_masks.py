@@ -1,24 +1,16 @@
-"""Causal order, sliding windows and padding for the attention under Ulysses sequence parallelism
-(docs/long-context-stack.md, "Sequence parallelism": attention masks).
-
-DeepSpeed's wrapper drops every attention mask. After its all-to-all a rank holds the whole sequence for its
-heads and the whole sequence's ``position_ids``, so under sdpa the mask is built there by Hugging Face's own
-functions (``create_causal_mask``, ``create_sliding_window_causal_mask``): the window, the padding and the
-rows a left padding leaves with no key are HF's by construction. Three hooks carry it: a pre-hook on the
-decoder all-gathers the 2-D padding mask and passes it down to the attention as one more keyword argument
-(which HF's checkpointing keeps bound for the recompute); a pre-hook on each decoder layer records whether
-the decoder passed it a cache (HF tells packed samples apart only without one: its decision, observed,
-``CACHE_KWARGS``); ``whole_sequence_attention`` builds HF's mask from both. Flash attention keeps the window
-as without SP but takes no padding mask; any other attention gets DeepSpeed's causal call, so a window or a
-padding mask under it is refused.
-"""
+"""Causal order, sliding windows and padding for the attention under Ulysses SP. DeepSpeed's wrapper drops every
+mask; after its all-to-all a rank holds the whole sequence for its heads, so under sdpa HF's own mask functions
+build it there from the all-gathered padding (a decoder pre-hook passes it down as one more keyword argument) and
+whether the decoder holds a cache (recorded by a layer pre-hook). Flash attention keeps the window but takes no
+padding; any other attention gets DeepSpeed's causal call, so a window or padding under it is refused."""
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .seams import transformers_internals
@@ -32,8 +24,6 @@ KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 @dataclass
 class WholeSequence:
-    """One forward's padding over the whole sequence, and the masks built from it (once per window)."""
-
     padding: Optional[torch.Tensor]  # [batch, all tokens] bool, as given to the model; None: no mask given
     masks: Dict[Optional[int], Optional[torch.Tensor]] = field(default_factory=dict)
     # Whether the decoder holds a cache in this call (HF then does not tell packed samples apart); None
@@ -41,21 +31,18 @@ class WholeSequence:
     cached: Optional[bool] = None
 
 
-# "sdpa" or "flash" for transformers' own functions (what the masks here are built for), "other" for any other
-# (flex, a registered or user's function under a library name: it gets DeepSpeed's call as it comes).
+# "sdpa" or "flash" for transformers' own functions (what the masks here are built for), "other" for any other.
 attention_kind = transformers_internals.library_attention_kind
 
 
 def is_windowed(config: Any) -> bool:
-    """Whether some layer of ``config`` attends over a sliding window (HF's rule: a window is set, and the
-    layer types, where the config has them, name a sliding layer)."""
+    # HF's rule: a window is set, and the layer types, where the config has them, name a sliding layer.
     layer_types = getattr(config, "layer_types", None)
     return getattr(config, "sliding_window", None) is not None and (
         layer_types is None or "sliding_attention" in layer_types)
 
 
 def check_masks(config: Any, attention: str, kind: str) -> None:
-    """The refusals a config shows before any forward (``config`` is the text config)."""
     layer_types = set(getattr(config, "layer_types", None) or ())
     unknown = sorted(layer_types - set(KNOWN_LAYER_TYPES))
     if unknown:
@@ -75,10 +62,9 @@ def check_masks(config: Any, attention: str, kind: str) -> None:
                          "window is rebuilt for the whole sequence) or a flash-attention kernel (it takes the window)")
 
 
-def capture_padding(decoder: nn.Module, group: Any, kind: str) -> Callable[[], None]:
-    """Hook ``decoder``'s forward: every call all-gathers the padding mask over ``group`` and passes it on
-    to the attention as ``WHOLE_SEQUENCE_KWARG``; and hook its layers, which record there whether the
-    decoder gave them a cache. Returns what removes the hooks."""
+def capture_padding(decoder: nn.Module, group: Any, kind: str) -> List[Any]:
+    """Hooks (returned) on ``decoder``, passing the attention the whole sequence's padding, and on its layers,
+    recording whether the decoder gave them a cache."""
     checkpointing_layer = transformers_internals.checkpointing_layer_class()
     signature = inspect.signature(decoder.forward)
 
@@ -99,24 +85,14 @@ def capture_padding(decoder: nn.Module, group: Any, kind: str) -> Callable[[], N
 
     # Pre-hooks run in __call__, before GradientCheckpointingLayer's forward drops the cache for its
     # recompute: they see the cache the decoder built its masks with.
-    handles = [decoder.register_forward_pre_hook(hook, with_kwargs=True)]
-    handles += [m.register_forward_pre_hook(layer_hook, with_kwargs=True)
-                for m in decoder.modules() if isinstance(m, checkpointing_layer)]
-
-    def remove() -> None:
-        for handle in handles:
-            handle.remove()
-
-    return remove
+    return [decoder.register_forward_pre_hook(hook, with_kwargs=True)] + [
+        m.register_forward_pre_hook(layer_hook, with_kwargs=True) for m in decoder.modules()
+        if isinstance(m, checkpointing_layer)]
 
 
 def whole_padding(arguments: Dict[str, Any], group: Any) -> Optional[torch.Tensor]:
-    """The padding mask of the whole sequence from each rank's call (``None`` if no rank gave one). Every rank
-    all-gathers, mask or not (a rank skipping the collective would hang the others), its slice with a leading
-    column saying whether it gave one. A mask is this rank's slice or the whole; a whole one must equal
-    the gathered whole."""
-    import torch.distributed as dist
-
+    """The whole sequence's padding mask (None: no rank gave one). Every rank all-gathers, mask or not (a rank
+    skipping the collective would hang the others), its slice with a leading column saying whether it gave one."""
     tokens = arguments.get("input_ids")
     tokens = tokens if tokens is not None else arguments.get("inputs_embeds")
     if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
@@ -151,9 +127,8 @@ def whole_padding(arguments: Dict[str, Any], group: Any) -> Optional[torch.Tenso
 
 
 def whole_sequence_attention(library: Callable, kind: str, config: Any) -> Callable:
-    """The inner attention DeepSpeed runs after its all-to-all on this model: ``library`` with the whole
-    sequence's mask where ``kind`` is ``"sdpa"``, else the call as it comes (a padding mask was refused in the
-    decoder's hook, a window at apply)."""
+    """What DeepSpeed runs after its all-to-all: ``library`` with the whole sequence's mask under sdpa, else the call
+    as it comes (a padding mask was refused in the decoder's hook, a window at apply)."""
     windowed = is_windowed(config)
     builders = transformers_internals.mask_builders()
 
@@ -189,9 +164,7 @@ def whole_sequence_attention(library: Callable, kind: str, config: Any) -> Calla
 
 def hf_mask(config: Any, query: torch.Tensor, whole: WholeSequence, kwargs: Dict[str, Any],
             builders: Tuple[MaskBuilder, MaskBuilder]) -> Any:
-    """Hugging Face's sdpa mask for the whole sequence ``query`` covers ([batch, heads, tokens, dim]), for
-    the layer whose ``sliding_window`` is in ``kwargs``: what the decoder builds without SP (``None`` where
-    sdpa's own causal flag is the mask)."""
+    """HF's sdpa mask for the whole sequence ``query`` covers, for the layer whose ``sliding_window`` is in ``kwargs``."""
     window = kwargs.get("sliding_window")
     if window is not None and window != getattr(config, "sliding_window", None):
         raise RuntimeError(f"sequence parallelism: a layer's sliding_window ({window}) is not the config's "

@@ -1,21 +1,14 @@
-"""Length-dependent RoPE under Ulysses SP: every rank takes the whole sequence's frequencies
-(docs/long-context-stack.md, "Sequence parallelism": RoPE).
-
-Hugging Face's rotary embeddings run on each rank, before the all-to-all, over its slice of ``position_ids``.
-Two types pick their frequencies from the call (``dynamic_rope_update``, read in transformers 5.25.0: it takes
-``seq_len = max(position_ids) + 1``): ``"dynamic"`` recomputes ``inv_freq`` past the longest length seen and
-resets below the trained one; ``"longrope"`` takes its long factors past ``original_max_position_embeddings``.
-Every other registered type is fixed at construction (``LENGTH_INDEPENDENT``). So a rank whose slice ends
-early would take the short frequencies: silently wrong. Each call of such a rotary embedding is given the
-group's largest position as one extra position (an all-reduce MAX) and its cos/sin cut off the output; a
-position's cos/sin is elementwise, so the rank's own get bit for bit the whole sequence's. A length-dependent
-rotary embedding whose ``forward`` is not HF's decorated one is refused.
-"""
+"""Length-dependent RoPE under Ulysses SP. HF's rotary embedding runs on each rank over its slice of ``position_ids``;
+``"dynamic"`` and ``"longrope"`` pick their frequencies from ``max(position_ids) + 1`` (``dynamic_rope_update``),
+so a rank whose slice ends early would take the short ones, silently wrong. Each call is given the group's largest
+position as one extra position (an all-reduce MAX) and its cos/sin cut off the output: elementwise, so the rank's
+own are bit for bit the whole sequence's."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .seams import transformers_internals
@@ -40,12 +33,11 @@ NO_ROTARY_ERROR = (
 
 
 def is_length_dependent(rope_type: Any) -> bool:
-    """Does ``dynamic_rope_update`` recompute this type's frequencies from each call's positions? Its rule."""
+    # ``dynamic_rope_update``'s rule: these types recompute their frequencies from each call's positions.
     return isinstance(rope_type, str) and ("dynamic" in rope_type or rope_type == "longrope")
 
 
 def _types_of(value: Any) -> List[str]:
-    """A ``rope_type`` attribute or config entry: a name, or one per layer type (Gemma 3's dict)."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, dict):
@@ -54,7 +46,6 @@ def _types_of(value: Any) -> List[str]:
 
 
 def _config_rope_types(config: Any) -> List[str]:
-    """The rope types a (text) config asks for: ``rope_parameters`` (5.x), ``rope_scaling`` (4.x)."""
     found: List[str] = []
     for name in ("rope_parameters", "rope_scaling"):
         params = getattr(config, name, None)
@@ -68,9 +59,8 @@ def _config_rope_types(config: Any) -> List[str]:
 
 
 def length_dependent_rotaries(model: nn.Module) -> List[nn.Module]:
-    """The rotary embeddings of ``model`` whose frequencies follow the call's positions; refuses those it
-    cannot give the whole sequence's length (see the module docstring), and a config that asks for a
-    length-dependent type no module carries. Changes nothing."""
+    """The rotary embeddings whose frequencies follow the call's positions; refuses those whose forward is not HF's
+    and a config asking for such a type that no module carries. Changes nothing."""
     wrapper = transformers_internals.rope_update_wrapper_code()
     found: List[nn.Module] = []
     for module in model.modules():
@@ -93,17 +83,14 @@ def length_dependent_rotaries(model: nn.Module) -> List[nn.Module]:
 
 
 def _positions(args: Tuple, kwargs: Dict) -> Tuple[Optional[torch.Tensor], bool]:
-    """The call's ``position_ids`` (``forward(x, position_ids, ...)``) and whether it came by keyword."""
     if "position_ids" in kwargs:
         return kwargs["position_ids"], True
     return (args[1] if len(args) > 1 else None), False
 
 
-def whole_sequence_rope(rotaries: List[nn.Module], group: Any) -> Callable[[], None]:
-    """Hook each of ``rotaries`` (``length_dependent_rotaries``) so that every call sees the SP group's
-    largest position as one extra position, cut off its output. Returns what removes the hooks."""
-    import torch.distributed as dist
-
+def whole_sequence_rope(rotaries: List[nn.Module], group: Any) -> List[Any]:
+    """Hooks (returned) giving each call of ``rotaries`` the SP group's largest position as one extra position,
+    cut off its output."""
     def add_largest(module: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict]:
         positions, by_name = _positions(args, kwargs)
         if not isinstance(positions, torch.Tensor):
@@ -129,13 +116,5 @@ def whole_sequence_rope(rotaries: List[nn.Module], group: Any) -> Callable[[], N
         cut = tuple(p[..., :tokens, :] for p in parts)
         return cut if isinstance(output, tuple) else cut[0]
 
-    handles = []
-    for module in rotaries:
-        handles.append(module.register_forward_pre_hook(add_largest, with_kwargs=True))
-        handles.append(module.register_forward_hook(cut_largest, with_kwargs=True))
-
-    def remove() -> None:
-        for handle in handles:
-            handle.remove()
-
-    return remove
+    return [hook for module in rotaries for hook in (module.register_forward_pre_hook(add_largest, with_kwargs=True),
+                                                     module.register_forward_hook(cut_largest, with_kwargs=True))]

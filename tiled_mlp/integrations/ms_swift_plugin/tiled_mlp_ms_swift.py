@@ -1,5 +1,4 @@
-"""Imported by ``swift sft --external_plugins <this file>``: tiles the model ms-swift prepares, as
-``tiled_mlp.integrations.ms_swift`` describes (flags from ``--model_kwargs`` or the environment)."""
+"""Imported by ``swift sft --external_plugins <this file>`` (see ``tiled_mlp.integrations.ms_swift``)."""
 from tiled_mlp.integrations.ms_swift import install
 
 install()

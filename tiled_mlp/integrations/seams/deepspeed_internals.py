@@ -1,17 +1,10 @@
-"""Every call Ulysses sequence parallelism makes into DeepSpeed, and the releases it was checked on.
-
-- ``UlyssesSPAttentionHF.register_with_transformers``: wraps a model's attention in DeepSpeed's all-to-all
-  and creates the SP groups; ``UlyssesSPDataLoaderAdapter``: each rank's slice of every sample;
-- the SP groups' module (``parallel_state_sp``): whether its groups exist, and their release;
-- the module-level ``mpu`` slots DeepSpeed's engines read their parallel groups from
-  (``deepspeed.utils.groups``, activation checkpointing's), which ``deepspeed.initialize(mpu=)`` fills.
-
-``require`` refuses a DeepSpeed release outside ``CHECKED`` when SP is applied.
-"""
+"""Every call Ulysses SP makes into DeepSpeed (its Ulysses attention and data-loader adapter, the SP groups' module,
+the module-level ``mpu`` slots engines read their groups from), and the releases it was checked on."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable
 
 import torch
 from torch import nn
@@ -35,16 +28,13 @@ def require(feature: str) -> str:
 
 
 def init_distributed(backend: str) -> None:
-    """DeepSpeed's communication on the process group torch.distributed already holds."""
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
 def register_ulysses(model: nn.Module, attention: str, size: int, micro_batch_size: int) -> Any:
-    """DeepSpeed's Ulysses wrapper around what ``attention`` names in transformers' ``ALL_ATTENTION_FUNCTIONS``
-    (written there, under that name alone), for ``model``'s attention modules; creates the SP groups and
-    returns DeepSpeed's SP state module (its ``mpu``)."""
+    """Wraps what ``attention`` names in transformers' registry; creates the SP groups; returns DeepSpeed's ``mpu``."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     return UlyssesSPAttentionHF.register_with_transformers(
@@ -66,7 +56,27 @@ def sp_groups_exist() -> bool:
 
 
 def release_sp_groups() -> None:
-    """DeepSpeed's SP groups forgotten (the process groups themselves stay with torch.distributed)."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     parallel_state_sp._release_sequence_parallel_groups()
+
+
+@dataclass
+class DeepSpeedSlots:
+    """DeepSpeed's ``mpu`` slots as they were when SP was applied: ``deepspeed.initialize(mpu=sp.mpu)`` writes the SP
+    state there, and once released the next plain ``initialize`` would stop on "sequence data parallel group is not
+    initialized"."""
+
+    saved: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def remember(cls) -> DeepSpeedSlots:
+        return cls({name: sys.modules[name].mpu for name in MPU_SLOT_MODULES if name in sys.modules})
+
+    def restore(self) -> None:
+        """Each slot still holding the SP state gets back what it held at apply time; others are left alone."""
+        state = sys.modules.get(SP_STATE_MODULE)
+        for name in MPU_SLOT_MODULES:
+            module = sys.modules.get(name)
+            if module is not None and state is not None and getattr(module, "mpu", None) is state:
+                setattr(module, "mpu", self.saved.get(name))  # noqa: B010 - a module's global, unknown to mypy

@@ -1,18 +1,6 @@
-"""Every call the long-context stack makes into transformers' internals, and the releases it was checked on.
-
-- the mask builders (``masking_utils.create_causal_mask``, ``create_sliding_window_causal_mask``), which
-  Ulysses SP calls after its all-to-all to rebuild the whole sequence's mask. transformers 5.24 renamed
-  their cache argument from ``past_key_values`` to ``cache``; which one a builder takes is read from its
-  signature once, the first time the stack is applied with that function (``mask_builders``), and kept
-  by the function's identity;
-- packed-sequence detection (``masking_utils.find_packed_sequence_indices``);
-- the attention registry (``ALL_ATTENTION_FUNCTIONS``, an ``AttentionInterface`` with a per-instance
-  mapping over the library-wide one) and the library's own sdpa and flash attention functions, by which
-  the stack tells which masks an attention takes;
-- the decoder layer class whose forward runs HF's checkpointing (``GradientCheckpointingLayer``).
-
-``require`` refuses a transformers release outside ``CHECKED`` when a piece that needs these is applied.
-"""
+"""Every call the long-context stack makes into transformers' internals (the mask builders, whose cache argument
+5.24 renamed, read from the signature once per function; packed-sequence detection; the attention registry and
+the library's own sdpa and flash functions; ``GradientCheckpointingLayer``), and the releases checked."""
 from __future__ import annotations
 
 import functools
@@ -36,20 +24,16 @@ _MASK_ARGUMENTS = ("config", "inputs_embeds", "attention_mask", "position_ids")
 
 
 def require(feature: str) -> str:
-    """The installed transformers version; ``UncheckedVersionError`` outside ``CHECKED``."""
     return checked_versions.require(CHECKED, feature)
 
 
 def attention_functions() -> Any:
-    """transformers' attention registry (an ``AttentionInterface``): the function each
-    ``attn_implementation`` name runs."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS
 
 
 def library_attention_kind(function: Optional[Callable]) -> str:
-    """``"sdpa"`` or ``"flash"`` for transformers' own attention functions; ``"other"`` for anything else."""
     from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -58,23 +42,20 @@ def library_attention_kind(function: Optional[Callable]) -> str:
 
 
 def rope_update_wrapper_code() -> Any:
-    """The code object of ``modeling_rope_utils.dynamic_rope_update``'s wrapper (one per release: a constant of
-    the decorator), what a length-dependent rotary's forward is when transformers' own rule picks its
-    frequencies."""
+    """The code of ``dynamic_rope_update``'s wrapper (a constant of the decorator): a length-dependent rotary's forward
+    when transformers' own rule picks its frequencies."""
     from transformers.modeling_rope_utils import dynamic_rope_update
 
     return dynamic_rope_update(lambda self, x, position_ids: None).__code__
 
 
 def checkpointing_layer_class() -> type:
-    """HF's decoder-layer base class, whose forward runs the layer's checkpoint (and drops the cache)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return GradientCheckpointingLayer
 
 
 def packed_sequences(positions: Optional[torch.Tensor]) -> bool:
-    """Whether transformers reads ``positions`` as several samples packed in a row (its own test)."""
     from transformers.masking_utils import find_packed_sequence_indices
 
     return positions is not None and find_packed_sequence_indices(positions) is not None
@@ -82,8 +63,6 @@ def packed_sequences(positions: Optional[torch.Tensor]) -> bool:
 
 @dataclass(frozen=True)
 class MaskBuilder:
-    """One of transformers' mask builders, with the name its release gives the cache argument."""
-
     function: Callable
     cache_keyword: str
 
@@ -95,9 +74,8 @@ class MaskBuilder:
 
 
 def mask_builders() -> Tuple[MaskBuilder, MaskBuilder]:
-    """The full-attention and the sliding-window mask builders of the installed transformers, adapted to
-    its cache argument; refused (``UncheckedVersionError``) where a builder takes other arguments than the
-    checked releases' builders do. Call at apply time."""
+    """The full and sliding-window mask builders, adapted to the release's cache argument; refused where a builder
+    takes other arguments than the checked releases' do."""
     from transformers import masking_utils
 
     return (_adapt(masking_utils.create_causal_mask), _adapt(masking_utils.create_sliding_window_causal_mask))
@@ -121,7 +99,6 @@ def _adapt(function: Callable) -> MaskBuilder:
 
 
 def checkpoint_wraps_module_hooks() -> bool:
-    """Whether HF's checkpointing layer runs its checkpoint in ``__call__``, around the module's hooks (the
-    releases up to at least 5.6), rather than in ``forward``, with the hooks outside (5.25). Read from the
-    class, not from the version."""
+    """Whether HF's checkpointing layer runs its checkpoint in ``__call__``, around the module's hooks (up to at least
+    5.6), rather than in ``forward`` (5.25); read from the class, not the version."""
     return "__call__" in vars(checkpointing_layer_class())
