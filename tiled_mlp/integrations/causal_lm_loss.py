@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tiled_mlp.core import dynamo_support, tiled_cross_entropy
-from tiled_mlp.core.compiled_loss import decide_loss_route
+from tiled_mlp.core.tiled_loss import loss_as_op
 from tiled_mlp.core.kernels.cross_entropy import CrossEntropyOptions
 from tiled_mlp.core.shard_plan import NumShards
 
@@ -426,9 +426,8 @@ def _traced_plan(forward: TiledLossForward, names: Tuple[str, ...], positional: 
         return TracedPlan(True, "positional arguments (the traced call binds keyword arguments only)")
     if forward.sequence_group is not None:
         return TracedPlan(True, "sequence parallelism (the loss is summed over ranks)")
-    route = decide_loss_route(model.get_output_embeddings(), "auto", False)
-    if not route.as_op:
-        return TracedPlan(True, route.reason)
+    if not loss_as_op(model.get_output_embeddings(), "auto", False):
+        return TracedPlan(True, "the loss is not one op")
     parameters = inspect.signature(forward._inner()).parameters
     var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     own = [n for n in names if n in parameters and parameters[n].kind not in (inspect.Parameter.VAR_KEYWORD,
@@ -436,7 +435,7 @@ def _traced_plan(forward: TiledLossForward, names: Tuple[str, ...], positional: 
     extra = [n for n in names if n not in own]
     if extra and not var_keyword:
         return TracedPlan(True, f"arguments the forward does not take ({', '.join(extra)})")
-    return TracedPlan(False, route.reason, tuple(own), tuple(extra))
+    return TracedPlan(False, "one op", tuple(own), tuple(extra))
 
 
 @dataclass(frozen=True)
