@@ -41,7 +41,7 @@ def eager_fallback(monkeypatch):
     monkeypatch.setattr(compiled_route, "_traced_route", _unreachable)
     monkeypatch.setattr(tiled_loss, "_traced_as_op", _unreachable)
     if causal_lm_loss is not None:
-        monkeypatch.setattr(causal_lm_loss, "_traced_plan", _unreachable)
+        monkeypatch.setattr(causal_lm_loss, "_traced_names", _unreachable)
         monkeypatch.setattr(causal_lm_loss, "_checked_where_traced", _unreachable)
     torch._dynamo.reset()
     yield
