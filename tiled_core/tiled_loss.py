@@ -67,28 +67,18 @@ def tiled_cross_entropy(
     sequence_group: Optional[Any] = None,
     model: Optional[nn.Module] = None,
 ) -> torch.Tensor:
-    """Hugging Face's ``ForCausalLMLoss`` on ``lm_head(hidden)``, computed a token shard at a time.
+    """Hugging Face's ``ForCausalLMLoss`` on ``lm_head(hidden)`` (``[..., tokens, hidden]``, after the last norm),
+    computed a token shard at a time; returns a 0-dim float32 tensor (float64 for a float64 head).
 
-    Args:
-        hidden: ``[..., tokens, hidden]``, the final hidden states (after the last norm).
-        lm_head: the output head (``nn.Linear``, tied or not, with or without a bias; or any module mapping
-            hidden states to logits, such as PEFT's LoRA ``lm_head``).
-        labels: ``[..., tokens]`` token ids, shifted here as ``ForCausalLMLoss`` shifts them. Or
-            ``shift_labels``, already shifted (sequence parallelism); given both, ``shift_labels`` wins.
-        reduction: "mean" over the valid tokens, or "sum"; ``num_items_in_batch`` (the Trainer's
-            gradient-accumulation count) overrides it: the sum divided by that count.
-        label_smoothing: as ``F.cross_entropy``'s. ``logit_softcap``: ``c``, logits ``c * tanh(logits / c)``
-            (Gemma 2). ``z_loss``: ``lam``, adds ``lam * logsumexp(logits) ** 2`` per valid token.
-        num_shards: an int >= 1, or "auto" (a shard's float32 logits near 256 MiB).
-        strategy: "auto" (the head's backend), a registered name or a ``Strategy``.
-        grad_accum_dtype: dtype of the head's gradient sums over shards (default: the parameter's).
-        sequence_group: the process group a sequence is split across: the loss is summed per rank and
-            divided once by the whole group's count; every rank returns the whole sequence's loss.
-        model: the model ``lm_head`` belongs to, whose backend is asked about the group (default: ``lm_head``).
-
-    Returns: a 0-dim float32 tensor (float64 for a float64 head).
+    ``labels`` are shifted here as ``ForCausalLMLoss`` shifts them; ``shift_labels`` are already shifted (and
+    win where both are given). ``num_items_in_batch`` (the Trainer's count) overrides ``reduction``: the sum
+    divided by it. ``logit_softcap`` ``c``: logits ``c * tanh(logits / c)`` (Gemma 2); ``z_loss`` ``lam``: adds
+    ``lam * logsumexp(logits) ** 2`` per valid token. ``num_shards``: an int, or "auto" (a shard's float32 logits
+    near 256 MiB). ``sequence_group``: the group a sequence is split across; the loss is divided once by the
+    whole group's count, and every rank returns the whole sequence's loss. ``model``: the model ``lm_head``
+    belongs to, whose backend is asked about the group. docs/long-context-stack.md, "Tiled loss".
     """
-    options = CrossEntropyOptions(ignore_index, float(label_smoothing), logit_softcap, float(z_loss))
+    options = _options(ignore_index, label_smoothing, logit_softcap, z_loss, reduction, num_shards)
     if labels is None and shift_labels is None:
         raise ValueError("tiled loss: pass labels (shifted here: position t predicts t+1) or shift_labels (already shifted)")
     given = shift_labels if shift_labels is not None else labels
@@ -99,12 +89,10 @@ def tiled_cross_entropy(
                          f"{getattr(hidden, 'shape', type(hidden).__name__)}")
     if not isinstance(lm_head, nn.Module):
         raise TypeError(f"tiled loss: lm_head must be an nn.Module (the output head), got {type(lm_head).__name__}")
-    _check_reduction(reduction)
     in_features = _declared_width(lm_head, "in_features", 1)
     if in_features is not None and hidden.shape[-1] != in_features:
         raise ValueError(f"tiled loss: hidden size {hidden.shape[-1]} does not match {type(lm_head).__name__}'s "
                          f"in_features {in_features}")
-    check_num_shards(num_shards)
     if sequence_group is not None:
         check_group(sequence_group)
         if shift_labels is None:  # a slice's labels shifted within the slice would lose each slice's last target
@@ -266,9 +254,7 @@ class TiledCrossEntropy(nn.Module):
                  strategy: StrategyArg = "auto", grad_accum_dtype: Optional[torch.dtype] = None,
                  sequence_group: Optional[Any] = None):
         super().__init__()
-        CrossEntropyOptions(ignore_index, float(label_smoothing), logit_softcap, float(z_loss))  # validates them
-        _check_reduction(reduction)
-        check_num_shards(num_shards)
+        _options(ignore_index, label_smoothing, logit_softcap, z_loss, reduction, num_shards)  # validates them
         strategy_from_arg(strategy)
         self.options: Dict[str, Any] = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                                             logit_softcap=logit_softcap, z_loss=z_loss, num_shards=num_shards,
@@ -285,10 +271,14 @@ class TiledCrossEntropy(nn.Module):
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
 
 
-def _check_reduction(reduction: str) -> None:
+def _options(ignore_index: int, label_smoothing: float, logit_softcap: Optional[float], z_loss: float, reduction: str,
+             num_shards: NumShards) -> CrossEntropyOptions:
+    options = CrossEntropyOptions(ignore_index, float(label_smoothing), logit_softcap, float(z_loss))
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r} (the tiled loss returns no per-token "
                          "losses: that would be a [tokens] tensor computed from the logits it never holds)")
+    check_num_shards(num_shards)
+    return options
 
 
 def _shifted_targets(hidden, labels, shift_labels, ignore_index: int) -> torch.Tensor:
