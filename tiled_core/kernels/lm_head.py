@@ -65,13 +65,11 @@ class LinearHeadKernel(ReduceKernel):
 
     def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
               grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        # Under autocast the head's matmuls run in autocast's dtype, as ``lm_head(hidden)`` would (and its
-        # backward: the logits' gradient in that dtype, the weight's cast back by the accumulator); every
-        # matmul here is then made explicitly in that one dtype, with autocast off.
-        weight, *rest = tensors  # ``compute_tensors``' (in the compute dtype)
+        # Every matmul in the compute dtype (``compute_tensors``': autocast's, as ``lm_head(hidden)`` would run),
+        # with autocast off; "meta" (the planner's shape-only step) has no autocast to turn off.
+        weight, *rest = tensors
         bias = rest[0] if rest else None
         dtype = weight.dtype
-        # "meta" (the planner's shape-only step) has no autocast to turn off, and torch.autocast refuses it.
         off = torch.autocast(x.device.type, enabled=False) if autocast_enabled(x.device.type) else contextlib.nullcontext()
         with off:
             x = x.to(dtype)
@@ -86,9 +84,8 @@ class LinearHeadKernel(ReduceKernel):
             if dx is not None:
                 torch.mm(low, weight, out=dx) if dx.dtype == dtype else dx.copy_(low @ weight)
             if grads is not None:
-                # Summed in a wider dtype than the matmuls' (grad_accum_dtype=float32 for a bf16 head): the
-                # shard's product is taken from the float32 gradient and a float32 copy of the shard's
-                # input, straight into the sum, never through a [vocab, hidden] temporary in the low dtype.
+                # Summed in a wider dtype than the matmuls' (grad_accum_dtype=float32 for a bf16 head): the product
+                # of the float32 gradient and input, never through a [vocab, hidden] temporary in the low dtype.
                 wide_sum = grads.dtype_for(0) == grad.dtype != dtype
                 rows, inputs = (grad, x.to(grad.dtype)) if wide_sum else (low, x)
                 del low

@@ -48,7 +48,7 @@ def mixed_precision_forward(model: nn.Module) -> Optional[MixedPrecisionForward]
     autocasting = getattr(converter, "model_forward", None)
     if not isinstance(converter, ConvertOutputsToFp32) or getattr(autocasting, "__code__", None) is not _autocast_code():
         return None
-    cells = inspect.getclosurevars(autocasting).nonlocals
+    cells = inspect.getclosurevars(converter.model_forward).nonlocals
     if bound:  # accelerate wrapped the bound forward's function
         matches = (forward.__self__ is model and isinstance(original, types.MethodType) and original.__self__ is model
                    and original.__func__ is cells["func"])

@@ -439,13 +439,10 @@ def install_tiled_loss(model: nn.Module, num_shards: NumShards = "auto",
     """Put the tiled loss on the causal LM in ``model``; returns that causal LM. Installing twice keeps the first."""
     causal_lm, form = check_tiled_loss(model)
     if _installed_on(causal_lm) is None:
-        hooked = device_hook_forward(causal_lm)
-        if hooked is not None:  # inside accelerate's hook, which still moves the inputs and outputs around it
-            forward = TiledLossForward(causal_lm, form, hooked.inner, num_shards, grad_accum_dtype)
-            causal_lm.__dict__["_old_forward"] = forward
-        else:
-            forward = TiledLossForward(causal_lm, form, vars(causal_lm).get("forward"), num_shards, grad_accum_dtype)
-            causal_lm.__dict__["forward"] = forward
+        # Inside accelerate's hook where there is one, which still moves the inputs and outputs around it.
+        slot = "forward" if device_hook_forward(causal_lm) is None else "_old_forward"
+        forward = TiledLossForward(causal_lm, form, vars(causal_lm).get(slot), num_shards, grad_accum_dtype)
+        causal_lm.__dict__[slot] = forward
         forward.pre_hook = causal_lm.register_forward_pre_hook(forward.check_call)
         decoder: nn.Module = causal_lm.get_decoder()  # type: ignore[operator]  # a transformers PreTrainedModel
         forward.decoder_hook = decoder.register_forward_hook(forward.capture_decoder_output)
