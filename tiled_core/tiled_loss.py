@@ -157,8 +157,10 @@ def loss_as_op(lm_head: nn.Module, strategy: StrategyArg, has_group: bool) -> bo
     backend = _backend(lm_head, strategy_from_arg(strategy))
     if getattr(backend, "vocab_slice", None) is not None or any(_is_dtensor(p) for p in lm_head.parameters()):
         return False
-    weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]  # a plain nn.Linear's
-    return autograd_carries_the_call(backend) and not hook_count(lm_head) and not autocast_enabled(weight.device.type)
+    if not autograd_carries_the_call(backend) or hook_count(lm_head):
+        return False
+    weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]  # read last: ZeRO-3 gathers it on access
+    return not autocast_enabled(weight.device.type)
 
 
 @dynamo_support.decided_where_traced
@@ -183,7 +185,7 @@ def _traced_linear_loss(hidden, lm_head, labels, shift_labels, options: CrossEnt
     return loss
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity, as any call site
 class LossSite:
     """The loss's side of ``tiled_call``: a ``sharded_reduce`` over the hidden states."""
 
@@ -297,9 +299,10 @@ def _declared_width(lm_head: nn.Module, name: str, weight_dim: int) -> Optional[
     value = getattr(lm_head, name, None)
     if not isinstance(value, int):
         return None
+    if isinstance(lm_head, nn.Linear):  # its weight unread: ZeRO-3 gathers a parameter read as an attribute
+        return value
     weight = getattr(lm_head, "weight", None)
-    if not isinstance(lm_head, nn.Linear) and isinstance(weight, torch.Tensor) and weight.dim() == 2 and (
-            weight.shape[weight_dim] != value):
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[weight_dim] != value:
         return None
     return value
 

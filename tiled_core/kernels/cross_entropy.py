@@ -43,8 +43,6 @@ class CrossEntropyOptions:
 
 def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Labels out of range would read a wrong logit (``gather``) where cross_entropy raises: refuse them."""
-    if targets.numel() == 0:
-        return
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
     if bool(bad.any()):
         values = sorted(set(targets[bad].tolist()))[:5]
