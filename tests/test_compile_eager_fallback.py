@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiled_mlp import TiledMLP, tiled_cross_entropy
-from tiled_mlp.core import compiled_loss, compiled_route, dynamo_support
+from tiled_mlp.core import compiled_route, dynamo_support, tiled_loss
 
 try:
     from tiled_mlp.integrations import causal_lm_loss
@@ -39,9 +39,9 @@ def eager_fallback(monkeypatch):
     monkeypatch.setattr(dynamo_support, "TRACES_TILED_CALLS", False)
     # On a torch that can trace them these would run; the fallback must not reach any of them.
     monkeypatch.setattr(compiled_route, "_traced_route", _unreachable)
-    monkeypatch.setattr(compiled_loss, "_traced_loss_route", _unreachable)
+    monkeypatch.setattr(tiled_loss, "_traced_as_op", _unreachable)
     if causal_lm_loss is not None:
-        monkeypatch.setattr(causal_lm_loss, "_traced_plan", _unreachable)
+        monkeypatch.setattr(causal_lm_loss, "_traced_names", _unreachable)
         monkeypatch.setattr(causal_lm_loss, "_checked_where_traced", _unreachable)
     torch._dynamo.reset()
     yield

@@ -1,11 +1,7 @@
-"""How many token shards the tiled loss uses: a shard's float32 logits stay near a fixed size.
-
-A shard holds its logits in the loss dtype (float32) and their gradient in the same buffer, plus a
-second buffer under soft-capping and one in the head's dtype while the logits are upcast: about two
-float32 ``[shard, vocab]`` buffers at the peak. ``LOSS_SHARD_BYTES`` (256 MiB) keeps that pair at
-512 MiB, under torch's own chunked ``F.linear_cross_entropy`` (measured by ``tiled-mlp bench-loss``),
-while a shard is still thousands of tokens at a 32K vocabulary (matmuls large enough to run at full
-speed: 2048 tokens x 32000).
+"""How many token shards the tiled loss uses. A shard holds about two float32 ``[shard, vocab]`` buffers at the
+peak (its logits, which become their gradient in place, and the head-dtype logits while they are upcast):
+``LOSS_SHARD_BYTES`` keeps that pair at 512 MiB, under torch's chunked ``F.linear_cross_entropy`` (``tiled-mlp
+bench-loss``), while a shard is still 2048 tokens at a 32K vocabulary, matmuls large enough to run at full speed.
 """
 from __future__ import annotations
 

@@ -10,25 +10,16 @@ Per valid token i (``target_i != ignore_index``), with ``z = c * tanh(l / c)`` u
     dloss_i/dz_i = (1 + 2 lam lse_i) softmax(z_i) - (1 - eps) onehot(t_i) - eps / V
     dloss_i/dl_i = dloss_i/dz_i * (1 - (z_i / c) ** 2)    (soft-capping's chain rule)
 
-Ignored tokens contribute 0 to the sum and 0 to the gradient (a shard with no valid token adds exact
-zeros, never NaN: nothing is divided per shard). The caller scales by ``1 / denominator`` once, as a
-factor on the gradient here and on the summed loss (``scale``), so the sum over shards is exactly the
-normalised loss and the gradient of the normalised loss.
-
-The logits buffer becomes the gradient in place (``exp`` and the corrections overwrite it), so a
-shard's working set is that one buffer, plus a second one for the ``tanh`` values when soft-capping.
-
-The logits may be a slice of the vocabulary (``VocabSpan``: a head sharded over ranks on its output
-features, ``vocab_parallel.py``): then every quantity above that runs over the whole vocabulary, the
-row maximum, the sum of exponentials, the sum of logits (smoothing) and the target's logit (held by
-one rank), is the span's reduction of the per-rank partial, and the same formulas give every rank the
-same loss and the gradient of its own columns. A whole vocabulary is the span whose reductions are the
-identity, so both run the one function.
+Ignored tokens contribute exact zeros to the sum and the gradient. The caller scales by ``1 / denominator`` once
+(``scale``), so the sum over shards is the normalised loss. The logits buffer becomes the gradient in place.
+The logits may be one rank's slice of the vocabulary (``VocabSpan``, ``vocab_parallel.py``): every whole-vocabulary
+quantity (row maximum, sum of exponentials, sum of logits, the target's logit) is then the span's reduction of
+the per-rank partials; a whole vocabulary is the span whose reductions do nothing.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -52,8 +43,6 @@ class CrossEntropyOptions:
 
 def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Labels out of range would read a wrong logit (``gather``) where cross_entropy raises: refuse them."""
-    if targets.numel() == 0:
-        return
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
     if bool(bad.any()):
         values = sorted(set(targets[bad].tolist()))[:5]
@@ -61,19 +50,19 @@ def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
                          f"ignore_index ({ignore_index})")
 
 
-def _no_reduction(rows: torch.Tensor) -> None:
+def _no_reduction(rows: torch.Tensor) -> Any:
     """A whole vocabulary: each row's partial is already its total."""
 
 
 @dataclass(frozen=True)
 class VocabSpan:
-    """Which columns of the vocabulary a shard's logits hold, and how per-row partials over them
-    become totals over the whole vocabulary (in place, on every rank that holds a slice)."""
+    """Which columns of the vocabulary a shard's logits hold, and how per-row partials over them become
+    totals over the whole vocabulary (in place)."""
 
     start: int = 0  # the vocabulary id of the first column
     total: Optional[int] = None  # the whole vocabulary (None: these logits are all of it)
-    max_: Callable[[torch.Tensor], None] = _no_reduction
-    sum_: Callable[[torch.Tensor], None] = _no_reduction
+    max_: Callable[[torch.Tensor], Any] = _no_reduction
+    sum_: Callable[[torch.Tensor], Any] = _no_reduction
 
 
 WHOLE_VOCAB = VocabSpan()
@@ -82,11 +71,8 @@ WHOLE_VOCAB = VocabSpan()
 def cross_entropy_shard(logits: torch.Tensor, targets: torch.Tensor, options: CrossEntropyOptions,
                         scale: torch.Tensor, with_grad: bool,
                         span: VocabSpan = WHOLE_VOCAB) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(the shard's summed loss times ``scale``, 0-dim in ``logits.dtype``; its gradient with respect
-    to ``logits`` when ``with_grad``, else None). ``logits`` (``[tokens, columns]``, in the loss dtype) is
-    owned by the caller and overwritten: the gradient is written into its buffer (soft-capping's into a
-    second one). ``span``: the columns are that part of the vocabulary (the loss is the whole
-    vocabulary's, the gradient this part's)."""
+    """(the shard's summed loss times ``scale``; its gradient with respect to ``logits`` when ``with_grad``).
+    ``logits`` (``[tokens, columns]``, in the loss dtype) is overwritten: the gradient is written into it."""
     valid = targets != options.ignore_index
     columns = targets - span.start
     # The target's column, where these logits hold it (every valid target, for a whole vocabulary).

@@ -1,19 +1,8 @@
-"""Per-shard kernels of the tiled loss: an output head (``hidden -> vocab`` logits), then the
-cross-entropy of ``cross_entropy.py``, with the gradients of the shard's loss formed at once.
-
-Two kernels, chosen by what the head *is* (never by a probe):
-
-- ``LinearHeadKernel``: the head is a plain ``nn.Linear`` (its class's forward is ``nn.Linear.forward``,
-  no instance forward): the weight and bias are read and the shard's matmuls written out, so the only
-  ``[tokens, vocab]`` buffers alive are the shard's logits (in the weight's dtype, then upcast) and their
-  gradient.
-- ``ModuleHeadKernel``: anything else (PEFT's LoRA ``lm_head``, its ``modules_to_save`` wrapper, a head
-  with a scale): the head's forward runs on the shard with a graph, and autograd takes the gradient of
-  the logits back to the shard's input and the head's trainable tensors.
-
-Both compute the logits in the head's dtype and the loss in float32 or wider (``ForCausalLMLoss``'s
-``logits.float()``), and cast the logits' gradient back to the head's dtype for the matmuls, as
-autograd through ``logits.float()`` does.
+"""Per-shard kernels of the tiled loss: an output head (``hidden -> vocab`` logits), then the cross-entropy of
+``cross_entropy.py``. ``LinearHeadKernel``: a plain ``nn.Linear`` head, its matmuls written out, so the only
+``[tokens, vocab]`` buffers alive are the shard's logits and their gradient. ``ModuleHeadKernel``: any other head
+(PEFT's LoRA ``lm_head``), its forward run per shard with a graph. Both compute the logits in the head's dtype and
+the loss in float32 or wider (``ForCausalLMLoss``'s ``logits.float()``).
 """
 from __future__ import annotations
 
@@ -67,24 +56,25 @@ class LinearHeadKernel(ReduceKernel):
         return cls(head.weight, head.bias, options, type(head).__name__)
 
     def compute_tensors(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
-        """The weight (and bias) in the compute dtype: cast once per call, not once per shard."""
-        dtype = _compute_dtype(x, tensors[0])
+        """The weight (and bias) cast once per call to autocast's dtype where autocast casts it, else the
+        weight's (an input of another dtype is cast to it, as ``F.linear`` requires they agree)."""
+        device, dtype = x.device.type, tensors[0].dtype
+        if autocast_enabled(device) and dtype in (torch.float32, torch.float16, torch.bfloat16):
+            dtype = torch.get_autocast_dtype(device)
         return tuple(t.to(dtype) for t in tensors)
 
     def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
               grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        # Under autocast the head's matmuls run in autocast's dtype, as ``lm_head(hidden)`` would (and its
-        # backward: the logits' gradient in that dtype, the weight's cast back by the accumulator); every
-        # matmul here is then made explicitly in that one dtype, with autocast off.
-        weight, *rest = tensors  # ``compute_tensors``' (in the compute dtype)
+        # Every matmul in the compute dtype (``compute_tensors``': autocast's, as ``lm_head(hidden)`` would run),
+        # with autocast off; "meta" (the planner's shape-only step) has no autocast to turn off.
+        weight, *rest = tensors
         bias = rest[0] if rest else None
         dtype = weight.dtype
-        # "meta" (the planner's shape-only step) has no autocast to turn off, and torch.autocast refuses it.
         off = torch.autocast(x.device.type, enabled=False) if autocast_enabled(x.device.type) else contextlib.nullcontext()
         with off:
             x = x.to(dtype)
             logits = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
-            wide = logits.to(loss_dtype(logits.dtype), copy=True) if logits.dtype != loss_dtype(logits.dtype) else logits
+            wide = logits.to(loss_dtype(logits.dtype))  # a copy only where the loss dtype is wider
             del logits
             with_grad = dx is not None or (grads is not None and any(grads.needed))
             loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad, self.span)
@@ -94,9 +84,8 @@ class LinearHeadKernel(ReduceKernel):
             if dx is not None:
                 torch.mm(low, weight, out=dx) if dx.dtype == dtype else dx.copy_(low @ weight)
             if grads is not None:
-                # Summed in a wider dtype than the matmuls' (grad_accum_dtype=float32 for a bf16 head): the
-                # shard's product is taken from the float32 gradient and a float32 copy of the shard's
-                # input, straight into the sum, never through a [vocab, hidden] temporary in the low dtype.
+                # Summed in a wider dtype than the matmuls' (grad_accum_dtype=float32 for a bf16 head): the product
+                # of the float32 gradient and input, never through a [vocab, hidden] temporary in the low dtype.
                 wide_sum = grads.dtype_for(0) == grad.dtype != dtype
                 rows, inputs = (grad, x.to(grad.dtype)) if wide_sum else (low, x)
                 del low
@@ -106,55 +95,38 @@ class LinearHeadKernel(ReduceKernel):
         return loss
 
 
-def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """autocast's dtype where autocast is on for the device and the weight is a float type it casts;
-    else the weight's (an input of another dtype is cast to it, as ``F.linear`` requires they agree)."""
-    device = x.device.type
-    if autocast_enabled(device) and weight.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return torch.get_autocast_dtype(device)
-    return weight.dtype
-
-
 class ModuleHeadKernel(ReduceKernel):
     def __init__(self, head: nn.Module, trainable: Sequence[torch.Tensor], options: CrossEntropyOptions):
         super().__init__(trainable, type(head).__name__)
         self.head = head
         self.options = options
-        self._reads_checked = False  # the first shard's reads are checked (later shards run the same code)
+        self._reads_checked = False
 
     def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
               grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        wanted = [t for t, need in zip(tensors, grads.needed if grads is not None else [False] * len(tensors),
-                                       strict=True) if need]
-        with_grad = dx is not None or bool(wanted)
+        needed = [index for index, need in enumerate(grads.needed if grads is not None else ()) if need]
+        with_grad = dx is not None or bool(needed)
         with torch.enable_grad() if with_grad else torch.no_grad():
             x_in = x.detach().requires_grad_(dx is not None)
+            # The first shard's reads are checked (later shards run the same code).
             reads = None
             if with_grad and not self._reads_checked:
                 reads = TensorReads(known=[x_in, *tensors, *self.head.parameters()], grad_only=True,
                                     made_since=next_sequence_nr())
                 self._reads_checked = True
-            if reads is not None:
-                with reads:
-                    logits = self.head.forward(x_in)
-                if reads.foreign:
-                    raise RuntimeError(HEAD_READ_ERROR.format(head=self.module_name,
-                                                              tensors=describe(reads.foreign_tensors())))
-            else:
+            with reads if reads is not None else contextlib.nullcontext():
                 logits = self.head.forward(x_in)
+            if reads is not None and reads.foreign:
+                raise RuntimeError(HEAD_READ_ERROR.format(head=self.module_name, tensors=describe(reads.foreign_tensors())))
         wide = logits.detach().to(loss_dtype(logits.dtype), copy=True)
         check_targets(targets, wide.shape[-1], self.options.ignore_index)  # the vocabulary shows only now
         loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad)
         if grad is None:
             return loss
-        inputs = ([x_in] if dx is not None else []) + wanted
-        found = torch.autograd.grad(logits, inputs, grad.to(logits.dtype), allow_unused=True)
+        inputs = ([x_in] if dx is not None else []) + [tensors[index] for index in needed]
+        found = list(torch.autograd.grad(logits, inputs, grad.to(logits.dtype), allow_unused=True))
         if dx is not None:
-            dx.copy_(found[0])
-            found = found[1:]
-        if grads is not None:
-            it = iter(found)
-            for index, need in enumerate(grads.needed):
-                if need:
-                    grads.add(index, next(it))
+            dx.copy_(found.pop(0))
+        for index, found_grad in zip(needed, found, strict=True):
+            grads.add(index, found_grad)  # type: ignore[union-attr]  # given: ``needed`` is not empty
         return loss

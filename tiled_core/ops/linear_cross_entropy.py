@@ -1,12 +1,10 @@
-"""``torch.ops.tiled_mlp.linear_cross_entropy``: the tiled loss of a plain linear head (``LinearHeadKernel``
-over token shards) as one custom op, so that a compiled model traces the loss without a graph break.
-
-The op returns the loss *and* its gradients, formed shard by shard in the forward as the eager loss forms them:
-no ``[tokens, vocab]`` tensor outlives its shard and nothing is recomputed. The registered backward scales them
-by the incoming gradient (exact: the loss is a scalar). A double backward is refused, as eagerly: by the
-backward itself, and under AOT autograd because the factor comes through an op that reads the head's weight
-(``loss_gradient_scale``); a product of the formed gradients alone would let it through with every
-second-order term silently zero. Labels out of the vocabulary are refused inside the op, at every call.
+"""``torch.ops.tiled_mlp.linear_cross_entropy``: the tiled loss of a plain linear head (``LinearHeadKernel`` over
+token shards) as one custom op, so that a compiled model traces the loss without a graph break. It returns the
+loss *and* its gradients, formed shard by shard in the forward as the eager loss forms them; the registered
+backward scales them by the incoming gradient (exact: the loss is a scalar). A double backward is refused, as
+eagerly: by the backward itself, and under AOT autograd because the factor comes through an op that reads the
+head's weight (``loss_gradient_scale``); a product of the formed gradients alone would let it through with every
+second-order term silently zero.
 """
 from __future__ import annotations
 
@@ -65,10 +63,9 @@ def _loss_gradient_scale_fake(grad_loss, weight):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, targets, scale, weight, bias, *_ = inputs
+    weight = inputs[3]
     _, dx, d_weight, d_bias = output
     ctx.save_for_backward(dx, d_weight, d_bias)
-    ctx.shapes = (x.shape, weight.shape, None if bias is None else bias.shape)
     ctx.weight = weight  # a parameter, alive anyway: held for ``loss_gradient_scale``
 
 
@@ -76,20 +73,12 @@ def _backward(ctx, output_grads):
     if torch.is_grad_enabled():  # run by autograd itself (not traced): grad mode is on where it builds a graph
         raise RuntimeError(LOSS_DOUBLE_BACKWARD_ERROR)
     grad_loss = output_grads[0]  # the op returns a list: its gradients arrive as one (those of the gradients unused)
-    needs = ctx.needs_input_grad
     factor = loss_gradient_scale(grad_loss, ctx.weight)
-    scaled: List[Optional[torch.Tensor]] = []
-    for formed, shape, need, name in zip(ctx.saved_tensors, ctx.shapes, (needs[0], needs[3], needs[4]),
-                                         ("hidden states", "weight", "bias"), strict=True):
-        if not need:
-            scaled.append(None)
-            continue
-        if formed.shape != shape:
-            raise RuntimeError(f"tiled_mlp::linear_cross_entropy: the {name}' gradient is needed but was not formed in "
-                               "forward (its grad_* argument was False); pass True where the tensor requires grad")
-        # As the eager loss: the product with the 0-dim gradient in the gradient's own dtype.
-        scaled.append(formed * factor)
-    dx, d_weight, d_bias = scaled
+    # As the eager loss: the product with the 0-dim gradient in the gradient's own dtype. A gradient needed but
+    # not formed (its grad_* argument False) is an empty slot, which autograd refuses for its shape.
+    needs = ctx.needs_input_grad
+    dx, d_weight, d_bias = (formed * factor if need else None
+                            for formed, need in zip(ctx.saved_tensors, (needs[0], needs[3], needs[4]), strict=True))
     return dx, None, None, d_weight, d_bias, None, None, None, None, None, None, None, None, None
 
 

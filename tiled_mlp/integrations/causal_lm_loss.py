@@ -1,26 +1,19 @@
-"""Hugging Face causal LMs: route the loss through the tiled loss, so the logits are never held.
+"""Hugging Face causal LMs: route the loss through the tiled loss, so the logits are never held
+(docs/long-context-stack.md, "Tiled loss").
 
-What it does and refuses: docs/long-context-stack.md, "Tiled loss" ("On a Hugging Face causal LM").
-``install_tiled_loss`` puts a ``TiledLossForward`` on the model *instance* (no class swapped, so every
-name and key stays): given labels it runs the model's own forward with ``labels=None`` and an empty
-``logits_to_keep``, takes the decoder's final hidden states through a forward hook registered with it,
-and returns the output with ``loss = tiled_cross_entropy(hidden, lm_head, labels)`` and no logits. The
-loss runs inside one call of ``lm_head`` (``tiled_core/head_call.py``), so a backend's hooks on the head
-surround it. What installing cannot see (a loss function or a forward set on the model since) is checked at
-every call by a forward pre-hook, before any work; the forward may sit inside accelerate's device hook or
-mixed-precision wrapper (``accelerate_forward``) or TRL's fused head (``trl_seam``).
-
-Under ``torch.compile`` those checks and the binding of the arguments are made once where Dynamo traces
-the call (``_traced_plan``, with the forward and loss function as arguments so that Dynamo guards on
-them), and the loss is one op (``tiled_core/compiled_loss.py``); a call the op cannot take runs eagerly
-in a frame Dynamo skips: one graph break.
+``install_tiled_loss`` puts a ``TiledLossForward`` on the model *instance* (no class swapped): given labels it
+runs the model's own forward with ``labels=None`` and no logits kept, takes the decoder's final hidden states
+through a forward hook, and returns the output with ``loss = tiled_cross_entropy(hidden, lm_head, labels)``.
+What installing cannot see (a loss function or a forward set on the model since) is checked at every call by a
+forward pre-hook, before any work. The forward may sit inside accelerate's wrappers (``accelerate_forward``) or
+TRL's fused head (``trl_seam``): ``forward_layers`` reads that chain, in one place, for every decision here.
+Under ``torch.compile`` the checks and the binding of the arguments are made once where Dynamo traces the call.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import functools
-import importlib
 import inspect
 import logging
 import types
@@ -33,9 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from tiled_mlp.core import dynamo_support, tiled_cross_entropy
-from tiled_mlp.core.compiled_loss import decide_loss_route
 from tiled_mlp.core.kernels.cross_entropy import CrossEntropyOptions
 from tiled_mlp.core.shard_plan import NumShards
+from tiled_mlp.core.tiled_loss import loss_as_op
 
 from .accelerate_forward import (
     DeviceHookForward,
@@ -80,6 +73,11 @@ def _family_class(module: nn.Module) -> Optional[type]:
     return next((k for k in type(module).__mro__ if (k.__module__, k.__qualname__) in KNOWN_FORMS), None)
 
 
+def find_causal_lm(model: nn.Module) -> Optional[nn.Module]:
+    """The causal LM inside ``model`` (itself, or under a PEFT or other wrapper)."""
+    return next((module for module in model.modules() if _family_class(module) is not None), None)
+
+
 def known_form(model: nn.Module) -> Tuple[Optional[LossForm], str]:
     """(the family's form, "") when ``model`` is a known causal LM with its library forward and loss
     function, else (None, why)."""
@@ -88,8 +86,6 @@ def known_form(model: nn.Module) -> Tuple[Optional[LossForm], str]:
         names = ", ".join(sorted(name for _, name in KNOWN_FORMS))
         return None, f"{type(model).__name__} is not one of the causal LMs whose loss path is known ({names})"
     name = klass.__qualname__
-    if getattr(importlib.import_module(klass.__module__), name, None) is not klass:
-        return None, f"{name} is not the class transformers defines"
     forward = type(model).forward
     own = (getattr(forward, "__module__", None) == klass.__module__
            and getattr(forward, "__qualname__", None) == f"{name}.forward")
@@ -98,15 +94,46 @@ def known_form(model: nn.Module) -> Tuple[Optional[LossForm], str]:
                       "could change silently")
     why = (instance_forward_refusal(model) or loss_function_refusal(model)
            or head_device_hook_refusal(cast(Any, model).get_output_embeddings()))
-    if why:
-        return None, why
-    return KNOWN_FORMS[(klass.__module__, name)], ""
+    return (None, why) if why else (KNOWN_FORMS[(klass.__module__, name)], "")
+
+
+@dataclass(frozen=True)
+class ForwardLayers:
+    """The wrappers on a causal LM's forward, outermost first (each None where absent), and the forward inside
+    them all (None: the class's). TRL's trainers add their head before ``Accelerator.prepare`` wraps the forward,
+    and ``dispatch_model`` hooks the model before a trainer is built: the order read here."""
+
+    mixed_precision: Optional[MixedPrecisionForward]
+    trl_head: Optional[FusedHead]
+    device_hook: Optional[DeviceHookForward]
+    forward: Optional[Callable]
+
+    def under(self) -> str:
+        """The wrappers around the forward, as a message names them."""
+        around = [name for name, present in (("accelerate's device hook", self.device_hook),
+                                             (self.trl_head.describe() if self.trl_head else "", self.trl_head),
+                                             ("accelerate's mixed precision", self.mixed_precision)) if present]
+        return f", inside {', inside '.join(around)}" if around else ""
+
+
+def forward_layers(causal_lm: nn.Module) -> ForwardLayers:
+    wrapped = mixed_precision_forward(causal_lm)
+    forward = wrapped.inner if wrapped is not None else vars(causal_lm).get("forward")
+    trl_head = fused_head(forward)
+    if trl_head is not None:
+        forward = trl_head.inner
+    hooked = device_hook_forward(causal_lm, forward) if forward is not None else None
+    return ForwardLayers(wrapped, trl_head, hooked, hooked.inner if hooked is not None else forward)
+
+
+def _is_class_forward(model: nn.Module, forward: Any) -> bool:
+    return (isinstance(forward, types.MethodType) and forward.__self__ is model
+            and forward.__func__ is type(model).forward)
 
 
 def describe_forward(thing: Any) -> str:
     """Where a forward was defined, as ``module.qualname``, read from its code and the globals it runs in:
-    ``functools.wraps`` copies another function's names (and ``__wrapped__``) onto a wrapper, its code keeps
-    its own. A wrapper that carries another's name says so."""
+    ``functools.wraps`` copies another function's names onto a wrapper, its code keeps its own."""
     function = thing.__func__ if isinstance(thing, types.MethodType) else thing
     if isinstance(function, functools.partial):
         return f"functools.partial of {describe_forward(function.func)}"
@@ -126,12 +153,12 @@ def describe_forward(thing: Any) -> str:
 
 def instance_forward_refusal(model: nn.Module) -> str:
     """Why the forward set on ``model``'s instance stops the tiled loss ('' where there is none, or it is
-    the class's forward bound to the model, as it is or inside accelerate's device hook): what a forward of
-    its own does to the loss would be lost."""
-    if mixed_precision_forward(model) is not None:
+    the class's forward bound to the model, inside accelerate's device hook or not)."""
+    layers = forward_layers(model)
+    if layers.mixed_precision is not None:
         return ("accelerate's mixed precision (Accelerator.prepare) wrapped its forward, and the tiled loss would run "
                 "outside that wrapper. Apply the tiled loss before accelerator.prepare(model)")
-    trl_head = fused_head(vars(model).get("forward"))
+    trl_head, forward = layers.trl_head, layers.forward
     if trl_head is not None and not _is_class_forward(model, trl_head.inner):
         return (f"{trl_head.describe()} is on its forward, over a forward that is not its class's "
                 f"({describe_forward(trl_head.inner)}). Leave the tiled loss off for this model")
@@ -140,28 +167,20 @@ def instance_forward_refusal(model: nn.Module) -> str:
                 "without the logits, and never call the forward the tiled loss would be on. apply_tiled_mlp(loss=True) "
                 "and apply_tiled_loss leave the loss to TRL's head and say so in their report; or apply the tiled "
                 "loss before building the trainer (TRL's head then wraps it)")
-    hooked = device_hook_forward(model)
-    forward = hooked.inner if hooked is not None else vars(model).get("forward")
     if forward is None or _is_class_forward(model, forward):
         return ""
-    if hooked is not None:
-        return (f"accelerate's device hook on it ({hooked.hook!r}: dispatch_model, cpu_offload) wraps a forward "
-                f"that is not its class's ({describe_forward(forward)}); the tiled loss would compute the loss without "
-                "that forward, so what it does to the loss would be lost. Leave the tiled loss off for this model")
+    if layers.device_hook is not None:
+        return (f"accelerate's device hook on it ({layers.device_hook.hook!r}: dispatch_model, cpu_offload) wraps a "
+                f"forward that is not its class's ({describe_forward(forward)}); the tiled loss would compute the loss "
+                "without that forward, so what it does to the loss would be lost. Leave the tiled loss off for this model")
     return (f"its instance has a forward of its own ({describe_forward(forward)}); the tiled loss would compute the "
             "loss without it, so what it does to the loss would be lost. Take it off (del model.forward) and change "
             "the loss outside the model, or leave the tiled loss off")
 
 
-def _is_class_forward(model: nn.Module, forward: Any) -> bool:
-    return (isinstance(forward, types.MethodType) and forward.__self__ is model
-            and forward.__func__ is type(model).forward)
-
-
 def loss_left_to_trl(model: nn.Module) -> str:
-    """What computes the loss of the causal LM in ``model`` instead of the tiled loss ('' where nothing
-    does): TRL's fused LM head, put on the model's own forward by a TRL trainer built before (it computes
-    the loss without the logits; a tiled loss under it would never run for TRL's calls)."""
+    """What computes the loss of the causal LM in ``model`` instead of the tiled loss ('' where nothing does):
+    TRL's fused LM head, put on the model's own forward by a TRL trainer built before."""
     causal_lm = find_causal_lm(model)
     if causal_lm is None or _installed_on(causal_lm) is not None:
         return ""
@@ -193,8 +212,8 @@ def loss_function_refusal(model: nn.Module) -> str:
 
 
 class TiledLossForward:
-    """The forward installed on a causal LM instance; picklable and deep-copyable with the model. Under
-    sequence parallelism it holds the group its loss is divided over: a deep copy shares it, pickling refuses it."""
+    """The forward installed on a causal LM instance; picklable and deep-copyable with the model (a deep copy
+    shares the sequence-parallel group its loss is divided over)."""
 
     def __init__(self, model: nn.Module, form: LossForm, previous: Optional[Callable], num_shards: NumShards,
                  grad_accum_dtype: Optional[torch.dtype]):
@@ -204,43 +223,30 @@ class TiledLossForward:
         self.num_shards = num_shards
         self.grad_accum_dtype = grad_accum_dtype
         self.sequence_group: Any = None  # set by apply_sequence_parallel
-        self.pre_hook: Any = None  # the handle of ``check_call`` on the model (a torch RemovableHandle)
-        self.decoder_hook: Any = None  # the handle of ``capture_decoder_output`` on the decoder
+        self.label_smoothing = 0.0  # F.cross_entropy's, which is the Trainer's LabelSmoother's
+        self.pre_hook: Any = None  # the handles of ``check_call`` and ``capture_decoder_output``
+        self.decoder_hook: Any = None
         self._capturing = False  # inside the model's forward run by this one
         self._captured: Optional[torch.Tensor] = None  # the decoder's hidden states of that run
-        self._trl_noted = False  # said once that TRL's fused head wraps this forward
-        self._bypass_noted = False  # said once that a training call came without labels
-        # F.cross_entropy's label smoothing, which is Hugging Face's LabelSmoother's (use_tiled_label_smoothing)
-        self.label_smoothing = 0.0
+        self._trl_noted = False
+        self._bypass_noted = False
 
     def __deepcopy__(self, memo: dict) -> TiledLossForward:
+        memo[id(self.sequence_group)] = self.sequence_group  # a process group cannot be copied
         clone = object.__new__(type(self))
-        memo[id(self)] = clone  # the model's copy refers back to this forward's copy, not to a second one
-        group, self.sequence_group = self.sequence_group, None
-        try:
-            copied = copy.deepcopy(vars(self), memo)
-        finally:
-            self.sequence_group = group
-        clone.__dict__.update(copied, sequence_group=group)
+        memo[id(self)] = clone  # the model's copy refers back to this forward's copy
+        clone.__dict__.update(copy.deepcopy(vars(self), memo))
         return clone
-
-    def __getstate__(self) -> dict:
-        if self.sequence_group is not None:
-            raise TypeError("tiled loss: a model under sequence parallelism cannot be pickled (its process group "
-                            "cannot leave this process); remove sequence parallelism first (.remove())")
-        return dict(vars(self))
 
     def _inner(self) -> Callable:
         return self.previous if self.previous is not None else dynamo_support.bound(type(self.model).forward, self.model)
 
     @property
     def __signature__(self) -> inspect.Signature:
-        # The Trainer reads the model's forward signature (label columns, ``**kwargs`` for
-        # ``num_items_in_batch``): the model's own.
+        # The Trainer reads the model's forward signature (label columns, ``**kwargs`` for num_items_in_batch).
         return inspect.signature(self._inner())
 
     def capture_decoder_output(self, _module: nn.Module, _args: Any, out: Any) -> None:
-        """The decoder's forward hook: its final hidden states, while this forward runs the model's."""
         if self._capturing:
             self._captured = out[0] if isinstance(out, tuple) else out.last_hidden_state
 
@@ -250,10 +256,10 @@ class TiledLossForward:
         if not torch.compiler.is_compiling():
             self._check_forward()
         elif dynamo_support.TRACES_TILED_CALLS:
-            # Checked where Dynamo traces the call, with the model's instance forward as an argument so that
-            # Dynamo guards on it: one set after compiling traces the call again, and is checked then.
+            # With the instance forward as an argument, so that Dynamo guards on it: one set after compiling
+            # traces the call again, and is checked then.
             _checked_where_traced(self, vars(self.model).get("forward"))
-        else:  # torch < 2.9 (``dynamo_support``): checked at every call, behind a graph break
+        else:
             _checked_eagerly(self)
 
     def _check_forward(self) -> None:
@@ -265,7 +271,7 @@ class TiledLossForward:
             replacer = describe_forward(layers.forward) if layers.forward is not None else "the class forward"
             raise RuntimeError(
                 f"tiled loss: {type(self.model).__name__}'s forward was replaced after the tiled loss was installed "
-                f"(it is {replacer}{_under(layers)}); the tiled loss cannot tell whether it still runs or "
+                f"(it is {replacer}{layers.under()}); the tiled loss cannot tell whether it still runs or "
                 "what the new forward does to the loss. Put the forward back, or remove the tiled loss first "
                 "(remove_tiled_loss(model)) to run it with the model's own loss")
         if layers.trl_head is not None and not self._trl_noted:
@@ -275,56 +281,44 @@ class TiledLossForward:
                            "without fused_lm_head reach the tiled loss", layers.trl_head.describe(),
                            type(self.model).__name__)
 
-    def _check_loss_function(self) -> None:
-        why = loss_function_refusal(self.model)
-        if why:
-            raise RuntimeError(f"tiled loss: {type(self.model).__name__}'s loss function changed after the tiled loss "
-                               f"was installed: {why} (remove_tiled_loss(model))")
-
     def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling() and dynamo_support.TRACES_TILED_CALLS:
-            return self._traced_call(args, kwargs)
-        return self._eager_call(*args, **kwargs)
+        if not (torch.compiler.is_compiling() and dynamo_support.TRACES_TILED_CALLS):
+            return self._eager_call(*args, **kwargs)
+        # Traced: the checks and the binding of the arguments decided once, where traced; then the same steps.
+        names = _traced_names(self, tuple(kwargs), bool(args), self.model.loss_function)
+        if names is None:
+            return self._eager_call(*args, **kwargs)
+        own, extra = names
+        return self._run(args, kwargs, {name: kwargs[name] for name in own}, {name: kwargs[name] for name in extra})
 
-    # Dynamo skips this frame only where it runs under torch.compile (a call ``_traced_call`` does not trace):
-    # at a break inside it, Dynamo would re-read the model's bound forward as ``model.forward``, which is this
-    # object (a call to itself without labels, without end). The model's forward it calls is compiled as usual.
+    # Dynamo skips this frame only where it runs under torch.compile: at a break inside it, Dynamo would re-read
+    # the model's bound forward as ``model.forward``, which is this object (a call to itself, without end).
     @dynamo_support.disable(recursive=False)
     def _eager_call(self, *args, **kwargs):
         if args and args[0] is self.model:  # accelerate's unwrap_model binds this forward to the model
             args = args[1:]
         self._check_forward()
-        inner = self._inner()
-        arguments = inspect.signature(inner).bind(*args, **kwargs).arguments
-        extra = dict(arguments.pop("kwargs", {}))
-        return self._run(inner, args, kwargs, arguments, extra)
+        arguments = inspect.signature(self._inner()).bind(*args, **kwargs).arguments
+        return self._run(args, kwargs, arguments, dict(arguments.pop("kwargs", {})))
 
-    def _traced_call(self, args: tuple, kwargs: dict):
-        """The call as Dynamo traces it: the checks and the binding of the arguments decided once, where it
-        is traced (``_traced_plan``); then the same steps as the eager call, in the graph."""
-        plan = _traced_plan(self, tuple(kwargs), bool(args), self.model.loss_function)
-        if plan.eager:
-            return self._eager_call(*args, **kwargs)
-        arguments = {name: kwargs[name] for name in plan.argument_names}
-        extra = {name: kwargs[name] for name in plan.extra_names}
-        return self._run(self._inner(), args, kwargs, arguments, extra)
-
-    def _run(self, inner: Callable, args: tuple, kwargs: dict, arguments: Dict[str, Any], extra: Dict[str, Any]):
+    def _run(self, args: tuple, kwargs: dict, arguments: Dict[str, Any], extra: Dict[str, Any]):
         """The call once its arguments are bound (``arguments``: the forward's named ones that were given;
         ``extra``: those its ``**kwargs`` takes)."""
+        inner = self._inner()
         labels = arguments.get("labels")
         if labels is None and extra.get("shift_labels") is None:
             self._note_bypass()
             return inner(*args, **kwargs)
-        # No graph (evaluation: a Trainer's metrics read the logits, and no backward will hold them): the
-        # model's own forward, logits included; with label smoothing, its loss is the tiled loss's all the
-        # same (the smoothing the Trainer's label smoother would have applied there). Not under sequence
-        # parallelism: there a rank's logits are a slice and the model's loss a slice's mean, so evaluation
-        # takes the tiled loss too, divided once over the group.
+        # No graph (evaluation: a Trainer's metrics read the logits): the model's own forward, logits included;
+        # with label smoothing its loss is the tiled loss's all the same. Not under sequence parallelism: there
+        # a rank's logits are a slice and the model's loss a slice's mean.
         evaluating = not torch.is_grad_enabled() and self.sequence_group is None
         if evaluating and not self.label_smoothing:
             return inner(*args, **kwargs)
-        self._check_loss_function()
+        why = loss_function_refusal(self.model)
+        if why:
+            raise RuntimeError(f"tiled loss: {type(self.model).__name__}'s loss function changed after the tiled loss "
+                               f"was installed: {why} (remove_tiled_loss(model))")
         keep = arguments.get("logits_to_keep", 0)
         if not (isinstance(keep, int) and keep == 0):
             raise ValueError("tiled loss: labels were given with logits_to_keep; the loss is computed over every "
@@ -333,25 +327,25 @@ class TiledLossForward:
         return_dict = extra.pop("return_dict", arguments.pop("return_dict", None))
         if return_dict is None:
             return_dict = getattr(self.model.config, "return_dict", True)
-        arguments.update(labels=None, logits_to_keep=0 if evaluating else _no_logits(self.model.get_output_embeddings()))
+        head = self.model.get_output_embeddings()
+        arguments.update(labels=None, logits_to_keep=0 if evaluating else _no_logits(head))
         # The decoder's output reaches the loss through the hook installed with the tiled loss (a hook
         # registered per call would bump torch's class-level handle counter, which Dynamo does not trace).
         self._capturing, self._captured = True, None
         try:
             out = inner(**arguments, **extra, return_dict=True)
-        finally:
-            # Taken off the forward whatever happened: a failed call must not keep its hidden states (and graph).
+        finally:  # a failed call must not keep its hidden states (and graph)
             hidden, self._capturing, self._captured = self._captured, False, None
         if hidden is None:
             raise RuntimeError(f"tiled loss: {type(self.model).__name__}'s forward did not call the decoder the tiled "
                                "loss was installed on, so no hidden states reached the loss (was the decoder replaced? "
                                "remove_tiled_loss(model) and apply it again)")
-        why = head_device_hook_refusal(self.model.get_output_embeddings(), hidden.device)
+        why = head_device_hook_refusal(head, hidden.device)
         if why:
             raise RuntimeError(f"tiled loss: {why}")
         softcap = getattr(self.model.config, self.form.softcap_attr) if self.form.softcap_attr else None
         loss = tiled_cross_entropy(
-            hidden, self.model.get_output_embeddings(), labels, shift_labels=extra.get("shift_labels"),
+            hidden, head, labels, shift_labels=extra.get("shift_labels"),
             ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
             label_smoothing=self.label_smoothing, logit_softcap=softcap, num_shards=self.num_shards,
             grad_accum_dtype=self.grad_accum_dtype, sequence_group=self.sequence_group, model=self.model)
@@ -361,14 +355,13 @@ class TiledLossForward:
         fields: Dict[str, Any] = {k: v for k, v in out.items() if k not in dropped}
         if return_dict:
             return type(out)(loss=loss, **fields)
-        # transformers' tuple holds its fields that are not None in order; the logits keep their place
-        # (None where dropped), so that ``output[2]`` is what it is without the tiled loss.
+        # transformers' tuple holds its fields that are not None in order; the logits keep their place (None
+        # where dropped), so that ``output[2]`` is what it is without the tiled loss.
         return tuple(loss if f.name == "loss" else fields.get(f.name)
                      for f in dataclasses.fields(out) if f.name in ("loss", "logits") or fields.get(f.name) is not None)
 
     def _note_bypass(self) -> None:
-        """A training call without labels: the model forms the whole logits for a loss computed outside it,
-        where this forward cannot see why; said once."""
+        """A training call without labels: the model forms the whole logits for a loss computed outside it; said once."""
         if self._bypass_noted or not (torch.is_grad_enabled() and self.model.training) or torch.compiler.is_compiling():
             return
         self._bypass_noted = True
@@ -381,14 +374,12 @@ class TiledLossForward:
 
 
 def _no_logits(head: nn.Module) -> Any:
-    """The model's ``logits_to_keep`` while the tiled loss runs: no token (the loss is computed from the hidden
-    states; the model's logits are dropped). A tensor-parallel head (DTensor parameters) is given the last token
-    instead: DTensor's reshape rule divides by each dimension's size, and an empty slice has a zero one."""
+    """``logits_to_keep`` while the tiled loss runs: no token. A tensor-parallel head (DTensor parameters) is
+    given the last token instead: DTensor's reshape rule divides by each dimension's size, and an empty slice
+    has a zero one. Read through ``parameters()``: ZeRO-3 gathers a parameter read as a module attribute."""
     if dist.is_available():
         from torch.distributed.tensor import DTensor
 
-        # Read through ``parameters()``, not ``head.weight``: ZeRO-3 gathers a parameter read as a module
-        # attribute inside another module's forward, and keeps it whole as that module's external parameter.
         if any(isinstance(p, DTensor) for p in head.parameters()):
             return 1
     return torch.empty(0, dtype=torch.long)
@@ -400,82 +391,27 @@ def _checked_where_traced(forward: TiledLossForward, instance_forward: Any) -> b
     return True
 
 
-@dynamo_support.disable
-def _checked_eagerly(forward: TiledLossForward) -> None:
-    forward._check_forward()
-
-
-@dataclass(frozen=True)
-class TracedPlan:
-    """How a traced call binds its keyword arguments, or that it runs eagerly (``eager``), and why."""
-
-    eager: bool
-    reason: str
-    argument_names: Tuple[str, ...] = ()  # the forward's own parameters
-    extra_names: Tuple[str, ...] = ()  # those its ``**kwargs`` takes
+_checked_eagerly = dynamo_support.disable(TiledLossForward._check_forward)  # torch < 2.9: behind a graph break
 
 
 @dynamo_support.decided_where_traced
-def _traced_plan(forward: TiledLossForward, names: Tuple[str, ...], positional: bool, loss_function: Any) -> TracedPlan:
-    """Run by Dynamo where it traces a call of the tiled loss's forward, and kept as a constant of the graph:
-    the checks the eager call makes at every call (``loss_function`` is passed so that Dynamo guards on it:
-    one set after compiling traces the call again, and is checked then), and how ``names`` bind."""
+def _traced_names(forward: TiledLossForward, names: Tuple[str, ...], positional: bool,
+                  loss_function: Any) -> Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]]:
+    """Where Dynamo traces a call (``loss_function`` passed so that Dynamo guards on it): the eager call's
+    checks, then ``names`` split into the forward's own parameters and those its ``**kwargs`` takes; None where
+    the call runs eagerly (positional arguments, sequence parallelism, a loss that is not one op, arguments the
+    forward does not take)."""
     forward._check_forward()
-    model = forward.model
-    if positional:
-        return TracedPlan(True, "positional arguments (the traced call binds keyword arguments only)")
-    if forward.sequence_group is not None:
-        return TracedPlan(True, "sequence parallelism (the loss is summed over ranks)")
-    route = decide_loss_route(model.get_output_embeddings(), "auto", False)
-    if not route.as_op:
-        return TracedPlan(True, route.reason)
+    if positional or forward.sequence_group is not None:
+        return None
+    if not loss_as_op(forward.model.get_output_embeddings(), "auto", False):
+        return None
     parameters = inspect.signature(forward._inner()).parameters
     var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    own = [n for n in names if n in parameters and parameters[n].kind not in (inspect.Parameter.VAR_KEYWORD,
-                                                                               inspect.Parameter.VAR_POSITIONAL)]
-    extra = [n for n in names if n not in own]
-    if extra and not var_keyword:
-        return TracedPlan(True, f"arguments the forward does not take ({', '.join(extra)})")
-    return TracedPlan(False, route.reason, tuple(own), tuple(extra))
-
-
-@dataclass(frozen=True)
-class ForwardLayers:
-    """The wrappers on a causal LM's forward, outermost first (each None where absent): accelerate's
-    mixed precision, TRL's fused LM head, accelerate's device hook; and the forward inside them all
-    (None: the class's)."""
-
-    mixed_precision: Optional[MixedPrecisionForward]
-    trl_head: Optional[FusedHead]
-    device_hook: Optional[DeviceHookForward]
-    forward: Optional[Callable]
-
-
-def forward_layers(causal_lm: nn.Module) -> ForwardLayers:
-    """``causal_lm``'s forward taken apart (``ForwardLayers``). TRL's trainers add their head before
-    ``Accelerator.prepare`` wraps the forward, and ``dispatch_model`` hooks the model before a trainer is
-    built, which is the order read here."""
-    wrapped = mixed_precision_forward(causal_lm)
-    forward = wrapped.inner if wrapped is not None else vars(causal_lm).get("forward")
-    trl_head = fused_head(forward)
-    if trl_head is not None:
-        forward = trl_head.inner
-    hooked = device_hook_forward(causal_lm, forward) if forward is not None else None
-    return ForwardLayers(wrapped, trl_head, hooked, hooked.inner if hooked is not None else forward)
-
-
-def _under(layers: ForwardLayers) -> str:
-    """The wrappers around the forward a message names."""
-    around = [name for name, present in (("accelerate's device hook", layers.device_hook),
-                                         (layers.trl_head.describe() if layers.trl_head else "", layers.trl_head),
-                                         ("accelerate's mixed precision", layers.mixed_precision)) if present]
-    return f", inside {', inside '.join(around)}" if around else ""
-
-
-def find_causal_lm(model: nn.Module) -> Optional[nn.Module]:
-    """The causal LM inside ``model`` (itself, or under a PEFT or other wrapper): the first module whose
-    class is of a known family."""
-    return next((module for module in model.modules() if _family_class(module) is not None), None)
+    own = tuple(n for n in names if n in parameters and parameters[n].kind not in (inspect.Parameter.VAR_KEYWORD,
+                                                                                    inspect.Parameter.VAR_POSITIONAL))
+    extra = tuple(n for n in names if n not in own)
+    return (own, extra) if var_keyword or not extra else None
 
 
 def _installed_on(causal_lm: nn.Module) -> Optional[TiledLossForward]:
@@ -488,8 +424,7 @@ def check_tiled_loss(model: nn.Module) -> Tuple[nn.Module, LossForm]:
     """Every check before installing; returns (the causal LM, its form)."""
     causal_lm = find_causal_lm(model)
     if causal_lm is None:
-        _, why = known_form(model)
-        raise TypeError(f"tiled loss: no known causal LM in {type(model).__name__}: {why}")
+        raise TypeError(f"tiled loss: no known causal LM in {type(model).__name__}: {known_form(model)[1]}")
     installed = _installed_on(causal_lm)
     if installed is not None:
         installed._check_forward()
@@ -502,17 +437,13 @@ def check_tiled_loss(model: nn.Module) -> Tuple[nn.Module, LossForm]:
 
 def install_tiled_loss(model: nn.Module, num_shards: NumShards = "auto",
                        grad_accum_dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """Put the tiled loss on the causal LM in ``model``; returns that causal LM. Installing twice keeps
-    the first (its settings included)."""
+    """Put the tiled loss on the causal LM in ``model``; returns that causal LM. Installing twice keeps the first."""
     causal_lm, form = check_tiled_loss(model)
     if _installed_on(causal_lm) is None:
-        hooked = device_hook_forward(causal_lm)
-        if hooked is not None:  # inside accelerate's hook, which still moves the inputs and outputs around it
-            forward = TiledLossForward(causal_lm, form, hooked.inner, num_shards, grad_accum_dtype)
-            causal_lm.__dict__["_old_forward"] = forward
-        else:
-            forward = TiledLossForward(causal_lm, form, vars(causal_lm).get("forward"), num_shards, grad_accum_dtype)
-            causal_lm.__dict__["forward"] = forward
+        # Inside accelerate's hook where there is one, which still moves the inputs and outputs around it.
+        slot = "forward" if device_hook_forward(causal_lm) is None else "_old_forward"
+        forward = TiledLossForward(causal_lm, form, vars(causal_lm).get(slot), num_shards, grad_accum_dtype)
+        causal_lm.__dict__[slot] = forward
         forward.pre_hook = causal_lm.register_forward_pre_hook(forward.check_call)
         decoder: nn.Module = causal_lm.get_decoder()  # type: ignore[operator]  # a transformers PreTrainedModel
         forward.decoder_hook = decoder.register_forward_hook(forward.capture_decoder_output)
@@ -527,9 +458,8 @@ def tiled_loss_forward(model: nn.Module) -> Optional[TiledLossForward]:
 
 def set_tiled_loss_label_smoothing(model: nn.Module, factor: float) -> None:
     """Smooth the labels of the tiled loss on the causal LM in ``model`` by ``factor`` (in [0, 1]), as
-    ``F.cross_entropy(label_smoothing=factor)`` and Hugging Face's ``LabelSmoother(epsilon=factor)`` do,
-    in training and in evaluation (there the model's logits are returned too). A Trainer's own setting is
-    handed over with ``use_tiled_label_smoothing(trainer)``."""
+    ``F.cross_entropy(label_smoothing=factor)`` and Hugging Face's ``LabelSmoother(epsilon=factor)`` do, in
+    training and in evaluation (there the model's logits are returned too)."""
     installed = tiled_loss_forward(model)
     if installed is None:
         raise ValueError(f"tiled loss: no tiled loss on {type(model).__name__} to smooth labels in; apply it first "

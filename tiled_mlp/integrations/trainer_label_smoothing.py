@@ -1,16 +1,7 @@
 """transformers' Trainer with ``label_smoothing_factor``: hand the smoothing to the tiled loss
-(docs/long-context-stack.md, "Label smoothing from the Trainer").
-
-With a ``LabelSmoother`` the Trainer takes ``labels`` out of the inputs and smooths the loss from the logits, so
-the tiled loss never runs. ``use_tiled_label_smoothing(trainer)`` gives the tiled loss the smoother's
-``epsilon`` and sets ``trainer.label_smoother`` to None, so ``compute_loss`` passes the labels (and
-``num_items_in_batch``) to the model: the same numbers, per valid token ``(1 - eps) * nll + eps *
-mean_j(-log p_j)``, but for ``LabelSmoother``'s float32 sum of the smoothing term.
-
-Read on transformers 5.19.0 and 5.25.0 (``CHECKED``): the attribute ``label_smoother``, ``LabelSmoother`` and its
-``epsilon``/``ignore_index``, and ``Trainer.compute_loss``'s use of them. Refused before anything changes: a
-``compute_loss`` of the trainer's own (TRL's ``SFTTrainer`` smooths in it), a ``compute_loss_func``, a model
-not taking ``num_items_in_batch``, the MoE families (the smoother leaves the router's auxiliary loss out).
+(docs/long-context-stack.md, "Label smoothing from the Trainer"). With a ``LabelSmoother`` the Trainer takes
+``labels`` out of the inputs and smooths from the logits, so the tiled loss never runs; the hand-over gives the
+tiled loss the smoother's ``epsilon`` and takes the smoother off. Read on transformers ``CHECKED``.
 """
 from __future__ import annotations
 
@@ -29,10 +20,9 @@ def _refuse(why: str) -> NoReturn:
 
 
 def use_tiled_label_smoothing(trainer: Any) -> float:
-    """Hand ``trainer``'s label smoothing (``label_smoothing_factor``) to the tiled loss on its model and take
-    it off the trainer; returns the factor the tiled loss smooths with. Call it after building the trainer,
-    before ``trainer.train()``. A trainer without a label smoother (factor 0, or handed over already) is
-    left as it is."""
+    """Hand ``trainer``'s label smoothing to the tiled loss on its model and take it off the trainer (after
+    building it, before ``train()``); returns the factor the tiled loss smooths with. Refused before anything
+    changes where the numbers would differ."""
     from transformers import Trainer
     from transformers.trainer_pt_utils import LabelSmoother
 
