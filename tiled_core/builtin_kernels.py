@@ -12,18 +12,17 @@ import torch
 
 from .fast_path import decide_fast_path
 from .gated_spec import foreign_child_hooks
-from .kernel_registry import MAP, REDUCE, Kernel, KernelCall, register_kernel
+from .kernel_registry import MAP, REDUCE, TOKEN_INPUTS_DECLINED, Kernel, KernelCall, register_kernel
 from .kernels.gated import GatedShardKernel, gated_activation
 from .kernels.generic import GenericShardKernel, generic_layout
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
-from .kernels.rms_norm import NormLayout, RMSNormShardKernel
+from .kernels.rms_norm import RMSNormShardKernel
 from .kernels.vocab_parallel import VocabParallelHeadKernel
 from .module_forward import forward_function
-from .norm_forms import norm_generation, norm_spec
+from .norm_forms import norm_spec
 from .sharded_autograd import autocast_enabled
 from .tiling_state import tiling_of
 
-TOKEN_INPUTS_DECLINED = "the call has other sharded inputs besides the hidden states"
 # A head whose vocabulary is split over ranks holds only its rows here: a kernel that computes the whole
 # vocabulary's logits from the module would compute with DTensors, or with one rank's rows as if whole.
 VOCAB_SPLIT_DECLINED = "the head's vocabulary is split over ranks (only a vocabulary-parallel kernel computes its loss)"
@@ -77,9 +76,7 @@ class GatedEntry(Kernel):
 
 
 class NormEntry(Kernel):
-    """A proven RMSNorm (``norm_forms``: its forward a registered body, its weight and eps where the body
-    reads them) computed by the body's own operations per shard (``kernels/rms_norm.py``): no per-shard
-    module call, no check of what the forward reads, the weight gradient summed straight into one buffer."""
+    """A proven RMSNorm (``norm_forms``) computed by the body's own operations per shard (``kernels/rms_norm.py``)."""
 
     name = "norm"
     shape = MAP
@@ -89,13 +86,9 @@ class NormEntry(Kernel):
         if call.token_inputs:
             return TOKEN_INPUTS_DECLINED
         module, x = call.module, call.x
-        # Per plan (its key covers the forward's code, the module's attributes and parameters) and registry
-        # generation; ``norm_spec`` itself is cheap, and reads the helpers' functions and torch's again.
-        key = f"norm.spec.{norm_generation()}"
-        cached = call.cache.kernel_cache
+        # Asked at every call (cheap): it reads the helpers' functions and torch's again.
         spec, why_not = norm_spec(module, forward_function(module))
         if spec is None:
-            cached.pop(key, None)
             return why_not
         if autocast_enabled(x.device.type):
             return "autocast is enabled (the norm kernel computes in the body's own dtypes)"
@@ -107,16 +100,14 @@ class NormEntry(Kernel):
             return f"the weight's shape {tuple(spec.weight.shape)} is not the input's width ({x.shape[-1]},)"
         if call.strategy.local_view(module, [spec.weight]) is not None:
             return "the weight is distributed (the generic kernel runs the module's own forward on it)"
-        cached[key] = spec
+        call.cache.kernel_cache["norm.spec"] = spec
         return ""
 
     def build(self, call: KernelCall) -> RMSNormShardKernel:
         cached = call.cache.kernel_cache
-        spec = cached[f"norm.spec.{norm_generation()}"]
-        kernel = cached.get("norm.kernel")
-        if kernel is None or kernel.layout != NormLayout.of(spec) or kernel.params[0] is not spec.weight:
-            kernel = cached["norm.kernel"] = RMSNormShardKernel(NormLayout.of(spec), spec.weight,
-                                                                type(call.module).__name__)
+        spec, kernel = cached["norm.spec"], cached.get("norm.kernel")
+        if kernel is None or kernel.layout != spec.layout or kernel.params[0] is not spec.weight:
+            kernel = cached["norm.kernel"] = RMSNormShardKernel(spec.layout, spec.weight, type(call.module).__name__)
         return kernel
 
 

@@ -22,6 +22,7 @@ MAP = "map"
 REDUCE = "reduce"
 SHAPES = (MAP, REDUCE)
 DEFAULT_PRIORITY = 100
+TOKEN_INPUTS_DECLINED = "the call has other sharded inputs besides the hidden states"
 
 
 @dataclass(slots=True)
@@ -112,7 +113,7 @@ class ShardKernelEntry(Kernel):
 
     def why_not(self, call: KernelCall) -> str:
         if call.token_inputs:
-            return "the call has other sharded inputs besides the hidden states"
+            return TOKEN_INPUTS_DECLINED
         return self.kernel_class.why_not(call)
 
     def build(self, call: KernelCall) -> ShardKernel:

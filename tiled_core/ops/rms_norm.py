@@ -11,7 +11,8 @@ from typing import List, Optional
 
 import torch
 
-from ..kernels.rms_norm import NormLayout, RMSNormShardKernel
+from ..kernels.rms_norm import RMSNormShardKernel
+from ..norm_forms import NormLayout
 from .gradient_slots import fake_slots, map_backward, map_forward, needed_only
 
 
