@@ -1,8 +1,6 @@
-"""The built-in kernels, as registry entries (``kernel_registry``): the gated fast kernel, the norm kernel
-and the generic kernel for token-wise modules, the vocabulary-parallel, the linear and the module head for the loss.
-
-Each answers whether it applies to a call from what the module *is* (its forward's function object,
-its structure, its class), never from a numeric probe.
+"""The built-in kernels as registry entries: the gated fast kernel, the norm kernel and the generic kernel for
+token-wise modules; the vocabulary-parallel, linear and module heads for the loss. Each decides from what the
+module *is* (its forward's code, its structure, its class), never from a numeric probe.
 """
 from __future__ import annotations
 
@@ -23,21 +21,17 @@ from .norm_forms import norm_spec
 from .sharded_autograd import autocast_enabled
 from .tiling_state import tiling_of
 
-# A head whose vocabulary is split over ranks holds only its rows here: a kernel that computes the whole
-# vocabulary's logits from the module would compute with DTensors, or with one rank's rows as if whole.
+# A head split over ranks by vocabulary holds only its rows here: a whole-vocabulary kernel would compute wrong.
 VOCAB_SPLIT_DECLINED = "the head's vocabulary is split over ranks (only a vocabulary-parallel kernel computes its loss)"
 
 
 class GatedEntry(Kernel):
-    """``down(act(gate(x)) * up(x))`` computed directly (``kernels/gated.py``), where the forward is
-    proven to compute exactly that (``fast_path.decide_fast_path``)."""
+    """``down(act(gate(x)) * up(x))`` computed directly where the forward is proven to compute exactly that."""
 
     name = "fast"
     shape = MAP
     keeps_grad_buffers = False  # weight gradients go straight into one buffer per weight
-    # The decision rests on the plan (the module tree, the forward, the input's dtype and device, autocast),
-    # and on what the proof read besides, which the plan is guarded by.
-    answers_per_plan = True
+    answers_per_plan = True  # the plan's key, and the proof's reads that guard it
 
     def why_not(self, call: KernelCall) -> str:
         if call.token_inputs:
@@ -52,17 +46,13 @@ class GatedEntry(Kernel):
             plan.fast_params = spec.params if spec is not None else None
             if spec is not None:
                 assert spec.proof_reads is not None, "a proven spec carries what its proof read"
-                # What neither the plan's key nor its snapshot sees: a class changed since
-                # (``MyMLP.up_proj = property(...)``, ``nn.GELU.approximate = ...``, ``nn.Linear.__getattr__``, a
-                # patched ``nn.Module.__call__``), a module global a forward's code reads rebound, a torch
-                # function patched. The proof's reads guard the plan: where one changed, the plan, and this decision
-                # with it, is made again.
+                # What the plan's key does not see (a class changed, a module global rebound, a torch function
+                # patched) guards the plan in strict mode: where one changed, the decision is made again.
                 plan.add_guards(spec.proof_reads.holds)
         spec, why_not = plan.fast
         if spec is None:
             return why_not
-        # Distributed parameters (tensor parallelism): the kernel runs on the strategy's local view of them,
-        # where one stands in for the module exactly (``tiled_call`` enters it).
+        # Distributed parameters: the kernel runs on the strategy's local view, where one stands in exactly.
         view = call.strategy.local_view(module, plan.fast_params)
         return "" if view is None else view.why_not
 
@@ -112,15 +102,13 @@ class NormEntry(Kernel):
 
 
 class GenericEntry(Kernel):
-    """The module's own forward per shard, recomputed with autograd in backward (``kernels/generic.py``):
-    any token-wise module."""
+    """Any token-wise module: its own forward per shard, recomputed with autograd in backward."""
 
     name = "generic"
     shape = MAP
 
     def why_not(self, call: KernelCall) -> str:
-        # Per plan (its key covers every submodule's hooks): whether one shard's forward computes what the
-        # call does (a backend's collective inside a submodule may span the call's tokens, not a shard's).
+        # Per plan: whether one shard computes what the call does (a backend's collective may span the call's tokens).
         cached = call.cache.kernel_cache
         key = f"generic.per_shard.{call.x.dim()}"
         if key not in cached:
@@ -137,17 +125,15 @@ class GenericEntry(Kernel):
         kernel = GenericShardKernel(call.shard_forward, type(module).__name__, plan.trainable, prefix,
                                     plan.generic_layout, hooks, grad_mode=torch.is_grad_enabled(),
                                     token_inputs=call.token_inputs)
-        # Distributed parameters that passed ``per_shard_problem``: a view under which the module's own forward
-        # computes on the local tensors (sequence parallelism on a norm) is entered; a module whose submodules'
-        # tensor-parallel hooks hand it local tensors runs with none.
+        # A view under which the module's own forward computes on local tensors (sequence parallelism on a norm)
+        # is entered; a module whose submodules' tensor-parallel hooks hand it local tensors runs with none.
         view = call.strategy.local_view(module, plan.trainable)
         kernel.runs_on_local_view = view is not None and getattr(view, "runs_module_forward", False)
         return kernel
 
 
 class LinearHeadEntry(Kernel):
-    """A plain ``nn.Linear`` head: logits by one matmul per shard, gradients formed from them
-    (``kernels/lm_head.py``)."""
+    """A plain ``nn.Linear`` head: logits by one matmul per shard, gradients formed from them."""
 
     name = "linear_head"
     shape = REDUCE
@@ -162,8 +148,7 @@ class LinearHeadEntry(Kernel):
 
 
 class VocabParallelEntry(Kernel):
-    """A plain ``nn.Linear`` head whose rows are split over ranks by vocabulary (tensor parallelism):
-    this rank's logits per shard, the cross-entropy reduced over the group (``kernels/vocab_parallel.py``)."""
+    """A plain ``nn.Linear`` head split over ranks by vocabulary: the cross-entropy reduced over the group."""
 
     name = "vocab_parallel"
     shape = REDUCE
