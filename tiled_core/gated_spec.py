@@ -149,10 +149,10 @@ def structural_spec(module: nn.Module, form: GatedForm, is_backend_hook=no_hook_
     if None in scales:
         return None, f"a scale it multiplies by ({', '.join(form.scale_names)}) is not a plain number"
     gate_scale, up_scale, down_scale = (float(s) for s in scales if s is not None)
-    spec = GatedMLPSpec(activation=act, down=parts[form.down],  # type: ignore[arg-type]
-                        gate=None if form.gate is None else parts[form.gate],  # type: ignore[arg-type]
-                        up=None if form.up is None else parts[form.up],  # type: ignore[arg-type]
-                        gate_up=None if form.gate_up is None else parts[form.gate_up],  # type: ignore[arg-type]
+    spec = GatedMLPSpec(activation=act, down=parts[form.down],
+                        gate=None if form.gate is None else parts[form.gate],
+                        up=None if form.up is None else parts[form.up],
+                        gate_up=None if form.gate_up is None else parts[form.gate_up],
                         gate_scale=gate_scale, up_scale=up_scale, down_scale=down_scale, form=form)
     if not all(_is_plain_linear(m, is_backend_hook) for m in spec.linears):
         return None, "projections are not plain nn.Linear (LoRA or quantised wrappers)"

@@ -42,21 +42,17 @@ class NativeGatedActivation:
             return F.silu(g)
         return F.gelu(g, approximate="tanh" if self.name == "gelu_tanh" else "none")
 
-    def act_backward(self, grad: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out = grad * act'(g)``; ``out`` may be ``g`` itself (same-index elementwise aliasing)."""
-        if self.name == "silu":
-            return torch.ops.aten.silu_backward.grad_input(grad, g, grad_input=out)
-        approximate = "tanh" if self.name == "gelu_tanh" else "none"
-        return torch.ops.aten.gelu_backward.grad_input(grad, g, approximate=approximate, grad_input=out)
-
     def forward_mul(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return self.act(g).mul_(u)
 
     def backward_mul(self, dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         du = self.act(g).mul_(dh)  # du = dh * act(g)
         dh.mul_(u)  # dh * u: the upstream gradient of act(g)
-        dg = self.act_backward(dh, g, out=g)
-        return dg, du
+        # dg = dh * act'(g), written into g (same-index elementwise aliasing)
+        if self.name == "silu":
+            return torch.ops.aten.silu_backward.grad_input(dh, g, grad_input=g), du
+        approximate = "tanh" if self.name == "gelu_tanh" else "none"
+        return torch.ops.aten.gelu_backward.grad_input(dh, g, approximate=approximate, grad_input=g), du
 
 
 @dataclass(frozen=True)
@@ -76,9 +72,8 @@ _FUSED_GENERATION = [0]
 
 def register_fused_kernel(device_type: str, names: Iterable[str], factory: Callable[[str], Any],
                           available: Callable[[], bool] = lambda: True) -> FusedKernel:
-    """Use ``factory(name)`` (an object with ``forward_mul`` and ``backward_mul`` as
-    ``NativeGatedActivation``'s) for the activations ``names`` on tensors of ``device_type``, whenever
-    ``available()``; each call that takes the gated fast kernel with fused kernels allowed asks."""
+    """Use ``factory(name)`` (with ``forward_mul`` and ``backward_mul`` as ``NativeGatedActivation``'s) for the
+    activations ``names`` on tensors of ``device_type``, whenever ``available()``."""
     names = frozenset(names)
     unknown = sorted(names - set(ACTIVATIONS))
     if unknown or not names:
@@ -98,8 +93,7 @@ def unregister_fused_kernel(kernel: FusedKernel) -> None:
 
 
 def gated_activation(name: str, device: torch.device, use_fused: bool = True):
-    """The kernel for ``name`` on ``device``: the last fused kernel registered for it and available,
-    when ``use_fused``, else the native one."""
+    """The last fused kernel registered for ``name`` on ``device`` and available (when ``use_fused``), else native."""
     if use_fused:
         for kernel in reversed(_FUSED):
             if kernel.device_type == device.type and name in kernel.names and kernel.available():

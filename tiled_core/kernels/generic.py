@@ -127,11 +127,8 @@ class GenericShardKernel(ShardKernel):
 
     def _first_shard_again(self, x_shard: torch.Tensor, shard: Optional[slice], rng_state: tuple) -> torch.Tensor:
         """The first shard changed a value the code reads (a one-time set-up flag: bitsandbytes'
-        ``compute_type_is_set``). Every later shard computes with the value it set, and so would every
-        recompute, the first shard's included: so the first shard runs again, with the value it set and
-        the random numbers it drew, and the backward checks against the values after it. Exact where one
-        run settles the value; a forward that changes it at every call is refused here, before any work
-        depends on it (its recompute could never read what its forward did)."""
+        ``compute_type_is_set``), which every later shard and recompute reads: so it runs again with that value
+        and its random numbers. A forward that changes the value at every call is refused, before any work."""
         before = self._plain_values
         self._plain_values = before.retaken()
         with replay_rng_state(x_shard.device, rng_state):
@@ -144,9 +141,8 @@ class GenericShardKernel(ShardKernel):
 
     @contextlib.contextmanager
     def using(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-        """The module's parameter slots hold the Function's tensors for the recompute. Usually they
-        already do (backends refill the same parameter objects); after ``functional_call`` they hold
-        the module's own parameters again, and the recompute must use the call's."""
+        """The module's parameter slots hold the Function's tensors for the recompute (after ``functional_call``
+        they hold the module's own again)."""
         self._plain_values.check(self.module_name)
         now = self._current_hooks()
         if now != self._layout.hooks:
@@ -174,8 +170,7 @@ class GenericShardKernel(ShardKernel):
         with torch.enable_grad():
             x_leaf = x_shard.detach().requires_grad_(grad_in_shard is not None)
             y = self._recompute(x_leaf, tensors, shard)
-        # A collective in the forward (a tensor-parallel output hook's all-reduce) runs again here; only its
-        # graph is needed, but its work stays registered until waited for.
+        # A collective in the forward runs again here: its work stays registered until waited for.
         wait_pending(y)
         inputs = ([x_leaf] if grad_in_shard is not None else []) + [tensors[i] for i in wanted]
         if not inputs or not y.requires_grad:
@@ -192,9 +187,8 @@ class GenericShardKernel(ShardKernel):
     def _recompute(self, x_leaf: torch.Tensor, tensors: Sequence[torch.Tensor], shard: Optional[slice]) -> torch.Tensor:
         if self._reads_checked:
             return self._run(x_leaf, shard)
-        # Once per call: the recompute must read no tensor needing a gradient that the forward did not
-        # read (those are the Function's inputs; autograd.grad would silently skip it), and the same
-        # tensors without one as the forward, unchanged (else it computes with other values).
+        # Once per call: no tensor needing a gradient that the forward did not read (autograd.grad would skip
+        # it), and the same tensors without one as the forward, unchanged.
         reads = TensorReads(known=[x_leaf, *tensors, *self.owned_params], made_since=next_sequence_nr(),
                             grad_only=False, watch_kept=True)
         with reads:
@@ -212,8 +206,8 @@ class GenericShardKernel(ShardKernel):
         if then is None:
             return  # the forward ran without a graph being built: nothing was recorded to compare
         then_ids, now_ids = {id(t) for t in then.tensors}, {id(t) for t in now}
-        # A tensor read now that the forward did not read is fine where it equals, exactly, one the forward
-        # read and no longer does (a parent that rebuilds the same conditioning in a checkpoint's recompute).
+        # A tensor read now equal, exactly, to one the forward read and no longer does is fine (a parent that
+        # rebuilds the same conditioning in a checkpoint's recompute).
         unmatched = [t for t in then.tensors if id(t) not in now_ids]
         for tensor in (t for t in now if id(t) not in then_ids):
             twin = next((u for u in unmatched if u.shape == tensor.shape and u.dtype == tensor.dtype
