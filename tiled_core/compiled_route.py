@@ -115,9 +115,7 @@ def _eager_call(module: nn.Module, reason: str, args: Sequence[Any], kwargs: dic
 
 
 def _watched(module: nn.Module) -> Tuple[Any, ...]:
-    """What the route rests on besides the module and the input, read in traced code so that Dynamo guards
-    on each: the tiling's settings, whether a forward was put on the instance, the class's forward, the
-    activation's class, the hooks on every submodule."""
+    """What the route rests on besides the module and the input, read in traced code so that Dynamo guards on each."""
     state = tiling_of(module)
     return (state.path, state.num_shards, state.grad_accum_dtype, state.use_fused_kernel,
             state.instance_forward is None, vars(module).get("forward") is None,
@@ -132,12 +130,8 @@ def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], 
     if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
         return _eager_call(module, "the call passes keyword arguments or more than the hidden states", args, kwargs)
     x = args[0]
-    if default_inputs:
-        # The eager call's input checks (``tiled_call``), traced: an input it refuses is refused compiled too (the op
-        # would flatten a 1-D input into one token). A module with inputs of its own checks them in its eager call.
+    if default_inputs:  # the eager call's input checks, traced (the op would flatten a 1-D input into one token)
         check_input(x, module)
-    # Symbolic sizes (dynamic shapes) cannot be a constant's argument: each is specialized, so a new length
-    # traces the call again (``dynamo_support._specialized``).
     route = _traced_route(module, default_inputs, _watched(module), tuple(x.shape), x.dtype, x.device)
     if route.kind == UNTILED:
         return type(module)._tiled_base.forward(module, x)  # type: ignore[attr-defined]

@@ -41,16 +41,11 @@ def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
     return found
 
 
-class _TensorRef:
+class _TensorRef(weakref.ref):
     """A weak reference to one tensor, asked as a storage's is."""
 
-    __slots__ = ("_ref",)
-
-    def __init__(self, t: torch.Tensor):
-        self._ref = weakref.ref(t)
-
     def expired(self) -> bool:
-        return self._ref() is None
+        return self() is None
 
 
 Released = Union[StorageWeakRef, _TensorRef]
