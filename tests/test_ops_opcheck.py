@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from reference import laid_out
 
-from tiled_mlp.core.kernels.gated import GatedLayout, Slots
+from tiled_mlp.core.kernels.gated import GatedLayout
 from tiled_mlp.core.ops import gated_mlp  # noqa: F401  # registers the ops
 from tiled_mlp.core.ops.linear_cross_entropy import linear_cross_entropy  # noqa: F401
 
@@ -29,9 +29,10 @@ def _gated_args(fused: bool, bias: bool, memory: str = "contiguous"):
     hidden, inner = 6, 10
     tensors = [t(2 * inner, hidden)] if fused else [t(inner, hidden), t(inner, hidden)]
     tensors += [t(hidden, inner)] + ([t(hidden)] if bias else [])
-    roles = (("gate_up", Slots(0, None)), ("down", Slots(1, 2 if bias else None))) if fused else (
-        ("gate", Slots(0, None)), ("up", Slots(1, None)), ("down", Slots(2, 3 if bias else None)))
-    slots, scales = GatedLayout(roles, 0.5, 1.0, 2.0).as_args()
+    # Two ints per role (gate, up, gate_up, down): weight and bias index, -1 where absent.
+    down = [1, 2 if bias else -1] if fused else [2, 3 if bias else -1]
+    slots = ([-1, -1, -1, -1, 0, -1] if fused else [0, -1, 1, -1, -1, -1]) + down
+    slots, scales = GatedLayout.from_args(slots, (0.5, 1.0, 2.0)).as_args()
     return t(2, 7, hidden), tensors, slots, scales
 
 

@@ -1,8 +1,6 @@
-"""The built-in kernels, as registry entries (``kernel_registry``): the gated fast kernel, the norm kernel
-and the generic kernel for token-wise modules, the vocabulary-parallel, the linear and the module head for the loss.
-
-Each answers whether it applies to a call from what the module *is* (its forward's function object,
-its structure, its class), never from a numeric probe.
+"""The built-in kernels as registry entries: the gated fast kernel, the norm kernel and the generic kernel for
+token-wise modules; the vocabulary-parallel, linear and module heads for the loss. Each decides from what the
+module *is* (its forward's code, its structure, its class), never from a numeric probe.
 """
 from __future__ import annotations
 
@@ -12,33 +10,28 @@ import torch
 
 from .fast_path import decide_fast_path
 from .gated_spec import foreign_child_hooks
-from .kernel_registry import MAP, REDUCE, Kernel, KernelCall, register_kernel
+from .kernel_registry import MAP, REDUCE, TOKEN_INPUTS_DECLINED, Kernel, KernelCall, register_kernel
 from .kernels.gated import GatedShardKernel, gated_activation
 from .kernels.generic import GenericShardKernel, generic_layout
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
-from .kernels.rms_norm import NormLayout, RMSNormShardKernel
+from .kernels.rms_norm import RMSNormShardKernel
 from .kernels.vocab_parallel import VocabParallelHeadKernel
 from .module_forward import forward_function
-from .norm_forms import norm_generation, norm_spec
+from .norm_forms import norm_spec
 from .sharded_autograd import autocast_enabled
 from .tiling_state import tiling_of
 
-TOKEN_INPUTS_DECLINED = "the call has other sharded inputs besides the hidden states"
-# A head whose vocabulary is split over ranks holds only its rows here: a kernel that computes the whole
-# vocabulary's logits from the module would compute with DTensors, or with one rank's rows as if whole.
+# A head split over ranks by vocabulary holds only its rows here: a whole-vocabulary kernel would compute wrong.
 VOCAB_SPLIT_DECLINED = "the head's vocabulary is split over ranks (only a vocabulary-parallel kernel computes its loss)"
 
 
 class GatedEntry(Kernel):
-    """``down(act(gate(x)) * up(x))`` computed directly (``kernels/gated.py``), where the forward is
-    proven to compute exactly that (``fast_path.decide_fast_path``)."""
+    """``down(act(gate(x)) * up(x))`` computed directly where the forward is proven to compute exactly that."""
 
     name = "fast"
     shape = MAP
     keeps_grad_buffers = False  # weight gradients go straight into one buffer per weight
-    # The decision rests on the plan (the module tree, the forward, the input's dtype and device, autocast),
-    # and on what the proof read besides, which the plan is guarded by.
-    answers_per_plan = True
+    answers_per_plan = True  # the plan's key, and the proof's reads that guard it
 
     def why_not(self, call: KernelCall) -> str:
         if call.token_inputs:
@@ -53,17 +46,13 @@ class GatedEntry(Kernel):
             plan.fast_params = spec.params if spec is not None else None
             if spec is not None:
                 assert spec.proof_reads is not None, "a proven spec carries what its proof read"
-                # What neither the plan's key nor its snapshot sees: a class changed since
-                # (``MyMLP.up_proj = property(...)``, ``nn.GELU.approximate = ...``, ``nn.Linear.__getattr__``, a
-                # patched ``nn.Module.__call__``), a module global a forward's code reads rebound, a torch
-                # function patched. The proof's reads guard the plan: where one changed, the plan, and this decision
-                # with it, is made again.
+                # What the plan's key does not see (a class changed, a module global rebound, a torch function
+                # patched) guards the plan in strict mode: where one changed, the decision is made again.
                 plan.add_guards(spec.proof_reads.holds)
         spec, why_not = plan.fast
         if spec is None:
             return why_not
-        # Distributed parameters (tensor parallelism): the kernel runs on the strategy's local view of them,
-        # where one stands in for the module exactly (``tiled_call`` enters it).
+        # Distributed parameters: the kernel runs on the strategy's local view, where one stands in exactly.
         view = call.strategy.local_view(module, plan.fast_params)
         return "" if view is None else view.why_not
 
@@ -77,9 +66,7 @@ class GatedEntry(Kernel):
 
 
 class NormEntry(Kernel):
-    """A proven RMSNorm (``norm_forms``: its forward a registered body, its weight and eps where the body
-    reads them) computed by the body's own operations per shard (``kernels/rms_norm.py``): no per-shard
-    module call, no check of what the forward reads, the weight gradient summed straight into one buffer."""
+    """A proven RMSNorm (``norm_forms``) computed by the body's own operations per shard (``kernels/rms_norm.py``)."""
 
     name = "norm"
     shape = MAP
@@ -89,13 +76,9 @@ class NormEntry(Kernel):
         if call.token_inputs:
             return TOKEN_INPUTS_DECLINED
         module, x = call.module, call.x
-        # Per plan (its key covers the forward's code, the module's attributes and parameters) and registry
-        # generation; ``norm_spec`` itself is cheap, and reads the helpers' functions and torch's again.
-        key = f"norm.spec.{norm_generation()}"
-        cached = call.cache.kernel_cache
+        # Asked at every call (cheap): it reads the helpers' functions and torch's again.
         spec, why_not = norm_spec(module, forward_function(module))
         if spec is None:
-            cached.pop(key, None)
             return why_not
         if autocast_enabled(x.device.type):
             return "autocast is enabled (the norm kernel computes in the body's own dtypes)"
@@ -107,29 +90,25 @@ class NormEntry(Kernel):
             return f"the weight's shape {tuple(spec.weight.shape)} is not the input's width ({x.shape[-1]},)"
         if call.strategy.local_view(module, [spec.weight]) is not None:
             return "the weight is distributed (the generic kernel runs the module's own forward on it)"
-        cached[key] = spec
+        call.cache.kernel_cache["norm.spec"] = spec
         return ""
 
     def build(self, call: KernelCall) -> RMSNormShardKernel:
         cached = call.cache.kernel_cache
-        spec = cached[f"norm.spec.{norm_generation()}"]
-        kernel = cached.get("norm.kernel")
-        if kernel is None or kernel.layout != NormLayout.of(spec) or kernel.params[0] is not spec.weight:
-            kernel = cached["norm.kernel"] = RMSNormShardKernel(NormLayout.of(spec), spec.weight,
-                                                                type(call.module).__name__)
+        spec, kernel = cached["norm.spec"], cached.get("norm.kernel")
+        if kernel is None or kernel.layout != spec.layout or kernel.params[0] is not spec.weight:
+            kernel = cached["norm.kernel"] = RMSNormShardKernel(spec.layout, spec.weight, type(call.module).__name__)
         return kernel
 
 
 class GenericEntry(Kernel):
-    """The module's own forward per shard, recomputed with autograd in backward (``kernels/generic.py``):
-    any token-wise module."""
+    """Any token-wise module: its own forward per shard, recomputed with autograd in backward."""
 
     name = "generic"
     shape = MAP
 
     def why_not(self, call: KernelCall) -> str:
-        # Per plan (its key covers every submodule's hooks): whether one shard's forward computes what the
-        # call does (a backend's collective inside a submodule may span the call's tokens, not a shard's).
+        # Per plan: whether one shard computes what the call does (a backend's collective may span the call's tokens).
         cached = call.cache.kernel_cache
         key = f"generic.per_shard.{call.x.dim()}"
         if key not in cached:
@@ -146,17 +125,15 @@ class GenericEntry(Kernel):
         kernel = GenericShardKernel(call.shard_forward, type(module).__name__, plan.trainable, prefix,
                                     plan.generic_layout, hooks, grad_mode=torch.is_grad_enabled(),
                                     token_inputs=call.token_inputs)
-        # Distributed parameters that passed ``per_shard_problem``: a view under which the module's own forward
-        # computes on the local tensors (sequence parallelism on a norm) is entered; a module whose submodules'
-        # tensor-parallel hooks hand it local tensors runs with none.
+        # A view under which the module's own forward computes on local tensors (sequence parallelism on a norm)
+        # is entered; a module whose submodules' tensor-parallel hooks hand it local tensors runs with none.
         view = call.strategy.local_view(module, plan.trainable)
         kernel.runs_on_local_view = view is not None and getattr(view, "runs_module_forward", False)
         return kernel
 
 
 class LinearHeadEntry(Kernel):
-    """A plain ``nn.Linear`` head: logits by one matmul per shard, gradients formed from them
-    (``kernels/lm_head.py``)."""
+    """A plain ``nn.Linear`` head: logits by one matmul per shard, gradients formed from them."""
 
     name = "linear_head"
     shape = REDUCE
@@ -171,8 +148,7 @@ class LinearHeadEntry(Kernel):
 
 
 class VocabParallelEntry(Kernel):
-    """A plain ``nn.Linear`` head whose rows are split over ranks by vocabulary (tensor parallelism):
-    this rank's logits per shard, the cross-entropy reduced over the group (``kernels/vocab_parallel.py``)."""
+    """A plain ``nn.Linear`` head split over ranks by vocabulary: the cross-entropy reduced over the group."""
 
     name = "vocab_parallel"
     shape = REDUCE

@@ -1,22 +1,11 @@
 """Checkpoint offload: the input of each checkpointed layer waits for its backward in host memory.
 
-Under layer checkpointing each layer keeps one tensor from its forward to its backward: its input
-(``[tokens, hidden]``; 256 KiB a token for Llama-8B in bf16 over 32 layers, 32 GiB at 131072 tokens).
-Non-reentrant checkpointing saves the layer's positional inputs as saved tensors, where an outer
-``saved_tensors_hooks`` sees them; everything else the layer computes is packed by the checkpoint's
-own inner hooks and never reaches an outer one. So a forward pre-hook on each layer opens a
-``saved_tensors_hooks`` context around the layer's call (the checkpoint inside it), and its pack hook
-moves *that one tensor*, recognised by identity, to host memory; the unpack hook, called when the
-backward recomputes the layer, brings it back. Only the layer input moves: offloading every saved
-tensor costs +85% step time (axolotl #3776), this one tensor a few percent.
-
-The last layer's input is kept on the device: its backward comes first, right after the forward, so
-offloading it would only add a round trip on the critical path (as DeepSpeed's
-``CheckpointHiddenStatesOffload``).
-
-Device-agnostic: on CUDA the copy out is made on a side stream into pinned memory (the device tensor
-is kept from reuse until that copy is done, ``record_stream``), and the copy back waits for it; on
-any other device it is a plain copy. Values are copied, never changed: gradients are exact.
+Under non-reentrant checkpointing a layer keeps only its positional input from forward to backward, saved
+where an outer ``saved_tensors_hooks`` sees it (256 KiB a token for Llama-8B in bf16 over 32 layers). A forward
+pre-hook opens such a context around each layer's call, whose pack hook moves *that one tensor* (by identity)
+to host memory; offloading every saved tensor costs +85% step time (axolotl #3776), this one a few percent.
+The last layer's input stays: its backward comes first. On CUDA the copy out runs on a side stream into pinned
+memory; elsewhere it is a plain copy. Values are copied, never changed: gradients are exact.
 """
 from __future__ import annotations
 
@@ -46,11 +35,8 @@ class _Offloaded:
     def __init__(self, tensor: torch.Tensor, counter: HostBytes, stream: Optional[Any]):
         self.device = tensor.device
         self.requires_grad = tensor.requires_grad
-        pinned = tensor.is_cuda
-        # A meta tensor's host copy is a meta tensor too: the planner's modelled step, where nothing is
-        # allocated anywhere.
-        host = "meta" if tensor.is_meta else "cpu"
-        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, device=host, pin_memory=pinned)
+        host = "meta" if tensor.is_meta else "cpu"  # the planner's modelled step allocates nothing anywhere
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, device=host, pin_memory=tensor.is_cuda)
         self.event = None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(tensor.device))
@@ -67,8 +53,7 @@ class _Offloaded:
     def back(self) -> torch.Tensor:
         if self.event is not None:
             self.event.synchronize()
-        # A copy even where host and device are one memory (CPU, meta): the recompute gets a tensor of its
-        # own on the device, as on a GPU, so a CPU step holds what a GPU step holds (the planner's checks).
+        # A copy even where host and device are one memory: a CPU step holds what a GPU step holds (the planner).
         return self.host.to(self.device, non_blocking=self.host.is_pinned(), copy=True)
 
 
@@ -88,8 +73,7 @@ class CheckpointOffload:
 
     layers: Sequence[nn.Module]
     host_bytes: HostBytes = field(default_factory=HostBytes)
-    # Called with each host copy as it is made: a memory tracker counts it as host memory, apart from the
-    # device's (on a CPU step both are the same memory; ``tiled_mlp/planner/timeline.py``).
+    # Called with each host copy as it is made: a memory tracker counts it apart from the device's.
     on_host_copy: Optional[Callable[[torch.Tensor], None]] = None
     _handles: List[Any] = field(default_factory=list)
     _calls: Dict[int, List[_LayerCall]] = field(default_factory=dict)
@@ -105,7 +89,6 @@ class CheckpointOffload:
             handle.remove()
         self._handles.clear()
 
-    # -- around each layer call ------------------------------------------------------------------------
     def _enter(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         calls = self._calls.setdefault(id(layer), [])
         tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -121,11 +104,8 @@ class CheckpointOffload:
         call = self._calls[id(layer)].pop()
         if call.context is not None:
             call.context.__exit__(None, None, None)
-        # Autograd keeps the pack hook (and so ``call``) with each tensor it saved: the input must not be
-        # held from here, or offloading would free nothing. The context holds the pack hook, which holds
-        # ``call``: a reference cycle that kept the host copy alive after the backward, until Python's cyclic
-        # collector ran (step after step piled up with gc off). Broken here: the saved tensor alone holds the
-        # copy from now on, and it is freed with the graph.
+        # Autograd keeps the pack hook (and so ``call``) with each tensor it saved: holding the input from here
+        # would free nothing, and the context -> hook -> call cycle would keep the host copy until gc ran.
         call.tensor = call.offloaded = call.context = None
 
     def _pack(self, call: _LayerCall, tensor: torch.Tensor) -> Any:
@@ -146,11 +126,8 @@ class CheckpointOffload:
 
 
 def _same_memory(tensor: torch.Tensor, layer_input: Optional[torch.Tensor]) -> bool:
-    """``tensor`` is the layer's input, or an alias of it over the same memory (same values): a forward
-    pre-hook registered after the offload's may replace the input so, and the checkpoint saves that alias
-    (ZeRO-3's, when ``deepspeed.initialize`` comes after the offload: ``input.detach()`` through its
-    post-backward function). Plain tensors with memory only (a wrapper subclass has no data pointer, a
-    meta tensor's says nothing)."""
+    """``tensor`` is the layer's input, or an alias of it over the same memory: a pre-hook registered later may
+    replace the input so (ZeRO-3's ``input.detach()``), and the checkpoint saves that alias."""
     if tensor is layer_input:
         return True
     if type(tensor) is not torch.Tensor or type(layer_input) is not torch.Tensor or tensor.is_meta:

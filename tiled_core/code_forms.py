@@ -1,10 +1,7 @@
-"""Is a function exactly a given body of code? Decided by its bytecode, not by running it.
-
-A numeric probe cannot prove a forward computes a formula (a clamp random inputs never reach, a branch on
-grad mode, a factor within bf16's tolerance of 1). ``matches(fn, form)`` compiles the form's body on the running
-interpreter with ``fn``'s argument name and docstring and compares the code objects field by field: a patched,
-wrapped or edited forward is other code. What the code reads through ``self`` is checked by the caller
-(``gated_forms``); the module globals it names, by ``globals_hold``.
+"""Is a function exactly a given body of code? Decided by its bytecode, never by running it: a numeric probe
+cannot prove that a forward computes a formula (a clamp random inputs never reach, a branch on grad mode).
+The body is compiled on the running interpreter with the function's argument name and docstring, and the
+code objects are compared field by field; the module globals the body names are checked by ``globals_hold``.
 """
 from __future__ import annotations
 
@@ -12,14 +9,12 @@ import functools
 import inspect
 import types
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 _COMPARED = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_posonlyargcount",
              "co_kwonlyargcount", "co_freevars", "co_cellvars")
-# The flags of what kind of code it is (optimized, generator, varargs, ...). Not compared: the
-# ``__future__`` bits above them (how the module was compiled: ``from __future__ import annotations``)
-# and CO_NESTED (a class defined inside a function), which say where the code was written, not what
-# the body does.
+# The flags of what kind of code it is, without the ``__future__`` bits and CO_NESTED: those say where the
+# code was written, not what it does.
 _KIND_FLAGS = 0xFFFF & ~inspect.CO_NESTED
 
 
@@ -32,8 +27,6 @@ class CodeForm:
     body: str
     globals: Mapping[str, Any] = field(default_factory=dict)
 
-    # Each global's path split once (``globals_hold`` reads them at every call that relies on a match); a
-    # form is not changed once used, as the match cache below also assumes.
     @functools.cached_property
     def global_paths(self) -> Tuple[Tuple[str, Tuple[str, ...], Any], ...]:
         return tuple((head, tuple(attrs), obj) for path, obj in self.globals.items()
@@ -61,9 +54,8 @@ def check_body(form: CodeForm) -> None:
         raise ValueError(f"not a method body ({{x}} standing for its argument): {form.body!r}: {error.msg}") from None
 
 
-# (code, form) -> whether the code is the form's. Keyed on the code object, which is immutable: a
-# forward whose ``__code__`` is replaced (IPython's autoreload does it) is checked again. Both are kept
-# alive by the entry, so their ids cannot be reused; the table is cleared past a bound.
+# (id of code, id of form) -> (code, form, whether the code is the form's): both kept alive by the entry, so
+# no id is reused; a forward whose ``__code__`` is replaced (IPython's autoreload) is checked again.
 _CACHE: Dict[Tuple[int, int], Tuple[types.CodeType, CodeForm, bool]] = {}
 _CACHE_LIMIT = 4096
 _MISSING = object()
@@ -79,8 +71,7 @@ def matches(fn: Any, form: CodeForm) -> bool:
     if cached is None or cached[0] is not code or cached[1] is not form:
         if len(_CACHE) >= _CACHE_LIMIT:
             _CACHE.clear()
-        cached = (code, form, same_code(code, form, fn.__doc__))
-        _CACHE[key] = cached
+        cached = _CACHE[key] = (code, form, same_code(code, form, fn.__doc__))
     return cached[2] and globals_hold(fn, form)
 
 
@@ -97,19 +88,27 @@ def same_code(code: types.CodeType, form: CodeForm, doc: Optional[str]) -> bool:
             and code.co_flags & _KIND_FLAGS == want.co_flags & _KIND_FLAGS)
 
 
-def _path_holds(module_globals: dict, head: str, attrs: Tuple[str, ...], obj: Any) -> bool:
-    value = module_globals.get(head, _MISSING)
-    for attr in attrs:
-        value = getattr(value, attr, _MISSING)
-    return value is obj
-
-
 def globals_hold(fn: types.FunctionType, form: CodeForm) -> bool:
-    """Whether the module globals ``fn`` reads are still the objects ``form`` names. Read again wherever a
-    match is relied on: a module's globals, or a function of a module, can be rebound after the code was
-    checked."""
-    module_globals = fn.__globals__
+    """Whether the module globals ``fn`` reads are still the objects ``form`` names (rebindable after the match)."""
     for head, attrs, obj in form.global_paths:
-        if not _path_holds(module_globals, head, attrs, obj):
+        value = fn.__globals__.get(head, _MISSING)
+        for attr in attrs:
+            value = getattr(value, attr, _MISSING)
+        if value is not obj:
             return False
     return True
+
+
+def replace_body(table: List[Tuple[CodeForm, Any]], body: CodeForm, value: Any = None) -> None:
+    """Withdraw ``body`` (an equal one) from a registry of bodies, then register it with ``value`` if given."""
+    table[:] = [(known, known_value) for known, known_value in table if known != body]
+    if value is not None:
+        table.append((body, value))
+
+
+def first_match(table: List[Tuple[CodeForm, Any]], fn: Any) -> Tuple[Optional[CodeForm], Any]:
+    """The first registered body ``fn``'s code is, and its value; (None, None) when none."""
+    for body, value in table:
+        if matches(fn, body):
+            return body, value
+    return None, None

@@ -1,11 +1,7 @@
-"""What a tiled module's call becomes when ``torch.compile`` traces it.
-
-Dynamo cannot trace the eager tiled call (its shard loop and checks run Python), so the eager call's own
-decision (``decide_map_call``, on a stand-in input of the traced input's shape, dtype and device) runs once
-where the call is traced and picks a route: ``untiled`` (the module's own forward), ``gated_op`` or
-``norm_op`` (one custom op of ``ops/``), or ``eager`` (the eager call behind one graph break, the reason in
-``module.tiling.compiled_reason``). Which calls take which route, and what the graph rests on:
-docs/compile.md.
+"""What a tiled module's call becomes when ``torch.compile`` traces it: the eager call's own decision, run
+once where the call is traced on a stand-in input, picks ``untiled`` (the module's own forward), ``gated_op``
+or ``norm_op`` (one custom op of ``ops/``), or ``eager`` (the eager call behind one graph break, the reason in
+``module.tiling.compiled_reason``). docs/compile.md.
 """
 from __future__ import annotations
 
@@ -32,22 +28,15 @@ _OP_KERNELS = {GATED_OP: "fast", NORM_OP: "norm"}
 
 @dataclass(frozen=True)
 class CompiledRoute:
-    """What a traced call runs (``kind``), why, and for the gated op everything it is given besides
-    the input: its parameters by name on the module, their layout, the activation, the shard count; for
-    the norm op, its weight by name and the formula's plain values (``kernels.rms_norm.NormLayout``)."""
+    """What a traced call runs (``kind``) and why; for an op, its parameters by name on the module and the
+    op's arguments between them and the shard count (the gated layout and activation, the norm's formula)."""
 
     kind: str
     reason: str
     num_shards: int = 1
     param_names: Tuple[str, ...] = ()
-    slots: Tuple[int, ...] = ()
-    scales: Tuple[float, ...] = ()
-    activation: str = ""
-    use_fused: bool = False
+    op_args: Tuple[Any, ...] = ()
     accum_dtype: Optional[torch.dtype] = None
-    norm_eps: float = 0.0
-    norm_offset: float = 0.0
-    norm_multiply: str = ""
 
 
 def _eager_route(reason: str) -> CompiledRoute:
@@ -85,15 +74,14 @@ def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...]
     if any(id(p) not in names for p in kernel.params):
         return _eager_route("a parameter the kernel reads is not the module's own")
     assert decision.num_shards is not None, "a decision with a kernel has a shard count"
+    param_names = tuple(names[id(p)] for p in kernel.params)
+    layout = kernel.layout
     if decision.kernel_name == "norm":
-        layout = kernel.layout
         return CompiledRoute(NORM_OP, f"{decision.reason} (traced as one op, tiled_mlp::rms_norm)", decision.num_shards,
-                             (names[id(kernel.params[0])],), accum_dtype=state.grad_accum_dtype, norm_eps=layout.eps,
-                             norm_offset=layout.offset, norm_multiply=layout.multiply)
-    slots, scales = kernel.layout.as_args()
+                             param_names, (layout.eps, layout.offset, layout.multiply), state.grad_accum_dtype)
     return CompiledRoute(GATED_OP, f"{decision.reason} (traced as one op, tiled_mlp::gated_mlp)", decision.num_shards,
-                         tuple(names[id(p)] for p in kernel.params), tuple(slots), tuple(scales),
-                         kernel.activation.name, state.use_fused_kernel, state.grad_accum_dtype)
+                         param_names, (layout.slots, layout.scales, kernel.activation.name, state.use_fused_kernel),
+                         state.grad_accum_dtype)
 
 
 @dynamo_support.decided_where_traced
@@ -126,20 +114,13 @@ def _eager_call(module: nn.Module, reason: str, args: Sequence[Any], kwargs: dic
     return module._tiled_forward(*args, **kwargs)  # type: ignore[operator]  # TiledMLP's
 
 
-def _hook_counts(module: nn.Module) -> Tuple[int, ...]:
-    """How many hooks each of ``module``'s modules carries (a hook on a projection rules the fast kernel out)."""
-    return tuple(hook_count(m) for m in module.modules())
-
-
 def _watched(module: nn.Module) -> Tuple[Any, ...]:
-    """What the route rests on besides the module and the input, read in traced code so that Dynamo guards
-    on each: the tiling's settings, whether a forward was put on the instance, the class's forward, the
-    activation's class, the hooks on every submodule."""
+    """What the route rests on besides the module and the input, read in traced code so that Dynamo guards on each."""
     state = tiling_of(module)
     return (state.path, state.num_shards, state.grad_accum_dtype, state.use_fused_kernel,
             state.instance_forward is None, vars(module).get("forward") is None,
             type(module)._tiled_base.forward, type(getattr(module, "act_fn", None)),  # type: ignore[attr-defined]
-            _hook_counts(module))
+            tuple(hook_count(m) for m in module.modules()))
 
 
 def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
@@ -149,20 +130,15 @@ def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], 
     if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
         return _eager_call(module, "the call passes keyword arguments or more than the hidden states", args, kwargs)
     x = args[0]
-    if default_inputs:
-        # The eager call's input checks (``tiled_call``), traced: an input it refuses is refused compiled too (the op
-        # would flatten a 1-D input into one token). A module with inputs of its own checks them in its eager call.
+    if default_inputs:  # the eager call's input checks, traced (the op would flatten a 1-D input into one token)
         check_input(x, module)
-    # Symbolic sizes (dynamic shapes) cannot be a constant's argument: each is specialized, so a new length
-    # traces the call again (``dynamo_support._specialized``).
     route = _traced_route(module, default_inputs, _watched(module), tuple(x.shape), x.dtype, x.device)
     if route.kind == UNTILED:
         return type(module)._tiled_base.forward(module, x)  # type: ignore[attr-defined]
     if route.kind == GATED_OP:
-        tensors = [_param(module, name) for name in route.param_names]
-        return gated_mlp(x, tensors, list(route.slots), list(route.scales), route.activation, route.use_fused,
-                         route.num_shards, route.accum_dtype)
+        slots, scales, activation, use_fused = route.op_args
+        return gated_mlp(x, [_param(module, name) for name in route.param_names], list(slots), list(scales),
+                         activation, use_fused, route.num_shards, route.accum_dtype)
     if route.kind == NORM_OP:
-        return rms_norm(x, _param(module, route.param_names[0]), route.norm_eps, route.norm_offset, route.norm_multiply,
-                        route.num_shards, route.accum_dtype)
+        return rms_norm(x, _param(module, route.param_names[0]), *route.op_args, route.num_shards, route.accum_dtype)
     return _eager_call(module, "", (x,), {})

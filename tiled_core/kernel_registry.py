@@ -1,10 +1,6 @@
-"""The kernel registry: which per-shard kernel a tiled call runs.
-
-A call asks the registered kernels of its shape (``"map"``: a token-wise module; ``"reduce"``: the loss) in
-priority order whether they apply (``why_not``: "" or why not) and runs the first that does; every refusal
-before it goes into ``tiling.last_reason``. The last built-in of each shape always applies. A choice is
-remembered with the call's plan where every kernel asked answers per plan (``Kernel.answers_per_plan``); every
-built kernel's declared tensors are checked against what the module trains (``check_declared_tensors``).
+"""The kernel registry: which per-shard kernel a tiled call runs. A call asks the kernels of its shape in
+priority order (``why_not``: "" or why not) and runs the first that applies; every refusal before it goes into
+``tiling.last_reason``. Every built kernel's declared tensors are checked against what the module trains.
 docs/architecture.md, "Adding a kernel".
 """
 from __future__ import annotations
@@ -22,6 +18,7 @@ MAP = "map"
 REDUCE = "reduce"
 SHAPES = (MAP, REDUCE)
 DEFAULT_PRIORITY = 100
+TOKEN_INPUTS_DECLINED = "the call has other sharded inputs besides the hidden states"
 
 
 @dataclass(slots=True)
@@ -33,25 +30,19 @@ class KernelCall:
     x: torch.Tensor  # the hidden states, ``[..., tokens, hidden]``
     strategy: Any  # the call's ``Strategy``
     trainable: Sequence[torch.Tensor]  # the parameters the backend trains: the ones owed a gradient
-    # map: what one shard of the module runs (its own forward, without its hooks), and the other
-    # sharded inputs (``[tokens, ...]``), passed after the hidden states.
+    # map: what one shard runs (the module's forward, without its hooks), and other sharded ``[tokens, ...]`` inputs.
     shard_forward: Optional[Callable[..., torch.Tensor]] = None
     token_inputs: Sequence[torch.Tensor] = ()
-    # reduce: the loss's options (``kernels.cross_entropy.CrossEntropyOptions``).
-    options: Any = None
-    # reduce: this rank's slice of a head whose vocabulary is split over ranks
-    # (``kernels.vocab_parallel.VocabSlice``); None: the head's vocabulary is whole here.
-    vocab_slice: Any = None
-    # map: the module's call plan (``call_plan.CallPlan``), valid while nothing the call rests on
-    # changes; a kernel may keep what it derives from the module in ``cache.kernel_cache[name]``, and
-    # add a guard on anything else its answer read (``cache.add_guards``).
+    options: Any = None  # reduce: the loss's ``CrossEntropyOptions``
+    vocab_slice: Any = None  # reduce: this rank's ``VocabSlice`` of a head split over ranks; None: whole here
+    # map: the module's call plan; a kernel may keep what it derives from the module in
+    # ``cache.kernel_cache[name]``, and guard anything else its answer read (``cache.add_guards``).
     cache: Any = None
 
 
 class Kernel:
-    """A registered kernel. Give it a ``name`` and a ``shape``; ``why_not`` says whether it applies
-    (""), else why not, and is asked at every call (cache what rests on the module in
-    ``call.cache``); ``build`` makes the per-shard kernel for the call it applies to."""
+    """A registered kernel: ``why_not`` ("" where it applies) is asked at every call, ``build`` makes the
+    per-shard kernel for a call it applies to."""
 
     name: str = ""
     shape: str = MAP
@@ -91,20 +82,19 @@ class KernelChoice:
 
 _REGISTERED: Dict[str, Tuple[int, int, Kernel]] = {}  # name -> (priority, registration order, kernel)
 _ORDERED: Dict[str, Tuple[Kernel, ...]] = {shape: () for shape in SHAPES}
-_COUNTER = [0]
 # Counts registrations and removals: a choice remembered with a plan holds only for the kernels it was made among.
 _GENERATION = [0]
 
 
-def _reorder() -> None:
+def _changed() -> None:
+    _GENERATION[0] += 1
     for shape in SHAPES:
         entries = sorted((v for v in _REGISTERED.values() if v[2].shape == shape), key=lambda v: (-v[0], v[1]))
         _ORDERED[shape] = tuple(kernel for _, _, kernel in entries)
 
 
 class ShardKernelEntry(Kernel):
-    """The registry entry of a ``ShardKernel`` subclass registered as it is: asked through its ``why_not``,
-    built from the module (``Cls(module)``)."""
+    """The entry of a ``ShardKernel`` subclass registered as it is: built as ``Cls(module)``."""
 
     def __init__(self, kernel_class: Type[ShardKernel]):
         self.kernel_class = kernel_class
@@ -112,7 +102,7 @@ class ShardKernelEntry(Kernel):
 
     def why_not(self, call: KernelCall) -> str:
         if call.token_inputs:
-            return "the call has other sharded inputs besides the hidden states"
+            return TOKEN_INPUTS_DECLINED
         return self.kernel_class.why_not(call)
 
     def build(self, call: KernelCall) -> ShardKernel:
@@ -136,10 +126,8 @@ def register_kernel(kernel: Union[Kernel, Type[ShardKernel]], *, priority: int =
         raise TypeError(f"priority must be an int, got {priority!r}")
     if kernel.name in _REGISTERED and not override:
         raise ValueError(f"a kernel named {kernel.name!r} is registered already; pass override=True to replace it")
-    _COUNTER[0] += 1
-    _REGISTERED[kernel.name] = (priority, _COUNTER[0], kernel)
-    _reorder()
-    _GENERATION[0] += 1
+    _REGISTERED[kernel.name] = (priority, _GENERATION[0], kernel)
+    _changed()
     return kernel
 
 
@@ -148,8 +136,7 @@ def unregister_kernel(name: str) -> None:
     if name not in _REGISTERED:
         raise KeyError(f"no kernel named {name!r}; registered: {available_kernels()}")
     del _REGISTERED[name]
-    _reorder()
-    _GENERATION[0] += 1
+    _changed()
 
 
 def available_kernels(shape: Optional[str] = None) -> List[str]:
@@ -158,16 +145,12 @@ def available_kernels(shape: Optional[str] = None) -> List[str]:
     return [kernel.name for s in shapes for kernel in _ORDERED[s]]
 
 
-def _choice_key(shape: str, only: Optional[str], x: torch.Tensor, token_inputs: Sequence[torch.Tensor]) -> tuple:
-    return (_GENERATION[0], shape, only, x.dim(), not token_inputs)
-
-
 def choose_kernel(shape: str, call: KernelCall, only: Optional[str] = None) -> KernelChoice:
     """The first kernel of ``shape`` that applies to ``call`` (only the one named ``only``, when given:
     the others decline as not asked for), built for it; remembered with the call's plan where it may (see
     the module doc)."""
     plan = call.cache
-    key = None if plan is None else _choice_key(shape, only, call.x, call.token_inputs)
+    key = None if plan is None else (_GENERATION[0], shape, only, call.x.dim(), not call.token_inputs)
     declined: List[Tuple[str, str]] = []
     per_plan = key is not None
     for entry in _ORDERED[shape]:

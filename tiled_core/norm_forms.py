@@ -1,20 +1,10 @@
-"""Which forwards compute an RMSNorm, and how: proven by what the forward *is*, never by running it.
-
-The norm kernel (``kernels/rms_norm.py``) stands in for a module's forward only where that forward's
-bytecode is a registered body (``code_forms``): the body is registered with the ``NormForm`` it
-computes, by whoever knows a library's text (``tiled_mlp.integrations.hf_forms``); the core knows
-none. A body may call methods of its own class (Gemma's ``self._norm``): each is proven the same way,
-by its own registered body (``NormForm.helpers``).
-
-A ``NormForm`` says the formula, in the dtypes the body computes it:
+"""Which forwards compute an RMSNorm, and how: proven by what the forward *is* (a registered body,
+``code_forms``), never by running it. A body may call methods of its own class (Gemma's ``self._norm``):
+each is proven by its own registered body (``NormForm.helpers``). The formula, in the body's dtypes:
 
     n = x.to(float32) * rsqrt(x.to(float32).pow(2).mean(-1, keepdim=True) + eps)
     MULTIPLY_IN_INPUT_DTYPE:  y = (offset + w) * n.to(x.dtype)            (Llama: offset 0)
     MULTIPLY_IN_FLOAT32:      y = (n * (offset + w.float())).to(x.dtype)   (Gemma: offset 1)
-
-What the body reads through ``self`` is checked on the module (``norm_spec``): the weight a Parameter
-of the module's own (1-D), eps a plain float in the instance, no class attribute or custom lookup that
-could answer those reads instead, no submodule (so no hook that a shard would have to run).
 """
 from __future__ import annotations
 
@@ -25,7 +15,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .code_forms import CodeForm, check_body, matches
+from .code_forms import CodeForm, check_body, first_match, matches, replace_body
 from .gated_forms import shadowed
 
 MULTIPLY_IN_INPUT_DTYPE = "input_dtype"  # ``weight * normed.to(input_dtype)``: the output in promote(w, x)
@@ -35,9 +25,8 @@ MULTIPLIES = (MULTIPLY_IN_INPUT_DTYPE, MULTIPLY_IN_FLOAT32)
 
 @dataclass(frozen=True)
 class NormForm:
-    """Where an RMSNorm keeps its weight and eps (attribute names), the constant added to the weight
-    (Gemma's ``1 + w``), the dtype the weight multiplies in, and the methods of its class the body
-    calls on ``self`` (name, the body each must have)."""
+    """Where an RMSNorm keeps its weight and eps (attribute names), the constant added to the weight, the
+    dtype the weight multiplies in, and the methods of its class the body calls on ``self`` (name, body)."""
 
     weight: str = "weight"
     eps: str = "variance_epsilon"
@@ -47,23 +36,31 @@ class NormForm:
 
 
 @dataclass(frozen=True)
+class NormLayout:
+    """The formula's plain values (a custom op carries them as arguments, ``ops/rms_norm.py``)."""
+
+    eps: float
+    offset: float = 0.0
+    multiply: str = MULTIPLY_IN_INPUT_DTYPE
+
+    def __post_init__(self) -> None:
+        if self.multiply not in MULTIPLIES:
+            raise ValueError(f"a norm multiplies in one of {MULTIPLIES}, got {self.multiply!r}")
+
+    def output_dtype(self, x_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+        return torch.promote_types(weight_dtype, x_dtype) if self.multiply == MULTIPLY_IN_INPUT_DTYPE else x_dtype
+
+
+@dataclass(frozen=True)
 class NormSpec:
     """A proven norm: its weight (the module's own Parameter) and the formula's plain values."""
 
     weight: torch.Tensor
-    eps: float
-    offset: float
-    multiply: str
+    layout: NormLayout
 
 
-# Forward bodies known to compute a form, in registration order (``register_norm_form``).
 _BODIES: List[Tuple[CodeForm, NormForm]] = []
-_GENERATION = [0]
-
-
-def norm_generation() -> int:
-    """Counts changes to the registry: a decision cached on a call plan keys on it."""
-    return _GENERATION[0]
+_GENERATION = [0]  # counts changes to the registry: the call plan keys on it
 
 
 def register_norm_form(body: CodeForm, form: NormForm) -> None:
@@ -84,24 +81,13 @@ def register_norm_form(body: CodeForm, form: NormForm) -> None:
         if not name.isidentifier():
             raise ValueError(f"a helper is named by a method name, got {name!r}")
         check_body(helper)
-    unregister_norm_form(body)
-    _BODIES.append((body, form))
-
-
-def unregister_norm_form(body: CodeForm) -> None:
-    """Withdraw ``register_norm_form(body, ...)`` (an equal body)."""
-    _BODIES[:] = [(known, form) for known, form in _BODIES if known != body]
+    replace_body(_BODIES, body, form)
     _GENERATION[0] += 1
 
 
-def known_norm_form(fn: Any) -> Optional[NormForm]:
-    """The form the plain function ``fn`` (a class's forward) is known to compute, or None."""
-    if fn is None:
-        return None
-    for body, form in _BODIES:
-        if matches(fn, body):
-            return form
-    return None
+def unregister_norm_form(body: CodeForm) -> None:
+    replace_body(_BODIES, body)
+    _GENERATION[0] += 1
 
 
 UNKNOWN_NORM = ("its forward is not one the norm kernel is known to compute (a registered RMSNorm body, "
@@ -111,7 +97,7 @@ UNKNOWN_NORM = ("its forward is not one the norm kernel is known to compute (a r
 def norm_spec(module: nn.Module, forward_fn: Optional[Any]) -> Tuple[Optional[NormSpec], str]:
     """(the spec, "") when ``forward_fn`` (what the module's forward runs, None: not a function of this
     module) provably computes a registered norm on this module's attributes, else (None, why not)."""
-    form = known_norm_form(forward_fn)
+    _, form = first_match(_BODIES, forward_fn)
     if form is None:
         return None, UNKNOWN_NORM
     if shadowed(module, (form.weight, form.eps)):
@@ -134,4 +120,4 @@ def norm_spec(module: nn.Module, forward_fn: Optional[Any]) -> Tuple[Optional[No
     eps = attributes.get(form.eps)
     if type(eps) is not float:
         return None, f"{form.eps} is not a plain float ({type(eps).__name__})"
-    return NormSpec(weight, eps, float(form.offset), form.multiply), ""
+    return NormSpec(weight, NormLayout(eps, float(form.offset), form.multiply)), ""

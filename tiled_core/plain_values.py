@@ -1,35 +1,9 @@
-"""The Python values a module tree's code may read from its attributes: what the generic path's backward
-recompute would read again.
-
-A tensor attribute has a version counter (``checks.TensorVersions``); a Python value does not. A
-``self.scale = 2.0`` rebound between a forward and its backward would silently be read anew by the
-recompute. So the values the forward could read are taken with the forward (``checks.PlainValues``)
-and compared when the backward starts.
-
-Which names: every name the code of the tree reads, taken together for the whole tree (a parent's
-forward may read ``self.down.out_scale``, a value held on its child): attribute loads and string
-constants (``getattr(self, "scale")``) in every method of each module's class and its bases
-(``nn.Module`` itself and this library's tiling classes excepted), in an instance ``forward``, and in
-the plain functions of the same source file those reach by a global name (a module-level helper
-called with ``self``), followed transitively. That keeps out what the code never reads but a backend changes between forward
-and backward (ZeRO-3 counts pending gradients in ``ds_grads_remaining`` on each module), what
-``__init__`` only stores, and ``nn.Module``'s own bookkeeping; ``training`` is kept where a class in the
-tree reads it (``Dropout``).
-
-Which values, of those names, in each module's ``__dict__``:
-
-- plain ones: an ``int``, ``float``, ``bool``, ``complex``, ``str`` (``GELU.approximate``), ``None`` (an
-  optional setting left unset, which a forward branches on), or a tuple of those, compared by value
-  (immutable, so holding the object holds its value);
-- any other object but a tensor or a module (those have their own checks), compared by identity: PEFT
-  holds the active adapter in a list that ``set_adapter`` rebinds. A list or dict changed in place is
-  not seen (seeing it would mean copying its contents at every call);
-- a name the code reads that the module did not have and has now (a setting created lazily).
-
-Not seen: a value read through another object (``self.config.scale``) or an attribute of an object
-held in a local variable, a class attribute, a name built at run time (``getattr(self, prefix + "x")``),
-code reached otherwise than by a global name of its own file (a helper imported from another file, a
-method of another object, a closure passed in).
+"""The Python values a module tree's code may read from its attributes, which the generic path's recompute
+would read again (strict mode only): a tensor has a version counter, a ``self.scale = 2.0`` rebound between
+forward and backward has none. The names are every attribute load and string constant in the code of the
+tree's classes (``nn.Module`` and this library's excepted), instance forwards, and the plain functions of the
+same source file they reach by a global name. Plain values are compared by value, other objects by identity
+(PEFT's active adapter list); a name that appears later is seen too. docs/architecture.md, "Strict mode".
 """
 from __future__ import annotations
 
@@ -115,46 +89,31 @@ def _function(value: Any) -> Optional[types.FunctionType]:
     return value if isinstance(value, types.FunctionType) else None
 
 
-class _NameCollector:
-    """The names read by a set of functions and the plain functions they reach by a global name."""
-
-    def __init__(self) -> None:
-        self.names: Set[str] = set()
-        self._seen: Set[types.CodeType] = set()
-
-    def add(self, function: Optional[types.FunctionType]) -> None:
-        pending = [function] if function is not None else []
-        while pending:
-            func = pending.pop()
-            code = func.__code__
-            if code in self._seen:
-                continue
-            self._seen.add(code)
-            names, globals_read = _code_names(code)
-            self.names |= names
-            for global_name in globals_read:
-                target = func.__globals__.get(global_name)
-                # Only within the same source module: a helper written beside the class, not a walk
-                # through every library function the code calls (they do not read the module's attributes).
-                if isinstance(target, types.FunctionType) and target.__module__ == func.__module__:
-                    pending.append(target)
-
-    def add_class(self, cls: type) -> None:
-        self.names |= _class_names(cls)
+def _class_functions(cls: type) -> List[Optional[types.FunctionType]]:
+    return [_function(function) for klass in cls.__mro__
+            if klass not in (nn.Module, object) and not klass.__module__.startswith(_OWN_PACKAGE)
+            for value in vars(klass).values()
+            for function in ((value.fget, value.fset) if isinstance(value, property) else (value,))]
 
 
-def _own_classes(cls: type) -> List[type]:
-    return [klass for klass in cls.__mro__
-            if klass not in (nn.Module, object) and not klass.__module__.startswith(_OWN_PACKAGE)]
-
-
-def _class_names(cls: type) -> FrozenSet[str]:
-    collector = _NameCollector()
-    for klass in _own_classes(cls):
-        for value in vars(klass).values():
-            for function in ((value.fget, value.fset) if isinstance(value, property) else (value,)):
-                collector.add(_function(function))
-    return frozenset(collector.names)
+def _names_read(functions: List[Optional[types.FunctionType]]) -> Set[str]:
+    """The names read by ``functions`` and by the plain functions of their own source module they reach by a
+    global name (a helper written beside the class; not every library function the code calls)."""
+    names: Set[str] = set()
+    seen: Set[types.CodeType] = set()
+    pending = [function for function in functions if function is not None]
+    while pending:
+        func = pending.pop()
+        if func.__code__ in seen:
+            continue
+        seen.add(func.__code__)
+        code_names, globals_read = _code_names(func.__code__)
+        names |= code_names
+        for global_name in globals_read:
+            target = func.__globals__.get(global_name)
+            if isinstance(target, types.FunctionType) and target.__module__ == func.__module__:
+                pending.append(target)
+    return names
 
 
 # (qualified name, the owning module's ``__dict__``, attribute, value, compared by identity)
@@ -186,18 +145,17 @@ def _read(names: FrozenSet[str], modules: List[Tuple[str, Dict[str, Any]]]) -> R
 
 
 def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> ReadValues:
-    """The values the code of ``module``'s tree may read. ``root_forward``: what ``module``'s forward runs
-    where it is not its class's (an instance forward). Read in strict mode only (``strict.py``): else none."""
+    """The values the code of ``module``'s tree may read (none outside strict mode). ``root_forward``: what
+    ``module``'s forward runs where it is not its class's."""
     if not _strict.ON:
         return ReadValues(frozenset(), [], [])
-    collector = _NameCollector()
+    functions: List[Optional[types.FunctionType]] = []
     classes: Set[type] = set()
     modules: List[Tuple[str, Dict[str, Any]]] = []
     for prefix, sub in module.named_modules():
-        d = sub.__dict__
-        modules.append((prefix, d))
+        modules.append((prefix, sub.__dict__))
         if type(sub) not in classes:
             classes.add(type(sub))
-            collector.add_class(type(sub))
-        collector.add(_function(root_forward if not prefix else d.get("forward")))
-    return _read(frozenset(collector.names) - _MODULE_BOOKKEEPING, modules)
+            functions += _class_functions(type(sub))
+        functions.append(_function(root_forward if not prefix else sub.__dict__.get("forward")))
+    return _read(frozenset(_names_read(functions)) - _MODULE_BOOKKEEPING, modules)

@@ -1,12 +1,7 @@
-"""Which tensors a piece of module code reads that it did not make itself.
-
-A module's forward can read tensors that are neither its input nor its registered parameters: a
-weight in a plain attribute or a closure, a tensor a hook adds, FiLM-style conditioning set from
-outside. Untiled, autograd gives them gradients. The tiled forward keeps no graph, so such a tensor
-must be found and made an input of the sharded Function, or its gradient would be lost silently; one
-without a gradient must still be the same, unchanged, when the backward recomputes. A
-``TorchFunctionMode`` sees every tensor argument of every torch call, which is exactly that data flow.
-"""
+"""Which tensors a piece of module code reads that it did not make itself (a weight in a plain attribute or a
+closure, conditioning set from outside): the tiled forward keeps no graph, so such a tensor must become an input
+of the sharded Function or its gradient is lost. A ``TorchFunctionMode`` sees every tensor argument of every
+torch call, which is exactly that data flow."""
 from __future__ import annotations
 
 import weakref
@@ -22,8 +17,7 @@ from .collectives import is_collective
 
 
 def _tensors(args, kwargs) -> Iterator[torch.Tensor]:
-    # One level of lists and tuples covers torch.cat/stack/einsum operands; deeper nesting does not
-    # occur in torch's signatures.
+    # One level of lists and tuples covers torch.cat/stack/einsum operands.
     for value in (*args, *(kwargs or {}).values()):
         if isinstance(value, torch.Tensor):
             yield value
@@ -34,8 +28,7 @@ def _tensors(args, kwargs) -> Iterator[torch.Tensor]:
 
 
 def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
-    """The tensors a wrapper tensor subclass holds (``__tensor_flatten__``, the subclass protocol; a
-    ``DTensor``'s local tensor), recursively; none for a plain tensor."""
+    """The tensors a wrapper tensor subclass holds (``__tensor_flatten__``: a ``DTensor``'s local tensor), recursively."""
     flatten = getattr(type(t), "__tensor_flatten__", None)
     if flatten is None:
         return []
@@ -48,19 +41,13 @@ def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
     return found
 
 
-class _TensorRef:
-    """A weak reference to one tensor, asked as a storage's is (``expired``)."""
-
-    __slots__ = ("_ref",)
-
-    def __init__(self, t: torch.Tensor):
-        self._ref = weakref.ref(t)
+class _TensorRef(weakref.ref):
+    """A weak reference to one tensor, asked as a storage's is."""
 
     def expired(self) -> bool:
-        return self._ref() is None
+        return self() is None
 
 
-# What the bounded wait polls: a storage's weak reference, or one tensor's.
 Released = Union[StorageWeakRef, _TensorRef]
 
 # Tensors that wrap no others: what most calls make, answered by type before any attribute is read.
@@ -68,8 +55,7 @@ _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def _storages(t: torch.Tensor) -> List[StorageWeakRef]:
-    """Weak references to the memory ``t`` holds: its own storage, or a wrapper subclass's inner tensors'
-    (a ``DTensor`` has none of its own)."""
+    """Weak references to the memory ``t`` holds: its own storage, or a wrapper subclass's inner tensors'."""
     found = []
     for plain in _inner_tensors(t) or [t]:
         try:
@@ -80,38 +66,26 @@ def _storages(t: torch.Tensor) -> List[StorageWeakRef]:
 
 
 class TensorReads(TorchFunctionMode):
-    """Records the tensors read by torch calls inside the ``with`` block that are not ``known``.
-
-    Args:
-        known: tensors the caller accounts for (the input, the parameters), compared by identity.
-        grad_only: record only tensors that require grad (what would lose a gradient); else every
-            tensor read (what the fast path would skip), with the tensors made inside excluded.
-        made_since: a tensor whose autograd node was created at or after this sequence number was made
-            inside the block (a recompute under autograd), not read from outside.
-        watch_kept: keep weak references to what the block makes, for ``kept``: in strict mode
-            (``strict.py``), or where ``parametrize.cached()`` is on (an adapter put on a parameter as a
-            parametrization: its cache would keep the first shard's weight); elsewhere ``kept`` finds nothing.
-    """
+    """Records the tensors read by torch calls inside the ``with`` block that are not ``known`` (by identity):
+    only those that require grad with ``grad_only``. ``made_since``: an autograd sequence number from which
+    tensors were made inside the block. ``watch_kept``: watch what the block makes for ``kept``, in strict mode
+    or where ``parametrize.cached()`` is on (its cache would keep the first shard's weight)."""
 
     def __init__(self, known: Iterable[torch.Tensor], grad_only: bool = True, made_since: Optional[int] = None,
                  watch_kept: bool = False):
         super().__init__()
         watched = watch_kept and (_strict.ON or parametrize._cache_enabled > 0)
         self._made_refs: Optional[List[weakref.ref]] = [] if watched else None
-        # Made tensors are held only where kept tensors are not asked about at all (their ids then stay unique).
-        self._hold_made = not watch_kept
+        self._hold_made = not watch_kept  # held where kept tensors are not asked about (their ids stay unique)
         known = list(known)
         self._known = {id(t) for t in known}
-        # Where kept tensors are watched, what a collective took or made in the block (``collectives.py``): the
-        # tensors' ids and their memory, by storage, with a description for an error (the memory of the known
-        # tensors, and of what they are views of, is never counted).
+        # Where kept tensors are watched, what a collective took or made in the block: ids, and memory by storage.
         self._collective_ids: set = set()
         self._collective_storages: Dict[int, Tuple[StorageWeakRef, str]] = {}
         self._collective_views: Dict[int, Tuple[_TensorRef, str]] = {}
         self._known_tensors = known
         self._grad_only = grad_only
         self._made_since = made_since
-        # Outputs are kept alive while the block runs, so their ids cannot be reused by a new tensor.
         self._made: List[torch.Tensor] = []
         self._made_ids: set = set()
         self.foreign: Dict[int, torch.Tensor] = {}
@@ -132,10 +106,8 @@ class TensorReads(TorchFunctionMode):
         return True
 
     def _wraps_made_tensors(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is a wrapper tensor subclass (``__tensor_flatten__``: a ``DTensor``, a collective's
-        pending result) around tensors made in the block. Such a wrapper is built by a constructor no
-        torch call hands back (``DTensor.from_local`` inside an autograd Function, a tensor-parallel hook),
-        so it is never among the calls' outputs; what it holds is, and that decides where it comes from."""
+        """Whether ``t`` wraps (``__tensor_flatten__``) tensors made in the block: a wrapper built by a constructor
+        no torch call hands back (``DTensor.from_local`` in a tensor-parallel hook) is never among the outputs."""
         flatten = getattr(type(t), "__tensor_flatten__", None)
         if flatten is None:
             return False
@@ -152,24 +124,20 @@ class TensorReads(TorchFunctionMode):
         input_ids = {id(t) for t in inputs}
         outputs = list(_tensors(out if isinstance(out, (list, tuple)) else (out,), None))
         made = [t for t in outputs if id(t) not in input_ids]
-        # What a made wrapper holds was made with it (a DTensor op's local result, made below this mode by
-        # the op's dispatch and read later through ``to_local``): never a tensor from outside.
+        # What a made wrapper holds was made with it (a DTensor op's local result): never a tensor from outside.
         inner = [i for t in made if type(t) not in _PLAIN_TYPES for i in _inner_tensors(t)]
         if self._made_refs is not None:
             # The inner tensors are watched too: a hook can keep a DTensor's local tensor alone.
             self._made_refs.extend(map(weakref.ref, made))
             self._made_refs.extend(map(weakref.ref, inner))
-        # Kept alive so that no id is reused, unless the block watches for kept tensors (then each must
-        # be free to die); a tensor that existed before the block never shares an id with one made inside
-        # it while both live, so a stale id can only be another one made inside. (Made tensors need a
-        # gradient too where the block runs with grad mode on: the generic forward in training.)
+        # Kept alive so that no id is reused, unless kept tensors are watched (then each must be free to die; a
+        # stale id can only be another tensor made inside).
         if self._hold_made:
             self._made.extend(made)
         self._made_ids.update(map(id, made))
         self._made_ids.update(map(id, inner))
         if self._made_refs is not None and is_collective(func):
-            # Only what was made in the block: a buffer or the call's input that a collective reads or
-            # writes in place existed before it, and outlives it by right.
+            # Only what was made in the block: a buffer or input a collective writes in place outlives it by right.
             self._record_collective([t for t in (*inputs, *outputs) if id(t) in self._made_ids])
         return out
 
@@ -177,8 +145,7 @@ class TensorReads(TorchFunctionMode):
         for t in tensors:
             self._collective_ids.add(id(t))
             if t._base is not None and id(t._base) not in self._made_ids:
-                # A view made here of memory from before the block (the call's input): the memory outlives the
-                # block by right, the view must not.
+                # A view made here of older memory (the call's input): the memory outlives the block, the view must not.
                 self._collective_views.setdefault(id(t), (_TensorRef(t), f"{describe([t])} a collective took"))
                 continue
             for storage in _storages(t):
@@ -189,9 +156,8 @@ class TensorReads(TorchFunctionMode):
         return list(self.foreign.values())
 
     def kept(self, expected: Iterable[torch.Tensor] = ()) -> List[torch.Tensor]:
-        """Tensors made inside the block that are still alive, besides ``expected`` and their views:
-        something (a hook, the forward itself) kept them, e.g. an activation stashed for a loss; or, for one
-        a collective took or made (``held_by_collective``), its communication backend, for a moment."""
+        """Tensors made inside the block still alive, besides ``expected`` and their views: something kept them (a
+        hook stashing an activation), or a collective's backend holds them for a moment (``held_by_collective``)."""
         allowed = {id(t) for t in expected}
         # Views of the weights (an expert's slice ``w[e]``) hold no activation; torch may keep them alive.
         bases = {id(t._base) for t in expected if t._base is not None} | allowed | self._known
@@ -204,16 +170,14 @@ class TensorReads(TorchFunctionMode):
         return list(alive.values())
 
     def held_by_collective(self, t: torch.Tensor) -> bool:
-        """Whether ``t``, made in the block and alive, is a tensor a collective took or made. (An id is
-        recorded while its tensor lives; one reused by a later tensor can only make the caller wait for that
-        tensor too, never let one go unchecked.)"""
+        """Whether ``t``, made in the block and alive, is a tensor a collective took or made (a reused id can only
+        make the caller wait for that tensor too)."""
         return id(t) in self._collective_ids
 
     def collective_memory(self, expected: Iterable[torch.Tensor] = ()) -> List[Tuple[Released, str]]:
-        """The memory a collective in the block took or made that is still alive, besides that of ``expected``
-        and of the known tensors, and the views of older memory it took that are still alive: the backend holds
-        them for a moment, or something kept them (the tensor itself, or a view of it, such as
-        ``AsyncCollectiveTensor.wait()``'s, which no torch function mode is handed)."""
+        """The memory a collective in the block took or made that is still alive (besides ``expected``'s and the
+        known tensors'), and the views of older memory it took: the backend holds them for a moment, or something
+        kept them (a view such as ``AsyncCollectiveTensor.wait()``'s, which no torch function mode is handed)."""
         if not self._collective_storages and not self._collective_views:
             return []
         expected = list(expected)

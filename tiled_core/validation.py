@@ -1,7 +1,7 @@
 """Input checks made before any work, so a bad call changes no state."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -14,22 +14,12 @@ def expected_hidden_size(module: nn.Module) -> Optional[int]:
     """The input feature count the module needs, when it can be known without running it: not where the
     projection's weight is distributed (a DTensor, read through its ``placements``), whose own hooks decide what
     input it takes (``ColwiseParallel(input_layouts=Shard(-1))`` takes each rank's slice of ``in_features``)."""
-    projection = module if isinstance(module, nn.Linear) else _first_input_projection(module)
-    if projection is None:
-        return None
+    candidates = [module] if isinstance(module, nn.Linear) else (getattr(module, name, None) for name in INPUT_PROJECTIONS)
+    projection = next((c for c in candidates if isinstance(getattr(c, "in_features", None), int)), None)
     weight = getattr(projection, "_parameters", {}).get("weight")
-    if getattr(weight, "placements", None) is not None:
+    if projection is None or getattr(weight, "placements", None) is not None:
         return None
     return projection.in_features
-
-
-def _first_input_projection(module: nn.Module) -> Optional[Any]:
-    """The first of ``INPUT_PROJECTIONS`` the module has whose ``in_features`` is an int."""
-    for name in INPUT_PROJECTIONS:
-        candidate = getattr(module, name, None)
-        if isinstance(getattr(candidate, "in_features", None), int):
-            return candidate
-    return None
 
 
 def check_input(x, module: Optional[nn.Module]) -> None:

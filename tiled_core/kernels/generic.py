@@ -1,9 +1,5 @@
-"""Generic per-shard kernel: any token-wise module, recomputed with autograd in backward.
-
-Gradients are taken with ``torch.autograd.grad`` for the shard input and for the Function's tensors
-that need one (the trainable parameters, and any other tensor the forward was found to read), so
-LoRA adapters and partially frozen modules work with no list of weight names.
-"""
+"""Generic per-shard kernel: any token-wise module, recomputed with autograd in backward, its gradients
+taken with ``torch.autograd.grad`` for whichever of the Function's tensors need one (LoRA, frozen parts)."""
 from __future__ import annotations
 
 import contextlib
@@ -43,21 +39,13 @@ EXTERNAL_TENSOR_ERROR = (
 
 @dataclass(frozen=True)
 class GenericLayout:
-    """What the generic kernel reads of the module's structure. Built once per call plan, whose key
-    covers every submodule's parameters and hooks (``tiled_call.py``'s plan), not at every call."""
+    """What the generic kernel reads of the module's structure, once per call plan (whose key covers every
+    submodule's parameters and hooks, and in strict mode every attribute by identity)."""
 
-    # For each parameter the Function takes, every (owner module, attribute) that holds it (tied
-    # weights: several).
-    slots: List[List[Tuple[nn.Module, str]]]
-    # Every parameter the module owns, trained or not: never mistaken for another tensor it reads.
-    owned_params: List[torch.Tensor]
-    # The submodule hooks the forward runs with; the recompute must run the same ones.
-    hooks: List[str]
-    # The values (``self.scale = 2.0``, PEFT's active adapter list) the module tree's code may read, which
-    # the recompute must find unchanged. Taken with the layout, not at every call: the plan's key names
-    # every attribute of every submodule by identity, so while the plan is used, each call starts with
-    # these very objects.
-    plain_values: PlainValues
+    slots: List[List[Tuple[nn.Module, str]]]  # per parameter, every (owner, attribute) holding it (tied: several)
+    owned_params: List[torch.Tensor]  # trained or not: never mistaken for another tensor the forward reads
+    hooks: List[str]  # the submodule hooks the forward runs with; the recompute must run the same ones
+    plain_values: PlainValues  # what the recompute must find unchanged (``self.scale``, PEFT's active adapter)
 
 
 def generic_layout(module: nn.Module, params: Sequence[torch.Tensor], hooks: List[str],
@@ -72,60 +60,31 @@ def generic_layout(module: nn.Module, params: Sequence[torch.Tensor], hooks: Lis
                          PlainValues(snapshot(module, instance_forward)))
 
 
-def _detached(tensor: torch.Tensor) -> torch.Tensor:
-    # Not the tensor itself: an op that saves its own output (tanh, relu) would then hold it through its
-    # own graph, a reference cycle that outlives the shard until the garbage collector runs.
-    return tensor.detach()
-
-
 def _same(packed: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def _kept_as_they_are():
-    """Saved tensors packed as plain aliases: no outer hook sees the transient graph of a forward shard,
-    which never runs backward."""
-    return torch.autograd.graph.saved_tensors_hooks(_detached, _same)
-
-
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-
-
 class GenericShardKernel(ShardKernel):
     name = "generic"
-    # Any forward: it may read tensors besides its parameters, which the sharded Function finds.
     may_read_other_tensors = True
-    # The module's parameter slots hold the Function's tensors around the recompute (``using``).
     substitutes_tensors = True
-    # ``runs_on_local_view`` is set per call where the strategy's local view runs the module's own forward on
-    # local tensors (``builtin_kernels.GenericEntry``); a forward may draw random numbers (dropout): replayed.
 
     def __init__(self, forward_fn: Callable, module_name: str, params: List[torch.Tensor], shard_prefix: tuple,
                  layout: GenericLayout, current_hooks: Callable[[], List[str]], grad_mode: bool = True,
                  token_inputs: Sequence[torch.Tensor] = ()):
         self.forward_fn = forward_fn
-        # Other sharded inputs, any dtype (a MoE block's expert indices and routing weights), each
-        # ``[tokens, ...]``: sliced like x and passed after it. Read from outside the shard, they are found
-        # by the sharded Function as any other tensor the forward reads: one that needs a gradient
-        # becomes an input of the Function (its gradient flows back), the others are held unchanged.
+        # Other sharded inputs (a MoE block's routing), sliced like x; found as any other tensor the forward reads.
         self.token_inputs = tuple(token_inputs)
-        # The forward shards run in the caller's grad mode, as the module would untiled: a forward that
-        # branches on ``torch.is_grad_enabled()`` must compute in the forward what its recompute does.
-        self.grad_mode = grad_mode
+        self.grad_mode = grad_mode  # the caller's: a forward branching on it computes what its recompute does
         self._forward_reads: Optional[TensorVersions] = None
         self.module_name = module_name
         self.params = params
         self.owned_params = layout.owned_params
         self._layout = layout
         self._current_hooks = current_hooks  # read again in backward, against the forward's
-        # The values the shards' forwards computed with, compared again in backward: the layout's, or
-        # those the first shard left where it changed one (``_first_shard_again``).
-        self._plain_values = layout.plain_values
+        self._plain_values = layout.plain_values  # or those the first shard left (``_first_shard_again``)
         self._first_shard_done = False
-        # Leading singleton dims so each shard has the rank of the caller's input: modules that
-        # reshape a [batch, seq, hidden] input themselves (MoE blocks) keep working.
-        self.shard_prefix = shard_prefix
+        self.shard_prefix = shard_prefix  # leading 1s: each shard has the rank of the caller's input (MoE blocks)
         self._reads_checked = False
 
     def _run(self, x_shard: torch.Tensor, shard: Optional[slice]) -> torch.Tensor:
@@ -150,11 +109,9 @@ class GenericShardKernel(ShardKernel):
 
     def forward_into(self, x_shard: torch.Tensor, out_shard: Optional[torch.Tensor],
                      tensors: Sequence[torch.Tensor], shard: Optional[slice] = None) -> torch.Tensor:
-        # With grad mode on, the shard builds a graph that dies with ``y`` when this returns: one shard's
-        # activations at a time, as in the backward recompute. Its saved tensors stay its own: an outer
-        # saved-tensor hook must not see them (a non-reentrant checkpoint would count them and lose its
-        # early stop before the shard loop; an offload hook would copy them for nothing).
-        with torch.set_grad_enabled(self.grad_mode), _kept_as_they_are():
+        # A graph built here dies with ``y``. Its saved tensors stay its own, detached (a tensor saving its own
+        # output would make a cycle): an outer saved-tensor hook (a checkpoint, an offload) must not see them.
+        with torch.set_grad_enabled(self.grad_mode), torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, _same):
             if self._first_shard_done:
                 # With a graph or without: a value changed by the first shard would reach every later
                 # shard and not the first, one output computed by several functions.
@@ -170,11 +127,8 @@ class GenericShardKernel(ShardKernel):
 
     def _first_shard_again(self, x_shard: torch.Tensor, shard: Optional[slice], rng_state: tuple) -> torch.Tensor:
         """The first shard changed a value the code reads (a one-time set-up flag: bitsandbytes'
-        ``compute_type_is_set``). Every later shard computes with the value it set, and so would every
-        recompute, the first shard's included: so the first shard runs again, with the value it set and
-        the random numbers it drew, and the backward checks against the values after it. Exact where one
-        run settles the value; a forward that changes it at every call is refused here, before any work
-        depends on it (its recompute could never read what its forward did)."""
+        ``compute_type_is_set``), which every later shard and recompute reads: so it runs again with that value
+        and its random numbers. A forward that changes the value at every call is refused, before any work."""
         before = self._plain_values
         self._plain_values = before.retaken()
         with replay_rng_state(x_shard.device, rng_state):
@@ -187,9 +141,8 @@ class GenericShardKernel(ShardKernel):
 
     @contextlib.contextmanager
     def using(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-        """The module's parameter slots hold the Function's tensors for the recompute. Usually they
-        already do (backends refill the same parameter objects); after ``functional_call`` they hold
-        the module's own parameters again, and the recompute must use the call's."""
+        """The module's parameter slots hold the Function's tensors for the recompute (after ``functional_call``
+        they hold the module's own again)."""
         self._plain_values.check(self.module_name)
         now = self._current_hooks()
         if now != self._layout.hooks:
@@ -217,8 +170,7 @@ class GenericShardKernel(ShardKernel):
         with torch.enable_grad():
             x_leaf = x_shard.detach().requires_grad_(grad_in_shard is not None)
             y = self._recompute(x_leaf, tensors, shard)
-        # A collective in the forward (a tensor-parallel output hook's all-reduce) runs again here; only its
-        # graph is needed, but its work stays registered until waited for.
+        # A collective in the forward runs again here: its work stays registered until waited for.
         wait_pending(y)
         inputs = ([x_leaf] if grad_in_shard is not None else []) + [tensors[i] for i in wanted]
         if not inputs or not y.requires_grad:
@@ -235,9 +187,8 @@ class GenericShardKernel(ShardKernel):
     def _recompute(self, x_leaf: torch.Tensor, tensors: Sequence[torch.Tensor], shard: Optional[slice]) -> torch.Tensor:
         if self._reads_checked:
             return self._run(x_leaf, shard)
-        # Once per call: the recompute must read no tensor needing a gradient that the forward did not
-        # read (those are the Function's inputs; autograd.grad would silently skip it), and the same
-        # tensors without one as the forward, unchanged (else it computes with other values).
+        # Once per call: no tensor needing a gradient that the forward did not read (autograd.grad would skip
+        # it), and the same tensors without one as the forward, unchanged.
         reads = TensorReads(known=[x_leaf, *tensors, *self.owned_params], made_since=next_sequence_nr(),
                             grad_only=False, watch_kept=True)
         with reads:
@@ -255,11 +206,12 @@ class GenericShardKernel(ShardKernel):
         if then is None:
             return  # the forward ran without a graph being built: nothing was recorded to compare
         then_ids, now_ids = {id(t) for t in then.tensors}, {id(t) for t in now}
-        # A tensor read now that the forward did not read is fine where it equals, exactly, one the forward
-        # read and no longer does (a parent that rebuilds the same conditioning in a checkpoint's recompute).
+        # A tensor read now equal, exactly, to one the forward read and no longer does is fine (a parent that
+        # rebuilds the same conditioning in a checkpoint's recompute).
         unmatched = [t for t in then.tensors if id(t) not in now_ids]
         for tensor in (t for t in now if id(t) not in then_ids):
-            twin = next((u for u in unmatched if _equal(u, tensor)), None)
+            twin = next((u for u in unmatched if u.shape == tensor.shape and u.dtype == tensor.dtype
+                         and u.device == tensor.device and torch.equal(u, tensor)), None)
             if twin is None:
                 raise RuntimeError(CHANGED_READ_ERROR.format(module=self.module_name, what="another tensor is read now",
                                                              tensors=describe([tensor])))
