@@ -76,20 +76,21 @@ def test_runs_give_the_peaks_of_their_log_written_out():
         for _ in range(rng.randint(1, 4)):
             live: list = []
             events = []
-            for _ in range(rng.randint(1, 12)):
+            for n in range(rng.randint(1, 12)):
                 if live and rng.random() < 0.4:
-                    kind, nbytes = live.pop(rng.randrange(len(live)))
-                    events.append((kind, nbytes, False, ""))
+                    kind, nbytes, label = live.pop(rng.randrange(len(live)))
+                    events.append((kind, nbytes, False, label))
                 else:
                     kind, nbytes = rng.choice(kinds), rng.choice([8, 16, 24, 64]) * (trial % 3 + 1)
-                    live.append((kind, nbytes))
-                    events.append((kind, nbytes, True, ""))
+                    live.append((kind, nbytes, f"op{n % 3}"))
+                    events.append((kind, nbytes, True, f"op{n % 3}"))
             if rng.random() < 0.3:  # a repeat that frees all it made: each repeat the same
-                events += [(kind, nbytes, False, "") for kind, nbytes in live]
+                events += [(kind, nbytes, False, label) for kind, nbytes, label in live]
             runs.append((events, rng.choice([1, 2, 5])))
-        written = replay([e for events, count in runs for _ in range(count) for e in events])
-        composed = Timeline(runs)
-        for scales in [(1.0, 1.0), (0.125, 0.125), (1 / 6, 0.5), (2.0, 0.0)]:
+        written = replay([e for events, count in runs for _ in range(count) for e in events], describe=True)
+        composed = Timeline(runs, describe=True)
+        for scales in [(1.0, 1.0), (0.125, 0.125), (1 / 6, 0.5), (2.0, 0.0), (0.0, 1.0)]:
             assert composed.peak(*scales) == written.peak(*scales), (trial, scales)
+            assert composed.at_peak(*scales) == written.at_peak(*scales), (trial, scales)
         assert (composed.host_peak(), composed.host_at_peak) == (written.host_peak(), written.host_at_peak), trial
         assert (composed.points, composed.host) == (written.points, written.host), trial

@@ -138,24 +138,33 @@ class Timeline:
     def peak(self, weight_scale: float = 1.0, grad_scale: float = 1.0) -> Tuple[float, Tuple[float, float, float, float]]:
         """The peak of ``weights * weight_scale + gradients * grad_scale + logits + activations`` (a rank of
         a backend that divides weights and gradients) and its parts at that moment."""
-        best, parts = -1.0, (0.0, 0.0, 0.0, 0.0)
+        return self._peak(weight_scale, grad_scale)[:2]
+
+    def _peak(self, weight_scale: float, grad_scale: float) -> Tuple[float, Tuple[float, float, float, float], int]:
+        """``peak``, and after which allocation it is."""
+        best, parts, moment = -1.0, (0.0, 0.0, 0.0, 0.0), -1
         before: Tuple[int, ...] = (0, 0, 0, 0)
+        scales = (weight_scale, grad_scale, 1.0, 1.0)
+        allocations = 0
         for (_, count), (run_points, _, delta, _, _) in zip(self._runs, self._walked, strict=True):
             # Each repeat's totals are the first's plus what the repeats before it added, ``step`` each: the
-            # first highest is in the last repeat where that adds, else in the first. A step of less than a
-            # byte (one the floats' rounding could turn) is not trusted: every repeat is then scanned.
-            step = (Fraction(delta[0]) * Fraction(weight_scale) + Fraction(delta[1]) * Fraction(grad_scale)
-                    + delta[2] + delta[3])
-            repeats = [count - 1 if step > 0 else 0] if abs(step) >= 1 or not any(delta) else range(count)
+            # first highest is in the last repeat where that adds, else in the first (where every scaled part
+            # is the same in each repeat, so is the total, to the bit). A step of under a byte whose parts
+            # cancel is not trusted to the floats' rounding: every repeat is then scanned.
+            step = sum((Fraction(d) * Fraction(scale) for d, scale in zip(delta, scales, strict=True)), Fraction(0))
+            same = all(d == 0 or scale == 0 for d, scale in zip(delta, scales, strict=True))
+            repeats = [count - 1 if step > 0 else 0] if abs(step) >= 1 or same else range(count)
             for k in repeats:
                 w0, g0, l0, a0 = (b + k * d for b, d in zip(before, delta, strict=True))
-                for pw, pg, pl, pa in run_points:
+                for i, (pw, pg, pl, pa) in enumerate(run_points):
                     w, g, lg, a = w0 + pw, g0 + pg, l0 + pl, a0 + pa
                     total = w * weight_scale + g * grad_scale + lg + a
                     if total > best:
                         best, parts = total, (w * weight_scale, g * grad_scale, float(lg), float(a))
+                        moment = allocations + k * len(run_points) + i
             before = tuple(b + count * d for b, d in zip(before, delta, strict=True))
-        return best, parts
+            allocations += count * len(run_points)
+        return best, parts, moment
 
     def at_peak(self, weight_scale: float = 1.0, grad_scale: float = 1.0) -> Dict[str, float]:
         """What is live on the device at ``peak``'s moment, bytes by what made it, largest first: weights
@@ -163,12 +172,11 @@ class Timeline:
         timeline made with ``describe``."""
         if not self._describe:
             raise ValueError("at_peak needs a timeline made with describe=True")
-        totals = [w * weight_scale + g * grad_scale + lg + a for w, g, lg, a in self.points]
-        moment = max(range(len(totals)), key=totals.__getitem__)
+        moment = self._peak(weight_scale, grad_scale)[2]
         scale = {WEIGHTS: weight_scale, GRADS: grad_scale, **{kind: 0.0 for kind in HOST_KINDS}}
         live: Dict[Tuple[str, str], int] = {}  # (kind, label) -> bytes live
         allocations = 0
-        for kind, nbytes, allocated, what in self.events:
+        for kind, nbytes, allocated, what in (e for events, count in self._runs for _ in range(count) for e in events):
             key = (kind, kind if kind in scale else what or kind)
             live[key] = live.get(key, 0) + (nbytes if allocated else -nbytes)
             if allocated:
@@ -179,7 +187,6 @@ class Timeline:
         for (kind, label), nbytes in live.items():
             out[label] = out.get(label, 0.0) + nbytes * scale.get(kind, 1.0)
         return dict(sorted(((k, v) for k, v in out.items() if v), key=lambda kv: -kv[1]))
-
 
 class TimelineTracker(LiveMemoryTracker):
     def __init__(self, vocab_size: int, describe: bool = False):
@@ -316,16 +323,17 @@ class TimelineTracker(LiveMemoryTracker):
         (the parameters' ``.grad`` after the step) say which storages were gradients all along."""
         stored = (inner for g in grads for inner in stored_in(g))
         grad_serials = {self._serial_of[key] for key in (t.untyped_storage()._cdata for t in stored) if key in self._serial_of}
-        made: Dict[int, Tuple[str, str]] = {}  # live serial -> its kind and what made it
+        made: Dict[int, Event] = {}  # live serial -> its allocation's event
         events: List[Event] = []
+        host_kind_of, what = self._host_kind_of.get, self._what.get
         for serial, nbytes, kind in self._log:
             if kind:
-                kind = GRADS if serial in grad_serials else self._host_kind_of.get(serial, kind)
-                made[serial] = (kind, self._what.get(serial, ""))
-                events.append((kind, nbytes, True, made[serial][1]))
+                kind = GRADS if serial in grad_serials else host_kind_of(serial, kind)
+                event = made[serial] = (kind, nbytes, True, what(serial, ""))
+                events.append(event)
             else:
-                freed_kind, what = made.pop(serial)
-                events.append((freed_kind, nbytes, False, what))
+                event = made.pop(serial)
+                events.append((event[0], nbytes, False, event[3]))
         return events
 
     def sections(self, events: List[Event]) -> List[List[Event]]:
