@@ -15,6 +15,7 @@ from tiled_mlp.planner.backends import Backend  # noqa: E402
 from tiled_mlp.planner.compose import compose  # noqa: E402
 from tiled_mlp.planner.plan import Planner, Request  # noqa: E402
 from tiled_mlp.planner.step import Setting  # noqa: E402
+from tiled_mlp.planner.timeline import HOST_KINDS, Timeline, replay  # noqa: E402
 
 SETTINGS = [Setting(tiled=False, checkpointing=False),
             Setting(tiled=True, checkpointing=True, num_shards=3, tiled_loss=True, offload_checkpoints=True),
@@ -39,7 +40,8 @@ def test_layers_that_differ_by_their_attention_are_modelled_at_full_depth():
 
 def test_a_log_that_is_not_one_insertion_is_not_composed():
     a, b, c = ("activations", 8, True, ""), ("activations", 8, False, ""), ("gradients", 4, True, "")
-    assert compose([[a, b]], [[a, b, a, b]], 5) == [a, b] * 4  # two layers of (a, b), then three more
+    composed = compose([[a, b]], [[a, b, a, b]], 5)
+    assert composed is not None and Timeline(composed, describe=True).events == [a, b] * 4  # two layers, then three more
     assert compose([[a, b]], [[c, a, b, a]], 5) is None
 
 
@@ -60,3 +62,35 @@ def test_an_answer_the_full_depth_step_contradicts_is_searched_again_at_full_dep
     checked = planner(budget)
     assert checked.longest(setting) == truth and truth.seq == 1024
     assert setting in checked._full_depth_only, "the composed answer was wrong and was caught"
+
+
+def test_runs_give_the_peaks_of_their_log_written_out():
+    # The peaks of a composed log are found without writing out its repeats (``Timeline``): held equal
+    # to the log written out, for repeats that raise the total, lower it, or leave it as it was.
+    import random
+
+    rng = random.Random(0)
+    kinds = ["activations", "logits and loss", "gradients", "weights", *HOST_KINDS]
+    for trial in range(300):
+        runs = []
+        for _ in range(rng.randint(1, 4)):
+            live: list = []
+            events = []
+            for n in range(rng.randint(1, 12)):
+                if live and rng.random() < 0.4:
+                    kind, nbytes, label = live.pop(rng.randrange(len(live)))
+                    events.append((kind, nbytes, False, label))
+                else:
+                    kind, nbytes = rng.choice(kinds), rng.choice([8, 16, 24, 64]) * (trial % 3 + 1)
+                    live.append((kind, nbytes, f"op{n % 3}"))
+                    events.append((kind, nbytes, True, f"op{n % 3}"))
+            if rng.random() < 0.3:  # a repeat that frees all it made: each repeat the same
+                events += [(kind, nbytes, False, label) for kind, nbytes, label in live]
+            runs.append((events, rng.choice([1, 2, 5])))
+        written = replay([e for events, count in runs for _ in range(count) for e in events], describe=True)
+        composed = Timeline(runs, describe=True)
+        for scales in [(1.0, 1.0), (0.125, 0.125), (1 / 6, 0.5), (2.0, 0.0), (0.0, 1.0)]:
+            assert composed.peak(*scales) == written.peak(*scales), (trial, scales)
+            assert composed.at_peak(*scales) == written.at_peak(*scales), (trial, scales)
+        assert (composed.host_peak(), composed.host_at_peak) == (written.host_peak(), written.host_at_peak), trial
+        assert (composed.points, composed.host) == (written.points, written.host), trial

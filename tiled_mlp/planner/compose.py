@@ -28,7 +28,7 @@ from typing import List, Optional, Sequence, Tuple
 from torch import nn
 
 from .layers import describe_kinds
-from .timeline import GENERATOR_STATES, Event
+from .timeline import GENERATOR_STATES, Event, Runs
 
 SHALLOW = 2  # the depths modelled are SHALLOW and SHALLOW + 1
 
@@ -45,19 +45,20 @@ def layers_alike(config, layers: nn.ModuleList) -> bool:
     return all(s == shapes[0] for s in shapes)
 
 
-def compose(shallow: Sequence[List[Event]], deeper: Sequence[List[Event]], layers: int) -> Optional[List[Event]]:
+def compose(shallow: Sequence[List[Event]], deeper: Sequence[List[Event]], layers: int) -> Optional[Runs]:
     """The log of a step with ``layers`` layers from the sections of the steps with ``SHALLOW`` and
-    ``SHALLOW + 1`` (None: a section of the deeper step is not the shallower one with one insertion)."""
+    ``SHALLOW + 1``, as runs, the inserted layer's repeated (None: a section of the deeper step is not the
+    shallower one with one insertion)."""
     if len(shallow) != len(deeper) or layers < SHALLOW:
         return None
-    out: List[Event] = []
+    out: Runs = []
     for short, long in zip(shallow, deeper, strict=True):
         for short_part, long_part in zip(_closing_states(short), _closing_states(long), strict=True):
             at = _insertion(short_part, long_part)
             if at is None:
                 return None
             inserted = long_part[at:at + len(long_part) - len(short_part)]
-            out += short_part[:at] + inserted * (layers - SHALLOW) + short_part[at:]
+            out += [(short_part[:at], 1), (inserted, layers - SHALLOW), (short_part[at:], 1)]
     return out
 
 

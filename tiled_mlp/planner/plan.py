@@ -32,7 +32,7 @@ from .layers import decoder_layers, describe_kinds, param_sizes
 from .pass_through import mlps_pass_through, untiled_twin
 from .search import Longest, longest_fitting
 from .step import Setting, build_model, step_sections, step_timeline
-from .timeline import ACTIVATIONS, GENERATOR_STATES, GRADS, HOST, LOGITS, WEIGHTS, Timeline, replay
+from .timeline import ACTIVATIONS, GENERATOR_STATES, GRADS, HOST, LOGITS, WEIGHTS, Timeline
 
 IN_FLIGHT = "backend in flight"
 OFFLOADED = "offloaded checkpoints"  # host memory: the layer inputs checkpoint offload moved there
@@ -279,7 +279,7 @@ class Planner:
             shallow, deeper = (step_sections(m, tokens, batch, describe) for m in self.shallow_pair(setting))
             events = compose(shallow, deeper, self.layers)
             if events is not None:
-                return replay(events, describe)
+                return Timeline(events, describe)
             self._full_depth_only.add(setting)
         return step_timeline(self.model(setting), tokens, batch, describe=describe,
                              replay_shards=not full_depth if replay_shards is None else replay_shards)

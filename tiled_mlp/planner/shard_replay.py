@@ -27,6 +27,7 @@ the re-check's included.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import weakref
 from dataclasses import dataclass
@@ -56,9 +57,50 @@ class _Returned:
 
 
 @dataclass(frozen=True)
+class _Written:
+    """A slice as a replay writes it into the log: each entry's serial as its allocation's rank in the
+    slice (1 for the first), added to the tracker's serial at the replay."""
+
+    log: List[Tuple[int, int, str]]  # (rank, bytes, kind; "" for a free), as ``TimelineTracker._log``
+    allocations: int
+    net: int  # the bytes the slice leaves live
+    highest: int  # the most bytes live after any of its allocations, over what was live before it
+    what: List[Tuple[int, str]]  # the ranks' labels, where the step is described
+    host_kinds: List[Tuple[int, str]]
+    returned_rank: int  # the returned storage's rank and bytes, for a "new" return
+    returned_bytes: int
+
+
+@dataclass(frozen=True)
 class _Slice:
     entries: Tuple[_Entry, ...]
     returned: _Returned
+
+    @functools.cached_property
+    def written(self) -> _Written:
+        rank: Dict[int, int] = {}  # entry index -> its allocation's rank
+        log: List[Tuple[int, int, str]] = []
+        what: List[Tuple[int, str]] = []
+        host_kinds: List[Tuple[int, str]] = []
+        live = highest = 0
+        for i, entry in enumerate(self.entries):
+            if entry[0] == "A":
+                _, nbytes, kind, label, host_kind = entry
+                rank[i] = len(rank) + 1
+                log.append((rank[i], nbytes, kind))
+                live += nbytes
+                highest = max(highest, live)
+                if label:
+                    what.append((rank[i], label))
+                if host_kind is not None:
+                    host_kinds.append((rank[i], host_kind))
+            else:
+                _, nbytes, allocation = entry
+                log.append((rank[allocation], nbytes, ""))
+                live -= nbytes
+        allocation = self.returned.allocation
+        returned_bytes = self.entries[allocation][1] if self.returned.kind == "new" else 0
+        return _Written(log, len(rank), live, highest, what, host_kinds, rank.get(allocation, 0), returned_bytes)
 
 
 @dataclass
@@ -136,31 +178,24 @@ class ShardReplay:
 
     def _replay(self, logged: _Slice, args: tuple, kwargs: dict) -> Any:
         t = self.tracker
-        serials: Dict[int, int] = {}
-        stand_in = None
-        for i, entry in enumerate(logged.entries):
-            if entry[0] == "A":
-                _, nbytes, kind, what, host_kind = entry
-                t._serial += 1
-                serials[i] = t._serial
-                t._log.append((t._serial, nbytes, kind))
-                t.current_bytes += nbytes
-                t.peak_bytes = max(t.peak_bytes, t.current_bytes)
-                if what:
-                    t._what[t._serial] = what
-                if host_kind is not None:
-                    t._host_kind_of[t._serial] = host_kind
-                if i == logged.returned.allocation:
-                    stand_in = _stand_in(logged.returned.layout)
-                    t.follow(stand_in, t._serial, nbytes)
-            else:
-                _, nbytes, allocation = entry
-                t._log.append((serials[allocation], nbytes, ""))
-                t.current_bytes -= nbytes
+        written = logged.written
+        base = t._serial
+        t._log.extend([(base + rank, nbytes, kind) for rank, nbytes, kind in written.log])
+        t._serial = base + written.allocations
+        t.peak_bytes = max(t.peak_bytes, t.current_bytes + written.highest)
+        t.current_bytes += written.net
+        for rank, what in written.what:
+            t._what[base + rank] = what
+        for rank, host_kind in written.host_kinds:
+            t._host_kind_of[base + rank] = host_kind
         returned = logged.returned
+        if returned.kind == "new":
+            stand_in = _stand_in(returned.layout)
+            t.follow(stand_in, base + written.returned_rank, written.returned_bytes)
+            return stand_in
         if returned.kind == "arg":
             return args[returned.arg] if isinstance(returned.arg, int) else kwargs[returned.arg]
-        return stand_in
+        return None
 
 
 def _stand_in(layout: Tuple[Any, ...]) -> torch.Tensor:

@@ -15,8 +15,9 @@ generic tiled path saves per shard are named the same way (``rng_states.py``): n
 """
 from __future__ import annotations
 
+import functools
 import weakref
-from dataclasses import dataclass, field
+from fractions import Fraction
 from itertools import pairwise
 from typing import Dict, Iterable, List, Tuple
 
@@ -53,18 +54,58 @@ def stored_in(tensor: torch.Tensor) -> List[torch.Tensor]:
     return [stored for inner in inners if isinstance(inner, torch.Tensor) for stored in stored_in(inner)]
 
 
-@dataclass
+# A log as runs of events, each repeated its count of times: a composed step's (``compose.py``) repeats one
+# layer's events for every inner layer.
+Runs = List[Tuple[List[Event], int]]
+
+
 class Timeline:
     """After each allocation: (weight, gradient, logits, other activation) bytes live on the device, and
-    the bytes live in host memory."""
+    the bytes live in host memory. Kept as the log's runs: the peaks are found without writing out every
+    repeat (a composed 8B step is a million events), ``points`` and ``host`` only where asked."""
 
-    points: List[Tuple[int, int, int, int]]
-    host: List[int] = field(default_factory=list)  # one per point; empty: nothing was ever on the host
-    # The host bytes at ``host``'s peak by kind (``HOST_KINDS``); empty: nothing was ever on the host.
-    host_at_peak: Dict[str, int] = field(default_factory=dict)
-    # With ``describe``: the log replayed (``Event``s, each allocation labelled by what made it: op,
-    # dtype, shape), for ``at_peak``.
-    events: List[Event] = field(default_factory=list)
+    def __init__(self, runs: Runs, describe: bool = False):
+        self._runs = runs
+        self._describe = describe
+        # Per run, from its first repeat (``_walk``): its points and host totals, what it adds to each, and
+        # its host-kind changes.
+        self._walked = [_walk(events) for events, _ in runs]
+        self.host_at_peak: Dict[str, int] = {}  # the host bytes at ``host``'s peak by kind (``HOST_KINDS``)
+        self._host_peak = 0
+        self._host_peak_at()
+
+    @property
+    def events(self) -> List[Event]:
+        """With ``describe``: the log replayed (``Event``s, each allocation labelled by what made it: op,
+        dtype, shape), for ``at_peak``; else empty."""
+        return [e for events, count in self._runs for _ in range(count) for e in events] if self._describe else []
+
+    @functools.cached_property
+    def _replayed(self) -> Tuple[List[Tuple[int, int, int, int]], List[int]]:
+        points: List[Tuple[int, int, int, int]] = []
+        host: List[int] = []
+        before: Tuple[int, ...] = (0, 0, 0, 0)
+        host_before = 0
+        for (_, count), (run_points, run_host, delta, host_delta, _) in zip(self._runs, self._walked, strict=True):
+            for k in range(count):
+                w, g, lg, a = (b + k * d for b, d in zip(before, delta, strict=True))
+                points += [(w + p[0], g + p[1], lg + p[2], a + p[3]) for p in run_points]
+                host += [host_before + k * host_delta + h for h in run_host]
+            before = tuple(b + count * d for b, d in zip(before, delta, strict=True))
+            host_before += count * host_delta
+        return points, (host if self._seen_host() else [])
+
+    @property
+    def points(self) -> List[Tuple[int, int, int, int]]:
+        return self._replayed[0]
+
+    @property
+    def host(self) -> List[int]:
+        """One per point; empty: nothing was ever on the host."""
+        return self._replayed[1]
+
+    def _seen_host(self) -> bool:
+        return any(walked[4] for walked in self._walked)
 
     @property
     def what(self) -> Dict[int, str]:
@@ -75,30 +116,67 @@ class Timeline:
     def host_peak(self) -> int:
         """The most host memory held at once during the step (the offloaded layer inputs and the
         generator states)."""
-        return max(self.host, default=0)
+        return self._host_peak
+
+    def _host_peak_at(self) -> None:
+        # A repeat's host totals are its first's plus what the repeats before it added: the highest is in
+        # the last repeat where they add, else in the first.
+        if not self._seen_host():
+            return
+        live_before: Dict[str, int] = {kind: 0 for kind in HOST_KINDS}
+        total_before = 0
+        for (_, count), (_, run_host, _, host_delta, host_live) in zip(self._runs, self._walked, strict=True):
+            k = count - 1 if host_delta > 0 else 0
+            for i, total in enumerate(run_host):
+                total += total_before + k * host_delta
+                if total > self._host_peak:
+                    self._host_peak = total
+                    self.host_at_peak = {kind: v for kind, v in _live_at(host_live, i, live_before, k).items() if v}
+            live_before = _live_at(host_live, len(run_host), live_before, count - 1)
+            total_before += count * host_delta
 
     def peak(self, weight_scale: float = 1.0, grad_scale: float = 1.0) -> Tuple[float, Tuple[float, float, float, float]]:
         """The peak of ``weights * weight_scale + gradients * grad_scale + logits + activations`` (a rank of
         a backend that divides weights and gradients) and its parts at that moment."""
-        best, parts = -1.0, (0.0, 0.0, 0.0, 0.0)
-        for w, g, lg, a in self.points:
-            total = w * weight_scale + g * grad_scale + lg + a
-            if total > best:
-                best, parts = total, (w * weight_scale, g * grad_scale, float(lg), float(a))
-        return best, parts
+        return self._peak(weight_scale, grad_scale)[:2]
+
+    def _peak(self, weight_scale: float, grad_scale: float) -> Tuple[float, Tuple[float, float, float, float], int]:
+        """``peak``, and after which allocation it is."""
+        best, parts, moment = -1.0, (0.0, 0.0, 0.0, 0.0), -1
+        before: Tuple[int, ...] = (0, 0, 0, 0)
+        scales = (weight_scale, grad_scale, 1.0, 1.0)
+        allocations = 0
+        for (_, count), (run_points, _, delta, _, _) in zip(self._runs, self._walked, strict=True):
+            # Each repeat's totals are the first's plus what the repeats before it added, ``step`` each: the
+            # first highest is in the last repeat where that adds, else in the first (where every scaled part
+            # is the same in each repeat, so is the total, to the bit). A step of under a byte whose parts
+            # cancel is not trusted to the floats' rounding: every repeat is then scanned.
+            step = sum((Fraction(d) * Fraction(scale) for d, scale in zip(delta, scales, strict=True)), Fraction(0))
+            same = all(d == 0 or scale == 0 for d, scale in zip(delta, scales, strict=True))
+            repeats = [count - 1 if step > 0 else 0] if abs(step) >= 1 or same else range(count)
+            for k in repeats:
+                w0, g0, l0, a0 = (b + k * d for b, d in zip(before, delta, strict=True))
+                for i, (pw, pg, pl, pa) in enumerate(run_points):
+                    w, g, lg, a = w0 + pw, g0 + pg, l0 + pl, a0 + pa
+                    total = w * weight_scale + g * grad_scale + lg + a
+                    if total > best:
+                        best, parts = total, (w * weight_scale, g * grad_scale, float(lg), float(a))
+                        moment = allocations + k * len(run_points) + i
+            before = tuple(b + count * d for b, d in zip(before, delta, strict=True))
+            allocations += count * len(run_points)
+        return best, parts, moment
 
     def at_peak(self, weight_scale: float = 1.0, grad_scale: float = 1.0) -> Dict[str, float]:
         """What is live on the device at ``peak``'s moment, bytes by what made it, largest first: weights
         and gradients as their kinds (scaled), every other allocation by op, dtype and shape. Needs a
         timeline made with ``describe``."""
-        if not self.events:
+        if not self._describe:
             raise ValueError("at_peak needs a timeline made with describe=True")
-        totals = [w * weight_scale + g * grad_scale + lg + a for w, g, lg, a in self.points]
-        moment = max(range(len(totals)), key=totals.__getitem__)
+        moment = self._peak(weight_scale, grad_scale)[2]
         scale = {WEIGHTS: weight_scale, GRADS: grad_scale, **{kind: 0.0 for kind in HOST_KINDS}}
         live: Dict[Tuple[str, str], int] = {}  # (kind, label) -> bytes live
         allocations = 0
-        for kind, nbytes, allocated, what in self.events:
+        for kind, nbytes, allocated, what in (e for events, count in self._runs for _ in range(count) for e in events):
             key = (kind, kind if kind in scale else what or kind)
             live[key] = live.get(key, 0) + (nbytes if allocated else -nbytes)
             if allocated:
@@ -109,7 +187,6 @@ class Timeline:
         for (kind, label), nbytes in live.items():
             out[label] = out.get(label, 0.0) + nbytes * scale.get(kind, 1.0)
         return dict(sorted(((k, v) for k, v in out.items() if v), key=lambda kv: -kv[1]))
-
 
 class TimelineTracker(LiveMemoryTracker):
     def __init__(self, vocab_size: int, describe: bool = False):
@@ -246,16 +323,17 @@ class TimelineTracker(LiveMemoryTracker):
         (the parameters' ``.grad`` after the step) say which storages were gradients all along."""
         stored = (inner for g in grads for inner in stored_in(g))
         grad_serials = {self._serial_of[key] for key in (t.untyped_storage()._cdata for t in stored) if key in self._serial_of}
-        made: Dict[int, Tuple[str, str]] = {}  # live serial -> its kind and what made it
+        made: Dict[int, Event] = {}  # live serial -> its allocation's event
         events: List[Event] = []
+        host_kind_of, what = self._host_kind_of.get, self._what.get
         for serial, nbytes, kind in self._log:
             if kind:
-                kind = GRADS if serial in grad_serials else self._host_kind_of.get(serial, kind)
-                made[serial] = (kind, self._what.get(serial, ""))
-                events.append((kind, nbytes, True, made[serial][1]))
+                kind = GRADS if serial in grad_serials else host_kind_of(serial, kind)
+                event = made[serial] = (kind, nbytes, True, what(serial, ""))
+                events.append(event)
             else:
-                freed_kind, what = made.pop(serial)
-                events.append((freed_kind, nbytes, False, what))
+                event = made.pop(serial)
+                events.append((event[0], nbytes, False, event[3]))
         return events
 
     def sections(self, events: List[Event]) -> List[List[Event]]:
@@ -270,15 +348,18 @@ class TimelineTracker(LiveMemoryTracker):
 
 def replay(events: List[Event], describe: bool = False) -> Timeline:
     """The timeline of a log of events: a point after each allocation; ``describe``: with the events."""
-    # A composed 8B step is a million events: the device's kinds are kept in locals and the host's total
-    # is carried along, not summed again at every point.
+    return Timeline([(events, 1)], describe)
+
+
+def _walk(events: List[Event]) -> Tuple[List[Tuple[int, int, int, int]], List[int], Tuple[int, int, int, int], int,
+                                        List[Tuple[int, str, int]]]:
+    """One run of events replayed from nothing: its points and host totals, what it adds to each, and
+    each host-kind change (after how many points, the kind, the change)."""
+    # The device's kinds are kept in locals, the host's total carried along.
     weights = grads = logits = activations = host_total = 0
-    host_live = {kind: 0 for kind in HOST_KINDS}
     points: List[Tuple[int, int, int, int]] = []
     host: List[int] = []
-    at_peak: Dict[str, int] = {}
-    at_peak_total = 0
-    seen_host = False
+    host_changes: List[Tuple[int, str, int]] = []
     for kind, nbytes, allocated, _ in events:
         change = nbytes if allocated else -nbytes
         if kind == ACTIVATIONS:
@@ -290,15 +371,20 @@ def replay(events: List[Event], describe: bool = False) -> Timeline:
         elif kind == WEIGHTS:
             weights += change
         else:
-            host_live[kind] += change  # a KeyError for a kind that is none of these, as it should be
+            if kind not in HOST_KINDS:
+                raise KeyError(kind)
             host_total += change
-            seen_host = True
+            host_changes.append((len(points), kind, change))
         if allocated:
             points.append((weights, grads, logits, activations))
             host.append(host_total)
-            if host_total > at_peak_total:
-                at_peak_total = host_total
-                at_peak = {k: v for k, v in host_live.items() if v}
-    if not seen_host:
-        host, at_peak = [], {}
-    return Timeline(points, host, host_at_peak=at_peak, events=events if describe else [])
+    return points, host, (weights, grads, logits, activations), host_total, host_changes
+
+
+def _live_at(host_changes: List[Tuple[int, str, int]], point: int, before: Dict[str, int], k: int) -> Dict[str, int]:
+    """The host bytes live by kind at a run's ``point``-th point (its number of points: its end) in its
+    ``k``-th repeat, ``before`` live before the run."""
+    live = dict(before)
+    for at, kind, change in host_changes:
+        live[kind] += k * change + (change if at <= point else 0)
+    return live
