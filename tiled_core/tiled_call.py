@@ -139,6 +139,8 @@ _GLOBAL_HOOK_DICTS = tuple(getattr(_nn_module, name) for name in (
 _tensor_state = operator.attrgetter("dtype", "device", "requires_grad")
 # Each module's class, its class's forward and its training mode, in one C-level read.
 _identity = operator.attrgetter("__class__", "__class__.forward", "training")
+# The root's class forward is the tiled one (a descriptor, read through Python): what it runs is ``call_config``'s.
+_root_identity = operator.attrgetter("__class__", "training")
 _dict_of = operator.attrgetter("__dict__")
 _call = getattr(operator, "call", operator.methodcaller("__call__"))  # operator.call: Python >= 3.11
 
@@ -167,8 +169,10 @@ class ModuleTree:
             sub = stack.pop()
             d = sub.__dict__
             modules.append(sub)
-            readers.append(functools.partial(_identity, sub))
-            if sub is not module:
+            if sub is module:
+                readers.append(functools.partial(_root_identity, sub))
+            else:
+                readers.append(functools.partial(_identity, sub))
                 readers.append(functools.partial(d.get, "forward"))
             dicts = [d] if deep else []
             dicts.extend(d[name] for name in _REGISTRIES)
@@ -235,6 +239,7 @@ class MapPlan:
         self.allows_untiled = strategy.allows_untiled_call(module) and not strategy.delivers_grads
         self.swaps = strategy.swaps_param_storage(module)
         self.named_buffers = list(module.named_buffers())
+        self.shard_forward = functools.partial(original_forward, module)  # what one shard of a call runs
         # The kernels' per-plan state (``builtin_kernels``, ``kernel_registry``).
         self.fast: Optional[tuple] = None
         self.fast_kernel: Any = None
@@ -405,7 +410,7 @@ def _map_run(module: nn.Module, state: TilingState, strategy: Strategy, x: torch
             check_input(x, module)
     elif plan.strategy is not strategy:
         strategy.check_supported(module)
-    shard_forward = functools.partial(original_forward, module)
+    shard_forward = plan.shard_forward
     decision = _decide(module, state, plan, strategy, x, shard_forward, flat_inputs)
     fields = state.__dict__
     kernel = decision.kernel
