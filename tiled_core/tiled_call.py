@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as _nn_module
+from torch.utils.hooks import RemovableHandle
 
 from tiled_mlp.strategies.base import Strategy, check_declarations
 from tiled_mlp.strategies.resolver import registrations_by_priority, resolve_strategy
@@ -138,61 +139,77 @@ _GLOBAL_HOOK_DICTS = tuple(getattr(_nn_module, name) for name in (
 _tensor_state = operator.attrgetter("dtype", "device", "requires_grad")
 # Each module's class, its class's forward and its training mode, in one C-level read.
 _identity = operator.attrgetter("__class__", "__class__.forward", "training")
+# The root's class forward is the tiled one (a descriptor, read through Python): what it runs is ``call_config``'s.
+_root_identity = operator.attrgetter("__class__", "training")
 _dict_of = operator.attrgetter("__dict__")
+_call = getattr(operator, "call", operator.methodcaller("__call__"))  # operator.call: Python >= 3.11
+
 
 class ModuleTree:
-    """The module tree below (and including) one module as it is now, compared at each call by identity in a few
-    C-level passes (no Python frame per module): each module's class and its class's forward, an instance
-    ``forward`` in its ``__dict__`` (accelerate's hooks on a child: the fast kernel calls no child), its
-    registries' entries (a child or parameter replaced: PEFT's adapters), its hooks by handle id, its training
-    mode, each parameter's and buffer's dtype, device and ``requires_grad``, and the hooks registered for every
-    module. ``deep`` (strict mode): every attribute of every module by identity as well."""
+    """The module tree below (and including) one module as it is now, compared at each call in two C-level passes
+    (no Python frame per module): each module's class and its class's forward, an instance ``forward`` in its
+    ``__dict__`` (accelerate's hooks on a child: the fast kernel calls no child), its registries' entries (a child
+    or parameter replaced: PEFT's adapters), its hooks by handle id, its training mode, each parameter's and
+    buffer's dtype, device and ``requires_grad``, and the hooks registered for every module. ``deep`` (strict
+    mode): every attribute of every module by identity as well.
 
-    __slots__ = ("modules", "module_dicts", "identities", "child_dicts", "instance_forwards", "dicts", "sizes", "filled",
-                 "filled_values", "keys", "values", "tensors", "states", "global_keys")
+    ``readers`` are zero-argument C callables whose answers are compared by equality (``readings``); ``objects``
+    (each module's ``__dict__``, then the registries' and hooks' values) by identity."""
+
+    __slots__ = ("root", "readers", "readings", "hook_readers", "hook_readings", "hook_id", "modules", "filled_values",
+                 "objects")
 
     def __init__(self, module: nn.Module, deep: bool):
         modules: List[nn.Module] = []
-        dicts: List[dict] = []
-        tensors: List[torch.Tensor] = []
+        readers: List[Callable[[], Any]] = []
+        hook_readers: List[Callable[[], Any]] = []
+        filled: List[dict] = []
         stack = [module]
         while stack:
             sub = stack.pop()
             d = sub.__dict__
             modules.append(sub)
-            if deep:
-                dicts.append(d)
+            if sub is module:
+                readers.append(functools.partial(_root_identity, sub))
+            else:
+                readers.append(functools.partial(_identity, sub))
+                readers.append(functools.partial(d.get, "forward"))
+            dicts = [d] if deep else []
             dicts.extend(d[name] for name in _REGISTRIES)
-            dicts.extend(d.get(name, {}) for name in _HOOK_DICTS)
-            tensors.extend(t for t in itertools.chain(d["_parameters"].values(), d["_buffers"].values()) if t is not None)
+            hooks = [d.get(name, {}) for name in _HOOK_DICTS]
+            for held, into in itertools.chain(zip(dicts, itertools.repeat(readers)), zip(hooks, itertools.repeat(hook_readers))):
+                # Keys where it holds something (their count with them), else its size (most hook dicts are empty).
+                into.append(functools.partial(tuple, held) if held else held.__len__)
+                if held:
+                    filled.append(held)
+            readers.extend(functools.partial(_tensor_state, t)
+                           for t in itertools.chain(d["_parameters"].values(), d["_buffers"].values()) if t is not None)
             stack.extend(child for child in d["_modules"].values() if child is not None)
+        readers.extend(functools.partial(tuple, hooks) for hooks in _GLOBAL_HOOK_DICTS)
+        self.root = module
+        self.readers = tuple(readers)
+        self.readings = tuple(map(_call, self.readers))
+        # The modules' own hooks are read again only after a hook was registered anywhere (each registration takes
+        # the next handle id); one removed alone leaves a plan that ran the module's own forward, hooks and all, as
+        # exact as it was. Strict mode reads them at every call.
+        self.hook_readers = tuple(hook_readers)
+        self.hook_readings = tuple(map(_call, self.hook_readers))
+        self.hook_id = None if deep else RemovableHandle.next_id
         self.modules = tuple(modules)
-        self.identities = tuple(map(_identity, modules))
-        self.module_dicts = tuple(map(_dict_of, modules))
-        self.child_dicts = self.module_dicts[1:]
-        self.instance_forwards = tuple(map(dict.get, self.child_dicts, itertools.repeat("forward")))
-        self.dicts = tuple(dicts)
-        self.sizes = tuple(map(len, dicts))
-        # Keys and values are compared only in the dicts that held something (most hook dicts are empty).
-        self.filled = tuple(d for d in dicts if d)
-        self.filled_values = tuple(d.values() for d in self.filled)
-        self.keys = tuple(itertools.chain.from_iterable(self.filled))
-        self.values = tuple(itertools.chain.from_iterable(self.filled_values))
-        self.tensors = tuple(tensors)
-        self.states = tuple(map(_tensor_state, tensors))
-        self.global_keys = tuple(itertools.chain.from_iterable(_GLOBAL_HOOK_DICTS))
+        self.filled_values = tuple(held.values() for held in filled)
+        self.objects = (*map(_dict_of, modules), *itertools.chain.from_iterable(self.filled_values))
 
     def holds(self, root: nn.Module) -> bool:
         # Tuples compare their items by identity first (classes, functions, bound methods).
-        return (self.modules[0] is root
-                and all(map(operator.is_, map(_dict_of, self.modules), self.module_dicts))
-                and tuple(map(_identity, self.modules)) == self.identities
-                and tuple(map(dict.get, self.child_dicts, itertools.repeat("forward"))) == self.instance_forwards
-                and tuple(map(len, self.dicts)) == self.sizes
-                and tuple(itertools.chain.from_iterable(self.filled)) == self.keys
-                and all(map(operator.is_, itertools.chain.from_iterable(self.filled_values), self.values))
-                and tuple(map(_tensor_state, self.tensors)) == self.states
-                and tuple(itertools.chain.from_iterable(_GLOBAL_HOOK_DICTS)) == self.global_keys)
+        if self.hook_id != RemovableHandle.next_id:
+            if tuple(map(_call, self.hook_readers)) != self.hook_readings:
+                return False
+            if self.hook_id is not None:
+                self.hook_id = RemovableHandle.next_id
+        return (self.root is root and tuple(map(_call, self.readers)) == self.readings
+                and all(map(operator.is_, itertools.chain(map(_dict_of, self.modules),
+                                                          itertools.chain.from_iterable(self.filled_values)),
+                            self.objects)))
 
 
 def call_config(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
@@ -222,6 +239,7 @@ class MapPlan:
         self.allows_untiled = strategy.allows_untiled_call(module) and not strategy.delivers_grads
         self.swaps = strategy.swaps_param_storage(module)
         self.named_buffers = list(module.named_buffers())
+        self.shard_forward = functools.partial(original_forward, module)  # what one shard of a call runs
         # The kernels' per-plan state (``builtin_kernels``, ``kernel_registry``).
         self.fast: Optional[tuple] = None
         self.fast_kernel: Any = None
@@ -392,7 +410,7 @@ def _map_run(module: nn.Module, state: TilingState, strategy: Strategy, x: torch
             check_input(x, module)
     elif plan.strategy is not strategy:
         strategy.check_supported(module)
-    shard_forward = functools.partial(original_forward, module)
+    shard_forward = plan.shard_forward
     decision = _decide(module, state, plan, strategy, x, shard_forward, flat_inputs)
     fields = state.__dict__
     kernel = decision.kernel
