@@ -32,6 +32,7 @@ def registered():
 
 def test_built_in_kernels_are_registry_entries_in_priority_order():
     assert available_kernels("map") == ["fast", "norm", "generic"]
+    assert available_kernels("reduce") == ["vocab_parallel", "linear_head", "module_head"]
 
 
 def test_a_registered_kernel_goes_ahead_of_the_built_in_ones(registered):

@@ -1,6 +1,6 @@
 """The built-in kernels as registry entries: the gated fast kernel, the norm kernel and the generic kernel for
-token-wise modules (the loss's head kernel is chosen in ``tiled_loss.LossSite.decide``). Each decides from what
-the module *is* (its forward's code, its structure, its class), never from a numeric probe.
+token-wise modules; the vocabulary-parallel, linear and module heads for the loss. Each decides from what the
+module *is* (its forward's code, its structure, its class), never from a numeric probe.
 """
 from __future__ import annotations
 
@@ -12,14 +12,19 @@ from torch import nn
 
 from .fast_path import decide_fast_path
 from .gated_spec import foreign_child_hooks
-from .kernel_registry import MAP, TOKEN_INPUTS_DECLINED, Kernel, KernelCall, register_kernel
+from .kernel_registry import MAP, REDUCE, TOKEN_INPUTS_DECLINED, Kernel, KernelCall, register_kernel
 from .kernels.gated import GatedShardKernel, gated_activation
 from .kernels.generic import GenericShardKernel, generic_layout
+from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
 from .kernels.rms_norm import RMSNormShardKernel
+from .kernels.vocab_parallel import VocabParallelHeadKernel
 from .module_forward import forward_function
 from .norm_forms import NormSpec, norm_spec
 from .sharded_autograd import autocast_enabled
 from .tiling_state import tiling_of
+
+# A head split over ranks by vocabulary holds only its rows here: a whole-vocabulary kernel would compute wrong.
+VOCAB_SPLIT_DECLINED = "the head's vocabulary is split over ranks (only a vocabulary-parallel kernel computes its loss)"
 
 
 class GatedEntry(Kernel):
@@ -135,5 +140,49 @@ class GenericEntry(Kernel):
         return kernel
 
 
-for _kernel, _priority in ((GatedEntry(), 10), (NormEntry(), 5), (GenericEntry(), 0)):
+class LinearHeadEntry(Kernel):
+    """A plain ``nn.Linear`` head: logits by one matmul per shard, gradients formed from them."""
+
+    name = "linear_head"
+    shape = REDUCE
+
+    def why_not(self, call: KernelCall) -> str:
+        if call.vocab_slice is not None:
+            return VOCAB_SPLIT_DECLINED
+        return "" if is_plain_linear(call.module) else "the head is not a plain nn.Linear"
+
+    def build(self, call: KernelCall) -> LinearHeadKernel:
+        return LinearHeadKernel.for_head(call.module, call.options)  # type: ignore[arg-type]  # a plain nn.Linear
+
+
+class VocabParallelEntry(Kernel):
+    """A plain ``nn.Linear`` head split over ranks by vocabulary: the cross-entropy reduced over the group."""
+
+    name = "vocab_parallel"
+    shape = REDUCE
+
+    def why_not(self, call: KernelCall) -> str:
+        if call.vocab_slice is None:
+            return "the head's vocabulary is whole on this rank"
+        return "" if is_plain_linear(call.module, call.strategy.is_backend_hook) else "the head is not a plain nn.Linear"
+
+    def build(self, call: KernelCall) -> VocabParallelHeadKernel:
+        return VocabParallelHeadKernel(call.vocab_slice, type(call.module).__name__, call.options)
+
+
+class ModuleHeadEntry(Kernel):
+    """Any head module (PEFT's LoRA ``lm_head``): its own forward per shard, its gradients by autograd."""
+
+    name = "module_head"
+    shape = REDUCE
+
+    def why_not(self, call: KernelCall) -> str:
+        return VOCAB_SPLIT_DECLINED if call.vocab_slice is not None else ""
+
+    def build(self, call: KernelCall) -> ModuleHeadKernel:
+        return ModuleHeadKernel(call.module, call.trainable, call.options)
+
+
+for _kernel, _priority in ((GatedEntry(), 10), (NormEntry(), 5), (GenericEntry(), 0), (VocabParallelEntry(), 20), (LinearHeadEntry(), 10),
+                          (ModuleHeadEntry(), 0)):
     register_kernel(_kernel, priority=_priority)

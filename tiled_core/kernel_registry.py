@@ -15,7 +15,8 @@ from .kernels.base import ShardKernel
 from .tensor_reads import describe
 
 MAP = "map"
-SHAPES = (MAP,)  # the loss chooses its head kernel itself (``tiled_loss.LossSite.decide``)
+REDUCE = "reduce"
+SHAPES = (MAP, REDUCE)
 DEFAULT_PRIORITY = 100
 TOKEN_INPUTS_DECLINED = "the call has other sharded inputs besides the hidden states"
 
@@ -32,6 +33,8 @@ class KernelCall:
     # map: what one shard runs (the module's forward, without its hooks), and other sharded ``[tokens, ...]`` inputs.
     shard_forward: Optional[Callable[..., torch.Tensor]] = None
     token_inputs: Sequence[torch.Tensor] = ()
+    options: Any = None  # reduce: the loss's ``CrossEntropyOptions``
+    vocab_slice: Any = None  # reduce: this rank's ``VocabSlice`` of a head split over ranks; None: whole here
     # map: the module's call plan; a kernel may keep what it derives from the module in
     # ``cache.kernel_cache[name]``, and guard anything else its answer read (``cache.add_guards``).
     cache: Any = None
@@ -137,7 +140,7 @@ def unregister_kernel(name: str) -> None:
 
 
 def available_kernels(shape: Optional[str] = None) -> List[str]:
-    """The registered kernels' names in the order a call asks them (of one shape, or of all)."""
+    """The registered kernels' names in the order a call asks them (of one shape, or map then reduce)."""
     shapes = SHAPES if shape is None else (shape,)
     return [kernel.name for s in shapes for kernel in _ORDERED[s]]
 

@@ -20,11 +20,9 @@ from tiled_mlp.strategies.resolver import StrategyArg, resolve_strategy, strateg
 
 from . import dynamo_support
 from .head_call import foreign_head_hooks, hook_count, in_head_call
-from .kernel_registry import check_declared_tensors
-from .kernels.base import ReduceKernel
+from .kernel_registry import REDUCE, KernelCall, choose_kernel
 from .kernels.cross_entropy import CrossEntropyOptions, check_targets
-from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear, loss_dtype
-from .kernels.vocab_parallel import VocabParallelHeadKernel
+from .kernels.lm_head import is_plain_linear, loss_dtype
 from .loss_shards import loss_num_shards
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .sequence_group import check_group, group_count, sum_over_group
@@ -216,21 +214,16 @@ class LossSite:
     def decide(self, strategy: Strategy) -> CallDecision:
         lm_head, targets, x, split = self.owner, self.targets, self.hidden, self.vocab_slice
         assert x is not None, "decided inside the head's call"
-        kernel: ReduceKernel
-        if split is not None:  # this rank holds only its rows: a whole-vocabulary kernel would compute wrong
-            if not is_plain_linear(lm_head, strategy.is_backend_hook):
-                raise RuntimeError(f"tiled loss: no kernel computes the loss of {type(lm_head).__name__}: its "
-                                   "vocabulary is split over ranks and it is not a plain nn.Linear")
+        if split is None:
+            trainable = strategy.trainable_params(lm_head)
+        else:
             trainable = [t for t in (split.weight, split.bias) if t is not None and t.requires_grad]
-            name, kernel = "vocab_parallel", VocabParallelHeadKernel(split, type(lm_head).__name__, self.options)
-        elif is_plain_linear(lm_head):
-            trainable = strategy.trainable_params(lm_head)
-            name, kernel = "linear_head", LinearHeadKernel.for_head(lm_head, self.options)  # type: ignore[arg-type]
-        else:  # any other head (PEFT's LoRA ``lm_head``): its own forward per shard
-            trainable = strategy.trainable_params(lm_head)
-            name, kernel = "module_head", ModuleHeadKernel(lm_head, trainable, self.options)
-        check_declared_tensors(name, kernel, lm_head, trainable)
-        self.params = list(kernel.params)
+        choice = choose_kernel(REDUCE, KernelCall(lm_head, x, strategy, trainable, options=self.options,
+                                                  vocab_slice=split))
+        if choice.entry is None:
+            raise RuntimeError(f"tiled loss: no registered kernel computes the loss of {type(lm_head).__name__}: "
+                               f"{choice.describe()}")
+        self.params = list(choice.kernel.params)
         dtype = loss_dtype(self.params[0].dtype if self.params else x.dtype)
         # DeepSpeed AutoTP's gathering lm_head holds a slice of the vocabulary whose logits hold all of it.
         vocab = _vocab_size(lm_head) if strategy.head_call(lm_head).weight_is_whole else None
@@ -241,7 +234,7 @@ class LossSite:
         # A split vocabulary: sized on the widest rank, so that every rank runs the same shards and collectives.
         columns = split.max_rows if split is not None else vocab or UNKNOWN_VOCAB
         num_shards = loss_num_shards(targets.numel(), columns, self.num_shards)
-        return CallDecision(f"kernel {name!r}", kernel, name, targets.numel(), num_shards, trainable)
+        return CallDecision(choice.describe(), choice.kernel, choice.name, targets.numel(), num_shards, trainable)
 
     def untiled(self, decision: CallDecision) -> torch.Tensor:
         raise AssertionError("the loss always runs tiled")  # its decision always names a kernel
