@@ -6,7 +6,7 @@ under FSDP2 and DDP; ZeRO-3 takes no float64 and is compared at float32 bounds).
 
 Under FSDP2, accelerate wraps ``[model.norm, lm_head]`` as one unit of their own; the loss runs inside one
 call of ``lm_head``, between that unit's hooks, which issue the same all-gathers and reduce-scatters as the
-untiled step (``strategies/fsdp2.py``, ``FSDP2Strategy.head_call_sees_graph``).
+untiled step (``strategies/fsdp2.py``, ``FSDP2Strategy.head_call``).
 """
 from __future__ import annotations
 

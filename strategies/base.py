@@ -147,21 +147,11 @@ class Strategy(ABC):
         """Why running the module's forward once per token shard would not compute one call ("" where it would)."""
         return per_shard_problem(module, token_dims)
 
-    def is_head_call_hook(self, lm_head: nn.Module, hook) -> bool:
-        """Is this hook on the head the backend's own, which may surround the tiled loss as one call of the head?"""
-        return self.is_backend_hook(hook)
-
-    def head_call_gathers(self, lm_head: nn.Module) -> bool:
-        return False
-
-    def head_call_sees_graph(self, lm_head: nn.Module) -> bool:
-        """May the backend's hooks on the head see the hidden states, graph and all, as that call's input?"""
-        return True
-
-    def head_weight_is_whole(self, lm_head: nn.Module) -> bool:
+    def head_call(self, lm_head: nn.Module) -> HeadCall:
+        """How the backend takes part in the tiled loss's one call of ``lm_head``."""
         from .deepspeed_autotp import gathers_logits  # that file's strategy is built on this class
 
-        return not gathers_logits(lm_head)
+        return HeadCall(self.is_backend_hook, weight_is_whole=not gathers_logits(lm_head))
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
@@ -186,6 +176,16 @@ class WaitsForEveryParameter:
     (DDP's reducer, FSDP2's reduce-scatter, ZeRO's buckets): an unused one gets zeros, delivered once."""
 
     unused_grads_as_zeros: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class HeadCall:
+    """A backend's part in the tiled loss, which runs as one call of the head (``tiled_core/head_call.py``)."""
+
+    owns_hook: Callable[[Any], bool]  #: is this hook on the head the backend's own, which may surround the loss?
+    gathers: bool = False  #: its hooks make whole, inside the call, a head that is sharded outside it
+    sees_graph: bool = True  #: its hooks may see the hidden states, graph and all, as the call's input
+    weight_is_whole: bool = True  #: the vocabulary can be read from the weight (not AutoTP's gathering head)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """DeepSpeed AutoTP (``"tensor_parallel": {"autotp_size": N}``) replaces ``nn.Linear`` layers by its own classes.
 A block of them (an MLP) is tiled as any other module: the fast kernel declines them by class and the strategy
 that claims the engine's parameters delivers their gradients. AutoTP's ``lm_head`` gathers the logits, so the
-tiled loss reads the vocabulary from them (``Strategy.head_weight_is_whole``). An AutoTP layer whose output stays
+tiled loss reads the vocabulary from them (``HeadCall.weight_is_whole``). An AutoTP layer whose output stays
 split, handed to the tiled call itself, is refused. Recognised by qualified class name: deepspeed is not imported.
 """
 from __future__ import annotations

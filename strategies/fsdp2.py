@@ -8,6 +8,8 @@ group manages one of its parameters (read from FSDP2's private module -> state m
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import types
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from .base import (
+    HeadCall,
     SequenceParallelAware,
     Strategy,
     UnsupportedBackendError,
@@ -128,6 +131,11 @@ def _state_of(module: nn.Module) -> Optional[Any]:
     return state if api is not None and isinstance(state, api[1]) else None
 
 
+def _owns_hook(own: Optional[Any], strategy: Strategy, hook: Any) -> bool:
+    state = fsdp2_forward_hook_state(hook)
+    return (state is not None and state is own) or strategy.is_backend_hook(hook)
+
+
 def unit_modules(module: nn.Module) -> Tuple[nn.Module, ...]:
     """The modules of the FSDP2 unit ``module`` belongs to, or () outside any."""
     state = _state_of(module)
@@ -179,19 +187,15 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
     def swaps_param_storage(self, module: nn.Module) -> bool:
         return True
 
-    def is_head_call_hook(self, lm_head: nn.Module, hook) -> bool:
-        """The forward hooks of the head's own unit (docs/backends.md, "The head as an FSDP2 unit")."""
-        state = fsdp2_forward_hook_state(hook)
-        return (state is not None and state is _state_of(lm_head)) or self.is_backend_hook(hook)
-
-    def head_call_gathers(self, lm_head: nn.Module) -> bool:
+    def head_call(self, lm_head: nn.Module) -> HeadCall:
+        """The forward hooks of the head's own unit surround the loss (docs/backends.md, "The head as an FSDP2
+        unit"); a head in a unit of several gets a stand-in: a second pass of the unit would reduce-scatter
+        before the norm's gradient exists."""
         own = _state_of(lm_head)
-        return own is not None and any(fsdp2_forward_hook_state(hook) is own
-                                       for hook in getattr(lm_head, "_forward_pre_hooks", {}).values())
-
-    def head_call_sees_graph(self, lm_head: nn.Module) -> bool:
-        # Not in a unit of several: a second pass of it would reduce-scatter before the norm's gradient exists.
-        return len(unit_modules(lm_head)) <= 1
+        gathers = own is not None and any(fsdp2_forward_hook_state(hook) is own
+                                          for hook in getattr(lm_head, "_forward_pre_hooks", {}).values())
+        return dataclasses.replace(super().head_call(lm_head), owns_hook=functools.partial(_owns_hook, own, self),
+                                   gathers=gathers, sees_graph=len(unit_modules(lm_head)) <= 1)
 
     def check_supported(self, module: nn.Module) -> None:
         units = [name for name, m in module.named_modules() if name and isinstance(m, _fsdp_module_class())]

@@ -51,11 +51,13 @@ def test_lookalikes_and_other_methods_are_not():
 def test_only_the_hooks_of_the_heads_own_unit_may_surround_the_loss(monkeypatch):
     head, own, other = nn.Linear(4, 5), FSDPState(), FSDPState()
     monkeypatch.setattr(fsdp2, "_state_of", lambda module: own if module is head else None)
+    own._modules = (head,)  # as fully_shard(head) sets it
     strategy = fsdp2.FSDP2Strategy()
-    assert strategy.is_head_call_hook(head, own._pre_forward)
-    assert strategy.is_head_call_hook(head, _as_grouped(own._post_forward))
-    assert not strategy.is_head_call_hook(head, other._pre_forward)
-    assert not strategy.is_head_call_hook(nn.Linear(4, 5), own._pre_forward)
+    owns_hook = strategy.head_call(head).owns_hook
+    assert owns_hook(own._pre_forward)
+    assert owns_hook(_as_grouped(own._post_forward))
+    assert not owns_hook(other._pre_forward)
+    assert not strategy.head_call(nn.Linear(4, 5)).owns_hook(own._pre_forward)
 
 
 def test_a_head_in_a_unit_of_several_modules_is_called_with_a_stand_in(monkeypatch):
@@ -63,4 +65,4 @@ def test_a_head_in_a_unit_of_several_modules_is_called_with_a_stand_in(monkeypat
     strategy = fsdp2.FSDP2Strategy()
     for modules, sees_graph in (((head,), True), ((norm, head), False), ((), True)):
         monkeypatch.setattr(fsdp2, "unit_modules", lambda module, modules=modules: modules)
-        assert strategy.head_call_sees_graph(head) is sees_graph
+        assert strategy.head_call(head).sees_graph is sees_graph

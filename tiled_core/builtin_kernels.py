@@ -5,8 +5,10 @@ module *is* (its forward's code, its structure, its class), never from a numeric
 from __future__ import annotations
 
 import functools
+from typing import Any, Optional, Tuple
 
 import torch
+from torch import nn
 
 from .fast_path import decide_fast_path
 from .gated_spec import foreign_child_hooks
@@ -17,7 +19,7 @@ from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
 from .kernels.rms_norm import RMSNormShardKernel
 from .kernels.vocab_parallel import VocabParallelHeadKernel
 from .module_forward import forward_function
-from .norm_forms import norm_spec
+from .norm_forms import NormSpec, norm_spec
 from .sharded_autograd import autocast_enabled
 from .tiling_state import tiling_of
 
@@ -72,12 +74,20 @@ class NormEntry(Kernel):
     shape = MAP
     keeps_grad_buffers = True  # the weight's gradient buffer beside the module's, as the generic kernel's
 
+    @staticmethod
+    def spec_for(module: nn.Module, strategy: Any, weight_is_local: bool = True) -> Tuple[Optional[NormSpec], str]:
+        """What the kernel computes for ``module`` whatever the input, or why it does not: asked at every call,
+        and by ``apply_tiled_mlp``'s report (``weight_is_local`` False where the backend holds shards then)."""
+        spec, why_not = norm_spec(module, forward_function(module))  # cheap: reads the forward's helpers again
+        if spec is not None and weight_is_local and strategy.local_view(module, [spec.weight]) is not None:
+            return None, "the weight is distributed (the generic kernel runs the module's own forward on it)"
+        return spec, why_not
+
     def why_not(self, call: KernelCall) -> str:
         if call.token_inputs:
             return TOKEN_INPUTS_DECLINED
-        module, x = call.module, call.x
-        # Asked at every call (cheap): it reads the helpers' functions and torch's again.
-        spec, why_not = norm_spec(module, forward_function(module))
+        x = call.x
+        spec, why_not = self.spec_for(call.module, call.strategy)
         if spec is None:
             return why_not
         if autocast_enabled(x.device.type):
@@ -88,8 +98,6 @@ class NormEntry(Kernel):
             return f"the input is on {x.device} but the weight is on {spec.weight.device}"
         if tuple(spec.weight.shape) != (x.shape[-1],):
             return f"the weight's shape {tuple(spec.weight.shape)} is not the input's width ({x.shape[-1]},)"
-        if call.strategy.local_view(module, [spec.weight]) is not None:
-            return "the weight is distributed (the generic kernel runs the module's own forward on it)"
         call.cache.kernel_cache["norm.spec"] = spec
         return ""
 

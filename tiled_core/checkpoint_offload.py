@@ -75,6 +75,8 @@ class CheckpointOffload:
     host_bytes: HostBytes = field(default_factory=HostBytes)
     # Called with each host copy as it is made: a memory tracker counts it apart from the device's.
     on_host_copy: Optional[Callable[[torch.Tensor], None]] = None
+    # Called once by ``remove()``: undoes what the caller set up around the layers.
+    on_remove: Optional[Callable[[], None]] = None
     _handles: List[Any] = field(default_factory=list)
     _calls: Dict[int, List[_LayerCall]] = field(default_factory=dict)
     _stream: Optional[Any] = None
@@ -88,6 +90,9 @@ class CheckpointOffload:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.on_remove is not None:
+            self.on_remove()
+            self.on_remove = None
 
     def _enter(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         calls = self._calls.setdefault(id(layer), [])

@@ -23,6 +23,7 @@ from .gated_forms import (
     linear_is_a_linear,
     shadowed,
 )
+from .kernels.lm_head import is_plain_linear
 
 
 @dataclass
@@ -90,8 +91,7 @@ _LINEAR_READS = ("weight", "bias")
 
 
 def _is_plain_linear(module, is_backend_hook) -> bool:
-    own = module.__dict__.get("forward")  # allowed where it is the backend's own (its local view stands in)
-    return (type(module) is nn.Linear and (own is None or is_backend_hook(own)) and matches(nn.Linear.forward, _LINEAR)
+    return (type(module) is nn.Linear and is_plain_linear(module, is_backend_hook) and matches(nn.Linear.forward, _LINEAR)
             and linear_is_a_linear(F.linear))
 
 

@@ -8,7 +8,6 @@ runs eagerly behind one graph break.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
@@ -119,13 +118,14 @@ def _loss(hidden, lm_head, labels, shift_labels, options: CrossEntropyOptions, r
                                                                       sequence_group, fixed)
     backend = _backend(lm_head, fixed)
     splits_vocab = getattr(backend, "vocab_slice", None)
+    head_call = backend.head_call(lm_head)
     dtensors = [p for p in lm_head.parameters() if _is_dtensor(p)]
-    if dtensors and splits_vocab is None and not backend.head_call_gathers(lm_head):
+    if dtensors and splits_vocab is None and not head_call.gathers:
         mesh = getattr(dtensors[0], "device_mesh", None)
         layout = (f"placements {tuple(getattr(dtensors[0], 'placements', ()))} over a mesh of shape "
                   f"{tuple(getattr(mesh, 'shape', ()))}")
         raise RuntimeError(SHARDED_WEIGHT_ERROR.format(head=type(lm_head).__name__, layout=layout, strategy=backend.name))
-    foreign = foreign_head_hooks(lm_head, functools.partial(backend.is_head_call_hook, lm_head))
+    foreign = foreign_head_hooks(lm_head, head_call.owns_hook)
     if foreign:
         raise RuntimeError(HEAD_HOOKS_ERROR.format(head=type(lm_head).__name__, hooks=", ".join(foreign)))
     # A vocabulary split over ranks: this rank's rows and the hidden states as the head's own input hook makes
@@ -136,7 +136,7 @@ def _loss(hidden, lm_head, labels, shift_labels, options: CrossEntropyOptions, r
                     reduction, num_items_in_batch, num_shards, grad_accum_dtype, sequence_group, vocab_slice)
     if vocab_slice is not None:  # the head's hooks are the style's own, which the slice stands in for
         return site.loss_of(head_input)
-    loss = in_head_call(lm_head, hidden, site.loss_of, backend.head_call_sees_graph(lm_head))
+    loss = in_head_call(lm_head, hidden, site.loss_of, head_call.sees_graph)
     return sum_over_group(loss, sequence_group, averages)
 
 
@@ -226,7 +226,7 @@ class LossSite:
         self.params = list(choice.kernel.params)
         dtype = loss_dtype(self.params[0].dtype if self.params else x.dtype)
         # DeepSpeed AutoTP's gathering lm_head holds a slice of the vocabulary whose logits hold all of it.
-        vocab = _vocab_size(lm_head) if strategy.head_weight_is_whole(lm_head) else None
+        vocab = _vocab_size(lm_head) if strategy.head_call(lm_head).weight_is_whole else None
         if vocab is not None:  # else the module kernel checks each shard once its logits show the vocabulary
             check_targets(targets, vocab, self.options.ignore_index)
         self.scale = _scale(targets, self.reduction, self.num_items_in_batch, self.options.ignore_index, dtype,

@@ -2,7 +2,6 @@
 ``GradientCheckpointingLayer`` with checkpointing on), keep their inputs in host memory until backward."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, List, Tuple
 
 from torch import nn
@@ -62,26 +61,17 @@ class _CheckpointCall(nn.Module):
         return self(*args, function=function)
 
 
-@dataclass
-class _OffloadAtCheckpointCalls(CheckpointOffload):
-    checkpointed: List[Tuple[nn.Module, Any]] = field(default_factory=list)
-
-    def remove(self) -> None:
-        super().remove()
-        for layer, checkpoint in self.checkpointed:
-            setattr(layer, "_gradient_checkpointing_func", checkpoint)  # noqa: B010 - an HF instance attribute
-        self.checkpointed.clear()
-
-
 def _offload_at_checkpoint_calls(layers: List[nn.Module]) -> CheckpointOffload:
-    sites, checkpointed = [], []
-    for layer in layers:
-        checkpoint = layer._gradient_checkpointing_func
-        site = _CheckpointCall(checkpoint)
-        setattr(layer, "_gradient_checkpointing_func", site.checkpoint_function)  # noqa: B010
-        sites.append(site)
-        checkpointed.append((layer, checkpoint))
-    return _OffloadAtCheckpointCalls(sites, checkpointed=checkpointed)
+    checkpoints = [layer._gradient_checkpointing_func for layer in layers]
+    sites = [_CheckpointCall(checkpoint) for checkpoint in checkpoints]
+    for layer, site in zip(layers, sites, strict=True):
+        setattr(layer, "_gradient_checkpointing_func", site.checkpoint_function)  # noqa: B010 - an HF instance attribute
+
+    def restore() -> None:
+        for layer, checkpoint in zip(layers, checkpoints, strict=True):
+            setattr(layer, "_gradient_checkpointing_func", checkpoint)  # noqa: B010
+
+    return CheckpointOffload(sites, on_remove=restore)
 
 
 # Instance attributes transformers sets while turning checkpointing on: the input-gradient hooks'

@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 from tiled_mlp.core import TiledMLP
+from tiled_mlp.core.builtin_kernels import NormEntry
 from tiled_mlp.core.fast_path import structural_decision
 from tiled_mlp.core.module_forward import forward_function
-from tiled_mlp.core.norm_forms import norm_spec
 from tiled_mlp.strategies.resolver import resolve_strategy
 
 from .norms import TiledNorm
@@ -24,10 +24,10 @@ def expected_path(tiled: TiledMLP) -> str:
     # ones a call computes with: for it the structure alone is reported.
     now = not strategy.swaps_param_storage(tiled)
     if isinstance(tiled, TiledNorm):
-        norm, why_not = norm_spec(tiled, forward_function(tiled))
-        if norm is not None and (not now or strategy.local_view(tiled, [norm.weight]) is None):
+        norm, why_not = NormEntry.spec_for(tiled, strategy, weight_is_local=now)
+        if norm is not None:
             return "norm (a registered RMSNorm forward: the norm kernel)"
-        spec, why_not = None, why_not or "the norm's weight is distributed"
+        spec = None
     else:
         unfit = getattr(type(tiled)._tiled_mixin, "tiled_no_fast_path", "")
         spec, why_not = (None, unfit) if unfit else structural_decision(tiled, forward_function(tiled),
