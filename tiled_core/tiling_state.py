@@ -1,6 +1,4 @@
-"""What a tiled module carries besides its own state: the tiling configuration and the last call's
-report. It lives in one instance attribute, ``module.tiling``, so tiling adds one name to the module
-and none to its parameters, buffers or submodules.
+"""A tiled module's one added attribute, ``module.tiling``: the tiling configuration and the last call's report.
 """
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ STATE_ATTR = "tiling"
 
 
 def check_config(num_shards: NumShards, path: str, grad_accum_dtype: Optional[torch.dtype]) -> None:
-    """Reject a bad configuration before anything is changed."""
     check_num_shards(num_shards)
     paths = ("auto", *available_kernels(MAP))  # "fast", "generic" and every registered map kernel
     if path not in paths:
@@ -109,12 +106,10 @@ class TilingState:
         self.__dict__.update(state)
 
     def copied(self) -> TilingState:
-        """A new state with this one's configuration, as a copy of the module gets it (``__getstate__``)."""
         new = object.__new__(TilingState)
         new.__setstate__(self.__getstate__())
         return new
 
 
 def tiling_of(module: nn.Module) -> TilingState:
-    """A tiled module's ``TilingState`` (its ``tiling`` attribute)."""
     return module.__dict__[STATE_ATTR]
