@@ -62,9 +62,6 @@ class TensorVersions:
     def changed(self) -> List[int]:
         return [i for i, (t, v) in enumerate(zip(self.tensors, self.versions, strict=True)) if t._version != v]
 
-    def check(self, where: str) -> None:
-        check_versions(self.tensors, self.versions, where)
-
 
 _version_of = operator.attrgetter("_version")
 

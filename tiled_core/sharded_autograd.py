@@ -130,10 +130,8 @@ _AUTOCAST_OFF: Dict[torch.device, AutocastState] = {}
 
 
 # -- the input, saved by a node of its own before the shard loop -------------------------------------------------
-# Non-reentrant checkpointing stops its recompute once every tensor its forward saved is recomputed: saved here,
-# before the loop (not by the Function, after it), the recompute stops before the MLP where the MLP is the last
-# saver of the region (Llama, Qwen, Mistral): 2 MLP forwards a step, not 3. Only where a saved-tensor hook is
-# active (a checkpoint, ``save_on_cpu``); elsewhere the Function saves it, one node fewer.
+# Saved before the loop, a non-reentrant checkpoint's recompute stops before the MLP where the MLP is the region's
+# last saver (Llama, Qwen, Mistral): 2 MLP forwards a step, not 3. Only where a saved-tensor hook is active.
 class InputHolder:
 
     __slots__ = ("node",)
@@ -317,7 +315,7 @@ KernelT = TypeVar("KernelT", ShardKernel, ReduceKernel)
 class ShardedRun(Generic[KernelT]):
     kernel: KernelT
     plan: ShardPlan
-    # Re-gathers the parameters for the backward recompute (the strategy's); None: nothing to enter.
+    # Re-gathers the parameters for the backward recompute; None: nothing to enter.
     gathered: Optional[Callable[[], ContextManager]] = None
     grad_accum_dtype: Optional[torch.dtype] = None
     replay_rng: bool = True
@@ -325,11 +323,9 @@ class ShardedRun(Generic[KernelT]):
     param_mask: Optional[Sequence[bool]] = None
     # Trainable inputs that received no gradient get zeros (DDP's reducer waits for every one), else None.
     zeros_for_unused: bool = False
-    # The strategy's ``deliver_grads``: what autograd accumulates into each parameter, given the summed
-    # gradients. Called once per backward, inside ``gathered``.
+    # The strategy's ``deliver_grads``, called once per backward inside ``gathered``.
     deliver_grads: Optional[Callable[[Sequence[torch.Tensor], List[Optional[torch.Tensor]]], List[Optional[torch.Tensor]]]] = None
-    # The backend replaces the parameters' storage between forward and backward (ZeRO-3, FSDP2): their
-    # versions are not compared.
+    # The backend swaps the parameters' storage between forward and backward (ZeRO-3, FSDP2): no version check.
     params_swap_storage: bool = False
     # How the kernel sees distributed parameters (``local_view.py``), entered around the Function.
     local_view: Optional[LocalView] = None
@@ -355,8 +351,7 @@ def _held_by_parametrization_cache(tensor: torch.Tensor) -> bool:
 
 def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = ()) -> None:
     if not all(map(reads.held_by_collective, reads.kept(expected))):
-        # A reference cycle (a custom Function that stores its output on ctx) keeps a tensor only until the
-        # collector runs: collect once before refusing.
+        # A reference cycle (a custom Function storing its output on ctx) lasts until the collector runs.
         gc.collect()
         kept = reads.kept(expected)
         if not all(map(reads.held_by_collective, kept)):
@@ -364,8 +359,7 @@ def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = (
             if cached:
                 raise RuntimeError(PARAMETRIZATION_CACHE_ERROR.format(tensors=describe(cached)))
             raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=describe(kept)))
-    # Only memory a collective took or made is left: its backend lets go of it a moment after the wait
-    # (``collectives.py``). Still alive after the bound, it is kept.
+    # Only memory a collective took or made is left: its backend lets go of it a moment after the wait.
     held = reads.collective_memory(expected)
     if held and not wait_released([ref for ref, _ in held]):
         gc.collect()
@@ -424,8 +418,7 @@ class ShardedMapFunction(torch.autograd.Function):
         first_out, rng_states = first.out, [first.rng_state]
         width = kernel.output_width(tensors) if first_out is None and not autocast.enabled else None
         if width is not None:
-            # The kernel names its output's width, and without autocast its dtype is the input's: every
-            # shard writes into the one output, the first included.
+            # Width known and dtype the input's (no autocast): every shard writes into the one output.
             out = x.new_empty((*x.shape[:-1], width))
             out_flat = out.view(-1, width)
             rng_states, later = [], 0
@@ -450,8 +443,7 @@ class ShardedMapFunction(torch.autograd.Function):
         ctx.input_requires_grad = first.input_requires_grad
         ctx.run = run
         ctx.rng_states = rng_states
-        # Plain references, not saved tensors: backends swap parameter storage between forward and backward
-        # without it being a mutation. Their versions are compared in backward instead, where the backend allows.
+        # Plain references, not saved tensors: backends swap parameter storage between forward and backward.
         ctx.tensors = tensors
         if first.input_version is None:
             ctx.checked = None
@@ -511,8 +503,7 @@ def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor
     local_params = view.params(run.kernel.params)
     if not run.kernel.substitutes_tensors:
         return view.leave(_sharded_apply(x_local, run, local_params))
-    # A kernel that runs the module's own forward reads its parameter slots: they hold the local tensors for
-    # the forward shards as for the recompute.
+    # A kernel that runs the module's own forward reads its parameter slots: they hold the local tensors.
     with run.kernel.using(local_params):
         out = _sharded_apply(x_local, run, local_params)
     return view.leave(out)
@@ -531,8 +522,7 @@ def _sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel], params: Sequen
     x_flat = x_root.reshape(-1, x.shape[-1])
     first_slice = run.plan.slice_tuple[0]
     rng_state = capture_rng_state(x.device) if run.replay_rng else None
-    # Every tensor the first shard reads from outside, with or without a gradient: the ones needing a gradient
-    # become inputs of the Function, the others are held to what the backward recompute reads.
+    # Tensors the first shard reads from outside: those needing a gradient become inputs of the Function.
     reads = TensorReads(known=[x_root, x_flat, *params, *kernel.owned_params], watch_kept=True, grad_only=False)
     with torch.no_grad(), reads:
         first_out = completed(kernel.forward_into(x_flat[first_slice], None, params, first_slice))
@@ -546,16 +536,13 @@ def _sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel], params: Sequen
 
 
 # -- the reduce shape (a loss) ------------------------------------------------------------------------------------
-# Forward forms each shard's gradients at once (no [tokens, vocab] tensor outlives its shard, nothing is
-# recomputed, the parameters are read inside the one gathered region around the call). Backward scales them
-# by the gradient that arrives (the output is a scalar: exact for the input and the parameters alike) and
-# delivers them as the map shape does. Refused: double backward, and a second backward through one call.
+# Forward forms each shard's gradients at once (no [tokens, vocab] tensor outlives its shard); backward scales them
+# by the gradient that arrives (the output is a scalar) and delivers them as the map shape does.
 class ShardedReduceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, run: ShardedRun[ReduceKernel],
                 building_graph: bool, *params: torch.Tensor) -> torch.Tensor:
-        # ``needs_input_grad`` says what requires grad, also under no_grad: ``building_graph`` is the caller's
-        # grad mode (no gradient is formed for a loss computed without a graph).
+        # ``needs_input_grad`` is set under no_grad too: ``building_graph`` is the caller's grad mode.
         num_params = len(params)
         needs = [building_graph and need for need in ctx.needs_input_grad]
         needed = needed_grads(run, needs[5:], num_params)
@@ -574,8 +561,7 @@ class ShardedReduceFunction(torch.autograd.Function):
             raise RuntimeError(SECOND_BACKWARD_ERROR)
         dx, param_grads = ctx.dx, ctx.param_grads
         ctx.dx = ctx.param_grads = None  # handed over: nothing else keeps them alive after this backward
-        # A 0-dim factor, in place (the forward made each buffer and nothing else references it); under
-        # torch.compile AOT autograd turns the in-place product into a functional one.
+        # In place: the forward made each buffer and nothing else references it.
         scaled = [None if g is None else g.mul_(grad_loss) for g in (dx, *param_grads)]
         return (scaled[0], None, None, None, None, *scaled[1:])
 

@@ -43,8 +43,7 @@ class TiledInputs(NamedTuple):
     """How one call's arguments enter the tiled call (``TiledMLP.tiled_inputs`` returns it)."""
 
     hidden_states: torch.Tensor  # ``[..., tokens, hidden]``, sharded over its tokens
-    # Other token-wise inputs of any dtype (``[..., tokens, ...]``, the leading dims of the hidden
-    # states), sliced like them and passed after them to each shard (a MoE block's routing).
+    # Other token-wise inputs (a MoE block's routing), sliced like the hidden states, passed after them.
     token_inputs: Sequence[torch.Tensor] = ()
     # Whether the hidden states must match the module's input width (a module with input projections).
     check_hidden: bool = True
@@ -91,19 +90,15 @@ def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
         kept = fields.get("local_strategy")
         if kept is not None and kept[1] is registrations_by_priority():  # a new object at every registry change
             return kept[0]
-    # A checkpoint's recompute runs inside a backward.
     in_backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
     if in_backward and state.forward_strategy is not None:
-        # A call inside a backward is a checkpoint recomputing a forward made outside it, where the
-        # backend's context was visible (DDP is seen only while its forward runs): the same backend.
+        # A checkpoint recomputing a forward made where the backend's context was visible (DDP's forward).
         return state.forward_strategy
     strategy = resolve_strategy(module, state.ancestors() if state.ancestor_refs else ())
     if not in_backward:
         # Into the state's dict: not a setting that ``TilingState.__setattr__`` checks.
         fields["forward_strategy"] = strategy
-    # Kept for the next calls only where the strategy was built from its registered arguments alone (a class
-    # whose own ``configured_for`` reads the runtime is asked at every call) and no process group can change
-    # what claims the module.
+    # Kept only where built from its registered arguments alone and no process group can change what claims the module.
     registrations = None if distributed else registrations_by_priority()
     own_build = type(strategy).configures_from_runtime
     fields["local_strategy"] = None if own_build or not registrations else (strategy, registrations)
@@ -165,9 +160,8 @@ class ModuleTree:
         self.root = module
         self.readers = tuple(readers)
         self.readings = tuple(map(_call, self.readers))
-        # The modules' own hooks are read again only after a hook was registered anywhere (each registration takes
-        # the next handle id); one removed alone leaves a plan that ran the module's own forward, hooks and all, as
-        # exact as it was. Strict mode reads them at every call.
+        # Hooks are read again only after a registration anywhere (it takes the next handle id): a hook removed
+        # alone leaves the plan exact. Strict mode reads them at every call.
         self.hook_readers = tuple(hook_readers)
         self.hook_readings = tuple(map(_call, self.hook_readers))
         self.hook_id = None if deep else RemovableHandle.next_id
@@ -308,8 +302,7 @@ def _decide_now(module: nn.Module, state: TilingState, plan: MapPlan, strategy: 
             raise RuntimeError(f"TiledMLP: path={only!r} names no registered kernel now (unregistered after tiling?); "
                                f"registered: {available_kernels(MAP)}. Register it again, or set tiling.path")
         raise RuntimeError(f"TiledMLP: no registered kernel runs {type(module).__name__}: {choice.describe()}")
-    # Kept only where the registry kept the choice with the plan (every kernel asked answers from the plan alone,
-    # and the chosen one serves many calls): a kernel built for one call holds what that call read.
+    # Kept only where the registry kept the choice with the plan: a kernel built for one call holds what it read.
     keep = any(kept is choice for kept in plan.choices.values())
     plan.generic = choice.entry.keeps_grad_buffers
     auto = shard_count(state, plan, x, num_tokens, plan.generic, compiling)
@@ -339,9 +332,7 @@ def module_forward(module: nn.Module, *args, **kwargs) -> torch.Tensor:
     fields = module.__dict__
     state: TilingState = fields["tiling"]
     if state.shard_depth:
-        # Called from inside one of its own shards: an instance forward wrapping the tiled forward
-        # (accelerate's hooks: ``old = m.forward; m.forward = wrapper(old)``) reaches here; the shard
-        # computes the module's own forward.
+        # From inside one of its own shards: an instance forward wrapping the tiled forward (accelerate's hooks).
         return base_forward(module)(module, *args, **kwargs)
     if "forward" in fields:
         adopt_instance_forward(module, state)
@@ -386,8 +377,7 @@ def _map_run(module: nn.Module, state: TilingState, strategy: Strategy, x: torch
         return shard_forward(x, *token_inputs)
     run = _run_for(decision, module, strategy, gathered, plan, state.grad_accum_dtype)
     if plan.named_buffers:
-        # Most MLPs hold no buffer, and enter nothing here; one that does (BatchNorm's running statistics) would
-        # update it once per shard and again in the recompute, silently: refused, its buffers put back.
+        # A buffer update (BatchNorm's running statistics) would run once per shard and again in the recompute.
         with buffers_kept(type(module).__name__, plan.named_buffers):
             out = sharded_apply(x, run)
     else:
@@ -400,8 +390,7 @@ def _map_run(module: nn.Module, state: TilingState, strategy: Strategy, x: torch
 def _local_view(strategy: Strategy, owner: nn.Module, kernel: Any, plan: Optional[MapPlan]) -> Any:
     if not getattr(kernel, "runs_on_local_view", False):
         return None
-    # Per kernel class: under one plan, a kernel class computes on the same tensors (the proven spec's, the
-    # trainable ones, the norm's weight).
+    # Per kernel class: under one plan, a kernel class computes on the same tensors.
     if plan is not None and plan.views.get(type(kernel), True) is None:
         return None
     view = strategy.local_view(owner, kernel.params)
