@@ -17,10 +17,17 @@ from .sharded_autograd import autocast_enabled
 def decide_fast_path(module: nn.Module, forward_fn: Optional[Callable], x: torch.Tensor,
                      is_backend_hook) -> Tuple[Optional[GatedMLPSpec], str]:
     spec, why_not = structural_decision(module, forward_fn, is_backend_hook)
-    if spec is not None:
-        why_not = _call_problem(spec, x)
-        spec = None if why_not else spec
-    return spec, why_not
+    if spec is None:
+        return None, why_not
+    if autocast_enabled(x.device.type):
+        return None, "autocast is enabled (the fast kernel computes in the weights' dtype)"
+    weight = spec.down.weight
+    if x.dtype != weight.dtype:
+        # The module may cast its input (or fail); the generic path does exactly what it does.
+        return None, f"the input is {x.dtype} but the weights are {weight.dtype}"
+    if x.device != weight.device:
+        return None, f"the input is on {x.device} but the weights are on {weight.device}"
+    return spec, ""
 
 
 def structural_decision(module: nn.Module, forward_fn: Optional[Callable],
@@ -53,15 +60,3 @@ def fast_path_problem(mixin: type, mlp: nn.Module, is_backend_hook: Callable = n
     else:  # not tiled yet: an instance forward here is another library's (accelerate's hooks)
         forward = None if "forward" in mlp.__dict__ else type(mlp).forward
     return structural_decision(mlp, forward, is_backend_hook)[1]
-
-
-def _call_problem(spec: GatedMLPSpec, x: torch.Tensor) -> str:
-    if autocast_enabled(x.device.type):
-        return "autocast is enabled (the fast kernel computes in the weights' dtype)"
-    weight = spec.down.weight
-    if x.dtype != weight.dtype:
-        # The module may cast its input (or fail); the generic path does exactly what it does.
-        return f"the input is {x.dtype} but the weights are {weight.dtype}"
-    if x.device != weight.device:
-        return f"the input is on {x.device} but the weights are on {weight.device}"
-    return ""

@@ -29,19 +29,9 @@ _CHECKED = ("num_shards", "path", "grad_accum_dtype")
 
 @dataclass
 class TilingState:
-    """The tiling of one module (``module.tiling``).
-
-    Attributes:
-        num_shards: an int >= 1, or "auto".
-        path: "auto" (the first registered kernel that applies), or a registered kernel's name: "fast",
-            "generic", or one added with ``register_kernel``.
-        grad_accum_dtype: dtype of the per-parameter gradient sums (None: the parameter's dtype).
-        use_fused_kernel: use a registered fused activation kernel (tiled_mlp registers Liger-Kernel's
-            Triton one on CUDA when it is installed) where one applies.
-        fixed_strategy: a ``Strategy`` instance, or None for "auto" (resolved at every forward).
-        last_path / last_num_shards / last_strategy: what the last call ran ("fast", "generic" or
-            "untiled"; its shard count; the ``Strategy`` it resolved).
-    """
+    """The tiling of one module (``module.tiling``): ``TiledMLP``'s arguments (``fixed_strategy``: None for
+    "auto"), and what the last call ran (``last_path``: a kernel's name or "untiled", its shard count, the
+    ``Strategy`` it resolved, and why)."""
 
     num_shards: NumShards = "auto"
     path: str = "auto"
