@@ -36,12 +36,8 @@ class TiledMLP(nn.Module):
         use_fused_kernel: use a registered fused activation kernel (tiled_mlp registers Liger-Kernel's
             Triton one on CUDA when it is installed) where one applies.
 
-    What fires how often: hooks on the tiled module itself (a backend's, the user's) fire once per
-    call and once around its backward, as untiled. Hooks on its submodules send the call to the
-    generic path (the fast kernel calls no submodule), where forward (pre-)hooks fire once per shard
-    in the forward and once per shard in the backward recompute, and backward hooks once per shard
-    with that shard's gradients. A hook that keeps a tensor it was given (an activation penalty for
-    the loss) is an error while a graph is built: that tensor would carry no gradient.
+    Hooks on the tiled module fire once per call, as untiled; hooks on its submodules once per shard
+    (docs/guarantees.md).
     """
 
     # Annotation only (no class attribute, so it hides nothing of the tiled module's): the tiling state,
