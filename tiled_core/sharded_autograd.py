@@ -460,7 +460,7 @@ class ShardedMapFunction(torch.autograd.Function):
             raise RuntimeError(DOUBLE_BACKWARD_ERROR)
         run: ShardedRun[ShardKernel] = ctx.run
         kernel = run.kernel
-        if ctx.checked is not None:
+        if ctx.checked is not None and list(map(_version_of, ctx.checked)) != ctx.versions:
             check_versions(ctx.checked, ctx.versions, kernel.module_name)
         # Under non-reentrant checkpointing, reading the saved input recomputes the region up to it.
         (x,) = ctx.saved_tensors if ctx.input_holder is None else (ctx.input_holder.tensor(),)
