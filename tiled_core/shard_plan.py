@@ -17,18 +17,16 @@ AUTO = "auto"  # resolved to a count (or to "run untiled") by ``auto_shards.auto
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Token shards of one call: ``shard_sizes[i]`` tokens starting at ``offsets[i]``, computed once."""
+    """Token shards of one call: ``shard_sizes[i]`` tokens in ``slice_tuple[i]``, computed once."""
 
     num_tokens: int
     shard_sizes: tuple
     num_shards: int = field(init=False, compare=False)
-    offsets: tuple = field(init=False, compare=False)
     slice_tuple: tuple = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         starts = tuple(itertools.accumulate(self.shard_sizes[:-1], initial=0))
         object.__setattr__(self, "num_shards", len(self.shard_sizes))
-        object.__setattr__(self, "offsets", starts)
         object.__setattr__(self, "slice_tuple", tuple(slice(start, start + size)
                                                       for start, size in zip(starts, self.shard_sizes, strict=True)))
 
