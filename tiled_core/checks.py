@@ -57,19 +57,17 @@ class TensorVersions:
 
     def __init__(self, tensors: Sequence[torch.Tensor]):
         self.tensors: Sequence[torch.Tensor] = tuple(tensors)
-        self.versions = list(map(_version_of, self.tensors))
+        self.versions = list(map(version_of, self.tensors))
 
     def changed(self) -> List[int]:
         return [i for i, (t, v) in enumerate(zip(self.tensors, self.versions, strict=True)) if t._version != v]
 
 
-_version_of = operator.attrgetter("_version")
+version_of = operator.attrgetter("_version")
 
 
-def check_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int], where: str) -> None:
-    # One C-level pass where nothing changed (every call of every tiled backward); the index only on a miss.
-    if list(map(_version_of, tensors)) == versions:
-        return
+def raise_modified(tensors: Sequence[torch.Tensor], versions: Sequence[int], where: str) -> None:
+    """Autograd's error for the first of ``tensors`` no longer at its version (the caller compared them)."""
     i = next(i for i, (t, v) in enumerate(zip(tensors, versions, strict=True)) if t._version != v)
     raise RuntimeError(MODIFIED_ERROR.format(tensor=describe([tensors[i]]), now=tensors[i]._version,
                                              then=versions[i], where=where))

@@ -9,14 +9,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Generic, Iterator, List, Optional, Sequence, TypeVar
 
 import torch
 from torch.nn.utils import parametrize
 
-from .checks import DOUBLE_BACKWARD_ERROR, INPUT_EDITED_ERROR, check_versions
+from .checks import DOUBLE_BACKWARD_ERROR, INPUT_EDITED_ERROR, raise_modified, version_of
 from .collectives import completed, wait_released
 from .kernels.base import ReduceKernel, ShardKernel
 from .local_view import LocalView
@@ -384,7 +383,6 @@ def _watched_forward(run: ShardedRun[ShardKernel], first: FirstShard, x_flat: to
         _check_nothing_kept(reads)
 
 
-_version_of = operator.attrgetter("_version")
 _NO_CONTEXT = contextlib.ExitStack()  # entered where the recompute needs no context: nothing is ever pushed on it
 
 
@@ -449,7 +447,7 @@ class ShardedMapFunction(torch.autograd.Function):
             ctx.checked = None
         else:
             checked = _versions_to_check(run, tensors)
-            ctx.checked, ctx.versions = checked, list(map(_version_of, checked))
+            ctx.checked, ctx.versions = checked, list(map(version_of, checked))
         ctx.autocast = autocast
         return out
 
@@ -460,8 +458,8 @@ class ShardedMapFunction(torch.autograd.Function):
             raise RuntimeError(DOUBLE_BACKWARD_ERROR)
         run: ShardedRun[ShardKernel] = ctx.run
         kernel = run.kernel
-        if ctx.checked is not None and list(map(_version_of, ctx.checked)) != ctx.versions:
-            check_versions(ctx.checked, ctx.versions, kernel.module_name)
+        if ctx.checked is not None and list(map(version_of, ctx.checked)) != ctx.versions:
+            raise_modified(ctx.checked, ctx.versions, kernel.module_name)
         # Under non-reentrant checkpointing, reading the saved input recomputes the region up to it.
         (x,) = ctx.saved_tensors if ctx.input_holder is None else (ctx.input_holder.tensor(),)
         tensors = ctx.tensors
