@@ -17,7 +17,7 @@ def test_plan_covers_every_token_once(num_tokens, num_shards):
     assert plan.num_shards == min(num_shards, num_tokens)
     assert all(size >= 1 for size in plan.shard_sizes)
     assert max(plan.shard_sizes) - min(plan.shard_sizes) <= 1
-    assert plan.offsets[0] == 0 and sum(plan.shard_sizes) == num_tokens
+    assert plan.slice_tuple[0].start == 0 and sum(plan.shard_sizes) == num_tokens
 
 
 def test_uneven_split_puts_the_extra_tokens_first():

@@ -1,9 +1,5 @@
-"""Backend-neutral tiled MLP and tiled loss: shard plan, sharded autograd (a token-wise map and a
-reduction), the kernel registry and its per-shard kernels, the one tiled call, the TiledMLP module and
-the tiled cross-entropy.
-
-Imports torch only; backends are reached through the ``Strategy`` interface, and what a model library
-knows (its MLP bodies, its activations, a fused kernel) is registered from outside (``tiled_mlp.integrations``).
+"""Backend-neutral tiled MLP and tiled loss. Imports torch only; backends are reached through the ``Strategy``
+interface, and what a model library knows is registered from outside (``tiled_mlp.integrations``).
 """
 # The folder is installed as tiled_mlp.core; imported by its repository name (from the repository's root) it would
 # be a second copy of every module, with registries of its own.

@@ -1,18 +1,7 @@
-"""What autograd checks about a saved tensor, checked for the tensors a tiled call keeps by reference,
-and the same check for the plain Python values its recompute reads again.
-
-Autograd refuses a backward whose saved tensors were modified in place after they were saved (an
-optimizer step or in-place clipping between forward and backward): "one of the variables needed for
-gradient computation has been modified by an inplace operation". The tiled call recomputes from its
-input, its parameters and every other tensor its forward read, held as plain references (backends swap
-parameter storage between forward and backward, which a saved tensor would refuse), so it records
-their version counters itself and compares them when its backward starts, with autograd's wording.
-
-The generic path's recompute also reads the module's Python attributes again (``self.scale = 2.0``,
-``GELU.approximate``, ``Dropout.training``, PEFT's active adapter list), which have no version counter:
-``PlainValues`` holds the ones its code may read (``plain_values``) as they were at the forward and
-compares them the same way (plain values by value, other objects by identity).
-Activation checkpointing has no such check; rebound there, a value silently changes the gradients.
+"""Autograd's saved-tensor version check, for the tensors a tiled call keeps by reference (backends swap
+parameter storage between forward and backward, which a saved tensor would refuse), and the same check for the
+plain Python values its recompute reads again (``self.scale``, PEFT's active adapter), which have no version
+counter: plain values by value, other objects by identity. Activation checkpointing has neither check.
 """
 from __future__ import annotations
 
@@ -68,21 +57,20 @@ class TensorVersions:
 
     def __init__(self, tensors: Sequence[torch.Tensor]):
         self.tensors: Sequence[torch.Tensor] = tuple(tensors)
-        self.versions = list(map(_version_of, self.tensors))
+        self.versions = list(map(version_of, self.tensors))
 
     def changed(self) -> List[int]:
         return [i for i, (t, v) in enumerate(zip(self.tensors, self.versions, strict=True)) if t._version != v]
 
-    def check(self, where: str) -> None:
-        # One C-level pass where nothing changed (every call of every tiled backward); the index only on a miss.
-        if list(map(_version_of, self.tensors)) == self.versions:
-            return
-        i = self.changed()[0]
-        raise RuntimeError(MODIFIED_ERROR.format(tensor=describe([self.tensors[i]]), now=self.tensors[i]._version,
-                                                 then=self.versions[i], where=where))
+
+version_of = operator.attrgetter("_version")
 
 
-_version_of = operator.attrgetter("_version")
+def raise_modified(tensors: Sequence[torch.Tensor], versions: Sequence[int], where: str) -> None:
+    """Autograd's error for the first of ``tensors`` no longer at its version (the caller compared them)."""
+    i = next(i for i, (t, v) in enumerate(zip(tensors, versions, strict=True)) if t._version != v)
+    raise RuntimeError(MODIFIED_ERROR.format(tensor=describe([tensors[i]]), now=tensors[i]._version,
+                                             then=versions[i], where=where))
 
 
 _UNSET = object()
@@ -97,9 +85,7 @@ def _shown(value: Any, by_identity: bool) -> str:
 
 
 class PlainValues:
-    """The values the module tree's code may read (``plain_values.snapshot``), to be compared with theirs
-    later, as ``TensorVersions``: plain ones by value, others by identity, and a name the code reads
-    that a module did not have then."""
+    """The values the module tree's code may read (``plain_values.snapshot``), to be compared later."""
 
     def __init__(self, taken: ReadValues):
         self.taken = taken
@@ -108,8 +94,7 @@ class PlainValues:
         return PlainValues(self.taken.retaken())
 
     def changed(self) -> List[Tuple[str, Any, Any, bool]]:
-        """(qualified name, value then, value now, compared by identity) of each value that is no longer
-        what it was."""
+        """(qualified name, value then, value now, compared by identity) of each value that changed."""
         out = []
         for name, d, attr, then, by_identity in self.taken.entries:
             now = d.get(attr, _UNSET)

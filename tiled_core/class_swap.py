@@ -1,10 +1,5 @@
-"""Tiling a module in place by swapping its class, and untiling it by swapping the class back.
-
-``tiled_class(mixin, LlamaMLP)`` is a generated subclass of both (``TiledLlamaMLP``, cached per pair),
-as ``fully_shard`` makes ``FSDPLlamaMLP``: the module tree, every name, ``state_dict``, ``isinstance``,
-``deepcopy`` and ``pickle`` stay those of the untiled module, and the tiling lives in one attribute,
-``module.tiling``. Every check runs before the class changes (``prepare_tiling``), so a refused module
-is left as it was.
+"""Tiling a module in place by swapping its class for a generated subclass (``TiledLlamaMLP``, as ``fully_shard``
+makes ``FSDPLlamaMLP``), and untiling it by swapping the class back. Every check runs before the class changes.
 """
 from __future__ import annotations
 
@@ -24,7 +19,6 @@ _CLASSES: Dict[Tuple[type, type], type] = {}
 
 
 def tiled_class(mixin: type, base: type) -> type:
-    """The class ``mixin`` + ``base`` (cached), which a tiled module's ``__class__`` is set to."""
     key = (mixin, base)
     cls = _CLASSES.get(key)
     if cls is None:
@@ -38,14 +32,11 @@ def tiled_class(mixin: type, base: type) -> type:
 
 
 def rebuild(mixin: type, base: type) -> nn.Module:
-    """pickle/deepcopy: an empty instance of the tiled class; its ``__dict__`` is restored after."""
     return object.__new__(tiled_class(mixin, base))
 
 
-# The names each tiling mixin defines in its own class body, taken when the class is made (``record_own_names``):
-# another library may add attributes to every nn.Module subclass afterwards (DeepSpeed's ``zero.Init`` leaves
-# ``_old_init`` on each one that defines ``__init__``), which are not names tiling adds, and must not make every
-# module look as if tiling would hide one of its names.
+# The names each tiling mixin defines in its own class body, taken when the class is made: another library may add
+# attributes to every nn.Module subclass afterwards (DeepSpeed's ``zero.Init`` leaves ``_old_init``).
 _OWN_NAMES: Dict[type, FrozenSet[str]] = {}
 
 
@@ -89,7 +80,6 @@ def prepare_tiling(mixin: type, mlp: Optional[nn.Module], strategy: StrategyArg,
 
 
 def install_tiling(mixin: type, mlp: nn.Module, state: TilingState) -> Any:
-    """Make ``mlp`` tiled (checks done by ``prepare_tiling``); returns it."""
     # An instance forward would hide the tiled class's forward: it becomes what each shard runs.
     state.instance_forward = mlp.__dict__.pop("forward", None)
     mlp.__class__ = tiled_class(mixin, type(mlp))

@@ -1,6 +1,5 @@
 """Whether a call may take the gated fast kernel: decided from what the forward is (``gated_forms``) and the
-module's structure (``gated_spec``), never by running it, once per call plan (docs/architecture.md). A forward
-the fast kernel is not proven to compute takes the generic path, which runs it.
+module's structure (``gated_spec``), never by running it, once per call plan.
 """
 from __future__ import annotations
 
@@ -17,19 +16,22 @@ from .sharded_autograd import autocast_enabled
 
 def decide_fast_path(module: nn.Module, forward_fn: Optional[Callable], x: torch.Tensor,
                      is_backend_hook) -> Tuple[Optional[GatedMLPSpec], str]:
-    """(the spec, "") when the fast kernel computes exactly what ``forward_fn`` computes on ``x``,
-    else (None, why not)."""
     spec, why_not = structural_decision(module, forward_fn, is_backend_hook)
-    if spec is not None:
-        why_not = _call_problem(spec, x)
-        spec = None if why_not else spec
-    return spec, why_not
+    if spec is None:
+        return None, why_not
+    if autocast_enabled(x.device.type):
+        return None, "autocast is enabled (the fast kernel computes in the weights' dtype)"
+    weight = spec.down.weight
+    if x.dtype != weight.dtype:
+        # The module may cast its input (or fail); the generic path does exactly what it does.
+        return None, f"the input is {x.dtype} but the weights are {weight.dtype}"
+    if x.device != weight.device:
+        return None, f"the input is on {x.device} but the weights are on {weight.device}"
+    return spec, ""
 
 
 def structural_decision(module: nn.Module, forward_fn: Optional[Callable],
                         is_backend_hook: Callable = no_hook_is_backend) -> Tuple[Optional[GatedMLPSpec], str]:
-    """What the forward (the plain function it runs, None when it is not a function of this module) and
-    the structure decide, before any call: (the spec, "") or (None, why not)."""
     form, body = known_form_and_body(forward_fn)
     if form is None:
         return None, UNKNOWN_FORWARD
@@ -41,7 +43,7 @@ UNKNOWN_FORWARD = ("its forward is not one the fast kernel is known to compute (
 
 
 class FastPathRefused(ValueError):
-    """``path="fast"`` asked of a module the fast kernel cannot run (a ValueError, as any bad setting)."""
+    """``path="fast"`` asked of a module the fast kernel cannot run."""
 
 
 def fast_refused(module: nn.Module, why_not: str) -> FastPathRefused:
@@ -58,16 +60,3 @@ def fast_path_problem(mixin: type, mlp: nn.Module, is_backend_hook: Callable = n
     else:  # not tiled yet: an instance forward here is another library's (accelerate's hooks)
         forward = None if "forward" in mlp.__dict__ else type(mlp).forward
     return structural_decision(mlp, forward, is_backend_hook)[1]
-
-
-def _call_problem(spec: GatedMLPSpec, x: torch.Tensor) -> str:
-    """What about this call (not the module) rules the fast kernel out."""
-    if autocast_enabled(x.device.type):
-        return "autocast is enabled (the fast kernel computes in the weights' dtype)"
-    weight = spec.down.weight
-    if x.dtype != weight.dtype:
-        # The module may cast its input (or fail); the generic path does exactly what it does.
-        return f"the input is {x.dtype} but the weights are {weight.dtype}"
-    if x.device != weight.device:
-        return f"the input is on {x.device} but the weights are on {weight.device}"
-    return ""

@@ -1,12 +1,5 @@
-"""``TiledMLP``: tiles any token-wise MLP *in place*, so that nothing but its memory changes.
-
-``TiledMLP(mlp)`` swaps ``mlp``'s class for a generated subclass of both (``class_swap.py``), as ``fully_shard``
-does: everything that names parameters (PEFT's adapter keys, DeepSpeed and DCP checkpoints) walks the module
-tree, which a wrapper would change (docs/guarantees.md, "Drop-in"). The tiling lives in ``mlp.tiling``;
-``untile(mlp)`` puts the original class back. The generated ``forward`` is the tiled call (``tiled_call.py``),
-so the module's own hooks fire once around it, as untiled. A subclass for another token-wise module (MoE
-experts, norms) says how its arguments enter the call (``tiled_inputs``) and whether the fast kernel may stand
-in for it (``tiled_no_fast_path``).
+"""``TiledMLP``: tiles any token-wise MLP *in place* (a class swap, ``class_swap.py``), so that parameter names,
+``state_dict``, adapters and checkpoints stay those of the untiled module (docs/guarantees.md, "Drop-in").
 """
 from __future__ import annotations
 
@@ -43,12 +36,8 @@ class TiledMLP(nn.Module):
         use_fused_kernel: use a registered fused activation kernel (tiled_mlp registers Liger-Kernel's
             Triton one on CUDA when it is installed) where one applies.
 
-    What fires how often: hooks on the tiled module itself (a backend's, the user's) fire once per
-    call and once around its backward, as untiled. Hooks on its submodules send the call to the
-    generic path (the fast kernel calls no submodule), where forward (pre-)hooks fire once per shard
-    in the forward and once per shard in the backward recompute, and backward hooks once per shard
-    with that shard's gradients. A hook that keeps a tensor it was given (an activation penalty for
-    the loss) is an error while a graph is built: that tensor would carry no gradient.
+    Hooks on the tiled module fire once per call, as untiled; hooks on its submodules once per shard
+    (docs/guarantees.md).
     """
 
     # Annotation only (no class attribute, so it hides nothing of the tiled module's): the tiling state,
@@ -99,18 +88,13 @@ class TiledMLP(nn.Module):
         base = super().extra_repr()
         return f"{base}, {mine}" if base else mine
 
-    # How a call's arguments enter the tiled call (the hidden states alone); a subclass for a module with other
-    # token-wise inputs overrides it and returns them as ``TiledInputs.token_inputs``. The default is read by
-    # identity at each call (``tiled_call.module_forward``).
+    # A subclass for a module with other token-wise inputs overrides it (``TiledInputs.token_inputs``).
     tiled_inputs: Callable[..., TiledInputs] = default_tiled_inputs
 
-    # The generated class's ``forward`` (``TiledForward``) calls this in eager mode.
     _tiled_forward = module_forward
 
     def _tiled_compiled_forward(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        """What ``TiledForward`` calls while Dynamo traces: one op, the module's own forward, or the eager
-        call behind a graph break (``compiled_route``). A subclass that overrides ``tiled_inputs`` passes
-        other sharded inputs, which no op takes."""
+        """What ``TiledForward`` calls while Dynamo traces (``compiled_route``)."""
         default_inputs = type(self).tiled_inputs is TiledMLP.tiled_inputs
         return compiled_call(self, default_inputs, args, kwargs)
 

@@ -1,10 +1,6 @@
-"""What a tiled module's own forward is, and how a call's arguments reach the tiled call.
-
-A tiled class's ``forward`` is ``TiledForward``, a data descriptor: it runs the tiled call even where
-another library binds a forward on the instance after tiling. What one shard runs is the module's own
-forward: the original class's (looked up at each call, so a forward patched on the class counts), or
-an instance forward installed before or after tiling (accelerate's device hooks, Liger's
-``_bind_method_to_module``).
+"""What a tiled module's own forward is, and how a call's arguments reach the tiled call. What one shard runs
+is the module's own forward: the original class's (looked up at each call), or an instance forward installed
+before or after tiling (accelerate's device hooks, Liger's ``_bind_method_to_module``).
 """
 from __future__ import annotations
 
@@ -20,11 +16,8 @@ from .tiling_state import TilingState, tiling_of
 
 
 class TiledForward:
-    """A tiled class's ``forward``. A *data* descriptor, so the tiled call runs even where another
-    library binds a forward on the instance after tiling: ``module.forward = f`` goes to ``__set__``
-    and ``f`` becomes what each shard runs; Liger-Kernel writes ``module.__dict__["forward"]``, which a
-    data descriptor outranks, and the call adopts it (``adopt_instance_forward``). Reading it gives
-    a method with the original forward's signature (``mlp(hidden_states=h)`` keeps working)."""
+    """A tiled class's ``forward``: ``module.forward = f`` goes to ``__set__`` and ``f`` becomes what each shard
+    runs. Reading it gives a method with the original forward's signature (``mlp(hidden_states=h)`` works)."""
 
     def __init__(self, signature: Optional[inspect.Signature]):
         def forward(module, *args, **kwargs):
@@ -66,7 +59,6 @@ run_eagerly_at_top_level(TiledForward.__get__.__code__)
 
 
 def forward_signature(base: type) -> Optional[inspect.Signature]:
-    """The original forward's signature without ``self``: what the tiled forward accepts and shows."""
     try:
         signature = inspect.signature(base.forward)  # type: ignore[attr-defined]  # an nn.Module subclass
     except (TypeError, ValueError):
@@ -76,17 +68,8 @@ def forward_signature(base: type) -> Optional[inspect.Signature]:
 
 
 def is_tiled(module: nn.Module) -> bool:
-    """Whether ``module``'s class is a generated tiled class (or a class derived from one, as a later
-    ``fully_shard`` makes)."""
+    """Whether ``module``'s class is a generated tiled class (or one derived from it, as ``fully_shard`` makes)."""
     return getattr(type(module), "_tiled_mixin", None) is not None
-
-
-def tiled_forward_descriptor(cls: type) -> TiledForward:
-    for klass in cls.__mro__:
-        found = vars(klass).get("forward")
-        if isinstance(found, TiledForward):
-            return found
-    raise TypeError(f"{cls.__name__} has no tiled forward")
 
 
 def base_forward(module: nn.Module) -> Callable:
@@ -95,9 +78,8 @@ def base_forward(module: nn.Module) -> Callable:
 
 
 def forward_function(module: nn.Module) -> Optional[Callable]:
-    """The plain function the module's forward runs now, where it is a function *of this module*:
-    the class's forward, or an instance forward bound to this very module. None for anything else
-    (a method of another module, a wrapper, a plain function): no form can be proven for it."""
+    """The plain function the module's forward runs now, where it is a function *of this module*; None for
+    anything else (a method of another module, a wrapper): no form can be proven for it."""
     installed = tiling_of(module).instance_forward
     if installed is None:
         return base_forward(module)
@@ -121,19 +103,18 @@ def original_forward(module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
 
 def adopt_instance_forward(module: nn.Module, state: TilingState) -> None:
     """A forward written into the instance's __dict__ after tiling (Liger's _bind_method_to_module) is
-    what the module computes now, so each shard runs it; untiling puts it back. An instance forward that
-    is the tiled forward itself (unpickled ``getattr(module, "forward")``) is dropped by the same rule.
-    ``state``: the module's tiling."""
+    what each shard runs now; one that is the tiled forward itself (unpickled) is dropped by the same rule."""
     installed = module.__dict__.pop("forward", None)
     if installed is None:
         installed = state.instance_forward
         if installed is None:
             return
-    tiled_forward_descriptor(type(module)).__set__(module, installed)
+    descriptor = next(found for found in (vars(klass).get("forward") for klass in type(module).__mro__)
+                      if isinstance(found, TiledForward))
+    descriptor.__set__(module, installed)
 
 
 def hidden_states_argument(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-    """The hidden states, passed by position or by the original forward's name for them."""
     installed = tiling_of(module).instance_forward
     signature = inspect.signature(installed) if installed is not None else type(module)._tiled_signature  # type: ignore[attr-defined]
     if signature is None:

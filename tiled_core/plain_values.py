@@ -1,9 +1,6 @@
 """The Python values a module tree's code may read from its attributes, which the generic path's recompute
-would read again (strict mode only): a tensor has a version counter, a ``self.scale = 2.0`` rebound between
-forward and backward has none. The names are every attribute load and string constant in the code of the
-tree's classes (``nn.Module`` and this library's excepted), instance forwards, and the plain functions of the
-same source file they reach by a global name. Plain values are compared by value, other objects by identity
-(PEFT's active adapter list); a name that appears later is seen too. docs/architecture.md, "Strict mode".
+would read again (strict mode only; docs/architecture.md, "Strict mode"): every attribute load and string
+constant in the code of the tree's classes, instance forwards, and same-file functions they reach by name.
 """
 from __future__ import annotations
 
@@ -39,7 +36,6 @@ _MODULE_BOOKKEEPING = frozenset(vars(nn.Module())) - {"training"}
 
 
 def is_checked_elsewhere(value: Any) -> bool:
-    """Tensors (version counters, ``TensorReads``) and modules (walked themselves)."""
     return isinstance(value, (torch.Tensor, nn.Module))
 
 
@@ -61,8 +57,7 @@ _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 
 @functools.lru_cache(maxsize=4096)
 def _code_names(code: types.CodeType) -> Tuple[FrozenSet[str], FrozenSet[str]]:
-    """(attribute names and string constants, global names) read by ``code``. Cached by code object
-    (immutable; a method patched later is another one): disassembling is about a millisecond per class."""
+    """(attribute names and string constants, global names) read by ``code``."""
     names: Set[str] = set()
     globals_read: Set[str] = set()
     for instruction in dis.get_instructions(code):
@@ -130,7 +125,6 @@ class ReadValues:
     entries: List[Entry]
 
     def retaken(self) -> ReadValues:
-        """The same names, read again now."""
         return _read(self.names, [(prefix, d) for prefix, d, _ in self.modules])
 
 

@@ -1,8 +1,5 @@
-"""How the tokens of one call are split into shards.
-
-The plan is computed before any work is done, so a bad ``num_shards`` fails with no state changed.
-Every rank computes its own plan: nothing in the tiled path issues a collective per shard, so ranks
-that see different token counts (and so pick different shard counts) cannot deadlock.
+"""How the tokens of one call are split into shards. Every rank computes its own plan: nothing in the tiled
+path issues a collective per shard, so ranks that pick different shard counts cannot deadlock.
 """
 from __future__ import annotations
 
@@ -20,20 +17,16 @@ AUTO = "auto"  # resolved to a count (or to "run untiled") by ``auto_shards.auto
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Token shards of one call: ``shard_sizes[i]`` tokens starting at ``offsets[i]``. Everything is computed
-    when the plan is made (plain attributes: read at every shard of every call, and ``make_shard_plan`` hands
-    out the same plan for the same sizes)."""
+    """Token shards of one call: ``shard_sizes[i]`` tokens in ``slice_tuple[i]``, computed once."""
 
     num_tokens: int
     shard_sizes: tuple
     num_shards: int = field(init=False, compare=False)
-    offsets: tuple = field(init=False, compare=False)
     slice_tuple: tuple = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         starts = tuple(itertools.accumulate(self.shard_sizes[:-1], initial=0))
         object.__setattr__(self, "num_shards", len(self.shard_sizes))
-        object.__setattr__(self, "offsets", starts)
         object.__setattr__(self, "slice_tuple", tuple(slice(start, start + size)
                                                       for start, size in zip(starts, self.shard_sizes, strict=True)))
 
@@ -42,7 +35,6 @@ class ShardPlan:
 
 
 def check_num_shards(num_shards: NumShards) -> None:
-    """Reject anything that is not an int >= 1 or "auto", naming the fix."""
     if isinstance(num_shards, str):
         if num_shards != AUTO:
             raise ValueError(f"num_shards must be an int >= 1 or 'auto', got the string {num_shards!r}")
@@ -56,13 +48,8 @@ def check_num_shards(num_shards: NumShards) -> None:
 
 
 def parse_num_shards(value: Any) -> NumShards:
-    """A shard count from user input (CLI flags, training-script flags, a YAML/JSON config): the one parser.
-
-    Accepts ``"auto"`` (any case, surrounding spaces allowed), an int >= 1, or a string of one (``"4"``).
-    Rejects bools, floats (``2.7`` and ``2.0`` alike: a count is a whole number), numbers < 1 and other
-    strings: ``ValueError`` for a bad value, ``TypeError`` for a bad type, each naming the fix.
-    ``check_num_shards`` validates the already-typed constructor argument.
-    """
+    """A shard count from user input (CLI flags, a YAML/JSON config): "auto" in any case, an int >= 1 or a
+    string of one; floats are refused even where whole."""
     expected = "num_shards must be 'auto' or an integer >= 1"
     if isinstance(value, str):
         text = value.strip()
@@ -97,11 +84,8 @@ def _whole_number_fix(value: float) -> str:
 
 
 def split_evenly(num_tokens: int, num_shards: int) -> tuple:
-    """Nearly equal shard sizes; more shards than tokens clamps to one token per shard.
-
-    No tokens is one empty shard, not none: the kernel still runs once (on zero rows), so a backend
-    that gathers inside the tiled call (ZeRO-3) issues the same collectives as on a rank with tokens.
-    """
+    """Nearly equal shard sizes. No tokens is one empty shard, not none: a backend that gathers inside the
+    tiled call (ZeRO-3) issues the same collectives as on a rank with tokens."""
     if num_tokens <= 0:
         return (0,)
     num_shards = min(num_shards, num_tokens)

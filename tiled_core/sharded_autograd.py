@@ -1,40 +1,21 @@
 """The one sharding mechanism every kernel runs through: token shards, recompute, one gradient delivery.
 
-Two autograd shapes share it. The **map** (``sharded_apply``, a ``ShardKernel``: a token-wise module) runs
-the kernel one shard at a time into one output in the caller's shape, keeping no graph, only the input and
-each shard's RNG state; its backward recomputes one shard at a time. The **reduce** (``sharded_reduce``, a
-``ReduceKernel``: a loss) sums the shards' losses and forms their gradients at once, in forward.
-
-The parameters are *inputs* of the Function and their gradients, summed over shards (``GradAccumulator``),
-are returned from ``backward``: autograd accumulates each exactly once per backward, which is what DDP's
-reducer, FSDP2's reduce-scatter and ZeRO's gradient hooks expect (any shard count, ``no_sync`` included).
-The strategy decides what an unused trainable parameter gets and may transform what is delivered
-(``ShardedRun.deliver_grads``); nothing backend-specific happens here.
-
-The library, not the kernel, owns every buffer: a kernel returns a shard's output and input gradient, and
-where it did not write them into the rows it was offered they are copied there; a needed input gradient
-that is not returned is refused (``UNWRITTEN_GRAD_ERROR``), never left as uninitialised memory.
-
-Any other tensor that needs a gradient and that the forward reads (a weight in a plain attribute or a
-closure, a tensor a hook adds) is an input too: for a kernel that may read such tensors (the generic one)
-the first shard runs before the Function under a recorder of what it reads, and what it found is passed in
-with the parameters. A later shard that reads one more is an error, never a lost gradient; so is a tensor
-made inside a shard that outlives it. Backward compares the versions of every tensor the call computed
-with, and refuses a backward that builds a graph (double backward) rather than answer with zeros.
+The map (``sharded_apply``) recomputes shard by shard in backward; the reduce (``sharded_reduce``, a loss) forms
+its gradients in forward. The parameters are inputs of the Function, so autograd accumulates each gradient once
+per backward, as DDP's reducer, FSDP2's reduce-scatter and ZeRO's hooks expect (docs/architecture.md).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import gc
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Generic, Iterator, List, Optional, Sequence, TypeVar
 
 import torch
 from torch.nn.utils import parametrize
 
-from .checks import DOUBLE_BACKWARD_ERROR, INPUT_EDITED_ERROR, MODIFIED_ERROR
+from .checks import DOUBLE_BACKWARD_ERROR, INPUT_EDITED_ERROR, raise_modified, version_of
 from .collectives import completed, wait_released
 from .kernels.base import ReduceKernel, ShardKernel
 from .local_view import LocalView
@@ -90,14 +71,12 @@ def _device_module(device: torch.device):
 
 
 def capture_rng_state(device: torch.device):
-    """The generator state that the next random op on ``device`` (and on the CPU) will use."""
     module = _device_module(device)
     return torch.get_rng_state(), module.get_rng_state(device) if module is not None else None
 
 
 @contextlib.contextmanager
 def replay_rng_state(device: torch.device, state: Optional[tuple]) -> Iterator[None]:
-    """Run the body with ``state`` installed and put the caller's RNG back afterwards, even on error."""
     if state is None:
         yield
         return
@@ -115,14 +94,13 @@ def replay_rng_state(device: torch.device, state: Optional[tuple]) -> Iterator[N
 
 
 def autocast_enabled(device_type: str) -> bool:
-    """``torch.is_autocast_enabled`` for any device type; "meta" (shape-only modelling) has no autocast."""
+    # "meta" (shape-only modelling) has no autocast.
     return device_type != "meta" and torch.is_autocast_enabled(device_type)
 
 
 @dataclass(frozen=True)
 class AutocastState:
-    """The forward's autocast state, replayed around the recompute (else a forward under autocast would be
-    recomputed in full precision)."""
+    """The forward's autocast state, replayed around the recompute."""
 
     device_type: str
     enabled: bool
@@ -140,8 +118,7 @@ class AutocastState:
         return cls(device_type, True, torch.get_autocast_dtype(device_type))
 
     def needs_replay(self) -> bool:
-        """Whether autocast is on at either end (a recompute must not pick up one around the caller's
-        ``backward()``); off at both, no context is entered."""
+        # A recompute must not pick up an autocast around the caller's ``backward()`` either.
         return self.enabled or autocast_enabled(self.device_type)
 
     def replay(self):
@@ -152,20 +129,9 @@ _AUTOCAST_OFF: Dict[torch.device, AutocastState] = {}
 
 
 # -- the input, saved by a node of its own before the shard loop -------------------------------------------------
-# Non-reentrant checkpointing stops its recompute once every tensor its forward saved is recomputed: saved here,
-# before the loop (not by the Function, after it), the recompute stops before the MLP where the MLP is the last
-# saver of the region (Llama, Qwen, Mistral): 2 MLP forwards a step, not 3. Only where a saved-tensor hook is
-# active (a checkpoint, ``save_on_cpu``); elsewhere the Function saves it, one node fewer.
-def saved_tensor_hooks_active() -> bool:
-    """Whether a saved-tensor hook would see what is saved now (True where this torch cannot tell)."""
-    try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
-    except (AttributeError, TypeError, RuntimeError):
-        return True
-
-
+# Saved before the loop, a non-reentrant checkpoint's recompute stops before the MLP where the MLP is the region's
+# last saver (Llama, Qwen, Mistral): 2 MLP forwards a step, not 3. Only where a saved-tensor hook is active.
 class InputHolder:
-    """Where the map Function finds its input in backward (unpacking it makes a checkpoint recompute up to here)."""
 
     __slots__ = ("node",)
 
@@ -194,7 +160,13 @@ class SaveInput(torch.autograd.Function):
 
 def save_input(x: torch.Tensor, anchors: Sequence[torch.Tensor]):
     """(the Function's input, the holder), or ``(x, None)`` where the Function saves ``x`` itself."""
-    if not torch.is_grad_enabled() or not saved_tensor_hooks_active():
+    if not torch.is_grad_enabled():
+        return x, None
+    try:
+        hooks_active = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    except (AttributeError, TypeError, RuntimeError):
+        hooks_active = True  # this torch cannot tell
+    if not hooks_active:
         return x, None
     if not (x.requires_grad or any(t.requires_grad for t in anchors)):
         return x, None
@@ -215,12 +187,10 @@ class GradAccumulator:
         self._buffers: List[Optional[torch.Tensor]] = [None] * len(self._params)
 
     def dtype_for(self, index: int) -> torch.dtype:
-        """``accum_dtype`` raises the precision gradient ``index`` is summed in, never lowers it."""
         own = self._params[index].dtype
         return own if self._accum_dtype is None else torch.promote_types(self._accum_dtype, own)
 
     def add(self, index: int, grad: Optional[torch.Tensor]) -> None:
-        """grad[index] += grad (None is skipped: the tensor was unused)."""
         if grad is None or not self.needed[index]:
             return
         buffer = self._buffers[index]
@@ -230,7 +200,6 @@ class GradAccumulator:
             buffer.add_(grad)
 
     def add_matmul(self, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """grad[index] += a @ b, straight into the buffer where dtypes allow."""
         if not self.needed[index]:
             return
         buffer = self._buffers[index]
@@ -242,7 +211,6 @@ class GradAccumulator:
             buffer.addmm_(a, b)
 
     def add_rowsum(self, index: int, rows: torch.Tensor) -> None:
-        """grad[index] += rows.sum(0): bias gradients."""
         if not self.needed[index]:
             return
         buffer = self._buffers[index]
@@ -252,8 +220,7 @@ class GradAccumulator:
             buffer.add_(rows.sum(0))
 
     def results(self, zeros_for_unused: bool = False) -> List[Optional[torch.Tensor]]:
-        """The summed gradients in each tensor's dtype; None where none is needed, and for a needed tensor the
-        module did not use (as untiled) unless ``zeros_for_unused`` (a backend that waits for every one)."""
+        """Each tensor's summed gradient in its dtype; for an unused one, None (as untiled) or zeros."""
         out: List[Optional[torch.Tensor]] = []
         for param, buffer, needed in zip(self._params, self._buffers, self.needed, strict=True):
             if not needed:
@@ -276,7 +243,6 @@ def needed_grads(run: ShardedRun[Any], needs_input_grad: Sequence[bool], num_par
 
 def delivered_grads(run: ShardedRun[Any], grads: GradAccumulator, tensors: Sequence[torch.Tensor],
                     num_params: int) -> List[Optional[torch.Tensor]]:
-    """What the Function returns for ``tensors`` (parameters first), where the parameters are whole."""
     result = grads.results(run.zeros_for_unused)
     if run.deliver_grads is not None:
         result[:num_params] = run.deliver_grads(tensors[:num_params], result[:num_params])
@@ -284,16 +250,8 @@ def delivered_grads(run: ShardedRun[Any], grads: GradAccumulator, tensors: Seque
 
 
 # -- the shard loops (the Functions below, and the custom ops of ``ops/``) ---------------------------------------
-def forward_rows(kernel: ShardKernel, x_rows: torch.Tensor, out_rows: torch.Tensor, tensors: Sequence[torch.Tensor],
-                 shard: slice) -> None:
-    """One shard's output into its rows of the call's output (copied there where the kernel returned other memory)."""
-    y = kernel.forward_into(x_rows, out_rows, tensors, shard)
-    if y is not out_rows:
-        _write(kernel, "forward", out_rows, y)
-
-
 def _write(kernel: ShardKernel, what: str, rows: torch.Tensor, got: torch.Tensor) -> None:
-    """``got`` into ``rows``, never broadcast in silence."""
+    # Never broadcast in silence.
     if got.shape != rows.shape:
         raise RuntimeError(SHARD_SHAPE_ERROR.format(kernel=kernel.name, module=kernel.module_name, what=what,
                                                     got=tuple(got.shape), want=tuple(rows.shape)))
@@ -302,8 +260,8 @@ def _write(kernel: ShardKernel, what: str, rows: torch.Tensor, got: torch.Tensor
 
 def forward_shards(kernel: ShardKernel, x_flat: torch.Tensor, out_flat: torch.Tensor, slices: Sequence[slice],
                    tensors: Sequence[torch.Tensor]) -> None:
-    """Each shard of ``x_flat`` (``[tokens, hidden]``) through the kernel, into its rows of ``out_flat``
-    (``forward_rows``'s body in the loop: it runs at every call)."""
+    """Each shard of ``x_flat`` through the kernel, into its rows of ``out_flat`` (copied where it returned other
+    memory)."""
     forward_into = kernel.forward_into
     for shard in slices:
         rows = out_flat[shard]
@@ -316,7 +274,7 @@ def backward_shards(kernel: ShardKernel, slices: Sequence[slice], x_flat: torch.
                     dx_flat: Optional[torch.Tensor], grads: GradAccumulator, tensors: Sequence[torch.Tensor],
                     rng_states: Optional[Sequence[Optional[tuple]]] = None) -> None:
     """Each shard recomputed: its input gradient into its rows of ``dx_flat`` (None: not needed), its tensors'
-    gradients added to ``grads``; ``rng_states[i]`` replayed around shard ``i`` where not None."""
+    gradients added to ``grads``."""
     backward_into = kernel.backward_into
     states = rng_states if rng_states is not None else (None,) * len(slices)
     for shard, rng_state in zip(slices, states, strict=True):
@@ -336,8 +294,6 @@ def backward_shards(kernel: ShardKernel, slices: Sequence[slice], x_flat: torch.
 def reduce_shards(kernel: ReduceKernel, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
                   dx_flat: Optional[torch.Tensor], grads: Optional[GradAccumulator], params: Sequence[torch.Tensor],
                   slices: Sequence[slice]) -> torch.Tensor:
-    """The sum over shards of the kernel's shard losses of ``x`` against ``targets``, each times ``scale``; each
-    shard's input gradient into its rows of ``dx_flat`` and its parameters' added to ``grads``, where given."""
     x_flat = x.detach().reshape(-1, x.shape[-1])
     target_flat = targets.reshape(-1)
     compute = kernel.compute_tensors(x, params)
@@ -356,11 +312,9 @@ KernelT = TypeVar("KernelT", ShardKernel, ReduceKernel)
 
 @dataclass
 class ShardedRun(Generic[KernelT]):
-    """Everything one tiled call needs besides its tensors, for either shape (map or reduce)."""
-
     kernel: KernelT
     plan: ShardPlan
-    # Re-gathers the parameters for the backward recompute (the strategy's); None: nothing to enter.
+    # Re-gathers the parameters for the backward recompute; None: nothing to enter.
     gathered: Optional[Callable[[], ContextManager]] = None
     grad_accum_dtype: Optional[torch.dtype] = None
     replay_rng: bool = True
@@ -368,11 +322,9 @@ class ShardedRun(Generic[KernelT]):
     param_mask: Optional[Sequence[bool]] = None
     # Trainable inputs that received no gradient get zeros (DDP's reducer waits for every one), else None.
     zeros_for_unused: bool = False
-    # The strategy's ``deliver_grads``: what autograd accumulates into each parameter, given the summed
-    # gradients. Called once per backward, inside ``gathered``.
+    # The strategy's ``deliver_grads``, called once per backward inside ``gathered``.
     deliver_grads: Optional[Callable[[Sequence[torch.Tensor], List[Optional[torch.Tensor]]], List[Optional[torch.Tensor]]]] = None
-    # The backend replaces the parameters' storage between forward and backward (ZeRO-3, FSDP2): their
-    # versions are not compared.
+    # The backend swaps the parameters' storage between forward and backward (ZeRO-3, FSDP2): no version check.
     params_swap_storage: bool = False
     # How the kernel sees distributed parameters (``local_view.py``), entered around the Function.
     local_view: Optional[LocalView] = None
@@ -381,8 +333,7 @@ class ShardedRun(Generic[KernelT]):
 # -- the map shape ------------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class FirstShard:
-    """The first shard's output and RNG state where it ran before the Function (its reads watched), and what
-    the Function needs to know about its input."""
+    """The first shard's output and RNG state where it ran before the Function (its reads watched)."""
 
     out: Optional[torch.Tensor]  # None: the Function runs the first shard too
     rng_state: Optional[tuple]
@@ -393,14 +344,13 @@ class FirstShard:
 
 
 def _held_by_parametrization_cache(tensor: torch.Tensor) -> bool:
-    """Whether ``parametrize.cached()`` keeps ``tensor`` (PEFT's LoRA on a parameter is a parametrization)."""
+    # PEFT's LoRA on a parameter is a parametrization.
     return parametrize._cache_enabled > 0 and any(value is tensor for value in parametrize._cache.values())
 
 
 def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = ()) -> None:
     if not all(map(reads.held_by_collective, reads.kept(expected))):
-        # A reference cycle (a custom Function that stores its output on ctx) keeps a tensor only until the
-        # collector runs: collect once before refusing.
+        # A reference cycle (a custom Function storing its output on ctx) lasts until the collector runs.
         gc.collect()
         kept = reads.kept(expected)
         if not all(map(reads.held_by_collective, kept)):
@@ -408,8 +358,7 @@ def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = (
             if cached:
                 raise RuntimeError(PARAMETRIZATION_CACHE_ERROR.format(tensors=describe(cached)))
             raise RuntimeError(KEPT_TENSOR_ERROR.format(tensors=describe(kept)))
-    # Only memory a collective took or made is left: its backend lets go of it a moment after the wait
-    # (``collectives.py``). Still alive after the bound, it is kept.
+    # Only memory a collective took or made is left: its backend lets go of it a moment after the wait.
     held = reads.collective_memory(expected)
     if held and not wait_released([ref for ref, _ in held]):
         gc.collect()
@@ -420,30 +369,26 @@ def _check_nothing_kept(reads: TensorReads, expected: Sequence[torch.Tensor] = (
 
 def _watched_forward(run: ShardedRun[ShardKernel], first: FirstShard, x_flat: torch.Tensor, out_flat: torch.Tensor,
                      slices: Sequence[slice], later: int, tensors: Sequence[torch.Tensor], rng_states: list) -> None:
-    """The forward's shards from ``later`` on, each with its RNG state kept for the replay and, where the first
-    shard's reads were recorded, its own reads checked against them."""
     kernel = run.kernel
     for index, shard in enumerate(slices[later:], start=later):
         rng_states.append(capture_rng_state(x_flat.device) if run.replay_rng else None)
         if first.watched is None:
-            forward_rows(kernel, x_flat[shard], out_flat[shard], tensors, shard)
+            forward_shards(kernel, x_flat, out_flat, (shard,), tensors)
             continue
         reads = TensorReads(known=first.watched, watch_kept=True, grad_only=True)
         with reads:
-            forward_rows(kernel, x_flat[shard], out_flat[shard], tensors, shard)
+            forward_shards(kernel, x_flat, out_flat, (shard,), tensors)
         if reads.foreign:
             raise RuntimeError(LATE_TENSOR_ERROR.format(shard=index, tensors=describe(reads.foreign_tensors())))
         _check_nothing_kept(reads)
 
 
-_version_of = operator.attrgetter("_version")
 _NO_CONTEXT = contextlib.ExitStack()  # entered where the recompute needs no context: nothing is ever pushed on it
 
 
 def _recompute_contexts(run: ShardedRun[ShardKernel], kernel: ShardKernel, tensors: Sequence[torch.Tensor],
                         autocast: AutocastState) -> contextlib.ExitStack:
-    """The recompute's contexts entered, outermost first: the strategy's gathered region, the kernel's tensor
-    substitution, the forward's autocast state; those that would do nothing are left out (each costs microseconds)."""
+    """The recompute's contexts entered, outermost first; those that would do nothing are left out."""
     if run.gathered is None and not kernel.substitutes_tensors and not autocast.needs_replay():
         return _NO_CONTEXT
     stack = contextlib.ExitStack()
@@ -471,8 +416,7 @@ class ShardedMapFunction(torch.autograd.Function):
         first_out, rng_states = first.out, [first.rng_state]
         width = kernel.output_width(tensors) if first_out is None and not autocast.enabled else None
         if width is not None:
-            # The kernel names its output's width, and without autocast its dtype is the input's: every
-            # shard writes into the one output, the first included.
+            # Width known and dtype the input's (no autocast): every shard writes into the one output.
             out = x.new_empty((*x.shape[:-1], width))
             out_flat = out.view(-1, width)
             rng_states, later = [], 0
@@ -497,14 +441,13 @@ class ShardedMapFunction(torch.autograd.Function):
         ctx.input_requires_grad = first.input_requires_grad
         ctx.run = run
         ctx.rng_states = rng_states
-        # Plain references, not saved tensors: backends swap parameter storage between forward and backward
-        # without it being a mutation. Their versions are compared in backward instead, where the backend allows.
+        # Plain references, not saved tensors: backends swap parameter storage between forward and backward.
         ctx.tensors = tensors
         if first.input_version is None:
             ctx.checked = None
         else:
             checked = _versions_to_check(run, tensors)
-            ctx.checked, ctx.versions = checked, list(map(_version_of, checked))
+            ctx.checked, ctx.versions = checked, list(map(version_of, checked))
         ctx.autocast = autocast
         return out
 
@@ -515,8 +458,8 @@ class ShardedMapFunction(torch.autograd.Function):
             raise RuntimeError(DOUBLE_BACKWARD_ERROR)
         run: ShardedRun[ShardKernel] = ctx.run
         kernel = run.kernel
-        if ctx.checked is not None and list(map(_version_of, ctx.checked)) != ctx.versions:
-            _raise_modified(ctx.checked, ctx.versions, kernel.module_name)
+        if ctx.checked is not None and list(map(version_of, ctx.checked)) != ctx.versions:
+            raise_modified(ctx.checked, ctx.versions, kernel.module_name)
         # Under non-reentrant checkpointing, reading the saved input recomputes the region up to it.
         (x,) = ctx.saved_tensors if ctx.input_holder is None else (ctx.input_holder.tensor(),)
         tensors = ctx.tensors
@@ -535,8 +478,7 @@ class ShardedMapFunction(torch.autograd.Function):
 
 
 def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-    """The tensors the backward recomputes from: the Function's tensors and the module's frozen parameters,
-    less the parameters of a backend that re-gathers their storage between forward and backward."""
+    """The tensors the backward recomputes from, less parameters whose storage the backend re-gathers."""
     kernel = run.kernel
     if run.params_swap_storage:
         return tensors[len(kernel.params):]
@@ -546,16 +488,8 @@ def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Ten
     return (*tensors, *(p for p in kernel.owned_params if id(p) not in taken))
 
 
-def _raise_modified(tensors: Sequence[torch.Tensor], versions: Sequence[int], where: str) -> None:
-    i = next(i for i, (t, v) in enumerate(zip(tensors, versions, strict=True)) if t._version != v)
-    raise RuntimeError(MODIFIED_ERROR.format(tensor=describe([tensors[i]]), now=tensors[i]._version,
-                                             then=versions[i], where=where))
-
-
 def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor:
-    """Run ``run`` over ``x``: the input saved first, then the first shard (before the Function where its
-    reads are watched, else inside it), the rest inside the Function. With a local view, on the local
-    input and parameters, the output handed to the view once."""
+    """Run ``run`` over ``x``; with a local view, on the local input and parameters."""
     view = run.local_view
     if view is None:
         return _sharded_apply(x, run, run.kernel.params)
@@ -567,8 +501,7 @@ def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor
     local_params = view.params(run.kernel.params)
     if not run.kernel.substitutes_tensors:
         return view.leave(_sharded_apply(x_local, run, local_params))
-    # A kernel that runs the module's own forward reads its parameter slots: they hold the local tensors for
-    # the forward shards as for the recompute.
+    # A kernel that runs the module's own forward reads its parameter slots: they hold the local tensors.
     with run.kernel.using(local_params):
         out = _sharded_apply(x_local, run, local_params)
     return view.leave(out)
@@ -587,8 +520,7 @@ def _sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel], params: Sequen
     x_flat = x_root.reshape(-1, x.shape[-1])
     first_slice = run.plan.slice_tuple[0]
     rng_state = capture_rng_state(x.device) if run.replay_rng else None
-    # Every tensor the first shard reads from outside, with or without a gradient: the ones needing a gradient
-    # become inputs of the Function, the others are held to what the backward recompute reads.
+    # Tensors the first shard reads from outside: those needing a gradient become inputs of the Function.
     reads = TensorReads(known=[x_root, x_flat, *params, *kernel.owned_params], watch_kept=True, grad_only=False)
     with torch.no_grad(), reads:
         first_out = completed(kernel.forward_into(x_flat[first_slice], None, params, first_slice))
@@ -602,16 +534,13 @@ def _sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel], params: Sequen
 
 
 # -- the reduce shape (a loss) ------------------------------------------------------------------------------------
-# Forward forms each shard's gradients at once (no [tokens, vocab] tensor outlives its shard, nothing is
-# recomputed, the parameters are read inside the one gathered region around the call). Backward scales them
-# by the gradient that arrives (the output is a scalar: exact for the input and the parameters alike) and
-# delivers them as the map shape does. Refused: double backward, and a second backward through one call.
+# Forward forms each shard's gradients at once (no [tokens, vocab] tensor outlives its shard); backward scales them
+# by the gradient that arrives (the output is a scalar) and delivers them as the map shape does.
 class ShardedReduceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, run: ShardedRun[ReduceKernel],
                 building_graph: bool, *params: torch.Tensor) -> torch.Tensor:
-        # ``needs_input_grad`` says what requires grad, also under no_grad: ``building_graph`` is the caller's
-        # grad mode (no gradient is formed for a loss computed without a graph).
+        # ``needs_input_grad`` is set under no_grad too: ``building_graph`` is the caller's grad mode.
         num_params = len(params)
         needs = [building_graph and need for need in ctx.needs_input_grad]
         needed = needed_grads(run, needs[5:], num_params)
@@ -630,8 +559,7 @@ class ShardedReduceFunction(torch.autograd.Function):
             raise RuntimeError(SECOND_BACKWARD_ERROR)
         dx, param_grads = ctx.dx, ctx.param_grads
         ctx.dx = ctx.param_grads = None  # handed over: nothing else keeps them alive after this backward
-        # A 0-dim factor, in place (the forward made each buffer and nothing else references it); under
-        # torch.compile AOT autograd turns the in-place product into a functional one.
+        # In place: the forward made each buffer and nothing else references it.
         scaled = [None if g is None else g.mul_(grad_loss) for g in (dx, *param_grads)]
         return (scaled[0], None, None, None, None, *scaled[1:])
 

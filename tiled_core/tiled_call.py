@@ -2,18 +2,8 @@
 
     strategy  ->  gathered region  ->  decision  ->  shard plan  ->  map or reduce run
 
-Decide once, check cheaply. What a module's call runs (the kernel, the fast path's proof, the sizes the
-auto policy reads, what the strategy says about the module) is decided at its first call and kept in a
-``MapPlan``. Each later call checks, by identity, only what a training step can change: the strategy
-(resolved at every call where a process group is initialised: a model is usually wrapped by its backend
-after it was tiled), the module's class and forward, the input's dtype, device and rank, autocast, and
-the module tree's classes, instance forwards, registries (PEFT adding adapters after tiling), hooks
-(accelerate's, a user's, ``register_module_forward_hook``), training modes and parameters' dtype, device
-and ``requires_grad``. Strict mode (``strict.py``) compares every attribute of every submodule as well,
-and the fast path's proof guards.
-
-A strategy that delivers gradients itself (``Strategy.delivers_grads``) sees every call: its calls never
-pass through untiled (a call too short to tile runs as one shard), so every rank delivers alike.
+What a module's call runs is decided at its first call and kept in a ``MapPlan``; each later call checks, by
+identity, only what a training step can change (docs/architecture.md). Strict mode (``strict.py``) checks more.
 """
 from __future__ import annotations
 
@@ -53,15 +43,13 @@ class TiledInputs(NamedTuple):
     """How one call's arguments enter the tiled call (``TiledMLP.tiled_inputs`` returns it)."""
 
     hidden_states: torch.Tensor  # ``[..., tokens, hidden]``, sharded over its tokens
-    # Other token-wise inputs of any dtype (``[..., tokens, ...]``, the leading dims of the hidden
-    # states), sliced like them and passed after them to each shard (a MoE block's routing).
+    # Other token-wise inputs (a MoE block's routing), sliced like the hidden states, passed after them.
     token_inputs: Sequence[torch.Tensor] = ()
     # Whether the hidden states must match the module's input width (a module with input projections).
     check_hidden: bool = True
 
 
 def default_tiled_inputs(module: nn.Module, *args, **kwargs) -> TiledInputs:
-    """``TiledMLP.tiled_inputs``: the hidden states alone, by position or by the original forward's name for them."""
     x = args[0] if len(args) == 1 and not kwargs else hidden_states_argument(module, args, kwargs)
     return TiledInputs(x)
 
@@ -83,25 +71,16 @@ class CallDecision:
 # -- strategies ----------------------------------------------------------------------------------------
 
 def autograd_carries_the_call(strategy: Strategy) -> bool:
-    """Whether the strategy neither gathers parameters around a call nor delivers gradients itself (its
-    declared capabilities): autograd alone carries a call's tensors and gradients, as for any op (what a
-    custom op needs, ``compiled_route``)."""
+    """Whether autograd alone carries a call's tensors and gradients, as for any op (what a custom op needs)."""
     return not strategy.gathers_params and not strategy.delivers_grads
 
 
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 
 
-def inside_backward() -> bool:
-    """Whether this thread is running an autograd backward (a checkpoint's recompute runs inside one)."""
-    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
-
-
 def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
-    """The fixed strategy, or "auto" resolved now (``state``: the module's tiling). Not kept across calls where a
-    process group is initialised: a forward before ``fully_shard``, ``deepspeed.initialize``, a DDP or an FSDP1
-    wrap must not pin the single-device fallback. Without one, kept while the registrations are the same (and
-    the strategy was built from its registered arguments alone)."""
+    """The fixed strategy, or "auto" resolved now. Not kept across calls where a process group is initialised:
+    a forward before ``fully_shard``, ``deepspeed.initialize`` or a DDP wrap must not pin the single-device fallback."""
     fixed = state.fixed_strategy
     if fixed is not None:
         return fixed
@@ -111,18 +90,15 @@ def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
         kept = fields.get("local_strategy")
         if kept is not None and kept[1] is registrations_by_priority():  # a new object at every registry change
             return kept[0]
-    in_backward = inside_backward()
+    in_backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
     if in_backward and state.forward_strategy is not None:
-        # A call inside a backward is a checkpoint recomputing a forward made outside it, where the
-        # backend's context was visible (DDP is seen only while its forward runs): the same backend.
+        # A checkpoint recomputing a forward made where the backend's context was visible (DDP's forward).
         return state.forward_strategy
     strategy = resolve_strategy(module, state.ancestors() if state.ancestor_refs else ())
     if not in_backward:
         # Into the state's dict: not a setting that ``TilingState.__setattr__`` checks.
         fields["forward_strategy"] = strategy
-    # Kept for the next calls only where the strategy was built from its registered arguments alone (a class
-    # whose own ``configured_for`` reads the runtime is asked at every call) and no process group can change
-    # what claims the module.
+    # Kept only where built from its registered arguments alone and no process group can change what claims the module.
     registrations = None if distributed else registrations_by_priority()
     own_build = type(strategy).configures_from_runtime
     fields["local_strategy"] = None if own_build or not registrations else (strategy, registrations)
@@ -147,14 +123,9 @@ _call = getattr(operator, "call", operator.methodcaller("__call__"))  # operator
 
 class ModuleTree:
     """The module tree below (and including) one module as it is now, compared at each call in two C-level passes
-    (no Python frame per module): each module's class and its class's forward, an instance ``forward`` in its
-    ``__dict__`` (accelerate's hooks on a child: the fast kernel calls no child), its registries' entries (a child
-    or parameter replaced: PEFT's adapters), its hooks by handle id, its training mode, each parameter's and
-    buffer's dtype, device and ``requires_grad``, and the hooks registered for every module. ``deep`` (strict
-    mode): every attribute of every module by identity as well.
-
-    ``readers`` are zero-argument C callables whose answers are compared by equality (``readings``); ``objects``
-    (each module's ``__dict__``, then the registries' and hooks' values) by identity."""
+    (no Python frame per module): ``readers`` are zero-argument C callables whose answers are compared by
+    equality, ``objects`` (each module's ``__dict__``, the registries' and hooks' values) by identity.
+    ``deep`` (strict mode): every attribute of every module by identity as well."""
 
     __slots__ = ("root", "readers", "readings", "hook_readers", "hook_readings", "hook_id", "modules", "filled_values",
                  "objects")
@@ -189,9 +160,8 @@ class ModuleTree:
         self.root = module
         self.readers = tuple(readers)
         self.readings = tuple(map(_call, self.readers))
-        # The modules' own hooks are read again only after a hook was registered anywhere (each registration takes
-        # the next handle id); one removed alone leaves a plan that ran the module's own forward, hooks and all, as
-        # exact as it was. Strict mode reads them at every call.
+        # Hooks are read again only after a registration anywhere (it takes the next handle id): a hook removed
+        # alone leaves the plan exact. Strict mode reads them at every call.
         self.hook_readers = tuple(hook_readers)
         self.hook_readings = tuple(map(_call, self.hook_readers))
         self.hook_id = None if deep else RemovableHandle.next_id
@@ -214,7 +184,6 @@ class ModuleTree:
 
 def call_config(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
                 token_inputs: Sequence[torch.Tensor]) -> tuple:
-    """What a plan rests on besides the module tree, compared by equality at each call."""
     installed = state.instance_forward
     forward = installed if installed is not None else base_forward(module)
     device = x.device
@@ -225,8 +194,7 @@ def call_config(module: nn.Module, state: TilingState, strategy: Strategy, x: to
 
 
 class MapPlan:
-    """What a module's calls rest on, decided at the first call and kept while ``config`` and ``tree`` hold.
-    Kernels keep what they derive from the module here (``KernelCall.cache``: ``fast``, ``kernel_cache``, ...)."""
+    """What a module's calls rest on, kept while ``config`` and ``tree`` hold; kernels keep their state here."""
 
     def __init__(self, module: nn.Module, strategy: Strategy, config: tuple, trainable: List[torch.Tensor]):
         self.config = config
@@ -255,7 +223,6 @@ class MapPlan:
         self._trainable_bytes: Optional[int] = None
 
     def add_guards(self, *guards: Callable[[], bool]) -> None:
-        """Hold this plan only while each of ``guards`` answers True (checked in strict mode)."""
         self.guards.extend(guards)
 
     @property
@@ -272,7 +239,6 @@ class MapPlan:
 
 def current_plan(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
                  token_inputs: Sequence[torch.Tensor] = ()) -> MapPlan:
-    """The kept plan while it holds, else a new one (the strategy checked, the module's input checked again)."""
     config = call_config(module, state, strategy, x, token_inputs)
     plan = state.call_plan
     if plan is not None and plan.holds(config, module):
@@ -290,16 +256,13 @@ def current_plan(module: nn.Module, state: TilingState, strategy: Strategy, x: t
 
 def decide_map_call(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
                     shard_forward: Callable, token_inputs: Sequence[torch.Tensor], compiling: bool = False) -> CallDecision:
-    """What this call of ``module`` (``state``: its tiling) on ``x`` runs (inside the strategy's gathered
-    region, where a kernel's decision can read the parameters); ``compiling``: for the graph Dynamo traces."""
+    """What this call of ``module`` on ``x`` runs (inside the strategy's gathered region)."""
     return _decide(module, state, current_plan(module, state, strategy, x, token_inputs), strategy, x,
                    shard_forward, token_inputs, compiling)
 
 
 def _decide(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Strategy, x: torch.Tensor,
             shard_forward: Callable, token_inputs: Sequence[torch.Tensor], compiling: bool = False) -> CallDecision:
-    """The plan's decision for this many tokens under this shard setting (and the auto policy's constants),
-    eager or compiled, where it was made before and holds nothing of a call; else made now."""
     num_tokens = x.numel() // x.shape[-1]
     configured = state.num_shards
     # Compiling is part of the key: the auto policy passes a launch-bound call through under torch.compile only.
@@ -319,7 +282,6 @@ def _decide(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Stra
 def _decide_now(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Strategy, x: torch.Tensor,
                 shard_forward: Callable, token_inputs: Sequence[torch.Tensor], num_tokens: int,
                 compiling: bool) -> Tuple[CallDecision, bool]:
-    """(the decision, whether the plan may keep it for the next such call)."""
     by_policy = not isinstance(state.num_shards, int)
     # A configured count never passes a call through for its length: only the auto policy asks the sizes.
     untiled_allowed = (by_policy or num_tokens == 0) and plan.allows_untiled
@@ -340,8 +302,7 @@ def _decide_now(module: nn.Module, state: TilingState, plan: MapPlan, strategy: 
             raise RuntimeError(f"TiledMLP: path={only!r} names no registered kernel now (unregistered after tiling?); "
                                f"registered: {available_kernels(MAP)}. Register it again, or set tiling.path")
         raise RuntimeError(f"TiledMLP: no registered kernel runs {type(module).__name__}: {choice.describe()}")
-    # Kept only where the registry kept the choice with the plan (every kernel asked answers from the plan alone,
-    # and the chosen one serves many calls): a kernel built for one call holds what that call read.
+    # Kept only where the registry kept the choice with the plan: a kernel built for one call holds what it read.
     keep = any(kept is choice for kept in plan.choices.values())
     plan.generic = choice.entry.keeps_grad_buffers
     auto = shard_count(state, plan, x, num_tokens, plan.generic, compiling)
@@ -357,7 +318,6 @@ def _decide_now(module: nn.Module, state: TilingState, plan: MapPlan, strategy: 
 
 def shard_count(state: TilingState, sizes: Any, x: torch.Tensor, num_tokens: int, generic: bool,
                 compiling: bool) -> AutoDecision:
-    """The configured count, or the auto policy's (``num_shards`` None: run untiled), and why, from a plan's sizes."""
     num_shards = state.num_shards
     if isinstance(num_shards, int):
         return AutoDecision(num_shards, f"tiled: num_shards={num_shards} as configured")
@@ -369,13 +329,10 @@ def shard_count(state: TilingState, sizes: Any, x: torch.Tensor, num_tokens: int
 # -- a tiled module's call -----------------------------------------------------------------------------------
 
 def module_forward(module: nn.Module, *args, **kwargs) -> torch.Tensor:
-    """The forward of every tiled class in eager mode (``TiledForward`` calls it)."""
     fields = module.__dict__
     state: TilingState = fields["tiling"]
     if state.shard_depth:
-        # Called from inside one of its own shards: an instance forward wrapping the tiled forward
-        # (accelerate's hooks: ``old = m.forward; m.forward = wrapper(old)``) reaches here; the shard
-        # computes the module's own forward.
+        # From inside one of its own shards: an instance forward wrapping the tiled forward (accelerate's hooks).
         return base_forward(module)(module, *args, **kwargs)
     if "forward" in fields:
         adopt_instance_forward(module, state)
@@ -420,8 +377,7 @@ def _map_run(module: nn.Module, state: TilingState, strategy: Strategy, x: torch
         return shard_forward(x, *token_inputs)
     run = _run_for(decision, module, strategy, gathered, plan, state.grad_accum_dtype)
     if plan.named_buffers:
-        # Most MLPs hold no buffer, and enter nothing here; one that does (BatchNorm's running statistics) would
-        # update it once per shard and again in the recompute, silently: refused, its buffers put back.
+        # A buffer update (BatchNorm's running statistics) would run once per shard and again in the recompute.
         with buffers_kept(type(module).__name__, plan.named_buffers):
             out = sharded_apply(x, run)
     else:
@@ -432,12 +388,9 @@ def _map_run(module: nn.Module, state: TilingState, strategy: Strategy, x: torch
 
 
 def _local_view(strategy: Strategy, owner: nn.Module, kernel: Any, plan: Optional[MapPlan]) -> Any:
-    """The strategy's local view for a kernel that computes on local tensors (None: plain tensors), kept
-    with the plan where there is none (the plan fixes the parameters)."""
     if not getattr(kernel, "runs_on_local_view", False):
         return None
-    # Per kernel class: under one plan, a kernel class computes on the same tensors (the proven spec's, the
-    # trainable ones, the norm's weight).
+    # Per kernel class: under one plan, a kernel class computes on the same tensors.
     if plan is not None and plan.views.get(type(kernel), True) is None:
         return None
     view = strategy.local_view(owner, kernel.params)
@@ -451,9 +404,7 @@ def _local_view(strategy: Strategy, owner: nn.Module, kernel: Any, plan: Optiona
 def _run_for(decision: CallDecision, owner: nn.Module, strategy: Strategy,
              gathered: Optional[Callable[[], ContextManager]], plan: Optional[MapPlan],
              grad_accum_dtype: Optional[torch.dtype]) -> ShardedRun:
-    """The run of ``decision``: where the strategy brings nothing made for this call (no gathered region, no
-    gradient delivery, no local view), the run an earlier call of the same decision made with the same settings
-    (a run holds nothing of a call)."""
+    """The run of ``decision``, reused where the strategy brings nothing made for this call."""
     kernel = decision.kernel
     assert kernel is not None and decision.num_shards is not None, "a decision with a kernel has a shard count"
     view = _local_view(strategy, owner, kernel, plan)
@@ -485,7 +436,6 @@ def _run_for(decision: CallDecision, owner: nn.Module, strategy: Strategy,
 
 
 def _flat_token_inputs(x: torch.Tensor, token_inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Each token input as ``[tokens, ...]`` (a view where its layout allows), checked against ``x``'s tokens."""
     lead = x.shape[:-1]
     flat = []
     for token_input in token_inputs:
@@ -522,7 +472,6 @@ class CallSite(Protocol):
 
 
 def tiled_call(site: CallSite) -> torch.Tensor:
-    """Run one tiled call of ``site``: strategy, gathered region, decision, shard plan, run."""
     strategy = site.strategy()
     if not strategy.gathers_params:
         return _site_run(site, strategy, None)

@@ -1,6 +1,4 @@
-"""What a tiled module carries besides its own state: the tiling configuration and the last call's
-report. It lives in one instance attribute, ``module.tiling``, so tiling adds one name to the module
-and none to its parameters, buffers or submodules.
+"""A tiled module's one added attribute, ``module.tiling``: the tiling configuration and the last call's report.
 """
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ STATE_ATTR = "tiling"
 
 
 def check_config(num_shards: NumShards, path: str, grad_accum_dtype: Optional[torch.dtype]) -> None:
-    """Reject a bad configuration before anything is changed."""
     check_num_shards(num_shards)
     paths = ("auto", *available_kernels(MAP))  # "fast", "generic" and every registered map kernel
     if path not in paths:
@@ -32,19 +29,9 @@ _CHECKED = ("num_shards", "path", "grad_accum_dtype")
 
 @dataclass
 class TilingState:
-    """The tiling of one module (``module.tiling``).
-
-    Attributes:
-        num_shards: an int >= 1, or "auto".
-        path: "auto" (the first registered kernel that applies), or a registered kernel's name: "fast",
-            "generic", or one added with ``register_kernel``.
-        grad_accum_dtype: dtype of the per-parameter gradient sums (None: the parameter's dtype).
-        use_fused_kernel: use a registered fused activation kernel (tiled_mlp registers Liger-Kernel's
-            Triton one on CUDA when it is installed) where one applies.
-        fixed_strategy: a ``Strategy`` instance, or None for "auto" (resolved at every forward).
-        last_path / last_num_shards / last_strategy: what the last call ran ("fast", "generic" or
-            "untiled"; its shard count; the ``Strategy`` it resolved).
-    """
+    """The tiling of one module (``module.tiling``): ``TiledMLP``'s arguments (``fixed_strategy``: None for
+    "auto"), and what the last call ran (``last_path``: a kernel's name or "untiled", its shard count, the
+    ``Strategy`` it resolved, and why)."""
 
     num_shards: NumShards = "auto"
     path: str = "auto"
@@ -109,12 +96,10 @@ class TilingState:
         self.__dict__.update(state)
 
     def copied(self) -> TilingState:
-        """A new state with this one's configuration, as a copy of the module gets it (``__getstate__``)."""
         new = object.__new__(TilingState)
         new.__setstate__(self.__getstate__())
         return new
 
 
 def tiling_of(module: nn.Module) -> TilingState:
-    """A tiled module's ``TilingState`` (its ``tiling`` attribute)."""
     return module.__dict__[STATE_ATTR]
