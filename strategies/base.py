@@ -75,6 +75,10 @@ def check_declarations(obj: Any) -> None:
                             f"{method}, or leave {flag} False")
 
 
+HEAD_CALL_MEMBERS = frozenset({"is_head_call_hook", "head_call_gathers", "head_call_sees_graph",
+                               "head_weight_is_whole"})
+
+
 class Strategy(ABC):
     #: Registry key, also accepted as ``TiledMLP(strategy=name)``.
     name: str = ""
@@ -91,6 +95,10 @@ class Strategy(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         check_declarations(cls)
+        replaced = sorted(set(vars(cls)) & HEAD_CALL_MEMBERS)
+        if replaced:  # the loss no longer reads these: an override would be ignored in silence
+            raise TypeError(f"{cls.__name__} defines {', '.join(replaced)}: the tiled loss asks "
+                            f"Strategy.head_call(lm_head) for one HeadCall record instead; override head_call")
 
     @classmethod
     @abstractmethod
