@@ -193,6 +193,8 @@ def _run_step(model, seq: int, batch: int, rank: int, describe: bool,
     offload = _OFFLOADS.get(model)
     model.zero_grad(set_to_none=True)
     tracker = TimelineTracker(vocab_seen, describe)
+    if parallel and next(model.parameters()).is_meta:
+        tracker.device_answers = tensor_parallel.device_answers()
     tracker.track_weights(model.parameters())
     tracker.mark()
     comm = sequence_parallel.comm_for(group) if group is not None else contextlib.nullcontext()

@@ -20,8 +20,8 @@ name, the registry DTensor's collectives look a group up in; the modelled rank i
 default process group is never initialised nor read, so a plan can run inside a distributed job. On meta the one
 ops whose kernels differ from a device's are two of the functional collectives': ``_wrap_tensor_autograd`` (on a
 device it wraps the all-reduce's output in an ``AsyncCollectiveTensor``, no memory of its own) and ``wait_tensor``
-(on a device it returns its input), whose meta kernels return a fresh ``empty_like``; ``_DeviceKernels`` gives them
-the device's answer while a modelled step runs. A real
+(on a device it returns its input), whose meta kernels return a fresh ``empty_like``; the step's tracker gives
+them the device's answer (``device_answers``). A real
 step passes its own mesh (``integration_tests/test_planner_tp_honesty.py``: two gloo ranks, byte-exact against the
 modelled step).
 """
@@ -30,11 +30,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from typing import Any, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .heads import check_degree, head_counts
 from .timeline import stored_in
@@ -171,34 +170,22 @@ def meta_mesh(tp: int) -> Any:
     return mesh
 
 
-class _DeviceKernels(TorchDispatchMode):
-    """Gives the ops whose meta kernel allocates what a device's does not the device's answer (see the module
-    doc); everything else passes through untouched."""
+def device_answers() -> Dict[Any, Callable[[torch.Tensor], Any]]:
+    """The functional collectives whose meta kernel allocates what a device's does not, each with the device's
+    answer (see the module doc). The step's tracker gives these answers itself on meta."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-            if func is torch.ops._c10d_functional._wrap_tensor_autograd.default:
-                from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-                return AsyncCollectiveTensor(args[0])
-            if func is torch.ops._c10d_functional.wait_tensor.default:
-                return args[0]  # a device's wait returns the collective's output itself, once it is complete
-        return func(*args, **(kwargs or {}))
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
+    ops = torch.ops._c10d_functional
+    # A device's wait returns the collective's output itself, once it is complete.
+    return {ops._wrap_tensor_autograd.default: AsyncCollectiveTensor, ops.wait_tensor.default: lambda tensor: tensor}
 
 
 @contextlib.contextmanager
 def step_context(model: nn.Module) -> Iterator[None]:
-    """What a step of a TP model runs in: the vocabulary-parallel cross-entropy, and on the meta device the
-    device kernels above. Entered before the memory tracker, so the tracker sees each op first and records what
-    the kernel under it returns."""
+    """What a step of a TP model runs in: the vocabulary-parallel cross-entropy."""
     from torch.distributed.tensor.parallel import loss_parallel
 
-    meta = next(model.parameters()).is_meta
-    with loss_parallel(), (_DeviceKernels() if meta else contextlib.nullcontext()):
+    with loss_parallel():
         yield
 
 

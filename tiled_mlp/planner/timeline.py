@@ -19,7 +19,7 @@ import functools
 import weakref
 from fractions import Fraction
 from itertools import pairwise
-from typing import Dict, Iterable, List, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Tuple
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass, is_traceable_wrapper_subclass_type
@@ -201,6 +201,9 @@ class TimelineTracker(LiveMemoryTracker):
         self._host_kind_of: Dict[int, str] = {}  # serial -> its host kind, for storages in host memory
         self._marks: List[int] = []  # log lengths where a section of the step ends (``mark``)
         self._fake_mode = None
+        # Ops answered as a device would, not by their meta kernel (``tensor_parallel.DEVICE_ANSWERS``): set for a
+        # tensor-parallel step on meta, where one more dispatch mode would cost every op of the step.
+        self.device_answers: Dict[Any, Callable[[torch.Tensor], Any]] = {}
 
     def __enter__(self):
         # The fake mode a step runs in, if it runs in one (a model built under ``FakeTensorMode``): its fake
@@ -298,7 +301,11 @@ class TimelineTracker(LiveMemoryTracker):
                 # (a DTensor's local matmuls, its collectives' outputs) are what allocate, and are tracked as
                 # they run.
                 return NotImplemented
-        out = _META_OUTPUTS.call(func, args, kwargs or {})
+        answer = self.device_answers.get(func) if self.device_answers else None
+        if answer is not None and args[0].is_meta:
+            out = answer(args[0])
+        else:
+            out = _META_OUTPUTS.call(func, args, kwargs or {})
         # Most ops return one plain tensor: tracked without walking a tree.
         for leaf in (out,) if type(out) is torch.Tensor else tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
