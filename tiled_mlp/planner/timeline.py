@@ -78,7 +78,10 @@ class Timeline:
     def events(self) -> List[Event]:
         """With ``describe``: the log replayed (``Event``s, each allocation labelled by what made it: op,
         dtype, shape), for ``at_peak``; else empty."""
-        return [e for events, count in self._runs for _ in range(count) for e in events] if self._describe else []
+        return list(self._replayed_events()) if self._describe else []
+
+    def _replayed_events(self) -> Iterable[Event]:
+        return (e for events, count in self._runs for _ in range(count) for e in events)
 
     @functools.cached_property
     def _replayed(self) -> Tuple[List[Tuple[int, int, int, int]], List[int]]:
@@ -176,7 +179,7 @@ class Timeline:
         scale = {WEIGHTS: weight_scale, GRADS: grad_scale, **{kind: 0.0 for kind in HOST_KINDS}}
         live: Dict[Tuple[str, str], int] = {}  # (kind, label) -> bytes live
         allocations = 0
-        for kind, nbytes, allocated, what in (e for events, count in self._runs for _ in range(count) for e in events):
+        for kind, nbytes, allocated, what in self._replayed_events():
             key = (kind, kind if kind in scale else what or kind)
             live[key] = live.get(key, 0) + (nbytes if allocated else -nbytes)
             if allocated:
@@ -187,6 +190,7 @@ class Timeline:
         for (kind, label), nbytes in live.items():
             out[label] = out.get(label, 0.0) + nbytes * scale.get(kind, 1.0)
         return dict(sorted(((k, v) for k, v in out.items() if v), key=lambda kv: -kv[1]))
+
 
 class TimelineTracker(LiveMemoryTracker):
     def __init__(self, vocab_size: int, describe: bool = False):
@@ -201,7 +205,7 @@ class TimelineTracker(LiveMemoryTracker):
         self._host_kind_of: Dict[int, str] = {}  # serial -> its host kind, for storages in host memory
         self._marks: List[int] = []  # log lengths where a section of the step ends (``mark``)
         self._fake_mode = None
-        # Ops answered as a device would, not by their meta kernel (``tensor_parallel.DEVICE_ANSWERS``): set for a
+        # Ops answered as a device would, not by their meta kernel (``tensor_parallel.device_answers``): set for a
         # tensor-parallel step on meta, where one more dispatch mode would cost every op of the step.
         self.device_answers: Dict[Any, Callable[[torch.Tensor], Any]] = {}
 
