@@ -158,22 +158,6 @@ class SaveInput(torch.autograd.Function):
         return (None, grad if ctx.needs_input_grad[1] else None, *([None] * (len(ctx.needs_input_grad) - 2)))
 
 
-def save_input(x: torch.Tensor, anchors: Sequence[torch.Tensor]):
-    """(the Function's input, the holder), or ``(x, None)`` where the Function saves ``x`` itself."""
-    if not torch.is_grad_enabled():
-        return x, None
-    try:
-        hooks_active = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
-    except (AttributeError, TypeError, RuntimeError):
-        hooks_active = True  # this torch cannot tell
-    if not hooks_active:
-        return x, None
-    if not (x.requires_grad or any(t.requires_grad for t in anchors)):
-        return x, None
-    holder = InputHolder()
-    return SaveInput.apply(holder, x, *anchors), holder
-
-
 # -- gradients: one buffer per tensor, summed over shards, delivered once ----------------------------------------
 class GradAccumulator:
     """One gradient buffer per tensor. The buffer is the gradient ``backward`` returns: the first shard's
@@ -383,11 +367,11 @@ def _watched_forward(run: ShardedRun[ShardKernel], first: FirstShard, x_flat: to
         _check_nothing_kept(reads)
 
 
-_NO_CONTEXT = contextlib.ExitStack()  # entered where the recompute needs no context: nothing is ever pushed on it
+_NO_CONTEXT = contextlib.nullcontext()  # where the recompute needs no context
 
 
 def _recompute_contexts(run: ShardedRun[ShardKernel], kernel: ShardKernel, tensors: Sequence[torch.Tensor],
-                        autocast: AutocastState) -> contextlib.ExitStack:
+                        autocast: AutocastState) -> ContextManager:
     """The recompute's contexts entered, outermost first; those that would do nothing are left out."""
     if run.gathered is None and not kernel.substitutes_tensors and not autocast.needs_replay():
         return _NO_CONTEXT
@@ -446,7 +430,9 @@ class ShardedMapFunction(torch.autograd.Function):
         if first.input_version is None:
             ctx.checked = None
         else:
-            checked = _versions_to_check(run, tensors)
+            # The Function's tensors start with every parameter (the common case), unless the backend re-gathers them.
+            plain = not run.params_swap_storage and kernel.owned_params is kernel.params
+            checked = tensors if plain else _versions_to_check(run, tensors)
             ctx.checked, ctx.versions = checked, list(map(version_of, checked))
         ctx.autocast = autocast
         return out
@@ -482,8 +468,6 @@ def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Ten
     kernel = run.kernel
     if run.params_swap_storage:
         return tensors[len(kernel.params):]
-    if kernel.owned_params is kernel.params:  # the Function's tensors start with every parameter
-        return tensors
     taken = {id(t) for t in tensors}
     return (*tensors, *(p for p in kernel.owned_params if id(p) not in taken))
 
@@ -510,7 +494,16 @@ def sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel]) -> torch.Tensor
 def _sharded_apply(x: torch.Tensor, run: ShardedRun[ShardKernel], params: Sequence[torch.Tensor]) -> torch.Tensor:
     grad_enabled = torch.is_grad_enabled()
     input_version = x._version if grad_enabled and not x.is_inference() else None
-    x_in, holder = save_input(x, params)
+    # The input saved by ``SaveInput`` where a saved-tensor hook is active, else by the Function itself.
+    x_in, holder = x, None
+    if grad_enabled and (x.requires_grad or any(t.requires_grad for t in params)):
+        try:
+            hooks_active = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+        except (AttributeError, TypeError, RuntimeError):
+            hooks_active = True  # this torch cannot tell
+        if hooks_active:
+            holder = InputHolder()
+            x_in = SaveInput.apply(holder, x, *params)
     kernel = run.kernel
     if not (kernel.may_read_other_tensors and grad_enabled):
         # Nothing to discover before the Function: it runs the first shard with the others.

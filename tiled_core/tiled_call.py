@@ -75,6 +75,7 @@ def autograd_carries_the_call(strategy: Strategy) -> bool:
     return not strategy.gathers_params and not strategy.delivers_grads
 
 
+_DISTRIBUTED = dist.is_available()
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 
 
@@ -85,7 +86,7 @@ def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
     if fixed is not None:
         return fixed
     fields = state.__dict__
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = _DISTRIBUTED and dist.is_initialized()
     if not distributed:
         kept = fields.get("local_strategy")
         if kept is not None and kept[1] is registrations_by_priority():  # a new object at every registry change
@@ -112,71 +113,70 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 _GLOBAL_HOOK_DICTS = tuple(getattr(_nn_module, name) for name in (
     "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
     if isinstance(getattr(_nn_module, name, None), dict))
-_tensor_state = operator.attrgetter("dtype", "device", "requires_grad")
-# Each module's class, its class's forward and its training mode, in one C-level read.
-_identity = operator.attrgetter("__class__", "__class__.forward", "training")
-# The root's class forward is the tiled one (a descriptor, read through Python): what it runs is ``call_config``'s.
-_root_identity = operator.attrgetter("__class__", "training")
+# A parameter's device is not read: the input's is part of ``call_config``, and the module's own run needs them alike.
+_tensor_state = operator.attrgetter("dtype", "requires_grad")
 _dict_of = operator.attrgetter("__dict__")
-_call = getattr(operator, "call", operator.methodcaller("__call__"))  # operator.call: Python >= 3.11
 
 
 class ModuleTree:
-    """The module tree below (and including) one module as it is now, compared at each call in two C-level passes
-    (no Python frame per module): ``readers`` are zero-argument C callables whose answers are compared by
-    equality, ``objects`` (each module's ``__dict__``, the registries' and hooks' values) by identity.
-    ``deep`` (strict mode): every attribute of every module by identity as well."""
+    """The module tree below (and including) one module as it is now, compared at each call in C-level passes
+    (no Python frame per module): classes and their forwards, instance forwards and training modes, the
+    registries' sizes and the tensors' states by equality; each module's ``__dict__`` and the registries' values
+    by identity; the global hooks' keys. A module's hooks are read again only after a registration anywhere (it
+    takes the next handle id): one removed alone leaves the plan exact. ``deep`` (strict mode): every attribute of every module by name and
+    identity, and the hooks at every call."""
 
-    __slots__ = ("root", "readers", "readings", "hook_readers", "hook_readings", "hook_id", "modules", "filled_values",
-                 "objects")
+    __slots__ = ("root", "modules", "dicts", "read_dicts", "read_keys", "registries", "tensors", "hook_dicts",
+                 "hook_id", "deep", "reading", "hook_reading", "filled_values", "objects")
 
     def __init__(self, module: nn.Module, deep: bool):
         modules: List[nn.Module] = []
-        readers: List[Callable[[], Any]] = []
-        hook_readers: List[Callable[[], Any]] = []
-        filled: List[dict] = []
+        registries: List[dict] = []
+        hook_dicts: List[dict] = []
         stack = [module]
         while stack:
             sub = stack.pop()
             d = sub.__dict__
             modules.append(sub)
-            if sub is module:
-                readers.append(functools.partial(_root_identity, sub))
-            else:
-                readers.append(functools.partial(_identity, sub))
-                readers.append(functools.partial(d.get, "forward"))
-            dicts = [d] if deep else []
-            dicts.extend(d[name] for name in _REGISTRIES)
-            hooks = [d.get(name, {}) for name in _HOOK_DICTS]
-            for held, into in itertools.chain(zip(dicts, itertools.repeat(readers)), zip(hooks, itertools.repeat(hook_readers))):
-                # Keys where it holds something (their count with them), else its size (most hook dicts are empty).
-                into.append(functools.partial(tuple, held) if held else held.__len__)
-                if held:
-                    filled.append(held)
-            readers.extend(functools.partial(_tensor_state, t)
-                           for t in itertools.chain(d["_parameters"].values(), d["_buffers"].values()) if t is not None)
+            if deep:
+                registries.append(d)
+            registries.extend(d[name] for name in _REGISTRIES)
+            hook_dicts.extend(d.get(name, {}) for name in _HOOK_DICTS)
             stack.extend(child for child in d["_modules"].values() if child is not None)
-        readers.extend(functools.partial(tuple, hooks) for hooks in _GLOBAL_HOOK_DICTS)
         self.root = module
-        self.readers = tuple(readers)
-        self.readings = tuple(map(_call, self.readers))
-        # Hooks are read again only after a registration anywhere (it takes the next handle id): a hook removed
-        # alone leaves the plan exact. Strict mode reads them at every call.
-        self.hook_readers = tuple(hook_readers)
-        self.hook_readings = tuple(map(_call, self.hook_readers))
-        self.hook_id = None if deep else RemovableHandle.next_id
         self.modules = tuple(modules)
+        self.dicts = tuple(map(_dict_of, modules))
+        # Each module's training mode, and each child's instance forward (the root's is ``call_config``'s).
+        self.read_dicts = (*self.dicts, *self.dicts[1:])
+        self.read_keys = ("training",) * len(modules) + ("forward",) * (len(modules) - 1)
+        self.registries = tuple(registries)
+        self.tensors = tuple(t for d in self.dicts for t in (*d["_parameters"].values(), *d["_buffers"].values())
+                             if t is not None)
+        self.hook_dicts = tuple(hook_dicts)
+        self.deep = deep
+        self.hook_id = None if deep else RemovableHandle.next_id
+        self.reading = self._read()
+        self.hook_reading = tuple(map(tuple, self.hook_dicts))
+        filled = [held for held in (*self.registries, *(self.hook_dicts if deep else ())) if held]
         self.filled_values = tuple(held.values() for held in filled)
-        self.objects = (*map(_dict_of, modules), *itertools.chain.from_iterable(self.filled_values))
+        self.objects = (*self.dicts, *itertools.chain.from_iterable(self.filled_values))
+
+    def _read(self) -> tuple:
+        classes = tuple(map(type, self.modules))
+        # The root's class forward is the tiled one: what it runs is ``call_config``'s.
+        return (classes, tuple(map(getattr, classes[1:], itertools.repeat("forward"))),
+                tuple(map(dict.get, self.read_dicts, self.read_keys)), tuple(map(len, self.registries)),
+                tuple(map(_tensor_state, self.tensors)), tuple(map(tuple, _GLOBAL_HOOK_DICTS)),
+                tuple(map(tuple, self.registries)) if self.deep else None)
 
     def holds(self, root: nn.Module) -> bool:
         # Tuples compare their items by identity first (classes, functions, bound methods).
         if self.hook_id != RemovableHandle.next_id:
-            if tuple(map(_call, self.hook_readers)) != self.hook_readings:
+            if tuple(map(tuple, self.hook_dicts)) != self.hook_reading:
                 return False
             if self.hook_id is not None:
                 self.hook_id = RemovableHandle.next_id
-        return (self.root is root and tuple(map(_call, self.readers)) == self.readings
+        return (self.root is root and self._read() == self.reading
                 and all(map(operator.is_, itertools.chain(map(_dict_of, self.modules),
                                                           itertools.chain.from_iterable(self.filled_values)),
                             self.objects)))
@@ -185,7 +185,7 @@ class ModuleTree:
 def call_config(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
                 token_inputs: Sequence[torch.Tensor]) -> tuple:
     installed = state.instance_forward
-    forward = installed if installed is not None else base_forward(module)
+    forward = installed if installed is not None else type(module)._tiled_base.forward  # ``base_forward``
     device = x.device
     return (type(strategy), type(module), forward, getattr(getattr(forward, "__func__", forward), "__code__", None),
             x.dtype, device, x.dim(), not token_inputs, autocast_enabled(device.type), state.path,
