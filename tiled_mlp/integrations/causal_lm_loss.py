@@ -78,25 +78,6 @@ def find_causal_lm(model: nn.Module) -> Optional[nn.Module]:
     return next((module for module in model.modules() if _family_class(module) is not None), None)
 
 
-def known_form(model: nn.Module) -> Tuple[Optional[LossForm], str]:
-    """(the family's form, "") when ``model`` is a known causal LM with its library forward and loss
-    function, else (None, why)."""
-    klass = _family_class(model)
-    if klass is None:
-        names = ", ".join(sorted(name for _, name in KNOWN_FORMS))
-        return None, f"{type(model).__name__} is not one of the causal LMs whose loss path is known ({names})"
-    name = klass.__qualname__
-    forward = type(model).forward
-    own = (getattr(forward, "__module__", None) == klass.__module__
-           and getattr(forward, "__qualname__", None) == f"{name}.forward")
-    if not own:  # a forward put on the class since (Liger's loss patch): not the one this form describes
-        return None, (f"{type(model).__name__}.forward is not {name}'s own (another library patched it); its loss "
-                      "could change silently")
-    why = (instance_forward_refusal(model) or loss_function_refusal(model)
-           or head_device_hook_refusal(cast(Any, model).get_output_embeddings()))
-    return (None, why) if why else (KNOWN_FORMS[(klass.__module__, name)], "")
-
-
 @dataclass(frozen=True)
 class ForwardLayers:
     """The wrappers on a causal LM's forward, outermost first (each None where absent), and the forward inside
@@ -421,18 +402,30 @@ def _installed_on(causal_lm: nn.Module) -> Optional[TiledLossForward]:
 
 
 def check_tiled_loss(model: nn.Module) -> Tuple[nn.Module, LossForm]:
-    """Every check before installing; returns (the causal LM, its form)."""
+    """Every check before installing; returns (the causal LM, its family's form), where it is a known causal LM
+    with its library forward and loss function."""
     causal_lm = find_causal_lm(model)
     if causal_lm is None:
-        raise TypeError(f"tiled loss: no known causal LM in {type(model).__name__}: {known_form(model)[1]}")
+        names = ", ".join(sorted(name for _, name in KNOWN_FORMS))
+        raise TypeError(f"tiled loss: no known causal LM in {type(model).__name__}: {type(model).__name__} is not one "
+                        f"of the causal LMs whose loss path is known ({names})")
     installed = _installed_on(causal_lm)
     if installed is not None:
         installed._check_forward()
         return causal_lm, installed.form
-    form, why = known_form(causal_lm)
-    if form is None:
+    klass = cast(type, _family_class(causal_lm))
+    name, forward = klass.__qualname__, type(causal_lm).forward
+    if (getattr(forward, "__module__", None), getattr(forward, "__qualname__", None)) != (klass.__module__,
+                                                                                       f"{name}.forward"):
+        # A forward put on the class since (Liger's loss patch): not the one this form describes.
+        why = (f"{type(causal_lm).__name__}.forward is not {name}'s own (another library patched it); its loss "
+               "could change silently")
+    else:
+        why = (instance_forward_refusal(causal_lm) or loss_function_refusal(causal_lm)
+               or head_device_hook_refusal(cast(Any, causal_lm).get_output_embeddings()))
+    if why:
         raise TypeError(f"tiled loss cannot be put on {type(causal_lm).__name__}: {why}")
-    return causal_lm, form
+    return causal_lm, KNOWN_FORMS[(klass.__module__, name)]
 
 
 def install_tiled_loss(model: nn.Module, num_shards: NumShards = "auto",
