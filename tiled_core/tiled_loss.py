@@ -148,7 +148,7 @@ def _backend(lm_head: nn.Module, fixed: Optional[Strategy]) -> Tuple[Strategy, A
     the head's DTensor parameters."""
     backend = fixed if fixed is not None else resolve_strategy(lm_head)
     backend.check_supported(lm_head)
-    dtensors = [p for p in lm_head.parameters() if type(p).__name__ == "DTensor"]
+    dtensors: List[torch.Tensor] = [p for p in lm_head.parameters() if type(p).__name__ == "DTensor"]
     return backend, getattr(backend, "vocab_slice", None), dtensors
 
 
