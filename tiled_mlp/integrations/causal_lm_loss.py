@@ -243,7 +243,8 @@ class TiledLossForward:
         else:
             _checked_eagerly(self)
 
-    def _check_forward(self) -> None:
+    def _check_forward(self) -> ForwardLayers:
+        """Refuses a forward set over this one since installing; returns the layers on the model's forward."""
         layers = forward_layers(self.model)
         reached = layers.forward  # this object itself, or bound to the model by accelerate's unwrap_model
         if isinstance(reached, types.MethodType) and reached.__self__ is self.model:
@@ -261,6 +262,7 @@ class TiledLossForward:
                            "call of TRL's trainers) compute TRL's loss, in tiles without the logits, and only calls "
                            "without fused_lm_head reach the tiled loss", layers.trl_head.describe(),
                            type(self.model).__name__)
+        return layers
 
     def __call__(self, *args, **kwargs):
         if not (torch.compiler.is_compiling() and dynamo_support.TRACES_TILED_CALLS):
@@ -474,8 +476,7 @@ def remove_tiled_loss(model: nn.Module) -> bool:
     if installed is None:
         return False
     causal_lm = installed.model
-    installed._check_forward()  # a forward put over it since: removing the tiled loss would not undo that
-    layers = forward_layers(causal_lm)
+    layers = installed._check_forward()  # a forward put over it since: removing the tiled loss would not undo that
     if layers.trl_head is not None:
         # TRL's closure holds the tiled loss as the forward it calls: only a new head could drop it.
         raise RuntimeError(f"tiled loss: {layers.trl_head.describe()} wraps the tiled loss on "
