@@ -8,8 +8,9 @@ runs eagerly behind one graph break.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -116,10 +117,8 @@ def _loss(hidden, lm_head, labels, shift_labels, options: CrossEntropyOptions, r
     # Before any work: a backend that cannot carry a loss split across the group refuses here.
     averages = sequence_group is None or not sums_over_sequence_ranks(model if model is not None else lm_head,
                                                                       sequence_group, fixed)
-    backend = _backend(lm_head, fixed)
-    splits_vocab = getattr(backend, "vocab_slice", None)
+    backend, splits_vocab, dtensors = _backend(lm_head, fixed)
     head_call = backend.head_call(lm_head)
-    dtensors = [p for p in lm_head.parameters() if _is_dtensor(p)]
     if dtensors and splits_vocab is None and not head_call.gathers:
         mesh = getattr(dtensors[0], "device_mesh", None)
         layout = (f"placements {tuple(getattr(dtensors[0], 'placements', ()))} over a mesh of shape "
@@ -132,8 +131,9 @@ def _loss(hidden, lm_head, labels, shift_labels, options: CrossEntropyOptions, r
     # them (a sequence-parallel input is gathered there), so the labels are the tokens the head sees.
     vocab_slice: Optional[VocabSlice] = splits_vocab(lm_head, hidden) if splits_vocab is not None else None
     head_input = vocab_slice.hidden if vocab_slice is not None else hidden
-    site = LossSite(lm_head, backend, _shifted_targets(head_input, labels, shift_labels, options.ignore_index), options,
-                    reduction, num_items_in_batch, num_shards, grad_accum_dtype, sequence_group, vocab_slice)
+    targets = _shifted_targets(head_input, labels, shift_labels, options.ignore_index)
+    scale_of = functools.partial(_scale, targets, reduction, num_items_in_batch, options.ignore_index, group=sequence_group)
+    site = LossSite(lm_head, backend, targets, options, scale_of, num_shards, grad_accum_dtype, vocab_slice)
     if vocab_slice is not None:  # the head's hooks are the style's own, which the slice stands in for
         return site.loss_of(head_input)
     loss = in_head_call(lm_head, hidden, site.loss_of, head_call.sees_graph)
@@ -143,10 +143,13 @@ def _loss(hidden, lm_head, labels, shift_labels, options: CrossEntropyOptions, r
 _eager_loss = dynamo_support.disable(_loss)
 
 
-def _backend(lm_head: nn.Module, fixed: Optional[Strategy]) -> Strategy:
+def _backend(lm_head: nn.Module, fixed: Optional[Strategy]) -> Tuple[Strategy, Any, List[torch.Tensor]]:
+    """The head's backend (checked), its way of splitting the vocabulary over ranks (None: it does not), and
+    the head's DTensor parameters."""
     backend = fixed if fixed is not None else resolve_strategy(lm_head)
     backend.check_supported(lm_head)
-    return backend
+    dtensors: List[torch.Tensor] = [p for p in lm_head.parameters() if type(p).__name__ == "DTensor"]
+    return backend, getattr(backend, "vocab_slice", None), dtensors
 
 
 def loss_as_op(lm_head: nn.Module, strategy: StrategyArg, has_group: bool) -> bool:
@@ -154,10 +157,8 @@ def loss_as_op(lm_head: nn.Module, strategy: StrategyArg, has_group: bool) -> bo
     rank, without hooks, outside autocast, whose backend neither gathers parameters nor delivers gradients."""
     if has_group or not is_plain_linear(lm_head):
         return False
-    backend = _backend(lm_head, strategy_from_arg(strategy))
-    if getattr(backend, "vocab_slice", None) is not None or any(_is_dtensor(p) for p in lm_head.parameters()):
-        return False
-    if not autograd_carries_the_call(backend) or hook_count(lm_head):
+    backend, splits_vocab, dtensors = _backend(lm_head, strategy_from_arg(strategy))
+    if splits_vocab is not None or dtensors or not autograd_carries_the_call(backend) or hook_count(lm_head):
         return False
     weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]  # read last: ZeRO-3 gathers it on access
     return not autocast_enabled(weight.device.type)
@@ -193,16 +194,12 @@ class LossSite:
     backend: Strategy
     targets: torch.Tensor
     options: CrossEntropyOptions
-    reduction: str
-    num_items_in_batch: Any
+    scale_of: Callable[[torch.dtype], torch.Tensor]  # ``_scale`` in a loss dtype
     num_shards: NumShards
     grad_accum_dtype: Optional[torch.dtype]
-    sequence_group: Optional[Any]
     # This rank's view of a head whose vocabulary is split over ranks; None: the head is whole here.
     vocab_slice: Optional[VocabSlice] = None
     hidden: Optional[torch.Tensor] = None
-    scale: Optional[torch.Tensor] = None
-    params: List[torch.Tensor] = field(default_factory=list)
 
     def loss_of(self, head_input: torch.Tensor) -> torch.Tensor:
         self.hidden = head_input
@@ -223,14 +220,10 @@ class LossSite:
         if choice.entry is None:
             raise RuntimeError(f"tiled loss: no registered kernel computes the loss of {type(lm_head).__name__}: "
                                f"{choice.describe()}")
-        self.params = list(choice.kernel.params)
-        dtype = loss_dtype(self.params[0].dtype if self.params else x.dtype)
         # DeepSpeed AutoTP's gathering lm_head holds a slice of the vocabulary whose logits hold all of it.
         vocab = _vocab_size(lm_head) if strategy.head_call(lm_head).weight_is_whole else None
         if vocab is not None:  # else the module kernel checks each shard once its logits show the vocabulary
             check_targets(targets, vocab, self.options.ignore_index)
-        self.scale = _scale(targets, self.reduction, self.num_items_in_batch, self.options.ignore_index, dtype,
-                            self.sequence_group)
         # A split vocabulary: sized on the widest rank, so that every rank runs the same shards and collectives.
         columns = split.max_rows if split is not None else vocab or UNKNOWN_VOCAB
         num_shards = loss_num_shards(targets.numel(), columns, self.num_shards)
@@ -240,8 +233,10 @@ class LossSite:
         raise AssertionError("the loss always runs tiled")  # its decision always names a kernel
 
     def run(self, run: ShardedRun) -> torch.Tensor:
-        assert self.hidden is not None and self.scale is not None
-        return sharded_reduce(self.hidden, self.targets, self.scale, run, self.params)
+        x, params = self.hidden, run.kernel.params
+        assert x is not None
+        return sharded_reduce(x, self.targets, self.scale_of(loss_dtype(params[0].dtype if params else x.dtype)), run,
+                              params)
 
     def record(self, decision: CallDecision, plan: Optional[ShardPlan]) -> None:
         """The loss keeps no report."""
@@ -326,7 +321,3 @@ def _scale(targets: torch.Tensor, reduction: str, num_items_in_batch, ignore_ind
     else:
         denominator = torch.ones((), dtype=dtype, device=targets.device)
     return denominator.reciprocal()
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"

@@ -12,16 +12,17 @@ Per valid token i (``target_i != ignore_index``), with ``z = c * tanh(l / c)`` u
 
 Ignored tokens contribute exact zeros to the sum and the gradient. The caller scales by ``1 / denominator`` once
 (``scale``), so the sum over shards is the normalised loss. The logits buffer becomes the gradient in place.
-The logits may be one rank's slice of the vocabulary (``VocabSpan``, ``vocab_parallel.py``): every whole-vocabulary
-quantity (row maximum, sum of exponentials, sum of logits, the target's logit) is then the span's reduction of
-the per-rank partials; a whole vocabulary is the span whose reductions do nothing.
+The logits may be one rank's rows of the vocabulary (a ``VocabSlice``, ``vocab_parallel.py``): every
+whole-vocabulary quantity (row maximum, sum of exponentials, sum of logits, the target's logit) is then reduced
+over the slice's group from the per-rank partials.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -50,31 +51,16 @@ def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
                          f"ignore_index ({ignore_index})")
 
 
-def _no_reduction(rows: torch.Tensor) -> Any:
-    """A whole vocabulary: each row's partial is already its total."""
-
-
-@dataclass(frozen=True)
-class VocabSpan:
-    """Which columns of the vocabulary a shard's logits hold, and how per-row partials over them become
-    totals over the whole vocabulary (in place)."""
-
-    start: int = 0  # the vocabulary id of the first column
-    total: Optional[int] = None  # the whole vocabulary (None: these logits are all of it)
-    max_: Callable[[torch.Tensor], Any] = _no_reduction
-    sum_: Callable[[torch.Tensor], Any] = _no_reduction
-
-
-WHOLE_VOCAB = VocabSpan()
-
-
 def cross_entropy_shard(logits: torch.Tensor, targets: torch.Tensor, options: CrossEntropyOptions,
                         scale: torch.Tensor, with_grad: bool,
-                        span: VocabSpan = WHOLE_VOCAB) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                        split: Optional[Tuple[int, int, Any]] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(the shard's summed loss times ``scale``; its gradient with respect to ``logits`` when ``with_grad``).
-    ``logits`` (``[tokens, columns]``, in the loss dtype) is overwritten: the gradient is written into it."""
+    ``logits`` (``[tokens, columns]``, in the loss dtype) is overwritten: the gradient is written into it.
+    ``split``: the logits are columns of a vocabulary split over a group, as (the vocabulary id of the first,
+    the whole vocabulary's size, the group); None: they are all of it."""
     valid = targets != options.ignore_index
-    columns = targets - span.start
+    start, vocab, group = split if split is not None else (0, logits.shape[-1], None)
+    columns = targets - start
     # The target's column, where these logits hold it (every valid target, for a whole vocabulary).
     owned = valid & (columns >= 0) & (columns < logits.shape[-1])
     safe_targets = torch.where(owned, columns, 0).unsqueeze(1)
@@ -86,16 +72,17 @@ def cross_entropy_shard(logits: torch.Tensor, targets: torch.Tensor, options: Cr
     else:
         z = logits
     eps, lam = options.label_smoothing, options.z_loss
-    vocab = z.shape[-1] if span.total is None else span.total
     target_z = torch.where(owned, z.gather(1, safe_targets).squeeze(1), 0)
     sum_z = z.sum(dim=1) if eps else None
     row_max = z.amax(dim=1, keepdim=True)
-    span.max_(row_max)
+    if group is not None:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     # exp(z - max) in place: z becomes the unnormalised softmax.
     exp = z.sub_(row_max).exp_()
     # The per-row partials reduced together (one collective per shard for a split vocabulary).
     partials = torch.stack([exp.sum(dim=1), target_z] + ([sum_z] if sum_z is not None else []))
-    span.sum_(partials)
+    if group is not None:
+        dist.all_reduce(partials, group=group)
     sum_exp, target_z = partials[0], partials[1]
     lse = sum_exp.log() + row_max.squeeze(1)
     token_loss = (1 - eps) * (lse - target_z)

@@ -15,9 +15,11 @@ from torch import nn
 from ..sharded_autograd import autocast_enabled
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
 from .base import ReduceKernel
-from .cross_entropy import WHOLE_VOCAB, CrossEntropyOptions, VocabSpan, check_targets, cross_entropy_shard
+from .cross_entropy import CrossEntropyOptions, check_targets, cross_entropy_shard
 
 if TYPE_CHECKING:
+    from tiled_mlp.strategies.base import VocabSlice
+
     from ..sharded_autograd import GradAccumulator
 
 HEAD_READ_ERROR = (
@@ -41,15 +43,16 @@ def is_plain_linear(head: nn.Module, is_backend_hook: Callable[[Any], bool] = la
 
 
 class LinearHeadKernel(ReduceKernel):
-    """``x @ W.T (+ b)`` per shard. Its rows may be a slice of the vocabulary (``span``: the
+    """``x @ W.T (+ b)`` per shard. Its rows may be a slice of the vocabulary (``split``: the
     vocabulary-parallel kernel, ``vocab_parallel.py``); the matmuls are the same, and the shard's
     input gradient is then this slice's part of the sum over slices."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], options: CrossEntropyOptions,
-                 module_name: str = "the head", span: VocabSpan = WHOLE_VOCAB):
+                 module_name: str = "the head", split: Optional[VocabSlice] = None):
         super().__init__([weight] if bias is None else [weight, bias], module_name)
         self.options = options
-        self.span = span
+        # Only what the cross-entropy reads (the slice also holds the hidden states, which a kernel must not keep).
+        self.split = None if split is None else (split.start, split.vocab_size, split.group)
 
     @classmethod
     def for_head(cls, head: nn.Linear, options: CrossEntropyOptions) -> LinearHeadKernel:
@@ -77,7 +80,7 @@ class LinearHeadKernel(ReduceKernel):
             wide = logits.to(loss_dtype(logits.dtype))  # a copy only where the loss dtype is wider
             del logits
             with_grad = dx is not None or (grads is not None and any(grads.needed))
-            loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad, self.span)
+            loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad, self.split)
             if grad is None:
                 return loss
             low = grad.to(dtype)  # the logits' gradient in the matmuls' dtype (``grad`` itself when equal)

@@ -1,25 +1,17 @@
 """The loss of an output head whose vocabulary is split over ranks (tensor parallelism: each rank holds
 ``[vocab / tp, hidden]`` rows of ``lm_head.weight`` and the whole hidden states): ``LinearHeadKernel`` on this
-rank's rows, with the cross-entropy's whole-vocabulary quantities reduced over the group (``VocabSpan``). Every
-rank gets the same loss and its own rows' ``dW``; the input gradient is a partial sum the strategy reduces once
-per call (``VocabSlice.hidden``). docs/backends.md, "The vocabulary-parallel tiled loss".
+rank's rows, with the cross-entropy's whole-vocabulary quantities reduced over the group. Every rank gets the
+same loss and its own rows' ``dW``; the input gradient is a partial sum the strategy reduces once per call
+(``VocabSlice.hidden``). docs/backends.md, "The vocabulary-parallel tiled loss".
 """
 from __future__ import annotations
 
-import functools
-
-import torch.distributed as dist
-
 from tiled_mlp.strategies.base import VocabSlice
 
-from .cross_entropy import CrossEntropyOptions, VocabSpan
+from .cross_entropy import CrossEntropyOptions
 from .lm_head import LinearHeadKernel
 
 
 class VocabParallelHeadKernel(LinearHeadKernel):
     def __init__(self, vocab_slice: VocabSlice, module_name: str, options: CrossEntropyOptions):
-        group = vocab_slice.group
-        span = VocabSpan(vocab_slice.start, vocab_slice.vocab_size,
-                         functools.partial(dist.all_reduce, op=dist.ReduceOp.MAX, group=group),
-                         functools.partial(dist.all_reduce, op=dist.ReduceOp.SUM, group=group))
-        super().__init__(vocab_slice.weight, vocab_slice.bias, options, module_name, span)
+        super().__init__(vocab_slice.weight, vocab_slice.bias, options, module_name, vocab_slice)

@@ -78,25 +78,6 @@ def find_causal_lm(model: nn.Module) -> Optional[nn.Module]:
     return next((module for module in model.modules() if _family_class(module) is not None), None)
 
 
-def known_form(model: nn.Module) -> Tuple[Optional[LossForm], str]:
-    """(the family's form, "") when ``model`` is a known causal LM with its library forward and loss
-    function, else (None, why)."""
-    klass = _family_class(model)
-    if klass is None:
-        names = ", ".join(sorted(name for _, name in KNOWN_FORMS))
-        return None, f"{type(model).__name__} is not one of the causal LMs whose loss path is known ({names})"
-    name = klass.__qualname__
-    forward = type(model).forward
-    own = (getattr(forward, "__module__", None) == klass.__module__
-           and getattr(forward, "__qualname__", None) == f"{name}.forward")
-    if not own:  # a forward put on the class since (Liger's loss patch): not the one this form describes
-        return None, (f"{type(model).__name__}.forward is not {name}'s own (another library patched it); its loss "
-                      "could change silently")
-    why = (instance_forward_refusal(model) or loss_function_refusal(model)
-           or head_device_hook_refusal(cast(Any, model).get_output_embeddings()))
-    return (None, why) if why else (KNOWN_FORMS[(klass.__module__, name)], "")
-
-
 @dataclass(frozen=True)
 class ForwardLayers:
     """The wrappers on a causal LM's forward, outermost first (each None where absent), and the forward inside
@@ -262,7 +243,8 @@ class TiledLossForward:
         else:
             _checked_eagerly(self)
 
-    def _check_forward(self) -> None:
+    def _check_forward(self) -> ForwardLayers:
+        """Refuses a forward set over this one since installing; returns the layers on the model's forward."""
         layers = forward_layers(self.model)
         reached = layers.forward  # this object itself, or bound to the model by accelerate's unwrap_model
         if isinstance(reached, types.MethodType) and reached.__self__ is self.model:
@@ -280,6 +262,7 @@ class TiledLossForward:
                            "call of TRL's trainers) compute TRL's loss, in tiles without the logits, and only calls "
                            "without fused_lm_head reach the tiled loss", layers.trl_head.describe(),
                            type(self.model).__name__)
+        return layers
 
     def __call__(self, *args, **kwargs):
         if not (torch.compiler.is_compiling() and dynamo_support.TRACES_TILED_CALLS):
@@ -421,18 +404,30 @@ def _installed_on(causal_lm: nn.Module) -> Optional[TiledLossForward]:
 
 
 def check_tiled_loss(model: nn.Module) -> Tuple[nn.Module, LossForm]:
-    """Every check before installing; returns (the causal LM, its form)."""
+    """Every check before installing; returns (the causal LM, its family's form), where it is a known causal LM
+    with its library forward and loss function."""
     causal_lm = find_causal_lm(model)
     if causal_lm is None:
-        raise TypeError(f"tiled loss: no known causal LM in {type(model).__name__}: {known_form(model)[1]}")
+        names = ", ".join(sorted(name for _, name in KNOWN_FORMS))
+        raise TypeError(f"tiled loss: no known causal LM in {type(model).__name__}: {type(model).__name__} is not one "
+                        f"of the causal LMs whose loss path is known ({names})")
     installed = _installed_on(causal_lm)
     if installed is not None:
         installed._check_forward()
         return causal_lm, installed.form
-    form, why = known_form(causal_lm)
-    if form is None:
+    klass = cast(type, _family_class(causal_lm))
+    name, forward = klass.__qualname__, type(causal_lm).forward
+    if (getattr(forward, "__module__", None), getattr(forward, "__qualname__", None)) != (klass.__module__,
+                                                                                       f"{name}.forward"):
+        # A forward put on the class since (Liger's loss patch): not the one this form describes.
+        why = (f"{type(causal_lm).__name__}.forward is not {name}'s own (another library patched it); its loss "
+               "could change silently")
+    else:
+        why = (instance_forward_refusal(causal_lm) or loss_function_refusal(causal_lm)
+               or head_device_hook_refusal(cast(Any, causal_lm).get_output_embeddings()))
+    if why:
         raise TypeError(f"tiled loss cannot be put on {type(causal_lm).__name__}: {why}")
-    return causal_lm, form
+    return causal_lm, KNOWN_FORMS[(klass.__module__, name)]
 
 
 def install_tiled_loss(model: nn.Module, num_shards: NumShards = "auto",
@@ -481,8 +476,7 @@ def remove_tiled_loss(model: nn.Module) -> bool:
     if installed is None:
         return False
     causal_lm = installed.model
-    installed._check_forward()  # a forward put over it since: removing the tiled loss would not undo that
-    layers = forward_layers(causal_lm)
+    layers = installed._check_forward()  # a forward put over it since: removing the tiled loss would not undo that
     if layers.trl_head is not None:
         # TRL's closure holds the tiled loss as the forward it calls: only a new head could drop it.
         raise RuntimeError(f"tiled loss: {layers.trl_head.describe()} wraps the tiled loss on "
