@@ -8,7 +8,6 @@ import dis
 import enum
 import functools
 import types
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
@@ -111,38 +110,15 @@ def _names_read(functions: List[Optional[types.FunctionType]]) -> Set[str]:
     return names
 
 
-# (qualified name, the owning module's ``__dict__``, attribute, value, compared by identity)
-Entry = Tuple[str, Dict[str, Any], str, Any, bool]
+# Which values the tree's code may read: every name it reads, and (prefix, ``__dict__``) of each module.
+ReadSet = Tuple[FrozenSet[str], List[Tuple[str, Dict[str, Any]]]]
 
 
-@dataclass(frozen=True)
-class ReadValues:
-    """What the tree's code may read, as it is when taken."""
-
-    names: FrozenSet[str]  # every name the tree's code reads
-    # (prefix, the module's ``__dict__``, its attribute names when taken): one per module
-    modules: List[Tuple[str, Dict[str, Any], FrozenSet[str]]]
-    entries: List[Entry]
-
-    def retaken(self) -> ReadValues:
-        return _read(self.names, [(prefix, d) for prefix, d, _ in self.modules])
-
-
-def _read(names: FrozenSet[str], modules: List[Tuple[str, Dict[str, Any]]]) -> ReadValues:
-    entries: List[Entry] = []
-    for prefix, d in modules:
-        for attr in sorted(names.intersection(d)):
-            value = d[attr]
-            if not is_checked_elsewhere(value):
-                entries.append((f"{prefix}.{attr}" if prefix else attr, d, attr, value, not is_plain(value)))
-    return ReadValues(names, [(prefix, d, frozenset(d)) for prefix, d in modules], entries)
-
-
-def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> ReadValues:
-    """The values the code of ``module``'s tree may read (none outside strict mode). ``root_forward``: what
+def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> ReadSet:
+    """Which values the code of ``module``'s tree may read (none outside strict mode). ``root_forward``: what
     ``module``'s forward runs where it is not its class's."""
     if not _strict.ON:
-        return ReadValues(frozenset(), [], [])
+        return frozenset(), []
     functions: List[Optional[types.FunctionType]] = []
     classes: Set[type] = set()
     modules: List[Tuple[str, Dict[str, Any]]] = []
@@ -152,4 +128,4 @@ def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> Read
             classes.add(type(sub))
             functions += _class_functions(type(sub))
         functions.append(_function(root_forward if not prefix else sub.__dict__.get("forward")))
-    return _read(frozenset(_names_read(functions)) - _MODULE_BOOKKEEPING, modules)
+    return frozenset(_names_read(functions)) - _MODULE_BOOKKEEPING, modules
