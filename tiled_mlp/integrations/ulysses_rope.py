@@ -37,25 +37,12 @@ def is_length_dependent(rope_type: Any) -> bool:
     return isinstance(rope_type, str) and ("dynamic" in rope_type or rope_type == "longrope")
 
 
-def _types_of(value: Any) -> List[str]:
+def _rope_types(value: Any) -> List[str]:
+    """The rope types ``value`` names: a module's ``rope_type`` (one, or one per layer type) or a config's rope
+    parameters (one entry, or one per layer type); their other values are numbers and lists."""
     if isinstance(value, str):
         return [value]
-    if isinstance(value, dict):
-        return [v for v in value.values() if isinstance(v, str)]
-    return []
-
-
-def _config_rope_types(config: Any) -> List[str]:
-    found: List[str] = []
-    for name in ("rope_parameters", "rope_scaling"):
-        params = getattr(config, name, None)
-        if not isinstance(params, dict):
-            continue
-        entries = [params] if "rope_type" in params or "type" in params else list(params.values())
-        for entry in entries:
-            if isinstance(entry, dict):
-                found += _types_of(entry.get("rope_type", entry.get("type")))
-    return found
+    return [t for item in value.values() for t in _rope_types(item)] if isinstance(value, dict) else []
 
 
 def length_dependent_rotaries(model: nn.Module) -> List[nn.Module]:
@@ -64,7 +51,7 @@ def length_dependent_rotaries(model: nn.Module) -> List[nn.Module]:
     wrapper = transformers_internals.rope_update_wrapper_code()
     found: List[nn.Module] = []
     for module in model.modules():
-        dependent = [t for t in _types_of(getattr(module, "rope_type", None)) if is_length_dependent(t)]
+        dependent = [t for t in _rope_types(getattr(module, "rope_type", None)) if is_length_dependent(t)]
         if not dependent:
             continue
         forward = getattr(type(module).forward, "__code__", None)
@@ -75,7 +62,8 @@ def length_dependent_rotaries(model: nn.Module) -> List[nn.Module]:
     config: Any = getattr(model, "config", None)
     if config is not None and not found:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        asked = [t for t in _config_rope_types(text) if is_length_dependent(t)]
+        asked = [t for name in ("rope_parameters", "rope_scaling")
+                 for t in _rope_types(getattr(text, name, None)) if is_length_dependent(t)]
         if asked:
             raise ValueError(NO_ROTARY_ERROR.format(model=type(model).__name__, rope_type=asked[0],
                                                     independent=", ".join(LENGTH_INDEPENDENT)))
