@@ -236,11 +236,7 @@ def guard_inputs(model: nn.Module, micro_batch_size: int) -> Any:
     signature = inspect.signature(model.forward)
 
     def check(module: nn.Module, args: Tuple, kwargs: Dict) -> None:
-        named: Dict[str, Any] = dict(kwargs)
-        try:
-            named.update(signature.bind_partial(*args).arguments)
-        except TypeError:
-            pass  # an unusual forward: judged by its keyword arguments
+        named: Dict[str, Any] = {**kwargs, **signature.bind_partial(*args).arguments}
         tokens = named.get("input_ids")
         tokens = tokens if tokens is not None else named.get("inputs_embeds")
         if not isinstance(tokens, torch.Tensor):
