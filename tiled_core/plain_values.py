@@ -101,12 +101,9 @@ def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> Read
     if not _strict.ON:
         return frozenset(), []
     functions: List[Optional[types.FunctionType]] = []
-    classes: Set[type] = set()
     modules: List[Tuple[str, Dict[str, Any]]] = []
-    for prefix, sub in module.named_modules():
+    for prefix, sub in module.named_modules():  # a class's code is read once (``_names_read`` skips code seen)
         modules.append((prefix, sub.__dict__))
-        if type(sub) not in classes:
-            classes.add(type(sub))
-            functions += _class_functions(type(sub))
+        functions += _class_functions(type(sub))
         functions.append(_function(root_forward if not prefix else sub.__dict__.get("forward")))
     return frozenset(_names_read(functions)) - _MODULE_BOOKKEEPING, modules
