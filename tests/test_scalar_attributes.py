@@ -320,23 +320,25 @@ def _gained(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 
 class HelperReads(GatedMLP):
-    """A forward that reads its setting through a helper of its file, and a class default overridden
-    on the instance."""
+    """A forward that reads its setting through a helper of its file, inside a lambda, and a class default
+    overridden on the instance."""
 
     clip = None
 
     def __init__(self):
         super().__init__(HIDDEN, INTER)
         self.gain = 2.0
+        self.shift = 0.0
 
     def forward(self, x):
-        h = _gained(self, super().forward(x))
+        h = (lambda t: t + self.shift)(_gained(self, super().forward(x)))
         return h if self.clip is None else h.clamp(-self.clip, self.clip)
 
 
 @pytest.mark.parametrize("attribute, value, shown", [
     ("gain", 5.0, "gain of TiledHelperReads is 5.0; expected 2.0"),
     ("clip", 0.1, "clip of TiledHelperReads is 0.1; expected unset"),  # set on the instance over the class's
+    ("shift", 1.0, "shift of TiledHelperReads is 1.0; expected 0.0"),  # read in a nested code object
 ])
 def test_a_value_read_by_a_helper_or_set_over_a_class_default_is_refused(attribute, value, shown):
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ put back."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Sequence, Tuple
+from typing import Iterator, Sequence, Tuple
 
 import torch
 
@@ -25,7 +25,6 @@ def buffers_kept(module_name: str, buffers: Sequence[Tuple[str, torch.Tensor]]) 
     module without buffers has nothing to guard: its call does not enter this (``tiled_call``)."""
     versions = [b._version for _, b in buffers]
     saved = [b.detach().clone() for _, b in buffers]
-    moved: List[int] = []
     try:
         yield
     finally:

@@ -10,7 +10,7 @@ from typing import Any, List, Sequence, Tuple
 
 import torch
 
-from .plain_values import ReadValues, is_checked_elsewhere, same_value
+from .plain_values import ReadSet, is_checked_elsewhere, is_plain, same_value
 from .tensor_reads import describe
 
 MODIFIED_ERROR = (
@@ -85,28 +85,32 @@ def _shown(value: Any, by_identity: bool) -> str:
 
 
 class PlainValues:
-    """The values the module tree's code may read (``plain_values.snapshot``), to be compared later."""
+    """The values the module tree's code may read (``read``: which, from ``plain_values.snapshot``) as they are
+    when made, to be compared later: plain values by value, other objects by identity."""
 
-    def __init__(self, taken: ReadValues):
-        self.taken = taken
+    def __init__(self, read: ReadSet):
+        self.read = read
+        names, modules = read
+        self.attrs = [frozenset(d) for _, d in modules]
+        self.entries = [(f"{prefix}.{attr}" if prefix else attr, d, attr, d[attr], not is_plain(d[attr]))
+                        for prefix, d in modules for attr in sorted(names.intersection(d))
+                        if not is_checked_elsewhere(d[attr])]
 
     def retaken(self) -> PlainValues:
-        return PlainValues(self.taken.retaken())
+        return PlainValues(self.read)
 
     def changed(self) -> List[Tuple[str, Any, Any, bool]]:
         """(qualified name, value then, value now, compared by identity) of each value that changed."""
         out = []
-        for name, d, attr, then, by_identity in self.taken.entries:
+        for name, d, attr, then, by_identity in self.entries:
             now = d.get(attr, _UNSET)
             if now is not then and (now is _UNSET or by_identity or not same_value(then, now)):
                 out.append((name, then, now, by_identity))
-        names = self.taken.names
-        for prefix, d, attrs in self.taken.modules:
-            added = d.keys() - attrs
-            if added and not names.isdisjoint(added):
-                for attr in sorted(names.intersection(added)):
-                    if not is_checked_elsewhere(d[attr]):
-                        out.append((f"{prefix}.{attr}" if prefix else attr, _UNSET, d[attr], False))
+        names, modules = self.read
+        for (prefix, d), attrs in zip(modules, self.attrs, strict=True):
+            for attr in sorted(names.intersection(d.keys() - attrs)):
+                if not is_checked_elsewhere(d[attr]):
+                    out.append((f"{prefix}.{attr}" if prefix else attr, _UNSET, d[attr], False))
         return out
 
     def check(self, where: str) -> None:

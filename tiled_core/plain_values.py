@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import dis
 import enum
-import functools
 import types
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
@@ -55,28 +53,6 @@ def same_value(then: Any, now: Any) -> bool:
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 
 
-@functools.lru_cache(maxsize=4096)
-def _code_names(code: types.CodeType) -> Tuple[FrozenSet[str], FrozenSet[str]]:
-    """(attribute names and string constants, global names) read by ``code``."""
-    names: Set[str] = set()
-    globals_read: Set[str] = set()
-    for instruction in dis.get_instructions(code):
-        if not isinstance(instruction.argval, str):
-            continue
-        if instruction.opname in _ATTRIBUTE_LOADS:
-            names.add(instruction.argval)
-        elif instruction.opname == "LOAD_GLOBAL":
-            globals_read.add(instruction.argval)
-    for const in code.co_consts:
-        if isinstance(const, str):
-            names.add(const)
-        elif isinstance(const, types.CodeType):  # nested functions, comprehensions, lambdas
-            inner_names, inner_globals = _code_names(const)
-            names |= inner_names
-            globals_read |= inner_globals
-    return frozenset(names), frozenset(globals_read)
-
-
 def _function(value: Any) -> Optional[types.FunctionType]:
     if isinstance(value, (staticmethod, classmethod)):
         value = value.__func__
@@ -92,64 +68,42 @@ def _class_functions(cls: type) -> List[Optional[types.FunctionType]]:
 
 
 def _names_read(functions: List[Optional[types.FunctionType]]) -> Set[str]:
-    """The names read by ``functions`` and by the plain functions of their own source module they reach by a
-    global name (a helper written beside the class; not every library function the code calls)."""
+    """The attribute names and string constants in the code of ``functions``, of the code nested in it
+    (comprehensions, lambdas) and of the plain functions of their own source module they reach by a global name
+    (a helper written beside the class; not every library function the code calls)."""
     names: Set[str] = set()
     seen: Set[types.CodeType] = set()
-    pending = [function for function in functions if function is not None]
+    pending = [(function.__code__, function) for function in functions if function is not None]
     while pending:
-        func = pending.pop()
-        if func.__code__ in seen:
+        code, func = pending.pop()
+        if code in seen:
             continue
-        seen.add(func.__code__)
-        code_names, globals_read = _code_names(func.__code__)
-        names |= code_names
-        for global_name in globals_read:
-            target = func.__globals__.get(global_name)
-            if isinstance(target, types.FunctionType) and target.__module__ == func.__module__:
-                pending.append(target)
+        seen.add(code)
+        for instruction in dis.get_instructions(code):
+            if instruction.opname in _ATTRIBUTE_LOADS and isinstance(instruction.argval, str):
+                names.add(instruction.argval)
+            elif instruction.opname == "LOAD_GLOBAL":
+                target = func.__globals__.get(instruction.argval)
+                if isinstance(target, types.FunctionType) and target.__module__ == func.__module__:
+                    pending.append((target.__code__, target))
+        names.update(const for const in code.co_consts if isinstance(const, str))
+        pending += [(const, func) for const in code.co_consts if isinstance(const, types.CodeType)]
     return names
 
 
-# (qualified name, the owning module's ``__dict__``, attribute, value, compared by identity)
-Entry = Tuple[str, Dict[str, Any], str, Any, bool]
+# Which values the tree's code may read: every name it reads, and (prefix, ``__dict__``) of each module.
+ReadSet = Tuple[FrozenSet[str], List[Tuple[str, Dict[str, Any]]]]
 
 
-@dataclass(frozen=True)
-class ReadValues:
-    """What the tree's code may read, as it is when taken."""
-
-    names: FrozenSet[str]  # every name the tree's code reads
-    # (prefix, the module's ``__dict__``, its attribute names when taken): one per module
-    modules: List[Tuple[str, Dict[str, Any], FrozenSet[str]]]
-    entries: List[Entry]
-
-    def retaken(self) -> ReadValues:
-        return _read(self.names, [(prefix, d) for prefix, d, _ in self.modules])
-
-
-def _read(names: FrozenSet[str], modules: List[Tuple[str, Dict[str, Any]]]) -> ReadValues:
-    entries: List[Entry] = []
-    for prefix, d in modules:
-        for attr in sorted(names.intersection(d)):
-            value = d[attr]
-            if not is_checked_elsewhere(value):
-                entries.append((f"{prefix}.{attr}" if prefix else attr, d, attr, value, not is_plain(value)))
-    return ReadValues(names, [(prefix, d, frozenset(d)) for prefix, d in modules], entries)
-
-
-def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> ReadValues:
-    """The values the code of ``module``'s tree may read (none outside strict mode). ``root_forward``: what
+def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> ReadSet:
+    """Which values the code of ``module``'s tree may read (none outside strict mode). ``root_forward``: what
     ``module``'s forward runs where it is not its class's."""
     if not _strict.ON:
-        return ReadValues(frozenset(), [], [])
+        return frozenset(), []
     functions: List[Optional[types.FunctionType]] = []
-    classes: Set[type] = set()
     modules: List[Tuple[str, Dict[str, Any]]] = []
-    for prefix, sub in module.named_modules():
+    for prefix, sub in module.named_modules():  # a class's code is read once (``_names_read`` skips code seen)
         modules.append((prefix, sub.__dict__))
-        if type(sub) not in classes:
-            classes.add(type(sub))
-            functions += _class_functions(type(sub))
+        functions += _class_functions(type(sub))
         functions.append(_function(root_forward if not prefix else sub.__dict__.get("forward")))
-    return _read(frozenset(_names_read(functions)) - _MODULE_BOOKKEEPING, modules)
+    return frozenset(_names_read(functions)) - _MODULE_BOOKKEEPING, modules

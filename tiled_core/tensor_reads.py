@@ -108,10 +108,7 @@ class TensorReads(TorchFunctionMode):
     def _wraps_made_tensors(self, t: torch.Tensor) -> bool:
         """Whether ``t`` wraps (``__tensor_flatten__``) tensors made in the block: a wrapper built by a constructor
         no torch call hands back (``DTensor.from_local`` in a tensor-parallel hook) is never among the outputs."""
-        flatten = getattr(type(t), "__tensor_flatten__", None)
-        if flatten is None:
-            return False
-        inner = _inner_tensors(t)
+        inner = _inner_tensors(t)  # none where ``t`` wraps nothing
         return bool(inner) and all(id(i) in self._made_ids or self._wraps_made_tensors(i) for i in inner)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -130,7 +130,7 @@ class SequenceParallel:
 def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: int = 1) -> SequenceParallel:
     """Ulysses SP of ``size`` consecutive ranks on ``model`` (a causal LM with the tiled loss on it); every rank
     calls it. Every refusal comes before any change. ``.remove()`` on the handle undoes it."""
-    check_sequence_parallel(model, size)
+    held, rotaries = check_sequence_parallel(model, size)
     installed = tiled_loss_forward(model)
     if installed is None:
         raise ValueError(NO_TILED_LOSS_ERROR.format(model=type(model).__name__))
@@ -139,9 +139,8 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     ALL_ATTENTION_FUNCTIONS = transformers_internals.attention_functions()
     deepspeed_internals.init_distributed(dist.get_backend())
     decoder = installed.model.get_decoder()
-    # What the name holds, a user's override included: this model's attention after the all-to-all, and
-    # every other model's attention, are what they would be without SP.
-    held = ALL_ATTENTION_FUNCTIONS.get(attention)
+    # What the name holds (``held``), a user's override included: this model's attention after the all-to-all,
+    # and every other model's attention, are what they would be without SP.
     kind = attention_kind(held)
     undo = undo_attention(installed.model, attention, ALL_ATTENTION_FUNCTIONS)
     if held is not None:
@@ -157,13 +156,14 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     _scope_to(installed.model, attention, ALL_ATTENTION_FUNCTIONS, held)
     group = mpu.get_sequence_parallel_group()
     installed.sequence_group = group
-    hooks = [*capture_padding(decoder, group, kind), *whole_sequence_rope(length_dependent_rotaries(installed.model), group),
+    hooks = [*capture_padding(decoder, group, kind), *whole_sequence_rope(rotaries, group),
              guard_inputs(installed.model, micro_batch_size)]
     return SequenceParallel(model, group, mpu, attention, undo, micro_batch_size, hooks)
 
 
-def check_sequence_parallel(model: nn.Module, size: int) -> None:
-    """Every refusal that needs no change to make, before any (``apply_long_context`` asks first too)."""
+def check_sequence_parallel(model: nn.Module, size: int) -> Tuple[Optional[Callable], List[nn.Module]]:
+    """Every refusal that needs no change to make, before any (``apply_long_context`` asks first too). Returns
+    what transformers' registry holds under the model's attention and its length-dependent rotary embeddings."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("sequence parallelism: initialize torch.distributed first (every rank calls this)")
     transformers_internals.require("Ulysses sequence parallelism")
@@ -203,11 +203,12 @@ def check_sequence_parallel(model: nn.Module, size: int) -> None:
         for module in causal_lm.modules():  # every HF attention module has the num_key_value_groups DeepSpeed uses
             if isinstance(getattr(module, "num_key_value_groups", None), int):
                 check_attention_not_tensor_parallel(module, heads)
-    length_dependent_rotaries(causal_lm)  # a length-dependent RoPE it cannot give the whole length: refused
+    rotaries = length_dependent_rotaries(causal_lm)  # a length-dependent RoPE it cannot give the whole length: refused
     if deepspeed_internals.sp_groups_exist():
         raise RuntimeError("sequence parallelism: DeepSpeed's SP groups already exist in this process, process-wide: "
                            "an earlier apply_sequence_parallel or apply_long_context whose handle was not removed "
                            "(call its .remove()), or accelerate's ParallelismConfig(sp_backend='deepspeed')")
+    return held, rotaries
 
 
 def shares_heads(heads: int, kv_heads: int, size: int) -> Tuple[bool, bool]:
@@ -236,11 +237,7 @@ def guard_inputs(model: nn.Module, micro_batch_size: int) -> Any:
     signature = inspect.signature(model.forward)
 
     def check(module: nn.Module, args: Tuple, kwargs: Dict) -> None:
-        named: Dict[str, Any] = dict(kwargs)
-        try:
-            named.update(signature.bind_partial(*args).arguments)
-        except TypeError:
-            pass  # an unusual forward: judged by its keyword arguments
+        named: Dict[str, Any] = {**kwargs, **signature.bind_partial(*args).arguments}
         tokens = named.get("input_ids")
         tokens = tokens if tokens is not None else named.get("inputs_embeds")
         if not isinstance(tokens, torch.Tensor):

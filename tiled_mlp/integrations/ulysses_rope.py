@@ -5,7 +5,7 @@ position as one extra position (an all-reduce MAX) and its cos/sin cut off the o
 own are bit for bit the whole sequence's."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,25 +37,12 @@ def is_length_dependent(rope_type: Any) -> bool:
     return isinstance(rope_type, str) and ("dynamic" in rope_type or rope_type == "longrope")
 
 
-def _types_of(value: Any) -> List[str]:
+def _rope_types(value: Any) -> List[str]:
+    """The rope types ``value`` names: a module's ``rope_type`` (one, or one per layer type) or a config's rope
+    parameters (one entry, or one per layer type); their other values are numbers and lists."""
     if isinstance(value, str):
         return [value]
-    if isinstance(value, dict):
-        return [v for v in value.values() if isinstance(v, str)]
-    return []
-
-
-def _config_rope_types(config: Any) -> List[str]:
-    found: List[str] = []
-    for name in ("rope_parameters", "rope_scaling"):
-        params = getattr(config, name, None)
-        if not isinstance(params, dict):
-            continue
-        entries = [params] if "rope_type" in params or "type" in params else list(params.values())
-        for entry in entries:
-            if isinstance(entry, dict):
-                found += _types_of(entry.get("rope_type", entry.get("type")))
-    return found
+    return [t for item in value.values() for t in _rope_types(item)] if isinstance(value, dict) else []
 
 
 def length_dependent_rotaries(model: nn.Module) -> List[nn.Module]:
@@ -64,7 +51,7 @@ def length_dependent_rotaries(model: nn.Module) -> List[nn.Module]:
     wrapper = transformers_internals.rope_update_wrapper_code()
     found: List[nn.Module] = []
     for module in model.modules():
-        dependent = [t for t in _types_of(getattr(module, "rope_type", None)) if is_length_dependent(t)]
+        dependent = [t for t in _rope_types(getattr(module, "rope_type", None)) if is_length_dependent(t)]
         if not dependent:
             continue
         forward = getattr(type(module).forward, "__code__", None)
@@ -75,27 +62,25 @@ def length_dependent_rotaries(model: nn.Module) -> List[nn.Module]:
     config: Any = getattr(model, "config", None)
     if config is not None and not found:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        asked = [t for t in _config_rope_types(text) if is_length_dependent(t)]
+        asked = [t for name in ("rope_parameters", "rope_scaling")
+                 for t in _rope_types(getattr(text, name, None)) if is_length_dependent(t)]
         if asked:
             raise ValueError(NO_ROTARY_ERROR.format(model=type(model).__name__, rope_type=asked[0],
                                                     independent=", ".join(LENGTH_INDEPENDENT)))
     return found
 
 
-def _positions(args: Tuple, kwargs: Dict) -> Tuple[Optional[torch.Tensor], bool]:
+def _positions(args: Tuple, kwargs: Dict) -> Tuple[torch.Tensor, bool]:
     if "position_ids" in kwargs:
         return kwargs["position_ids"], True
-    return (args[1] if len(args) > 1 else None), False
+    return args[1], False
 
 
 def whole_sequence_rope(rotaries: List[nn.Module], group: Any) -> List[Any]:
     """Hooks (returned) giving each call of ``rotaries`` the SP group's largest position as one extra position,
     cut off its output."""
     def add_largest(module: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict]:
-        positions, by_name = _positions(args, kwargs)
-        if not isinstance(positions, torch.Tensor):
-            raise ValueError(f"sequence parallelism: {type(module).__name__} was called without position_ids; under SP "
-                             "its length-dependent frequencies need the positions of the rank's slice")
+        positions, by_name = _positions(args, kwargs)  # HF's decoders pass them (5.6 to 5.25, every rotary)
         largest = positions.max().reshape(1)
         # Every rank of the group calls its rotary embedding once per forward: the collective is matched.
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
@@ -105,9 +90,7 @@ def whole_sequence_rope(rotaries: List[nn.Module], group: Any) -> List[Any]:
         return (args[0], extended, *args[2:]), kwargs
 
     def cut_largest(module: nn.Module, args: Tuple, kwargs: Dict, output: Any) -> Any:
-        positions, _ = _positions(args, kwargs)
-        assert isinstance(positions, torch.Tensor)  # add_largest put it there
-        tokens = positions.shape[-1] - 1
+        tokens = _positions(args, kwargs)[0].shape[-1] - 1
         parts = output if isinstance(output, tuple) else (output,)
         if not all(isinstance(p, torch.Tensor) and p.dim() >= 2 and p.shape[-2] == tokens + 1 for p in parts):
             raise RuntimeError(f"sequence parallelism: {type(module).__name__} returned {[tuple(p.shape) for p in parts]}"
