@@ -122,22 +122,6 @@ def engine_sums_over_sequence_ranks(engine: Any, model: nn.Module, group: Option
     return sums
 
 
-def _zero3_sums(optimizer: Any, model: nn.Module) -> bool:
-    if optimizer.reduce_scatter or not optimizer.contiguous_gradients:
-        return False  # reduce-scatter for every bucket: averaged over every rank
-    if float(optimizer.gradient_predivide_factor) != 1.0:
-        raise UnsupportedBackendError(PREDIVIDE_ERROR.format(stage=3, factor=optimizer.gradient_predivide_factor))
-    size = optimizer.reduce_bucket_size
-    numels = {n: getattr(p, "ds_numel", p.numel()) for n, p in model.named_parameters() if p.requires_grad}
-    large = sorted(n for n, numel in numels.items() if numel > size)
-    if not large:
-        return True
-    if len(large) == len(numels):
-        return False
-    shown = ", ".join(large[:3]) + (", ..." if len(large) > 3 else "")
-    raise UnsupportedBackendError(MIXED_BUCKETS_ERROR.format(size=size, large=shown, largest=max(numels.values())))
-
-
 def _refuse_two_backends(model: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
 
@@ -161,14 +145,23 @@ def zero_optimizer_of(model: nn.Module) -> Optional[Any]:
 
 def _sums(optimizer: Any, model: nn.Module, sp_size: int, stage: Any) -> bool:
     """``stage``: "1/2" where only the optimizer is known."""
-    if is_instance_of(optimizer, _STAGE3_CLASS):
-        return sp_size > 1 and _zero3_sums(optimizer, model)
-    if sp_size <= 1 or stage == 0:
-        return sp_size > 1
+    stage3 = is_instance_of(optimizer, _STAGE3_CLASS)
+    if sp_size <= 1 or (stage3 and (optimizer.reduce_scatter or not optimizer.contiguous_gradients)):
+        return False  # ZeRO-3's reduce-scatter for every bucket: averaged over every rank
+    if stage == 0 and not stage3:
+        return True
     factor = float(getattr(optimizer, "gradient_predivide_factor", 1.0))
     if factor != 1.0:
-        raise UnsupportedBackendError(PREDIVIDE_ERROR.format(stage=stage, factor=factor))
-    return True
+        raise UnsupportedBackendError(PREDIVIDE_ERROR.format(stage=3 if stage3 else stage, factor=factor))
+    if not stage3:
+        return True
+    size = optimizer.reduce_bucket_size
+    numels = {n: getattr(p, "ds_numel", p.numel()) for n, p in model.named_parameters() if p.requires_grad}
+    large = sorted(n for n, numel in numels.items() if numel > size)
+    if large and len(large) < len(numels):
+        shown = ", ".join(large[:3]) + (", ..." if len(large) > 3 else "")
+        raise UnsupportedBackendError(MIXED_BUCKETS_ERROR.format(size=size, large=shown, largest=max(numels.values())))
+    return not large
 
 
 def deepspeed_sums_over_sequence_ranks(model: nn.Module, group: Optional[Any]) -> bool:
