@@ -125,22 +125,12 @@ def engine_sums_over_sequence_ranks(engine: Any, model: nn.Module, group: Option
 def _refuse_two_backends(model: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
 
-    from .ddp import _active_ddp_module
+    from .ddp import wrapping_ddp
 
     other = ("FSDP2 (fully_shard)" if any(isinstance(m, FSDPModule) for m in model.modules()) else
-             "DDP" if _active_ddp_module() is not None else None)
+             "DDP" if wrapping_ddp() is not None else None)
     if other is not None:
         raise UnsupportedBackendError(TWO_BACKENDS_ERROR.format(model=type(model).__name__, other=other))
-
-
-def zero_optimizer_of(model: nn.Module) -> Optional[Any]:
-    """ZeRO-3 links every parameter it trains; ZeRO-1/2 (with CPU offload) each one whose master fragment this
-    rank holds (every rank holds at least one)."""
-    for p in model.parameters():
-        optimizer = getattr(p, "_z3_optimizer", None) or getattr(p, "_zero_optimizer", None)
-        if optimizer is not None and not optimizer_destroyed(optimizer):
-            return optimizer
-    return None
 
 
 def _sums(optimizer: Any, model: nn.Module, sp_size: int, stage: Any) -> bool:
@@ -173,15 +163,17 @@ def deepspeed_sums_over_sequence_ranks(model: nn.Module, group: Optional[Any]) -
     if engines:
         _refuse_two_backends(model)
         return engine_sums_over_sequence_ranks(engines[-1], model, group)
-    optimizer = zero_optimizer_of(model)
+    # ZeRO-3 links every parameter it trains; ZeRO-1/2 (with CPU offload) each one whose master fragment this
+    # rank holds (every rank holds at least one).
+    linked = (getattr(p, "_z3_optimizer", None) or getattr(p, "_zero_optimizer", None) for p in model.parameters())
+    optimizer = next((o for o in linked if o is not None and not optimizer_destroyed(o)), None)
     if optimizer is not None:
         return _sums(optimizer, model, getattr(optimizer, "sequence_parallel_size", 1), "1/2")
-    holds_sp_groups = deepspeed_holds_sp_groups()
-    # destroy() sets every _hp_mapping to None; a live optimizer gives each rank at least one fragment.
-    if holds_sp_groups and any(getattr(p, "_hp_mapping", None) is not None for p in model.parameters()):
-        # ZeRO-1/2 (or the bf16 optimizer) without CPU offload links no optimizer to the parameters, only
-        # master fragments; built while DeepSpeed held the SP groups, it read them, and sums over those ranks.
+    if not deepspeed_holds_sp_groups():
+        return False
+    # destroy() sets every _hp_mapping to None; a live optimizer gives each rank at least one fragment. ZeRO-1/2
+    # (or the bf16 optimizer) without CPU offload links no optimizer to the parameters, only master fragments;
+    # built while DeepSpeed held the SP groups, it read them, and sums over those ranks.
+    if any(getattr(p, "_hp_mapping", None) is not None for p in model.parameters()):
         return True
-    if holds_sp_groups:
-        raise UnsupportedBackendError(NO_ENGINE_ERROR.format(model=type(model).__name__))
-    return False
+    raise UnsupportedBackendError(NO_ENGINE_ERROR.format(model=type(model).__name__))
