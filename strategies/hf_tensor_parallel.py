@@ -63,11 +63,6 @@ def installed_style(module: nn.Module) -> Any:
     return None if cells is None or cells.get("module") is not module else cells.get("self")
 
 
-def _own_methods(cls: type) -> bool:
-    """The style class's methods are transformers' own (not replaced on the class by another library)."""
-    return all(getattr(getattr(cls, name, None), "__module__", None) == _TP_MODULE for name in _STYLE_METHODS)
-
-
 def proven_style(module: nn.Module) -> Optional[Tuple[str, Any, Any]]:
     """("colwise" or "rowwise", the style, its mesh) where HF's ColwiseParallel or RowwiseParallel, proven, is the
     forward of ``module``, a plain ``nn.Linear`` whose weight is a DTensor on the style's mesh; else None."""
@@ -78,7 +73,11 @@ def proven_style(module: nn.Module) -> Optional[Tuple[str, Any, Any]]:
     style: Any = cells.get("self")
     mesh, original = cells.get("mesh"), cells.get("original_forward")
     kind = {colwise: "colwise", rowwise: "rowwise"}.get(type(style))
-    if kind is None or not _own_methods(type(style)) or set(vars(style)) != _STYLE_FIELDS:
+    if kind is None or set(vars(style)) != _STYLE_FIELDS:
+        return None
+    # The style class's methods are transformers' own (not replaced on the class by another library).
+    methods = [getattr(type(style), name, None) for name in _STYLE_METHODS]
+    if any(getattr(method, "__module__", None) != _TP_MODULE for method in methods):
         return None
     if type(module) is not nn.Linear or getattr(module, "_hf_quantized_needs_local_tp", False):
         return None
