@@ -118,8 +118,28 @@ class LinearStyle:
     made: tuple  # what the input is made before the product
     output_layouts: tuple  # what the output is redistributed to
     use_local_output: bool
-    prepare_input: Callable[[torch.Tensor], Any]  # the module's input -> the DTensor the product takes
-    finish_output: Callable[[Any], Any]  # the product (a DTensor) -> what the module hands on
+    module: nn.Module
+    hooks: tuple = ()  # torch's input and output hook, run as they are; () for Hugging Face's, computed as it does
+
+    def prepare_input(self, x: torch.Tensor) -> Any:
+        """The module's input as the DTensor the product takes."""
+        from torch.distributed.tensor import DTensor
+
+        if self.hooks:
+            made = self.hooks[0](self.module, (x,))
+            return made[0] if isinstance(made, tuple) else made
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, self.input_layouts, run_check=False)
+        return x if tuple(x.placements) == self.made else x.redistribute(placements=list(self.made))
+
+    def finish_output(self, out: Any) -> Any:
+        """What the module hands on, from the product (a DTensor)."""
+        if self.hooks:
+            result = self.hooks[1](self.module, (), out)
+            return out if result is None else result
+        if tuple(out.placements) != self.output_layouts:
+            out = out.redistribute(placements=list(self.output_layouts))
+        return out.to_local() if self.use_local_output else out
 
 
 def _placements(layout: Any) -> tuple:
@@ -137,8 +157,7 @@ def linear_style(module: nn.Module) -> Optional[LinearStyle]:
         read = _placements(style.input_layouts)
         return LinearStyle(kind, f"Hugging Face's {kind}", "forward", mesh, read,
                            (Replicate(),) if kind == "colwise" else read, _placements(style.output_layouts),
-                           bool(style.use_local_output), functools.partial(_hf_input, kind, mesh, read),
-                           functools.partial(_hf_output, style))
+                           bool(style.use_local_output), module)
     _, col_in, col_out, row_in, row_out = _styles()
     pre, post = ([found for found in map(style_hook, hooks) if found is not None] for hooks in _hooks(module))
     if len(pre) != 1 or len(post) != 1 or pre[0].mesh != post[0].mesh:
@@ -148,37 +167,8 @@ def linear_style(module: nn.Module) -> Optional[LinearStyle]:
         return None
     (read, made), (output_layouts, use_local) = pre[0].layouts, post[0].layouts
     return LinearStyle(torch_kind, pre[0].function.__qualname__.split(".")[0], "input hook", pre[0].mesh,
-                       _placements(read), _placements(made), _placements(output_layouts), bool(use_local),
-                       functools.partial(_hook_input, pre[0].hook, module),
-                       functools.partial(_hook_output, post[0].hook, module))
-
-
-def _hook_input(hook: Callable, module: nn.Module, x: torch.Tensor) -> Any:
-    made = hook(module, (x,))
-    return made[0] if isinstance(made, tuple) else made
-
-
-def _hook_output(hook: Callable, module: nn.Module, out: Any) -> Any:
-    result = hook(module, (), out)
-    return out if result is None else result
-
-
-def _hf_input(kind: str, mesh: Any, read: tuple, x: torch.Tensor) -> Any:
-    """What Hugging Face's style makes of a plain input: read as its input layouts, a colwise one replicated."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, read, run_check=False)
-    if kind == "colwise" and tuple(x.placements) != (Replicate(),):
-        x = x.redistribute(placements=[Replicate()])
-    return x
-
-
-def _hf_output(style: Any, partial: Any) -> Any:
-    output_layouts = _placements(style.output_layouts)
-    if tuple(partial.placements) != output_layouts:
-        partial = partial.redistribute(placements=list(output_layouts))
-    return partial.to_local() if style.use_local_output else partial
+                       _placements(read), _placements(made), _placements(output_layouts), bool(use_local), module,
+                       (pre[0].hook, post[0].hook))
 
 
 @dataclass
@@ -295,12 +285,6 @@ DTENSOR_PARAMS_REFUSED = (
 )
 
 
-def _sequence_parallel_hook(hook: Any) -> Optional[StyleHook]:
-    from torch.distributed.tensor.parallel import SequenceParallel
-
-    return style_hook(hook, (SequenceParallel._prepare_input_fn, SequenceParallel._prepare_output_fn))
-
-
 def is_sequence_parallel_module(module: nn.Module) -> bool:
     """Every tensor-parallel hook on ``module`` itself is ``SequenceParallel``'s: a norm, never a head."""
     from torch.distributed.tensor.parallel import SequenceParallel
@@ -364,11 +348,13 @@ def _declined_sequence(why: str) -> SequenceParallelView:
 
 def sequence_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> SequenceParallelView:
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
 
     if any(name for name, _ in module.named_modules()):
         return _declined_sequence(f"{type(module).__name__} has submodules; the view proves a module with none (a norm)")
     pre, post = _hooks(module)
-    hooks_in, hooks_out = [_sequence_parallel_hook(h) for h in pre], [_sequence_parallel_hook(h) for h in post]
+    functions = (SequenceParallel._prepare_input_fn, SequenceParallel._prepare_output_fn)
+    hooks_in, hooks_out = [style_hook(h, functions) for h in pre], [style_hook(h, functions) for h in post]
     if len(pre) != 1 or len(post) != 1 or hooks_in[0] is None or hooks_out[0] is None:
         return _declined_sequence(f"{type(module).__name__} has {len(pre)} forward pre-hooks and {len(post)} forward "
                                   "hooks, not SequenceParallel's own input and output hook alone")
@@ -396,22 +382,18 @@ def sequence_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) ->
     return SequenceParallelView(mesh=mesh, sequence_dim=sequence_sharding[0].dim)
 
 
-def _shards_tokens(placements: Sequence[Any], token_dims: int) -> bool:
-    from torch.distributed.tensor import Shard
-
-    return any(isinstance(p, Shard) and p.dim % (token_dims + 1) < token_dims for p in placements)
-
-
 def per_shard_problem(module: nn.Module, token_dims: int) -> str:
     """Why the generic kernel (the module's forward once per token shard) is refused under tensor parallelism ("" where
     it computes what one call does): a style that shards a token dimension, or DTensor parameters no proven style
     lays out. Styles that keep the tokens whole run their collectives per shard, as one call does."""
+    from torch.distributed.tensor import Shard
+
     unlaid = []
     for name, sub in module.named_modules():
         style = linear_style(sub) if name else None
         if style is not None:
             for kind, placements in (("input", (*style.input_layouts, *style.made)), ("output", style.output_layouts)):
-                if _shards_tokens(placements, token_dims):
+                if any(isinstance(p, Shard) and p.dim % (token_dims + 1) < token_dims for p in placements):
                     return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=style.name, layouts=placements)
         elif name and has_dtensor([p for p in sub._parameters.values() if p is not None]):
             other = hf_tp.installed_style(sub)
