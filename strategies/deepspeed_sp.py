@@ -84,9 +84,8 @@ def engines_of(model: nn.Module) -> List[Any]:
 
 
 def deepspeed_holds_sp_groups() -> bool:
-    """Has DeepSpeed been handed live SP groups (``groups.mpu``, what ``deepspeed.initialize(mpu=)`` sets)?"""
-    if "deepspeed" not in sys.modules:
-        return False
+    """Has DeepSpeed been handed live SP groups (``groups.mpu``, what ``deepspeed.initialize(mpu=)`` sets)? Asked
+    where deepspeed is imported."""
     from deepspeed.utils import groups
 
     mpu = groups.mpu
