@@ -235,11 +235,11 @@ def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> O
         if style is None or style.kind != kind:
             found = hf_tp.installed_style(linear)
             what = (f"Hugging Face's {type(found).__name__}" if found is not None else
-                    f"{style.name}" if style is not None else "no proven tensor-parallel style")
+                    style.name if style is not None else "no proven tensor-parallel style")
             return _declined(f"{name} is laid out by {what}, not the {kind} style the fast kernel computes "
                              "(ColwiseParallel / RowwiseParallel hooks, or Hugging Face's on transformers "
                              + ", ".join(hf_tp.CHECKED_VERSIONS) + ")")
-        if len(linear._forward_pre_hooks) + len(linear._forward_hooks) != (2 if style.source == "input hook" else 0):
+        if len(linear._forward_pre_hooks) + len(linear._forward_hooks) != len(style.hooks):
             return _declined(f"{name} carries module hooks besides its tensor-parallel style's")
         if style.mesh != mesh:
             return _declined(f"{name}'s tensor-parallel style is on another mesh than its parameters")
