@@ -21,10 +21,12 @@ from .base import (
 )
 
 
-def _active_ddp_module():
+def wrapping_ddp(ancestors: Sequence[nn.Module] = ()) -> Optional[Any]:
+    """The innermost recorded DDP ancestor, else the DDP module whose forward runs, else None."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return getattr(DistributedDataParallel, "_active_ddp_module", None)
+    recorded = [m for m in ancestors if isinstance(m, DistributedDataParallel)]
+    return recorded[-1] if recorded else getattr(DistributedDataParallel, "_active_ddp_module", None)
 
 
 class DDPStrategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
@@ -39,22 +41,16 @@ class DDPStrategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
     @classmethod
     @claims_need_process_group
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        from torch.nn.parallel import DistributedDataParallel
-
         # A module called inside a DDP forward but not wrapped by it (a frozen teacher) would get zeros for
         # unused trainable parameters instead of None, nothing else.
-        return any(isinstance(m, DistributedDataParallel) for m in ancestors) or _active_ddp_module() is not None
+        return wrapping_ddp(ancestors) is not None
 
     @classmethod
     def configured_for(cls, module: nn.Module, ancestors: Sequence[nn.Module] = (), **init_kwargs: Any) -> DDPStrategy:
         """The process group of the DDP module around the call, unless one was registered."""
-        if init_kwargs.get("process_group") is None:
-            from torch.nn.parallel import DistributedDataParallel
-
-            recorded = [m for m in ancestors if isinstance(m, DistributedDataParallel)]
-            ddp = recorded[-1] if recorded else _active_ddp_module()
-            if ddp is not None:
-                init_kwargs = {**init_kwargs, "process_group": ddp.process_group}
+        ddp = wrapping_ddp(ancestors)
+        if init_kwargs.get("process_group") is None and ddp is not None:
+            init_kwargs = {**init_kwargs, "process_group": ddp.process_group}
         return cls(**init_kwargs)
 
     def check_sequence_group(self, module: nn.Module, group: Any) -> None:
@@ -64,7 +60,7 @@ class DDPStrategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
 
         process_group = self.process_group
         if process_group is None:
-            ddp = _active_ddp_module() if process_group_ready() else None
+            ddp = wrapping_ddp() if process_group_ready() else None
             if ddp is None or not any(m is module for m in ddp.module.modules()):
                 return
             process_group = ddp.process_group

@@ -84,9 +84,8 @@ def engines_of(model: nn.Module) -> List[Any]:
 
 
 def deepspeed_holds_sp_groups() -> bool:
-    """Has DeepSpeed been handed live SP groups (``groups.mpu``, what ``deepspeed.initialize(mpu=)`` sets)?"""
-    if "deepspeed" not in sys.modules:
-        return False
+    """Has DeepSpeed been handed live SP groups (``groups.mpu``, what ``deepspeed.initialize(mpu=)`` sets)? Asked
+    where deepspeed is imported."""
     from deepspeed.utils import groups
 
     mpu = groups.mpu
@@ -122,53 +121,36 @@ def engine_sums_over_sequence_ranks(engine: Any, model: nn.Module, group: Option
     return sums
 
 
-def _zero3_sums(optimizer: Any, model: nn.Module) -> bool:
-    if optimizer.reduce_scatter or not optimizer.contiguous_gradients:
-        return False  # reduce-scatter for every bucket: averaged over every rank
-    if float(optimizer.gradient_predivide_factor) != 1.0:
-        raise UnsupportedBackendError(PREDIVIDE_ERROR.format(stage=3, factor=optimizer.gradient_predivide_factor))
-    size = optimizer.reduce_bucket_size
-    numels = {n: getattr(p, "ds_numel", p.numel()) for n, p in model.named_parameters() if p.requires_grad}
-    large = sorted(n for n, numel in numels.items() if numel > size)
-    if not large:
-        return True
-    if len(large) == len(numels):
-        return False
-    shown = ", ".join(large[:3]) + (", ..." if len(large) > 3 else "")
-    raise UnsupportedBackendError(MIXED_BUCKETS_ERROR.format(size=size, large=shown, largest=max(numels.values())))
-
-
 def _refuse_two_backends(model: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
 
-    from .ddp import _active_ddp_module
+    from .ddp import wrapping_ddp
 
     other = ("FSDP2 (fully_shard)" if any(isinstance(m, FSDPModule) for m in model.modules()) else
-             "DDP" if _active_ddp_module() is not None else None)
+             "DDP" if wrapping_ddp() is not None else None)
     if other is not None:
         raise UnsupportedBackendError(TWO_BACKENDS_ERROR.format(model=type(model).__name__, other=other))
 
 
-def zero_optimizer_of(model: nn.Module) -> Optional[Any]:
-    """ZeRO-3 links every parameter it trains; ZeRO-1/2 (with CPU offload) each one whose master fragment this
-    rank holds (every rank holds at least one)."""
-    for p in model.parameters():
-        optimizer = getattr(p, "_z3_optimizer", None) or getattr(p, "_zero_optimizer", None)
-        if optimizer is not None and not optimizer_destroyed(optimizer):
-            return optimizer
-    return None
-
-
 def _sums(optimizer: Any, model: nn.Module, sp_size: int, stage: Any) -> bool:
     """``stage``: "1/2" where only the optimizer is known."""
-    if is_instance_of(optimizer, _STAGE3_CLASS):
-        return sp_size > 1 and _zero3_sums(optimizer, model)
-    if sp_size <= 1 or stage == 0:
-        return sp_size > 1
+    stage3 = is_instance_of(optimizer, _STAGE3_CLASS)
+    if sp_size <= 1 or (stage3 and (optimizer.reduce_scatter or not optimizer.contiguous_gradients)):
+        return False  # ZeRO-3's reduce-scatter for every bucket: averaged over every rank
+    if stage == 0 and not stage3:
+        return True
     factor = float(getattr(optimizer, "gradient_predivide_factor", 1.0))
     if factor != 1.0:
-        raise UnsupportedBackendError(PREDIVIDE_ERROR.format(stage=stage, factor=factor))
-    return True
+        raise UnsupportedBackendError(PREDIVIDE_ERROR.format(stage=3 if stage3 else stage, factor=factor))
+    if not stage3:
+        return True
+    size = optimizer.reduce_bucket_size
+    numels = {n: getattr(p, "ds_numel", p.numel()) for n, p in model.named_parameters() if p.requires_grad}
+    large = sorted(n for n, numel in numels.items() if numel > size)
+    if large and len(large) < len(numels):
+        shown = ", ".join(large[:3]) + (", ..." if len(large) > 3 else "")
+        raise UnsupportedBackendError(MIXED_BUCKETS_ERROR.format(size=size, large=shown, largest=max(numels.values())))
+    return not large
 
 
 def deepspeed_sums_over_sequence_ranks(model: nn.Module, group: Optional[Any]) -> bool:
@@ -180,15 +162,17 @@ def deepspeed_sums_over_sequence_ranks(model: nn.Module, group: Optional[Any]) -
     if engines:
         _refuse_two_backends(model)
         return engine_sums_over_sequence_ranks(engines[-1], model, group)
-    optimizer = zero_optimizer_of(model)
+    # ZeRO-3 links every parameter it trains; ZeRO-1/2 (with CPU offload) each one whose master fragment this
+    # rank holds (every rank holds at least one).
+    linked = (getattr(p, "_z3_optimizer", None) or getattr(p, "_zero_optimizer", None) for p in model.parameters())
+    optimizer = next((o for o in linked if o is not None and not optimizer_destroyed(o)), None)
     if optimizer is not None:
         return _sums(optimizer, model, getattr(optimizer, "sequence_parallel_size", 1), "1/2")
-    holds_sp_groups = deepspeed_holds_sp_groups()
-    # destroy() sets every _hp_mapping to None; a live optimizer gives each rank at least one fragment.
-    if holds_sp_groups and any(getattr(p, "_hp_mapping", None) is not None for p in model.parameters()):
-        # ZeRO-1/2 (or the bf16 optimizer) without CPU offload links no optimizer to the parameters, only
-        # master fragments; built while DeepSpeed held the SP groups, it read them, and sums over those ranks.
+    if not deepspeed_holds_sp_groups():
+        return False
+    # destroy() sets every _hp_mapping to None; a live optimizer gives each rank at least one fragment. ZeRO-1/2
+    # (or the bf16 optimizer) without CPU offload links no optimizer to the parameters, only master fragments;
+    # built while DeepSpeed held the SP groups, it read them, and sums over those ranks.
+    if any(getattr(p, "_hp_mapping", None) is not None for p in model.parameters()):
         return True
-    if holds_sp_groups:
-        raise UnsupportedBackendError(NO_ENGINE_ERROR.format(model=type(model).__name__))
-    return False
+    raise UnsupportedBackendError(NO_ENGINE_ERROR.format(model=type(model).__name__))

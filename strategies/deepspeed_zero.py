@@ -35,11 +35,6 @@ def is_zero3_param(param) -> bool:
     return hasattr(param, "ds_id") and hasattr(param, "ds_status")
 
 
-def is_zero12_param(param) -> bool:
-    # ZeRO-1/2 (and the bf16 optimizer) set it on every rank, None where the master fragment lives elsewhere.
-    return hasattr(param, "_hp_mapping")
-
-
 def is_zero3_module_hook(hook) -> bool:
     return any(getattr(fn, "__qualname__", "").startswith(_ZERO3_HOOK_OWNER) for fn in _wrapped_functions(hook))
 
@@ -81,7 +76,8 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
     @classmethod
     @claims_need_process_group
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
-        if any(is_zero3_param(p) or is_zero12_param(p) for p in module.parameters()):
+        # ZeRO-1/2 (and the bf16 optimizer) set ``_hp_mapping`` on every rank, None where the master fragment is elsewhere.
+        if any(is_zero3_param(p) or hasattr(p, "_hp_mapping") for p in module.parameters()):
             return True
         return any(is_instance_of(m, ENGINE_CLASS) for m in ancestors)
 
@@ -122,11 +118,13 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
 
 @contextlib.contextmanager
 def _zero3_gathered(module: nn.Module) -> Iterator[None]:
+    from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
 
     in_backward = torch._C._current_graph_task_id() != -1
     params: List[Any] = [p for p in module.parameters() if is_zero3_param(p)]  # with DeepSpeed's ds_* attributes
-    running = _running_forward_module()
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    running = stack[-1] if stack else None
     if not in_backward and running is not None and running is not module:
         # ZeRO-3's hooks on ``module`` did not run around this call. Where an enclosing module's hooks
         # hold its parameters (a ``set_z3_leaf_modules`` leaf fetches its whole subtree), those hooks
@@ -157,13 +155,6 @@ def _zero3_gathered(module: nn.Module) -> Iterator[None]:
     missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
     with GatheredParameters(missing, modifier_rank=None), _descendant_hooks_suspended(module):
         yield
-
-
-def _running_forward_module():
-    from deepspeed.runtime.zero import parameter_offload
-
-    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
-    return stack[-1] if stack else None
 
 
 def _register_descendant_params_as_external(module: nn.Module) -> None:

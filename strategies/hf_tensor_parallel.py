@@ -5,10 +5,8 @@ styles compute what torch's do; recognised by what it is, on ``CHECKED_VERSIONS`
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-import torch
 from torch import nn
 
 from .checked_versions import checked_on, in_any, installed
@@ -65,42 +63,9 @@ def installed_style(module: nn.Module) -> Any:
     return None if cells is None or cells.get("module") is not module else cells.get("self")
 
 
-def _own_methods(cls: type) -> bool:
-    """The style class's methods are transformers' own (not replaced on the class by another library)."""
-    return all(getattr(getattr(cls, name, None), "__module__", None) == _TP_MODULE for name in _STYLE_METHODS)
-
-
-def _placements(layout: Any) -> tuple:
-    return tuple(layout) if isinstance(layout, (tuple, list)) else (layout,)
-
-
-@dataclass(frozen=True)
-class LinearStyle:
-    """HF's ColwiseParallel or RowwiseParallel, proven, on one ``nn.Linear``: what its ``tp_forward`` does."""
-
-    kind: str  # "colwise" or "rowwise"
-    forward: Any  # the tp_forward closure
-    mesh: Any
-    input_layouts: tuple  # how a plain input is read
-    output_layouts: tuple  # what the output is redistributed to
-    use_local_output: bool
-
-    def replicated_input(self, x: torch.Tensor) -> Any:
-        from torch.distributed.tensor import DTensor, Replicate
-
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, self.mesh, self.input_layouts, run_check=False)
-        if tuple(x.placements) != (Replicate(),):
-            x = x.redistribute(placements=[Replicate()])
-        return x
-
-    def reduced_output(self, partial: Any) -> Any:
-        if tuple(partial.placements) != self.output_layouts:
-            partial = partial.redistribute(placements=list(self.output_layouts))
-        return partial.to_local() if self.use_local_output else partial
-
-
-def linear_style(module: nn.Module) -> Optional[LinearStyle]:
+def proven_style(module: nn.Module) -> Optional[Tuple[str, Any, Any]]:
+    """("colwise" or "rowwise", the style, its mesh) where HF's ColwiseParallel or RowwiseParallel, proven, is the
+    forward of ``module``, a plain ``nn.Linear`` whose weight is a DTensor on the style's mesh; else None."""
     cells = _cells(vars(module).get("forward"))
     if cells is None or cells.get("module") is not module:
         return None
@@ -108,7 +73,11 @@ def linear_style(module: nn.Module) -> Optional[LinearStyle]:
     style: Any = cells.get("self")
     mesh, original = cells.get("mesh"), cells.get("original_forward")
     kind = {colwise: "colwise", rowwise: "rowwise"}.get(type(style))
-    if kind is None or not _own_methods(type(style)) or set(vars(style)) != _STYLE_FIELDS:
+    if kind is None or set(vars(style)) != _STYLE_FIELDS:
+        return None
+    # The style class's methods are transformers' own (not replaced on the class by another library).
+    methods = [getattr(type(style), name, None) for name in _STYLE_METHODS]
+    if any(getattr(method, "__module__", None) != _TP_MODULE for method in methods):
         return None
     if type(module) is not nn.Linear or getattr(module, "_hf_quantized_needs_local_tp", False):
         return None
@@ -119,14 +88,13 @@ def linear_style(module: nn.Module) -> Optional[LinearStyle]:
     weight = module._parameters.get("weight")
     if not isinstance(weight, DTensor) or weight.device_mesh != mesh:
         return None
-    return LinearStyle(kind, vars(module)["forward"], mesh, _placements(style.input_layouts),
-                       _placements(style.output_layouts), bool(style.use_local_output))
+    return kind, style, mesh
 
 
 def is_hf_tensor_parallel_forward(forward: Any) -> bool:
     cells = _cells(forward)
     module = None if cells is None else cells.get("module")
-    return isinstance(module, nn.Module) and vars(module).get("forward") is forward and linear_style(module) is not None
+    return isinstance(module, nn.Module) and vars(module).get("forward") is forward and proven_style(module) is not None
 
 
 def version_problem(module: nn.Module) -> str:

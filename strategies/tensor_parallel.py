@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -71,11 +71,6 @@ def style_hooks_of(module: nn.Module) -> List[Tuple[Any, type]]:
     return [(hook, style) for hook in (*pre, *post) if (style := parallel_style_of(hook)) is not None]
 
 
-def colwise_input_hook(module: nn.Module) -> Optional[StyleHook]:
-    found = [parts for parts in map(style_hook, _hooks(module)[0]) if parts is not None and parts.function is _styles()[1]]
-    return found[0] if len(found) == 1 else None
-
-
 def is_tensor_parallel_hook(hook: Any) -> bool:
     return style_hook(hook) is not None or hf_tp.is_hf_tensor_parallel_forward(hook)
 
@@ -106,23 +101,89 @@ def local_numel(t: torch.Tensor) -> int:
     return math.prod(shape)
 
 
+def _hooks(module: nn.Module) -> Tuple[List[Any], List[Any]]:
+    return list(module._forward_pre_hooks.values()), list(module._forward_hooks.values())
+
+
+@dataclass(frozen=True)
+class LinearStyle:
+    """A proven column- or row-wise style on one module, read from torch's hooks (``ColwiseParallel``,
+    ``RowwiseParallel``) or from Hugging Face's forward (``hf_tensor_parallel.py``): one record for both."""
+
+    kind: str  # "colwise" or "rowwise"
+    name: str  # how a message names the style
+    source: str  # where it is read from: "input hook" or "forward"
+    mesh: Any
+    input_layouts: tuple  # how a plain input is read
+    made: tuple  # what the input is made before the product
+    output_layouts: tuple  # what the output is redistributed to
+    use_local_output: bool
+    module: nn.Module
+    hooks: tuple = ()  # torch's input and output hook, run as they are; () for Hugging Face's, computed as it does
+
+    def prepare_input(self, x: torch.Tensor) -> Any:
+        """The module's input as the DTensor the product takes."""
+        from torch.distributed.tensor import DTensor
+
+        if self.hooks:
+            made = self.hooks[0](self.module, (x,))
+            return made[0] if isinstance(made, tuple) else made
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, self.input_layouts, run_check=False)
+        return x if tuple(x.placements) == self.made else x.redistribute(placements=list(self.made))
+
+    def finish_output(self, out: Any) -> Any:
+        """What the module hands on, from the product (a DTensor)."""
+        if self.hooks:
+            result = self.hooks[1](self.module, (), out)
+            return out if result is None else result
+        if tuple(out.placements) != self.output_layouts:
+            out = out.redistribute(placements=list(self.output_layouts))
+        return out.to_local() if self.use_local_output else out
+
+
+def _placements(layout: Any) -> tuple:
+    return tuple(layout) if isinstance(layout, (tuple, list)) else (layout,)
+
+
+def linear_style(module: nn.Module) -> Optional[LinearStyle]:
+    """The proven style laying ``module`` out: one input and one output hook of ColwiseParallel or RowwiseParallel
+    among its hooks, or Hugging Face's own style as its forward; else None."""
+    from torch.distributed.tensor import Replicate
+
+    hf = hf_tp.proven_style(module)
+    if hf is not None:
+        kind, style, mesh = hf
+        read = _placements(style.input_layouts)
+        return LinearStyle(kind, f"Hugging Face's {kind}", "forward", mesh, read,
+                           (Replicate(),) if kind == "colwise" else read, _placements(style.output_layouts),
+                           bool(style.use_local_output), module)
+    _, col_in, col_out, row_in, row_out = _styles()
+    pre, post = ([found for found in map(style_hook, hooks) if found is not None] for hooks in _hooks(module))
+    if len(pre) != 1 or len(post) != 1 or pre[0].mesh != post[0].mesh:
+        return None
+    torch_kind = {(col_in, col_out): "colwise", (row_in, row_out): "rowwise"}.get((pre[0].function, post[0].function))
+    if torch_kind is None:
+        return None
+    (read, made), (output_layouts, use_local) = pre[0].layouts, post[0].layouts
+    return LinearStyle(torch_kind, pre[0].function.__qualname__.split(".")[0], "input hook", pre[0].mesh,
+                       _placements(read), _placements(made), _placements(output_layouts), bool(use_local), module,
+                       (pre[0].hook, post[0].hook))
+
+
 @dataclass
 class TensorParallelView:
     """The local view of one gated MLP call; where ``why_not`` is set, the fast kernel declines with it."""
 
     why_not: str = ""
-    gate: Optional[nn.Module] = None
-    input_hook: Optional[Callable] = None
-    down: Optional[nn.Module] = None
-    output_hook: Optional[Callable] = None
-    mesh: Any = None
+    gate: Optional[LinearStyle] = None
+    down: Optional[LinearStyle] = None
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import Partial
 
-        assert self.input_hook is not None and self.gate is not None, "a declined view is never entered"
-        replicated = self.input_hook(self.gate, (x,))
-        return replicated.to_local(grad_placements=[Partial()])
+        assert self.gate is not None, "a declined view is never entered"
+        return self.gate.prepare_input(x).to_local(grad_placements=[Partial()])
 
     def params(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         return [t.to_local() for t in tensors]  # type: ignore[attr-defined]  # DTensors (tensor_parallel_view)
@@ -130,29 +191,12 @@ class TensorParallelView:
     def leave(self, out: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Partial
 
-        assert self.output_hook is not None, "a declined view is never left"
-        partial = DTensor.from_local(out, self.mesh, [Partial()], run_check=False)
-        result = self.output_hook(self.down, (), partial)
-        return partial if result is None else result
+        assert self.down is not None, "a declined view is never left"
+        return self.down.finish_output(DTensor.from_local(out, self.down.mesh, [Partial()], run_check=False))
 
 
 def _declined(why: str) -> TensorParallelView:
     return TensorParallelView(why_not=f"tensor parallelism: {why}")
-
-
-def _hooks(module: nn.Module) -> Tuple[List[Any], List[Any]]:
-    return list(module._forward_pre_hooks.values()), list(module._forward_hooks.values())
-
-
-def _one_style_hook(module: nn.Module, name: str, function: Any, kind: str) -> Tuple[Optional[StyleHook], str]:
-    pre, post = _hooks(module)
-    hooks = pre if kind == "input" else post
-    found = [style_hook(h) for h in hooks]
-    if len(hooks) != 1 or found[0] is None:
-        return None, f"{name} has {len(hooks)} forward {'pre-' if kind == 'input' else ''}hooks, not one proven {kind} hook"
-    if found[0].function is not function:
-        return None, f"{name}'s {kind} hook is not the style the fast kernel computes"
-    return found[0], ""
 
 
 def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> Optional[Any]:
@@ -164,16 +208,15 @@ def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> O
         return sequence_parallel_view(module, params)
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    _, col_in, col_out, row_in, row_out = _styles()
     parts = module._modules
     if "gate_up_proj" in parts:
         return _declined("a fused gate_up_proj is not split into gate and up alike by ColwiseParallel")
-    gate, up, down = (parts.get(n) for n in ("gate_proj", "up_proj", "down_proj"))
-    if gate is None or up is None or down is None:
+    linears: Dict[str, Any] = {name: parts.get(name) for name in ("gate_proj", "up_proj", "down_proj")}
+    if None in linears.values():
         return _declined("the fast kernel's local view knows the projections gate_proj, up_proj and down_proj only")
-    if getattr(down, "bias", None) is not None:
+    if getattr(linears["down_proj"], "bias", None) is not None:
         return _declined("down_proj has a bias: a rowwise projection adds it to a partial sum (declined)")
-    tensors: List[Any] = [p for m in (gate, up, down) for p in m.parameters()]
+    tensors: List[Any] = [p for linear in linears.values() for p in linear.parameters()]
     if not all(isinstance(p, DTensor) for p in tensors):
         return _declined("some projections' parameters are DTensors and others are not")
     mesh = tensors[0].device_mesh
@@ -181,81 +224,46 @@ def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> O
     # built again over the same ranks is the same mesh to every collective.
     if any(p.device_mesh != mesh for p in tensors) or mesh.ndim != 1:
         return _declined("the projections' parameters are not all on one 1-D mesh")
-    for linear, placement, name in ((gate, Shard(0), "gate_proj"), (up, Shard(0), "up_proj"), (down, Shard(1), "down_proj")):
-        weight: Any = linear.weight
-        if tuple(weight.placements) != (placement,):
-            return _declined(f"{name}.weight is {tuple(weight.placements)}, not ({placement},)")
-    for linear, name in ((gate, "gate_proj"), (up, "up_proj")):
-        bias = getattr(linear, "bias", None)
-        if bias is not None and tuple(bias.placements) != (Shard(0),):
-            return _declined(f"{name}.bias is {tuple(bias.placements)}, not (Shard(dim=0),)")
-    hf = any(hf_tp.installed_style(linear) is not None for linear in (gate, up, down))
-    found = _hf_layouts(gate, up, down, mesh) if hf else _hook_layouts(gate, up, down, mesh)
-    if isinstance(found, str):
-        return _declined(found)
-    # Each projection's (layouts a plain input is read as, layouts it is made, output layouts, use_local_output).
-    gate_l, up_l, down_l, input_hook, output_hook = found
-    source = "forward" if hf else "input hook"
-    if gate_l[:2] != up_l[:2]:
-        return _declined(f"gate_proj and up_proj prepare their input differently ({gate_l[:2]} vs {up_l[:2]})")
-    if gate_l[1] != (Replicate(),):
-        return _declined(f"gate_proj's input is made {gate_l[1]}, not Replicate")
+    styles: Dict[str, LinearStyle] = {}
+    for name, linear in linears.items():
+        kind, dim = ("rowwise", 1) if name == "down_proj" else ("colwise", 0)
+        for what in ("weight", "bias"):
+            tensor: Any = getattr(linear, what, None)
+            if tensor is not None and tuple(tensor.placements) != (Shard(dim),):
+                return _declined(f"{name}.{what} is {tuple(tensor.placements)}, not ({Shard(dim)},)")
+        style = linear_style(linear)
+        if style is None or style.kind != kind:
+            found = hf_tp.installed_style(linear)
+            what = (f"Hugging Face's {type(found).__name__}" if found is not None else
+                    style.name if style is not None else "no proven tensor-parallel style")
+            return _declined(f"{name} is laid out by {what}, not the {kind} style the fast kernel computes "
+                             "(ColwiseParallel / RowwiseParallel hooks, or Hugging Face's on transformers "
+                             + ", ".join(hf_tp.CHECKED_VERSIONS) + ")")
+        if len(linear._forward_pre_hooks) + len(linear._forward_hooks) != len(style.hooks):
+            return _declined(f"{name} carries module hooks besides its tensor-parallel style's")
+        if style.mesh != mesh:
+            return _declined(f"{name}'s tensor-parallel style is on another mesh than its parameters")
+        styles[name] = style
+    gate, up, down = styles.values()
+    if (gate.input_layouts, gate.made) != (up.input_layouts, up.made):
+        return _declined(f"gate_proj and up_proj prepare their input differently ({gate.input_layouts, gate.made} vs "
+                         f"{up.input_layouts, up.made})")
+    if gate.made != (Replicate(),):
+        return _declined(f"gate_proj's input is made {gate.made}, not Replicate")
     # The call is decided and its shards planned on the tokens the module is handed; a style that reads a plain
     # input as sharded (input_layouts=Shard(1)) gathers more tokens than were planned, and the shards would
     # cover only the first of them.
-    if gate_l[0] != (Replicate(),):
-        return _declined(f"gate_proj's {source} reads a plain input as {gate_l[0]} and gathers it: the call is "
-                         "planned on this rank's tokens, not the gathered ones. Put PrepareModuleInput("
+    if gate.input_layouts != (Replicate(),):
+        return _declined(f"gate_proj's {gate.source} reads a plain input as {gate.input_layouts} and gathers it: the "
+                         "call is planned on this rank's tokens, not the gathered ones. Put PrepareModuleInput("
                          "input_layouts=Shard(1), desired_input_layouts=Replicate()) on the MLP instead")
-    for name, (_, _, output_layouts, use_local) in (("gate_proj", gate_l), ("up_proj", up_l)):
-        if output_layouts != (Shard(-1),) or not use_local:
-            return _declined(f"{name}'s output is {output_layouts} (use_local_output={use_local}), not the local "
-                             "Shard(-1) the rowwise down_proj takes")
-    if down_l[:2] != ((Shard(-1),), (Shard(-1),)):
-        return _declined(f"down_proj's input is prepared as {down_l[:2]}, not Shard(-1) kept as it is")
-    return TensorParallelView(gate=gate, input_hook=input_hook, down=down, output_hook=output_hook, mesh=mesh)
-
-
-def _hook_layouts(gate: nn.Module, up: nn.Module, down: nn.Module, mesh: Any) -> Any:
-    """torch's styles: each projection's layouts and the hooks the view runs; or why not."""
-    _, col_in, col_out, row_in, row_out = _styles()
-    found = {}
-    for linear, name, fn_in, fn_out in ((gate, "gate_proj", col_in, col_out), (up, "up_proj", col_in, col_out),
-                                        (down, "down_proj", row_in, row_out)):
-        for kind, function in (("input", fn_in), ("output", fn_out)):
-            hook, why = _one_style_hook(linear, name, function, kind)
-            if hook is None:
-                return why
-            if hook.mesh != mesh:
-                return f"{name}'s {kind} hook is on another mesh than its parameters"
-            found[name, kind] = hook
-    layouts = [tuple(tuple(group) if isinstance(group, (tuple, list)) else group
-                     for group in (*found[name, "input"].layouts, *found[name, "output"].layouts))
-               for name in ("gate_proj", "up_proj", "down_proj")]
-    return (*layouts, found["gate_proj", "input"].hook, found["down_proj", "output"].hook)
-
-
-def _hf_layouts(gate: nn.Module, up: nn.Module, down: nn.Module, mesh: Any) -> Any:
-    """Hugging Face's own styles (each Linear's forward replaced, no hook): the same, read from the style instances."""
-    from torch.distributed.tensor import Replicate
-
-    styles, layouts = [], []
-    for linear, name, kind in ((gate, "gate_proj", "colwise"), (up, "up_proj", "colwise"), (down, "down_proj", "rowwise")):
-        style = hf_tp.linear_style(linear)
-        if style is None or style.kind != kind:
-            found = hf_tp.installed_style(linear)
-            what = "no tensor-parallel forward" if found is None else f"Hugging Face's {type(found).__name__}"
-            return (f"{name}'s forward is {what}, not the proven Hugging Face {kind} style on a Linear "
-                    "(transformers " + ", ".join(hf_tp.CHECKED_VERSIONS) + ") the fast kernel computes")
-        if any(_hooks(linear)):
-            return f"{name} carries module hooks besides Hugging Face's tensor-parallel forward"
-        if style.mesh != mesh:
-            return f"{name}'s tensor-parallel forward is on another mesh than its parameters"
-        made = (Replicate(),) if kind == "colwise" else style.input_layouts
-        styles.append(style)
-        layouts.append((style.input_layouts, made, style.output_layouts, style.use_local_output))
-    return (*layouts, lambda _module, inputs: styles[0].replicated_input(inputs[0]),
-            lambda _module, _inputs, out: styles[2].reduced_output(out))
+    for name, style in (("gate_proj", gate), ("up_proj", up)):
+        if style.output_layouts != (Shard(-1),) or not style.use_local_output:
+            return _declined(f"{name}'s output is {style.output_layouts} (use_local_output={style.use_local_output}), "
+                             "not the local Shard(-1) the rowwise down_proj takes")
+    if (down.input_layouts, down.made) != ((Shard(-1),), (Shard(-1),)):
+        return _declined(f"down_proj's input is prepared as {down.input_layouts, down.made}, not Shard(-1) kept as it is")
+    return TensorParallelView(gate=gate, down=down)
 
 
 TOKEN_LAYOUT_DECLINED = (
@@ -275,12 +283,6 @@ DTENSOR_PARAMS_REFUSED = (
     "the generic kernel is not proven to compute exactly: refused. Leave this module untiled (its activations "
     "are already split across the ranks), or tile it without tensor-parallel layouts"
 )
-
-
-def _sequence_parallel_hook(hook: Any) -> Optional[StyleHook]:
-    from torch.distributed.tensor.parallel import SequenceParallel
-
-    return style_hook(hook, (SequenceParallel._prepare_input_fn, SequenceParallel._prepare_output_fn))
 
 
 def is_sequence_parallel_module(module: nn.Module) -> bool:
@@ -346,11 +348,13 @@ def _declined_sequence(why: str) -> SequenceParallelView:
 
 def sequence_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> SequenceParallelView:
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
 
     if any(name for name, _ in module.named_modules()):
         return _declined_sequence(f"{type(module).__name__} has submodules; the view proves a module with none (a norm)")
     pre, post = _hooks(module)
-    hooks_in, hooks_out = [_sequence_parallel_hook(h) for h in pre], [_sequence_parallel_hook(h) for h in post]
+    functions = (SequenceParallel._prepare_input_fn, SequenceParallel._prepare_output_fn)
+    hooks_in, hooks_out = [style_hook(h, functions) for h in pre], [style_hook(h, functions) for h in post]
     if len(pre) != 1 or len(post) != 1 or hooks_in[0] is None or hooks_out[0] is None:
         return _declined_sequence(f"{type(module).__name__} has {len(pre)} forward pre-hooks and {len(post)} forward "
                                   "hooks, not SequenceParallel's own input and output hook alone")
@@ -378,40 +382,20 @@ def sequence_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) ->
     return SequenceParallelView(mesh=mesh, sequence_dim=sequence_sharding[0].dim)
 
 
-def _shards_tokens(placements: Sequence[Any], token_dims: int) -> bool:
-    from torch.distributed.tensor import Shard
-
-    return any(isinstance(p, Shard) and p.dim % (token_dims + 1) < token_dims for p in placements)
-
-
 def per_shard_problem(module: nn.Module, token_dims: int) -> str:
     """Why the generic kernel (the module's forward once per token shard) is refused under tensor parallelism ("" where
-    it computes what one call does): a style's hook that shards a token dimension, or DTensor parameters no proven
-    style lays out. Styles that keep the tokens whole run their collectives per shard, as one call does."""
+    it computes what one call does): a style that shards a token dimension, or DTensor parameters no proven style
+    lays out. Styles that keep the tokens whole run their collectives per shard, as one call does."""
+    from torch.distributed.tensor import Shard
+
     unlaid = []
     for name, sub in module.named_modules():
-        if not name:
-            continue
-        styled = False
-        for kind, hooks in zip(("input", "output"), _hooks(sub), strict=True):
-            for hook in hooks:
-                found = style_hook(hook)
-                if found is None:
-                    continue
-                # Input hooks bind (input layouts, desired layouts); output hooks (output layouts, use_local_output).
-                layouts = [p for group in found.layouts if isinstance(group, tuple) for p in group]
-                style = found.function.__qualname__.split(".")[0]
-                if _shards_tokens(layouts, token_dims):
-                    return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=style, layouts=found.layouts)
-                styled = True
-        hf_style = hf_tp.linear_style(sub)
-        if hf_style is not None:
-            for kind, placements in (("input", hf_style.input_layouts), ("output", hf_style.output_layouts)):
-                if _shards_tokens(placements, token_dims):
-                    return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=f"Hugging Face's {hf_style.kind}",
-                                                        layouts=placements)
-            styled = True
-        if not styled and has_dtensor([p for p in sub._parameters.values() if p is not None]):
+        style = linear_style(sub) if name else None
+        if style is not None:
+            for kind, placements in (("input", (*style.input_layouts, *style.made)), ("output", style.output_layouts)):
+                if any(isinstance(p, Shard) and p.dim % (token_dims + 1) < token_dims for p in placements):
+                    return TOKEN_LAYOUT_DECLINED.format(name=name, kind=kind, style=style.name, layouts=placements)
+        elif name and has_dtensor([p for p in sub._parameters.values() if p is not None]):
             other = hf_tp.installed_style(sub)
             unlaid.append(name if other is None else f"{name} (Hugging Face's {type(other).__name__})")
     own = [p for p in module._parameters.values() if p is not None]

@@ -12,10 +12,10 @@ from torch import nn
 from . import hf_tensor_parallel as hf_tp
 from .base import SequenceParallelAware, Strategy, UnsupportedBackendError, VocabSlice
 from .tensor_parallel import (
-    colwise_input_hook,
     has_dtensor,
     is_sequence_parallel_module,
     layout_of,
+    linear_style,
     style_hooks_of,
 )
 
@@ -88,53 +88,42 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         problem = hf_tp.version_problem(module)
         if problem:
             raise UnsupportedBackendError(problem)
-        if not style_hooks_of(module):  # Hugging Face's own styles (``claims``)
-            style = hf_tp.linear_style(module)
-            if style is None or style.kind != "colwise":
-                found = hf_tp.installed_style(module)
-                layout = (f"Hugging Face's {type(found).__name__ if found is not None else 'tensor parallelism'} "
-                          f"(weight {layout_of(weight)})")
-                if not isinstance(module, nn.Linear):
-                    raise UnsupportedBackendError(NOT_LINEAR_STYLE_ERROR.format(module=head, layout=layout))
-                raise UnsupportedBackendError(LAYOUT_ERROR.format(head=head, layout=layout, bias=bias_text,
-                                                                  fix=HF_STYLE_FIX))
-        elif (input_hook := colwise_input_hook(module)) is None or input_hook.mesh != weight.device_mesh:
-            style_classes = {style for _, style in style_hooks_of(module)}
-            styles = sorted(style.__name__ for style in style_classes)
+        style = linear_style(module)
+        if style is None or style.kind != "colwise" or style.mesh != weight.device_mesh:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-            if not any(issubclass(style, (ColwiseParallel, RowwiseParallel)) for style in style_classes):
+            classes = {cls for _, cls in style_hooks_of(module)}
+            if classes:  # torch's styles; else Hugging Face's own (``claims``)
+                found = "/".join(sorted(cls.__name__ for cls in classes))
+                linear, fix = any(issubclass(cls, (ColwiseParallel, RowwiseParallel)) for cls in classes), STYLE_FIX
+            else:
+                installed = hf_tp.installed_style(module)
+                found = f"Hugging Face's {type(installed).__name__ if installed is not None else 'tensor parallelism'}"
+                linear, fix = isinstance(module, nn.Linear), HF_STYLE_FIX
+            layout = f"{found} (weight {layout_of(weight)})"
+            if not linear:
                 # Not a Linear's style (SequenceParallel on a norm, say): not a head, whichever call tiles it.
-                raise UnsupportedBackendError(NOT_LINEAR_STYLE_ERROR.format(
-                    module=head, layout=f"{'/'.join(styles)} (weight {layout_of(weight)})"))
-            raise UnsupportedBackendError(LAYOUT_ERROR.format(
-                head=head, layout=f"{'/'.join(styles)} (weight {layout_of(weight)})", bias=bias_text, fix=STYLE_FIX))
+                raise UnsupportedBackendError(NOT_LINEAR_STYLE_ERROR.format(module=head, layout=layout))
+            raise UnsupportedBackendError(LAYOUT_ERROR.format(head=head, layout=layout, bias=bias_text, fix=fix))
         from torch.distributed.tensor import Shard
 
         for what, tensor in (("weight", weight), ("bias", bias)):
             if tensor is None:
                 continue
-            if not has_dtensor([tensor]) or tensor.device_mesh.ndim != 1:
-                fix = MESH_FIX if has_dtensor([tensor]) else STYLE_FIX
+            one_mesh = has_dtensor([tensor]) and tensor.device_mesh.ndim == 1
+            if not one_mesh or (tuple(tensor.placements), tensor.device_mesh) != ((Shard(0),), weight.device_mesh):
+                fix = MESH_FIX if has_dtensor([tensor]) and not one_mesh else STYLE_FIX
                 raise UnsupportedBackendError(LAYOUT_ERROR.format(
                     head=head, layout=f"its {what} {layout_of(tensor)}", bias=bias_text, fix=fix))
-            if tuple(tensor.placements) != (Shard(0),) or tensor.device_mesh != weight.device_mesh:
-                raise UnsupportedBackendError(LAYOUT_ERROR.format(
-                    head=head, layout=f"its {what} {layout_of(tensor)}", bias=bias_text, fix=STYLE_FIX))
 
     def check_sequence_group(self, module: nn.Module, group: Any) -> None:
         if self.claims(module):
             raise UnsupportedBackendError(SEQUENCE_GROUP_ERROR.format(head=type(module).__name__))
 
     def vocab_slice(self, head: nn.Module, hidden: torch.Tensor) -> VocabSlice:
-        input_hook = colwise_input_hook(head)
-        if input_hook is not None:
-            made = input_hook.hook(head, (hidden,))
-            head_input = made[0] if isinstance(made, tuple) else made
-        else:
-            style = hf_tp.linear_style(head)
-            assert style is not None, "check_supported found ColwiseParallel's input hook or Hugging Face's colwise style"
-            head_input = style.replicated_input(hidden)
+        style = linear_style(head)
+        assert style is not None, "check_supported found a colwise style"
+        head_input = style.prepare_input(hidden)
         weight: Any = head.weight  # DTensors (check_supported)
         bias: Any = head.bias
         mesh = weight.device_mesh
