@@ -3,36 +3,27 @@ it was checked on: how a framework calls its plugins is read from its source at 
 to end, so any other release is refused when the entry point is applied, not when it is imported."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Optional, Tuple
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 from torch import nn
 
 from tiled_mlp.core.shard_plan import NumShards
 from tiled_mlp.strategies.checked_versions import checked_on, in_any, installed
 
-from .args import parse_flag
 from .hf import apply_tiled_mlp
 from .report import TilingReport
 
 
 @dataclass(frozen=True)
-class FrameworkTiling:
+class FrameworkTiling:  # read from user input by ``args.read_settings``; the fields are apply_tiled_mlp's arguments
     num_shards: NumShards = "auto"  # the MLPs' and the norms' shards
     loss: bool = True  # the causal LM's loss, through the tiled LM head + cross entropy
     loss_num_shards: NumShards = "auto"
     norms: bool = True  # the RMSNorms of the hidden size
 
-    @classmethod
-    def parse(cls, num_shards: Any = "auto", loss: Any = True, loss_num_shards: Any = "auto", norms: Any = True,
-              prefix: str = "") -> FrameworkTiling:
-        """The settings from user input (None: the default); a ``ValueError`` naming ``prefix`` + the key."""
-        given = (num_shards, loss, loss_num_shards, norms)
-        return cls(*(parse_flag(value, prefix + f.name, f.default) for f, value in zip(fields(cls), given, strict=True)))
-
     def apply(self, model: nn.Module) -> TilingReport:
-        return apply_tiled_mlp(model, num_shards=self.num_shards, loss=self.loss,
-                               loss_num_shards=self.loss_num_shards, norms=self.norms)
+        return apply_tiled_mlp(model, **vars(self))
 
 
 class FrameworkVersionError(RuntimeError):

@@ -14,7 +14,7 @@ from torch import nn
 from tiled_mlp.strategies import checked_versions
 from tiled_mlp.strategies.checked_versions import checked_on, in_any
 
-from .args import DEFAULTS, parse_flag, read_tiled_mlp_flags
+from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .stack import LongContextStack, apply_from_flags
 
 CHECKED_VERSIONS = ("4.6.0",)
@@ -45,7 +45,7 @@ def read_flags(model_kwargs: Optional[Mapping[str, Any]], environ: Mapping[str, 
     return flags
 
 
-def check_supported(version: str, pipeline: str, flags: Mapping[str, Any]) -> None:
+def check_supported(version: str, pipeline: str, flags: TiledMLPFlags) -> None:
     if not in_any(checked_on("ms-swift", CHECKED_VERSIONS, exact=True), version):
         raise RuntimeError(
             f"tiled-mlp's ms-swift plugin was checked on ms-swift {', '.join(CHECKED_VERSIONS)}, not {version}: "
@@ -54,7 +54,7 @@ def check_supported(version: str, pipeline: str, flags: Mapping[str, Any]) -> No
         raise RuntimeError(
             f"tiled-mlp's ms-swift plugin was checked with `swift sft` ({', '.join(CHECKED_PIPELINES)}), not "
             f"{pipeline}: leave the tiling flags unset there")
-    asked = [name for name in UNCHECKED_FLAGS if parse_flag(flags.get(name), name, DEFAULTS[name]) != DEFAULTS[name]]
+    asked = [name for name in UNCHECKED_FLAGS if getattr(flags, name) != getattr(TiledMLPFlags, name)]
     if asked:
         raise RuntimeError(
             f"tiled-mlp's ms-swift plugin does not apply {', '.join(asked)}: not checked under ms-swift's trainer, "
@@ -65,8 +65,8 @@ def check_supported(version: str, pipeline: str, flags: Mapping[str, Any]) -> No
 def tile_prepared_model(model: nn.Module, args: Any, pipeline: str, version: str,
                         log: Callable[[str], Any] = print) -> Optional[LongContextStack]:
     """Tile what ``prepare_model`` returned as the flags ask; None when they ask for nothing."""
-    flags = read_flags(getattr(args, "model_kwargs", None))
-    if not read_tiled_mlp_flags(flags).asks_for_anything:
+    flags = read_tiled_mlp_flags(read_flags(getattr(args, "model_kwargs", None)))
+    if not flags.asks_for_anything:
         return None
     check_supported(version, pipeline, flags)
     handle = apply_from_flags(model, flags)

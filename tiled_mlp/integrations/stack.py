@@ -12,7 +12,7 @@ from torch import nn
 from tiled_mlp.core.checkpoint_offload import CheckpointOffload
 from tiled_mlp.core.shard_plan import NumShards
 
-from .args import read_tiled_mlp_flags
+from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .causal_lm_loss import is_tiled_loss
 from .hf import apply_tiled_loss, apply_tiled_mlp, is_tiled, remove_tiled_mlp
 from .offload import apply_checkpoint_offload, checkpointed_layers, checkpointing_on
@@ -99,9 +99,9 @@ def apply_long_context(
 
 
 def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[LongContextStack]:
-    """``apply_long_context`` as the flags (parsed arguments or a training config's dict) ask; None when they ask
-    for nothing."""
-    flags = read_tiled_mlp_flags(source)
+    """``apply_long_context`` as the flags (read already, or parsed arguments or a training config's dict) ask; None
+    when they ask for nothing."""
+    flags = source if isinstance(source, TiledMLPFlags) else read_tiled_mlp_flags(source)
     if not flags.asks_for_anything:
         return None
     return apply_long_context(model, tiled_mlp=flags.use_tiled_mlp, tiled_loss=flags.use_tiled_loss,
