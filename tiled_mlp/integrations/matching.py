@@ -110,10 +110,12 @@ def _matches(name: str, patterns: Optional[List[str]]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns or ())
 
 
-def scan(model: nn.Module, include: Patterns = None, exclude: Patterns = None) -> Scan:
-    """Every module to tile; ``include`` narrows the structural matches and also selects modules no rule finds."""
+def scan(model: nn.Module, include: Patterns = None, exclude: Patterns = None, norms: Sequence[str] = ()) -> Scan:
+    """Every module to tile, each once (a block reached from two parents is one module); ``include`` narrows the
+    structural matches and also selects modules no rule finds; ``norms`` names norms to tile (kind "norm")."""
     include_patterns, exclude_patterns = _as_patterns(include), _as_patterns(exclude)
     result = Scan()
+    seen = set()
 
     def visit(parent: nn.Module, prefix: str, ancestors: Sequence[nn.Module]) -> None:
         chain = [*ancestors, parent]
@@ -125,17 +127,21 @@ def scan(model: nn.Module, include: Patterns = None, exclude: Patterns = None) -
             kind = structural_kind(child)
             if include_patterns is not None:
                 kind = (kind or "named") if _matches(name, include_patterns) else None
+            if kind is None and name in norms:
+                kind = "norm"
             if kind is not None and _matches(name, exclude_patterns):
                 result.skipped.append((name, "excluded by pattern"))
                 continue
             if kind is not None:
                 problem = "" if kind == "experts" else call_problem(child)
                 if not problem:
-                    result.candidates.append(Candidate(name, child, chain, kind))
+                    if id(child) not in seen:
+                        seen.add(id(child))
+                        result.candidates.append(Candidate(name, child, chain, kind))
                     continue
                 result.skipped.append((name, problem))
             visit(child, name + ".", chain)
 
     visit(model, "", [])
+    result.candidates.sort(key=lambda candidate: candidate.kind == "norm")  # the report lists the norms last
     return result
-
