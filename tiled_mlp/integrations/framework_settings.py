@@ -4,7 +4,7 @@ to end, so any other release is refused when the entry point is applied, not whe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
 from torch import nn
 
@@ -36,24 +36,20 @@ class CheckedFramework:
     distribution: str  # its distribution name (``pip install NAME``)
     checked: Tuple[str, ...]  # exact release strings
 
-    def refusal(self) -> Optional[str]:
-        """Why this entry point may not run with what is installed (None: it may)."""
+    def require(self) -> None:
+        """Refuses (``FrameworkVersionError``) to run this entry point with what is installed, but for a checked
+        release."""
         found = installed(self.distribution)
         wanted = ", ".join(self.checked)
         pin = f"pip install {self.distribution}=={self.checked[-1]}"
         if found is None:
-            return f"tiled-mlp's {self.label} entry point needs {self.distribution} ({wanted}); it is not installed: {pin}"
+            raise FrameworkVersionError(f"tiled-mlp's {self.label} entry point needs {self.distribution} ({wanted}); "
+                                        f"it is not installed: {pin}")
         if not in_any(checked_on(self.distribution, self.checked, exact=True), found):
-            return (f"tiled-mlp's {self.label} entry point was checked on {self.distribution} {wanted}, not {found}: "
-                    f"how {self.label} calls it may differ, so it refuses rather than tile at the wrong moment. "
-                    f"Install a checked release ({pin}) or a tiled-mlp that lists {found}.")
-        return None
-
-    def require(self) -> str:
-        problem = self.refusal()
-        if problem is not None:
-            raise FrameworkVersionError(problem)
-        return installed(self.distribution) or ""
+            raise FrameworkVersionError(
+                f"tiled-mlp's {self.label} entry point was checked on {self.distribution} {wanted}, not {found}: how "
+                f"{self.label} calls it may differ, so it refuses rather than tile at the wrong moment. Install a "
+                f"checked release ({pin}) or a tiled-mlp that lists {found}.")
 
 
 AXOLOTL = CheckedFramework("Axolotl", "axolotl", ("0.21.0",))
