@@ -8,6 +8,8 @@ from torch import nn
 
 from tiled_mlp.core.checkpoint_offload import CheckpointOffload
 
+from .seams import transformers_internals
+
 NO_LAYERS_ERROR = (
     "checkpoint offload: {model} has no checkpointed layer. Turn layer checkpointing on first "
     "(model.gradient_checkpointing_enable(), or torch's checkpoint_wrapper around each decoder layer): the "
@@ -22,8 +24,6 @@ def checkpointed_layers(model: nn.Module) -> List[nn.Module]:
     if wrappers:
         return wrappers
     try:
-        from .seams import transformers_internals
-
         layer_class = transformers_internals.checkpointing_layer_class()
     except ImportError:
         return []
@@ -37,17 +37,23 @@ def apply_checkpoint_offload(model: nn.Module) -> CheckpointOffload:
         raise ValueError(NO_LAYERS_ERROR.format(model=type(model).__name__))
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    if not isinstance(layers[0], CheckpointWrapper):
-        from .seams import transformers_internals
+    if isinstance(layers[0], CheckpointWrapper) or not transformers_internals.checkpoint_wraps_module_hooks():
+        return CheckpointOffload(layers)
+    # An HF layer that checkpoints in ``__call__`` wraps its own hooks, which would see none of the saved inputs:
+    # its checkpoint function is called through a module whose hooks sit outside the checkpoint.
+    sites = [_CheckpointCall(layer._gradient_checkpointing_func) for layer in layers]
+    for layer, site in zip(layers, sites, strict=True):
+        setattr(layer, "_gradient_checkpointing_func", site.checkpoint_function)  # noqa: B010 - an HF instance attribute
 
-        if transformers_internals.checkpoint_wraps_module_hooks():
-            return _offload_at_checkpoint_calls(layers)
-    return CheckpointOffload(layers)
+    def restore() -> None:
+        for layer, site in zip(layers, sites, strict=True):
+            setattr(layer, "_gradient_checkpointing_func", site.checkpoint)  # noqa: B010
+
+    return CheckpointOffload(sites, on_remove=restore)
 
 
 class _CheckpointCall(nn.Module):
-    """An HF layer that checkpoints in ``__call__`` wraps its own hooks, which would see none of the saved inputs:
-    its checkpoint function is called through this module, whose hooks sit outside the checkpoint."""
+    """Calls an HF layer's checkpoint function through this module's hooks (``checkpoint_function``)."""
 
     def __init__(self, checkpoint: Any) -> None:
         super().__init__()
@@ -59,19 +65,6 @@ class _CheckpointCall(nn.Module):
     def checkpoint_function(self, function: Any, *args: Any) -> Any:
         """What the layer calls as its checkpoint function: the checkpoint, run through this module's hooks."""
         return self(*args, function=function)
-
-
-def _offload_at_checkpoint_calls(layers: List[nn.Module]) -> CheckpointOffload:
-    checkpoints = [layer._gradient_checkpointing_func for layer in layers]
-    sites = [_CheckpointCall(checkpoint) for checkpoint in checkpoints]
-    for layer, site in zip(layers, sites, strict=True):
-        setattr(layer, "_gradient_checkpointing_func", site.checkpoint_function)  # noqa: B010 - an HF instance attribute
-
-    def restore() -> None:
-        for layer, checkpoint in zip(layers, checkpoints, strict=True):
-            setattr(layer, "_gradient_checkpointing_func", checkpoint)  # noqa: B010
-
-    return CheckpointOffload(sites, on_remove=restore)
 
 
 # Instance attributes transformers sets while turning checkpointing on: the input-gradient hooks'
