@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from torch import nn
 
@@ -33,16 +33,10 @@ def plugin_path() -> str:
     return str(PLUGIN_FILE)
 
 
-def read_flags(model_kwargs: Optional[Mapping[str, Any]], environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
-    """Each flag from ``model_kwargs`` (any key case), else from ``environ`` upper-cased; absent ones left out."""
+def read_flags(model_kwargs: Optional[Mapping[str, Any]], environ: Mapping[str, str] = os.environ) -> TiledMLPFlags:
+    """Each flag from ``model_kwargs`` (any key case), else from ``environ`` upper-cased."""
     given = {str(key).lower(): value for key, value in (model_kwargs or {}).items()}
-    flags = {}
-    for name in FLAGS + UNCHECKED_FLAGS:
-        if name in given:
-            flags[name] = given[name]
-        elif name.upper() in environ:
-            flags[name] = environ[name.upper()]
-    return flags
+    return read_tiled_mlp_flags({name: given.get(name, environ.get(name.upper())) for name in FLAGS + UNCHECKED_FLAGS})
 
 
 def check_supported(version: str, pipeline: str, flags: TiledMLPFlags) -> None:
@@ -65,7 +59,7 @@ def check_supported(version: str, pipeline: str, flags: TiledMLPFlags) -> None:
 def tile_prepared_model(model: nn.Module, args: Any, pipeline: str, version: str,
                         log: Callable[[str], Any] = print) -> Optional[LongContextStack]:
     """Tile what ``prepare_model`` returned as the flags ask; None when they ask for nothing."""
-    flags = read_tiled_mlp_flags(read_flags(getattr(args, "model_kwargs", None)))
+    flags = read_flags(getattr(args, "model_kwargs", None))
     if not flags.asks_for_anything:
         return None
     check_supported(version, pipeline, flags)
