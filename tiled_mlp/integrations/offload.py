@@ -2,7 +2,7 @@
 ``GradientCheckpointingLayer`` with checkpointing on), keep their inputs in host memory until backward."""
 from __future__ import annotations
 
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List
 
 from torch import nn
 
@@ -75,14 +75,10 @@ _ATTRIBUTES_SET = ("_require_grads_hooks", "_require_grads_hook", "gradient_chec
 _ABSENT = object()
 
 
-def _forward_hook_ids(model: nn.Module) -> List[Tuple[nn.Module, int]]:
-    return [(module, key) for module in model.modules() for key in module._forward_hooks]
-
-
 def checkpointing_on(model: nn.Module) -> Callable[[], None]:
     """Hugging Face's non-reentrant layer checkpointing on ``model``; returns what turns it off and takes off exactly
     the hooks and attributes it added (the user's own stay)."""
-    hooks_before = {(id(module), key) for module, key in _forward_hook_ids(model)}
+    hooks_before = {key for module in model.modules() for key in module._forward_hooks}  # keys: one counter process-wide
     attributes_before = [(module, name, vars(module).get(name, _ABSENT)) for module in model.modules()
                          for name in _ATTRIBUTES_SET]
     kwargs = {"use_reentrant": False}
@@ -93,7 +89,7 @@ def checkpointing_on(model: nn.Module) -> Callable[[], None]:
     else:
         raise ValueError(f"checkpoint offload: {type(model).__name__} has no checkpointed layer and no "
                          "gradient_checkpointing_enable(); wrap its layers in torch's checkpoint_wrapper first")
-    added = [(module, key) for module, key in _forward_hook_ids(model) if (id(module), key) not in hooks_before]
+    added = [(module, key) for module in model.modules() for key in module._forward_hooks if key not in hooks_before]
 
     def checkpointing_off() -> None:
         disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
