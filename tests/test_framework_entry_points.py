@@ -15,28 +15,31 @@ import torch
 
 from integration_tests.float64_loss import float64_causal_lm_loss
 from integration_tests.tiny_models import grads_by_key, tiny_model
+from tiled_mlp.integrations.args import read_settings
 from tiled_mlp.integrations.framework_settings import CheckedFramework, FrameworkTiling, FrameworkVersionError
 
 RELEASE = torch.__version__.split("+")[0]  # a local build (+cpu) counts as its release
 
 
 def test_settings_parse_and_name_the_key():
-    assert FrameworkTiling.parse() == FrameworkTiling("auto", True, "auto", True)
-    assert FrameworkTiling.parse(" 4 ", "false", None, "no") == FrameworkTiling(4, False, "auto", False)
+    assert read_settings(FrameworkTiling, {}) == FrameworkTiling("auto", True, "auto", True)
+    given = {"num_shards": " 4 ", "loss": "false", "loss_num_shards": None, "norms": "no"}
+    assert read_settings(FrameworkTiling, given) == FrameworkTiling(4, False, "auto", False)
     with pytest.raises(ValueError, match="tiled_mlp_lib_num_shards: num_shards must be"):
-        FrameworkTiling.parse(0, prefix="tiled_mlp_lib_")
+        read_settings(FrameworkTiling, {"tiled_mlp_lib_num_shards": 0}, prefix="tiled_mlp_lib_")
     with pytest.raises(ValueError, match="tiled_mlp_lib_norms must be a bool"):
-        FrameworkTiling.parse(norms="maybe", prefix="tiled_mlp_lib_")
+        read_settings(FrameworkTiling, {"tiled_mlp_lib_norms": "maybe"}, prefix="tiled_mlp_lib_")
 
 
 def test_seam_refuses_other_releases_and_a_missing_framework():
     here = CheckedFramework("Torch", "torch", (RELEASE, "0.0.1"))
-    assert here.refusal() is None and here.require()
+    here.require()
     other = dataclasses.replace(here, checked=("0.0.1",))
     with pytest.raises(FrameworkVersionError, match=r"checked on torch 0\.0\.1, not .*pip install torch==0\.0\.1"):
         other.require()
     missing = CheckedFramework("Nothing", "no-such-framework-here", ("1.0",))
-    assert "it is not installed: pip install no-such-framework-here==1.0" in missing.refusal()
+    with pytest.raises(FrameworkVersionError, match="it is not installed: pip install no-such-framework-here==1.0"):
+        missing.require()
 
 
 def test_llamafactory_callback_refuses_bad_settings_at_construction():

@@ -29,15 +29,26 @@ class HostBytes:
         self.peak = max(self.peak, self.current)
 
 
-class _Offloaded:
-    """A layer input in host memory, and what is needed to bring it back."""
+class _LayerCall:
+    """One call of an offloaded layer: its input, and once the checkpoint saved that input, the copy in host memory
+    that autograd holds (the packed value) until the backward brings it back."""
 
-    def __init__(self, tensor: torch.Tensor, counter: HostBytes, stream: Optional[Any]):
+    def __init__(self, offload: CheckpointOffload, tensor: torch.Tensor) -> None:
+        self.offload = offload
+        self.tensor: Optional[torch.Tensor] = tensor
+        self.host: Optional[torch.Tensor] = None
+        self.event: Any = None
+        self.context: Any = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if not _same_memory(tensor, self.tensor):
+            return tensor  # any other saved tensor (an uncheckpointed layer's activations) stays as it is
+        if self.host is not None:
+            return self  # saved again in the same call: one copy
         self.device = tensor.device
-        self.requires_grad = tensor.requires_grad
         host = "meta" if tensor.is_meta else "cpu"  # the planner's modelled step allocates nothing anywhere
         self.host = torch.empty(tensor.shape, dtype=tensor.dtype, device=host, pin_memory=tensor.is_cuda)
-        self.event = None
+        stream = self.offload._side_stream(tensor)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(tensor.device))
             with torch.cuda.stream(stream):
@@ -47,23 +58,18 @@ class _Offloaded:
         else:
             self.host.copy_(tensor)
         num_bytes = self.host.numel() * self.host.element_size()
-        counter.add(num_bytes)
-        weakref.finalize(self, counter.add, -num_bytes)
+        self.offload.host_bytes.add(num_bytes)
+        weakref.finalize(self, self.offload.host_bytes.add, -num_bytes)
+        if self.offload.on_host_copy is not None:
+            self.offload.on_host_copy(self.host)
+        return self
 
     def back(self) -> torch.Tensor:
         if self.event is not None:
             self.event.synchronize()
+        assert self.host is not None
         # A copy even where host and device are one memory: a CPU step holds what a GPU step holds (the planner).
         return self.host.to(self.device, non_blocking=self.host.is_pinned(), copy=True)
-
-
-@dataclass
-class _LayerCall:
-    """The layer call in progress: its input, and its offloaded copy once packed."""
-
-    tensor: Optional[torch.Tensor]
-    offloaded: Optional[_Offloaded] = None
-    context: Any = None
 
 
 @dataclass
@@ -78,7 +84,7 @@ class CheckpointOffload:
     # Called once by ``remove()``: undoes what the caller set up around the layers.
     on_remove: Optional[Callable[[], None]] = None
     _handles: List[Any] = field(default_factory=list)
-    _calls: Dict[int, List[_LayerCall]] = field(default_factory=dict)
+    _calls: Dict[int, List[Optional[_LayerCall]]] = field(default_factory=dict)
     _stream: Optional[Any] = None
 
     def __post_init__(self) -> None:
@@ -96,31 +102,20 @@ class CheckpointOffload:
 
     def _enter(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         calls = self._calls.setdefault(id(layer), [])
-        tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if tensor is None or not torch.is_grad_enabled():
-            calls.append(_LayerCall(torch.empty(0), context=None))  # nothing to offload (kwargs-only, no graph)
+        if not args or not isinstance(args[0], torch.Tensor) or not torch.is_grad_enabled():
+            calls.append(None)  # nothing to offload (kwargs-only, no graph)
             return
-        call = _LayerCall(tensor)
-        call.context = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t), _unpack)
+        call = _LayerCall(self, args[0])
         call.context.__enter__()
         calls.append(call)
 
     def _exit(self, layer: nn.Module, args: tuple, *rest) -> None:
         call = self._calls[id(layer)].pop()
-        if call.context is not None:
+        if call is not None:
             call.context.__exit__(None, None, None)
-        # Autograd keeps the pack hook (and so ``call``) with each tensor it saved: holding the input from here
-        # would free nothing, and the context -> hook -> call cycle would keep the host copy until gc ran.
-        call.tensor = call.offloaded = call.context = None
-
-    def _pack(self, call: _LayerCall, tensor: torch.Tensor) -> Any:
-        if not _same_memory(tensor, call.tensor):
-            return tensor  # any other saved tensor (an uncheckpointed layer's activations) stays as it is
-        if call.offloaded is None:
-            call.offloaded = _Offloaded(tensor, self.host_bytes, self._side_stream(tensor))
-            if self.on_host_copy is not None:
-                self.on_host_copy(call.offloaded.host)
-        return call.offloaded
+            # Autograd keeps the pack hook (and so ``call``) with each tensor it saved: holding the input from here
+            # would free nothing, and the context -> hook -> call cycle would keep the host copy until gc ran.
+            call.tensor = call.context = None
 
     def _side_stream(self, tensor: torch.Tensor) -> Optional[Any]:
         if not tensor.is_cuda:
@@ -143,4 +138,4 @@ def _same_memory(tensor: torch.Tensor, layer_input: Optional[torch.Tensor]) -> b
 
 
 def _unpack(packed: Any) -> torch.Tensor:
-    return packed.back() if isinstance(packed, _Offloaded) else packed
+    return packed.back() if isinstance(packed, _LayerCall) else packed

@@ -4,17 +4,13 @@ config), a model's config or the environment. ``--ulysses_sp_size`` is not ms-sw
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Union
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping, TypeVar, Union
 
 from tiled_mlp.core.shard_plan import NumShards, parse_num_shards
 
-TRUE_WORDS = ("true", "1", "yes", "on")
-FALSE_WORDS = ("false", "0", "no", "off")
 _WORDS = "true/false, 1/0, yes/no or on/off"
-# Each flag and its default; the default's kind picks the parser (``parse_flag``).
-DEFAULTS = {"use_tiled_mlp": False, "tiled_mlp_num_shards": "auto", "use_tiled_loss": False,
-            "use_checkpoint_offload": False, "ulysses_sp_size": 1, "use_tiled_norms": False}
+Settings = TypeVar("Settings")
 
 
 def parse_bool(value: Any, name: str = "use_tiled_mlp") -> bool:
@@ -23,20 +19,12 @@ def parse_bool(value: Any, name: str = "use_tiled_mlp") -> bool:
         return value
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in TRUE_WORDS:
-            return True
-        if word in FALSE_WORDS:
-            return False
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in ("true", "1", "yes", "on"):
+        return True
+    if word in ("false", "0", "no", "off"):
+        return False
     raise ValueError(f"{name} must be a bool or one of {_WORDS} (any case), got {value!r}")
-
-
-def parse_shards(value: Any, name: str) -> NumShards:
-    try:
-        return parse_num_shards(value)
-    except (ValueError, TypeError) as error:
-        raise ValueError(f"{name}: {error}") from None
 
 
 def parse_sp_size(value: Any, name: str = "ulysses_sp_size") -> int:
@@ -53,9 +41,22 @@ def parse_flag(value: Any, name: str, default: Any) -> Any:
         return default
     if isinstance(default, bool):
         return parse_bool(value, name)
-    if default == "auto":
-        return parse_shards(value, name)
-    return parse_sp_size(value, name)
+    if default != "auto":
+        return parse_sp_size(value, name)
+    try:
+        return parse_num_shards(value)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{name}: {error}") from None
+
+
+def read_settings(cls: type[Settings], values: Mapping[str, Any], prefix: str = "") -> Settings:
+    """A settings dataclass from user input, each field under its key (``metadata["key"]``, else its name) after
+    ``prefix``; absent or None: the default. A bad value is a ``ValueError`` naming the key, even when off."""
+    parsed = {}
+    for each in fields(cls):  # type: ignore[arg-type]
+        key = prefix + each.metadata.get("key", each.name)
+        parsed[each.name] = parse_flag(values.get(key), key, each.default)
+    return cls(**parsed)
 
 
 def _argparse_type(parse: Callable[[str], Any], message: str = "") -> Callable[[str], Any]:
@@ -95,8 +96,10 @@ def add_tiled_mlp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 @dataclass(frozen=True)
 class TiledMLPFlags:
+    """The flags, each read from its key: the field's name, but ``tiled_mlp_num_shards``."""
+
     use_tiled_mlp: bool = False
-    num_shards: NumShards = "auto"
+    num_shards: NumShards = field(default="auto", metadata={"key": "tiled_mlp_num_shards"})
     use_tiled_loss: bool = False
     use_checkpoint_offload: bool = False
     ulysses_sp_size: int = 1
@@ -110,7 +113,4 @@ class TiledMLPFlags:
 
 def read_tiled_mlp_flags(source: Union[argparse.Namespace, Mapping[str, Any], None]) -> TiledMLPFlags:
     """The flags from parsed arguments or a dict; a bad value is a ``ValueError`` naming the key, even when off."""
-    values = {} if source is None else source if isinstance(source, Mapping) else vars(source)
-    parsed = {name: parse_flag(values.get(name), name, default) for name, default in DEFAULTS.items()}
-    parsed["num_shards"] = parsed.pop("tiled_mlp_num_shards")
-    return TiledMLPFlags(**parsed)
+    return read_settings(TiledMLPFlags, {} if source is None else source if isinstance(source, Mapping) else vars(source))

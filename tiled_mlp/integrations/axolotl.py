@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional, Union
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from .args import parse_flag
+from .args import parse_flag, read_settings
 from .framework_settings import AXOLOTL, FrameworkTiling
 from .report import TilingReport
 
@@ -43,11 +43,7 @@ class TiledMLPLibArgs(BaseModel):
 
 
 def settings_from(cfg: Any) -> FrameworkTiling:
-    def get(name: str) -> Any:
-        return cfg.get(KEY_PREFIX + name) if hasattr(cfg, "get") else getattr(cfg, KEY_PREFIX + name, None)
-
-    return FrameworkTiling.parse(get("num_shards"), get("loss"), get("loss_num_shards"), get("norms"),
-                                 prefix=KEY_PREFIX)
+    return read_settings(FrameworkTiling, cfg if hasattr(cfg, "get") else vars(cfg), prefix=KEY_PREFIX)
 
 
 class _TilesAfterLoad:

@@ -3,36 +3,27 @@ it was checked on: how a framework calls its plugins is read from its source at 
 to end, so any other release is refused when the entry point is applied, not when it is imported."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Optional, Tuple
+from dataclasses import dataclass
+from typing import Tuple
 
 from torch import nn
 
 from tiled_mlp.core.shard_plan import NumShards
 from tiled_mlp.strategies.checked_versions import checked_on, in_any, installed
 
-from .args import parse_flag
 from .hf import apply_tiled_mlp
 from .report import TilingReport
 
 
 @dataclass(frozen=True)
-class FrameworkTiling:
+class FrameworkTiling:  # read from user input by ``args.read_settings``; the fields are apply_tiled_mlp's arguments
     num_shards: NumShards = "auto"  # the MLPs' and the norms' shards
     loss: bool = True  # the causal LM's loss, through the tiled LM head + cross entropy
     loss_num_shards: NumShards = "auto"
     norms: bool = True  # the RMSNorms of the hidden size
 
-    @classmethod
-    def parse(cls, num_shards: Any = "auto", loss: Any = True, loss_num_shards: Any = "auto", norms: Any = True,
-              prefix: str = "") -> FrameworkTiling:
-        """The settings from user input (None: the default); a ``ValueError`` naming ``prefix`` + the key."""
-        given = (num_shards, loss, loss_num_shards, norms)
-        return cls(*(parse_flag(value, prefix + f.name, f.default) for f, value in zip(fields(cls), given, strict=True)))
-
     def apply(self, model: nn.Module) -> TilingReport:
-        return apply_tiled_mlp(model, num_shards=self.num_shards, loss=self.loss,
-                               loss_num_shards=self.loss_num_shards, norms=self.norms)
+        return apply_tiled_mlp(model, **vars(self))
 
 
 class FrameworkVersionError(RuntimeError):
@@ -45,24 +36,20 @@ class CheckedFramework:
     distribution: str  # its distribution name (``pip install NAME``)
     checked: Tuple[str, ...]  # exact release strings
 
-    def refusal(self) -> Optional[str]:
-        """Why this entry point may not run with what is installed (None: it may)."""
+    def require(self) -> None:
+        """Refuses (``FrameworkVersionError``) to run this entry point with what is installed, but for a checked
+        release."""
         found = installed(self.distribution)
         wanted = ", ".join(self.checked)
         pin = f"pip install {self.distribution}=={self.checked[-1]}"
         if found is None:
-            return f"tiled-mlp's {self.label} entry point needs {self.distribution} ({wanted}); it is not installed: {pin}"
+            raise FrameworkVersionError(f"tiled-mlp's {self.label} entry point needs {self.distribution} ({wanted}); "
+                                        f"it is not installed: {pin}")
         if not in_any(checked_on(self.distribution, self.checked, exact=True), found):
-            return (f"tiled-mlp's {self.label} entry point was checked on {self.distribution} {wanted}, not {found}: "
-                    f"how {self.label} calls it may differ, so it refuses rather than tile at the wrong moment. "
-                    f"Install a checked release ({pin}) or a tiled-mlp that lists {found}.")
-        return None
-
-    def require(self) -> str:
-        problem = self.refusal()
-        if problem is not None:
-            raise FrameworkVersionError(problem)
-        return installed(self.distribution) or ""
+            raise FrameworkVersionError(
+                f"tiled-mlp's {self.label} entry point was checked on {self.distribution} {wanted}, not {found}: how "
+                f"{self.label} calls it may differ, so it refuses rather than tile at the wrong moment. Install a "
+                f"checked release ({pin}) or a tiled-mlp that lists {found}.")
 
 
 AXOLOTL = CheckedFramework("Axolotl", "axolotl", ("0.21.0",))

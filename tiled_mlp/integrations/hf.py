@@ -2,7 +2,6 @@
 it. A config can ask for tiling itself (``enable_tiled_mlp``, honoured by ``from_config``/``from_pretrained``)."""
 from __future__ import annotations
 
-import glob
 import logging
 from typing import Any, Dict, List, Optional
 
@@ -14,7 +13,7 @@ from tiled_mlp.strategies.resolver import StrategyArg
 
 from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .causal_lm_loss import check_tiled_loss, install_tiled_loss, loss_left_to_trl, remove_tiled_loss
-from .matching import Patterns, Scan, TiledExperts, scan
+from .matching import Patterns, TiledExperts, scan
 from .norms import NORM_ACCUM_DTYPE, TiledNorm, norm_names, why_no_norms
 from .report import TiledBlock, TilingReport
 
@@ -45,17 +44,16 @@ def apply_tiled_mlp(
     loss_elsewhere = loss_left_to_trl(model) if loss else ""
     if loss and not loss_elsewhere:
         check_tiled_loss(model)  # refused before any block is tiled
-    found = scan(model, include, exclude)
-    if norms:
-        _add_norms(found, model, exclude)
+    report = TilingReport(loss_left_to=loss_elsewhere)
+    names = norm_names(model) if norms else []  # those within a block tiled now are tiled with it
+    candidates = scan(model, report, include, exclude, norms=names)
+    why = why_no_norms(model) if norms and not names else ""
+    if why:
+        logger.warning("tiled-mlp: norms=True tiles no norm of %s: %s", type(model).__name__, why)
+        report.skipped.append(("norms", why))
     staged = []
     problems = []
-    seen = set()
-    for candidate in found.candidates:
-        # One block reached from two parents (a shared MLP) is one module: tiled once.
-        if id(candidate.module) in seen:
-            continue
-        seen.add(id(candidate.module))
+    for candidate in candidates:
         mixin = {"experts": TiledExperts, "norm": TiledNorm}.get(candidate.kind, TiledMLP)
         block_path, accum = path, grad_accum_dtype
         if candidate.kind == "norm":  # path='fast' is the MLPs'; its weight sums every token
@@ -70,7 +68,6 @@ def apply_tiled_mlp(
     if problems:
         raise FastPathRefused("path='fast' cannot apply to these blocks (use path='auto'):\n  " + "\n  ".join(problems))
 
-    report = TilingReport(skipped=found.skipped, loss_left_to=loss_elsewhere)
     installed: List[TiledMLP] = []
     try:
         for candidate, mixin, fixed, block_path, accum in staged:
@@ -85,38 +82,15 @@ def apply_tiled_mlp(
         for tiled in installed:  # an error leaves the model as it was
             untile(tiled)
         raise
-    report.already_tiled = [TiledBlock(old.name, "tiled", old.module) for old in found.already_tiled]
     if not report.blocks and not loss:
         logger.warning("tiled-mlp found no MLP block to tile in %s", type(model).__name__)
     logger.info("%s", report)
     return report
 
 
-def _add_norms(found: Scan, model: nn.Module, exclude: Patterns) -> None:
-    """``found`` plus the model's norms outside the blocks found; where there is none, the report says why."""
-    names = norm_names(model, inside=[candidate.name for candidate in found.candidates])
-    if not names:
-        why = why_no_norms(model)
-        if why:
-            logger.warning("tiled-mlp: norms=True tiles no norm of %s: %s", type(model).__name__, why)
-            found.skipped.append(("norms", why))
-        return
-    extra = scan(model, [glob.escape(name) for name in names], exclude)
-    for candidate in extra.candidates:
-        candidate.kind = "norm"
-        found.candidates.append(candidate)
-    found.skipped.extend(skip for skip in extra.skipped if skip not in found.skipped)
-
-
 def apply_tiled_loss(model: nn.Module, num_shards: NumShards = "auto", grad_accum_dtype=None) -> TilingReport:
-    """Only the tiled loss (no MLP block tiled); ``remove_tiled_loss`` undoes it."""
-    loss_elsewhere = loss_left_to_trl(model)
-    if loss_elsewhere:
-        report = TilingReport(loss_left_to=loss_elsewhere)
-    else:
-        report = TilingReport(tiled_loss=type(install_tiled_loss(model, num_shards, grad_accum_dtype)).__name__)
-    logger.info("%s", report)
-    return report
+    """Only the tiled loss (an empty ``include`` selects no MLP block); ``remove_tiled_loss`` undoes it."""
+    return apply_tiled_mlp(model, include=[], grad_accum_dtype=grad_accum_dtype, loss=True, loss_num_shards=num_shards)
 
 
 def remove_tiled_mlp(model: nn.Module) -> List[str]:

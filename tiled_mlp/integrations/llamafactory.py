@@ -8,6 +8,7 @@ from typing import Any, Optional
 from torch import nn
 from transformers import TrainerCallback
 
+from .args import read_settings
 from .framework_settings import LLAMAFACTORY, FrameworkTiling
 from .report import TilingReport
 
@@ -18,7 +19,8 @@ class TiledMLPCallback(TrainerCallback):
 
     def __init__(self, num_shards: Any = "auto", loss: Any = True, loss_num_shards: Any = "auto",
                  norms: Any = True) -> None:
-        self.tiling = FrameworkTiling.parse(num_shards, loss, loss_num_shards, norms)
+        self.tiling = read_settings(FrameworkTiling, dict(num_shards=num_shards, loss=loss,
+                                                          loss_num_shards=loss_num_shards, norms=norms))
         LLAMAFACTORY.require()  # before run_exp loads anything; checked again where the model is tiled
         self.report: Optional[TilingReport] = None  # what the last model tiled got
         self._tiled: Optional[weakref.ref] = None  # that model (a callback may serve several run_exp calls)

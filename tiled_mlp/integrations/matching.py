@@ -6,13 +6,15 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import typing
-from dataclasses import dataclass, field
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from tiled_mlp.core import TiledInputs, TiledMLP
+
+from .report import TiledBlock, TilingReport
 
 GATED_LAYOUTS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"))
 
@@ -36,16 +38,9 @@ class TiledExperts(TiledMLP):
 @dataclass
 class Candidate:
     name: str
-    module: Any  # an nn.Module; a TiledMLP for the blocks found already tiled
+    module: nn.Module
     ancestors: List[nn.Module]  # root first
-    kind: str  # "gated", "experts" (fused MoE experts), "named" (an include pattern alone), "norm", "tiled"
-
-
-@dataclass
-class Scan:
-    candidates: List[Candidate] = field(default_factory=list)
-    already_tiled: List[Candidate] = field(default_factory=list)
-    skipped: List[Tuple[str, str]] = field(default_factory=list)
+    kind: str  # "gated", "experts" (fused MoE experts), "named" (an include pattern alone), "norm"
 
 
 def _is_linear_like(module) -> bool:
@@ -110,32 +105,39 @@ def _matches(name: str, patterns: Optional[List[str]]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns or ())
 
 
-def scan(model: nn.Module, include: Patterns = None, exclude: Patterns = None) -> Scan:
-    """Every module to tile; ``include`` narrows the structural matches and also selects modules no rule finds."""
+def scan(model: nn.Module, report: TilingReport, include: Patterns = None, exclude: Patterns = None,
+         norms: Sequence[str] = ()) -> List[Candidate]:
+    """Every module to tile, each once (a block reached from two parents is one module); the blocks tiled already
+    and those skipped go to ``report``. ``include`` narrows the structural matches and also selects modules no rule
+    finds; ``norms`` names norms to tile (kind "norm")."""
     include_patterns, exclude_patterns = _as_patterns(include), _as_patterns(exclude)
-    result = Scan()
+    candidates: List[Candidate] = []
+    seen = set()
 
     def visit(parent: nn.Module, prefix: str, ancestors: Sequence[nn.Module]) -> None:
         chain = [*ancestors, parent]
         for attr, child in parent.named_children():
             name = f"{prefix}{attr}"
             if isinstance(child, TiledMLP):
-                result.already_tiled.append(Candidate(name, child, chain, "tiled"))
+                report.already_tiled.append(TiledBlock(name, "tiled", child))
                 continue
             kind = structural_kind(child)
             if include_patterns is not None:
                 kind = (kind or "named") if _matches(name, include_patterns) else None
+            if kind is None and name in norms:
+                kind = "norm"
             if kind is not None and _matches(name, exclude_patterns):
-                result.skipped.append((name, "excluded by pattern"))
+                report.skipped.append((name, "excluded by pattern"))
                 continue
             if kind is not None:
                 problem = "" if kind == "experts" else call_problem(child)
                 if not problem:
-                    result.candidates.append(Candidate(name, child, chain, kind))
+                    if id(child) not in seen:
+                        seen.add(id(child))
+                        candidates.append(Candidate(name, child, chain, kind))
                     continue
-                result.skipped.append((name, problem))
+                report.skipped.append((name, problem))
             visit(child, name + ".", chain)
 
     visit(model, "", [])
-    return result
-
+    return sorted(candidates, key=lambda candidate: candidate.kind == "norm")  # the report lists the norms last

@@ -7,14 +7,14 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from torch import nn
 
 from tiled_mlp.strategies import checked_versions
 from tiled_mlp.strategies.checked_versions import checked_on, in_any
 
-from .args import DEFAULTS, parse_flag, read_tiled_mlp_flags
+from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .stack import LongContextStack, apply_from_flags
 
 CHECKED_VERSIONS = ("4.6.0",)
@@ -33,19 +33,13 @@ def plugin_path() -> str:
     return str(PLUGIN_FILE)
 
 
-def read_flags(model_kwargs: Optional[Mapping[str, Any]], environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
-    """Each flag from ``model_kwargs`` (any key case), else from ``environ`` upper-cased; absent ones left out."""
+def read_flags(model_kwargs: Optional[Mapping[str, Any]], environ: Mapping[str, str] = os.environ) -> TiledMLPFlags:
+    """Each flag from ``model_kwargs`` (any key case), else from ``environ`` upper-cased."""
     given = {str(key).lower(): value for key, value in (model_kwargs or {}).items()}
-    flags = {}
-    for name in FLAGS + UNCHECKED_FLAGS:
-        if name in given:
-            flags[name] = given[name]
-        elif name.upper() in environ:
-            flags[name] = environ[name.upper()]
-    return flags
+    return read_tiled_mlp_flags({name: given.get(name, environ.get(name.upper())) for name in FLAGS + UNCHECKED_FLAGS})
 
 
-def check_supported(version: str, pipeline: str, flags: Mapping[str, Any]) -> None:
+def check_supported(version: str, pipeline: str, flags: TiledMLPFlags) -> None:
     if not in_any(checked_on("ms-swift", CHECKED_VERSIONS, exact=True), version):
         raise RuntimeError(
             f"tiled-mlp's ms-swift plugin was checked on ms-swift {', '.join(CHECKED_VERSIONS)}, not {version}: "
@@ -54,7 +48,7 @@ def check_supported(version: str, pipeline: str, flags: Mapping[str, Any]) -> No
         raise RuntimeError(
             f"tiled-mlp's ms-swift plugin was checked with `swift sft` ({', '.join(CHECKED_PIPELINES)}), not "
             f"{pipeline}: leave the tiling flags unset there")
-    asked = [name for name in UNCHECKED_FLAGS if parse_flag(flags.get(name), name, DEFAULTS[name]) != DEFAULTS[name]]
+    asked = [name for name in UNCHECKED_FLAGS if getattr(flags, name) != getattr(TiledMLPFlags, name)]
     if asked:
         raise RuntimeError(
             f"tiled-mlp's ms-swift plugin does not apply {', '.join(asked)}: not checked under ms-swift's trainer, "
@@ -66,7 +60,7 @@ def tile_prepared_model(model: nn.Module, args: Any, pipeline: str, version: str
                         log: Callable[[str], Any] = print) -> Optional[LongContextStack]:
     """Tile what ``prepare_model`` returned as the flags ask; None when they ask for nothing."""
     flags = read_flags(getattr(args, "model_kwargs", None))
-    if not read_tiled_mlp_flags(flags).asks_for_anything:
+    if not flags.asks_for_anything:
         return None
     check_supported(version, pipeline, flags)
     handle = apply_from_flags(model, flags)

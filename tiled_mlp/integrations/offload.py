@@ -2,11 +2,13 @@
 ``GradientCheckpointingLayer`` with checkpointing on), keep their inputs in host memory until backward."""
 from __future__ import annotations
 
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List
 
 from torch import nn
 
 from tiled_mlp.core.checkpoint_offload import CheckpointOffload
+
+from .seams import transformers_internals
 
 NO_LAYERS_ERROR = (
     "checkpoint offload: {model} has no checkpointed layer. Turn layer checkpointing on first "
@@ -22,8 +24,6 @@ def checkpointed_layers(model: nn.Module) -> List[nn.Module]:
     if wrappers:
         return wrappers
     try:
-        from .seams import transformers_internals
-
         layer_class = transformers_internals.checkpointing_layer_class()
     except ImportError:
         return []
@@ -37,17 +37,23 @@ def apply_checkpoint_offload(model: nn.Module) -> CheckpointOffload:
         raise ValueError(NO_LAYERS_ERROR.format(model=type(model).__name__))
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    if not isinstance(layers[0], CheckpointWrapper):
-        from .seams import transformers_internals
+    if isinstance(layers[0], CheckpointWrapper) or not transformers_internals.checkpoint_wraps_module_hooks():
+        return CheckpointOffload(layers)
+    # An HF layer that checkpoints in ``__call__`` wraps its own hooks, which would see none of the saved inputs:
+    # its checkpoint function is called through a module whose hooks sit outside the checkpoint.
+    sites = [_CheckpointCall(layer._gradient_checkpointing_func) for layer in layers]
+    for layer, site in zip(layers, sites, strict=True):
+        setattr(layer, "_gradient_checkpointing_func", site.checkpoint_function)  # noqa: B010 - an HF instance attribute
 
-        if transformers_internals.checkpoint_wraps_module_hooks():
-            return _offload_at_checkpoint_calls(layers)
-    return CheckpointOffload(layers)
+    def restore() -> None:
+        for layer, site in zip(layers, sites, strict=True):
+            setattr(layer, "_gradient_checkpointing_func", site.checkpoint)  # noqa: B010
+
+    return CheckpointOffload(sites, on_remove=restore)
 
 
 class _CheckpointCall(nn.Module):
-    """An HF layer that checkpoints in ``__call__`` wraps its own hooks, which would see none of the saved inputs:
-    its checkpoint function is called through this module, whose hooks sit outside the checkpoint."""
+    """Calls an HF layer's checkpoint function through this module's hooks (``checkpoint_function``)."""
 
     def __init__(self, checkpoint: Any) -> None:
         super().__init__()
@@ -61,19 +67,6 @@ class _CheckpointCall(nn.Module):
         return self(*args, function=function)
 
 
-def _offload_at_checkpoint_calls(layers: List[nn.Module]) -> CheckpointOffload:
-    checkpoints = [layer._gradient_checkpointing_func for layer in layers]
-    sites = [_CheckpointCall(checkpoint) for checkpoint in checkpoints]
-    for layer, site in zip(layers, sites, strict=True):
-        setattr(layer, "_gradient_checkpointing_func", site.checkpoint_function)  # noqa: B010 - an HF instance attribute
-
-    def restore() -> None:
-        for layer, checkpoint in zip(layers, checkpoints, strict=True):
-            setattr(layer, "_gradient_checkpointing_func", checkpoint)  # noqa: B010
-
-    return CheckpointOffload(sites, on_remove=restore)
-
-
 # Instance attributes transformers sets while turning checkpointing on: the input-gradient hooks'
 # handles (``enable_input_require_grads``, which replaces a list the user's own call left there), and
 # each checkpointed module's flag and checkpoint function.
@@ -82,14 +75,10 @@ _ATTRIBUTES_SET = ("_require_grads_hooks", "_require_grads_hook", "gradient_chec
 _ABSENT = object()
 
 
-def _forward_hook_ids(model: nn.Module) -> List[Tuple[nn.Module, int]]:
-    return [(module, key) for module in model.modules() for key in module._forward_hooks]
-
-
 def checkpointing_on(model: nn.Module) -> Callable[[], None]:
     """Hugging Face's non-reentrant layer checkpointing on ``model``; returns what turns it off and takes off exactly
     the hooks and attributes it added (the user's own stay)."""
-    hooks_before = {(id(module), key) for module, key in _forward_hook_ids(model)}
+    hooks_before = {key for module in model.modules() for key in module._forward_hooks}  # keys: one counter process-wide
     attributes_before = [(module, name, vars(module).get(name, _ABSENT)) for module in model.modules()
                          for name in _ATTRIBUTES_SET]
     kwargs = {"use_reentrant": False}
@@ -100,7 +89,7 @@ def checkpointing_on(model: nn.Module) -> Callable[[], None]:
     else:
         raise ValueError(f"checkpoint offload: {type(model).__name__} has no checkpointed layer and no "
                          "gradient_checkpointing_enable(); wrap its layers in torch's checkpoint_wrapper first")
-    added = [(module, key) for module, key in _forward_hook_ids(model) if (id(module), key) not in hooks_before]
+    added = [(module, key) for module in model.modules() for key in module._forward_hooks if key not in hooks_before]
 
     def checkpointing_off() -> None:
         disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable

@@ -12,9 +12,9 @@ from torch import nn
 from tiled_mlp.core.checkpoint_offload import CheckpointOffload
 from tiled_mlp.core.shard_plan import NumShards
 
-from .args import read_tiled_mlp_flags
+from .args import TiledMLPFlags, read_tiled_mlp_flags
 from .causal_lm_loss import is_tiled_loss
-from .hf import apply_tiled_loss, apply_tiled_mlp, is_tiled, remove_tiled_mlp
+from .hf import apply_tiled_mlp, is_tiled, remove_tiled_mlp
 from .offload import apply_checkpoint_offload, checkpointed_layers, checkpointing_on
 from .report import TilingReport
 from .ulysses import SequenceParallel, apply_sequence_parallel, check_sequence_parallel
@@ -78,13 +78,11 @@ def apply_long_context(
         check_sequence_parallel(model, sequence_parallel)
     stack = LongContextStack(model)
     try:  # each piece is recorded on the handle as soon as it is on, so remove() undoes exactly those
-        if tiled_mlp or tiled_norms:
+        if tiled_mlp or tiled_norms or tiled_loss:
             if not tiled_mlp:
-                tiling["include"] = []  # the norms alone: an empty include selects no MLP block
+                tiling["include"] = []  # the norms or the loss alone: an empty include selects no MLP block
             stack.report = apply_tiled_mlp(model, num_shards=num_shards, loss=tiled_loss, norms=tiled_norms,
                                            loss_num_shards=loss_num_shards, grad_accum_dtype=grad_accum_dtype, **tiling)
-        elif tiled_loss:
-            stack.report = apply_tiled_loss(model, num_shards=loss_num_shards, grad_accum_dtype=grad_accum_dtype)
         if checkpoint_offload:
             if not checkpointed_layers(model):
                 stack.checkpointing_turned_on = checkpointing_on(model)
@@ -99,9 +97,9 @@ def apply_long_context(
 
 
 def apply_from_flags(model: nn.Module, source, **kwargs) -> Optional[LongContextStack]:
-    """``apply_long_context`` as the flags (parsed arguments or a training config's dict) ask; None when they ask
-    for nothing."""
-    flags = read_tiled_mlp_flags(source)
+    """``apply_long_context`` as the flags (read already, or parsed arguments or a training config's dict) ask; None
+    when they ask for nothing."""
+    flags = source if isinstance(source, TiledMLPFlags) else read_tiled_mlp_flags(source)
     if not flags.asks_for_anything:
         return None
     return apply_long_context(model, tiled_mlp=flags.use_tiled_mlp, tiled_loss=flags.use_tiled_loss,
