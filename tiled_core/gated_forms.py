@@ -16,7 +16,8 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 import torch.nn.functional as F
 from torch import nn
 
-from .code_forms import CodeForm, check_body, first_match, globals_hold, matches, replace_body
+from .code_forms import CodeForm, first_match, globals_hold, matches, replace_body
+from .kernel_registry import GENERATION
 from .kernels.gated import ACTIVATIONS
 
 Scale = Union[float, str]  # a fixed factor, or the name of a float attribute the forward multiplies by
@@ -50,11 +51,10 @@ class GatedForm:
 
 
 # Registered bodies (``register_gated_form``) and classes (the forward function, kept alive, and each
-# class's registered function). ``_GENERATION`` counts changes to every table in this file: the call plan keys on it.
+# class's registered function). Every change counts in ``kernel_registry.GENERATION``.
 KNOWN_BODIES: List[Tuple[CodeForm, GatedForm]] = []
 _REGISTERED: Dict[Any, GatedForm] = {}
 _REGISTERED_BY_CLASS: Dict[type, Any] = {}
-_GENERATION = [0]
 
 
 def register_gated_form(body: CodeForm, form: GatedForm) -> None:
@@ -66,14 +66,11 @@ def register_gated_form(body: CodeForm, form: GatedForm) -> None:
         raise TypeError(f"register_gated_form takes a GatedForm, got {type(form).__name__}")
     if (form.gate_up is None) == (form.gate is None or form.up is None):
         raise ValueError("a form names either gate and up, or gate_up (a fused [gate; up] projection), not both")
-    check_body(body)
     replace_body(KNOWN_BODIES, body, form)
-    _GENERATION[0] += 1
 
 
 def unregister_gated_form(body: CodeForm) -> None:
     replace_body(KNOWN_BODIES, body)
-    _GENERATION[0] += 1
 
 
 def register_gated_mlp(cls: type, *, gate: Optional[str] = "gate_proj", up: Optional[str] = "up_proj",
@@ -101,7 +98,7 @@ def register_gated_mlp(cls: type, *, gate: Optional[str] = "gate_proj", up: Opti
 
 def unregister_gated_mlp(cls: type) -> None:
     _REGISTERED.pop(_REGISTERED_BY_CLASS.pop(cls, None), None)
-    _GENERATION[0] += 1
+    GENERATION[0] += 1
 
 
 def known_form(fn: Any) -> Optional[GatedForm]:
@@ -133,12 +130,12 @@ def register_equivalent_linear(module_name: str, function_name: str) -> None:
         raise TypeError(f"register_equivalent_linear takes a module name and a function name, got "
                         f"{module_name!r}, {function_name!r}")
     _EQUIVALENT_LINEARS.add((module_name, function_name))
-    _GENERATION[0] += 1
+    GENERATION[0] += 1
 
 
 def unregister_equivalent_linear(module_name: str, function_name: str) -> None:
     _EQUIVALENT_LINEARS.discard((module_name, function_name))
-    _GENERATION[0] += 1
+    GENERATION[0] += 1
 
 
 def linear_is_a_linear(fn: Any) -> bool:
@@ -179,14 +176,11 @@ def register_activation(body: CodeForm, *, computes: Optional[str] = None,
         raise ValueError(f"unknown activation {computes!r}; known: {', '.join(ACTIVATIONS)}")
     if function_attribute is not None and not function_attribute.isidentifier():
         raise ValueError(f"not an attribute name: {function_attribute!r}")
-    check_body(body)
     replace_body(_ACTIVATION_BODIES, body, (computes, function_attribute))
-    _GENERATION[0] += 1
 
 
 def unregister_activation(body: CodeForm) -> None:
     replace_body(_ACTIVATION_BODIES, body)
-    _GENERATION[0] += 1
 
 
 def _function_name(fn: Any) -> Optional[str]:

@@ -60,7 +60,6 @@ class NormSpec:
 
 
 _BODIES: List[Tuple[CodeForm, NormForm]] = []
-_GENERATION = [0]  # counts changes to the registry: the call plan keys on it
 
 
 def register_norm_form(body: CodeForm, form: NormForm) -> None:
@@ -76,18 +75,15 @@ def register_norm_form(body: CodeForm, form: NormForm) -> None:
         raise ValueError(f"NormForm names attributes: weight={form.weight!r}, eps={form.eps!r}")
     if isinstance(form.offset, bool) or not isinstance(form.offset, (int, float)):
         raise TypeError(f"NormForm.offset is a number, got {form.offset!r}")
-    check_body(body)
     for name, helper in form.helpers:
         if not name.isidentifier():
             raise ValueError(f"a helper is named by a method name, got {name!r}")
         check_body(helper)
     replace_body(_BODIES, body, form)
-    _GENERATION[0] += 1
 
 
 def unregister_norm_form(body: CodeForm) -> None:
     replace_body(_BODIES, body)
-    _GENERATION[0] += 1
 
 
 UNKNOWN_NORM = ("its forward is not one the norm kernel is known to compute (a registered RMSNorm body, "

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, FrozenSet, Iterable, List, Opti
 import torch
 import torch.nn.functional as F
 
+from ..kernel_registry import GENERATION
 from .base import ShardKernel
 
 if TYPE_CHECKING:
@@ -66,8 +67,7 @@ class FusedKernel:
     available: Callable[[], bool]
 
 
-_FUSED: List[FusedKernel] = []
-_FUSED_GENERATION = [0]
+_FUSED: List[FusedKernel] = []  # every change counts in ``kernel_registry.GENERATION``
 
 
 def register_fused_kernel(device_type: str, names: Iterable[str], factory: Callable[[str], Any],
@@ -83,13 +83,13 @@ def register_fused_kernel(device_type: str, names: Iterable[str], factory: Calla
                         "an availability check")
     kernel = FusedKernel(device_type, names, factory, available)
     _FUSED.append(kernel)
-    _FUSED_GENERATION[0] += 1
+    GENERATION[0] += 1
     return kernel
 
 
 def unregister_fused_kernel(kernel: FusedKernel) -> None:
     _FUSED[:] = [k for k in _FUSED if k is not kernel]
-    _FUSED_GENERATION[0] += 1
+    GENERATION[0] += 1
 
 
 def gated_activation(name: str, device: torch.device, use_fused: bool = True):
