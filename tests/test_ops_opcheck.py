@@ -32,8 +32,8 @@ def _gated_args(fused: bool, bias: bool, memory: str = "contiguous"):
     # Two ints per role (gate, up, gate_up, down): weight and bias index, -1 where absent.
     down = [1, 2 if bias else -1] if fused else [2, 3 if bias else -1]
     slots = ([-1, -1, -1, -1, 0, -1] if fused else [0, -1, 1, -1, -1, -1]) + down
-    slots, scales = GatedLayout.from_args(slots, (0.5, 1.0, 2.0)).as_args()
-    return t(2, 7, hidden), tensors, slots, scales
+    GatedLayout.from_args(slots, (0.5, 1.0, 2.0))  # a layout the op accepts
+    return t(2, 7, hidden), tensors, slots, [0.5, 1.0, 2.0]
 
 
 @pytest.mark.parametrize("memory", MEMORY_LAYOUTS)

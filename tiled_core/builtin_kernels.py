@@ -10,10 +10,10 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from .fast_path import decide_fast_path
+from .fast_path import structural_decision
 from .gated_spec import foreign_child_hooks
 from .kernel_registry import MAP, REDUCE, TOKEN_INPUTS_DECLINED, Kernel, KernelCall, register_kernel
-from .kernels.gated import GatedShardKernel, gated_activation
+from .kernels.gated import DOWN_WEIGHT_ARG, GatedShardKernel, gated_activation
 from .kernels.generic import GenericShardKernel, generic_layout
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
 from .kernels.rms_norm import RMSNormShardKernel
@@ -38,24 +38,27 @@ class GatedEntry(Kernel):
     def why_not(self, call: KernelCall) -> str:
         if call.token_inputs:
             return TOKEN_INPUTS_DECLINED
-        module, plan = call.module, call.cache
-        unfit = type(module).tiled_no_fast_path  # type: ignore[attr-defined]  # TiledMLP's class attribute
-        if unfit:
-            return unfit
+        module, plan, x, hook = call.module, call.cache, call.x, call.strategy.is_backend_hook
         if plan.fast is None:
-            plan.fast = decide_fast_path(module, forward_function(module), call.x, call.strategy.is_backend_hook)
+            plan.fast = structural_decision(module, forward_function(module), hook)
             spec = plan.fast[0]
-            plan.fast_params = spec.params if spec is not None else None
             if spec is not None:
-                assert spec.proof_reads is not None, "a proven spec carries what its proof read"
                 # What the plan's key does not see (a class changed, a module global rebound, a torch function
-                # patched) guards the plan in strict mode: where one changed, the decision is made again.
-                plan.add_guards(spec.proof_reads.holds)
+                # patched) guards the plan in strict mode: the decision is made again at each call.
+                plan.add_guards(lambda: structural_decision(module, forward_function(module), hook)[0] is not None)
+                weight = spec.params[spec.layout.slots[DOWN_WEIGHT_ARG]]
+                if autocast_enabled(x.device.type):
+                    plan.fast = None, "autocast is enabled (the fast kernel computes in the weights' dtype)"
+                elif x.dtype != weight.dtype:
+                    # The module may cast its input (or fail); the generic path does exactly what it does.
+                    plan.fast = None, f"the input is {x.dtype} but the weights are {weight.dtype}"
+                elif x.device != weight.device:
+                    plan.fast = None, f"the input is on {x.device} but the weights are on {weight.device}"
         spec, why_not = plan.fast
         if spec is None:
             return why_not
         # Distributed parameters: the kernel runs on the strategy's local view, where one stands in exactly.
-        view = call.strategy.local_view(module, plan.fast_params)
+        view = call.strategy.local_view(module, spec.params)
         return "" if view is None else view.why_not
 
     def build(self, call: KernelCall) -> GatedShardKernel:
@@ -63,7 +66,7 @@ class GatedEntry(Kernel):
         if plan.fast_kernel is None:  # stateless: one per plan
             spec, module = plan.fast[0], call.module
             activation = gated_activation(spec.activation, call.x.device, tiling_of(module).use_fused_kernel)
-            plan.fast_kernel = GatedShardKernel.for_spec(spec, activation, type(module).__name__)
+            plan.fast_kernel = GatedShardKernel(spec.layout, activation, spec.params, type(module).__name__)
         return plan.fast_kernel
 
 

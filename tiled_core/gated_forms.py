@@ -11,12 +11,12 @@ import functools
 import operator
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch.nn.functional as F
 from torch import nn
 
-from .code_forms import CodeForm, first_match, globals_hold, matches, replace_body
+from .code_forms import CodeForm, first_match, matches, replace_body
 from .kernel_registry import GENERATION
 from .kernels.gated import ACTIVATIONS
 
@@ -103,16 +103,8 @@ def unregister_gated_mlp(cls: type) -> None:
 
 def known_form(fn: Any) -> Optional[GatedForm]:
     """The form the plain function ``fn`` (a class's forward) is known to compute, or None."""
-    return known_form_and_body(fn)[0]
-
-
-def known_form_and_body(fn: Any) -> Tuple[Optional[GatedForm], Optional[CodeForm]]:
-    """``known_form``, and the registered body ``fn``'s code matched (None for a registered class)."""
     registered = _REGISTERED.get(fn) if fn is not None else None
-    if registered is not None:
-        return registered, None
-    body, form = first_match(KNOWN_BODIES, fn)
-    return form, body
+    return registered if registered is not None else first_match(KNOWN_BODIES, fn)[1]
 
 
 # Torch's functions as this process first saw them: a monkeypatched ``F.silu`` is not the activation the
@@ -146,11 +138,6 @@ def linear_is_a_linear(fn: Any) -> bool:
     if (module_name, name) not in _EQUIVALENT_LINEARS:
         return False
     return getattr(sys.modules.get(module_name or ""), name or "", None) is fn
-
-
-def torch_functions_intact() -> bool:
-    """Whether the torch functions the accepted forms call are still what they were proven to be."""
-    return F.silu is F_SILU and F.gelu is F_GELU and linear_is_a_linear(F.linear)
 
 
 _TORCH_ACTIVATIONS = {
@@ -196,35 +183,23 @@ def _function_name(fn: Any) -> Optional[str]:
 
 def activation_name(act: Any) -> Optional[str]:
     """"silu", "gelu" or "gelu_tanh" when ``act`` provably computes it, else None."""
-    return activation_reads(act)[0]
-
-
-CodeRead = Tuple[Any, CodeForm]  # a forward function and the body its code matched
-
-
-def activation_reads(act: Any) -> Tuple[Optional[str], Tuple[str, ...], Optional[CodeRead]]:
-    """What ``act`` provably computes (as ``activation_name``), the attributes its forward reads by name, and
-    its forward with the body it matched."""
     if not isinstance(act, nn.Module) or "forward" in act.__dict__:
-        return None, (), None
+        return None
     cls = type(act)
-    forward = cls.forward
     torch_form = _TORCH_ACTIVATIONS.get(cls)
     if torch_form is not None:
-        reads = ("inplace", "approximate")
-        if not matches(forward, torch_form) or shadowed(act, reads):
-            return None, reads, None
+        if not matches(cls.forward, torch_form) or shadowed(act, ("inplace", "approximate")):
+            return None
         approximate = act.__dict__.get("approximate")
         gelu = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate) if isinstance(approximate, str) else None
-        return "silu" if cls is nn.SiLU else gelu, reads, (forward, torch_form)
-    body, registered = first_match(_ACTIVATION_BODIES, forward)
+        return "silu" if cls is nn.SiLU else gelu
+    body, registered = first_match(_ACTIVATION_BODIES, cls.forward)
     if body is None:
-        return None, (), None
+        return None
     computes, attribute = registered
     if computes is not None:
-        return computes, (), (forward, body)
-    name = None if shadowed(act, (attribute,)) else _function_name(act.__dict__.get(attribute))
-    return name, (attribute,), (forward, body)
+        return computes
+    return None if shadowed(act, (attribute,)) else _function_name(act.__dict__.get(attribute))
 
 
 # How torch's modules find attributes and are called, as this process first saw them.
@@ -239,34 +214,8 @@ def called_as_torch_calls(cls: type) -> bool:
     return _calls_of(cls) == _TORCH_CALLS
 
 
-class ProofReads:
-    """What a decision proven from forwards' code read outside the module tree's own dicts, and whether it
-    still holds (strict mode asks at every call that reuses the decision): no name the classes' instances read
-    shadowed by a class attribute or custom lookup, each called class called through torch's ``__call__``,
-    each matched body's module globals, and with ``torch_functions`` the torch functions the forms call."""
-
-    def __init__(self, reads: Iterable[Tuple[type, Tuple[str, ...]]], called: Iterable[type] = (),
-                 codes: Iterable[Optional[CodeRead]] = (), torch_functions: bool = False):
-        names_by_class: Dict[type, Set[str]] = {}
-        for cls, names in reads:
-            names_by_class.setdefault(cls, set()).update(names)
-        self._reads = [(cls, tuple(names), cls.__mro__) for cls, names in names_by_class.items()]
-        self._called = tuple(dict.fromkeys(called))
-        self._codes = [code for code in codes if code is not None]
-        self._torch_functions = torch_functions
-
-    def holds(self) -> bool:
-        return (all(cls.__mro__ == mro and not class_shadows(cls, names) for cls, names, mro in self._reads)
-                and all(map(called_as_torch_calls, self._called))
-                and all(globals_hold(fn, form) for fn, form in self._codes)
-                and (not self._torch_functions or torch_functions_intact()))
-
-
-def class_shadows(cls: type, names: Tuple[str, ...]) -> bool:
-    """Whether reading one of ``names`` on an instance of ``cls`` could find something other than what the
-    instance holds itself (a class attribute or property of that name, or a custom attribute lookup)."""
-    return _lookup_of(cls) != _TORCH_LOOKUP or not all([vars(klass).keys().isdisjoint(names) for klass in cls.__mro__])
-
-
 def shadowed(module: nn.Module, names: Tuple[str, ...]) -> bool:
-    return class_shadows(type(module), names)
+    """Whether reading one of ``names`` on ``module`` could find something other than what the instance holds
+    itself (a class attribute or property of that name, or a custom attribute lookup)."""
+    cls = type(module)
+    return _lookup_of(cls) != _TORCH_LOOKUP or not all([vars(klass).keys().isdisjoint(names) for klass in cls.__mro__])

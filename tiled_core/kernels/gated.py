@@ -21,7 +21,6 @@ from ..kernel_registry import GENERATION
 from .base import ShardKernel
 
 if TYPE_CHECKING:
-    from ..gated_spec import GatedMLPSpec
     from ..sharded_autograd import GradAccumulator
 
 # An activation's ``forward_mul(g, u)`` returns ``act(g) * u``; ``backward_mul(dh, g, u)`` returns ``(dg, du)``
@@ -114,17 +113,6 @@ class GatedLayout:
     scales: Tuple[float, ...] = (1.0, 1.0, 1.0)
 
     @classmethod
-    def of(cls, spec: GatedMLPSpec) -> GatedLayout:
-        index = {id(p): i for i, p in enumerate(spec.params)}
-        slots: List[int] = []
-        for linear in (spec.gate, spec.up, spec.gate_up, spec.down):
-            slots += [-1, -1] if linear is None else [index[id(linear.weight)], index.get(id(linear.bias), -1)]
-        return cls(tuple(slots), (spec.gate_scale, spec.up_scale, spec.down_scale))
-
-    def as_args(self) -> Tuple[List[int], List[float]]:
-        return list(self.slots), list(self.scales)
-
-    @classmethod
     def from_args(cls, flat: Sequence[int], scales: Sequence[float]) -> GatedLayout:
         if len(flat) != 2 * len(ROLES) or len(scales) != 3:
             raise ValueError(f"a gated layout is {2 * len(ROLES)} slot indices and 3 factors, got {list(flat)}, {list(scales)}")
@@ -154,10 +142,6 @@ class GatedShardKernel(ShardKernel):
                        for i, role in enumerate(ROLES) if slots[2 * i] >= 0}
         self._fused = "gate_up" in self._slots
         self._gate_scale, self._up_scale, self._down_scale = layout.scales
-
-    @classmethod
-    def for_spec(cls, spec: GatedMLPSpec, activation, module_name: str = "the gated MLP") -> GatedShardKernel:
-        return cls(GatedLayout.of(spec), activation, spec.params, module_name)
 
     def _linear(self, role: str, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         weight, bias = self._slots[role]
