@@ -19,7 +19,7 @@ from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
 from .kernels.rms_norm import RMSNormShardKernel
 from .kernels.vocab_parallel import VocabParallelHeadKernel
 from .module_forward import forward_function
-from .norm_forms import NormSpec, norm_spec
+from .norm_forms import norm_spec
 from .sharded_autograd import autocast_enabled
 from .tiling_state import tiling_of
 
@@ -78,38 +78,36 @@ class NormEntry(Kernel):
     keeps_grad_buffers = True  # the weight's gradient buffer beside the module's, as the generic kernel's
 
     @staticmethod
-    def spec_for(module: nn.Module, strategy: Any, weight_is_local: bool = True) -> Tuple[Optional[NormSpec], str]:
-        """What the kernel computes for ``module`` whatever the input, or why it does not: asked at every call,
-        and by ``apply_tiled_mlp``'s report (``weight_is_local`` False where the backend holds shards then)."""
-        spec, why_not = norm_spec(module, forward_function(module))  # cheap: reads the forward's helpers again
-        if spec is not None and weight_is_local and strategy.local_view(module, [spec.weight]) is not None:
+    def spec_for(module: nn.Module, strategy: Any,
+                 weight_is_local: bool = True) -> Tuple[Optional[RMSNormShardKernel], str]:
+        """The kernel for ``module`` whatever the input, or why not: asked at every call, and by
+        ``apply_tiled_mlp``'s report (``weight_is_local`` False where the backend holds shards then)."""
+        kernel, why_not = norm_spec(module, forward_function(module))  # cheap: reads the forward's helpers again
+        if kernel is not None and weight_is_local and strategy.local_view(module, kernel.params) is not None:
             return None, "the weight is distributed (the generic kernel runs the module's own forward on it)"
-        return spec, why_not
+        return kernel, why_not
 
     def why_not(self, call: KernelCall) -> str:
         if call.token_inputs:
             return TOKEN_INPUTS_DECLINED
         x = call.x
-        spec, why_not = self.spec_for(call.module, call.strategy)
-        if spec is None:
+        kernel, why_not = self.spec_for(call.module, call.strategy)
+        if kernel is None:
             return why_not
+        weight = kernel.params[0]
         if autocast_enabled(x.device.type):
             return "autocast is enabled (the norm kernel computes in the body's own dtypes)"
         if not x.is_floating_point():
             return f"the input is {x.dtype}, not floating point"
-        if x.device != spec.weight.device:
-            return f"the input is on {x.device} but the weight is on {spec.weight.device}"
-        if tuple(spec.weight.shape) != (x.shape[-1],):
-            return f"the weight's shape {tuple(spec.weight.shape)} is not the input's width ({x.shape[-1]},)"
-        call.cache.kernel_cache["norm.spec"] = spec
+        if x.device != weight.device:
+            return f"the input is on {x.device} but the weight is on {weight.device}"
+        if tuple(weight.shape) != (x.shape[-1],):
+            return f"the weight's shape {tuple(weight.shape)} is not the input's width ({x.shape[-1]},)"
+        call.cache.kernel_cache["norm"] = kernel
         return ""
 
     def build(self, call: KernelCall) -> RMSNormShardKernel:
-        cached = call.cache.kernel_cache
-        spec, kernel = cached["norm.spec"], cached.get("norm.kernel")
-        if kernel is None or kernel.layout != spec.layout or kernel.params[0] is not spec.weight:
-            kernel = cached["norm.kernel"] = RMSNormShardKernel(spec.layout, spec.weight, type(call.module).__name__)
-        return kernel
+        return call.cache.kernel_cache["norm"]
 
 
 class GenericEntry(Kernel):
