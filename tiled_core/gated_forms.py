@@ -36,19 +36,6 @@ class GatedForm:
     up_scale: Scale = 1.0  # multiplies up(x)
     down_scale: Scale = 1.0  # multiplies down's output
 
-    @functools.cached_property
-    def module_names(self) -> Tuple[str, ...]:
-        names = (self.gate_up,) if self.gate_up is not None else (self.gate, self.up)
-        return tuple(n for n in (*names, self.down, self.activation) if n is not None)
-
-    @functools.cached_property
-    def scale_names(self) -> Tuple[str, ...]:
-        return tuple(s for s in (self.gate_scale, self.up_scale, self.down_scale) if isinstance(s, str))
-
-    @functools.cached_property
-    def read_names(self) -> Tuple[str, ...]:
-        return self.module_names + self.scale_names
-
 
 # Registered bodies (``register_gated_form``) and classes (the forward function, kept alive, and each
 # class's registered function). Every change counts in ``kernel_registry.GENERATION``.

@@ -6,7 +6,7 @@ attribute). Any doubt means the generic path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -61,14 +61,6 @@ def foreign_child_hooks(module: nn.Module, is_backend_hook=no_hook_is_backend) -
 _LINEAR = CodeForm("return F.linear({x}, self.weight, self.bias)", {"F": F})
 
 
-def _scale(module: nn.Module, scale) -> Optional[float]:
-    """The factor's value, or None when the named attribute is not a plain number."""
-    if not isinstance(scale, str):
-        return float(scale)
-    value = None if shadowed(module, (scale,)) else module.__dict__.get(scale)
-    return None if isinstance(value, bool) or not isinstance(value, (int, float)) else float(value)
-
-
 def _beyond_spec(module: nn.Module, params: List[torch.Tensor], parts: List[nn.Module]) -> str:
     """What the module holds besides the projections' ``params`` and its ``parts`` ("" when nothing): it would
     change the result or get no gradient, and a numerical probe cannot rule it out (neutral at init)."""
@@ -96,9 +88,12 @@ def structural_spec(module: nn.Module, form: GatedForm,
     hooks = foreign_child_hooks(module, is_backend_hook)
     if hooks:
         return None, f"submodules have hooks that the fast kernel would skip ({', '.join(hooks)})"
-    if shadowed(module, form.read_names):
+    roles = {role: getattr(form, role) for role in ROLES if getattr(form, role) is not None}
+    names, attributes = (*roles.values(), form.activation), module.__dict__
+    factors = (form.gate_scale, form.up_scale, form.down_scale)
+    scale_names = [s for s in factors if isinstance(s, str)]
+    if shadowed(module, (*names, *scale_names)):
         return None, "its class defines an attribute the forward reads, or a custom attribute lookup"
-    names, attributes = form.module_names, module.__dict__
     # An instance attribute of a child's name is found before the child (children live in ``_modules``).
     if not attributes.keys().isdisjoint(names):
         return None, f"an instance attribute hides the submodule {', '.join(n for n in names if n in attributes)}"
@@ -110,10 +105,11 @@ def structural_spec(module: nn.Module, form: GatedForm,
     act = activation_name(act_module)
     if act is None:
         return None, f"{form.activation} ({type(act_module).__name__}) is not a recognised activation (silu, gelu, gelu tanh)"
-    scales = [_scale(module, s) for s in (form.gate_scale, form.up_scale, form.down_scale)]
-    if None in scales:
-        return None, f"a scale it multiplies by ({', '.join(form.scale_names)}) is not a plain number"
-    linears = {role: parts[getattr(form, role)] for role in ROLES if getattr(form, role) is not None}
+    # A named factor is read from the instance (its class was checked above); a bool is no factor.
+    scales: List[Any] = [attributes.get(s) if isinstance(s, str) else s for s in factors]
+    if not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scales):
+        return None, f"a scale it multiplies by ({', '.join(scale_names)}) is not a plain number"
+    linears = {role: parts[name] for role, name in roles.items()}
     if not all(type(m) is nn.Linear and is_plain_linear(m, is_backend_hook) for m in linears.values()) or not (
             matches(nn.Linear.forward, _LINEAR) and linear_is_a_linear(F.linear)):
         return None, "projections are not plain nn.Linear (LoRA or quantised wrappers)"
@@ -132,4 +128,4 @@ def structural_spec(module: nn.Module, form: GatedForm,
         return None, f"the projections' weights have different dtypes ({sorted(map(str, dtypes))})"
     index = {id(p): i for i, p in enumerate(params)}
     slots = tuple(index.get(id(getattr(linears.get(role), attr, None)), -1) for role in ROLES for attr in ("weight", "bias"))
-    return GatedMLPSpec(act, GatedLayout(slots, tuple(scales)), params), ""  # type: ignore[arg-type]  # no None left
+    return GatedMLPSpec(act, GatedLayout(slots, tuple(map(float, scales))), params), ""
