@@ -112,9 +112,6 @@ def replace_body(table: List[Tuple[CodeForm, Any]], body: CodeForm, value: Any =
     GENERATION[0] += 1
 
 
-def first_match(table: List[Tuple[CodeForm, Any]], fn: Any) -> Tuple[Optional[CodeForm], Any]:
-    """The first registered body ``fn``'s code is, and its value; (None, None) when none."""
-    for body, value in table:
-        if matches(fn, body):
-            return body, value
-    return None, None
+def first_match(table: List[Tuple[CodeForm, Any]], fn: Any) -> Any:
+    """The value of the first registered body ``fn``'s code is; None when none."""
+    return next((value for body, value in table if matches(fn, body)), None)

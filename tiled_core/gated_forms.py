@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 import torch.nn.functional as F
 from torch import nn
 
-from .code_forms import CodeForm, first_match, matches, replace_body
+from .code_forms import CodeForm, first_match, replace_body
 from .kernel_registry import GENERATION
 from .kernels.gated import ACTIVATIONS
 
@@ -91,7 +91,7 @@ def unregister_gated_mlp(cls: type) -> None:
 def known_form(fn: Any) -> Optional[GatedForm]:
     """The form the plain function ``fn`` (a class's forward) is known to compute, or None."""
     registered = _REGISTERED.get(fn) if fn is not None else None
-    return registered if registered is not None else first_match(KNOWN_BODIES, fn)[1]
+    return registered if registered is not None else first_match(KNOWN_BODIES, fn)
 
 
 # Torch's functions as this process first saw them: a monkeypatched ``F.silu`` is not the activation the
@@ -127,10 +127,6 @@ def linear_is_a_linear(fn: Any) -> bool:
     return getattr(sys.modules.get(module_name or ""), name or "", None) is fn
 
 
-_TORCH_ACTIVATIONS = {
-    nn.SiLU: CodeForm("return F.silu({x}, inplace=self.inplace)", {"F": F, "F.silu": F_SILU}),
-    nn.GELU: CodeForm("return F.gelu({x}, approximate=self.approximate)", {"F": F, "F.gelu": F_GELU}),
-}
 # Activation bodies (``register_activation``): the body -> (what it computes, or None; the instance attribute
 # holding its torch function, or None).
 _ACTIVATION_BODIES: List[Tuple[CodeForm, Tuple[Optional[str], Optional[str]]]] = []
@@ -141,7 +137,7 @@ def register_activation(body: CodeForm, *, computes: Optional[str] = None,
     """Declare that an activation module whose class's forward has exactly the code of ``body`` computes
     ``computes`` (one of ``ACTIVATIONS``), or calls the function it holds in the instance attribute
     ``function_attribute`` (recognised when it is ``F.silu``, ``F.gelu`` or ``partial(F.gelu,
-    approximate="tanh")``). Name exactly one of the two."""
+    approximate="tanh")``, or the ``approximate`` string ``F.gelu`` takes). Name exactly one of the two."""
     if not isinstance(body, CodeForm):
         raise TypeError(f"register_activation takes a CodeForm body, got {type(body).__name__}")
     if (computes is None) == (function_attribute is None):
@@ -157,13 +153,15 @@ def unregister_activation(body: CodeForm) -> None:
     replace_body(_ACTIVATION_BODIES, body)
 
 
-def _function_name(fn: Any) -> Optional[str]:
-    if fn is F_SILU:
+def _function_name(value: Any) -> Optional[str]:
+    if isinstance(value, str):  # nn.GELU's ``approximate``
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(value)
+    if value is F_SILU:
         return "silu"
-    if fn is F_GELU:
+    if value is F_GELU:
         return "gelu"
-    if (isinstance(fn, functools.partial) and fn.func is F_GELU and not fn.args
-            and fn.keywords == {"approximate": "tanh"}):
+    if (isinstance(value, functools.partial) and value.func is F_GELU and not value.args
+            and value.keywords == {"approximate": "tanh"}):
         return "gelu_tanh"
     return None
 
@@ -172,21 +170,16 @@ def activation_name(act: Any) -> Optional[str]:
     """"silu", "gelu" or "gelu_tanh" when ``act`` provably computes it, else None."""
     if not isinstance(act, nn.Module) or "forward" in act.__dict__:
         return None
-    cls = type(act)
-    torch_form = _TORCH_ACTIVATIONS.get(cls)
-    if torch_form is not None:
-        if not matches(cls.forward, torch_form) or shadowed(act, ("inplace", "approximate")):
-            return None
-        approximate = act.__dict__.get("approximate")
-        gelu = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate) if isinstance(approximate, str) else None
-        return "silu" if cls is nn.SiLU else gelu
-    body, registered = first_match(_ACTIVATION_BODIES, cls.forward)
-    if body is None:
-        return None
-    computes, attribute = registered
-    if computes is not None:
+    computes, attribute = first_match(_ACTIVATION_BODIES, type(act).forward) or (None, None)
+    if computes is not None or attribute is None:
         return computes
     return None if shadowed(act, (attribute,)) else _function_name(act.__dict__.get(attribute))
+
+
+# Torch's own activations, known to the core alone.
+register_activation(CodeForm("return F.silu({x}, inplace=self.inplace)", {"F": F, "F.silu": F_SILU}), computes="silu")
+register_activation(CodeForm("return F.gelu({x}, approximate=self.approximate)", {"F": F, "F.gelu": F_GELU}),
+                    function_attribute="approximate")
 
 
 # How torch's modules find attributes and are called, as this process first saw them.

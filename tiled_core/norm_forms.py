@@ -66,7 +66,7 @@ UNKNOWN_NORM = ("its forward is not one the norm kernel is known to compute (a r
 def norm_spec(module: nn.Module, forward_fn: Optional[Any]) -> Tuple[Optional[RMSNormShardKernel], str]:
     """(the norm kernel for it, "") when ``forward_fn`` (what the module's forward runs, None: not a function of
     this module) provably computes a registered norm on this module's attributes, else (None, why not)."""
-    _, form = first_match(_BODIES, forward_fn)
+    form = first_match(_BODIES, forward_fn)
     if form is None:
         return None, UNKNOWN_NORM
     if shadowed(module, (form.weight, form.eps)):
