@@ -127,12 +127,14 @@ class GenericEntry(Kernel):
     def build(self, call: KernelCall) -> GenericShardKernel:
         module, plan = call.module, call.cache
         hooks = functools.partial(foreign_child_hooks, module, call.strategy.is_backend_hook)
-        if plan.generic_layout is None:
-            plan.generic_layout = generic_layout(module, plan.trainable, hooks(), tiling_of(module).instance_forward)
+        layout = plan.kernel_cache.get("generic.layout")
+        if layout is None:
+            layout = plan.kernel_cache["generic.layout"] = generic_layout(module, plan.trainable, hooks(),
+                                                                          tiling_of(module).instance_forward)
         assert call.shard_forward is not None, "a map call gives what one shard runs"
         prefix = (1,) * (call.x.dim() - 2)
         kernel = GenericShardKernel(call.shard_forward, type(module).__name__, plan.trainable, prefix,
-                                    plan.generic_layout, hooks, grad_mode=torch.is_grad_enabled(),
+                                    layout, hooks, grad_mode=torch.is_grad_enabled(),
                                     token_inputs=call.token_inputs)
         # A view under which the module's own forward computes on local tensors (sequence parallelism on a norm)
         # is entered; a module whose submodules' tensor-parallel hooks hand it local tensors runs with none.
