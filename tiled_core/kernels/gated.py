@@ -112,14 +112,13 @@ class GatedLayout:
     slots: Tuple[int, ...]
     scales: Tuple[float, ...] = (1.0, 1.0, 1.0)
 
-    @classmethod
-    def from_args(cls, flat: Sequence[int], scales: Sequence[float]) -> GatedLayout:
+    def __post_init__(self) -> None:
+        flat, scales = self.slots, self.scales
         if len(flat) != 2 * len(ROLES) or len(scales) != 3:
             raise ValueError(f"a gated layout is {2 * len(ROLES)} slot indices and 3 factors, got {list(flat)}, {list(scales)}")
         roles = {role for i, role in enumerate(ROLES) if flat[2 * i] >= 0}
         if "down" not in roles or not ({"gate", "up"} <= roles) ^ ("gate_up" in roles):
             raise ValueError(f"a gated layout holds down and either gate and up or gate_up, got roles {sorted(roles)}")
-        return cls(tuple(flat), tuple(float(s) for s in scales))
 
 
 class GatedShardKernel(ShardKernel):
