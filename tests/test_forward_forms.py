@@ -11,7 +11,7 @@ from torch import nn
 
 import tiled_mlp.core.code_forms as code_forms
 from tiled_mlp import TiledMLP, register_gated_mlp, unregister_gated_mlp
-from tiled_mlp.core import strict
+from tiled_mlp.core import fast_path_problem, strict
 from tiled_mlp.core.gated_forms import KNOWN_BODIES, known_form
 
 pytestmark = pytest.mark.timeout(60)
@@ -99,6 +99,19 @@ def test_a_registered_class_takes_the_fast_path_with_its_factors_exactly():
         torch.manual_seed(0)
         _check_path_and_exact(Odd(), "fast")
         _check_path_and_exact(Odd(scale=2.0), "fast")  # a factor read by name at every call
+    finally:
+        unregister_gated_mlp(Odd)
+
+
+@pytest.mark.parametrize("value", [torch.tensor(2.0), True, None])
+def test_a_named_factor_that_is_not_a_plain_number_takes_the_generic_path(value):
+    register_gated_mlp(Odd, gate="w1", up="w3", down="w2", activation="act", gate_scale=1.5, up_scale=0.5,
+                       down_scale="out_scale")
+    try:
+        mlp = Odd()
+        assert fast_path_problem(TiledMLP, mlp) == ""
+        mlp.__dict__["out_scale"] = value
+        assert "(out_scale) is not a plain number" in fast_path_problem(TiledMLP, mlp)
     finally:
         unregister_gated_mlp(Odd)
 

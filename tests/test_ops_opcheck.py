@@ -32,8 +32,8 @@ def _gated_args(fused: bool, bias: bool, memory: str = "contiguous"):
     # Two ints per role (gate, up, gate_up, down): weight and bias index, -1 where absent.
     down = [1, 2 if bias else -1] if fused else [2, 3 if bias else -1]
     slots = ([-1, -1, -1, -1, 0, -1] if fused else [0, -1, 1, -1, -1, -1]) + down
-    slots, scales = GatedLayout.from_args(slots, (0.5, 1.0, 2.0)).as_args()
-    return t(2, 7, hidden), tensors, slots, scales
+    GatedLayout(tuple(slots), (0.5, 1.0, 2.0))  # a layout the op accepts
+    return t(2, 7, hidden), tensors, slots, [0.5, 1.0, 2.0]
 
 
 @pytest.mark.parametrize("memory", MEMORY_LAYOUTS)
@@ -67,3 +67,15 @@ def test_linear_cross_entropy_op_passes_opcheck(bias, memory):
     scale = (targets != -100).sum().double().reciprocal()
     torch.library.opcheck(torch.ops.tiled_mlp.linear_cross_entropy.default,
                           (x, targets, scale, weight, b, -100, 0.1, 5.0, 1e-3, 3, None, True, True, bias))
+
+
+@pytest.mark.parametrize("slots, scales, match", [
+    ([0, -1, 1, -1, -1, -1], (1.0, 1.0, 1.0), "8 slot indices"),
+    ([0, -1, 1, -1, 2, -1, 3, -1], (1.0, 1.0, 1.0), "either gate and up or gate_up"),  # both
+    ([0, -1, -1, -1, -1, -1, 1, -1], (1.0, 1.0, 1.0), "either gate and up or gate_up"),  # up missing
+    ([0, -1, 1, -1, -1, -1, -1, -1], (1.0, 1.0, 1.0), "holds down"),
+])
+def test_the_gated_op_refuses_a_layout_it_cannot_compute(slots, scales, match):
+    x, tensors, _, _ = _gated_args(False, False)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.tiled_mlp.gated_mlp(x, tensors, slots, list(scales), "silu", False, 3, None)

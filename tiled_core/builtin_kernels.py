@@ -10,16 +10,16 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from .fast_path import decide_fast_path
+from .fast_path import structural_decision
 from .gated_spec import foreign_child_hooks
 from .kernel_registry import MAP, REDUCE, TOKEN_INPUTS_DECLINED, Kernel, KernelCall, register_kernel
-from .kernels.gated import GatedShardKernel, gated_activation
+from .kernels.gated import DOWN_WEIGHT_ARG, GatedShardKernel, gated_activation
 from .kernels.generic import GenericShardKernel, generic_layout
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
 from .kernels.rms_norm import RMSNormShardKernel
 from .kernels.vocab_parallel import VocabParallelHeadKernel
 from .module_forward import forward_function
-from .norm_forms import NormSpec, norm_spec
+from .norm_forms import norm_spec
 from .sharded_autograd import autocast_enabled
 from .tiling_state import tiling_of
 
@@ -38,24 +38,27 @@ class GatedEntry(Kernel):
     def why_not(self, call: KernelCall) -> str:
         if call.token_inputs:
             return TOKEN_INPUTS_DECLINED
-        module, plan = call.module, call.cache
-        unfit = type(module).tiled_no_fast_path  # type: ignore[attr-defined]  # TiledMLP's class attribute
-        if unfit:
-            return unfit
+        module, plan, x, hook = call.module, call.cache, call.x, call.strategy.is_backend_hook
         if plan.fast is None:
-            plan.fast = decide_fast_path(module, forward_function(module), call.x, call.strategy.is_backend_hook)
+            plan.fast = structural_decision(module, forward_function(module), hook)
             spec = plan.fast[0]
-            plan.fast_params = spec.params if spec is not None else None
             if spec is not None:
-                assert spec.proof_reads is not None, "a proven spec carries what its proof read"
                 # What the plan's key does not see (a class changed, a module global rebound, a torch function
-                # patched) guards the plan in strict mode: where one changed, the decision is made again.
-                plan.add_guards(spec.proof_reads.holds)
+                # patched) guards the plan in strict mode: the decision is made again at each call.
+                plan.add_guards(lambda: structural_decision(module, forward_function(module), hook)[0] is not None)
+                weight = spec.params[spec.layout.slots[DOWN_WEIGHT_ARG]]
+                if autocast_enabled(x.device.type):
+                    plan.fast = None, "autocast is enabled (the fast kernel computes in the weights' dtype)"
+                elif x.dtype != weight.dtype:
+                    # The module may cast its input (or fail); the generic path does exactly what it does.
+                    plan.fast = None, f"the input is {x.dtype} but the weights are {weight.dtype}"
+                elif x.device != weight.device:
+                    plan.fast = None, f"the input is on {x.device} but the weights are on {weight.device}"
         spec, why_not = plan.fast
         if spec is None:
             return why_not
         # Distributed parameters: the kernel runs on the strategy's local view, where one stands in exactly.
-        view = call.strategy.local_view(module, plan.fast_params)
+        view = call.strategy.local_view(module, spec.params)
         return "" if view is None else view.why_not
 
     def build(self, call: KernelCall) -> GatedShardKernel:
@@ -63,7 +66,7 @@ class GatedEntry(Kernel):
         if plan.fast_kernel is None:  # stateless: one per plan
             spec, module = plan.fast[0], call.module
             activation = gated_activation(spec.activation, call.x.device, tiling_of(module).use_fused_kernel)
-            plan.fast_kernel = GatedShardKernel.for_spec(spec, activation, type(module).__name__)
+            plan.fast_kernel = GatedShardKernel(spec.layout, activation, spec.params, type(module).__name__)
         return plan.fast_kernel
 
 
@@ -75,38 +78,36 @@ class NormEntry(Kernel):
     keeps_grad_buffers = True  # the weight's gradient buffer beside the module's, as the generic kernel's
 
     @staticmethod
-    def spec_for(module: nn.Module, strategy: Any, weight_is_local: bool = True) -> Tuple[Optional[NormSpec], str]:
-        """What the kernel computes for ``module`` whatever the input, or why it does not: asked at every call,
-        and by ``apply_tiled_mlp``'s report (``weight_is_local`` False where the backend holds shards then)."""
-        spec, why_not = norm_spec(module, forward_function(module))  # cheap: reads the forward's helpers again
-        if spec is not None and weight_is_local and strategy.local_view(module, [spec.weight]) is not None:
+    def spec_for(module: nn.Module, strategy: Any,
+                 weight_is_local: bool = True) -> Tuple[Optional[RMSNormShardKernel], str]:
+        """The kernel for ``module`` whatever the input, or why not: asked at every call, and by
+        ``apply_tiled_mlp``'s report (``weight_is_local`` False where the backend holds shards then)."""
+        kernel, why_not = norm_spec(module, forward_function(module))  # cheap: reads the forward's helpers again
+        if kernel is not None and weight_is_local and strategy.local_view(module, kernel.params) is not None:
             return None, "the weight is distributed (the generic kernel runs the module's own forward on it)"
-        return spec, why_not
+        return kernel, why_not
 
     def why_not(self, call: KernelCall) -> str:
         if call.token_inputs:
             return TOKEN_INPUTS_DECLINED
         x = call.x
-        spec, why_not = self.spec_for(call.module, call.strategy)
-        if spec is None:
+        kernel, why_not = self.spec_for(call.module, call.strategy)
+        if kernel is None:
             return why_not
+        weight = kernel.params[0]
         if autocast_enabled(x.device.type):
             return "autocast is enabled (the norm kernel computes in the body's own dtypes)"
         if not x.is_floating_point():
             return f"the input is {x.dtype}, not floating point"
-        if x.device != spec.weight.device:
-            return f"the input is on {x.device} but the weight is on {spec.weight.device}"
-        if tuple(spec.weight.shape) != (x.shape[-1],):
-            return f"the weight's shape {tuple(spec.weight.shape)} is not the input's width ({x.shape[-1]},)"
-        call.cache.kernel_cache["norm.spec"] = spec
+        if x.device != weight.device:
+            return f"the input is on {x.device} but the weight is on {weight.device}"
+        if tuple(weight.shape) != (x.shape[-1],):
+            return f"the weight's shape {tuple(weight.shape)} is not the input's width ({x.shape[-1]},)"
+        call.cache.kernel_cache["norm"] = kernel
         return ""
 
     def build(self, call: KernelCall) -> RMSNormShardKernel:
-        cached = call.cache.kernel_cache
-        spec, kernel = cached["norm.spec"], cached.get("norm.kernel")
-        if kernel is None or kernel.layout != spec.layout or kernel.params[0] is not spec.weight:
-            kernel = cached["norm.kernel"] = RMSNormShardKernel(spec.layout, spec.weight, type(call.module).__name__)
-        return kernel
+        return call.cache.kernel_cache["norm"]
 
 
 class GenericEntry(Kernel):
@@ -126,12 +127,14 @@ class GenericEntry(Kernel):
     def build(self, call: KernelCall) -> GenericShardKernel:
         module, plan = call.module, call.cache
         hooks = functools.partial(foreign_child_hooks, module, call.strategy.is_backend_hook)
-        if plan.generic_layout is None:
-            plan.generic_layout = generic_layout(module, plan.trainable, hooks(), tiling_of(module).instance_forward)
+        layout = plan.kernel_cache.get("generic.layout")
+        if layout is None:
+            layout = plan.kernel_cache["generic.layout"] = generic_layout(module, plan.trainable, hooks(),
+                                                                          tiling_of(module).instance_forward)
         assert call.shard_forward is not None, "a map call gives what one shard runs"
         prefix = (1,) * (call.x.dim() - 2)
         kernel = GenericShardKernel(call.shard_forward, type(module).__name__, plan.trainable, prefix,
-                                    plan.generic_layout, hooks, grad_mode=torch.is_grad_enabled(),
+                                    layout, hooks, grad_mode=torch.is_grad_enabled(),
                                     token_inputs=call.token_inputs)
         # A view under which the module's own forward computes on local tensors (sequence parallelism on a norm)
         # is entered; a module whose submodules' tensor-parallel hooks hand it local tensors runs with none.

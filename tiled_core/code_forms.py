@@ -11,6 +11,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from .kernel_registry import GENERATION
+
 _COMPARED = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_posonlyargcount",
              "co_kwonlyargcount", "co_freevars", "co_cellvars")
 # The flags of what kind of code it is, without the ``__future__`` bits and CO_NESTED: those say where the
@@ -100,15 +102,16 @@ def globals_hold(fn: types.FunctionType, form: CodeForm) -> bool:
 
 
 def replace_body(table: List[Tuple[CodeForm, Any]], body: CodeForm, value: Any = None) -> None:
-    """Withdraw ``body`` (an equal one) from a registry of bodies, then register it with ``value`` if given."""
+    """Withdraw ``body`` (an equal one) from a registry of bodies, then register it with ``value`` if given
+    (refused, before any change, where it does not compile as a method body)."""
+    if value is not None:
+        check_body(body)
     table[:] = [(known, known_value) for known, known_value in table if known != body]
     if value is not None:
         table.append((body, value))
+    GENERATION[0] += 1
 
 
-def first_match(table: List[Tuple[CodeForm, Any]], fn: Any) -> Tuple[Optional[CodeForm], Any]:
-    """The first registered body ``fn``'s code is, and its value; (None, None) when none."""
-    for body, value in table:
-        if matches(fn, body):
-            return body, value
-    return None, None
+def first_match(table: List[Tuple[CodeForm, Any]], fn: Any) -> Any:
+    """The value of the first registered body ``fn``'s code is; None when none."""
+    return next((value for body, value in table if matches(fn, body)), None)

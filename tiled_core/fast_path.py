@@ -1,45 +1,117 @@
-"""Whether a call may take the gated fast kernel: decided from what the forward is (``gated_forms``) and the
-module's structure (``gated_spec``), never by running it, once per call plan.
+"""Whether a module may take the gated fast kernel, whatever the call: decided once, from what the forward is
+(``gated_forms``) and the module's structure, never by running it.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .gated_forms import known_form_and_body
-from .gated_spec import GatedMLPSpec, no_hook_is_backend, structural_spec
+from .code_forms import CodeForm, matches
+from .gated_forms import activation_name, called_as_torch_calls, known_form, linear_is_a_linear, shadowed
+from .gated_spec import foreign_child_hooks, no_hook_is_backend
+from .kernels.gated import ROLES, GatedLayout
+from .kernels.lm_head import is_plain_linear
 from .module_forward import forward_function, is_tiled
-from .sharded_autograd import autocast_enabled
-
-
-def decide_fast_path(module: nn.Module, forward_fn: Optional[Callable], x: torch.Tensor,
-                     is_backend_hook) -> Tuple[Optional[GatedMLPSpec], str]:
-    spec, why_not = structural_decision(module, forward_fn, is_backend_hook)
-    if spec is None:
-        return None, why_not
-    if autocast_enabled(x.device.type):
-        return None, "autocast is enabled (the fast kernel computes in the weights' dtype)"
-    weight = spec.down.weight
-    if x.dtype != weight.dtype:
-        # The module may cast its input (or fail); the generic path does exactly what it does.
-        return None, f"the input is {x.dtype} but the weights are {weight.dtype}"
-    if x.device != weight.device:
-        return None, f"the input is on {x.device} but the weights are on {weight.device}"
-    return spec, ""
-
-
-def structural_decision(module: nn.Module, forward_fn: Optional[Callable],
-                        is_backend_hook: Callable = no_hook_is_backend) -> Tuple[Optional[GatedMLPSpec], str]:
-    form, body = known_form_and_body(forward_fn)
-    if form is None:
-        return None, UNKNOWN_FORWARD
-    return structural_spec(module, form, is_backend_hook, None if body is None else (forward_fn, body))
-
 
 UNKNOWN_FORWARD = ("its forward is not one the fast kernel is known to compute (a known library body, or a class "
                    "declared with register_gated_mlp)")
+
+
+@dataclass(frozen=True)
+class GatedMLPSpec:
+    """What the fast kernel computes a proven gated MLP with: its activation, where each projection's tensors
+    sit among ``params`` and the fixed factors (``layout``), and the projections' weights and biases, each
+    tensor once (gate and up tied: one buffer gets both roles')."""
+
+    activation: str
+    layout: GatedLayout
+    params: List[torch.Tensor]
+
+
+_LINEAR = CodeForm("return F.linear({x}, self.weight, self.bias)", {"F": F})
+
+
+def _beyond_spec(module: nn.Module, params: List[torch.Tensor], parts: List[nn.Module]) -> str:
+    """What the module holds besides the projections' ``params`` and its ``parts`` ("" when nothing): it would
+    change the result or get no gradient, and a numerical probe cannot rule it out (neutral at init)."""
+    wanted = {id(p) for p in params}
+    extra = [name for name, p in module.named_parameters() if id(p) not in wanted]
+    if extra:
+        return f"parameters besides the projections' ({', '.join(extra)})"
+    buffers = [name for name, _ in module.named_buffers()]
+    if buffers:
+        return f"buffers ({', '.join(buffers)})"
+    allowed = set(map(id, parts))
+    subs = [name for name, m in module.named_modules() if name and id(m) not in allowed]
+    if subs:
+        return f"submodules besides the projections and the activation ({', '.join(subs)})"
+    tensors = [f"{prefix}{'.' if prefix else ''}{key}" for prefix, m in module.named_modules()
+               for key, value in vars(m).items() if isinstance(value, torch.Tensor)]
+    if tensors:
+        return f"tensor attributes outside its parameters ({', '.join(tensors)})"
+    return ""
+
+
+def structural_decision(module: nn.Module, forward_fn: Optional[Callable], is_backend_hook: Callable = no_hook_is_backend,
+                        mixin: Optional[type] = None) -> Tuple[Optional[GatedMLPSpec], str]:
+    """The spec when ``forward_fn`` (what the module's forward runs) is proven to compute a gated form, and the
+    module's structure lets the fast kernel compute it: the projections are plain ``nn.Linear`` with no hooks,
+    and the module owns nothing else (no other parameter, buffer, submodule or tensor attribute). Else (None,
+    why not): any doubt means the generic path. ``mixin``: the tiling class, where the module is not tiled yet."""
+    unfit = getattr(mixin or type(module), "tiled_no_fast_path", "")  # a tiling class's own refusal (TiledNorm's)
+    if unfit:
+        return None, unfit
+    form = known_form(forward_fn)
+    if form is None:
+        return None, UNKNOWN_FORWARD
+    hooks = foreign_child_hooks(module, is_backend_hook)
+    if hooks:
+        return None, f"submodules have hooks that the fast kernel would skip ({', '.join(hooks)})"
+    roles = {role: getattr(form, role) for role in ROLES if getattr(form, role) is not None}
+    names, attributes = (*roles.values(), form.activation), module.__dict__
+    factors = (form.gate_scale, form.up_scale, form.down_scale)
+    scale_names = [s for s in factors if isinstance(s, str)]
+    if shadowed(module, (*names, *scale_names)):
+        return None, "its class defines an attribute the forward reads, or a custom attribute lookup"
+    # An instance attribute of a child's name is found before the child (children live in ``_modules``).
+    if not attributes.keys().isdisjoint(names):
+        return None, f"an instance attribute hides the submodule {', '.join(n for n in names if n in attributes)}"
+    parts = attributes["_modules"]
+    missing = [name for name in names if not isinstance(parts.get(name), nn.Module)]
+    if missing:
+        return None, f"no submodule {', '.join(missing)}"
+    act_module = parts[form.activation]
+    act = activation_name(act_module)
+    if act is None:
+        return None, f"{form.activation} ({type(act_module).__name__}) is not a recognised activation (silu, gelu, gelu tanh)"
+    # A named factor is read from the instance (its class was checked above); a bool is no factor.
+    scales: List[Any] = [attributes.get(s) if isinstance(s, str) else s for s in factors]
+    if not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scales):
+        return None, f"a scale it multiplies by ({', '.join(scale_names)}) is not a plain number"
+    linears = {role: parts[name] for role, name in roles.items()}
+    if not all(type(m) is nn.Linear and is_plain_linear(m, is_backend_hook) for m in linears.values()) or not (
+            matches(nn.Linear.forward, _LINEAR) and linear_is_a_linear(F.linear)):
+        return None, "projections are not plain nn.Linear (LoRA or quantised wrappers)"
+    if any(shadowed(m, ("weight", "bias")) for m in linears.values()):
+        return None, "nn.Linear's class defines weight or bias, or a custom attribute lookup, which its forward would read"
+    if not all(called_as_torch_calls(type(m)) for m in (*linears.values(), act_module)):
+        return None, "a submodule's class is called through a patched __call__, which the fast kernel (calling no submodule) would skip"
+    if "gate_up" in linears and linears["gate_up"].out_features % 2:
+        return None, "gate_up_proj has an odd number of outputs"
+    params = list({id(t): t for m in linears.values() for t in (m.weight, m.bias) if t is not None}.values())
+    extra = _beyond_spec(module, params, [*linears.values(), act_module])
+    if extra:
+        return None, f"the module has {extra}"
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        return None, f"the projections' weights have different dtypes ({sorted(map(str, dtypes))})"
+    index = {id(p): i for i, p in enumerate(params)}
+    slots = tuple(index.get(id(getattr(linears.get(role), attr, None)), -1) for role in ROLES for attr in ("weight", "bias"))
+    return GatedMLPSpec(act, GatedLayout(slots, tuple(map(float, scales))), params), ""
 
 
 class FastPathRefused(ValueError):
@@ -52,11 +124,8 @@ def fast_refused(module: nn.Module, why_not: str) -> FastPathRefused:
 
 def fast_path_problem(mixin: type, mlp: nn.Module, is_backend_hook: Callable = no_hook_is_backend) -> str:
     """Why the fast kernel could never run ``mlp`` (tiled or not), whatever the call ("" when it may)."""
-    unfit = getattr(mixin, "tiled_no_fast_path", "")
-    if unfit:
-        return unfit
     if is_tiled(mlp):
         forward = forward_function(mlp)
     else:  # not tiled yet: an instance forward here is another library's (accelerate's hooks)
         forward = None if "forward" in mlp.__dict__ else type(mlp).forward
-    return structural_decision(mlp, forward, is_backend_hook)[1]
+    return structural_decision(mlp, forward, is_backend_hook, mixin)[1]

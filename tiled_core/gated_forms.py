@@ -11,12 +11,13 @@ import functools
 import operator
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch.nn.functional as F
 from torch import nn
 
-from .code_forms import CodeForm, check_body, first_match, globals_hold, matches, replace_body
+from .code_forms import CodeForm, first_match, replace_body
+from .kernel_registry import GENERATION
 from .kernels.gated import ACTIVATIONS
 
 Scale = Union[float, str]  # a fixed factor, or the name of a float attribute the forward multiplies by
@@ -35,26 +36,12 @@ class GatedForm:
     up_scale: Scale = 1.0  # multiplies up(x)
     down_scale: Scale = 1.0  # multiplies down's output
 
-    @functools.cached_property
-    def module_names(self) -> Tuple[str, ...]:
-        names = (self.gate_up,) if self.gate_up is not None else (self.gate, self.up)
-        return tuple(n for n in (*names, self.down, self.activation) if n is not None)
-
-    @functools.cached_property
-    def scale_names(self) -> Tuple[str, ...]:
-        return tuple(s for s in (self.gate_scale, self.up_scale, self.down_scale) if isinstance(s, str))
-
-    @functools.cached_property
-    def read_names(self) -> Tuple[str, ...]:
-        return self.module_names + self.scale_names
-
 
 # Registered bodies (``register_gated_form``) and classes (the forward function, kept alive, and each
-# class's registered function). ``_GENERATION`` counts changes to every table in this file: the call plan keys on it.
+# class's registered function). Every change counts in ``kernel_registry.GENERATION``.
 KNOWN_BODIES: List[Tuple[CodeForm, GatedForm]] = []
 _REGISTERED: Dict[Any, GatedForm] = {}
 _REGISTERED_BY_CLASS: Dict[type, Any] = {}
-_GENERATION = [0]
 
 
 def register_gated_form(body: CodeForm, form: GatedForm) -> None:
@@ -66,14 +53,11 @@ def register_gated_form(body: CodeForm, form: GatedForm) -> None:
         raise TypeError(f"register_gated_form takes a GatedForm, got {type(form).__name__}")
     if (form.gate_up is None) == (form.gate is None or form.up is None):
         raise ValueError("a form names either gate and up, or gate_up (a fused [gate; up] projection), not both")
-    check_body(body)
     replace_body(KNOWN_BODIES, body, form)
-    _GENERATION[0] += 1
 
 
 def unregister_gated_form(body: CodeForm) -> None:
     replace_body(KNOWN_BODIES, body)
-    _GENERATION[0] += 1
 
 
 def register_gated_mlp(cls: type, *, gate: Optional[str] = "gate_proj", up: Optional[str] = "up_proj",
@@ -101,21 +85,13 @@ def register_gated_mlp(cls: type, *, gate: Optional[str] = "gate_proj", up: Opti
 
 def unregister_gated_mlp(cls: type) -> None:
     _REGISTERED.pop(_REGISTERED_BY_CLASS.pop(cls, None), None)
-    _GENERATION[0] += 1
+    GENERATION[0] += 1
 
 
 def known_form(fn: Any) -> Optional[GatedForm]:
     """The form the plain function ``fn`` (a class's forward) is known to compute, or None."""
-    return known_form_and_body(fn)[0]
-
-
-def known_form_and_body(fn: Any) -> Tuple[Optional[GatedForm], Optional[CodeForm]]:
-    """``known_form``, and the registered body ``fn``'s code matched (None for a registered class)."""
     registered = _REGISTERED.get(fn) if fn is not None else None
-    if registered is not None:
-        return registered, None
-    body, form = first_match(KNOWN_BODIES, fn)
-    return form, body
+    return registered if registered is not None else first_match(KNOWN_BODIES, fn)
 
 
 # Torch's functions as this process first saw them: a monkeypatched ``F.silu`` is not the activation the
@@ -133,12 +109,12 @@ def register_equivalent_linear(module_name: str, function_name: str) -> None:
         raise TypeError(f"register_equivalent_linear takes a module name and a function name, got "
                         f"{module_name!r}, {function_name!r}")
     _EQUIVALENT_LINEARS.add((module_name, function_name))
-    _GENERATION[0] += 1
+    GENERATION[0] += 1
 
 
 def unregister_equivalent_linear(module_name: str, function_name: str) -> None:
     _EQUIVALENT_LINEARS.discard((module_name, function_name))
-    _GENERATION[0] += 1
+    GENERATION[0] += 1
 
 
 def linear_is_a_linear(fn: Any) -> bool:
@@ -151,15 +127,6 @@ def linear_is_a_linear(fn: Any) -> bool:
     return getattr(sys.modules.get(module_name or ""), name or "", None) is fn
 
 
-def torch_functions_intact() -> bool:
-    """Whether the torch functions the accepted forms call are still what they were proven to be."""
-    return F.silu is F_SILU and F.gelu is F_GELU and linear_is_a_linear(F.linear)
-
-
-_TORCH_ACTIVATIONS = {
-    nn.SiLU: CodeForm("return F.silu({x}, inplace=self.inplace)", {"F": F, "F.silu": F_SILU}),
-    nn.GELU: CodeForm("return F.gelu({x}, approximate=self.approximate)", {"F": F, "F.gelu": F_GELU}),
-}
 # Activation bodies (``register_activation``): the body -> (what it computes, or None; the instance attribute
 # holding its torch function, or None).
 _ACTIVATION_BODIES: List[Tuple[CodeForm, Tuple[Optional[str], Optional[str]]]] = []
@@ -170,7 +137,7 @@ def register_activation(body: CodeForm, *, computes: Optional[str] = None,
     """Declare that an activation module whose class's forward has exactly the code of ``body`` computes
     ``computes`` (one of ``ACTIVATIONS``), or calls the function it holds in the instance attribute
     ``function_attribute`` (recognised when it is ``F.silu``, ``F.gelu`` or ``partial(F.gelu,
-    approximate="tanh")``). Name exactly one of the two."""
+    approximate="tanh")``, or the ``approximate`` string ``F.gelu`` takes). Name exactly one of the two."""
     if not isinstance(body, CodeForm):
         raise TypeError(f"register_activation takes a CodeForm body, got {type(body).__name__}")
     if (computes is None) == (function_attribute is None):
@@ -179,58 +146,40 @@ def register_activation(body: CodeForm, *, computes: Optional[str] = None,
         raise ValueError(f"unknown activation {computes!r}; known: {', '.join(ACTIVATIONS)}")
     if function_attribute is not None and not function_attribute.isidentifier():
         raise ValueError(f"not an attribute name: {function_attribute!r}")
-    check_body(body)
     replace_body(_ACTIVATION_BODIES, body, (computes, function_attribute))
-    _GENERATION[0] += 1
 
 
 def unregister_activation(body: CodeForm) -> None:
     replace_body(_ACTIVATION_BODIES, body)
-    _GENERATION[0] += 1
 
 
-def _function_name(fn: Any) -> Optional[str]:
-    if fn is F_SILU:
+def _function_name(value: Any) -> Optional[str]:
+    if isinstance(value, str):  # nn.GELU's ``approximate``
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(value)
+    if value is F_SILU:
         return "silu"
-    if fn is F_GELU:
+    if value is F_GELU:
         return "gelu"
-    if (isinstance(fn, functools.partial) and fn.func is F_GELU and not fn.args
-            and fn.keywords == {"approximate": "tanh"}):
+    if (isinstance(value, functools.partial) and value.func is F_GELU and not value.args
+            and value.keywords == {"approximate": "tanh"}):
         return "gelu_tanh"
     return None
 
 
 def activation_name(act: Any) -> Optional[str]:
     """"silu", "gelu" or "gelu_tanh" when ``act`` provably computes it, else None."""
-    return activation_reads(act)[0]
-
-
-CodeRead = Tuple[Any, CodeForm]  # a forward function and the body its code matched
-
-
-def activation_reads(act: Any) -> Tuple[Optional[str], Tuple[str, ...], Optional[CodeRead]]:
-    """What ``act`` provably computes (as ``activation_name``), the attributes its forward reads by name, and
-    its forward with the body it matched."""
     if not isinstance(act, nn.Module) or "forward" in act.__dict__:
-        return None, (), None
-    cls = type(act)
-    forward = cls.forward
-    torch_form = _TORCH_ACTIVATIONS.get(cls)
-    if torch_form is not None:
-        reads = ("inplace", "approximate")
-        if not matches(forward, torch_form) or shadowed(act, reads):
-            return None, reads, None
-        approximate = act.__dict__.get("approximate")
-        gelu = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate) if isinstance(approximate, str) else None
-        return "silu" if cls is nn.SiLU else gelu, reads, (forward, torch_form)
-    body, registered = first_match(_ACTIVATION_BODIES, forward)
-    if body is None:
-        return None, (), None
-    computes, attribute = registered
-    if computes is not None:
-        return computes, (), (forward, body)
-    name = None if shadowed(act, (attribute,)) else _function_name(act.__dict__.get(attribute))
-    return name, (attribute,), (forward, body)
+        return None
+    computes, attribute = first_match(_ACTIVATION_BODIES, type(act).forward) or (None, None)
+    if computes is not None or attribute is None:
+        return computes
+    return None if shadowed(act, (attribute,)) else _function_name(act.__dict__.get(attribute))
+
+
+# Torch's own activations, known to the core alone.
+register_activation(CodeForm("return F.silu({x}, inplace=self.inplace)", {"F": F, "F.silu": F_SILU}), computes="silu")
+register_activation(CodeForm("return F.gelu({x}, approximate=self.approximate)", {"F": F, "F.gelu": F_GELU}),
+                    function_attribute="approximate")
 
 
 # How torch's modules find attributes and are called, as this process first saw them.
@@ -245,34 +194,8 @@ def called_as_torch_calls(cls: type) -> bool:
     return _calls_of(cls) == _TORCH_CALLS
 
 
-class ProofReads:
-    """What a decision proven from forwards' code read outside the module tree's own dicts, and whether it
-    still holds (strict mode asks at every call that reuses the decision): no name the classes' instances read
-    shadowed by a class attribute or custom lookup, each called class called through torch's ``__call__``,
-    each matched body's module globals, and with ``torch_functions`` the torch functions the forms call."""
-
-    def __init__(self, reads: Iterable[Tuple[type, Tuple[str, ...]]], called: Iterable[type] = (),
-                 codes: Iterable[Optional[CodeRead]] = (), torch_functions: bool = False):
-        names_by_class: Dict[type, Set[str]] = {}
-        for cls, names in reads:
-            names_by_class.setdefault(cls, set()).update(names)
-        self._reads = [(cls, tuple(names), cls.__mro__) for cls, names in names_by_class.items()]
-        self._called = tuple(dict.fromkeys(called))
-        self._codes = [code for code in codes if code is not None]
-        self._torch_functions = torch_functions
-
-    def holds(self) -> bool:
-        return (all(cls.__mro__ == mro and not class_shadows(cls, names) for cls, names, mro in self._reads)
-                and all(map(called_as_torch_calls, self._called))
-                and all(globals_hold(fn, form) for fn, form in self._codes)
-                and (not self._torch_functions or torch_functions_intact()))
-
-
-def class_shadows(cls: type, names: Tuple[str, ...]) -> bool:
-    """Whether reading one of ``names`` on an instance of ``cls`` could find something other than what the
-    instance holds itself (a class attribute or property of that name, or a custom attribute lookup)."""
-    return _lookup_of(cls) != _TORCH_LOOKUP or not all([vars(klass).keys().isdisjoint(names) for klass in cls.__mro__])
-
-
 def shadowed(module: nn.Module, names: Tuple[str, ...]) -> bool:
-    return class_shadows(type(module), names)
+    """Whether reading one of ``names`` on ``module`` could find something other than what the instance holds
+    itself (a class attribute or property of that name, or a custom attribute lookup)."""
+    cls = type(module)
+    return _lookup_of(cls) != _TORCH_LOOKUP or not all([vars(klass).keys().isdisjoint(names) for klass in cls.__mro__])

@@ -1,61 +1,12 @@
-"""The parts of a gated MLP that the fast kernel computes with, and the structure check that lets it: the
-forward is proven to compute the gated formula (``gated_forms``), the projections are plain ``nn.Linear``
-with no hooks, and the module owns nothing else (no other parameter, buffer, submodule or tensor
-attribute). Any doubt means the generic path.
+"""The hooks a module's call runs besides its forward, and those below a module that a tiled call computing
+without calling its submodules (the fast kernel) would skip.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module_globals
-
-from .code_forms import CodeForm, matches
-from .gated_forms import (
-    CodeRead,
-    GatedForm,
-    ProofReads,
-    activation_reads,
-    called_as_torch_calls,
-    linear_is_a_linear,
-    shadowed,
-)
-from .kernels.lm_head import is_plain_linear
-
-
-@dataclass
-class GatedMLPSpec:
-    """The tensors of a gated MLP. ``gate_up`` is set for a fused ``[gate; up]`` projection."""
-
-    activation: str
-    down: nn.Linear
-    gate: Optional[nn.Linear] = None
-    up: Optional[nn.Linear] = None
-    gate_up: Optional[nn.Linear] = None
-    gate_scale: float = 1.0
-    up_scale: float = 1.0
-    down_scale: float = 1.0
-    form: GatedForm = GatedForm()
-    # What the decision read outside the module tree's own dicts: checked in strict mode at every call that reuses it.
-    proof_reads: Optional[ProofReads] = None
-
-    @property
-    def linears(self) -> List[nn.Linear]:
-        first = [self.gate_up] if self.gate_up is not None else [self.gate, self.up]
-        return [linear for linear in (*first, self.down) if linear is not None]
-
-    @property
-    def params(self) -> List[torch.Tensor]:
-        """The projections' weights and biases, each tensor once (gate and up tied: one buffer gets both roles')."""
-        once: Dict[int, torch.Tensor] = {}
-        for linear in self.linears:
-            for tensor in (linear.weight, linear.bias):
-                if tensor is not None:
-                    once.setdefault(id(tensor), tensor)
-        return list(once.values())
 
 
 def no_hook_is_backend(hook) -> bool:
@@ -84,93 +35,3 @@ def foreign_child_hooks(module: nn.Module, is_backend_hook=no_hook_is_backend) -
                      for hook_dict in MODULE_HOOK_DICTS for h in getattr(sub, hook_dict, {}).values()
                      if not is_backend_hook(h))
     return found
-
-
-_LINEAR = CodeForm("return F.linear({x}, self.weight, self.bias)", {"F": F})
-_LINEAR_READS = ("weight", "bias")
-
-
-def _is_plain_linear(module, is_backend_hook) -> bool:
-    return (type(module) is nn.Linear and is_plain_linear(module, is_backend_hook) and matches(nn.Linear.forward, _LINEAR)
-            and linear_is_a_linear(F.linear))
-
-
-def _scale(module: nn.Module, scale) -> Optional[float]:
-    """The factor's value, or None when the named attribute is not a plain number."""
-    if not isinstance(scale, str):
-        return float(scale)
-    value = None if shadowed(module, (scale,)) else module.__dict__.get(scale)
-    return None if isinstance(value, bool) or not isinstance(value, (int, float)) else float(value)
-
-
-def _beyond_spec(module: nn.Module, spec: GatedMLPSpec, act_module) -> str:
-    """What the module holds besides the spec's projections and activation ("" when nothing): it would
-    change the result or get no gradient, and a numerical probe cannot rule it out (neutral at init)."""
-    wanted = {id(p) for p in spec.params}
-    extra = [name for name, p in module.named_parameters() if id(p) not in wanted]
-    if extra:
-        return f"parameters besides the projections' ({', '.join(extra)})"
-    buffers = [name for name, _ in module.named_buffers()]
-    if buffers:
-        return f"buffers ({', '.join(buffers)})"
-    allowed = {id(m) for m in spec.linears} | {id(act_module)}
-    subs = [name for name, m in module.named_modules() if name and id(m) not in allowed]
-    if subs:
-        return f"submodules besides the projections and the activation ({', '.join(subs)})"
-    tensors = [f"{prefix}{'.' if prefix else ''}{key}" for prefix, m in module.named_modules()
-               for key, value in vars(m).items() if isinstance(value, torch.Tensor)]
-    if tensors:
-        return f"tensor attributes outside its parameters ({', '.join(tensors)})"
-    return ""
-
-
-def structural_spec(module: nn.Module, form: GatedForm, is_backend_hook=no_hook_is_backend,
-                    forward_code: Optional[CodeRead] = None) -> Tuple[Optional[GatedMLPSpec], str]:
-    """The spec if the module's structure lets the fast kernel compute ``form``, else None and why not;
-    ``forward_code``: the module's forward and the registered body it matched (None: a registered class)."""
-    hooks = foreign_child_hooks(module, is_backend_hook)
-    if hooks:
-        return None, f"submodules have hooks that the fast kernel would skip ({', '.join(hooks)})"
-    if shadowed(module, form.read_names):
-        return None, "its class defines an attribute the forward reads, or a custom attribute lookup"
-    names, attributes = form.module_names, module.__dict__
-    # An instance attribute of a child's name is found before the child (children live in ``_modules``).
-    if not attributes.keys().isdisjoint(names):
-        return None, f"an instance attribute hides the submodule {', '.join(n for n in names if n in attributes)}"
-    parts = attributes["_modules"]
-    missing = [name for name in names if not isinstance(parts.get(name), nn.Module)]
-    if missing:
-        return None, f"no submodule {', '.join(missing)}"
-    act_module = parts[form.activation]
-    act, act_reads, act_code = activation_reads(act_module)
-    if act is None:
-        return None, f"{form.activation} ({type(act_module).__name__}) is not a recognised activation (silu, gelu, gelu tanh)"
-    scales = [_scale(module, s) for s in (form.gate_scale, form.up_scale, form.down_scale)]
-    if None in scales:
-        return None, f"a scale it multiplies by ({', '.join(form.scale_names)}) is not a plain number"
-    gate_scale, up_scale, down_scale = (float(s) for s in scales if s is not None)
-    spec = GatedMLPSpec(activation=act, down=parts[form.down],
-                        gate=None if form.gate is None else parts[form.gate],
-                        up=None if form.up is None else parts[form.up],
-                        gate_up=None if form.gate_up is None else parts[form.gate_up],
-                        gate_scale=gate_scale, up_scale=up_scale, down_scale=down_scale, form=form)
-    if not all(_is_plain_linear(m, is_backend_hook) for m in spec.linears):
-        return None, "projections are not plain nn.Linear (LoRA or quantised wrappers)"
-    if any(shadowed(m, _LINEAR_READS) for m in spec.linears):
-        return None, "nn.Linear's class defines weight or bias, or a custom attribute lookup, which its forward would read"
-    called = (*map(type, spec.linears), type(act_module))
-    if not all(map(called_as_torch_calls, called)):
-        return None, "a submodule's class is called through a patched __call__, which the fast kernel (calling no submodule) would skip"
-    if spec.gate_up is not None and spec.gate_up.out_features % 2:
-        return None, "gate_up_proj has an odd number of outputs"
-    extra = _beyond_spec(module, spec, act_module)
-    if extra:
-        return None, f"the module has {extra}"
-    dtypes = {p.dtype for p in spec.params}
-    if len(dtypes) > 1:
-        return None, f"the projections' weights have different dtypes ({sorted(map(str, dtypes))})"
-    spec.proof_reads = ProofReads(((type(module), form.read_names), (type(act_module), act_reads),
-                                   *((type(linear), _LINEAR_READS) for linear in spec.linears)),
-                                  called=called,
-                                  codes=(forward_code, act_code, (nn.Linear.forward, _LINEAR)), torch_functions=True)
-    return spec, ""

@@ -82,12 +82,14 @@ class KernelChoice:
 
 _REGISTERED: Dict[str, Tuple[int, int, Kernel]] = {}  # name -> (priority, registration order, kernel)
 _ORDERED: Dict[str, Tuple[Kernel, ...]] = {shape: () for shape in SHAPES}
-# Counts registrations and removals: a choice remembered with a plan holds only for the kernels it was made among.
-_GENERATION = [0]
+# Counts changes to every registry a call's decision reads (the kernels here; the forward bodies, gated classes,
+# equivalent linears and fused activations where they are registered): the call plan keys on it, so a choice
+# remembered with a plan holds only for the registrations it was made among.
+GENERATION = [0]
 
 
 def _changed() -> None:
-    _GENERATION[0] += 1
+    GENERATION[0] += 1
     for shape in SHAPES:
         entries = sorted((v for v in _REGISTERED.values() if v[2].shape == shape), key=lambda v: (-v[0], v[1]))
         _ORDERED[shape] = tuple(kernel for _, _, kernel in entries)
@@ -126,7 +128,7 @@ def register_kernel(kernel: Union[Kernel, Type[ShardKernel]], *, priority: int =
         raise TypeError(f"priority must be an int, got {priority!r}")
     if kernel.name in _REGISTERED and not override:
         raise ValueError(f"a kernel named {kernel.name!r} is registered already; pass override=True to replace it")
-    _REGISTERED[kernel.name] = (priority, _GENERATION[0], kernel)
+    _REGISTERED[kernel.name] = (priority, GENERATION[0], kernel)
     _changed()
     return kernel
 
@@ -150,7 +152,7 @@ def choose_kernel(shape: str, call: KernelCall, only: Optional[str] = None) -> K
     the others decline as not asked for), built for it; remembered with the call's plan where it may (see
     the module doc)."""
     plan = call.cache
-    key = None if plan is None else (_GENERATION[0], shape, only, call.x.dim(), not call.token_inputs)
+    key = None if plan is None else (GENERATION[0], shape, only, call.x.dim(), not call.token_inputs)
     declined: List[Tuple[str, str]] = []
     per_plan = key is not None
     for entry in _ORDERED[shape]:

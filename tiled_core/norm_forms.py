@@ -12,15 +12,12 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-import torch
 from torch import nn
 
 from .code_forms import CodeForm, check_body, first_match, matches, replace_body
 from .gated_forms import shadowed
-
-MULTIPLY_IN_INPUT_DTYPE = "input_dtype"  # ``weight * normed.to(input_dtype)``: the output in promote(w, x)
-MULTIPLY_IN_FLOAT32 = "float32"  # ``(normed * weight.float()).type_as(x)``: the output in x's dtype
-MULTIPLIES = (MULTIPLY_IN_INPUT_DTYPE, MULTIPLY_IN_FLOAT32)
+from .kernels.rms_norm import MULTIPLIES, MULTIPLY_IN_INPUT_DTYPE, NormLayout, RMSNormShardKernel
+from .kernels.rms_norm import MULTIPLY_IN_FLOAT32 as MULTIPLY_IN_FLOAT32  # for NormForm, with the other one
 
 
 @dataclass(frozen=True)
@@ -35,32 +32,7 @@ class NormForm:
     helpers: Tuple[Tuple[str, CodeForm], ...] = ()
 
 
-@dataclass(frozen=True)
-class NormLayout:
-    """The formula's plain values (a custom op carries them as arguments, ``ops/rms_norm.py``)."""
-
-    eps: float
-    offset: float = 0.0
-    multiply: str = MULTIPLY_IN_INPUT_DTYPE
-
-    def __post_init__(self) -> None:
-        if self.multiply not in MULTIPLIES:
-            raise ValueError(f"a norm multiplies in one of {MULTIPLIES}, got {self.multiply!r}")
-
-    def output_dtype(self, x_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
-        return torch.promote_types(weight_dtype, x_dtype) if self.multiply == MULTIPLY_IN_INPUT_DTYPE else x_dtype
-
-
-@dataclass(frozen=True)
-class NormSpec:
-    """A proven norm: its weight (the module's own Parameter) and the formula's plain values."""
-
-    weight: torch.Tensor
-    layout: NormLayout
-
-
 _BODIES: List[Tuple[CodeForm, NormForm]] = []
-_GENERATION = [0]  # counts changes to the registry: the call plan keys on it
 
 
 def register_norm_form(body: CodeForm, form: NormForm) -> None:
@@ -76,28 +48,25 @@ def register_norm_form(body: CodeForm, form: NormForm) -> None:
         raise ValueError(f"NormForm names attributes: weight={form.weight!r}, eps={form.eps!r}")
     if isinstance(form.offset, bool) or not isinstance(form.offset, (int, float)):
         raise TypeError(f"NormForm.offset is a number, got {form.offset!r}")
-    check_body(body)
     for name, helper in form.helpers:
         if not name.isidentifier():
             raise ValueError(f"a helper is named by a method name, got {name!r}")
         check_body(helper)
     replace_body(_BODIES, body, form)
-    _GENERATION[0] += 1
 
 
 def unregister_norm_form(body: CodeForm) -> None:
     replace_body(_BODIES, body)
-    _GENERATION[0] += 1
 
 
 UNKNOWN_NORM = ("its forward is not one the norm kernel is known to compute (a registered RMSNorm body, "
                 "tiled_mlp.core.norm_forms.register_norm_form)")
 
 
-def norm_spec(module: nn.Module, forward_fn: Optional[Any]) -> Tuple[Optional[NormSpec], str]:
-    """(the spec, "") when ``forward_fn`` (what the module's forward runs, None: not a function of this
-    module) provably computes a registered norm on this module's attributes, else (None, why not)."""
-    _, form = first_match(_BODIES, forward_fn)
+def norm_spec(module: nn.Module, forward_fn: Optional[Any]) -> Tuple[Optional[RMSNormShardKernel], str]:
+    """(the norm kernel for it, "") when ``forward_fn`` (what the module's forward runs, None: not a function of
+    this module) provably computes a registered norm on this module's attributes, else (None, why not)."""
+    form = first_match(_BODIES, forward_fn)
     if form is None:
         return None, UNKNOWN_NORM
     if shadowed(module, (form.weight, form.eps)):
@@ -120,4 +89,4 @@ def norm_spec(module: nn.Module, forward_fn: Optional[Any]) -> Tuple[Optional[No
     eps = attributes.get(form.eps)
     if type(eps) is not float:
         return None, f"{form.eps} is not a plain float ({type(eps).__name__})"
-    return NormSpec(weight, NormLayout(eps, float(form.offset), form.multiply)), ""
+    return RMSNormShardKernel(NormLayout(eps, float(form.offset), form.multiply), weight, type(module).__name__), ""

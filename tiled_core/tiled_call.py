@@ -23,15 +23,12 @@ from tiled_mlp.strategies.base import Strategy, check_declarations
 from tiled_mlp.strategies.resolver import registrations_by_priority, resolve_strategy
 
 from . import auto_shards as _auto_shards
-from . import gated_forms as _gated_forms
 from . import kernel_registry as _kernels
-from . import norm_forms as _norm_forms
 from . import strict as _strict
 from .auto_shards import AutoDecision, intermediate_size, remembered_auto_decision
 from .buffer_guard import buffers_kept
 from .fast_path import fast_refused
 from .kernel_registry import MAP, KernelCall, available_kernels, choose_kernel
-from .kernels import gated as _activations
 from .module_forward import adopt_instance_forward, base_forward, hidden_states_argument, original_forward
 from .shard_plan import ShardPlan, make_shard_plan
 from .sharded_autograd import ShardedRun, autocast_enabled, sharded_apply
@@ -189,8 +186,7 @@ def call_config(module: nn.Module, state: TilingState, strategy: Strategy, x: to
     device = x.device
     return (type(strategy), type(module), forward, getattr(getattr(forward, "__func__", forward), "__code__", None),
             x.dtype, device, x.dim(), not token_inputs, autocast_enabled(device.type), state.path,
-            state.use_fused_kernel, _strict.ON, _gated_forms._GENERATION[0], _norm_forms._GENERATION[0],
-            _activations._FUSED_GENERATION[0], _kernels._GENERATION[0])
+            state.use_fused_kernel, _strict.ON, _kernels.GENERATION[0])
 
 
 class MapPlan:

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Callable, FrozenSet, Iterable, List, Opti
 import torch
 import torch.nn.functional as F
 
+from ..kernel_registry import GENERATION
 from .base import ShardKernel
 
 if TYPE_CHECKING:
-    from ..gated_spec import GatedMLPSpec
     from ..sharded_autograd import GradAccumulator
 
 # An activation's ``forward_mul(g, u)`` returns ``act(g) * u``; ``backward_mul(dh, g, u)`` returns ``(dg, du)``
@@ -66,8 +66,7 @@ class FusedKernel:
     available: Callable[[], bool]
 
 
-_FUSED: List[FusedKernel] = []
-_FUSED_GENERATION = [0]
+_FUSED: List[FusedKernel] = []  # every change counts in ``kernel_registry.GENERATION``
 
 
 def register_fused_kernel(device_type: str, names: Iterable[str], factory: Callable[[str], Any],
@@ -83,13 +82,13 @@ def register_fused_kernel(device_type: str, names: Iterable[str], factory: Calla
                         "an availability check")
     kernel = FusedKernel(device_type, names, factory, available)
     _FUSED.append(kernel)
-    _FUSED_GENERATION[0] += 1
+    GENERATION[0] += 1
     return kernel
 
 
 def unregister_fused_kernel(kernel: FusedKernel) -> None:
     _FUSED[:] = [k for k in _FUSED if k is not kernel]
-    _FUSED_GENERATION[0] += 1
+    GENERATION[0] += 1
 
 
 def gated_activation(name: str, device: torch.device, use_fused: bool = True):
@@ -113,25 +112,13 @@ class GatedLayout:
     slots: Tuple[int, ...]
     scales: Tuple[float, ...] = (1.0, 1.0, 1.0)
 
-    @classmethod
-    def of(cls, spec: GatedMLPSpec) -> GatedLayout:
-        index = {id(p): i for i, p in enumerate(spec.params)}
-        slots: List[int] = []
-        for linear in (spec.gate, spec.up, spec.gate_up, spec.down):
-            slots += [-1, -1] if linear is None else [index[id(linear.weight)], index.get(id(linear.bias), -1)]
-        return cls(tuple(slots), (spec.gate_scale, spec.up_scale, spec.down_scale))
-
-    def as_args(self) -> Tuple[List[int], List[float]]:
-        return list(self.slots), list(self.scales)
-
-    @classmethod
-    def from_args(cls, flat: Sequence[int], scales: Sequence[float]) -> GatedLayout:
+    def __post_init__(self) -> None:
+        flat, scales = self.slots, self.scales
         if len(flat) != 2 * len(ROLES) or len(scales) != 3:
             raise ValueError(f"a gated layout is {2 * len(ROLES)} slot indices and 3 factors, got {list(flat)}, {list(scales)}")
         roles = {role for i, role in enumerate(ROLES) if flat[2 * i] >= 0}
         if "down" not in roles or not ({"gate", "up"} <= roles) ^ ("gate_up" in roles):
             raise ValueError(f"a gated layout holds down and either gate and up or gate_up, got roles {sorted(roles)}")
-        return cls(tuple(flat), tuple(float(s) for s in scales))
 
 
 class GatedShardKernel(ShardKernel):
@@ -154,10 +141,6 @@ class GatedShardKernel(ShardKernel):
                        for i, role in enumerate(ROLES) if slots[2 * i] >= 0}
         self._fused = "gate_up" in self._slots
         self._gate_scale, self._up_scale, self._down_scale = layout.scales
-
-    @classmethod
-    def for_spec(cls, spec: GatedMLPSpec, activation, module_name: str = "the gated MLP") -> GatedShardKernel:
-        return cls(GatedLayout.of(spec), activation, spec.params, module_name)
 
     def _linear(self, role: str, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         weight, bias = self._slots[role]

@@ -1,5 +1,5 @@
 """Per-shard kernel for a proven RMSNorm (``norm_forms``): the registered body's own operations, in its own
-dtypes, so a shard's rows are bit for bit the module's. Backward recomputes the shard with autograd over the
+dtypes (``NormLayout``: the formula's plain values), so a shard's rows are bit for bit the module's. Backward recomputes the shard with autograd over the
 same sequence for the input gradient; the weight gradient is the sum over the shard's tokens of ``dy *
 normed`` (in the dtype the body multiplies in), summed in the ``GradAccumulator``'s dtype, never rounded to a
 bf16 weight per shard. A constant offset (Gemma's ``1 + w``) has no gradient of its own.
@@ -7,17 +7,36 @@ bf16 weight per shard. A constant offset (Gemma's ``1 + w``) has no gradient of 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 
-from ..norm_forms import MULTIPLY_IN_INPUT_DTYPE, NormLayout
 from .base import ShardKernel
 
 if TYPE_CHECKING:
     from ..sharded_autograd import GradAccumulator
 
 WEIGHT = 0  # the weight's index among the kernel's tensors (its only one)
+MULTIPLY_IN_INPUT_DTYPE = "input_dtype"  # ``weight * normed.to(input_dtype)``: the output in promote(w, x)
+MULTIPLY_IN_FLOAT32 = "float32"  # ``(normed * weight.float()).type_as(x)``: the output in x's dtype
+MULTIPLIES = (MULTIPLY_IN_INPUT_DTYPE, MULTIPLY_IN_FLOAT32)
+
+
+@dataclass(frozen=True)
+class NormLayout:
+    """The formula's plain values (a custom op carries them as arguments, ``ops/rms_norm.py``)."""
+
+    eps: float
+    offset: float = 0.0
+    multiply: str = MULTIPLY_IN_INPUT_DTYPE
+
+    def __post_init__(self) -> None:
+        if self.multiply not in MULTIPLIES:
+            raise ValueError(f"a norm multiplies in one of {MULTIPLIES}, got {self.multiply!r}")
+
+    def output_dtype(self, x_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+        return torch.promote_types(weight_dtype, x_dtype) if self.multiply == MULTIPLY_IN_INPUT_DTYPE else x_dtype
 
 
 def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:

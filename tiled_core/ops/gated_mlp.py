@@ -1,6 +1,6 @@
 """``torch.ops.tiled_mlp.gated_mlp``: the gated fast kernel over token shards as one custom op, so that a
 compiled model traces a tiled gated MLP without a graph break. A pure function of its arguments (the
-projections' tensors, their ``GatedLayout.as_args``, the activation, the shard count, the gradients' dtype);
+projections' tensors, their ``GatedLayout``'s slots and factors, the activation, the shard count, the gradients' dtype);
 backward recomputes gate and up per shard and never down's forward.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .gradient_slots import map_backward, map_forward, register_map_autograd
 
 def _kernel(tensors: Sequence[torch.Tensor], slots: Sequence[int], scales: Sequence[float], activation: str,
             use_fused: bool, device: torch.device) -> GatedShardKernel:
-    return GatedShardKernel(GatedLayout.from_args(slots, scales), gated_activation(activation, device, use_fused),
+    return GatedShardKernel(GatedLayout(tuple(slots), tuple(scales)), gated_activation(activation, device, use_fused),
                             list(tensors))
 
 

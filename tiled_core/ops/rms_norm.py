@@ -8,8 +8,7 @@ from typing import List, Optional
 
 import torch
 
-from ..kernels.rms_norm import RMSNormShardKernel
-from ..norm_forms import NormLayout
+from ..kernels.rms_norm import NormLayout, RMSNormShardKernel
 from .gradient_slots import map_backward, map_forward, register_map_autograd
 
 

@@ -11,32 +11,29 @@ import torch
 from tiled_mlp.core.kernels.gated import NativeGatedActivation, register_fused_kernel
 
 
-class LigerGatedActivation:
+class LigerGatedActivation(NativeGatedActivation):
+    """Liger's kernels step every operand by the output's row stride: they need contiguous rows, which the
+    views of a fused gate_up buffer are not (those take the native kernels)."""
+
     def __init__(self, name: str):
+        super().__init__(name)
         if name == "silu":
             from liger_kernel.ops.swiglu import swiglu_backward, swiglu_forward
 
             self._forward, self._backward = swiglu_forward, swiglu_backward
-        elif name == "gelu_tanh":
+        else:  # registered for silu and gelu_tanh only
             from liger_kernel.ops.geglu import geglu_backward, geglu_forward
 
             self._forward, self._backward = geglu_forward, geglu_backward
-        else:
-            raise ValueError(f"Liger has no gated kernel for {name!r}")
-        self.name = name
-
-        # Liger's kernels step every operand by the output's row stride: they need contiguous rows,
-        # which the views of a fused gate_up buffer are not.
-        self._native = NativeGatedActivation(name)
 
     def forward_mul(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         if not (g.is_contiguous() and u.is_contiguous()):
-            return self._native.forward_mul(g, u)
+            return super().forward_mul(g, u)
         return self._forward(g, u)[2]
 
     def backward_mul(self, dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if not (g.is_contiguous() and u.is_contiguous() and dh.is_contiguous()):
-            return self._native.backward_mul(dh, g, u)
+            return super().backward_mul(dh, g, u)
         dg, du = self._backward(g, u, dh)
         return dg, du
 
