@@ -7,11 +7,12 @@ identity, only what a training step can change (docs/architecture.md). Strict mo
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from .buffer_guard import buffers_kept
 from .fast_path import fast_refused
 from .kernel_registry import MAP, KernelCall, available_kernels, choose_kernel
 from .module_forward import adopt_instance_forward, base_forward, hidden_states_argument, original_forward
-from .shard_plan import ShardPlan, make_shard_plan
+from .shard_plan import make_shard_plan
 from .sharded_autograd import ShardedRun, autocast_enabled, sharded_apply
 from .tiling_state import TilingState
 from .validation import check_input, expected_hidden_size
@@ -207,8 +208,6 @@ class MapPlan:
         # The kernels' per-plan state (``builtin_kernels``, ``kernel_registry``).
         self.fast: Optional[tuple] = None
         self.fast_kernel: Any = None
-        self.fast_params: Optional[List[torch.Tensor]] = None
-        self.generic_layout: Any = None
         self.kernel_cache: Dict[str, Any] = {}
         self.choices: Dict[tuple, Any] = {}
         self.guards: List[Callable[[], bool]] = []  # checked in strict mode only (the fast path's proof reads)
@@ -444,46 +443,13 @@ def _flat_token_inputs(x: torch.Tensor, token_inputs: Sequence[torch.Tensor]) ->
 
 # -- the loss's call -------------------------------------------------------------------------------------------
 
-class CallSite(Protocol):
-    """What the tiled loss (``tiled_loss.LossSite``) gives ``tiled_call``."""
-
-    #: The module whose backend gathers the parameters (the loss's head).
-    owner: nn.Module
-    grad_accum_dtype: Optional[torch.dtype]
-
-    def strategy(self) -> Strategy:
-        """The backend this call runs under, checked as supported."""
-
-    def decide(self, strategy: Strategy) -> CallDecision:
-        """A kernel and a shard count (inside the gathered region)."""
-
-    def untiled(self, decision: CallDecision) -> torch.Tensor:
-        """The call run as the plain module."""
-
-    def run(self, run: ShardedRun) -> torch.Tensor:
-        """The sharded autograd Function of this caller's shape over ``run``."""
-
-    def record(self, decision: CallDecision, plan: Optional[ShardPlan]) -> None:
-        """What the call leaves for its report."""
-
-
-def tiled_call(site: CallSite) -> torch.Tensor:
-    strategy = site.strategy()
-    if not strategy.gathers_params:
-        return _site_run(site, strategy, None)
-    with strategy.gathered(site.owner):
-        return _site_run(site, strategy, functools.partial(strategy.gathered, site.owner))
-
-
-def _site_run(site: CallSite, strategy: Strategy, gathered: Optional[Callable[[], ContextManager]]) -> torch.Tensor:
-    decision = site.decide(strategy)
-    if decision.kernel is None:
-        site.record(decision, None)
-        return site.untiled(decision)
-    run = _run_for(decision, site.owner, strategy, gathered, None, site.grad_accum_dtype)
-    out = site.run(run)
-    site.record(decision, run.plan)
-    return out
+def tiled_call(owner: nn.Module, strategy: Strategy, decide: Callable[[Strategy], CallDecision],
+               run: Callable[[ShardedRun], torch.Tensor], grad_accum_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The tiled loss's call (its decision always names a kernel): ``decide`` and ``run`` inside the gathered
+    region of ``owner``, the head whose backend gathers the parameters."""
+    gathered = functools.partial(strategy.gathered, owner) if strategy.gathers_params else None
+    with gathered() if gathered is not None else contextlib.nullcontext():
+        return run(_run_for(decide(strategy), owner, strategy, gathered, None, grad_accum_dtype))
 
 
 __all__: Tuple[str, ...] = ("CallDecision", "TiledInputs", "autograd_carries_the_call", "decide_map_call",

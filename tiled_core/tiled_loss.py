@@ -27,7 +27,7 @@ from .kernels.lm_head import is_plain_linear, loss_dtype
 from .loss_shards import loss_num_shards
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .sequence_group import check_group, group_count, sum_over_group
-from .shard_plan import AUTO, NumShards, ShardPlan, check_num_shards
+from .shard_plan import AUTO, NumShards, check_num_shards
 from .sharded_autograd import ShardedRun, autocast_enabled, sharded_reduce
 from .tiled_call import CallDecision, autograd_carries_the_call, tiled_call
 
@@ -188,7 +188,7 @@ def _traced_linear_loss(hidden, lm_head, labels, shift_labels, options: CrossEnt
 
 @dataclass(eq=False)  # compared and hashed by identity, as any call site
 class LossSite:
-    """The loss's side of ``tiled_call``: a ``sharded_reduce`` over the hidden states."""
+    """The loss's decision and run for ``tiled_call``: a ``sharded_reduce`` over the hidden states."""
 
     owner: nn.Module
     backend: Strategy
@@ -203,10 +203,7 @@ class LossSite:
 
     def loss_of(self, head_input: torch.Tensor) -> torch.Tensor:
         self.hidden = head_input
-        return tiled_call(self)
-
-    def strategy(self) -> Strategy:
-        return self.backend
+        return tiled_call(self.owner, self.backend, self.decide, self.run, self.grad_accum_dtype)
 
     def decide(self, strategy: Strategy) -> CallDecision:
         lm_head, targets, x, split = self.owner, self.targets, self.hidden, self.vocab_slice
@@ -229,17 +226,11 @@ class LossSite:
         num_shards = loss_num_shards(targets.numel(), columns, self.num_shards)
         return CallDecision(choice.describe(), choice.kernel, choice.name, targets.numel(), num_shards, trainable)
 
-    def untiled(self, decision: CallDecision) -> torch.Tensor:
-        raise AssertionError("the loss always runs tiled")  # its decision always names a kernel
-
     def run(self, run: ShardedRun) -> torch.Tensor:
         x, params = self.hidden, run.kernel.params
         assert x is not None
         return sharded_reduce(x, self.targets, self.scale_of(loss_dtype(params[0].dtype if params else x.dtype)), run,
                               params)
-
-    def record(self, decision: CallDecision, plan: Optional[ShardPlan]) -> None:
-        """The loss keeps no report."""
 
 
 class TiledCrossEntropy(nn.Module):
