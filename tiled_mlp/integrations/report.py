@@ -23,15 +23,11 @@ def expected_path(tiled: TiledMLP) -> str:
     # A backend that swaps the parameters around its forward (FSDP2, ZeRO-3) holds sharded ones here, not the
     # ones a call computes with: for it the structure alone is reported.
     now = not strategy.swaps_param_storage(tiled)
+    spec, why_not = structural_decision(tiled, forward_function(tiled), strategy.is_backend_hook)
     if isinstance(tiled, TiledNorm):
         norm, why_not = NormEntry.spec_for(tiled, strategy, weight_is_local=now)
         if norm is not None:
             return "norm (a registered RMSNorm forward: the norm kernel)"
-        spec = None
-    else:
-        unfit = getattr(type(tiled)._tiled_mixin, "tiled_no_fast_path", "")
-        spec, why_not = (None, unfit) if unfit else structural_decision(tiled, forward_function(tiled),
-                                                                         strategy.is_backend_hook)
     if spec is not None:
         view = strategy.local_view(tiled, spec.params) if now else None
         if view is None:
