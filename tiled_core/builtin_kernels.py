@@ -17,7 +17,6 @@ from .kernels.gated import DOWN_WEIGHT_ARG, GatedShardKernel, gated_activation
 from .kernels.generic import GenericShardKernel, generic_layout
 from .kernels.lm_head import LinearHeadKernel, ModuleHeadKernel, is_plain_linear
 from .kernels.rms_norm import RMSNormShardKernel
-from .kernels.vocab_parallel import VocabParallelHeadKernel
 from .module_forward import forward_function
 from .norm_forms import norm_spec
 from .sharded_autograd import autocast_enabled
@@ -144,7 +143,8 @@ class GenericEntry(Kernel):
 
 
 class LinearHeadEntry(Kernel):
-    """A plain ``nn.Linear`` head: logits by one matmul per shard, gradients formed from them."""
+    """A plain ``nn.Linear`` head: logits by one matmul per shard, gradients formed from them (on this rank's rows
+    of a head split over ranks: ``VocabParallelEntry``)."""
 
     name = "linear_head"
     shape = REDUCE
@@ -155,22 +155,19 @@ class LinearHeadEntry(Kernel):
         return "" if is_plain_linear(call.module) else "the head is not a plain nn.Linear"
 
     def build(self, call: KernelCall) -> LinearHeadKernel:
-        return LinearHeadKernel.for_head(call.module, call.options)  # type: ignore[arg-type]  # a plain nn.Linear
+        rows: Any = call.vocab_slice or call.module  # a VocabSlice, or the plain nn.Linear itself
+        return LinearHeadKernel(rows.weight, rows.bias, call.options, type(call.module).__name__, call.vocab_slice)
 
 
-class VocabParallelEntry(Kernel):
+class VocabParallelEntry(LinearHeadEntry):
     """A plain ``nn.Linear`` head split over ranks by vocabulary: the cross-entropy reduced over the group."""
 
     name = "vocab_parallel"
-    shape = REDUCE
 
     def why_not(self, call: KernelCall) -> str:
         if call.vocab_slice is None:
             return "the head's vocabulary is whole on this rank"
         return "" if is_plain_linear(call.module, call.strategy.is_backend_hook) else "the head is not a plain nn.Linear"
-
-    def build(self, call: KernelCall) -> VocabParallelHeadKernel:
-        return VocabParallelHeadKernel(call.vocab_slice, type(call.module).__name__, call.options)
 
 
 class ModuleHeadEntry(Kernel):

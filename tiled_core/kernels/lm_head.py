@@ -43,9 +43,11 @@ def is_plain_linear(head: nn.Module, is_backend_hook: Callable[[Any], bool] = la
 
 
 class LinearHeadKernel(ReduceKernel):
-    """``x @ W.T (+ b)`` per shard. Its rows may be a slice of the vocabulary (``split``: the
-    vocabulary-parallel kernel, ``vocab_parallel.py``); the matmuls are the same, and the shard's
-    input gradient is then this slice's part of the sum over slices."""
+    """``x @ W.T (+ b)`` per shard. Its rows may be this rank's slice of a vocabulary split over ranks (``split``,
+    tensor parallelism): the matmuls are the same, the cross-entropy's whole-vocabulary quantities are reduced over
+    the group, every rank gets the same loss and its own rows' ``dW``, and the input gradient is this slice's part
+    of a sum the strategy reduces once per call (``VocabSlice.hidden``). docs/backends.md, "The vocabulary-parallel
+    tiled loss"."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], options: CrossEntropyOptions,
                  module_name: str = "the head", split: Optional[VocabSlice] = None):
@@ -53,10 +55,6 @@ class LinearHeadKernel(ReduceKernel):
         self.options = options
         # Only what the cross-entropy reads (the slice also holds the hidden states, which a kernel must not keep).
         self.split = None if split is None else (split.start, split.vocab_size, split.group)
-
-    @classmethod
-    def for_head(cls, head: nn.Linear, options: CrossEntropyOptions) -> LinearHeadKernel:
-        return cls(head.weight, head.bias, options, type(head).__name__)
 
     def compute_tensors(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
         """The weight (and bias) cast once per call to autocast's dtype where autocast casts it, else the
