@@ -1,5 +1,5 @@
-"""The tiled loss runs as the forward of one call of the head (``tiled_core/head_call.py``): the head's
-module hooks surround it, the head is left as it was, and hooks of the head's own that are not its
+"""The tiled loss runs as the forward of one call of the head (``in_head_call``, ``tiled_core/tiled_loss.py``):
+the head's module hooks surround it, the head is left as it was, and hooks of the head's own that are not its
 backend's are refused before any work."""
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_a_stand_in_for_the_hooks_and_the_hidden_states_for_the_loss():
     """``sees_graph=False`` (an FSDP2 unit of several modules): the head's hooks see a detached copy of the
     hidden states, the loss computes with the hidden states themselves (in the dtype the hooks gave the copy),
     and their gradient arrives."""
-    from tiled_mlp.core.head_call import in_head_call
+    from tiled_mlp.core.tiled_loss import in_head_call
 
     head = nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64)
     hidden, labels = _hidden_and_labels()

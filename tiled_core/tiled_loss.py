@@ -1,10 +1,12 @@
 """The tiled causal-LM loss: output head + cross-entropy over token shards, never holding the logits.
 
 A caller of the one tiled call (``tiled_call``) in the reduction shape (``sharded_reduce``). The loss runs as
-the forward of one call of the head (``head_call.py``), so a backend's module hooks on the head (ZeRO-3's
-gather and release) surround it as they surround ``lm_head(hidden)``. Under ``torch.compile`` a plain linear
-head whose backend owns nothing around the call is one op (``ops/linear_cross_entropy.py``); any other call
-runs eagerly behind one graph break.
+the forward of one call of the head (``in_head_call``), so a backend's module hooks on the head (ZeRO-3's
+gather and release) surround it as they surround ``lm_head(hidden)``: for that one call the head's forward is
+the loss, put on the head *instance* and taken off before the loss starts (the module kernel calls
+``head.forward`` per shard). Hooks of the head that are not its backend's would see the loss as the head's
+output: they are refused. Under ``torch.compile`` a plain linear head whose backend owns nothing around the
+call is one op (``ops/linear_cross_entropy.py``); any other call runs eagerly behind one graph break.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from tiled_mlp.strategies.base import Strategy, VocabSlice
 from tiled_mlp.strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg, sums_over_sequence_ranks
 
 from . import dynamo_support
-from .head_call import foreign_head_hooks, hook_count, in_head_call
+from .gated_spec import MODULE_HOOK_DICTS
 from .kernel_registry import REDUCE, KernelCall, choose_kernel
 from .kernels.cross_entropy import CrossEntropyOptions, check_targets
 from .kernels.lm_head import is_plain_linear, loss_dtype
@@ -124,7 +126,8 @@ def _loss(hidden, lm_head, labels, shift_labels, options: CrossEntropyOptions, r
         layout = (f"placements {tuple(getattr(dtensors[0], 'placements', ()))} over a mesh of shape "
                   f"{tuple(getattr(mesh, 'shape', ()))}")
         raise RuntimeError(SHARDED_WEIGHT_ERROR.format(head=type(lm_head).__name__, layout=layout, strategy=backend.name))
-    foreign = foreign_head_hooks(lm_head, head_call.owns_hook)
+    foreign = [getattr(hook, "__qualname__", type(hook).__qualname__) for name in MODULE_HOOK_DICTS
+               for hook in getattr(lm_head, name, {}).values() if not head_call.owns_hook(hook)]
     if foreign:
         raise RuntimeError(HEAD_HOOKS_ERROR.format(head=type(lm_head).__name__, hooks=", ".join(foreign)))
     # A vocabulary split over ranks: this rank's rows and the hidden states as the head's own input hook makes
@@ -141,6 +144,49 @@ def _loss(hidden, lm_head, labels, shift_labels, options: CrossEntropyOptions, r
 
 
 _eager_loss = dynamo_support.disable(_loss)
+
+
+class _ForwardForOneCall:
+    """The head's forward for one call: puts back what was there, then runs ``work`` (an object, not a closure
+    over itself: a reference cycle would keep the hidden states and the loss's site alive until a collection)."""
+
+    def __init__(self, head: nn.Module, work: Callable[[torch.Tensor], torch.Tensor], hidden: Optional[torch.Tensor]):
+        self.head = head
+        self.work = work
+        self.hidden = hidden  # where the head is given a stand-in: the hidden states the loss computes with
+        self.previous = vars(head).get("forward")
+
+    def put_back(self) -> None:
+        if vars(self.head).get("forward") is not self:
+            return
+        if self.previous is not None:
+            self.head.__dict__["forward"] = self.previous
+        else:
+            del self.head.__dict__["forward"]
+
+    def __call__(self, given: torch.Tensor) -> torch.Tensor:
+        self.put_back()
+        if self.hidden is not None:  # as the hooks handed over the stand-in: cast, or moved by a root's hook
+            given = self.hidden.to(device=given.device, dtype=given.dtype)
+        return self.work(given)
+
+
+def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Tensor], torch.Tensor],
+                 sees_graph: bool = True) -> Any:
+    """``work(hidden)``, run as the forward of one call ``head(hidden)``. With ``sees_graph`` False (an FSDP2
+    unit of several modules, whose hooks must not see the graph) the call is given ``hidden.detach()``, and
+    ``work`` the hidden states themselves in the dtype and on the device the hooks gave the stand-in."""
+    forward = _ForwardForOneCall(head, work, None if sees_graph else hidden)
+    head.__dict__["forward"] = forward
+    try:
+        return head(hidden if sees_graph else hidden.detach())
+    finally:
+        forward.put_back()  # where a pre-hook raised before the forward ran
+
+
+def hook_count(module: nn.Module) -> int:
+    """How many hooks ``module`` itself carries (read in traced code, so that Dynamo may guard the count)."""
+    return sum(len(getattr(module, name)) for name in MODULE_HOOK_DICTS)
 
 
 def _backend(lm_head: nn.Module, fixed: Optional[Strategy]) -> Tuple[Strategy, Any, List[torch.Tensor]]:
