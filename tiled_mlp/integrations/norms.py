@@ -2,7 +2,7 @@
 the model's hidden size (so not Qwen3's per-head q_norm/k_norm). A model whose hidden size is unknown gets none."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional
 
 import torch
 from torch import nn
@@ -41,15 +41,15 @@ def is_norm(module: nn.Module, hidden: int) -> bool:
     return len(params) == 1 and tuple(getattr(params[0], "ds_shape", None) or params[0].shape) == (hidden,)
 
 
-def norm_names(model: nn.Module, inside: Sequence[str] = ()) -> List[str]:
-    """The norms to tile, none within a tiled block or a block named in ``inside`` (it is tiled with that)."""
+def norm_names(model: nn.Module) -> List[str]:
+    """The norms to tile, none within a tiled block (it is tiled with that)."""
     hidden = hidden_size(model)
     if hidden is None:
         return []
     modules = dict(model.named_modules())
-    blocks = [name for name, module in modules.items() if isinstance(module, TiledMLP)] + list(inside)
+    blocks = [name for name, module in modules.items() if isinstance(module, TiledMLP)]
     return [name for name, module in modules.items()
-            if name and not any(name == b or name.startswith(b + ".") for b in blocks if b)
+            if name and not any(name == b or name.startswith(b + ".") for b in blocks)
             and is_norm(module, hidden)]
 
 
