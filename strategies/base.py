@@ -188,7 +188,7 @@ class WaitsForEveryParameter:
 
 @dataclass(frozen=True)
 class HeadCall:
-    """A backend's part in the tiled loss, which runs as one call of the head (``tiled_core/head_call.py``)."""
+    """A backend's part in the tiled loss, which runs as one call of the head (``in_head_call`` in ``tiled_core/tiled_loss.py``)."""
 
     owns_hook: Callable[[Any], bool]  #: is this hook on the head the backend's own, which may surround the loss?
     gathers: bool = False  #: its hooks make whole, inside the call, a head that is sharded outside it
@@ -198,7 +198,7 @@ class HeadCall:
 
 @dataclass(frozen=True)
 class VocabSlice:
-    """This rank's view of a vocabulary-parallel head, as plain local tensors (``tiled_core/kernels/vocab_parallel.py``)."""
+    """This rank's view of a vocabulary-parallel head, as plain local tensors (``LinearHeadKernel`` in ``tiled_core/kernels/lm_head.py``)."""
 
     hidden: torch.Tensor  #: ``[..., tokens, hidden]``; its gradient is this rank's part of a sum over ``group``
     weight: torch.Tensor  #: ``[rows, hidden]``, this rank's rows, a view whose gradient reaches the parameter

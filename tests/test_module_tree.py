@@ -1,6 +1,6 @@
 """The module tree a call plan rests on (``tiled_core/tiled_call.ModuleTree``) sees every change to the
 module tree that the plan's answers depend on, and nothing else makes the plan be re-made: by default what a
-training step can change (classes, forwards, registries, hooks, training modes, tensors' dtype, device and
+training step can change (classes, forwards, registries, hooks, training modes, tensors' dtype and
 ``requires_grad``), in strict mode (``deep``) every attribute as well.
 
 Each test takes a snapshot, changes one thing, and checks ``holds()``; the last ones check through a

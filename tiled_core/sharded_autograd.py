@@ -393,22 +393,26 @@ class ShardedMapFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, run: ShardedRun[ShardKernel], first: FirstShard, *tensors: torch.Tensor) -> torch.Tensor:
         # Shards are views of a detached input: a view made under no_grad still reports requires_grad.
-        x_flat = x.detach().reshape(-1, x.shape[-1])
+        shape = x.shape
+        x_flat = x.detach().reshape(-1, shape[-1])
+        contiguous = x.is_contiguous()  # then ``x_flat`` is a view of it, not a copy
         slices = run.plan.slice_tuple
         kernel = run.kernel
         autocast = AutocastState.capture(x.device)
         first_out, rng_states = first.out, [first.rng_state]
         width = kernel.output_width(tensors) if first_out is None and not autocast.enabled else None
         if width is not None:
-            # Width known and dtype the input's (no autocast): every shard writes into the one output.
-            out = x.new_empty((*x.shape[:-1], width))
+            # Width known and dtype the input's (no autocast): every shard writes into the one output; one as wide as
+            # a contiguous input (an MLP's) is allocated like it, the cheapest allocation.
+            same = width == shape[-1] and contiguous
+            out = torch.empty_like(x) if same else x.new_empty((*shape[:-1], width))
             out_flat = out.view(-1, width)
             rng_states, later = [], 0
         else:
             if first_out is None:
                 rng_states = [capture_rng_state(x.device) if run.replay_rng else None]
                 first_out = kernel.forward_into(x_flat[slices[0]], None, tensors, slices[0])
-            out = first_out.new_empty((*x.shape[:-1], first_out.shape[-1]))
+            out = first_out.new_empty((*shape[:-1], first_out.shape[-1]))
             out_flat = out.view(-1, out.shape[-1])
             out_flat[slices[0]].copy_(first_out)
             later = 1
@@ -419,8 +423,12 @@ class ShardedMapFunction(torch.autograd.Function):
             _watched_forward(run, first, x_flat, out_flat, slices, later, tensors, rng_states)
         if first.input_version is not None and x._version != first.input_version:
             raise RuntimeError(INPUT_EDITED_ERROR.format(module=kernel.module_name))
+        # The flat input is saved where it is a view (a contiguous input): the backward reshapes nothing, and the
+        # version counter it shares with the input still refuses an input edited before the backward.
+        ctx.flat_saved = first.input_holder is None and contiguous
         if first.input_holder is None:
-            ctx.save_for_backward(x)
+            ctx.save_for_backward(x_flat if ctx.flat_saved else x)
+        ctx.input_shape = shape
         ctx.input_holder = first.input_holder
         ctx.input_requires_grad = first.input_requires_grad
         ctx.run = run
@@ -448,19 +456,19 @@ class ShardedMapFunction(torch.autograd.Function):
             raise_modified(ctx.checked, ctx.versions, kernel.module_name)
         # Under non-reentrant checkpointing, reading the saved input recomputes the region up to it.
         (x,) = ctx.saved_tensors if ctx.input_holder is None else (ctx.input_holder.tensor(),)
+        x_flat = x if ctx.flat_saved else x.detach().reshape(-1, x.shape[-1])
         tensors = ctx.tensors
         needs_input_grad = ctx.needs_input_grad
         need_dx = needs_input_grad[0] and ctx.input_requires_grad
         num_params = len(kernel.params)
         grads = GradAccumulator(tensors, needed_grads(run, needs_input_grad[3:], num_params), run.grad_accum_dtype)
-        x_flat = x.detach().reshape(-1, x.shape[-1])
         dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
         dx_flat = torch.empty_like(x_flat) if need_dx else None
         with _recompute_contexts(run, kernel, tensors, ctx.autocast):
             backward_shards(kernel, run.plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, tensors, ctx.rng_states)
             # Delivered inside the gathered region, where the parameters are whole.
             tensor_grads = delivered_grads(run, grads, tensors, num_params)
-        return (None if dx_flat is None else dx_flat.view_as(x), None, None, *tensor_grads)
+        return (None if dx_flat is None else dx_flat.view(ctx.input_shape), None, None, *tensor_grads)
 
 
 def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:

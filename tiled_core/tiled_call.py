@@ -183,7 +183,7 @@ class ModuleTree:
 def call_config(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
                 token_inputs: Sequence[torch.Tensor]) -> tuple:
     installed = state.instance_forward
-    forward = installed if installed is not None else type(module)._tiled_base.forward  # ``base_forward``
+    forward = installed if installed is not None else type(module)._tiled_base.forward  # type: ignore[attr-defined]  # ``base_forward``
     device = x.device
     return (type(strategy), type(module), forward, getattr(getattr(forward, "__func__", forward), "__code__", None),
             x.dtype, device, x.dim(), not token_inputs, autocast_enabled(device.type), state.path,

@@ -12,7 +12,7 @@ Per valid token i (``target_i != ignore_index``), with ``z = c * tanh(l / c)`` u
 
 Ignored tokens contribute exact zeros to the sum and the gradient. The caller scales by ``1 / denominator`` once
 (``scale``), so the sum over shards is the normalised loss. The logits buffer becomes the gradient in place.
-The logits may be one rank's rows of the vocabulary (a ``VocabSlice``, ``vocab_parallel.py``): every
+The logits may be one rank's rows of the vocabulary (a ``VocabSlice``, ``LinearHeadKernel`` in ``lm_head.py``): every
 whole-vocabulary quantity (row maximum, sum of exponentials, sum of logits, the target's logit) is then reduced
 over the slice's group from the per-rank partials.
 """
