@@ -84,6 +84,24 @@ def test_a_hook_on_a_child_whose_hooks_were_empty_is_seen(deep):
     assert not snapshot.holds(mlp)
 
 
+def test_a_hook_written_under_its_handle_is_seen(deep):
+    mlp = _mlp()
+    handle = mlp.up_proj.register_forward_hook(_same_hook)
+    snapshot = ModuleTree(mlp, deep)
+    mlp.up_proj._forward_hooks[handle.id] = lambda module, args, out: out * 2  # no new handle id
+    assert not snapshot.holds(mlp)
+
+
+def test_children_renamed_in_the_same_order_are_seen(deep):
+    mlp = _mlp()
+    snapshot = ModuleTree(mlp, deep)
+    names, children = zip(*mlp._modules.items())
+    names = tuple({"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(name, name) for name in names)
+    mlp._modules.clear()
+    mlp._modules.update(zip(names, children))  # the same children in the same order: gate and up trade roles
+    assert not snapshot.holds(mlp)
+
+
 def test_a_global_module_hook_is_seen(deep):
     mlp = _mlp()
     snapshot = ModuleTree(mlp, deep)

@@ -32,7 +32,7 @@ class GatedEntry(Kernel):
     name = "fast"
     shape = MAP
     keeps_grad_buffers = False  # weight gradients go straight into one buffer per weight
-    answers_per_plan = True  # the plan's key, and the proof's reads that guard it
+    answers_per_plan = True  # the plan's key, and its structural decision made again in strict mode
 
     def why_not(self, call: KernelCall) -> str:
         if call.token_inputs:

@@ -395,7 +395,6 @@ class ShardedMapFunction(torch.autograd.Function):
         # Shards are views of a detached input: a view made under no_grad still reports requires_grad.
         shape = x.shape
         x_flat = x.detach().reshape(-1, shape[-1])
-        contiguous = x.is_contiguous()  # then ``x_flat`` is a view of it, not a copy
         slices = run.plan.slice_tuple
         kernel = run.kernel
         autocast = AutocastState.capture(x.device)
@@ -404,7 +403,7 @@ class ShardedMapFunction(torch.autograd.Function):
         if width is not None:
             # Width known and dtype the input's (no autocast): every shard writes into the one output; one as wide as
             # a contiguous input (an MLP's) is allocated like it, the cheapest allocation.
-            same = width == shape[-1] and contiguous
+            same = width == shape[-1] and x.is_contiguous()
             out = torch.empty_like(x) if same else x.new_empty((*shape[:-1], width))
             out_flat = out.view(-1, width)
             rng_states, later = [], 0
@@ -423,12 +422,8 @@ class ShardedMapFunction(torch.autograd.Function):
             _watched_forward(run, first, x_flat, out_flat, slices, later, tensors, rng_states)
         if first.input_version is not None and x._version != first.input_version:
             raise RuntimeError(INPUT_EDITED_ERROR.format(module=kernel.module_name))
-        # The flat input is saved where it is a view (a contiguous input): the backward reshapes nothing, and the
-        # version counter it shares with the input still refuses an input edited before the backward.
-        ctx.flat_saved = first.input_holder is None and contiguous
         if first.input_holder is None:
-            ctx.save_for_backward(x_flat if ctx.flat_saved else x)
-        ctx.input_shape = shape
+            ctx.save_for_backward(x)
         ctx.input_holder = first.input_holder
         ctx.input_requires_grad = first.input_requires_grad
         ctx.run = run
@@ -456,7 +451,7 @@ class ShardedMapFunction(torch.autograd.Function):
             raise_modified(ctx.checked, ctx.versions, kernel.module_name)
         # Under non-reentrant checkpointing, reading the saved input recomputes the region up to it.
         (x,) = ctx.saved_tensors if ctx.input_holder is None else (ctx.input_holder.tensor(),)
-        x_flat = x if ctx.flat_saved else x.detach().reshape(-1, x.shape[-1])
+        x_flat = x.detach().reshape(-1, x.shape[-1])
         tensors = ctx.tensors
         needs_input_grad = ctx.needs_input_grad
         need_dx = needs_input_grad[0] and ctx.input_requires_grad
@@ -468,7 +463,7 @@ class ShardedMapFunction(torch.autograd.Function):
             backward_shards(kernel, run.plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, tensors, ctx.rng_states)
             # Delivered inside the gathered region, where the parameters are whole.
             tensor_grads = delivered_grads(run, grads, tensors, num_params)
-        return (None if dx_flat is None else dx_flat.view(ctx.input_shape), None, None, *tensor_grads)
+        return (None if dx_flat is None else dx_flat.view_as(x), None, None, *tensor_grads)
 
 
 def _versions_to_check(run: ShardedRun[ShardKernel], tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:

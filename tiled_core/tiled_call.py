@@ -119,13 +119,13 @@ _dict_of = operator.attrgetter("__dict__")
 class ModuleTree:
     """The module tree below (and including) one module as it is now, compared at each call in C-level passes
     (no Python frame per module): classes and their forwards, instance forwards and training modes, the
-    registries' sizes and the tensors' states by equality; each module's ``__dict__`` and the registries' values
-    by identity; the global hooks' keys. A module's hooks are read again only after a registration anywhere (it
-    takes the next handle id): one removed alone leaves the plan exact. ``deep`` (strict mode): every attribute of every module by name and
-    identity, and the hooks at every call."""
+    registries' keys and the tensors' states by equality; each module's ``__dict__`` and the registries' and
+    hooks' values by identity; the global hooks' keys. A module's hook keys are read again only after a
+    registration anywhere (it takes the next handle id): a hook removed alone leaves the plan exact. ``deep``
+    (strict mode): every attribute of every module by name and identity as well, and the hook keys at every call."""
 
     __slots__ = ("root", "modules", "dicts", "read_dicts", "read_keys", "registries", "tensors", "hook_dicts",
-                 "hook_id", "deep", "reading", "hook_reading", "filled_values", "objects")
+                 "hook_id", "reading", "hook_reading", "filled_values", "objects")
 
     def __init__(self, module: nn.Module, deep: bool):
         modules: List[nn.Module] = []
@@ -151,11 +151,10 @@ class ModuleTree:
         self.tensors = tuple(t for d in self.dicts for t in (*d["_parameters"].values(), *d["_buffers"].values())
                              if t is not None)
         self.hook_dicts = tuple(hook_dicts)
-        self.deep = deep
         self.hook_id = None if deep else RemovableHandle.next_id
         self.reading = self._read()
         self.hook_reading = tuple(map(tuple, self.hook_dicts))
-        filled = [held for held in (*self.registries, *(self.hook_dicts if deep else ())) if held]
+        filled = [held for held in (*self.registries, *self.hook_dicts) if held]
         self.filled_values = tuple(held.values() for held in filled)
         self.objects = (*self.dicts, *itertools.chain.from_iterable(self.filled_values))
 
@@ -163,9 +162,8 @@ class ModuleTree:
         classes = tuple(map(type, self.modules))
         # The root's class forward is the tiled one: what it runs is ``call_config``'s.
         return (classes, tuple(map(getattr, classes[1:], itertools.repeat("forward"))),
-                tuple(map(dict.get, self.read_dicts, self.read_keys)), tuple(map(len, self.registries)),
-                tuple(map(_tensor_state, self.tensors)), tuple(map(tuple, _GLOBAL_HOOK_DICTS)),
-                tuple(map(tuple, self.registries)) if self.deep else None)
+                tuple(map(dict.get, self.read_dicts, self.read_keys)), tuple(map(tuple, self.registries)),
+                tuple(map(_tensor_state, self.tensors)), tuple(map(tuple, _GLOBAL_HOOK_DICTS)))
 
     def holds(self, root: nn.Module) -> bool:
         # Tuples compare their items by identity first (classes, functions, bound methods).
@@ -210,7 +208,7 @@ class MapPlan:
         self.fast_kernel: Any = None
         self.kernel_cache: Dict[str, Any] = {}
         self.choices: Dict[tuple, Any] = {}
-        self.guards: List[Callable[[], bool]] = []  # checked in strict mode only (the fast path's proof reads)
+        self.guards: List[Callable[[], bool]] = []  # checked in strict mode only (the fast path's decision again)
         self.generic = False  # whether the last kernel chosen keeps gradient buffers of its own
         self.views: Dict[type, Any] = {}  # the strategy's local view, by kernel class (None: plain tensors)
         # Tiled decisions of kernels that serve many calls, by (tokens, shard setting, policy).
