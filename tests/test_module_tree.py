@@ -95,10 +95,10 @@ def test_a_hook_written_under_its_handle_is_seen(deep):
 def test_children_renamed_in_the_same_order_are_seen(deep):
     mlp = _mlp()
     snapshot = ModuleTree(mlp, deep)
-    names, children = zip(*mlp._modules.items())
+    names, children = zip(*mlp._modules.items(), strict=True)
     names = tuple({"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(name, name) for name in names)
     mlp._modules.clear()
-    mlp._modules.update(zip(names, children))  # the same children in the same order: gate and up trade roles
+    mlp._modules.update(zip(names, children, strict=True))  # the same children in the same order: gate and up trade roles
     assert not snapshot.holds(mlp)
 
 
