@@ -89,3 +89,12 @@ def test_the_core_refuses_when_no_layer_said_whether_the_decoder_holds_a_cache()
     with pytest.raises(RuntimeError, match="reported whether the decoder holds a cache"):
         attention(torch.nn.Module(), *_qkv(), None, position_ids=torch.arange(8)[None],
              **{WHOLE_SEQUENCE_KWARG: WholeSequence(padding=None)})
+
+
+def test_the_core_refuses_a_call_without_position_ids():
+    # Without them HF's mask cannot tell packed samples apart: refused, not built as one causal row.
+    attention = whole_sequence_attention(lambda *a, **k: None, "sdpa", transformers.LlamaConfig())
+    for missing in ({}, {"position_ids": None}):
+        with pytest.raises(RuntimeError, match="got no position_ids"):
+            attention(torch.nn.Module(), *_qkv(), None, **missing,
+                      **{WHOLE_SEQUENCE_KWARG: WholeSequence(padding=None, cached=False)})

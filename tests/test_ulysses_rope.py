@@ -16,6 +16,7 @@ from tiled_mlp.integrations.ulysses_rope import (  # noqa: E402
     LENGTH_INDEPENDENT,
     is_length_dependent,
     length_dependent_rotaries,
+    whole_sequence_rope,
 )
 
 TRAINED = 16  # max_position_embeddings: the length past which the length-dependent types scale
@@ -96,3 +97,14 @@ def test_a_config_asking_for_a_length_dependent_type_without_its_rotary_is_refus
     model.model.rotary_emb.rope_type = "default"  # the module no longer carries it
     with pytest.raises(ValueError, match="asks for the length-dependent rope_type 'longrope'"):
         length_dependent_rotaries(model)
+
+
+def test_a_rotary_called_without_position_ids_is_refused_before_any_collective():
+    rotary = LlamaRotaryEmbedding(_rope_config("dynamic"))
+    handles = whole_sequence_rope([rotary], group=None)
+    try:
+        with pytest.raises(ValueError, match="called without position_ids"):
+            rotary(torch.randn(1, 8, 16))
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -174,6 +174,8 @@ def hf_mask(config: Any, query: torch.Tensor, whole: WholeSequence, kwargs: Dict
     shape_only = query.new_empty((query.shape[0], query.shape[2], 0))
     # HF reads position_ids for packed samples only when its decoder holds no cache; with one, the mask is
     # causal over the row. A fresh cache sizes the mask as no cache does (no past tokens), so no cache.
-    # DeepSpeed all-gathers position_ids before this attention (checked releases; the model's guard requires them).
-    positions = None if whole.cached else kwargs["position_ids"]
+    positions = None if whole.cached else kwargs.get("position_ids")
+    if not whole.cached and positions is None:
+        raise RuntimeError("sequence parallelism: the inner attention got no position_ids (DeepSpeed all-gathers them "
+                           "before it); HF's mask for packed samples is unknown here")
     return build(config, shape_only, whole.padding, positions)

@@ -5,7 +5,7 @@ position as one extra position (an all-reduce MAX) and its cos/sin cut off the o
 own are bit for bit the whole sequence's."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -70,17 +70,20 @@ def length_dependent_rotaries(model: nn.Module) -> List[nn.Module]:
     return found
 
 
-def _positions(args: Tuple, kwargs: Dict) -> Tuple[torch.Tensor, bool]:
+def _positions(args: Tuple, kwargs: Dict) -> Tuple[Optional[torch.Tensor], bool]:
     if "position_ids" in kwargs:
         return kwargs["position_ids"], True
-    return args[1], False
+    return (args[1] if len(args) > 1 else None), False
 
 
 def whole_sequence_rope(rotaries: List[nn.Module], group: Any) -> List[Any]:
     """Hooks (returned) giving each call of ``rotaries`` the SP group's largest position as one extra position,
     cut off its output."""
     def add_largest(module: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict]:
-        positions, by_name = _positions(args, kwargs)  # HF's decoders pass them (5.6 to 5.25, every rotary)
+        positions, by_name = _positions(args, kwargs)
+        if not isinstance(positions, torch.Tensor):
+            raise ValueError(f"sequence parallelism: {type(module).__name__} was called without position_ids; under SP "
+                             "its length-dependent frequencies need the positions of the rank's slice")
         largest = positions.max().reshape(1)
         # Every rank of the group calls its rotary embedding once per forward: the collective is matched.
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
@@ -90,7 +93,9 @@ def whole_sequence_rope(rotaries: List[nn.Module], group: Any) -> List[Any]:
         return (args[0], extended, *args[2:]), kwargs
 
     def cut_largest(module: nn.Module, args: Tuple, kwargs: Dict, output: Any) -> Any:
-        tokens = _positions(args, kwargs)[0].shape[-1] - 1
+        positions, _ = _positions(args, kwargs)
+        assert isinstance(positions, torch.Tensor)  # add_largest put it there
+        tokens = positions.shape[-1] - 1
         parts = output if isinstance(output, tuple) else (output,)
         if not all(isinstance(p, torch.Tensor) and p.dim() >= 2 and p.shape[-2] == tokens + 1 for p in parts):
             raise RuntimeError(f"sequence parallelism: {type(module).__name__} returned {[tuple(p.shape) for p in parts]}"
