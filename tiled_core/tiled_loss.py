@@ -232,7 +232,7 @@ def _traced_linear_loss(hidden, lm_head, labels, shift_labels, options: CrossEnt
     return loss
 
 
-@dataclass(eq=False)  # compared and hashed by identity, as any call site
+@dataclass(eq=False)  # compared and hashed by identity
 class LossSite:
     """The loss's decision and run for ``tiled_call``: a ``sharded_reduce`` over the hidden states."""
 
