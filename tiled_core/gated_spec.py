@@ -15,15 +15,15 @@ def no_hook_is_backend(hook) -> bool:
 
 # The hook dicts a module call runs: each module's own, and those registered for every module.
 MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                      "_global_backward_pre_hooks")
+GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                     "_global_backward_pre_hooks")
 
 
 def foreign_child_hooks(module: nn.Module, is_backend_hook=no_hook_is_backend) -> List[str]:
     """The hooks below ``module`` that a tiled call would not run as untiled, by name: the fast kernel calls
     no submodule. A backend's own (ZeRO-3's gather) is stood in for by the strategy's ``gathered``."""
     found = [f"every module: {getattr(h, '__qualname__', type(h).__name__)}"  # ``register_module_forward_hook``'s
-             for hook_dict in _GLOBAL_HOOK_DICTS for h in getattr(_module_globals, hook_dict, {}).values()
+             for hook_dict in GLOBAL_HOOK_DICTS for h in getattr(_module_globals, hook_dict, {}).values()
              if not is_backend_hook(h)]
     for name, sub in module.named_modules():
         if not name:

@@ -29,6 +29,7 @@ from . import strict as _strict
 from .auto_shards import AutoDecision, intermediate_size, remembered_auto_decision
 from .buffer_guard import buffers_kept
 from .fast_path import fast_refused
+from .gated_spec import GLOBAL_HOOK_DICTS, MODULE_HOOK_DICTS
 from .kernel_registry import MAP, KernelCall, available_kernels, choose_kernel
 from .module_forward import adopt_instance_forward, base_forward, hidden_states_argument, original_forward
 from .shard_plan import make_shard_plan
@@ -107,10 +108,8 @@ def module_strategy(module: nn.Module, state: TilingState) -> Strategy:
 # -- what a module's call rests on -------------------------------------------------------------------------
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOK_DICTS = tuple(getattr(_nn_module, name) for name in (
-    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
-    if isinstance(getattr(_nn_module, name, None), dict))
+_GLOBAL_HOOK_DICTS = tuple(getattr(_nn_module, name) for name in GLOBAL_HOOK_DICTS
+                           if isinstance(getattr(_nn_module, name, None), dict))
 # A parameter's device is not read: the input's is part of ``call_config``, and the module's own run needs them alike.
 _tensor_state = operator.attrgetter("dtype", "requires_grad")
 _dict_of = operator.attrgetter("__dict__")
@@ -139,7 +138,7 @@ class ModuleTree:
             if deep:
                 registries.append(d)
             registries.extend(d[name] for name in _REGISTRIES)
-            hook_dicts.extend(d.get(name, {}) for name in _HOOK_DICTS)
+            hook_dicts.extend(d.get(name, {}) for name in MODULE_HOOK_DICTS)
             stack.extend(child for child in d["_modules"].values() if child is not None)
         self.root = module
         self.modules = tuple(modules)
