@@ -19,6 +19,11 @@ GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_glo
                      "_global_backward_pre_hooks")
 
 
+def hook_count(module: nn.Module) -> int:
+    """How many hooks ``module`` itself carries (read in traced code, so that Dynamo may guard the count)."""
+    return sum(len(getattr(module, name)) for name in MODULE_HOOK_DICTS)
+
+
 def foreign_child_hooks(module: nn.Module, is_backend_hook=no_hook_is_backend) -> List[str]:
     """The hooks below ``module`` that a tiled call would not run as untiled, by name: the fast kernel calls
     no submodule. A backend's own (ZeRO-3's gather) is stood in for by the strategy's ``gathered``."""

@@ -22,7 +22,7 @@ from tiled_mlp.strategies.base import Strategy, VocabSlice
 from tiled_mlp.strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg, sums_over_sequence_ranks
 
 from . import dynamo_support
-from .gated_spec import MODULE_HOOK_DICTS
+from .gated_spec import MODULE_HOOK_DICTS, hook_count
 from .kernel_registry import REDUCE, KernelCall, choose_kernel
 from .kernels.cross_entropy import CrossEntropyOptions, check_targets
 from .kernels.lm_head import is_plain_linear, loss_dtype
@@ -182,11 +182,6 @@ def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Te
         return head(hidden if sees_graph else hidden.detach())
     finally:
         forward.put_back()  # where a pre-hook raised before the forward ran
-
-
-def hook_count(module: nn.Module) -> int:
-    """How many hooks ``module`` itself carries (read in traced code, so that Dynamo may guard the count)."""
-    return sum(len(getattr(module, name)) for name in MODULE_HOOK_DICTS)
 
 
 def _backend(lm_head: nn.Module, fixed: Optional[Strategy]) -> Tuple[Strategy, Any, List[torch.Tensor]]:
