@@ -110,10 +110,10 @@ class AutocastState:
     def capture(cls, device: torch.device) -> AutocastState:
         # The state with autocast off is kept per device (``device.type`` builds a new string at every read).
         off = _AUTOCAST_OFF.get(device)
-        device_type = device.type if off is None else off.device_type
-        if not autocast_enabled(device_type):
-            if off is None:
-                off = _AUTOCAST_OFF[device] = cls(device_type, False, torch.float32)
+        if off is None:
+            off = _AUTOCAST_OFF[device] = cls(device.type, False, torch.float32)
+        device_type = off.device_type
+        if device_type == "meta" or not torch.is_autocast_enabled(device_type):  # "meta" has no autocast
             return off
         return cls(device_type, True, torch.get_autocast_dtype(device_type))
 
@@ -312,6 +312,9 @@ class ShardedRun(Generic[KernelT]):
     params_swap_storage: bool = False
     # How the kernel sees distributed parameters (``local_view.py``), entered around the Function.
     local_view: Optional[LocalView] = None
+    # The forward's autocast state where the call's plan fixed it (its device and autocast are part of the
+    # plan's key); None: read at each call.
+    autocast: Optional[AutocastState] = None
 
 
 # -- the map shape ------------------------------------------------------------------------------------------------
@@ -367,14 +370,11 @@ def _watched_forward(run: ShardedRun[ShardKernel], first: FirstShard, x_flat: to
         _check_nothing_kept(reads)
 
 
-_NO_CONTEXT = contextlib.nullcontext()  # where the recompute needs no context
-
-
 def _recompute_contexts(run: ShardedRun[ShardKernel], kernel: ShardKernel, tensors: Sequence[torch.Tensor],
-                        autocast: AutocastState) -> ContextManager:
-    """The recompute's contexts entered, outermost first; those that would do nothing are left out."""
+                        autocast: AutocastState) -> Optional[ContextManager]:
+    """The recompute's contexts entered, outermost first; those that would do nothing are left out (None: all)."""
     if run.gathered is None and not kernel.substitutes_tensors and not autocast.needs_replay():
-        return _NO_CONTEXT
+        return None
     stack = contextlib.ExitStack()
     try:
         if run.gathered is not None:
@@ -397,7 +397,7 @@ class ShardedMapFunction(torch.autograd.Function):
         x_flat = x.detach().reshape(-1, shape[-1])
         slices = run.plan.slice_tuple
         kernel = run.kernel
-        autocast = AutocastState.capture(x.device)
+        autocast = run.autocast if run.autocast is not None else AutocastState.capture(x.device)
         first_out, rng_states = first.out, [first.rng_state]
         width = kernel.output_width(tensors) if first_out is None and not autocast.enabled else None
         if width is not None:
@@ -459,10 +459,15 @@ class ShardedMapFunction(torch.autograd.Function):
         grads = GradAccumulator(tensors, needed_grads(run, needs_input_grad[3:], num_params), run.grad_accum_dtype)
         dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
         dx_flat = torch.empty_like(x_flat) if need_dx else None
-        with _recompute_contexts(run, kernel, tensors, ctx.autocast):
+        contexts = _recompute_contexts(run, kernel, tensors, ctx.autocast)
+        if contexts is None:  # nothing to enter: no with statement's two calls
             backward_shards(kernel, run.plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, tensors, ctx.rng_states)
-            # Delivered inside the gathered region, where the parameters are whole.
             tensor_grads = delivered_grads(run, grads, tensors, num_params)
+        else:
+            with contexts:
+                backward_shards(kernel, run.plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, tensors, ctx.rng_states)
+                # Delivered inside the gathered region, where the parameters are whole.
+                tensor_grads = delivered_grads(run, grads, tensors, num_params)
         return (None if dx_flat is None else dx_flat.view_as(x), None, None, *tensor_grads)
 
 

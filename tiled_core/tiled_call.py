@@ -33,7 +33,7 @@ from .gated_spec import GLOBAL_HOOK_DICTS, MODULE_HOOK_DICTS
 from .kernel_registry import MAP, KernelCall, available_kernels, choose_kernel
 from .module_forward import adopt_instance_forward, base_forward, hidden_states_argument, original_forward
 from .shard_plan import make_shard_plan
-from .sharded_autograd import ShardedRun, autocast_enabled, sharded_apply
+from .sharded_autograd import AutocastState, ShardedRun, sharded_apply
 from .tiling_state import TilingState
 from .validation import check_input, expected_hidden_size
 
@@ -113,23 +113,42 @@ _GLOBAL_HOOK_DICTS = tuple(getattr(_nn_module, name) for name in GLOBAL_HOOK_DIC
 # A parameter's device is not read: the input's is part of ``call_config``, and the module's own run needs them alike.
 _tensor_state = operator.attrgetter("dtype", "requires_grad")
 _dict_of = operator.attrgetter("__dict__")
+_END = object()  # closes the identity sequence: a value removed or added anywhere shifts it
+# Registrations through ``nn.Module``'s API anywhere (``register_parameter``, ``add_module``, ``setattr`` of a
+# Parameter, Module or Buffer), counted by torch's global registration hooks from the first plan on.
+_REGISTERED = [0]
+
+
+def _count_registration(module: nn.Module, name: str, value: Any) -> None:
+    _REGISTERED[0] += 1
+
+
+@functools.cache
+def _count_registrations() -> None:
+    for register in (_nn_module.register_module_parameter_registration_hook,
+                     _nn_module.register_module_buffer_registration_hook,
+                     _nn_module.register_module_module_registration_hook):
+        register(_count_registration)
 
 
 class ModuleTree:
     """The module tree below (and including) one module as it is now, compared at each call in C-level passes
-    (no Python frame per module): classes and their forwards, instance forwards and training modes, the
-    registries' keys and the tensors' states by equality; each module's ``__dict__`` and the registries' and
-    hooks' values by identity; the global hooks' keys. A module's hook keys are read again only after a
-    registration anywhere (it takes the next handle id): a hook removed alone leaves the plan exact. ``deep``
-    (strict mode): every attribute of every module by name and identity as well, and the hook keys at every call."""
+    (no Python frame per module): classes and their forwards, instance forwards and training modes and the
+    tensors' states by equality; each module's ``__dict__``, registries and the registries' values by identity.
+    Names and hooks are read again only after they may have changed: registry keys after a registration through
+    ``nn.Module``'s API anywhere, hook keys (global and per module) after a hook took the next handle id. A hook
+    or a value removed alone is seen by identity (or leaves the plan exact); a key renamed by writing into a
+    registry directly, keeping its values in order, is seen in strict mode only. ``deep`` (strict mode): every
+    attribute of every module by name and identity as well, and the keys at every call."""
 
-    __slots__ = ("root", "modules", "dicts", "read_dicts", "read_keys", "registries", "tensors", "hook_dicts",
-                 "hook_id", "reading", "hook_reading", "filled_values", "objects")
+    __slots__ = ("root", "modules", "dicts", "read_dicts", "read_keys", "registries", "keys", "tensors",
+                 "hook_dicts", "hooks", "hook_id", "registered", "reading", "values", "empty", "objects")
 
     def __init__(self, module: nn.Module, deep: bool):
+        _count_registrations()
         modules: List[nn.Module] = []
         registries: List[dict] = []
-        hook_dicts: List[dict] = []
+        hook_dicts: List[dict] = list(_GLOBAL_HOOK_DICTS)
         stack = [module]
         while stack:
             sub = stack.pop()
@@ -147,33 +166,40 @@ class ModuleTree:
         self.read_dicts = (*self.dicts, *self.dicts[1:])
         self.read_keys = ("training",) * len(modules) + ("forward",) * (len(modules) - 1)
         self.registries = tuple(registries)
+        self.keys = tuple(map(tuple, self.registries))
         self.tensors = tuple(t for d in self.dicts for t in (*d["_parameters"].values(), *d["_buffers"].values())
                              if t is not None)
         self.hook_dicts = tuple(hook_dicts)
+        self.hooks = tuple(map(tuple, self.hook_dicts))
         self.hook_id = None if deep else RemovableHandle.next_id
+        self.registered = None if deep else _REGISTERED[0]
         self.reading = self._read()
-        self.hook_reading = tuple(map(tuple, self.hook_dicts))
-        filled = [held for held in (*self.registries, *self.hook_dicts) if held]
-        self.filled_values = tuple(held.values() for held in filled)
-        self.objects = (*self.dicts, *itertools.chain.from_iterable(self.filled_values))
+        held = (*self.registries, *self.hook_dicts)
+        self.values = tuple(d.values() for d in held if d)
+        self.empty = tuple(d for d in self.registries if not d)  # one filled by a direct write is seen by its size
+        self.objects = (*self.dicts, *itertools.chain.from_iterable(self.values), _END)
 
     def _read(self) -> tuple:
         classes = tuple(map(type, self.modules))
         # The root's class forward is the tiled one: what it runs is ``call_config``'s.
         return (classes, tuple(map(getattr, classes[1:], itertools.repeat("forward"))),
-                tuple(map(dict.get, self.read_dicts, self.read_keys)), tuple(map(tuple, self.registries)),
-                tuple(map(_tensor_state, self.tensors)), tuple(map(tuple, _GLOBAL_HOOK_DICTS)))
+                tuple(map(dict.get, self.read_dicts, self.read_keys)), tuple(map(_tensor_state, self.tensors)))
 
     def holds(self, root: nn.Module) -> bool:
         # Tuples compare their items by identity first (classes, functions, bound methods).
         if self.hook_id != RemovableHandle.next_id:
-            if tuple(map(tuple, self.hook_dicts)) != self.hook_reading:
+            if tuple(map(tuple, self.hook_dicts)) != self.hooks:
                 return False
             if self.hook_id is not None:
                 self.hook_id = RemovableHandle.next_id
-        return (self.root is root and self._read() == self.reading
+        if self.registered != _REGISTERED[0]:
+            if tuple(map(tuple, self.registries)) != self.keys:
+                return False
+            if self.registered is not None:
+                self.registered = _REGISTERED[0]
+        return (self.root is root and self._read() == self.reading and not any(map(len, self.empty))
                 and all(map(operator.is_, itertools.chain(map(_dict_of, self.modules),
-                                                          itertools.chain.from_iterable(self.filled_values)),
+                                                          itertools.chain.from_iterable(self.values), (_END,)),
                             self.objects)))
 
 
@@ -182,9 +208,10 @@ def call_config(module: nn.Module, state: TilingState, strategy: Strategy, x: to
     installed = state.instance_forward
     forward = installed if installed is not None else type(module)._tiled_base.forward  # type: ignore[attr-defined]  # ``base_forward``
     device = x.device
-    return (type(strategy), type(module), forward, getattr(getattr(forward, "__func__", forward), "__code__", None),
-            x.dtype, device, x.dim(), not token_inputs, autocast_enabled(device.type), state.path,
-            state.use_fused_kernel, _strict.ON, _kernels.GENERATION[0])
+    # The autocast state last: the plan's runs carry it (``MapPlan.autocast``).
+    return (type(strategy), type(module), forward, getattr(forward, "__code__", None),  # a method reads its function's
+            x.dtype, device, x.dim(), not token_inputs, state.path, state.use_fused_kernel, _strict.ON,
+            _kernels.GENERATION[0], AutocastState.capture(device))
 
 
 class MapPlan:
@@ -192,6 +219,7 @@ class MapPlan:
 
     def __init__(self, module: nn.Module, strategy: Strategy, config: tuple, trainable: List[torch.Tensor]):
         self.config = config
+        self.autocast: AutocastState = config[-1]
         self.tree = ModuleTree(module, deep=_strict.ON)
         self.strategy = strategy  # the instance the plan was checked with (``check_supported``)
         self.trainable = trainable
@@ -399,15 +427,18 @@ def _run_for(decision: CallDecision, owner: nn.Module, strategy: Strategy,
     """The run of ``decision``, reused where the strategy brings nothing made for this call."""
     kernel = decision.kernel
     assert kernel is not None and decision.num_shards is not None, "a decision with a kernel has a shard count"
-    view = _local_view(strategy, owner, kernel, plan)
-    deliver = strategy.deliver_grads if strategy.delivers_grads else None
     swaps = plan.swaps if plan is not None else strategy.swaps_param_storage(owner)
     key = (grad_accum_dtype, strategy.unused_grads_as_zeros, swaps)
-    reusable = gathered is None and deliver is None and view is None
+    reusable = gathered is None and not strategy.delivers_grads
     if reusable:
+        # Kept only where the plan's local view was None, which it stays for the plan (``_local_view``); a
+        # decision made without a plan (the loss's) is made per call and keeps none.
         run = decision.runs.get(key)
         if run is not None:
             return run
+    view = _local_view(strategy, owner, kernel, plan)
+    deliver = strategy.deliver_grads if strategy.delivers_grads else None
+    reusable = reusable and view is None
     trainable = {id(t) for t in decision.trainable}
     run = ShardedRun(
         kernel=kernel,
@@ -421,6 +452,7 @@ def _run_for(decision: CallDecision, owner: nn.Module, strategy: Strategy,
         deliver_grads=deliver,
         params_swap_storage=swaps,
         local_view=view,
+        autocast=plan.autocast if plan is not None else None,
     )
     if reusable:
         decision.runs[key] = run
