@@ -275,3 +275,16 @@ def test_replaced_parameters_are_not_kept_alive_by_short_calls():
     assert tiled.tiling.last_path == "untiled"
     gc.collect()
     assert all(ref() is None for ref in old)
+
+
+def test_strict_mode_switched_after_a_call_makes_the_plan_again():
+    with strict_mode(False):
+        tiled = _tiled_after_a_fast_call()
+        default_plan = tiled.tiling.call_plan
+    with strict_mode(True):
+        _assert_matches_untiled(tiled, "fast")
+        strict_plan = tiled.tiling.call_plan
+    assert strict_plan is not default_plan, "a plan made by default would skip strict mode's checks"
+    with strict_mode(False):
+        _assert_matches_untiled(tiled, "fast")
+        assert tiled.tiling.call_plan is not strict_plan, "a strict plan kept would check strict mode's reads"

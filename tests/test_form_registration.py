@@ -281,3 +281,24 @@ def test_a_fused_kernel_registered_or_withdrawn_reaches_a_module_already_called(
     CountingKernel.calls = 0
     tiled(x).sum().backward()
     assert CountingKernel.calls == 0, "a withdrawn kernel still runs in a module called before"
+
+
+def test_use_fused_kernel_switched_after_a_call_is_honoured():
+    from reference import GatedMLP
+
+    from tiled_mlp import TiledMLP
+
+    torch.manual_seed(0)
+    tiled = TiledMLP(GatedMLP(HIDDEN, INTER).double(), num_shards=3)
+    x = torch.randn(2, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
+    kernel = register_fused_kernel("cpu", ("silu",), CountingKernel)
+    try:
+        CountingKernel.calls = 0
+        tiled(x).sum().backward()
+        assert CountingKernel.calls > 0
+        tiled.tiling.use_fused_kernel = False  # the kept plan chose the fused kernel: it must not stay
+        CountingKernel.calls = 0
+        tiled(x).sum().backward()
+        assert tiled.tiling.last_path == "fast" and CountingKernel.calls == 0, "the fused kernel still runs"
+    finally:
+        unregister_fused_kernel(kernel)

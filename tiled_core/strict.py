@@ -19,6 +19,11 @@ def set_strict(on: bool) -> bool:
     """Turn strict mode on or off for the calls that follow; returns the previous setting."""
     global ON
     previous, ON = ON, bool(on)
+    if ON != previous:
+        # A plan made in the other mode checks other things at each call. (Imported here: the registry's
+        # module imports this one.)
+        from .kernel_registry import GENERATION
+        GENERATION[0] += 1
     return previous
 
 

@@ -208,10 +208,10 @@ def call_config(module: nn.Module, state: TilingState, strategy: Strategy, x: to
     installed = state.instance_forward
     forward = installed if installed is not None else type(module)._tiled_base.forward  # type: ignore[attr-defined]  # ``base_forward``
     device = x.device
-    # The autocast state last: the plan's runs carry it (``MapPlan.autocast``).
-    return (type(strategy), type(module), forward, getattr(forward, "__code__", None),  # a method reads its function's
-            x.dtype, device, x.dim(), not token_inputs, state.path, state.use_fused_kernel, _strict.ON,
-            _kernels.GENERATION[0], AutocastState.capture(device))
+    # The module's class is the tree's; setting a path or the fused kernel drops the plan (``TilingState``). The
+    # autocast state last: the plan's runs carry it (``MapPlan.autocast``).
+    return (type(strategy), forward, getattr(forward, "__code__", None),  # a method reads its function's
+            x.dtype, device, x.dim(), not token_inputs, _kernels.GENERATION[0], AutocastState.capture(device))
 
 
 class MapPlan:

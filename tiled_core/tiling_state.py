@@ -25,6 +25,7 @@ def check_config(num_shards: NumShards, path: str, grad_accum_dtype: Optional[to
 
 
 _CHECKED = ("num_shards", "path", "grad_accum_dtype")
+_PLANNED = ("path", "use_fused_kernel")  # what the call plan rests on: setting one drops the plan
 
 
 @dataclass
@@ -67,6 +68,8 @@ class TilingState:
             config: Dict[str, Any] = {key: getattr(self, key) for key in _CHECKED}
             config[name] = value
             check_config(config["num_shards"], config["path"], config["grad_accum_dtype"])
+        if name in _PLANNED:
+            self.__dict__["call_plan"] = None
         object.__setattr__(self, name, value)
 
     def set_ancestors(self, ancestors: Sequence[nn.Module]) -> None:
