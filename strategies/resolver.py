@@ -30,6 +30,11 @@ SEQUENCE_PARALLEL_UNAWARE_ERROR = (
 
 
 def _layout(module: nn.Module, ancestors: Sequence[nn.Module]) -> Tuple[List[Any], List[int]]:
+    """The modules and classes (held weakly), and the values compared by equality: the parameters by ``id``, their
+    class and how many attributes they carry. A parameter is not held at all: a weak reference to it makes
+    ``torch.utils.swap_tensors`` refuse it (``Module.to`` swaps a DTensor's), and a strong one would keep a
+    replaced parameter's memory until the next call. An id is reused only after its tensor is freed, and a new
+    parameter at the same address, of the same class and attribute count, is one the strategies claim alike."""
     objects: List[Any] = [*ancestors]
     counts = [process_group_ready(), len(module._forward_pre_hooks), len(module._forward_hooks)]
     todo: List[Optional[nn.Module]] = [module]
@@ -40,8 +45,8 @@ def _layout(module: nn.Module, ancestors: Sequence[nn.Module]) -> Tuple[List[Any
         objects.append(type(sub))
         for p in sub._parameters.values():
             if p is not None:
-                objects.append(p)
-                counts.append(len(p.__dict__))
+                objects.append(type(p))
+                counts += (id(p), len(p.__dict__))
         todo.extend(sub._modules.values())
     return objects, counts
 
@@ -49,7 +54,7 @@ def _layout(module: nn.Module, ancestors: Sequence[nn.Module]) -> Tuple[List[Any
 @dataclass
 class _Resolution:
     """What "auto" found for one layout: the registrations to ask at each call, each with whether it is known
-    to claim. The layout's objects are held weakly: a parameter keeps its optimizer, which may keep the model."""
+    to claim. The layout's modules and classes are held weakly: a module may hold the model."""
 
     registrations: List[Registration]
     refs: List[Any]

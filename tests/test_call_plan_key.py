@@ -288,3 +288,23 @@ def test_strict_mode_switched_after_a_call_makes_the_plan_again():
     with strict_mode(False):
         _assert_matches_untiled(tiled, "fast")
         assert tiled.tiling.call_plan is not strict_plan, "a strict plan kept would check strict mode's reads"
+
+
+def test_the_autocast_dtype_switched_between_calls_is_the_one_the_backward_replays():
+    # The plan keys on the whole autocast state and its runs carry it: a bf16 plan kept for a float16 call would
+    # recompute that call's shards in bf16 (no error; gradients several times further from the untiled run).
+    mlp = seeded(GatedMLP, 5, 64, 96, "silu").float()
+    tiled = TiledMLP(copy.deepcopy(mlp), num_shards=4, path="generic")  # the fast path refuses autocast
+    x, dy = torch.randn(2, 32, 64), torch.randn(2, 32, 64)
+    for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
+        runs = []
+        for module in (tiled, mlp):
+            module.zero_grad()
+            x_in = x.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=dtype):
+                out = module(x_in)
+            out.float().backward(dy)  # outside autocast, as a training loop's backward
+            runs.append([out.float(), x_in.grad, *(p.grad for p in module.parameters())])
+        assert out.dtype == dtype
+        error = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*runs, strict=True))
+        assert error < (6e-3 if dtype == torch.bfloat16 else 1.5e-3), (dtype, error)

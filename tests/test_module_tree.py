@@ -189,3 +189,36 @@ def test_a_parameter_swapped_after_a_fast_call_gets_the_gradient(deep):
         tiled.act_fn(nn.functional.linear(x, tiled.gate_proj.weight)) * nn.functional.linear(x, tiled.up_proj.weight),
         tiled.down_proj.weight)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=0)
+
+
+def test_a_direct_write_into_an_empty_registry_is_seen(deep):
+    mlp = _mlp()
+    snapshot = ModuleTree(mlp, deep)
+    mlp.act_fn._parameters["w"] = nn.Parameter(torch.ones(1, dtype=torch.float64))  # no registration hook runs
+    assert not snapshot.holds(mlp)
+
+
+def test_a_value_appended_to_the_last_registry_by_a_direct_write_is_seen(deep):
+    mlp = _mlp()
+    snapshot = ModuleTree(mlp, deep)
+    # The end of the values compared by identity: the pairs before it all still match.
+    mlp.gate_proj._parameters["extra"] = nn.Parameter(torch.ones(1, dtype=torch.float64))
+    assert not snapshot.holds(mlp)
+
+
+def test_a_called_module_converts_by_swapping_tensors():
+    # ``Module.to`` swaps a DTensor's parameters (and every one with the future flag): torch.utils.swap_tensors
+    # refuses a tensor something holds a weak reference to.
+    tiled = TiledMLP(_mlp(), num_shards=3)
+    x = torch.randn(2, TOKENS, HIDDEN, dtype=torch.float64)
+    tiled(x)
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        tiled.to(torch.float32)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    x32 = x.float()
+    out = tiled(x32)
+    assert tiled.tiling.last_path == "fast" and out.dtype == torch.float32
+    torch.testing.assert_close(out, GatedMLP.forward(tiled, x32), rtol=1e-6, atol=1e-6)

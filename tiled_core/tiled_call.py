@@ -136,10 +136,10 @@ class ModuleTree:
     (no Python frame per module): classes and their forwards, instance forwards and training modes and the
     tensors' states by equality; each module's ``__dict__``, registries and the registries' values by identity.
     Names and hooks are read again only after they may have changed: registry keys after a registration through
-    ``nn.Module``'s API anywhere, hook keys (global and per module) after a hook took the next handle id. A hook
-    or a value removed alone is seen by identity (or leaves the plan exact); a key renamed by writing into a
-    registry directly, keeping its values in order, is seen in strict mode only. ``deep`` (strict mode): every
-    attribute of every module by name and identity as well, and the keys at every call."""
+    ``nn.Module``'s API anywhere, hook keys (global and per module) after a hook took the next handle id. A value
+    or a hook removed is seen by identity; a key renamed by writing into a registry directly, keeping its values
+    in order, is seen in strict mode only. ``deep`` (strict mode): every attribute of every module by name and
+    identity as well, and the keys at every call."""
 
     __slots__ = ("root", "modules", "dicts", "read_dicts", "read_keys", "registries", "keys", "tensors",
                  "hook_dicts", "hooks", "hook_id", "registered", "reading", "values", "empty", "objects")
