@@ -55,10 +55,6 @@ def register_norm_form(body: CodeForm, form: NormForm) -> None:
     replace_body(_BODIES, body, form)
 
 
-def unregister_norm_form(body: CodeForm) -> None:
-    replace_body(_BODIES, body)
-
-
 UNKNOWN_NORM = ("its forward is not one the norm kernel is known to compute (a registered RMSNorm body, "
                 "tiled_mlp.core.norm_forms.register_norm_form)")
 
