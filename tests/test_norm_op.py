@@ -25,7 +25,9 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm  # noqa: E4
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
 from integration_tests.tiny_models import VOCAB, grads_by_key, tiny_model  # noqa: E402
-from tiled_mlp.core import TiledMLP  # noqa: E402
+from tiled_mlp.core import TiledMLP, norm_forms  # noqa: E402
+from tiled_mlp.core.code_forms import CodeForm  # noqa: E402
+from tiled_mlp.core.norm_forms import NormForm  # noqa: E402
 from tiled_mlp.core.ops import rms_norm  # noqa: E402
 from tiled_mlp.integrations import apply_tiled_mlp  # noqa: E402
 from tiled_mlp.integrations.norms import NORM_ACCUM_DTYPE, TiledNorm  # noqa: E402
@@ -195,6 +197,73 @@ def test_autocast_declines():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         tiled(torch.randn(2, 8, HIDDEN))
     assert tiled.tiling.last_path == "generic" and "autocast is enabled" in tiled.tiling.last_reason
+
+
+def _with_child(norm):
+    norm.extra = torch.nn.Identity()
+    return norm
+
+
+def _with_second_parameter(norm):
+    norm.bias = torch.nn.Parameter(torch.zeros(HIDDEN, dtype=norm.weight.dtype))
+    return norm
+
+
+def _with_plain_weight(norm):
+    weight = norm.weight.detach()
+    del norm.weight
+    norm.weight = weight
+    return norm
+
+
+def _with_2d_weight(norm):
+    norm.weight = torch.nn.Parameter(norm.weight.detach().reshape(1, HIDDEN))
+    return norm
+
+
+def _with_instance_helper(norm):
+    norm._norm = norm._norm  # the class's method, bound, shadowing it in the instance's dict
+    return norm
+
+
+@pytest.mark.parametrize("name, change, reason", [
+    ("llama", _with_child, "it has submodules"),
+    ("llama", _with_second_parameter, "it has parameters besides weight"),
+    ("llama", _with_plain_weight, "weight is not a Parameter of the module"),
+    ("llama", _with_2d_weight, "weight is 2-D"),
+    ("gemma3", _with_instance_helper, "an instance attribute replaces the method _norm"),
+], ids=["submodule", "second-parameter", "plain-weight", "2d-weight", "instance-helper"])
+def test_a_norm_whose_attributes_are_not_the_forms_declines_with_the_reason(name, change, reason):
+    """The registered body alone does not prove the norm: the attributes it reads must be what the form says."""
+    x, _ = _norm_inputs(torch.float64)
+    assert reason in _declines(change(_norm_of(name, torch.float64)), x)
+
+
+_ANY_BODY = CodeForm("return {x}")
+
+
+@pytest.mark.parametrize("body, form, error, message", [
+    ("return {x}", NormForm(), TypeError, "takes a CodeForm body"),
+    (_ANY_BODY, "weight", TypeError, "takes a NormForm"),
+    (_ANY_BODY, NormForm(multiply="bfloat16"), ValueError, "NormForm.multiply is one of"),
+    (_ANY_BODY, NormForm(eps="variance epsilon"), ValueError, "NormForm names attributes"),
+    (_ANY_BODY, NormForm(offset=True), TypeError, "NormForm.offset is a number"),
+    (_ANY_BODY, NormForm(helpers=(("not a name", _ANY_BODY),)), ValueError, "a helper is named by a method name"),
+    (_ANY_BODY, NormForm(helpers=(("_norm", CodeForm("return ({x}")),)), ValueError, "not a method body"),
+], ids=["body", "form", "multiply", "eps-name", "offset", "helper-name", "helper-body"])
+def test_a_bad_norm_form_is_refused_before_it_is_registered(body, form, error, message):
+    before = list(norm_forms._BODIES)
+    with pytest.raises(error, match=message):
+        norm_forms.register_norm_form(body, form)
+    assert norm_forms._BODIES == before
+
+
+def test_the_op_refuses_an_unknown_multiply_dtype():
+    """The op is callable by anyone (``torch.ops.tiled_mlp.rms_norm``): a dtype name the formula does not know
+    is refused, not read as float32."""
+    x, _ = _norm_inputs(torch.float64)
+    with pytest.raises(ValueError, match="a norm multiplies in one of"):
+        rms_norm(x, torch.ones(HIDDEN, dtype=torch.float64), 1e-5, 0.0, "bfloat16", 2, None)
 
 
 # -- compiled -------------------------------------------------------------------------------------------
