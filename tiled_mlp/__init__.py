@@ -18,11 +18,7 @@ def _load_from_checkout() -> None:
         assert spec is not None and spec.loader is not None, init
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[spec.name]
-            raise
+        spec.loader.exec_module(module)
         setattr(sys.modules[__name__], name, module)
 
 
