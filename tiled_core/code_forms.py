@@ -80,10 +80,7 @@ def matches(fn: Any, form: CodeForm) -> bool:
 def same_code(code: types.CodeType, form: CodeForm, doc: Optional[str]) -> bool:
     if code.co_argcount != 2 or code.co_kwonlyargcount:
         return False
-    try:
-        want = _compiled(form, code.co_varnames[1], doc)
-    except SyntaxError:  # an argument name the template cannot take
-        return False
+    want = _compiled(form, code.co_varnames[1], doc)
     return (all(getattr(code, name) == getattr(want, name) for name in _COMPARED)
             # By type as well as value: 1 == 1.0 == True and 0.0 == -0.0 for ``==``, not for ``repr``.
             and repr(code.co_consts) == repr(want.co_consts)
