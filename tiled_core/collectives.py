@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -34,8 +34,7 @@ def completed(out: torch.Tensor) -> torch.Tensor:
 
 
 def is_pending(out: torch.Tensor) -> bool:
-    pending = _pending_collective_class()
-    return pending is not None and isinstance(out, pending)
+    return isinstance(out, _pending_collective_class())
 
 
 def wait_pending(out: torch.Tensor) -> None:
@@ -45,9 +44,7 @@ def wait_pending(out: torch.Tensor) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _pending_collective_class() -> Optional[type]:
-    if not torch.distributed.is_available():
-        return None
+def _pending_collective_class() -> type:
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return AsyncCollectiveTensor
