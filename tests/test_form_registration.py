@@ -248,6 +248,7 @@ def test_a_registered_fused_kernel_is_used_on_its_device_type_exactly():
     (lambda: register_activation(THIRD_PARTY_ACTIVATION, function_attribute="not a name"), ValueError),
     (lambda: register_equivalent_linear("", "my_linear"), TypeError),
     (lambda: register_fused_kernel("cuda", ("relu",), CountingKernel), ValueError),
+    (lambda: register_fused_kernel(0, ("silu",), CountingKernel), TypeError),  # a device type is named
 ])
 def test_bad_registrations_are_refused_before_anything_is_registered(register, error):
     from tiled_mlp.core import gated_forms

@@ -111,6 +111,9 @@ def test_registry_refuses_a_taken_name_a_nameless_kernel_and_an_unknown_one():
         unregister_kernel("test_never_registered")
     with pytest.raises(TypeError, match="Kernel instance"):
         register_kernel(TanhMLPKernel)  # the class, not an instance
+    with pytest.raises(TypeError, match="priority must be an int"):
+        register_kernel(_named("test_bad_priority"), priority=True)
+    assert "test_bad_priority" not in available_kernels()
 
 
 def _named(name: str, shape: str = "map") -> Kernel:

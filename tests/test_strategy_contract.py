@@ -48,6 +48,27 @@ def test_a_flag_set_after_the_class_was_defined_is_refused_at_registration():
     assert "test_flag_later" not in available_strategies()
 
 
+def test_a_priority_that_is_not_an_int_is_refused_at_registration():
+    class Halfway(ClaimsNothing):
+        name = "test_priority_float"
+        priority = 0.5
+
+    with pytest.raises(TypeError, match=r"Halfway.priority must be an int, got 0.5"):
+        register_strategy(Halfway)
+    assert "test_priority_float" not in available_strategies()
+
+
+def test_with_the_single_device_fallback_unregistered_a_module_no_strategy_claims_is_refused():
+    mlp = TiledMLP(GatedMLP(8, 12), num_shards=2)
+    unregister_strategy("single_device")
+    try:
+        with pytest.raises(RuntimeError, match="no registered strategy claims the module"):
+            resolve_strategy(mlp)
+    finally:
+        register_strategy(SingleDeviceStrategy)
+    assert "single_device" in available_strategies()
+
+
 class NeedsMesh(ClaimsNothing):
     """Builds from its registered arguments alone (no ``configures_from_runtime``): its mesh must be registered."""
 
