@@ -25,6 +25,9 @@ class ZeroCase:
     frozen_input: bool = False  # freeze in_proj and the first norm: the first MLP's input needs no grad
     lora: bool = False  # frozen base weights, trainable adapters (and a frozen first MLP input)
     unequal: bool = False  # ranks see different token counts, and so run different shard counts
+    # Each block a ZeRO-3 leaf (``set_z3_leaf_modules``, as LLaMA-Factory marks MoE blocks): the block's hooks
+    # gather its whole subtree, and none run on the tiled MLP inside it.
+    leaf_blocks: bool = False
     num_shards: Union[int, str] = 3
     # num_shards="auto" with these token counts per rank, and the shard counts "auto" must pick.
     auto_tokens: Tuple[int, int] = ()
@@ -98,6 +101,10 @@ GROUPS = {
         ZeroCase("z3-bf16-generic", dtype=torch.bfloat16, path="generic"),
         ZeroCase("z3-bf16-lora-gas2-unequal", dtype=torch.bfloat16, lora=True, gas=2, unequal=True),
         ZeroCase("z3-bf16-fast-frozen-input", dtype=torch.bfloat16, path="fast", frozen_input=True),
+    ),
+    "zero3-leaf-blocks": (
+        ZeroCase("z3-leaf-fast", path="fast", leaf_blocks=True),
+        ZeroCase("z3-leaf-generic-gas2", path="generic", gas=2, leaf_blocks=True),
     ),
     "zero1-zero2-fp32": tuple(
         ZeroCase(f"z{stage}-{variant}", stage=stage, **kwargs)

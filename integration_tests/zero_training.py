@@ -66,6 +66,10 @@ def train_zero(case: ZeroCase, kind: str, rank: int) -> Dict:
 
 def _train_case(case: ZeroCase, kind: str, rank: int, deepspeed, safe_get_full_grad) -> Dict:
     model = build_zero_model(case, kind, rank)
+    if case.leaf_blocks:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, [type(model.layers[0])])
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=LR), config=zero_ds_config(case))
     named = list(model.named_parameters())  # tiled in place: the same names as untiled
