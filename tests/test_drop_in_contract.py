@@ -643,3 +643,16 @@ def test_meta_device_forward_and_backward(builder, path, expect):
     assert x.grad is not None and x.grad.is_meta and x.grad.shape == x.shape
     for name, p in tiled.named_parameters():
         assert p.grad is not None and p.grad.is_meta and p.grad.shape == p.shape, name
+
+
+def test_a_slice_of_a_tiled_sequential_is_a_tiled_sequential_of_the_slice():
+    """``nn.Sequential`` builds a slice as ``type(self)(...)``: a slice of a tiled Sequential is a Sequential of
+    the same child modules, tiled with the defaults, computing what the untiled slice computes."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).double()
+    tiled = TiledMLP(copy.deepcopy(seq), num_shards=2)
+    part = tiled[0:2]
+    assert isinstance(part, TiledMLP) and isinstance(part, nn.Sequential) and part.tiling.num_shards == "auto"
+    assert list(part) == [tiled[0], tiled[1]]
+    x = torch.randn(1, 10, 8, dtype=torch.float64)
+    torch.testing.assert_close(part(x), seq[1](seq[0](x)), rtol=0, atol=0)
