@@ -177,9 +177,7 @@ class GatedShardKernel(ShardKernel):
         h = self.activation.forward_mul(g, u)
         del g, u
         weight, bias = self._slots["down"]
-        if out_shard is None:
-            out = self._linear("down", h, tensors)
-        elif bias is None:
+        if bias is None:  # out=None (no buffer) returns a new tensor
             out = torch.mm(h, tensors[weight].t(), out=out_shard)
         else:
             out = torch.addmm(tensors[bias], h, tensors[weight].t(), out=out_shard)
