@@ -230,6 +230,17 @@ def test_instance_forward_installed_by_another_library_is_kept():
     assert mlp.__dict__["forward"] is patched and type(mlp) is GatedMLP
 
 
+def test_untile_refuses_a_module_that_is_not_tiled_or_was_wrapped_again_after_tiling():
+    mlp = seeded(GatedMLP, 3, HIDDEN, INTER)
+    with pytest.raises(TypeError, match="GatedMLP is not tiled"):
+        untile(mlp)
+    tiled = TiledMLP(mlp, num_shards=2)
+    tiled.__class__ = type("WrappedAgain", (type(tiled),), {})  # as fully_shard swaps the class again
+    with pytest.raises(TypeError, match="WrappedAgain was wrapped again after it was tiled"):
+        untile(tiled)
+    assert type(tiled).__name__ == "WrappedAgain" and tiled.tiling.num_shards == 2  # nothing changed
+
+
 def test_a_hook_added_between_forward_and_backward_changes_nothing_on_the_fast_path():
     """Untiled, a forward hook added after the forward does not touch its backward; the fast path
     computes its backward from the forward's tensors alone, so the same holds exactly."""
