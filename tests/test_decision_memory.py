@@ -92,6 +92,16 @@ def test_each_size_is_part_of_what_the_answer_is_remembered_by(position):
     assert remembered_auto_decision(*other) == _fresh(*other)
 
 
+def test_answers_for_ever_new_lengths_are_kept_within_the_bound(monkeypatch):
+    """Varying sequence lengths (packing, padding-free batches) ask about a new size at nearly every step: the
+    answers kept stay within the bound, and each is still the fresh answer."""
+    monkeypatch.setattr(auto_shards, "_REMEMBERED_LIMIT", 4)
+    for tokens in range(1000, 1010):
+        sizes = (tokens, 1024, 2816, 3 * 1024 * 2816 * 4, 4, None)
+        assert remembered_auto_decision(*sizes) == _fresh(*sizes)
+        assert len(auto_shards._REMEMBERED) <= 4
+
+
 def _floor_between_fp32_and_fp64(tokens):
     size = MLPSize(HIDDEN, INTERMEDIATE, 3 * HIDDEN * INTERMEDIATE * 4, 4)
     shards = auto_shards.shard_count(tokens, size)
