@@ -59,7 +59,6 @@ def check_body(form: CodeForm) -> None:
 # (id of code, id of form) -> (code, form, whether the code is the form's): both kept alive by the entry, so
 # no id is reused; a forward whose ``__code__`` is replaced (IPython's autoreload) is checked again.
 _CACHE: Dict[Tuple[int, int], Tuple[types.CodeType, CodeForm, bool]] = {}
-_CACHE_LIMIT = 4096
 _MISSING = object()
 
 
@@ -71,8 +70,6 @@ def matches(fn: Any, form: CodeForm) -> bool:
     key = (id(code), id(form))
     cached = _CACHE.get(key)
     if cached is None or cached[0] is not code or cached[1] is not form:
-        if len(_CACHE) >= _CACHE_LIMIT:
-            _CACHE.clear()
         cached = _CACHE[key] = (code, form, same_code(code, form, fn.__doc__))
     return cached[2] and globals_hold(fn, form)
 
