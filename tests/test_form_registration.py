@@ -242,6 +242,7 @@ def test_a_registered_fused_kernel_is_used_on_its_device_type_exactly():
     (lambda: register_gated_form(CodeForm("return self.down_proj({x}"), GatedForm()), ValueError),  # no ")"
     (lambda: register_gated_form(THIRD_PARTY_BODY, GatedForm(gate_up="gate_up_proj")), ValueError),  # both
     (lambda: register_gated_form(THIRD_PARTY_BODY, "down_proj"), TypeError),
+    (lambda: register_activation("return F.silu({x})", computes="silu"), TypeError),  # not a CodeForm
     (lambda: register_activation(THIRD_PARTY_ACTIVATION), ValueError),  # neither
     (lambda: register_activation(THIRD_PARTY_ACTIVATION, computes="silu", function_attribute="act"), ValueError),
     (lambda: register_activation(THIRD_PARTY_ACTIVATION, computes="relu"), ValueError),

@@ -66,3 +66,11 @@ def test_a_head_in_a_unit_of_several_modules_is_called_with_a_stand_in(monkeypat
     for modules, sees_graph in (((head,), True), ((norm, head), False), ((), True)):
         monkeypatch.setattr(fsdp2, "unit_modules", lambda module, modules=modules: modules)
         assert strategy.head_call(head).sees_graph is sees_graph
+
+
+def test_a_mesh_of_more_than_two_dimensions_is_refused_when_the_strategy_is_built():
+    class ThreeD:
+        ndim = 3
+
+    with pytest.raises(ValueError, match="1-D \\(shard\\) or 2-D \\(replicate, shard\\).*got a 3-D mesh"):
+        fsdp2.FSDP2Strategy(mesh=ThreeD())

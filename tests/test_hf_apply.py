@@ -111,6 +111,8 @@ def test_include_selects_custom_blocks_and_exclude_wins():
     assert [b.kind for b in report.patched] == ["gated", "named"]
     assert ("blocks.0.extra", "excluded by pattern") in report.skipped
     assert not isinstance(model.blocks[0]["ffn"], TiledMLP)
+    with pytest.raises(TypeError, match="include/exclude take glob patterns"):
+        apply_tiled_mlp(Net(), include=["blocks.*.extra", 1])
 
 
 @pytest.mark.timeout(30)
@@ -132,6 +134,7 @@ def test_state_dict_keys_parameter_identity_twice_and_remove():
 
     second = apply_tiled_mlp(model, num_shards=2)  # harmless: nothing new, nothing wrapped twice
     assert second.patched == [] and [b.name for b in second.already_tiled] == [b.name for b in first.patched]
+    assert "  kept    model.layers.1.mlp (TiledQwen3MoeMLP): already tiled" in str(second).splitlines()
     assert sum(isinstance(m, TiledMLP) for m in model.modules()) == 2
 
     model.load_state_dict(copy.deepcopy(model.state_dict()))  # tiled loads its own checkpoint
