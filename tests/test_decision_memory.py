@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib
 import weakref
 
 import pytest
@@ -271,3 +272,17 @@ def test_a_kernel_built_for_one_call_is_not_kept_after_it(monkeypatch):
         assert len(built) == 2 and all(ref() is None for ref in built), [ref() for ref in built]
     finally:
         gc.enable()
+
+
+def test_a_modules_decisions_for_ever_new_lengths_are_kept_within_the_bound(monkeypatch):
+    """One decision per length, kept with the module's plan: lengths that change at every step stay within the
+    bound, and each call is still exact."""
+    tiled_call = importlib.import_module("tiled_mlp.core.tiled_call")
+    monkeypatch.setattr(tiled_call, "_DECISIONS_LIMIT", 4)
+    torch.manual_seed(0)
+    plain = GatedMLP(HIDDEN, INTERMEDIATE).double()
+    mlp = TiledMLP(copy.deepcopy(plain), num_shards=4)
+    for tokens in range(16, 26):
+        x = torch.randn(1, tokens, HIDDEN, dtype=torch.float64)
+        torch.testing.assert_close(mlp(x), plain(x), rtol=0, atol=1e-12)
+        assert mlp.tiling.last_num_shards == 4 and len(mlp.tiling.call_plan.decisions) <= 4

@@ -76,10 +76,7 @@ def capture_rng_state(device: torch.device):
 
 
 @contextlib.contextmanager
-def replay_rng_state(device: torch.device, state: Optional[tuple]) -> Iterator[None]:
-    if state is None:
-        yield
-        return
+def replay_rng_state(device: torch.device, state: tuple) -> Iterator[None]:
     module = _device_module(device)
     saved = capture_rng_state(device)
     torch.set_rng_state(state[0])

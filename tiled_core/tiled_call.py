@@ -281,6 +281,9 @@ def decide_map_call(module: nn.Module, state: TilingState, strategy: Strategy, x
                    shard_forward, token_inputs, compiling)
 
 
+_DECISIONS_LIMIT = 64  # per plan: varying sequence lengths (packing, padding-free batches) make one per step
+
+
 def _decide(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Strategy, x: torch.Tensor,
             shard_forward: Callable, token_inputs: Sequence[torch.Tensor], compiling: bool = False) -> CallDecision:
     num_tokens = x.numel() // x.shape[-1]
@@ -293,7 +296,7 @@ def _decide(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Stra
         decision, keep = _decide_now(module, state, plan, strategy, x, shard_forward, token_inputs, num_tokens,
                                      compiling)
         if keep:
-            if len(plan.decisions) >= 64:
+            if len(plan.decisions) >= _DECISIONS_LIMIT:
                 plan.decisions.clear()
             plan.decisions[memo_key] = decision
     return decision
