@@ -276,3 +276,35 @@ def test_a_weight_a_parametrization_cache_keeps_across_shards_is_refused_by_name
     assert tiled.tiling.last_path == "generic"
     with parametrize.cached(), pytest.raises(RuntimeError, match=r"parametrize\.cached\(\) was on"):
         tiled(x)
+
+
+class _ReadsAViewOfItsWeight(torch.nn.Module):
+    """Its forward reads a view of its own weight made before the call (an attribute set once, as a module that
+    slices a stacked expert weight ahead of its forward does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(HIDDEN, INTER, dtype=torch.float64))
+        self.out = torch.nn.Linear(INTER, HIDDEN, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.out(torch.relu(x @ self.view))
+
+
+def test_a_view_of_a_parameter_made_before_the_call_gives_that_parameter_its_gradient():
+    from tiled_mlp import TiledMLP
+
+    torch.manual_seed(4)
+    plain = _ReadsAViewOfItsWeight()
+    tiled = TiledMLP(copy.deepcopy(plain), num_shards=3, path="generic")
+    x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN)
+    grads = []
+    for module in (plain, tiled):
+        module.view = module.weight[:, :]  # made outside the call: not a tensor the call makes
+        x_in = x.detach().clone().requires_grad_()
+        out = module(x_in)
+        out.backward(dy)
+        grads.append([out, x_in.grad, *(p.grad for p in module.parameters())])
+    assert tiled.tiling.last_path == "generic"
+    for want, got in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -95,6 +95,8 @@ class TensorReads(TorchFunctionMode):
             return False
         if self._grad_only and not t.requires_grad:
             return False
+        if t._base is not None and id(t._base) in self._known:
+            return False  # a view of a known tensor (an expert's slice ``w[e]`` of a 3-D weight, made before the call)
         node = t.grad_fn
         if node is not None and self._made_since is not None and node._sequence_nr() >= self._made_since:
             return False
