@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -34,7 +34,8 @@ def completed(out: torch.Tensor) -> torch.Tensor:
 
 
 def is_pending(out: torch.Tensor) -> bool:
-    return isinstance(out, _pending_collective_class())
+    pending = _pending_collective_class()
+    return pending is not None and isinstance(out, pending)
 
 
 def wait_pending(out: torch.Tensor) -> None:
@@ -44,7 +45,9 @@ def wait_pending(out: torch.Tensor) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _pending_collective_class() -> type:
+def _pending_collective_class() -> Optional[type]:
+    if not torch.distributed.is_available():
+        return None
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return AsyncCollectiveTensor
