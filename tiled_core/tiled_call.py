@@ -134,7 +134,8 @@ def _count_registrations() -> None:
 class ModuleTree:
     """The module tree below (and including) one module as it is now, compared at each call in C-level passes
     (no Python frame per module): classes and their forwards, instance forwards and training modes and the
-    tensors' states by equality; each module's ``__dict__``, registries and the registries' values by identity.
+    tensors' states by equality; each module's ``__dict__`` and the values of its registries and hook dicts by
+    identity (not the registry dicts themselves: one replaced wholesale is seen in strict mode only).
     Names and hooks are read again only after they may have changed: registry keys after a registration through
     ``nn.Module``'s API anywhere, hook keys (global and per module) after a hook took the next handle id. A value
     or a hook removed is seen by identity; a key renamed by writing into a registry directly, keeping its values
