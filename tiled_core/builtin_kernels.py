@@ -44,7 +44,7 @@ class GatedEntry(Kernel):
             if spec is not None:
                 # What the plan's key does not see (a class changed, a module global rebound, a torch function
                 # patched) guards the plan in strict mode: the decision is made again at each call.
-                plan.add_guards(lambda: structural_decision(module, forward_function(module), hook)[0] is not None)
+                plan.add_guards(lambda module: structural_decision(module, forward_function(module), hook)[0] is not None)
                 weight = spec.params[spec.layout.slots[DOWN_WEIGHT_ARG]]
                 if autocast_enabled(x.device.type):
                     plan.fast = None, "autocast is enabled (the fast kernel computes in the weights' dtype)"

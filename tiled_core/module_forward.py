@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -99,6 +100,19 @@ def original_forward(module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
         return installed(*args)
     finally:
         state.shard_depth -= 1
+
+
+class ShardForward:
+    """``original_forward`` of one module, which it holds weakly: the call plan that keeps it lives in the
+    module's own state, and a strong reference would make a cycle that outlives ``del model``."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module):
+        self.module = weakref.ref(module)
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        return original_forward(self.module(), *args)  # type: ignore[arg-type]  # called by the module's own call
 
 
 def adopt_instance_forward(module: nn.Module, state: TilingState) -> None:

@@ -31,10 +31,10 @@ from .buffer_guard import buffers_kept
 from .fast_path import fast_refused
 from .gated_spec import GLOBAL_HOOK_DICTS, MODULE_HOOK_DICTS
 from .kernel_registry import MAP, KernelCall, available_kernels, choose_kernel
-from .module_forward import adopt_instance_forward, base_forward, hidden_states_argument, original_forward
+from .module_forward import ShardForward, adopt_instance_forward, base_forward, hidden_states_argument
 from .shard_plan import make_shard_plan
 from .sharded_autograd import AutocastState, ShardedRun, sharded_apply
-from .tiling_state import TilingState
+from .tiling_state import STATE_ATTR, TilingState
 from .validation import check_input, expected_hidden_size
 
 
@@ -140,10 +140,15 @@ class ModuleTree:
     ``nn.Module``'s API anywhere, hook keys (global and per module) after a hook took the next handle id. A value
     or a hook removed is seen by identity; a key renamed by writing into a registry directly, keeping its values
     in order, is seen in strict mode only. ``deep`` (strict mode): every attribute of every module by name and
-    identity as well, and the keys at every call."""
+    identity as well, and the keys at every call.
 
-    __slots__ = ("root", "modules", "dicts", "read_dicts", "read_keys", "registries", "keys", "tensors",
-                 "hook_dicts", "hooks", "hook_id", "registered", "reading", "values", "empty", "objects")
+    The root and its ``__dict__`` are not held (their dict by id, the root given at each check): the tree lives in
+    the root's own state, and holding them would make a reference cycle that keeps a deleted model's memory
+    until the garbage collector runs."""
+
+    __slots__ = ("root_dict", "root_class", "root_training", "root_items", "modules", "dicts", "read_dicts",
+                 "read_keys", "registries", "keys", "tensors", "hook_dicts", "hooks", "hook_id", "registered",
+                 "reading", "values", "empty", "objects")
 
     def __init__(self, module: nn.Module, deep: bool):
         _count_registrations()
@@ -155,21 +160,26 @@ class ModuleTree:
             sub = stack.pop()
             d = sub.__dict__
             modules.append(sub)
-            if deep:
+            if deep and sub is not module:
                 registries.append(d)
             registries.extend(d[name] for name in _REGISTRIES)
             hook_dicts.extend(d.get(name, {}) for name in MODULE_HOOK_DICTS)
             stack.extend(child for child in d["_modules"].values() if child is not None)
-        self.root = module
-        self.modules = tuple(modules)
-        self.dicts = tuple(map(_dict_of, modules))
-        # Each module's training mode, and each child's instance forward (the root's is ``call_config``'s).
-        self.read_dicts = (*self.dicts, *self.dicts[1:])
-        self.read_keys = ("training",) * len(modules) + ("forward",) * (len(modules) - 1)
+        root = module.__dict__
+        self.root_dict = id(root)
+        self.root_class = type(module)
+        self.root_training = root["training"]
+        # Strict mode: the root's attributes but its state (which holds this tree).
+        self.root_items = _root_items(root) if deep else None
+        self.modules = tuple(modules[1:])
+        self.dicts = tuple(map(_dict_of, self.modules))
+        # Each child's training mode and instance forward (the root's forward is ``call_config``'s).
+        self.read_dicts = self.dicts * 2
+        self.read_keys = ("training",) * len(self.modules) + ("forward",) * len(self.modules)
         self.registries = tuple(registries)
         self.keys = tuple(map(tuple, self.registries))
-        self.tensors = tuple(t for d in self.dicts for t in (*d["_parameters"].values(), *d["_buffers"].values())
-                             if t is not None)
+        self.tensors = tuple(t for d in (root, *self.dicts) for t in (*d["_parameters"].values(),
+                                                                        *d["_buffers"].values()) if t is not None)
         self.hook_dicts = tuple(hook_dicts)
         self.hooks = tuple(map(tuple, self.hook_dicts))
         self.hook_id = None if deep else RemovableHandle.next_id
@@ -182,8 +192,7 @@ class ModuleTree:
 
     def _read(self) -> tuple:
         classes = tuple(map(type, self.modules))
-        # The root's class forward is the tiled one: what it runs is ``call_config``'s.
-        return (classes, tuple(map(getattr, classes[1:], itertools.repeat("forward"))),
+        return (classes, tuple(map(getattr, classes, itertools.repeat("forward"))),
                 tuple(map(dict.get, self.read_dicts, self.read_keys)), tuple(map(_tensor_state, self.tensors)))
 
     def holds(self, root: nn.Module) -> bool:
@@ -198,10 +207,22 @@ class ModuleTree:
                 return False
             if self.registered is not None:
                 self.registered = _REGISTERED[0]
-        return (self.root is root and self._read() == self.reading and not any(map(len, self.empty))
+        d = root.__dict__
+        if self.root_items is not None and not _same_items(_root_items(d), self.root_items):
+            return False
+        return (id(d) == self.root_dict and type(root) is self.root_class and d["training"] == self.root_training
+                and self._read() == self.reading and not any(map(len, self.empty))
                 and all(map(operator.is_, itertools.chain(map(_dict_of, self.modules),
                                                           itertools.chain.from_iterable(self.values), (_END,)),
                             self.objects)))
+
+
+def _root_items(root_dict: dict) -> tuple:
+    return tuple((name, value) for name, value in root_dict.items() if name != STATE_ATTR)
+
+
+def _same_items(now: tuple, then: tuple) -> bool:
+    return len(now) == len(then) and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(now, then, strict=True))
 
 
 def call_config(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
@@ -230,20 +251,21 @@ class MapPlan:
         self.allows_untiled = strategy.allows_untiled_call(module) and not strategy.delivers_grads
         self.swaps = strategy.swaps_param_storage(module)
         self.named_buffers = list(module.named_buffers())
-        self.shard_forward = functools.partial(original_forward, module)  # what one shard of a call runs
+        self.shard_forward = ShardForward(module)  # what one shard of a call runs
         # The kernels' per-plan state (``builtin_kernels``, ``kernel_registry``).
         self.fast: Optional[tuple] = None
         self.fast_kernel: Any = None
         self.kernel_cache: Dict[str, Any] = {}
         self.choices: Dict[tuple, Any] = {}
-        self.guards: List[Callable[[], bool]] = []  # checked in strict mode only (the fast path's decision again)
+        # Checked in strict mode only (the fast path's decision again); given the module, so that they do not hold it.
+        self.guards: List[Callable[[nn.Module], bool]] = []
         self.generic = False  # whether the last kernel chosen keeps gradient buffers of its own
         self.views: Dict[type, Any] = {}  # the strategy's local view, by kernel class (None: plain tensors)
         # Tiled decisions of kernels that serve many calls, by (tokens, shard setting, policy).
         self.decisions: Dict[tuple, CallDecision] = {}
         self._trainable_bytes: Optional[int] = None
 
-    def add_guards(self, *guards: Callable[[], bool]) -> None:
+    def add_guards(self, *guards: Callable[[nn.Module], bool]) -> None:
         self.guards.extend(guards)
 
     @property
@@ -255,7 +277,7 @@ class MapPlan:
     def holds(self, config: tuple, module: nn.Module) -> bool:
         if self.config != config or not self.tree.holds(module):
             return False
-        return not _strict.ON or all(guard() for guard in self.guards)
+        return not _strict.ON or all(guard(module) for guard in self.guards)
 
 
 def current_plan(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
