@@ -21,7 +21,7 @@ from torch import nn
 
 from tiled_mlp.core import dynamo_support, tiled_cross_entropy
 from tiled_mlp.core.kernels.cross_entropy import CrossEntropyOptions
-from tiled_mlp.core.shard_plan import NumShards
+from tiled_mlp.core.shard_plan import NumShards, check_num_shards
 from tiled_mlp.core.tiled_loss import loss_as_op
 
 from .accelerate_forward import (
@@ -418,6 +418,7 @@ def check_tiled_loss(model: nn.Module) -> Tuple[nn.Module, LossForm]:
 def install_tiled_loss(model: nn.Module, num_shards: NumShards = "auto",
                        grad_accum_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Put the tiled loss on the causal LM in ``model``; returns that causal LM. Installing twice keeps the first."""
+    check_num_shards(num_shards)
     causal_lm, form = check_tiled_loss(model)
     if _installed_on(causal_lm) is None:
         # Inside accelerate's hook where there is one, which still moves the inputs and outputs around it.
