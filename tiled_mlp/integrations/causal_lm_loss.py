@@ -196,12 +196,13 @@ class TiledLossForward:
         self.grad_accum_dtype = grad_accum_dtype
         self.sequence_group: Any = None  # set by apply_sequence_parallel
         self.label_smoothing = 0.0  # F.cross_entropy's, which is the Trainer's LabelSmoother's
-        self.pre_hook: Any = None  # the handles of ``check_call`` and ``capture_decoder_output``
-        self.decoder_hook: Any = None
         self._capturing = False  # inside the model's forward run by this one
         self._captured: Optional[torch.Tensor] = None  # the decoder's hidden states of that run
         self._trl_noted = False
         self._bypass_noted = False
+        decoder: nn.Module = model.get_decoder()  # type: ignore[operator]  # a transformers PreTrainedModel
+        self.decoder_hook = decoder.register_forward_hook(self.capture_decoder_output)
+        self.pre_hook = model.register_forward_pre_hook(self.check_call)  # how ``_installed_on`` finds it
 
     def __deepcopy__(self, memo: dict) -> TiledLossForward:
         memo[id(self.sequence_group)] = self.sequence_group  # shared: a process group cannot be copied
@@ -423,11 +424,8 @@ def install_tiled_loss(model: nn.Module, num_shards: NumShards = "auto",
     if _installed_on(causal_lm) is None:
         # Inside accelerate's hook where there is one, which still moves the inputs and outputs around it.
         slot = "forward" if device_hook_forward(causal_lm) is None else "_old_forward"
-        forward = TiledLossForward(causal_lm, form, vars(causal_lm).get(slot), num_shards, grad_accum_dtype)
-        causal_lm.__dict__[slot] = forward
-        forward.pre_hook = causal_lm.register_forward_pre_hook(forward.check_call)
-        decoder: nn.Module = causal_lm.get_decoder()  # type: ignore[operator]  # a transformers PreTrainedModel
-        forward.decoder_hook = decoder.register_forward_hook(forward.capture_decoder_output)
+        causal_lm.__dict__[slot] = TiledLossForward(causal_lm, form, vars(causal_lm).get(slot), num_shards,
+                                                    grad_accum_dtype)
     return causal_lm
 
 
