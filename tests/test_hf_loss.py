@@ -235,6 +235,9 @@ def test_refusals_leave_the_model_untouched():
     assert "forward" not in vars(patched)
 
     model = tiny_model("llama")
+    with pytest.raises(ValueError, match="num_shards must be >= 1"):
+        apply_tiled_mlp(model, loss=True, loss_num_shards=0)  # at apply, not at the first training call
+    assert "forward" not in vars(model) and not any(isinstance(m, TiledMLP) for m in model.modules())
     apply_tiled_loss(model)
     ids, labels = token_batch(seq=13, masked=4)
     with pytest.raises(ValueError, match="logits_to_keep"):

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import math
 
-from .shard_plan import AUTO, NumShards, check_num_shards
+from .shard_plan import AUTO, NumShards
 
 LOSS_SHARD_BYTES = 256 * 2**20
 LOSS_ELEMENT_BYTES = 4  # float32 loss math
 
 
 def loss_num_shards(num_tokens: int, vocab: int, num_shards: NumShards = AUTO) -> int:
-    """The configured count, or enough shards that one shard's float32 logits fit ``LOSS_SHARD_BYTES``."""
-    check_num_shards(num_shards)
+    """The configured count (checked by the caller), or enough shards that one shard's float32 logits fit
+    ``LOSS_SHARD_BYTES``."""
     if num_shards != AUTO:
         return int(num_shards)
     shard_tokens = max(1, LOSS_SHARD_BYTES // (max(1, vocab) * LOSS_ELEMENT_BYTES))

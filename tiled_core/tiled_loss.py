@@ -1,12 +1,9 @@
-"""The tiled causal-LM loss: output head + cross-entropy over token shards, never holding the logits.
-
-A caller of the one tiled call (``tiled_call``) in the reduction shape (``sharded_reduce``). The loss runs as
-the forward of one call of the head (``in_head_call``), so a backend's module hooks on the head (ZeRO-3's
-gather and release) surround it as they surround ``lm_head(hidden)``: for that one call the head's forward is
-the loss, put on the head *instance* and taken off before the loss starts (the module kernel calls
-``head.forward`` per shard). Hooks of the head that are not its backend's would see the loss as the head's
-output: they are refused. Under ``torch.compile`` a plain linear head whose backend owns nothing around the
-call is one op (``ops/linear_cross_entropy.py``); any other call runs eagerly behind one graph break.
+"""The tiled causal-LM loss: output head + cross-entropy over token shards (``tiled_call`` in the reduction
+shape), never holding the logits. It runs as the forward of one call of the head (``in_head_call``), so that a
+backend's module hooks on the head (ZeRO-3's gather and release) surround it as they surround
+``lm_head(hidden)``; other hooks of the head would see the loss as its output and are refused. Under
+``torch.compile`` a plain linear head whose backend owns nothing around the call is one op
+(``ops/linear_cross_entropy.py``); any other call runs eagerly behind one graph break.
 """
 from __future__ import annotations
 
@@ -70,15 +67,10 @@ def tiled_cross_entropy(
     model: Optional[nn.Module] = None,
 ) -> torch.Tensor:
     """Hugging Face's ``ForCausalLMLoss`` on ``lm_head(hidden)`` (``[..., tokens, hidden]``, after the last norm),
-    computed a token shard at a time; returns a 0-dim float32 tensor (float64 for a float64 head).
-
-    ``labels`` are shifted here as ``ForCausalLMLoss`` shifts them; ``shift_labels`` are already shifted (and
-    win where both are given). ``num_items_in_batch`` (the Trainer's count) overrides ``reduction``: the sum
-    divided by it. ``logit_softcap`` ``c``: logits ``c * tanh(logits / c)`` (Gemma 2); ``z_loss`` ``lam``: adds
-    ``lam * logsumexp(logits) ** 2`` per valid token. ``num_shards``: an int, or "auto" (a shard's float32 logits
-    near 256 MiB). ``sequence_group``: the group a sequence is split across; the loss is divided once by the
-    whole group's count, and every rank returns the whole sequence's loss. ``model``: the model ``lm_head``
-    belongs to, whose backend is asked about the group. docs/long-context-stack.md, "Tiled loss".
+    a token shard at a time; a 0-dim float32 tensor (float64 for a float64 head). ``shift_labels`` win over
+    ``labels``; ``num_items_in_batch`` overrides ``reduction``. Under sequence parallelism (``sequence_group``,
+    and ``model``, whose backend is asked about the group) every rank returns the whole sequence's loss. Each
+    argument: docs/long-context-stack.md, "Tiled loss".
     """
     options = _options(ignore_index, label_smoothing, logit_softcap, z_loss, reduction, num_shards)
     if labels is None and shift_labels is None:
@@ -114,7 +106,6 @@ def tiled_cross_entropy(
 def _loss(hidden, lm_head, labels, shift_labels, options: CrossEntropyOptions, reduction: str, num_items_in_batch,
           num_shards: NumShards, strategy: StrategyArg, grad_accum_dtype: Optional[torch.dtype],
           sequence_group: Optional[Any], model: Optional[nn.Module]) -> torch.Tensor:
-    """The eager tiled loss, its arguments checked."""
     fixed = strategy_from_arg(strategy)
     # Before any work: a backend that cannot carry a loss split across the group refuses here.
     averages = sequence_group is None or not sums_over_sequence_ranks(model if model is not None else lm_head,
@@ -147,8 +138,8 @@ _eager_loss = dynamo_support.disable(_loss)
 
 
 class _ForwardForOneCall:
-    """The head's forward for one call: puts back what was there, then runs ``work`` (an object, not a closure
-    over itself: a reference cycle would keep the hidden states and the loss's site alive until a collection)."""
+    """The head's forward for one call: puts back what was there, then runs ``work``. An object, not a closure
+    over itself: a reference cycle would keep the hidden states and the loss's site alive until a collection."""
 
     def __init__(self, head: nn.Module, work: Callable[[torch.Tensor], torch.Tensor], hidden: Optional[torch.Tensor]):
         self.head = head
@@ -174,8 +165,7 @@ class _ForwardForOneCall:
 def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Tensor], torch.Tensor],
                  sees_graph: bool = True) -> Any:
     """``work(hidden)``, run as the forward of one call ``head(hidden)``. With ``sees_graph`` False (an FSDP2
-    unit of several modules, whose hooks must not see the graph) the call is given ``hidden.detach()``, and
-    ``work`` the hidden states themselves in the dtype and on the device the hooks gave the stand-in."""
+    unit of several modules, whose hooks must not see the graph) the hooks get ``hidden.detach()``."""
     forward = _ForwardForOneCall(head, work, None if sees_graph else hidden)
     head.__dict__["forward"] = forward
     try:
@@ -185,8 +175,8 @@ def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Te
 
 
 def _backend(lm_head: nn.Module, fixed: Optional[Strategy]) -> Tuple[Strategy, Any, List[torch.Tensor]]:
-    """The head's backend (checked), its way of splitting the vocabulary over ranks (None: it does not), and
-    the head's DTensor parameters."""
+    """The head's backend (checked), its ``vocab_slice`` (None: it does not split the vocabulary), and the head's
+    DTensor parameters."""
     backend = fixed if fixed is not None else resolve_strategy(lm_head)
     backend.check_supported(lm_head)
     dtensors: List[torch.Tensor] = [p for p in lm_head.parameters() if type(p).__name__ == "DTensor"]
@@ -207,14 +197,14 @@ def loss_as_op(lm_head: nn.Module, strategy: StrategyArg, has_group: bool) -> bo
 
 @dynamo_support.decided_where_traced
 def _traced_as_op(lm_head: nn.Module, strategy: Any, has_group: bool, hooks: int) -> bool:
-    """``loss_as_op`` kept as a constant of the graph; ``hooks`` is passed so that Dynamo guards the count."""
+    """``hooks`` is passed so that Dynamo guards the count."""
     return loss_as_op(lm_head, strategy, has_group)
 
 
 def _traced_linear_loss(hidden, lm_head, labels, shift_labels, options: CrossEntropyOptions, reduction: str,
                         num_items_in_batch, num_shards: NumShards, grad_accum_dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """The loss of a plain linear head as Dynamo traces it: the targets and the denominator as the eager
-    loss forms them, the shards in one op that forms the gradients the call needs."""
+    """The loss of a plain linear head as Dynamo traces it: the eager loss's targets and denominator, the shards
+    in one op."""
     weight: torch.Tensor = lm_head.weight
     bias: Optional[torch.Tensor] = lm_head.bias
     targets = _shifted_targets(hidden, labels, shift_labels, options.ignore_index)
@@ -229,7 +219,7 @@ def _traced_linear_loss(hidden, lm_head, labels, shift_labels, options: CrossEnt
 
 @dataclass(eq=False)  # compared and hashed by identity
 class LossSite:
-    """The loss's decision and run for ``tiled_call``: a ``sharded_reduce`` over the hidden states."""
+    """The loss's decision and run for ``tiled_call``."""
 
     owner: nn.Module
     backend: Strategy
@@ -343,7 +333,7 @@ def _vocab_size(lm_head: nn.Module) -> Optional[int]:
 
 def _scale(targets: torch.Tensor, reduction: str, num_items_in_batch, ignore_index: int,
            dtype: torch.dtype, group: Optional[Any]) -> torch.Tensor:
-    """1 / the denominator, as a tensor (no host sync); under sequence parallelism the mean's count is the group's."""
+    """1 / the denominator, as a tensor (no host sync)."""
     if num_items_in_batch is not None:
         denominator = torch.as_tensor(num_items_in_batch, device=targets.device).to(dtype)
     elif reduction == "mean" and group is not None:

@@ -1,8 +1,5 @@
-"""Per-shard kernels of the tiled loss: an output head (``hidden -> vocab`` logits), then the cross-entropy of
-``cross_entropy.py``. ``LinearHeadKernel``: a plain ``nn.Linear`` head, its matmuls written out, so the only
-``[tokens, vocab]`` buffers alive are the shard's logits and their gradient. ``ModuleHeadKernel``: any other head
-(PEFT's LoRA ``lm_head``), its forward run per shard with a graph. Both compute the logits in the head's dtype and
-the loss in float32 or wider (``ForCausalLMLoss``'s ``logits.float()``).
+"""Per-shard kernels of the tiled loss: an output head's logits, then ``cross_entropy.py``. The logits are in the
+head's dtype, the loss in float32 or wider (``ForCausalLMLoss``'s ``logits.float()``).
 """
 from __future__ import annotations
 
@@ -29,25 +26,21 @@ HEAD_READ_ERROR = (
 
 
 def loss_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for low-precision logits, the logits' own dtype when wider (float64 stays float64)."""
     return torch.promote_types(dtype, torch.float32)
 
 
 def is_plain_linear(head: nn.Module, is_backend_hook: Callable[[Any], bool] = lambda hook: False) -> bool:
-    """``head`` computes ``F.linear`` with its weight and bias: an ``nn.Linear`` with the class's forward, and no
-    forward on the instance unless it is the backend's own around it (``is_backend_hook``: Hugging Face's
-    tensor-parallel styles put one there, which the vocabulary-parallel slice stands in for)."""
+    """``head`` computes ``F.linear`` with its weight and bias: no forward on the instance unless it is the
+    backend's own (Hugging Face's tensor-parallel styles put one there, which the vocabulary slice stands in for)."""
     own = head.__dict__.get("forward")
     return (isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward
             and (own is None or is_backend_hook(own)))
 
 
 class LinearHeadKernel(ReduceKernel):
-    """``x @ W.T (+ b)`` per shard. Its rows may be this rank's slice of a vocabulary split over ranks (``split``,
-    tensor parallelism): the matmuls are the same, the cross-entropy's whole-vocabulary quantities are reduced over
-    the group, every rank gets the same loss and its own rows' ``dW``, and the input gradient is this slice's part
-    of a sum the strategy reduces once per call (``VocabSlice.hidden``). docs/backends.md, "The vocabulary-parallel
-    tiled loss"."""
+    """A plain ``nn.Linear`` head, its matmuls written out, so the only ``[tokens, vocab]`` buffers alive are the
+    shard's logits and their gradient. Its rows may be this rank's slice of a vocabulary split over ranks
+    (``split``): docs/backends.md, "The vocabulary-parallel tiled loss"."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], options: CrossEntropyOptions,
                  module_name: str = "the head", split: Optional[VocabSlice] = None):
@@ -57,8 +50,7 @@ class LinearHeadKernel(ReduceKernel):
         self.split = None if split is None else (split.start, split.vocab_size, split.group)
 
     def compute_tensors(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
-        """The weight (and bias) cast once per call to autocast's dtype where autocast casts it, else the
-        weight's (an input of another dtype is cast to it, as ``F.linear`` requires they agree)."""
+        """The weight (and bias) cast once per call to autocast's dtype where autocast casts it."""
         device, dtype = x.device.type, tensors[0].dtype
         if autocast_enabled(device) and dtype in (torch.float32, torch.float16, torch.bfloat16):
             dtype = torch.get_autocast_dtype(device)
@@ -66,8 +58,7 @@ class LinearHeadKernel(ReduceKernel):
 
     def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
               grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        # Every matmul in the compute dtype (``compute_tensors``': autocast's, as ``lm_head(hidden)`` would run),
-        # with autocast off; "meta" (the planner's shape-only step) has no autocast to turn off.
+        # Every matmul in ``compute_tensors``' dtype, with autocast off ("meta", the planner's, has none to turn off).
         weight, *rest = tensors
         bias = rest[0] if rest else None
         dtype = weight.dtype
@@ -81,7 +72,7 @@ class LinearHeadKernel(ReduceKernel):
             loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad, self.split)
             if grad is None:
                 return loss
-            low = grad.to(dtype)  # the logits' gradient in the matmuls' dtype (``grad`` itself when equal)
+            low = grad.to(dtype)
             if dx is not None:
                 torch.mm(low, weight, out=dx) if dx.dtype == dtype else dx.copy_(low @ weight)
             if grads is not None:
@@ -97,6 +88,8 @@ class LinearHeadKernel(ReduceKernel):
 
 
 class ModuleHeadKernel(ReduceKernel):
+    """Any other head (PEFT's LoRA ``lm_head``): its forward per shard, with a graph."""
+
     def __init__(self, head: nn.Module, trainable: Sequence[torch.Tensor], options: CrossEntropyOptions):
         super().__init__(trainable, type(head).__name__)
         self.head = head
@@ -109,7 +102,7 @@ class ModuleHeadKernel(ReduceKernel):
         with_grad = dx is not None or bool(needed)
         with torch.enable_grad() if with_grad else torch.no_grad():
             x_in = x.detach().requires_grad_(dx is not None)
-            # The first shard's reads are checked (later shards run the same code).
+            # The first shard's reads are checked: later shards run the same code.
             reads = None
             if with_grad and not self._reads_checked:
                 reads = TensorReads(known=[x_in, *tensors, *self.head.parameters()], grad_only=True,

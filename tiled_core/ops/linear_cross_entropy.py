@@ -1,10 +1,8 @@
-"""``torch.ops.tiled_mlp.linear_cross_entropy``: the tiled loss of a plain linear head (``LinearHeadKernel`` over
-token shards) as one custom op, so that a compiled model traces the loss without a graph break. It returns the
-loss *and* its gradients, formed shard by shard in the forward as the eager loss forms them; the registered
-backward scales them by the incoming gradient (exact: the loss is a scalar). A double backward is refused, as
-eagerly: by the backward itself, and under AOT autograd because the factor comes through an op that reads the
-head's weight (``loss_gradient_scale``); a product of the formed gradients alone would let it through with every
-second-order term silently zero.
+"""``torch.ops.tiled_mlp.linear_cross_entropy``: the tiled loss of a plain linear head as one custom op, so that a
+compiled model traces it without a graph break. It returns the loss *and* its gradients, formed in the forward as
+the eager loss forms them; the backward scales them by the incoming gradient (exact: the loss is a scalar). A
+double backward is refused, under AOT autograd too (``loss_gradient_scale``): a product of the formed gradients
+alone would let it through with every second-order term silently zero.
 """
 from __future__ import annotations
 
@@ -25,8 +23,8 @@ def linear_cross_entropy(x: torch.Tensor, targets: torch.Tensor, scale: torch.Te
                          logit_softcap: Optional[float], z_loss: float, num_shards: int,
                          accum_dtype: Optional[torch.dtype], grad_x: bool, grad_weight: bool,
                          grad_bias: bool) -> List[torch.Tensor]:
-    """``[loss, dx, d weight, d bias]``: the loss of ``x @ weight.T (+ bias)`` against ``targets`` (shifted
-    already), times ``scale``, summed over tokens; each gradient where asked for, else a 0-element tensor."""
+    """``[loss, dx, d weight, d bias]``: the loss of ``x @ weight.T (+ bias)`` against shifted ``targets``, times
+    ``scale``, summed over tokens; each gradient where asked for, else a 0-element tensor."""
     options = CrossEntropyOptions(ignore_index, label_smoothing, logit_softcap, z_loss)
     check_targets(targets, weight.shape[0], ignore_index)
     params = [weight] if bias is None else [weight, bias]
@@ -52,8 +50,7 @@ def _linear_cross_entropy_fake(x, targets, scale, weight, bias, ignore_index, la
 def loss_gradient_scale(grad_loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The gradient that reaches the loss (a copy: an op returns no alias of its input). ``weight``, the head's,
     is read by nothing: it ties the backward to a tensor that requires grad, so that a backward of this backward
-    reaches an op with no autograd formula, or AOT autograd's refusal of double backward, and stops there. The
-    weight is a parameter, alive anyway; AOT saves it for the backward as the untiled head's matmul does."""
+    reaches an op with no autograd formula, or AOT autograd's refusal of double backward, and stops there."""
     return grad_loss.clone()
 
 

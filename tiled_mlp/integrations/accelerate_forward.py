@@ -1,12 +1,12 @@
-"""accelerate's wrappers around a model's forward: recognised exactly, and built again.
+"""accelerate's wrappers around a model's forward: recognised exactly (each link by its class or code object, the
+innermost by identity), and built again.
 
 ``Accelerator.prepare`` with native mixed precision keeps the forward in ``model._original_forward`` and sets
 ``model.forward`` to ``convert_outputs_to_fp32(autocast(forward))``: a function whose ``__wrapped__`` is a
 ``ConvertOutputsToFp32`` whose ``model_forward`` is torch's ``decorate_autocast`` closure over the forward (a bound
-forward is wrapped as its function and bound again). ``add_hook_to_module(module, hook)`` (``dispatch_model``,
-``cpu_offload``) keeps the forward in ``module._old_forward``, the hook in ``module._hf_hook``, and sets
-``module.forward`` to ``functools.partial(new_forward, module)``, which runs ``_old_forward`` as it is at the
-call inside the hook. Each link is recognised by its class or code object, the innermost by identity.
+forward is wrapped as its function and bound again). ``add_hook_to_module(module, hook)`` keeps the forward in
+``module._old_forward``, the hook in ``module._hf_hook``, and sets ``module.forward`` to
+``functools.partial(new_forward, module)``, which runs ``_old_forward`` as it is at the call.
 """
 from __future__ import annotations
 
@@ -28,14 +28,12 @@ class MixedPrecisionForward:
 
 @functools.lru_cache(maxsize=1)
 def _autocast_code() -> types.CodeType:
-    """The code object of torch's ``decorate_autocast`` (each decorated function is a new closure over it)."""
     from torch.amp.autocast_mode import autocast_decorator
 
     return autocast_decorator(torch.autocast("cpu", enabled=False), lambda: None).__code__
 
 
 def mixed_precision_forward(model: nn.Module) -> Optional[MixedPrecisionForward]:
-    """accelerate's mixed-precision chain on ``model``'s instance forward, or None if that is not what it is."""
     forward, original = vars(model).get("forward"), vars(model).get("_original_forward")
     if forward is None or original is None:
         return None
@@ -77,7 +75,6 @@ class DeviceHookForward:
 
 @functools.lru_cache(maxsize=1)
 def _hook_forward_code() -> types.CodeType:
-    """The code object of accelerate's ``new_forward`` (each hooked module gets a new function over it)."""
     from accelerate.hooks import ModelHook, add_hook_to_module
 
     probe = nn.Module()
@@ -87,7 +84,7 @@ def _hook_forward_code() -> types.CodeType:
 
 def device_hook_forward(module: nn.Module, forward: Optional[Callable] = None) -> Optional[DeviceHookForward]:
     """accelerate's hook wrapper, when ``forward`` (default: ``module``'s instance forward) is what
-    ``add_hook_to_module(module, hook)`` built; None if it is not."""
+    ``add_hook_to_module(module, hook)`` built."""
     forward = vars(module).get("forward") if forward is None else forward
     hook = vars(module).get("_hf_hook")
     if not isinstance(forward, functools.partial) or hook is None or "_old_forward" not in vars(module):
@@ -105,15 +102,14 @@ def device_hook_forward(module: nn.Module, forward: Optional[Callable] = None) -
 
 def hook_like_add_hook(module: nn.Module, hooked: DeviceHookForward, inner: Callable) -> Callable:
     """Put ``inner`` inside accelerate's hook on ``module``; returns the wrapper ``add_hook_to_module``
-    builds around it (the caller sets it as the forward where the one there wraps something else)."""
+    builds around it."""
     module.__dict__["_old_forward"] = inner
     return functools.update_wrapper(functools.partial(hooked.new_forward, module), inner)
 
 
 def head_device_hook_refusal(head: nn.Module, hidden_device: Optional[torch.device] = None) -> str:
-    """Why accelerate's hook on the output head stops the tiled loss ('' where it has none, or nothing to do for
-    the loss). The loss runs in a call of the head whose forward is the loss itself, so the hook's
-    ``pre_forward`` does not run around it: exact only for an ``AlignDevicesHook`` that keeps the weights in
+    """Why accelerate's hook on the output head stops the tiled loss ('' where nothing does). The hook's
+    ``pre_forward`` does not run around the loss: exact only for an ``AlignDevicesHook`` that keeps the weights in
     place and whose execution device is where the hidden states already are (checked at each call)."""
     hooked = device_hook_forward(head)
     if hooked is None:

@@ -1,13 +1,7 @@
-"""Hugging Face causal LMs: route the loss through the tiled loss, so the logits are never held
-(docs/long-context-stack.md, "Tiled loss").
-
-``install_tiled_loss`` puts a ``TiledLossForward`` on the model *instance* (no class swapped): given labels it
-runs the model's own forward with ``labels=None`` and no logits kept, takes the decoder's final hidden states
-through a forward hook, and returns the output with ``loss = tiled_cross_entropy(hidden, lm_head, labels)``.
-What installing cannot see (a loss function or a forward set on the model since) is checked at every call by a
-forward pre-hook, before any work. The forward may sit inside accelerate's wrappers (``accelerate_forward``) or
-TRL's fused head (``trl_seam``): ``forward_layers`` reads that chain, in one place, for every decision here.
-Under ``torch.compile`` the checks and the binding of the arguments are made once where Dynamo traces the call.
+"""Hugging Face causal LMs: the loss through the tiled loss, the logits never held (docs/long-context-stack.md,
+"Tiled loss"). ``install_tiled_loss`` puts a ``TiledLossForward`` on the model *instance*; what installing cannot
+see (a loss function or a forward set since) a forward pre-hook checks at every call, before any work. The
+forward may sit inside accelerate's wrappers or TRL's head: ``forward_layers`` reads that chain, in one place.
 """
 from __future__ import annotations
 
@@ -27,7 +21,7 @@ from torch import nn
 
 from tiled_mlp.core import dynamo_support, tiled_cross_entropy
 from tiled_mlp.core.kernels.cross_entropy import CrossEntropyOptions
-from tiled_mlp.core.shard_plan import NumShards
+from tiled_mlp.core.shard_plan import NumShards, check_num_shards
 from tiled_mlp.core.tiled_loss import loss_as_op
 
 from .accelerate_forward import (
@@ -80,9 +74,8 @@ def find_causal_lm(model: nn.Module) -> Optional[nn.Module]:
 
 @dataclass(frozen=True)
 class ForwardLayers:
-    """The wrappers on a causal LM's forward, outermost first (each None where absent), and the forward inside
-    them all (None: the class's). TRL's trainers add their head before ``Accelerator.prepare`` wraps the forward,
-    and ``dispatch_model`` hooks the model before a trainer is built: the order read here."""
+    """The wrappers on a causal LM's forward, outermost first (None where absent), and the forward inside them
+    (None: the class's). The order in which TRL's trainers, ``Accelerator.prepare`` and ``dispatch_model`` add them."""
 
     mixed_precision: Optional[MixedPrecisionForward]
     trl_head: Optional[FusedHead]
@@ -90,7 +83,6 @@ class ForwardLayers:
     forward: Optional[Callable]
 
     def under(self) -> str:
-        """The wrappers around the forward, as a message names them."""
         around = [name for name, present in (("accelerate's device hook", self.device_hook),
                                              (self.trl_head.describe() if self.trl_head else "", self.trl_head),
                                              ("accelerate's mixed precision", self.mixed_precision)) if present]
@@ -113,8 +105,8 @@ def _is_class_forward(model: nn.Module, forward: Any) -> bool:
 
 
 def describe_forward(thing: Any) -> str:
-    """Where a forward was defined, as ``module.qualname``, read from its code and the globals it runs in:
-    ``functools.wraps`` copies another function's names onto a wrapper, its code keeps its own."""
+    """Where a forward was defined, read from its code and globals: ``functools.wraps`` copies another
+    function's names onto a wrapper, its code keeps its own."""
     function = thing.__func__ if isinstance(thing, types.MethodType) else thing
     if isinstance(function, functools.partial):
         return f"functools.partial of {describe_forward(function.func)}"
@@ -134,7 +126,7 @@ def describe_forward(thing: Any) -> str:
 
 def instance_forward_refusal(model: nn.Module) -> str:
     """Why the forward set on ``model``'s instance stops the tiled loss ('' where there is none, or it is
-    the class's forward bound to the model, inside accelerate's device hook or not)."""
+    the class's forward bound to the model)."""
     layers = forward_layers(model)
     if layers.mixed_precision is not None:
         return ("accelerate's mixed precision (Accelerator.prepare) wrapped its forward, and the tiled loss would run "
@@ -160,8 +152,8 @@ def instance_forward_refusal(model: nn.Module) -> str:
 
 
 def loss_left_to_trl(model: nn.Module) -> str:
-    """What computes the loss of the causal LM in ``model`` instead of the tiled loss ('' where nothing does):
-    TRL's fused LM head, put on the model's own forward by a TRL trainer built before."""
+    """TRL's fused LM head, where a TRL trainer put it on the model's own forward before: it computes the loss
+    instead of the tiled loss ('' where nothing does)."""
     causal_lm = find_causal_lm(model)
     if causal_lm is None or _installed_on(causal_lm) is not None:
         return ""
@@ -193,8 +185,7 @@ def loss_function_refusal(model: nn.Module) -> str:
 
 
 class TiledLossForward:
-    """The forward installed on a causal LM instance; picklable and deep-copyable with the model (a deep copy
-    shares the sequence-parallel group its loss is divided over)."""
+    """The forward installed on a causal LM instance; picklable and deep-copyable with the model."""
 
     def __init__(self, model: nn.Module, form: LossForm, previous: Optional[Callable], num_shards: NumShards,
                  grad_accum_dtype: Optional[torch.dtype]):
@@ -205,15 +196,16 @@ class TiledLossForward:
         self.grad_accum_dtype = grad_accum_dtype
         self.sequence_group: Any = None  # set by apply_sequence_parallel
         self.label_smoothing = 0.0  # F.cross_entropy's, which is the Trainer's LabelSmoother's
-        self.pre_hook: Any = None  # the handles of ``check_call`` and ``capture_decoder_output``
-        self.decoder_hook: Any = None
         self._capturing = False  # inside the model's forward run by this one
         self._captured: Optional[torch.Tensor] = None  # the decoder's hidden states of that run
         self._trl_noted = False
         self._bypass_noted = False
+        decoder: nn.Module = model.get_decoder()  # type: ignore[operator]  # a transformers PreTrainedModel
+        self.decoder_hook = decoder.register_forward_hook(self.capture_decoder_output)
+        self.pre_hook = model.register_forward_pre_hook(self.check_call)  # how ``_installed_on`` finds it
 
     def __deepcopy__(self, memo: dict) -> TiledLossForward:
-        memo[id(self.sequence_group)] = self.sequence_group  # a process group cannot be copied
+        memo[id(self.sequence_group)] = self.sequence_group  # shared: a process group cannot be copied
         clone = object.__new__(type(self))
         memo[id(self)] = clone  # the model's copy refers back to this forward's copy
         clone.__dict__.update(copy.deepcopy(vars(self), memo))
@@ -232,8 +224,8 @@ class TiledLossForward:
             self._captured = out[0] if isinstance(out, tuple) else out.last_hidden_state
 
     def check_call(self, _module: nn.Module, _args: Any) -> None:
-        """The model's forward pre-hook: a forward set on the model after installing may not call this
-        one (the tiled loss would silently never run) or may change what it returns."""
+        """A forward set on the model after installing may not call this one (the tiled loss would silently
+        never run) or may change what it returns."""
         if not torch.compiler.is_compiling():
             self._check_forward()
         elif dynamo_support.TRACES_TILED_CALLS:
@@ -244,7 +236,6 @@ class TiledLossForward:
             _checked_eagerly(self)
 
     def _check_forward(self) -> ForwardLayers:
-        """Refuses a forward set over this one since installing; returns the layers on the model's forward."""
         layers = forward_layers(self.model)
         reached = layers.forward  # this object itself, or bound to the model by accelerate's unwrap_model
         if isinstance(reached, types.MethodType) and reached.__self__ is self.model:
@@ -285,8 +276,7 @@ class TiledLossForward:
         return self._run(args, kwargs, arguments, dict(arguments.pop("kwargs", {})))
 
     def _run(self, args: tuple, kwargs: dict, arguments: Dict[str, Any], extra: Dict[str, Any]):
-        """The call once its arguments are bound (``arguments``: the forward's named ones that were given;
-        ``extra``: those its ``**kwargs`` takes)."""
+        """``arguments``: the forward's named ones that were given; ``extra``: those its ``**kwargs`` takes."""
         inner = self._inner()
         labels = arguments.get("labels")
         if labels is None and extra.get("shift_labels") is None:
@@ -344,7 +334,6 @@ class TiledLossForward:
                      for f in dataclasses.fields(out) if f.name in ("loss", "logits") or fields.get(f.name) is not None)
 
     def _note_bypass(self) -> None:
-        """A training call without labels: the model forms the whole logits for a loss computed outside it; said once."""
         if self._bypass_noted or not (torch.is_grad_enabled() and self.model.training) or torch.compiler.is_compiling():
             return
         self._bypass_noted = True
@@ -357,9 +346,9 @@ class TiledLossForward:
 
 
 def _no_logits(head: nn.Module) -> Any:
-    """``logits_to_keep`` while the tiled loss runs: no token. A tensor-parallel head (DTensor parameters) is
-    given the last token instead: DTensor's reshape rule divides by each dimension's size, and an empty slice
-    has a zero one. Read through ``parameters()``: ZeRO-3 gathers a parameter read as a module attribute."""
+    """``logits_to_keep`` while the tiled loss runs: no token; the last one for a tensor-parallel head (DTensor's
+    reshape rule divides by each dimension's size). Read through ``parameters()``: ZeRO-3 gathers a parameter read
+    as a module attribute."""
     if dist.is_available():
         from torch.distributed.tensor import DTensor
 
@@ -380,10 +369,8 @@ _checked_eagerly = dynamo_support.disable(TiledLossForward._check_forward)  # to
 @dynamo_support.decided_where_traced
 def _traced_names(forward: TiledLossForward, names: Tuple[str, ...], positional: bool,
                   loss_function: Any) -> Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]]:
-    """Where Dynamo traces a call (``loss_function`` passed so that Dynamo guards on it): the eager call's
-    checks, then ``names`` split into the forward's own parameters and those its ``**kwargs`` takes; None where
-    the call runs eagerly (positional arguments, sequence parallelism, a loss that is not one op, arguments the
-    forward does not take)."""
+    """The eager call's checks, then ``names`` split into the forward's own parameters and those its ``**kwargs``
+    takes; None where the call runs eagerly. ``loss_function`` is passed so that Dynamo guards on it."""
     forward._check_forward()
     if positional or forward.sequence_group is not None:
         return None
@@ -404,8 +391,7 @@ def _installed_on(causal_lm: nn.Module) -> Optional[TiledLossForward]:
 
 
 def check_tiled_loss(model: nn.Module) -> Tuple[nn.Module, LossForm]:
-    """Every check before installing; returns (the causal LM, its family's form), where it is a known causal LM
-    with its library forward and loss function."""
+    """Every check before installing; returns (the causal LM, its family's form)."""
     causal_lm = find_causal_lm(model)
     if causal_lm is None:
         names = ", ".join(sorted(name for _, name in KNOWN_FORMS))
@@ -433,15 +419,13 @@ def check_tiled_loss(model: nn.Module) -> Tuple[nn.Module, LossForm]:
 def install_tiled_loss(model: nn.Module, num_shards: NumShards = "auto",
                        grad_accum_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Put the tiled loss on the causal LM in ``model``; returns that causal LM. Installing twice keeps the first."""
+    check_num_shards(num_shards)
     causal_lm, form = check_tiled_loss(model)
     if _installed_on(causal_lm) is None:
         # Inside accelerate's hook where there is one, which still moves the inputs and outputs around it.
         slot = "forward" if device_hook_forward(causal_lm) is None else "_old_forward"
-        forward = TiledLossForward(causal_lm, form, vars(causal_lm).get(slot), num_shards, grad_accum_dtype)
-        causal_lm.__dict__[slot] = forward
-        forward.pre_hook = causal_lm.register_forward_pre_hook(forward.check_call)
-        decoder: nn.Module = causal_lm.get_decoder()  # type: ignore[operator]  # a transformers PreTrainedModel
-        forward.decoder_hook = decoder.register_forward_hook(forward.capture_decoder_output)
+        causal_lm.__dict__[slot] = TiledLossForward(causal_lm, form, vars(causal_lm).get(slot), num_shards,
+                                                    grad_accum_dtype)
     return causal_lm
 
 
@@ -453,8 +437,7 @@ def tiled_loss_forward(model: nn.Module) -> Optional[TiledLossForward]:
 
 def set_tiled_loss_label_smoothing(model: nn.Module, factor: float) -> None:
     """Smooth the labels of the tiled loss on the causal LM in ``model`` by ``factor`` (in [0, 1]), as
-    ``F.cross_entropy(label_smoothing=factor)`` and Hugging Face's ``LabelSmoother(epsilon=factor)`` do, in
-    training and in evaluation (there the model's logits are returned too)."""
+    ``F.cross_entropy(label_smoothing=factor)`` does, in training and in evaluation."""
     installed = tiled_loss_forward(model)
     if installed is None:
         raise ValueError(f"tiled loss: no tiled loss on {type(model).__name__} to smooth labels in; apply it first "
@@ -470,8 +453,8 @@ def is_tiled_loss(model: nn.Module) -> bool:
 
 
 def remove_tiled_loss(model: nn.Module) -> bool:
-    """Put the model's own forward back (inside accelerate's wrappers on it: what ``add_hook_to_module``
-    and ``Accelerator.prepare`` build around it); False where no tiled loss was installed."""
+    """Put the model's own forward back, inside accelerate's wrappers on it; False where no tiled loss was
+    installed."""
     installed = tiled_loss_forward(model)
     if installed is None:
         return False

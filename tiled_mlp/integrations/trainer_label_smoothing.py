@@ -1,7 +1,5 @@
 """transformers' Trainer with ``label_smoothing_factor``: hand the smoothing to the tiled loss
-(docs/long-context-stack.md, "Label smoothing from the Trainer"). With a ``LabelSmoother`` the Trainer takes
-``labels`` out of the inputs and smooths from the logits, so the tiled loss never runs; the hand-over gives the
-tiled loss the smoother's ``epsilon`` and takes the smoother off. Read on transformers ``CHECKED``.
+(docs/long-context-stack.md, "Label smoothing from the Trainer"). Read on transformers ``CHECKED``.
 """
 from __future__ import annotations
 
@@ -20,9 +18,8 @@ def _refuse(why: str) -> NoReturn:
 
 
 def use_tiled_label_smoothing(trainer: Any) -> float:
-    """Hand ``trainer``'s label smoothing to the tiled loss on its model and take it off the trainer (after
-    building it, before ``train()``); returns the factor the tiled loss smooths with. Refused before anything
-    changes where the numbers would differ."""
+    """Hand ``trainer``'s label smoothing to the tiled loss on its model and take it off the trainer; returns the
+    factor the tiled loss smooths with. Refused before anything changes where the numbers would differ."""
     from transformers import Trainer
     from transformers.trainer_pt_utils import LabelSmoother
 

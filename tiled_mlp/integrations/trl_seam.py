@@ -1,11 +1,9 @@
 """TRL's fused LM head, as the tiled loss sees it (docs/long-context-stack.md, "TRL").
 
-TRL's trainers call ``trl.trainer.utils.add_fused_lm_head(model)`` when built: ``model.forward`` becomes a method
-whose function is a closure (``_fused_forward``) over the forward the model had (cell ``original_forward``), named
-like the class's forward (``functools.wraps``). Called with ``fused_lm_head=True`` (every labelled call of TRL's
-trainers) it computes the loss through ``lm_head`` in tiles and never calls ``original_forward``. Recognised by its
-code object (names change under ``wraps``, code does not), on the TRL versions read only. TRL is never imported
-here: its fused forward can exist only once ``trl.trainer.utils`` is.
+``trl.trainer.utils.add_fused_lm_head(model)`` makes ``model.forward`` a method whose function is a closure
+(``_fused_forward``) over the forward the model had (cell ``original_forward``), named like the class's forward
+(``functools.wraps``). Recognised by its code object, on the TRL versions read only. TRL is never imported here:
+its fused forward can exist only once ``trl.trainer.utils`` is.
 """
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ class FusedHead:
 
 
 def fused_head(forward: Any) -> Optional[FusedHead]:
-    """``forward`` as TRL's fused forward (None when it is not one). Raises where it is one, but of a TRL
-    version this module was not read on."""
+    """``forward`` as TRL's fused forward (None when it is not one), refused on a TRL version not read."""
     add = getattr(sys.modules.get("trl.trainer.utils"), "add_fused_lm_head", None)
     code = getattr(getattr(forward, "__func__", None), "__code__", None)
     if add is None or not isinstance(forward, types.MethodType) or code is None or code.co_name != "_fused_forward":
