@@ -2,10 +2,8 @@
 unshard the parameters before it and before its backward, and reduce-scatter the gradients autograd accumulated
 once: nothing to gather here, and ranks with different shard counts issue the same collectives.
 
-Claimed where the module, a submodule or a recorded ancestor is an ``FSDPModule``, or where an FSDP2 parameter
-group manages one of its parameters (read from FSDP2's private module -> state map, laid out as torch 2.11 to
-2.13 do; any other layout is refused naming torch's version, never read as "no FSDP2").
-"""
+FSDP2's private module -> state map is read as torch 2.11 to 2.13 lay it out; any other layout is refused naming
+torch's version, never read as "no FSDP2"."""
 from __future__ import annotations
 
 import dataclasses
