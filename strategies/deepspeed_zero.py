@@ -111,9 +111,7 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
     def check_sequence_group(self, module: nn.Module, group: Any) -> None:
         self.sums_over_sequence_ranks(module, group)
 
-    @staticmethod
-    def is_backend_hook(hook) -> bool:
-        return is_zero3_module_hook(hook)
+    is_backend_hook = staticmethod(is_zero3_module_hook)
 
 
 @contextlib.contextmanager

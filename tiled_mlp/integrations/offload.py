@@ -63,7 +63,6 @@ class _CheckpointCall(nn.Module):
         return self.checkpoint(function, *args)
 
     def checkpoint_function(self, function: Any, *args: Any) -> Any:
-        """What the layer calls as its checkpoint function: the checkpoint, run through this module's hooks."""
         return self(*args, function=function)
 
 
