@@ -1,7 +1,5 @@
 """The contract between the backend-neutral core and a parallel backend (docs/architecture.md, "Adding a
-strategy"). Only ``claims`` is required. What a backend does beyond the defaults is declared: a flag with its
-method (``CAPABILITIES``), ``claims_from_layout``, or a mixin (``WaitsForEveryParameter``,
-``SequenceParallelAware``); a method without its flag, or a flag without its method, is refused."""
+strategy"): ``claims`` is required, every other member has a default or is declared."""
 from __future__ import annotations
 
 import contextlib
@@ -41,19 +39,13 @@ class UnsupportedBackendError(RuntimeError):
     """The module runs under a backend (or a backend configuration) that TiledMLP cannot tile."""
 
 
-SEQUENCE_SPAN_ERROR = (
-    "sequence parallelism: {backend} averages the gradients of {model} over ranks {backend_ranks}, which do not "
-    "include every rank {sp_ranks} of the sequence-parallel group: each SP rank's share of the sequence would never "
-    "be added to the others'. {fix}"
-)
-
-
 def check_spans_sequence_group(backend: str, model: nn.Module, backend_ranks, group, fix: str) -> None:
     sp_ranks = sorted(dist.get_process_group_ranks(group))
     if not set(sp_ranks) <= set(backend_ranks):
-        raise UnsupportedBackendError(SEQUENCE_SPAN_ERROR.format(
-            backend=backend, model=type(model).__name__, backend_ranks=sorted(backend_ranks), sp_ranks=sp_ranks,
-            fix=fix))
+        raise UnsupportedBackendError(
+            f"sequence parallelism: {backend} averages the gradients of {type(model).__name__} over ranks "
+            f"{sorted(backend_ranks)}, which do not include every rank {sp_ranks} of the sequence-parallel group: "
+            f"each SP rank's share of the sequence would never be added to the others'. {fix}")
 
 
 # Each declared capability: the flag, and the method a class sets it with.
@@ -75,10 +67,6 @@ def check_declarations(obj: Any) -> None:
                             f"{method}, or leave {flag} False")
 
 
-HEAD_CALL_MEMBERS = frozenset({"is_head_call_hook", "head_call_gathers", "head_call_sees_graph",
-                               "head_weight_is_whole"})
-
-
 class Strategy(ABC):
     #: Registry key, also accepted as ``TiledMLP(strategy=name)``.
     name: str = ""
@@ -95,10 +83,6 @@ class Strategy(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         check_declarations(cls)
-        replaced = sorted(set(vars(cls)) & HEAD_CALL_MEMBERS)
-        if replaced:  # the loss no longer reads these: an override would be ignored in silence
-            raise TypeError(f"{cls.__name__} defines {', '.join(replaced)}: the tiled loss asks "
-                            f"Strategy.head_call(lm_head) for one HeadCall record instead; override head_call")
 
     @classmethod
     @abstractmethod

@@ -1,11 +1,6 @@
 """The releases of a dependency the library's calls into it were checked on, and the refusal of any other at
 apply time: the one version lookup (``installed``) and the one range (``CheckedRange``) every version check uses.
-
-A range names its oldest and newest checked releases: by default a patch release of the newest minor series is
-inside it and a newer minor series is not; ``exact`` ranges hold only the releases named; a range without
-``newest`` holds every later release. ``TILED_MLP_UNCHECKED_VERSIONS`` (package names, or ``all``) turns a
-refusal into a warning for those packages, at the user's risk.
-"""
+``TILED_MLP_UNCHECKED_VERSIONS`` (package names, or ``all``) turns a refusal into a warning, at the user's risk."""
 from __future__ import annotations
 
 import functools
@@ -50,7 +45,7 @@ def _release(version: str) -> Tuple[int, ...]:
 class CheckedRange:
     package: str  # the distribution's name, as pip knows it
     oldest: str
-    newest: Optional[str] = None  # None: every later release counts as checked
+    newest: Optional[str] = None  # its minor series is inside, a later one not; None: every later release is
     exact: bool = False  # only releases from oldest to newest themselves (a local build ``+cpu`` counts)
 
     def contains(self, version: Optional[str]) -> bool:

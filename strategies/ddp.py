@@ -1,10 +1,7 @@
 """DDP (``DistributedDataParallel``): parameters are local and whole, gradients arrive once through autograd and
-DDP's reducer all-reduces them. An unused parameter is an input of the tiled Function, so DDP waits for its
-gradient: it gets zeros.
-
-DDP wraps the root, usually after tiling, so no recorded ancestor shows it: while its forward runs it is
-``DistributedDataParallel._active_ddp_module`` (private, set for torch.compile's DDP optimizer).
-"""
+DDP's reducer all-reduces them. DDP wraps the root, usually after tiling, so no recorded ancestor shows it: while
+its forward runs it is ``DistributedDataParallel._active_ddp_module`` (private, set for torch.compile's DDP
+optimizer)."""
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence

@@ -49,8 +49,7 @@ def _wrapped_functions(fn, depth: int = 3):
             yield from _wrapped_functions(candidate, depth - 1)
 
 
-# Before 0.19.8 tiled ZeRO-3 steps gave wrong numbers now and then, unexplained (0.18.6: NaN or 6e-3-off gradients;
-# 0.19.0: the SP cases' loss 0.4% off), so refused there.
+# Earlier releases gave wrong ZeRO-3 numbers now and then, unexplained (docs/backends.md, "Supported versions and why").
 ZERO3_OLDEST = "0.19.8"
 
 
@@ -111,9 +110,7 @@ class DeepSpeedZeroStrategy(WaitsForEveryParameter, SequenceParallelAware, Strat
     def check_sequence_group(self, module: nn.Module, group: Any) -> None:
         self.sums_over_sequence_ranks(module, group)
 
-    @staticmethod
-    def is_backend_hook(hook) -> bool:
-        return is_zero3_module_hook(hook)
+    is_backend_hook = staticmethod(is_zero3_module_hook)
 
 
 @contextlib.contextmanager

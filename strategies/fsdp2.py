@@ -2,14 +2,11 @@
 unshard the parameters before it and before its backward, and reduce-scatter the gradients autograd accumulated
 once: nothing to gather here, and ranks with different shard counts issue the same collectives.
 
-Claimed where the module, a submodule or a recorded ancestor is an ``FSDPModule``, or where an FSDP2 parameter
-group manages one of its parameters (read from FSDP2's private module -> state map, laid out as torch 2.11 to
-2.13 do; any other layout is refused naming torch's version, never read as "no FSDP2").
-"""
+FSDP2's private module -> state map is read as torch 2.11 to 2.13 lay it out; any other layout is refused naming
+torch's version, never read as "no FSDP2"."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import types
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
@@ -131,11 +128,6 @@ def _state_of(module: nn.Module) -> Optional[Any]:
     return state if api is not None and isinstance(state, api[1]) else None
 
 
-def _owns_hook(own: Optional[Any], strategy: Strategy, hook: Any) -> bool:
-    state = fsdp2_forward_hook_state(hook)
-    return (state is not None and state is own) or strategy.is_backend_hook(hook)
-
-
 def unit_modules(module: nn.Module) -> Tuple[nn.Module, ...]:
     """The modules of the FSDP2 unit ``module`` belongs to, or () outside any."""
     state = _state_of(module)
@@ -180,9 +172,8 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
     @claims_need_process_group
     def claims(cls, module: nn.Module, ancestors: Sequence[nn.Module] = ()) -> bool:
         fsdp_module = _fsdp_module_class()
-        if any(isinstance(m, fsdp_module) for m in (*ancestors, *module.modules())):
-            return True
-        return params_managed_by_fsdp2(module)
+        return (any(isinstance(m, fsdp_module) for m in (*ancestors, *module.modules()))
+                or params_managed_by_fsdp2(module))
 
     def swaps_param_storage(self, module: nn.Module) -> bool:
         return True
@@ -194,8 +185,11 @@ class FSDP2Strategy(WaitsForEveryParameter, SequenceParallelAware, Strategy):
         own = _state_of(lm_head)
         gathers = own is not None and any(fsdp2_forward_hook_state(hook) is own
                                           for hook in getattr(lm_head, "_forward_pre_hooks", {}).values())
-        return dataclasses.replace(super().head_call(lm_head), owns_hook=functools.partial(_owns_hook, own, self),
-                                   gathers=gathers, sees_graph=len(unit_modules(lm_head)) <= 1)
+        def owns_hook(hook: Any) -> bool:
+            return (own is not None and fsdp2_forward_hook_state(hook) is own) or self.is_backend_hook(hook)
+
+        return dataclasses.replace(super().head_call(lm_head), owns_hook=owns_hook, gathers=gathers,
+                                   sees_graph=len(unit_modules(lm_head)) <= 1)
 
     def check_supported(self, module: nn.Module) -> None:
         units = [name for name, m in module.named_modules() if name and isinstance(m, _fsdp_module_class())]

@@ -2,10 +2,8 @@
 strategies in play how a loss split across sequence-parallel ranks must scale.
 
 "auto" resolves at every call: a class that declares ``claims_from_layout`` is asked once per layout of the
-module, compared by identity at each call (the registry's order, whether a process group is initialised, the
-recorded ancestors, the module tree's classes, each parameter and how many attributes it carries, the module's
-own hook counts). ``fully_shard``, FSDP1, ZeRO and ``parallelize_module`` all change that layout. Every other
-class (DDP, seen only while its forward runs) is asked at every call."""
+module (``_layout``; ``fully_shard``, FSDP1, ZeRO and ``parallelize_module`` all change it), every other class
+(DDP, seen only while its forward runs) at every call."""
 from __future__ import annotations
 
 import operator
@@ -54,7 +52,7 @@ def _layout(module: nn.Module, ancestors: Sequence[nn.Module]) -> Tuple[List[Any
 @dataclass
 class _Resolution:
     """What "auto" found for one layout: the registrations to ask at each call, each with whether it is known
-    to claim. The layout's modules and classes are held weakly: a module may hold the model."""
+    to claim. Held weakly: a module of the layout may hold the model."""
 
     registrations: List[Registration]
     refs: List[Any]

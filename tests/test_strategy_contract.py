@@ -31,13 +31,6 @@ def test_a_capability_method_without_its_flag_is_refused_when_the_class_is_defin
     unregister_strategy("test_declared")
 
 
-@pytest.mark.parametrize("member", ["is_head_call_hook", "head_call_gathers", "head_call_sees_graph",
-                                    "head_weight_is_whole"])
-def test_a_head_call_member_head_call_replaced_is_refused_when_the_class_is_defined(member):
-    with pytest.raises(TypeError, match=rf"OldHead defines {member}: .* override head_call"):
-        type("OldHead", (ClaimsNothing,), {member: lambda self, *args: True})
-
-
 def test_a_flag_set_after_the_class_was_defined_is_refused_at_registration():
     class Later(ClaimsNothing):
         name = "test_flag_later"

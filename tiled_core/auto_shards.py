@@ -1,13 +1,5 @@
-"""The "auto" shard policy, derived from the fake-tensor memory model; the rules' measurements are in
-docs/auto-policy.md.
-
-1. Shard size: a shard's ~4 ``[tokens, intermediate]`` buffers stay under ``WORKING_SET_SHARE`` of the bytes no
-   tiling removes (``fixed_bytes``), capped at ``SHARD_INTERMEDIATE_BYTES``, floored at the device's tokens.
-2. Pass-through on share: untiled where the intermediates are under ``MIN_INTERMEDIATE_SHARE`` of the fixed bytes.
-3. Pass-through on size: untiled where the net saving (``estimated_saved_bytes``, erring low) is under
-   ``MIN_SAVED_BYTES``: tiling's time is a fixed share of the MLP's, the saving must have a scale of its own.
-4. The device (``device_class``): rule 1's floor by device, and a compiled CUDA call too small to cut passes.
-"""
+"""The "auto" shard policy, derived from the fake-tensor memory model; its rules, and the measurements behind
+each, are in docs/auto-policy.md."""
 from __future__ import annotations
 
 import contextlib
@@ -27,16 +19,13 @@ WORKING_SET_SHARE = 1 / 8
 WORKING_SET_BUFFERS = 4
 MIN_TOKENS_PER_SHARD = 1024
 MIN_INTERMEDIATE_SHARE = 0.1
-# Rule 3 (see above): a net saving under this is noise on any accelerator, and tiling's time is not.
 MIN_SAVED_BYTES = 64 * 2**20
-# What untiled autograd keeps of a gated MLP (the fast path's only kind): gate(x), up(x), the
-# activation's output and the product, four [tokens, intermediate] tensors. The modelled untiled peak
-# sits 5.1-5.6 such buffers above the fixed bytes once activations dominate (the gradients in
-# backward add to them), so estimating with four keeps the saving on the low side there.
+# What untiled autograd keeps of a gated MLP (the fast path's only kind): gate(x), up(x), the activation's
+# output and the product. The modelled untiled peak sits 5.1-5.6 such buffers above the fixed bytes once
+# activations dominate, so four keeps the estimate low.
 FAST_SAVED_INTERMEDIATES = 4
-# The fewest [tokens, intermediate] tensors untiled autograd keeps for an MLP with an activation
-# between its projections. A lower bound, so the generic path never tiles where it cannot pay; with
-# one, a SwiGLU at 4096 tokens would run untiled, where 4 shards take 0.59x the memory.
+# The fewest an MLP with an activation between its projections keeps: a lower bound, so the generic path never
+# tiles where it cannot pay (with one, a SwiGLU at 4096 tokens would run untiled, where 4 shards take 0.59x).
 GENERIC_SAVED_INTERMEDIATES = 2
 
 MiB = 2**20
@@ -51,11 +40,10 @@ class DeviceClass:
 
 
 CPU = DeviceClass("cpu")
-# Rule 1's floor on tokens a shard by device (the CPU's: MIN_TOKENS_PER_SHARD), measured on an H200 for
-# capability >= 9.0; any other accelerator, not measured, takes 2048 (docs/auto-policy.md#by-device).
+# The floor on tokens a shard by device, beside the CPU's (docs/auto-policy.md#by-device).
 MIN_TOKENS_PER_SHARD_BY_DEVICE = (("hopper", 3584), ("accelerator", 2048))
 # The MLP the floors were measured on (hidden, intermediate): compiled on CUDA, a call with less matmul work
-# than one floor shard of it is launch-bound when cut (docs/gpu.md's torch.compile table, first row).
+# than one floor shard of it is launch-bound when cut.
 FLOOR_MEASURED_AT = (4096, 12288)
 # The device a call on the meta device (the planner's steps, no real device) is decided for.
 MODELLED_DEVICE = CPU
@@ -112,15 +100,12 @@ def modelled_as(device: DeviceClass) -> Iterator[None]:
 
 @dataclass(frozen=True, slots=True)
 class MLPSize:
-    """What the policy needs to know about a module, read without running it."""
-
     hidden: int
     intermediate: Optional[int]  # None: unknown (the policy falls back to ~hidden tokens per shard)
     weight_bytes: int
     element_bytes: int
-    # The generic path's extra working set: its recompute returns a shard's parameter gradients beside
-    # the running sums (so the trainable bytes once more) and copies a shard's input gradient and
-    # output. None: the fast path, whose buffers the shard-size rule already counts.
+    # The generic path's extra working set: its recompute returns a shard's parameter gradients beside the
+    # running sums. None: the fast path, whose buffers the shard-size rule already counts.
     generic_trainable_bytes: Optional[int] = None
 
 
@@ -184,8 +169,8 @@ def estimated_saved_bytes(num_tokens: int, size: MLPSize, num_shards: int) -> fl
     if size.generic_trainable_bytes is None:
         # The fast path keeps about WORKING_SET_BUFFERS shard-sized buffers, and only while a shard runs.
         return FAST_SAVED_INTERMEDIATES * intermediate_bytes - WORKING_SET_BUFFERS * intermediate_bytes / num_shards
-    # The generic recompute keeps a shard's worth of the intermediates (one shard saves nothing), beside its
-    # extra buffers.
+    # The generic recompute keeps a shard's worth of the intermediates (one shard saves nothing), beside its extra
+    # buffers: the trainable bytes once more, and a copy of a shard's input gradient and output.
     saved = GENERIC_SAVED_INTERMEDIATES * intermediate_bytes * (1 - 1 / num_shards)
     extra = size.generic_trainable_bytes + 2 * math.ceil(num_tokens / num_shards) * size.hidden * size.element_bytes
     return saved - extra

@@ -1,12 +1,5 @@
-"""Checkpoint offload: the input of each checkpointed layer waits for its backward in host memory.
-
-Under non-reentrant checkpointing a layer keeps only its positional input from forward to backward, saved
-where an outer ``saved_tensors_hooks`` sees it (256 KiB a token for Llama-8B in bf16 over 32 layers). A forward
-pre-hook opens such a context around each layer's call, whose pack hook moves *that one tensor* (by identity)
-to host memory; offloading every saved tensor costs +85% step time (axolotl #3776), this one a few percent.
-The last layer's input stays: its backward comes first. On CUDA the copy out runs on a side stream into pinned
-memory; elsewhere it is a plain copy. Values are copied, never changed: gradients are exact.
-"""
+"""Checkpoint offload: the input of each checkpointed layer but the last waits for its backward in host memory,
+moved by identity from an outer ``saved_tensors_hooks`` around the layer's call (docs/long-context-stack.md)."""
 from __future__ import annotations
 
 import weakref

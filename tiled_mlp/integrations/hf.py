@@ -126,7 +126,7 @@ def maybe_apply_tiled_mlp(model: nn.Module, **kwargs) -> Optional[TilingReport]:
 
 def _config_flags(config: Any, keys=(CONFIG_FLAG, CONFIG_NUM_SHARDS)) -> TiledMLPFlags:
     # A config read from JSON or YAML may say "false" or "4": parsed, never passed to bool() or used raw.
-    return read_tiled_mlp_flags({key: getattr(config, key) for key in keys if getattr(config, key, None) is not None})
+    return read_tiled_mlp_flags({key: getattr(config, key, None) for key in keys})
 
 
 def _pop_request(kwargs: dict) -> Dict[str, Any]:

@@ -63,7 +63,6 @@ class _CheckpointCall(nn.Module):
         return self.checkpoint(function, *args)
 
     def checkpoint_function(self, function: Any, *args: Any) -> Any:
-        """What the layer calls as its checkpoint function: the checkpoint, run through this module's hooks."""
         return self(*args, function=function)
 
 
@@ -82,7 +81,7 @@ def checkpointing_on(model: nn.Module) -> Callable[[], None]:
     attributes_before = [(module, name, vars(module).get(name, _ABSENT)) for module in model.modules()
                          for name in _ATTRIBUTES_SET]
     kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers after 5.19 (the old name warns there)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # type: ignore[operator]
     elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]

@@ -1,5 +1,4 @@
-"""Every call Ulysses SP makes into DeepSpeed (its Ulysses attention and data-loader adapter, the SP groups' module,
-the module-level ``mpu`` slots engines read their groups from), and the releases it was checked on."""
+"""Every call Ulysses SP makes into DeepSpeed (``seams/__init__.py``)."""
 from __future__ import annotations
 
 import sys
@@ -23,7 +22,6 @@ MPU_SLOT_MODULES = ("deepspeed.utils.groups", "deepspeed.runtime.activation_chec
 
 
 def require(feature: str) -> str:
-    """The installed DeepSpeed version; ``UncheckedVersionError`` outside ``CHECKED``."""
     return checked_versions.require(CHECKED, feature)
 
 

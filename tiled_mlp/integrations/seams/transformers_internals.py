@@ -1,6 +1,4 @@
-"""Every call the long-context stack makes into transformers' internals (the mask builders, whose cache argument
-5.24 renamed, read from the signature once per function; packed-sequence detection; the attention registry and
-the library's own sdpa and flash functions; ``GradientCheckpointingLayer``), and the releases checked."""
+"""Every call the long-context stack makes into transformers' internals (``seams/__init__.py``)."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +15,7 @@ from tiled_mlp.strategies.checked_versions import CheckedRange, UncheckedVersion
 # between was checked for the names below; the suite runs on both ends (.ci/constraints-oldest.txt and
 # .ci/constraints.txt).
 CHECKED = CheckedRange("transformers", "5.6.0", "5.25.0")
-# The cache argument of the mask builders, newest name first (``cache`` from 5.24, ``past_key_values`` before).
+# The cache argument of the mask builders, newest name first (5.24 renamed it).
 _CACHE_KEYWORDS = ("cache", "past_key_values")
 # What the stack passes every mask builder by name, besides the cache.
 _MASK_ARGUMENTS = ("config", "inputs_embeds", "attention_mask", "position_ids")
