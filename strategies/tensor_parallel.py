@@ -106,7 +106,6 @@ class LinearStyle:
 
     kind: str  # "colwise" or "rowwise"
     name: str  # how a message names the style
-    source: str  # where it is read from: "input hook" or "forward"
     mesh: Any
     input_layouts: tuple  # how a plain input is read
     made: tuple  # what the input is made before the product
@@ -149,7 +148,7 @@ def linear_style(module: nn.Module) -> Optional[LinearStyle]:
     if hf is not None:
         kind, style, mesh = hf
         read = _placements(style.input_layouts)
-        return LinearStyle(kind, f"Hugging Face's {kind}", "forward", mesh, read,
+        return LinearStyle(kind, f"Hugging Face's {kind}", mesh, read,
                            (Replicate(),) if kind == "colwise" else read, _placements(style.output_layouts),
                            bool(style.use_local_output), module)
     _, col_in, col_out, row_in, row_out = _styles()
@@ -161,8 +160,8 @@ def linear_style(module: nn.Module) -> Optional[LinearStyle]:
     if torch_kind is None or mesh != out_mesh:
         return None
     (read, made), (output_layouts, use_local) = take.args, give.args
-    return LinearStyle(torch_kind, take.func.__qualname__.split(".")[0], "input hook", mesh, _placements(read),
-                       _placements(made), _placements(output_layouts), bool(use_local), module, (pre_hook, post_hook))
+    return LinearStyle(torch_kind, take.func.__qualname__.split(".")[0], mesh, _placements(read), _placements(made),
+                       _placements(output_layouts), bool(use_local), module, (pre_hook, post_hook))
 
 
 @dataclass
@@ -248,7 +247,7 @@ def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> O
     # input as sharded (input_layouts=Shard(1)) gathers more tokens than were planned, and the shards would
     # cover only the first of them.
     if gate.input_layouts != (Replicate(),):
-        return _declined(f"gate_proj's {gate.source} reads a plain input as {gate.input_layouts} and gathers it: the "
+        return _declined(f"gate_proj's {'input hook' if gate.hooks else 'forward'} reads a plain input as {gate.input_layouts} and gathers it: the "
                          "call is planned on this rank's tokens, not the gathered ones. Put PrepareModuleInput("
                          "input_layouts=Shard(1), desired_input_layouts=Replicate()) on the MLP instead")
     for name, style in (("gate_proj", gate), ("up_proj", up)):
