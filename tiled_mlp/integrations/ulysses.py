@@ -219,7 +219,6 @@ def check_batch_size(batch: int, expected: int) -> None:
 
 
 def check_attention_not_tensor_parallel(attention: nn.Module, heads: object) -> None:
-    # DeepSpeed's attention is built on the config's head counts; a TP rank holds a slice of them.
     from torch.distributed.tensor import DTensor
 
     names = [name for name, p in attention.named_parameters() if isinstance(p, DTensor)]
