@@ -190,7 +190,7 @@ def _deepspeed_sp_only(model, size: int):
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, core_attn_implementation="sdpa",
                                                           sequence_parallel_size=size, micro_batch_size=1,
                                                           seq_length_is_variable=True)
-    return SequenceParallel(model, mpu.get_sequence_parallel_group(), mpu, "sdpa", undo)
+    return SequenceParallel(model, mpu.get_sequence_parallel_group(), mpu, "sdpa", [undo])
 
 
 def _trainer_loss(model, batch: Dict, case: SPCase) -> torch.Tensor:

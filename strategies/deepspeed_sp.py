@@ -1,13 +1,8 @@
-"""How a DeepSpeed engine reduces gradients over a sequence-parallel group, read from the engine itself
-(docs/long-context-stack.md). DeepSpeed 0.19.8 decides per code path: stage 0's all-reduce and ZeRO-1/2 divide
-by the DP ranks only (they sum over the SP ranks); ZeRO-3's reduce-scatter averages over every rank, except that
-with ``reduce_scatter: false`` and ``contiguous_gradients`` a bucket of at most ``reduce_bucket_size`` sums over
-SP; an engine built without SP groups (``mpu``) averages over its data-parallel group.
-
-The engine is the closure of the forward pre-hook ``deepspeed.initialize`` puts on the module it wraps; above
-the model (a PEFT model), the ZeRO optimizer linked from the parameters (``_z3_optimizer``, ``_zero_optimizer``),
-or ZeRO-1/2's master fragments (``_hp_mapping``). Private DeepSpeed names read here: re-check them whenever the
-pinned DeepSpeed version changes.
+"""Whether a DeepSpeed engine sums or averages gradients over a sequence-parallel group, read from the engine
+itself: per stage and configuration, as docs/long-context-stack.md tabulates for DeepSpeed 0.19.8. The engine is
+the closure of the forward pre-hook ``deepspeed.initialize`` puts on the module it wraps; above the model (a PEFT
+model), the ZeRO optimizer linked from the parameters, or ZeRO-1/2's master fragments. Private DeepSpeed names
+read here: re-check them whenever the pinned DeepSpeed version changes.
 """
 from __future__ import annotations
 
@@ -133,10 +128,12 @@ def _refuse_two_backends(model: nn.Module) -> None:
 
 
 def _sums(optimizer: Any, model: nn.Module, sp_size: int, stage: Any) -> bool:
-    """``stage``: "1/2" where only the optimizer is known."""
+    """Stage 0 and ZeRO-1/2 divide by the DP ranks only (they sum over SP); ZeRO-3's reduce-scatter averages over
+    every rank, but without it (and with contiguous gradients) a bucket of at most ``reduce_bucket_size`` elements
+    sums over SP. ``stage``: "1/2" where only the optimizer is known."""
     stage3 = is_instance_of(optimizer, _STAGE3_CLASS)
     if sp_size <= 1 or (stage3 and (optimizer.reduce_scatter or not optimizer.contiguous_gradients)):
-        return False  # ZeRO-3's reduce-scatter for every bucket: averaged over every rank
+        return False
     if stage == 0 and not stage3:
         return True
     factor = float(getattr(optimizer, "gradient_predivide_factor", 1.0))

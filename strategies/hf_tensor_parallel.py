@@ -4,6 +4,7 @@ styles compute what torch's do; recognised by what it is, on ``CHECKED_VERSIONS`
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Optional, Tuple
 
@@ -31,22 +32,17 @@ def version_checked() -> bool:
     return in_any(checked_on("transformers", CHECKED_VERSIONS), installed("transformers"))
 
 
-_FOUND: dict = {}
+@functools.cache
+def _parts_of(tp: Any) -> Optional[Tuple[Any, type, type]]:
+    install = tp.TensorParallelLayer.install_forward
+    codes = [c for c in install.__code__.co_consts if getattr(c, "co_name", "") == "tp_forward"]
+    return (codes[0], tp.ColwiseParallel, tp.RowwiseParallel) if len(codes) == 1 else None
 
 
 def _tp_parts() -> Optional[Tuple[Any, type, type]]:
     """(tp_forward's code object, HF's ColwiseParallel, RowwiseParallel) on a checked version, else None."""
     tp = sys.modules.get(_TP_MODULE)
-    if tp is None or not version_checked():
-        return None
-    parts = _FOUND.get(tp)
-    if parts is None:
-        install = tp.TensorParallelLayer.install_forward
-        codes = [c for c in install.__code__.co_consts if getattr(c, "co_name", "") == "tp_forward"]
-        if len(codes) != 1:
-            return None
-        parts = _FOUND[tp] = (codes[0], tp.ColwiseParallel, tp.RowwiseParallel)
-    return parts
+    return None if tp is None or not version_checked() else _parts_of(tp)
 
 
 def _cells(forward: Any) -> Optional[dict]:

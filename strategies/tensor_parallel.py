@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -26,15 +26,8 @@ def _styles() -> Tuple[frozenset, Any, Any, Any, Any]:
             RowwiseParallel._prepare_input_fn, RowwiseParallel._prepare_output_fn)
 
 
-@dataclass(frozen=True)
-class StyleHook:
-    hook: Callable
-    function: Callable  # the style's static method (the partial's ``func``)
-    layouts: tuple  # the partial's bound arguments (input and desired layouts; output layouts, use_local_output)
-    mesh: Any
-
-
 def _hook_parts(hook: Any) -> Optional[Tuple[functools.partial, Any]]:
+    """(the partial a ``distribute_module`` hook runs, its mesh), else None."""
     code = getattr(hook, "__code__", None)
     if code is None or code not in _styles()[0]:
         return None
@@ -43,12 +36,13 @@ def _hook_parts(hook: Any) -> Optional[Tuple[functools.partial, Any]]:
     return (fn, cells.get("device_mesh")) if isinstance(fn, functools.partial) else None
 
 
-def style_hook(hook: Any, functions: Optional[Sequence[Any]] = None) -> Optional[StyleHook]:
-    """The parts of a hook of a proven style (``functions``: ColwiseParallel's and RowwiseParallel's), else None."""
+def style_hook(hook: Any, functions: Optional[Sequence[Any]] = None) -> Optional[Tuple[functools.partial, Any]]:
+    """The parts of a hook of a proven style (``functions``: ColwiseParallel's and RowwiseParallel's), else None:
+    the partial's ``func`` is the style's static method, its ``args`` the layouts bound to it."""
     parts = _hook_parts(hook)
     if parts is None or parts[0].func not in (functions or _styles()[1:]) or parts[0].keywords:
         return None
-    return StyleHook(hook, parts[0].func, tuple(parts[0].args), parts[1])
+    return parts
 
 
 def parallel_style_of(hook: Any) -> Optional[type]:
@@ -112,7 +106,6 @@ class LinearStyle:
 
     kind: str  # "colwise" or "rowwise"
     name: str  # how a message names the style
-    source: str  # where it is read from: "input hook" or "forward"
     mesh: Any
     input_layouts: tuple  # how a plain input is read
     made: tuple  # what the input is made before the product
@@ -155,20 +148,20 @@ def linear_style(module: nn.Module) -> Optional[LinearStyle]:
     if hf is not None:
         kind, style, mesh = hf
         read = _placements(style.input_layouts)
-        return LinearStyle(kind, f"Hugging Face's {kind}", "forward", mesh, read,
+        return LinearStyle(kind, f"Hugging Face's {kind}", mesh, read,
                            (Replicate(),) if kind == "colwise" else read, _placements(style.output_layouts),
                            bool(style.use_local_output), module)
     _, col_in, col_out, row_in, row_out = _styles()
-    pre, post = ([found for found in map(style_hook, hooks) if found is not None] for hooks in _hooks(module))
-    if len(pre) != 1 or len(post) != 1 or pre[0].mesh != post[0].mesh:
+    pre, post = ([(hook, found) for hook in hooks if (found := style_hook(hook))] for hooks in _hooks(module))
+    if len(pre) != 1 or len(post) != 1:
         return None
-    torch_kind = {(col_in, col_out): "colwise", (row_in, row_out): "rowwise"}.get((pre[0].function, post[0].function))
-    if torch_kind is None:
+    (pre_hook, (take, mesh)), (post_hook, (give, out_mesh)) = pre[0], post[0]
+    torch_kind = {(col_in, col_out): "colwise", (row_in, row_out): "rowwise"}.get((take.func, give.func))
+    if torch_kind is None or mesh != out_mesh:
         return None
-    (read, made), (output_layouts, use_local) = pre[0].layouts, post[0].layouts
-    return LinearStyle(torch_kind, pre[0].function.__qualname__.split(".")[0], "input hook", pre[0].mesh,
-                       _placements(read), _placements(made), _placements(output_layouts), bool(use_local), module,
-                       (pre[0].hook, post[0].hook))
+    (read, made), (output_layouts, use_local) = take.args, give.args
+    return LinearStyle(torch_kind, take.func.__qualname__.split(".")[0], mesh, _placements(read), _placements(made),
+                       _placements(output_layouts), bool(use_local), module, (pre_hook, post_hook))
 
 
 @dataclass
@@ -254,7 +247,7 @@ def tensor_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) -> O
     # input as sharded (input_layouts=Shard(1)) gathers more tokens than were planned, and the shards would
     # cover only the first of them.
     if gate.input_layouts != (Replicate(),):
-        return _declined(f"gate_proj's {gate.source} reads a plain input as {gate.input_layouts} and gathers it: the "
+        return _declined(f"gate_proj's {'input hook' if gate.hooks else 'forward'} reads a plain input as {gate.input_layouts} and gathers it: the "
                          "call is planned on this rank's tokens, not the gathered ones. Put PrepareModuleInput("
                          "input_layouts=Shard(1), desired_input_layouts=Replicate()) on the MLP instead")
     for name, style in (("gate_proj", gate), ("up_proj", up)):
@@ -354,11 +347,11 @@ def sequence_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) ->
         return _declined_sequence(f"{type(module).__name__} has submodules; the view proves a module with none (a norm)")
     pre, post = _hooks(module)
     functions = (SequenceParallel._prepare_input_fn, SequenceParallel._prepare_output_fn)
-    hooks_in, hooks_out = [style_hook(h, functions) for h in pre], [style_hook(h, functions) for h in post]
-    if len(pre) != 1 or len(post) != 1 or hooks_in[0] is None or hooks_out[0] is None:
+    found: List[Any] = [style_hook(hook, functions) for hook in (*pre, *post)]
+    if len(pre) != 1 or len(post) != 1 or None in found:
         return _declined_sequence(f"{type(module).__name__} has {len(pre)} forward pre-hooks and {len(post)} forward "
                                   "hooks, not SequenceParallel's own input and output hook alone")
-    hook_in, hook_out = hooks_in[0], hooks_out[0]
+    (sequence_in, mesh_in), (_, mesh_out) = found
     owned: List[Any] = list(module.parameters())  # DTensors where the view applies (checked below)
     taken = {id(t) for t in params}
     if any(id(p) not in taken for p in owned):
@@ -374,9 +367,9 @@ def sequence_parallel_view(module: nn.Module, params: Sequence[torch.Tensor]) ->
     if any(tuple(p.placements) != (Replicate(),) for p in owned):
         return _declined_sequence(f"a parameter is {layout_of(next(p for p in owned if tuple(p.placements) != (Replicate(),)))}, "
                                   "not Replicate")
-    if hook_in.mesh != mesh or hook_out.mesh != mesh:
+    if mesh_in != mesh or mesh_out != mesh:
         return _declined_sequence("its hooks are on another mesh than its parameters")
-    (sequence_sharding,) = hook_in.layouts
+    (sequence_sharding,) = sequence_in.args
     if len(sequence_sharding) != 1 or not isinstance(sequence_sharding[0], Shard):
         return _declined_sequence(f"its input is laid out as {sequence_sharding}, not one Shard")
     return SequenceParallelView(mesh=mesh, sequence_dim=sequence_sharding[0].dim)

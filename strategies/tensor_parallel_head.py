@@ -73,7 +73,7 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         a DTensor's mesh holds its own (the planner's fake group)."""
         # From the parameter dict: ZeRO-3 would gather a weight read as an attribute inside another module's forward.
         weight = module._parameters.get("weight")
-        if weight is None or type(weight) is nn.Parameter or not has_dtensor([weight]):
+        if weight is None or not has_dtensor([weight]):
             return False
         if not style_hooks_of(module):
             # Hugging Face's own tensor parallelism registers no hook: it marks the modules it laid out.

@@ -1,12 +1,5 @@
-"""A loss over a sequence split across ranks (sequence parallelism): summed per rank, divided once.
-
-A mean of per-rank means is wrong as soon as the ranks' masks differ, so ``group_count`` sums the valid-token
-count over the group (no gradient), and ``sum_over_group`` sums the per-rank partial losses differentiably:
-every rank returns the whole sequence's loss. Its backward hands each rank the factor the backend's gradient
-reduction turns into the whole sequence's gradient: the group's size where the backend averages over the SP
-ranks, 1 where it sums (``SequenceParallelAware.sums_over_sequence_ranks``); docs/long-context-stack.md, "The
-long-sequence stack". torch.distributed only: no backend module is imported.
-"""
+"""A loss over a sequence split across ranks (sequence parallelism): summed per rank, divided once by the valid
+tokens of the whole group (docs/long-context-stack.md, "The long-sequence stack"). torch.distributed only."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -32,8 +25,9 @@ def group_count(targets: torch.Tensor, ignore_index: int, group: Any, dtype: tor
 
 
 class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) forward and backward: the backward of a sum that every rank computes (divided by
-    the group's size where the backend sums, rather than averages, the gradients over the group)."""
+    """All-reduce (sum) forward and backward: every rank returns the whole sequence's loss. The backward hands each
+    rank the factor the backend's gradient reduction turns into the whole sequence's gradient: the group's size
+    where it averages over the SP ranks, 1 where it sums (``SequenceParallelAware.sums_over_sequence_ranks``)."""
 
     @staticmethod
     def forward(ctx, partial: torch.Tensor, group: Any, backend_averages: bool) -> torch.Tensor:
@@ -51,7 +45,6 @@ class _SumOverGroup(torch.autograd.Function):
         return summed, None, None
 
 
-def sum_over_group(partial: torch.Tensor, group: Optional[Any], backend_averages: bool = True) -> torch.Tensor:
-    """``partial`` summed over ``group``, differentiably (see the module docstring). ``backend_averages``:
-    the backend divides the gradients by the group's ranks (not ``SequenceParallelAware.sums_over_sequence_ranks``)."""
+def sum_over_group(partial: torch.Tensor, group: Optional[Any], backend_averages: bool) -> torch.Tensor:
+    """``partial`` summed over ``group``, differentiably (``_SumOverGroup``)."""
     return partial if group is None else _SumOverGroup.apply(partial, group, backend_averages)

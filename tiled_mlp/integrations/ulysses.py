@@ -66,9 +66,9 @@ class SequenceParallel:
     group: Any  # torch.distributed.ProcessGroup of the ranks that share each sequence
     mpu: Any  # DeepSpeed's SP state (``parallel_state_sp``): pass as ``deepspeed.initialize(mpu=...)``
     attention_implementation: str  # the model's attn_implementation, under which the Ulysses wrapper is registered
-    _undo: Optional[Callable[[], None]] = field(default=None, repr=False)  # attention and modules as before
+    # What puts the attention, the modules and the hooks back, run last first by remove()
+    _undo: List[Callable[[], None]] = field(default_factory=list, repr=False)
     micro_batch_size: int = 1  # samples per batch, what DeepSpeed's Ulysses attention was built for
-    _hooks: List[Any] = field(default_factory=list, repr=False)
     # DeepSpeed's ``mpu`` slots before SP (later engines read their groups there): put back by remove()
     _deepspeed_slots: DeepSpeedSlots = field(default_factory=DeepSpeedSlots.remember, repr=False)
 
@@ -114,15 +114,11 @@ class SequenceParallel:
     def remove(self) -> None:
         """Attention, loss, hooks and DeepSpeed's ``mpu`` slots as before SP; SP groups released. Call it once a
         DeepSpeed engine built with ``mpu=self.mpu`` is done with (it keeps asking for the groups)."""
-        if self._undo is not None:
-            self._undo()
-            self._undo = None
+        while self._undo:
+            self._undo.pop()()
         installed = tiled_loss_forward(self.model)
         if installed is not None:
             installed.sequence_group = None
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
         deepspeed_internals.release_sp_groups()
         self._deepspeed_slots.restore()
 
@@ -158,7 +154,7 @@ def apply_sequence_parallel(model: nn.Module, size: int, *, micro_batch_size: in
     installed.sequence_group = group
     hooks = [*capture_padding(decoder, group, kind), *whole_sequence_rope(rotaries, group),
              guard_inputs(installed.model, micro_batch_size)]
-    return SequenceParallel(model, group, mpu, attention, undo, micro_batch_size, hooks)
+    return SequenceParallel(model, group, mpu, attention, [undo, *(hook.remove for hook in hooks)], micro_batch_size)
 
 
 def check_sequence_parallel(model: nn.Module, size: int) -> Tuple[Optional[Callable], List[nn.Module]]:
@@ -223,7 +219,6 @@ def check_batch_size(batch: int, expected: int) -> None:
 
 
 def check_attention_not_tensor_parallel(attention: nn.Module, heads: object) -> None:
-    # DeepSpeed's attention is built on the config's head counts; a TP rank holds a slice of them.
     from torch.distributed.tensor import DTensor
 
     names = [name for name, p in attention.named_parameters() if isinstance(p, DTensor)]
@@ -254,7 +249,7 @@ def _scope_to(model: nn.Module, attention: str, functions: Any, before: Optional
     """DeepSpeed writes its wrapper under ``attention`` for the whole process: every other model using that name (a
     reference or teacher model) would exchange heads too, silently wrong. Route only this model's modules to it."""
     ulysses = functions[attention]
-    ours = weakref.WeakSet(m for m in model.modules())
+    ours = weakref.WeakSet(model.modules())
     config: Any = model.config
     heads = config.get_text_config().num_attention_heads
 
@@ -274,16 +269,15 @@ def undo_attention(model: nn.Module, attention: str, functions: Any) -> Callable
     """What puts back the attention function under ``attention`` (an override absent before is deleted, not set, which
     would hide a later ``AttentionInterface.register``) and every module's ``num_key_value_groups`` (DeepSpeed sets it
     to 1 when SP replicates the key/value heads)."""
-    local = getattr(functions, "_local_mapping", None)
-    had_override = local is not None and attention in local
-    before = functions.get(attention)
+    local = functions._local_mapping  # an AttentionInterface's overrides of its defaults (transformers 5.6 to 5.25)
+    before = local.get(attention)
     groups = {m: m.num_key_value_groups for m in model.modules() if isinstance(getattr(m, "num_key_value_groups", None), int)}
 
     def undo() -> None:
-        if local is not None and not had_override:
+        if before is None:
             local.pop(attention, None)
-        elif before is not None:
-            functions[attention] = before
+        else:
+            local[attention] = before
         for module, value in groups.items():
             module.num_key_value_groups = value
 
