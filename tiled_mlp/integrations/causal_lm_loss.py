@@ -12,6 +12,7 @@ import inspect
 import logging
 import types
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple, cast
 
@@ -185,11 +186,12 @@ def loss_function_refusal(model: nn.Module) -> str:
 
 
 class TiledLossForward:
-    """The forward installed on a causal LM instance; picklable and deep-copyable with the model."""
+    """The forward installed on a causal LM instance; picklable and deep-copyable with the model. It holds the
+    model weakly: the model holds it, and a cycle would keep a deleted model's memory until the collector runs."""
 
     def __init__(self, model: nn.Module, form: LossForm, previous: Optional[Callable], num_shards: NumShards,
                  grad_accum_dtype: Optional[torch.dtype]):
-        self.model: Any = model  # a transformers PreTrainedModel (get_decoder, config, ...)
+        self._model = weakref.ref(model)
         self.form = form
         self.previous = previous  # the class's forward bound on the instance before (None: none)
         self.num_shards = num_shards
@@ -204,11 +206,25 @@ class TiledLossForward:
         self.decoder_hook = decoder.register_forward_hook(self.capture_decoder_output)
         self.pre_hook = model.register_forward_pre_hook(self.check_call)  # how ``_installed_on`` finds it
 
+    @property
+    def model(self) -> Any:
+        """The causal LM (a transformers PreTrainedModel: get_decoder, config, ...)."""
+        return self._model()
+
+    def __getstate__(self) -> dict:
+        return {**vars(self), "_model": self.model}  # saved with the model it is installed on
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _model=weakref.ref(state["_model"]))
+
     def __deepcopy__(self, memo: dict) -> TiledLossForward:
         memo[id(self.sequence_group)] = self.sequence_group  # shared: a process group cannot be copied
         clone = object.__new__(type(self))
         memo[id(self)] = clone  # the model's copy refers back to this forward's copy
-        clone.__dict__.update(copy.deepcopy(vars(self), memo))
+        copied_alone = id(self.model) not in memo  # not inside a copy of its model
+        clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        if copied_alone:  # nothing else holds the model's copy
+            clone.__dict__["_model_copy"] = clone.model
         return clone
 
     def _inner(self) -> Callable:

@@ -114,30 +114,35 @@ def scan(model: nn.Module, report: TilingReport, include: Patterns = None, exclu
     candidates: List[Candidate] = []
     seen = set()
 
-    def visit(parent: nn.Module, prefix: str, ancestors: Sequence[nn.Module]) -> None:
-        chain = [*ancestors, parent]
-        for attr, child in parent.named_children():
-            name = f"{prefix}{attr}"
-            if isinstance(child, TiledMLP):
-                report.already_tiled.append(TiledBlock(name, "tiled", child))
+    # Depth first, in the modules' order, with a stack: a nested function calling itself would be a reference cycle
+    # that keeps the model alive after ``del model`` until the garbage collector runs.
+    stack = _children_of(model, "", [])
+    while stack:
+        child, name, chain = stack.pop()
+        if isinstance(child, TiledMLP):
+            report.already_tiled.append(TiledBlock(name, "tiled", child))
+            continue
+        kind = structural_kind(child)
+        if include_patterns is not None:
+            kind = (kind or "named") if _matches(name, include_patterns) else None
+        if kind is None and name in norms:
+            kind = "norm"
+        if kind is not None and _matches(name, exclude_patterns):
+            report.skipped.append((name, "excluded by pattern"))
+            continue
+        if kind is not None:
+            problem = "" if kind == "experts" else call_problem(child)
+            if not problem:
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    candidates.append(Candidate(name, child, chain, kind))
                 continue
-            kind = structural_kind(child)
-            if include_patterns is not None:
-                kind = (kind or "named") if _matches(name, include_patterns) else None
-            if kind is None and name in norms:
-                kind = "norm"
-            if kind is not None and _matches(name, exclude_patterns):
-                report.skipped.append((name, "excluded by pattern"))
-                continue
-            if kind is not None:
-                problem = "" if kind == "experts" else call_problem(child)
-                if not problem:
-                    if id(child) not in seen:
-                        seen.add(id(child))
-                        candidates.append(Candidate(name, child, chain, kind))
-                    continue
-                report.skipped.append((name, problem))
-            visit(child, name + ".", chain)
-
-    visit(model, "", [])
+            report.skipped.append((name, problem))
+        stack.extend(_children_of(child, name + ".", chain))
     return sorted(candidates, key=lambda candidate: candidate.kind == "norm")  # the report lists the norms last
+
+
+def _children_of(parent: nn.Module, prefix: str, ancestors: Sequence[nn.Module]) -> list:
+    """``parent``'s children as (child, qualified name, its ancestors), last first: popped in order."""
+    chain = [*ancestors, parent]
+    return [(child, f"{prefix}{attr}", chain) for attr, child in reversed(list(parent.named_children()))]
