@@ -1,6 +1,8 @@
 """The Python values a module tree's code may read from its attributes, which the generic path's recompute
 would read again (strict mode only; docs/architecture.md, "Strict mode"): every attribute load and string
-constant in the code of the tree's classes, instance forwards, and same-file functions they reach by name.
+constant in the code of the tree's classes, instance forwards, and same-file functions they reach by name. They
+have no version counter, so they are compared as autograd compares a saved tensor's: plain values by value, other
+objects by identity.
 """
 from __future__ import annotations
 
@@ -14,6 +16,18 @@ from torch import nn
 
 from . import strict as _strict
 
+VALUE_CHANGED_ERROR = (
+    "one of the values needed for gradient computation has been changed: {name} of {module} is {now}; expected "
+    "{then} instead. The forward of {module} may read it, and the backward recomputes that forward (TiledMLP), so "
+    "it would compute with the new value and its gradients would be wrong. Change it after the backward (or "
+    "before the forward); if the forward itself changes it, run this module untiled (untile(module))."
+)
+VALUE_CHANGED_BY_FORWARD_ERROR = (
+    "TiledMLP: the forward of {module} changes {name} at every call (it was {before} before the forward, {now} "
+    "after its first shard was run twice). The backward recomputes each shard's forward, which would read another "
+    "value than that shard's forward did, so its gradients would be wrong. Change the value between steps, not "
+    "in the forward, or run this module untiled (untile(module))."
+)
 # Immutable values compared by value: two equal ones compute the same (``torch.device`` and
 # ``torch.Size`` objects are made anew at each read, equal but not identical).
 _PLAIN = (int, float, bool, complex, str, type(None), torch.device, torch.dtype, enum.Enum)
@@ -107,3 +121,58 @@ def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> Read
         functions += _class_functions(type(sub))
         functions.append(_function(root_forward if not prefix else sub.__dict__.get("forward")))
     return frozenset(_names_read(functions)) - _MODULE_BOOKKEEPING, modules
+
+
+_UNSET = object()
+
+
+def _shown(value: Any, by_identity: bool) -> str:
+    if value is _UNSET:
+        return "unset"
+    text = repr(value)
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return f"another {type(value).__name__} object, {text}" if by_identity else text
+
+
+class PlainValues:
+    """The values the module tree's code may read (``read``: which, from ``snapshot``) as they are
+    when made, to be compared later: plain values by value, other objects by identity."""
+
+    def __init__(self, read: ReadSet):
+        self.read = read
+        names, modules = read
+        self.attrs = [frozenset(d) for _, d in modules]
+        self.entries = [(f"{prefix}.{attr}" if prefix else attr, d, attr, d[attr], not is_plain(d[attr]))
+                        for prefix, d in modules for attr in sorted(names.intersection(d))
+                        if not is_checked_elsewhere(d[attr])]
+
+    def changed(self) -> List[Tuple[str, Any, Any, bool]]:
+        """(qualified name, value then, value now, compared by identity) of each value that changed."""
+        out = []
+        for name, d, attr, then, by_identity in self.entries:
+            now = d.get(attr, _UNSET)
+            if now is not then and (now is _UNSET or by_identity or not same_value(then, now)):
+                out.append((name, then, now, by_identity))
+        names, modules = self.read
+        for (prefix, d), attrs in zip(modules, self.attrs, strict=True):
+            for attr in sorted(names.intersection(d.keys() - attrs)):
+                if not is_checked_elsewhere(d[attr]):
+                    out.append((f"{prefix}.{attr}" if prefix else attr, _UNSET, d[attr], False))
+        return out
+
+    def check(self, where: str) -> None:
+        changed = self.changed()
+        if changed:
+            name, then, now, by_identity = changed[0]
+            then_shown = f"the {type(then).__name__} object it was, {_shown(then, False)}" if by_identity else _shown(then, False)
+            raise RuntimeError(VALUE_CHANGED_ERROR.format(name=name, module=where, now=_shown(now, by_identity),
+                                                          then=then_shown))
+
+    def check_settled(self, where: str, before: PlainValues) -> None:
+        """Refuse a forward that changed a value again when its first shard was run a second time."""
+        changed = self.changed()
+        if changed:
+            name, _, now, by_identity = changed[0]
+            first = next((then for n, then, _, _ in before.changed() if n == name), _UNSET)
+            raise RuntimeError(VALUE_CHANGED_BY_FORWARD_ERROR.format(
+                name=name, module=where, before=_shown(first, False), now=_shown(now, by_identity)))
