@@ -15,8 +15,7 @@ from torch import nn
 from . import dynamo_support
 from .gated_spec import hook_count
 from .module_forward import original_forward
-from .ops.gated_mlp import gated_mlp
-from .ops.rms_norm import rms_norm
+from .ops.map_ops import gated_mlp, rms_norm
 from .tiled_call import autograd_carries_the_call, decide_map_call, module_strategy
 from .tiling_state import tiling_of
 from .validation import check_input
