@@ -62,10 +62,10 @@ class GatedEntry(Kernel):
 
     def build(self, call: KernelCall) -> GatedShardKernel:
         plan = call.cache
-        if plan.fast_kernel is None:  # stateless: one per plan
-            spec, module = plan.fast[0], call.module
-            activation = gated_activation(spec.activation, call.x.device, tiling_of(module).use_fused_kernel)
-            plan.fast_kernel = GatedShardKernel(spec.layout, activation, spec.params, type(module).__name__)
+        if plan.fast_kernel is None:  # stateless: one per plan, with the activation kernel for the device
+            native, use_fused = plan.fast[0], tiling_of(call.module).use_fused_kernel
+            activation = gated_activation(native.activation.name, call.x.device, use_fused)
+            plan.fast_kernel = GatedShardKernel(native.layout, activation, native.params, native.module_name)
         return plan.fast_kernel
 
 
