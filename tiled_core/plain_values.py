@@ -31,8 +31,7 @@ VALUE_CHANGED_BY_FORWARD_ERROR = (
 # Immutable values compared by value: two equal ones compute the same (``torch.device`` and
 # ``torch.Size`` objects are made anew at each read, equal but not identical).
 _PLAIN = (int, float, bool, complex, str, type(None), torch.device, torch.dtype, enum.Enum)
-# The tiling machinery's own classes (the ``Tiled<Name>`` subclass and its base): its code is not the
-# module's computation and the recompute does not run it.
+# The tiling machinery's own classes (the ``Tiled<Name>`` subclass and its base).
 _OWN_PACKAGE = __name__.rpartition(".")[0] + "."
 
 
@@ -45,10 +44,8 @@ def is_plain(value: Any) -> bool:
 # ``nn.Module``'s own registries and hook dicts: changed in place, never rebound, and covered by the
 # plan's key and the hook check. ``training`` is a setting the computation reads.
 _MODULE_BOOKKEEPING = frozenset(vars(nn.Module())) - {"training"}
-
-
-def is_checked_elsewhere(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, nn.Module))
+# Tensors (by version and by the Function's inputs) and submodules (by the plan's key) are compared elsewhere.
+_CHECKED_ELSEWHERE = (torch.Tensor, nn.Module)
 
 
 def same_value(then: Any, now: Any) -> bool:
@@ -72,13 +69,6 @@ def _function(value: Any) -> Optional[types.FunctionType]:
         value = value.__func__
     value = getattr(value, "__func__", value)  # a bound method
     return value if isinstance(value, types.FunctionType) else None
-
-
-def _class_functions(cls: type) -> List[Optional[types.FunctionType]]:
-    return [_function(function) for klass in cls.__mro__
-            if klass not in (nn.Module, object) and not klass.__module__.startswith(_OWN_PACKAGE)
-            for value in vars(klass).values()
-            for function in ((value.fget, value.fset) if isinstance(value, property) else (value,))]
 
 
 def _names_read(functions: List[Optional[types.FunctionType]]) -> Set[str]:
@@ -118,7 +108,11 @@ def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> Read
     modules: List[Tuple[str, Dict[str, Any]]] = []
     for prefix, sub in module.named_modules():  # a class's code is read once (``_names_read`` skips code seen)
         modules.append((prefix, sub.__dict__))
-        functions += _class_functions(type(sub))
+        # The tiling machinery's own classes are not the module's computation: the recompute does not run them.
+        functions += [_function(function) for klass in type(sub).__mro__
+                      if klass not in (nn.Module, object) and not klass.__module__.startswith(_OWN_PACKAGE)
+                      for value in vars(klass).values()
+                      for function in ((value.fget, value.fset) if isinstance(value, property) else (value,))]
         functions.append(_function(root_forward if not prefix else sub.__dict__.get("forward")))
     return frozenset(_names_read(functions)) - _MODULE_BOOKKEEPING, modules
 
@@ -144,7 +138,7 @@ class PlainValues:
         self.attrs = [frozenset(d) for _, d in modules]
         self.entries = [(f"{prefix}.{attr}" if prefix else attr, d, attr, d[attr], not is_plain(d[attr]))
                         for prefix, d in modules for attr in sorted(names.intersection(d))
-                        if not is_checked_elsewhere(d[attr])]
+                        if not isinstance(d[attr], _CHECKED_ELSEWHERE)]
 
     def changed(self) -> List[Tuple[str, Any, Any, bool]]:
         """(qualified name, value then, value now, compared by identity) of each value that changed."""
@@ -156,7 +150,7 @@ class PlainValues:
         names, modules = self.read
         for (prefix, d), attrs in zip(modules, self.attrs, strict=True):
             for attr in sorted(names.intersection(d.keys() - attrs)):
-                if not is_checked_elsewhere(d[attr]):
+                if not isinstance(d[attr], _CHECKED_ELSEWHERE):
                     out.append((f"{prefix}.{attr}" if prefix else attr, _UNSET, d[attr], False))
         return out
 
