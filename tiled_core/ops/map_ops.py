@@ -7,7 +7,7 @@ schema, the kernel they build and their output's size (``_map_op``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Sequence
 
 import torch
 
@@ -19,34 +19,8 @@ from ..sharded_autograd import GradAccumulator, backward_shards, forward_shards
 from .gradient_slots import fake_slots, slot
 
 
-def map_forward(kernel: ShardKernel, x: torch.Tensor, out: torch.Tensor, tensors: Sequence[torch.Tensor],
-                num_shards: int) -> torch.Tensor:
-    """``out`` (``x``'s leading dims), each of ``num_shards`` token shards written by ``kernel``."""
-    x_flat = x.reshape(-1, x.shape[-1])
-    plan = make_shard_plan(x_flat.shape[0], num_shards)
-    forward_shards(kernel, x_flat, out.view(-1, out.shape[-1]), plan.slice_tuple, tensors)
-    return out
-
-
-def map_backward(kernel: ShardKernel, grad_out: torch.Tensor, x: torch.Tensor, tensors: Sequence[torch.Tensor],
-                 num_shards: int, accum_dtype: Optional[torch.dtype], needs: Sequence[bool]) -> List[torch.Tensor]:
-    """``[dx, *d tensors]``, recomputed shard by shard; an empty slot where ``needs[i]`` is False, and zeros for a
-    needed tensor no shard gave a gradient (a call with no token)."""
-    x_flat = x.reshape(-1, x.shape[-1])
-    dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-    dx_flat = x_flat.new_empty(x_flat.shape) if needs[0] else None  # contiguous, as the fake's
-    grads = GradAccumulator(tensors, needs[1:], accum_dtype)
-    plan = make_shard_plan(x_flat.shape[0], num_shards)
-    backward_shards(kernel, plan.slice_tuple, x_flat, dy_flat, dx_flat, grads, tensors)
-    dx = None if dx_flat is None else dx_flat.view_as(x)
-    return [slot(dx, x), *(slot(g, t) for t, g in zip(tensors, grads.results(zeros_for_unused=True), strict=True))]
-
-
-KernelOf = Callable[[List[torch.Tensor], Sequence[Any], torch.device], ShardKernel]
-OutputLike = Callable[[torch.Tensor, List[torch.Tensor], Sequence[Any]], torch.Tensor]
-
-
-def _map_op(name: str, tensors_arg: str, layout_args: str, kernel_of: KernelOf, output_like: OutputLike) -> Any:
+def _map_op(name: str, tensors_arg: str, layout_args: str, kernel_of: Callable[..., ShardKernel],
+            output_like: Callable[..., torch.Tensor]) -> Any:
     """``tiled_mlp::{name}(x, tensors, *layout, num_shards, accum_dtype)`` and its backward op ``{name}_backward``
     (``[dx, *d tensors]``; ``needs[i]`` False: an empty slot), with their fakes and the registered backward.
     ``tensors_arg``: a list argument (``Tensor[] ...``) or one tensor. ``kernel_of(tensors, layout, device)`` builds
@@ -60,11 +34,24 @@ def _map_op(name: str, tensors_arg: str, layout_args: str, kernel_of: KernelOf, 
 
     def forward(x, tensors, *options):
         tensors, (*layout, num_shards, _) = as_list(tensors), options
-        return map_forward(kernel_of(tensors, layout, x.device), x, output_like(x, tensors, layout), tensors, num_shards)
+        kernel = kernel_of(tensors, layout, x.device)  # first: it refuses a layout the output cannot be sized by
+        out = output_like(x, tensors, layout)
+        x_flat = x.reshape(-1, x.shape[-1])
+        slices = make_shard_plan(x_flat.shape[0], num_shards).slice_tuple
+        forward_shards(kernel, x_flat, out.view(-1, out.shape[-1]), slices, tensors)
+        return out
 
     def backward_op_impl(grad_out, x, tensors, *options):
+        # Zeros for a needed tensor no shard gave a gradient (a call with no token), as untiled.
         tensors, (*layout, num_shards, accum_dtype, needs) = as_list(tensors), options
-        return map_backward(kernel_of(tensors, layout, x.device), grad_out, x, tensors, num_shards, accum_dtype, needs)
+        x_flat = x.reshape(-1, x.shape[-1])
+        dy_flat = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        dx_flat = x_flat.new_empty(x_flat.shape) if needs[0] else None  # contiguous, as the fake's
+        grads = GradAccumulator(tensors, needs[1:], accum_dtype)
+        slices = make_shard_plan(x_flat.shape[0], num_shards).slice_tuple
+        backward_shards(kernel_of(tensors, layout, x.device), slices, x_flat, dy_flat, dx_flat, grads, tensors)
+        dx = None if dx_flat is None else dx_flat.view_as(x)
+        return [slot(dx, x), *(slot(g, t) for t, g in zip(tensors, grads.results(zeros_for_unused=True), strict=True))]
 
     op = torch.library.custom_op(f"tiled_mlp::{name}", forward, mutates_args=(),
                                  schema=f"(Tensor x, {tensors_arg}, {options}) -> Tensor")
