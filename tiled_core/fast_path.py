@@ -13,7 +13,6 @@ from .code_forms import CodeForm, matches
 from .gated_forms import activation_name, called_as_torch_calls, known_form, linear_is_a_linear, shadowed
 from .gated_spec import foreign_child_hooks, no_hook_is_backend
 from .kernels.gated import ROLES, GatedLayout, GatedShardKernel, NativeGatedActivation
-from .kernels.lm_head import is_plain_linear
 from .module_forward import forward_function, is_tiled
 
 UNKNOWN_FORWARD = ("its forward is not one the fast kernel is known to compute (a known library body, or a class "
@@ -81,7 +80,8 @@ def structural_decision(module: nn.Module, forward_fn: Optional[Callable], is_ba
     if not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scales):
         return None, f"a scale it multiplies by ({', '.join(scale_names)}) is not a plain number"
     linears = {role: parts[name] for role, name in roles.items()}
-    if not all(type(m) is nn.Linear and is_plain_linear(m, is_backend_hook) for m in linears.values()) or not (
+    # An instance forward on a projection was refused with the hooks above.
+    if not all(type(m) is nn.Linear for m in linears.values()) or not (
             matches(nn.Linear.forward, _LINEAR) and linear_is_a_linear(F.linear)):
         return None, "projections are not plain nn.Linear (LoRA or quantised wrappers)"
     if any(shadowed(m, ("weight", "bias")) for m in linears.values()):
