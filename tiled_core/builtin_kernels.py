@@ -96,8 +96,6 @@ class NormEntry(Kernel):
         weight = kernel.params[0]
         if autocast_enabled(x.device.type):
             return "autocast is enabled (the norm kernel computes in the body's own dtypes)"
-        if not x.is_floating_point():
-            return f"the input is {x.dtype}, not floating point"
         if x.device != weight.device:
             return f"the input is on {x.device} but the weight is on {weight.device}"
         if tuple(weight.shape) != (x.shape[-1],):
