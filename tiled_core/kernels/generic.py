@@ -45,8 +45,7 @@ CHANGED_READ_ERROR = (
 
 @dataclass(frozen=True)
 class GenericLayout:
-    """What the generic kernel reads of the module's structure, once per call plan (whose key covers every
-    submodule's parameters and hooks, and in strict mode every attribute by identity)."""
+    """What the generic kernel reads of the module's structure, once per call plan."""
 
     slots: List[List[Tuple[nn.Module, str]]]  # per parameter, every (owner, attribute) holding it (tied: several)
     owned_params: List[torch.Tensor]  # trained or not: never mistaken for another tensor the forward reads
@@ -147,8 +146,7 @@ class GenericShardKernel(ShardKernel):
 
     @contextlib.contextmanager
     def using(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-        """The module's parameter slots hold the Function's tensors for the recompute (after ``functional_call``
-        they hold the module's own again)."""
+        """The module's parameter slots hold the Function's tensors for the recompute (as ``functional_call``)."""
         self._plain_values.check(self.module_name)
         now = self._current_hooks()
         if now != self._layout.hooks:
