@@ -40,12 +40,12 @@ class GatedEntry(Kernel):
         module, plan, x, hook = call.module, call.cache, call.x, call.strategy.is_backend_hook
         if plan.fast is None:
             plan.fast = structural_decision(module, forward_function(module), hook)
-            spec = plan.fast[0]
-            if spec is not None:
+            native = plan.fast[0]
+            if native is not None:
                 # What the plan's key does not see (a class changed, a module global rebound, a torch function
                 # patched) guards the plan in strict mode: the decision is made again at each call.
                 plan.add_guards(lambda: structural_decision(module, forward_function(module), hook)[0] is not None)
-                weight = spec.params[spec.layout.slots[DOWN_WEIGHT_ARG]]
+                weight = native.params[native.layout.slots[DOWN_WEIGHT_ARG]]
                 if autocast_enabled(x.device.type):
                     plan.fast = None, "autocast is enabled (the fast kernel computes in the weights' dtype)"
                 elif x.dtype != weight.dtype:
@@ -53,11 +53,11 @@ class GatedEntry(Kernel):
                     plan.fast = None, f"the input is {x.dtype} but the weights are {weight.dtype}"
                 elif x.device != weight.device:
                     plan.fast = None, f"the input is on {x.device} but the weights are on {weight.device}"
-        spec, why_not = plan.fast
-        if spec is None:
+        native, why_not = plan.fast
+        if native is None:
             return why_not
         # Distributed parameters: the kernel runs on the strategy's local view, where one stands in exactly.
-        view = call.strategy.local_view(module, spec.params)
+        view = call.strategy.local_view(module, native.params)
         return "" if view is None else view.why_not
 
     def build(self, call: KernelCall) -> GatedShardKernel:
