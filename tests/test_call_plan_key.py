@@ -137,7 +137,7 @@ def test_a_child_swapped_after_a_fast_call_is_seen():
     tiled = _tiled_after_a_fast_call(6)
     tiled.act_fn = nn.GELU()  # a real activation change: the fast kernel must now compute GELU or step aside
     _assert_matches_untiled(tiled, "fast")
-    assert tiled.tiling.call_plan.fast[0].activation == "gelu"
+    assert tiled.tiling.call_plan.fast[0].activation.name == "gelu"
 
 
 @pytest.mark.usefixtures("strict")

@@ -302,3 +302,12 @@ def test_compiled_tiny_llama_equals_the_untiled_model_in_float64():
         assert (grad is None) == (have_grads[key] is None), key
         if grad is not None:
             assert (have_grads[key] - grad).abs().max().item() < BOUND, key
+
+
+def test_a_tiled_norm_refuses_an_input_that_is_not_floating_point_before_any_kernel_is_asked():
+    """The norm kernel asks nothing of the input's dtype: the call's input check refuses it first, for the norm
+    as for every tiled module, and no kernel decision is made."""
+    tiled = _tiled_norm(_norm_of("llama", torch.float32))
+    with pytest.raises(TypeError, match="floating-point input"):
+        tiled(torch.ones(2, 5, HIDDEN, dtype=torch.int64))
+    assert tiled.tiling.last_path is None and tiled.tiling.call_plan is None

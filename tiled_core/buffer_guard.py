@@ -19,10 +19,8 @@ STATEFUL_ERROR = (
 
 @contextlib.contextmanager
 def buffers_kept(module_name: str, buffers: Sequence[Tuple[str, torch.Tensor]]) -> Iterator[None]:
-    """Refuse a forward that updates one of its ``buffers`` (the module's, named): put them back and
-    raise, also when the forward failed for another reason. Compared by value as well as by version
-    counter: BatchNorm's kernels update ``running_mean``/``running_var`` without bumping the version. A
-    module without buffers has nothing to guard: its call does not enter this (``tiled_call``)."""
+    """Put back and refuse, also when the forward failed for another reason. Compared by value as well as by
+    version counter: BatchNorm's kernels update ``running_mean``/``running_var`` without bumping the version."""
     versions = [b._version for _, b in buffers]
     saved = [b.detach().clone() for _, b in buffers]
     try:

@@ -40,12 +40,12 @@ class GatedEntry(Kernel):
         module, plan, x, hook = call.module, call.cache, call.x, call.strategy.is_backend_hook
         if plan.fast is None:
             plan.fast = structural_decision(module, forward_function(module), hook)
-            spec = plan.fast[0]
-            if spec is not None:
+            native = plan.fast[0]
+            if native is not None:
                 # What the plan's key does not see (a class changed, a module global rebound, a torch function
                 # patched) guards the plan in strict mode: the decision is made again at each call.
                 plan.add_guards(lambda module: structural_decision(module, forward_function(module), hook)[0] is not None)
-                weight = spec.params[spec.layout.slots[DOWN_WEIGHT_ARG]]
+                weight = native.params[native.layout.slots[DOWN_WEIGHT_ARG]]
                 if autocast_enabled(x.device.type):
                     plan.fast = None, "autocast is enabled (the fast kernel computes in the weights' dtype)"
                 elif x.dtype != weight.dtype:
@@ -53,19 +53,19 @@ class GatedEntry(Kernel):
                     plan.fast = None, f"the input is {x.dtype} but the weights are {weight.dtype}"
                 elif x.device != weight.device:
                     plan.fast = None, f"the input is on {x.device} but the weights are on {weight.device}"
-        spec, why_not = plan.fast
-        if spec is None:
+        native, why_not = plan.fast
+        if native is None:
             return why_not
         # Distributed parameters: the kernel runs on the strategy's local view, where one stands in exactly.
-        view = call.strategy.local_view(module, spec.params)
+        view = call.strategy.local_view(module, native.params)
         return "" if view is None else view.why_not
 
     def build(self, call: KernelCall) -> GatedShardKernel:
         plan = call.cache
-        if plan.fast_kernel is None:  # stateless: one per plan
-            spec, module = plan.fast[0], call.module
-            activation = gated_activation(spec.activation, call.x.device, tiling_of(module).use_fused_kernel)
-            plan.fast_kernel = GatedShardKernel(spec.layout, activation, spec.params, type(module).__name__)
+        if plan.fast_kernel is None:  # stateless: one per plan, with the activation kernel for the device
+            native, use_fused = plan.fast[0], tiling_of(call.module).use_fused_kernel
+            activation = gated_activation(native.activation.name, call.x.device, use_fused)
+            plan.fast_kernel = GatedShardKernel(native.layout, activation, native.params, native.module_name)
         return plan.fast_kernel
 
 
@@ -96,8 +96,6 @@ class NormEntry(Kernel):
         weight = kernel.params[0]
         if autocast_enabled(x.device.type):
             return "autocast is enabled (the norm kernel computes in the body's own dtypes)"
-        if not x.is_floating_point():
-            return f"the input is {x.dtype}, not floating point"
         if x.device != weight.device:
             return f"the input is on {x.device} but the weight is on {weight.device}"
         if tuple(weight.shape) != (x.shape[-1],):

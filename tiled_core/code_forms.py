@@ -48,8 +48,10 @@ def _compiled(form: CodeForm, arg: str, doc: Optional[str]) -> types.CodeType:
     return code
 
 
-def check_body(form: CodeForm) -> None:
-    """Refuse, before it is registered anywhere, a body that does not compile as a method body."""
+def check_body(form: CodeForm, registration: str) -> None:
+    """Refuse, before it is registered anywhere, a body that is not a ``CodeForm`` compiling as a method body."""
+    if not isinstance(form, CodeForm):
+        raise TypeError(f"{registration} takes a CodeForm body, got {type(form).__name__}")
     try:
         _compiled(form, "x", None)
     except SyntaxError as error:
@@ -95,11 +97,11 @@ def globals_hold(fn: types.FunctionType, form: CodeForm) -> bool:
     return True
 
 
-def replace_body(table: List[Tuple[CodeForm, Any]], body: CodeForm, value: Any = None) -> None:
+def replace_body(table: List[Tuple[CodeForm, Any]], body: CodeForm, value: Any = None, registration: str = "") -> None:
     """Withdraw ``body`` (an equal one) from a registry of bodies, then register it with ``value`` if given
-    (refused, before any change, where it does not compile as a method body)."""
+    (by ``registration``: refused, before any change, where ``check_body`` refuses it)."""
     if value is not None:
-        check_body(body)
+        check_body(body, registration)
     table[:] = [(known, known_value) for known, known_value in table if known != body]
     if value is not None:
         table.append((body, value))

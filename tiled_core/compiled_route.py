@@ -15,8 +15,7 @@ from torch import nn
 from . import dynamo_support
 from .gated_spec import hook_count
 from .module_forward import original_forward
-from .ops.gated_mlp import gated_mlp
-from .ops.rms_norm import rms_norm
+from .ops.map_ops import gated_mlp, rms_norm
 from .tiled_call import autograd_carries_the_call, decide_map_call, module_strategy
 from .tiling_state import tiling_of
 from .validation import check_input
@@ -28,8 +27,7 @@ _OP_KERNELS = {GATED_OP: "fast", NORM_OP: "norm"}
 
 @dataclass(frozen=True)
 class CompiledRoute:
-    """What a traced call runs (``kind``) and why; for an op, its parameters by name on the module and the
-    op's arguments between them and the shard count (the gated layout and activation, the norm's formula)."""
+    """What a traced call runs (``kind``) and why; for an op, its parameters by name and its layout arguments."""
 
     kind: str
     reason: str
@@ -45,9 +43,8 @@ def _eager_route(reason: str) -> CompiledRoute:
 
 def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> CompiledRoute:
-    """The route of a call of ``module`` on an input of ``shape``, ``dtype`` and ``device``, by the eager
-    call's own decision. ``default_inputs``: the module's class takes its hidden states alone (the
-    ``TiledMLP`` default ``tiled_inputs``)."""
+    """The route of a call of ``module`` on such an input, by the eager call's own decision. ``default_inputs``:
+    the module's class takes its hidden states alone (the ``TiledMLP`` default ``tiled_inputs``)."""
     state = tiling_of(module)
     if not default_inputs:
         return _eager_route(f"{type(module).__name__} passes other sharded inputs to the tiled call")
@@ -87,9 +84,8 @@ def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...]
 @dynamo_support.decided_where_traced
 def _traced_route(module: nn.Module, default_inputs: bool, watched: Tuple[Any, ...], shape: Tuple[int, ...],
                   dtype: torch.dtype, device: torch.device) -> CompiledRoute:
-    """``decide_route``, run by Dynamo where it traces the call and kept as a constant of the graph.
-    ``watched`` (``_watched``) is passed only so that Dynamo guards on it: the graph is traced again when
-    anything in it changes."""
+    """``decide_route`` where Dynamo traces the call. ``watched`` (``_watched``) is passed only so that Dynamo
+    guards on it: the graph is traced again when anything in it changes."""
     route = decide_route(module, default_inputs, shape, dtype, device)
     # Report fields (as the eager call writes them): the compiled call runs what was decided here, and
     # the op cannot write them when it runs. An eager route writes its own at each call.
@@ -124,7 +120,6 @@ def _watched(module: nn.Module) -> Tuple[Any, ...]:
 
 
 def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
-    """The call as Dynamo traces it (see the module doc)."""
     if not dynamo_support.TRACES_TILED_CALLS:
         return _eager_call(module, dynamo_support.REASON, args, kwargs)
     if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):

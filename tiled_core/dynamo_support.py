@@ -52,9 +52,8 @@ def _specialized(value: Any) -> Any:
 
 
 def decided_where_traced(decide: Callable[..., T]) -> Callable[..., T]:
-    """``decide(*args)``, run by Dynamo where it traces the call and kept as a constant of the graph, traced
-    again when an object among ``args`` is another one or a constant among them changes. Outside a trace it is
-    a plain call."""
+    """``decide(*args)`` as a constant of the graph, traced again when an object among ``args`` is another one
+    or a constant among them changes; outside a trace, a plain call."""
 
     @_marked_constant
     def by_object(*args: Any) -> T:

@@ -3,7 +3,6 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -13,23 +12,11 @@ from torch import nn
 from .code_forms import CodeForm, matches
 from .gated_forms import activation_name, called_as_torch_calls, known_form, linear_is_a_linear, shadowed
 from .gated_spec import foreign_child_hooks, no_hook_is_backend
-from .kernels.gated import ROLES, GatedLayout
-from .kernels.lm_head import is_plain_linear
+from .kernels.gated import ROLES, GatedLayout, GatedShardKernel, NativeGatedActivation
 from .module_forward import forward_function, is_tiled
 
 UNKNOWN_FORWARD = ("its forward is not one the fast kernel is known to compute (a known library body, or a class "
                    "declared with register_gated_mlp)")
-
-
-@dataclass(frozen=True)
-class GatedMLPSpec:
-    """What the fast kernel computes a proven gated MLP with: its activation, where each projection's tensors
-    sit among ``params`` and the fixed factors (``layout``), and the projections' weights and biases, each
-    tensor once (gate and up tied: one buffer gets both roles')."""
-
-    activation: str
-    layout: GatedLayout
-    params: List[torch.Tensor]
 
 
 _LINEAR = CodeForm("return F.linear({x}, self.weight, self.bias)", {"F": F})
@@ -57,11 +44,11 @@ def _beyond_spec(module: nn.Module, params: List[torch.Tensor], parts: List[nn.M
 
 
 def structural_decision(module: nn.Module, forward_fn: Optional[Callable], is_backend_hook: Callable = no_hook_is_backend,
-                        mixin: Optional[type] = None) -> Tuple[Optional[GatedMLPSpec], str]:
-    """The spec when ``forward_fn`` (what the module's forward runs) is proven to compute a gated form, and the
-    module's structure lets the fast kernel compute it: the projections are plain ``nn.Linear`` with no hooks,
-    and the module owns nothing else (no other parameter, buffer, submodule or tensor attribute). Else (None,
-    why not): any doubt means the generic path. ``mixin``: the tiling class, where the module is not tiled yet."""
+                        mixin: Optional[type] = None) -> Tuple[Optional[GatedShardKernel], str]:
+    """(the fast kernel for it, with the native activation, "") when ``forward_fn`` (what the module's forward
+    runs) is proven to compute a gated form, and the module's structure lets the fast kernel compute it: the
+    projections are plain ``nn.Linear`` with no hooks, and the module owns nothing else. Else (None, why not): any
+    doubt means the generic path. ``mixin``: the tiling class, where the module is not tiled yet."""
     unfit = getattr(mixin or type(module), "tiled_no_fast_path", "")  # a tiling class's own refusal (TiledNorm's)
     if unfit:
         return None, unfit
@@ -93,7 +80,8 @@ def structural_decision(module: nn.Module, forward_fn: Optional[Callable], is_ba
     if not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scales):
         return None, f"a scale it multiplies by ({', '.join(scale_names)}) is not a plain number"
     linears = {role: parts[name] for role, name in roles.items()}
-    if not all(type(m) is nn.Linear and is_plain_linear(m, is_backend_hook) for m in linears.values()) or not (
+    # An instance forward on a projection was refused with the hooks above.
+    if not all(type(m) is nn.Linear for m in linears.values()) or not (
             matches(nn.Linear.forward, _LINEAR) and linear_is_a_linear(F.linear)):
         return None, "projections are not plain nn.Linear (LoRA or quantised wrappers)"
     if any(shadowed(m, ("weight", "bias")) for m in linears.values()):
@@ -102,6 +90,7 @@ def structural_decision(module: nn.Module, forward_fn: Optional[Callable], is_ba
         return None, "a submodule's class is called through a patched __call__, which the fast kernel (calling no submodule) would skip"
     if "gate_up" in linears and linears["gate_up"].out_features % 2:
         return None, "gate_up_proj has an odd number of outputs"
+    # Each tensor once (gate and up tied: one buffer gets both roles).
     params = list({id(t): t for m in linears.values() for t in (m.weight, m.bias) if t is not None}.values())
     extra = _beyond_spec(module, params, [*linears.values(), act_module])
     if extra:
@@ -111,7 +100,8 @@ def structural_decision(module: nn.Module, forward_fn: Optional[Callable], is_ba
         return None, f"the projections' weights have different dtypes ({sorted(map(str, dtypes))})"
     index = {id(p): i for i, p in enumerate(params)}
     slots = tuple(index.get(id(getattr(linears.get(role), attr, None)), -1) for role in ROLES for attr in ("weight", "bias"))
-    return GatedMLPSpec(act, GatedLayout(slots, tuple(map(float, scales))), params), ""
+    layout = GatedLayout(slots, tuple(map(float, scales)))
+    return GatedShardKernel(layout, NativeGatedActivation(act), params, type(module).__name__), ""
 
 
 class FastPathRefused(ValueError):

@@ -47,13 +47,11 @@ _REGISTERED_BY_CLASS: Dict[type, Any] = {}
 def register_gated_form(body: CodeForm, form: GatedForm) -> None:
     """Declare that a forward whose code is exactly ``body`` (``{x}`` for its argument) computes ``form``.
     Registering a body again replaces its form."""
-    if not isinstance(body, CodeForm):
-        raise TypeError(f"register_gated_form takes a CodeForm body, got {type(body).__name__}")
     if not isinstance(form, GatedForm):
         raise TypeError(f"register_gated_form takes a GatedForm, got {type(form).__name__}")
     if (form.gate_up is None) == (form.gate is None or form.up is None):
         raise ValueError("a form names either gate and up, or gate_up (a fused [gate; up] projection), not both")
-    replace_body(KNOWN_BODIES, body, form)
+    replace_body(KNOWN_BODIES, body, form, "register_gated_form")
 
 
 def unregister_gated_form(body: CodeForm) -> None:
@@ -138,15 +136,13 @@ def register_activation(body: CodeForm, *, computes: Optional[str] = None,
     ``computes`` (one of ``ACTIVATIONS``), or calls the function it holds in the instance attribute
     ``function_attribute`` (recognised when it is ``F.silu``, ``F.gelu`` or ``partial(F.gelu,
     approximate="tanh")``, or the ``approximate`` string ``F.gelu`` takes). Name exactly one of the two."""
-    if not isinstance(body, CodeForm):
-        raise TypeError(f"register_activation takes a CodeForm body, got {type(body).__name__}")
     if (computes is None) == (function_attribute is None):
         raise ValueError("name either what the activation computes or the attribute holding its function, not both")
     if computes is not None and computes not in ACTIVATIONS:
         raise ValueError(f"unknown activation {computes!r}; known: {', '.join(ACTIVATIONS)}")
     if function_attribute is not None and not function_attribute.isidentifier():
         raise ValueError(f"not an attribute name: {function_attribute!r}")
-    replace_body(_ACTIVATION_BODIES, body, (computes, function_attribute))
+    replace_body(_ACTIVATION_BODIES, body, (computes, function_attribute), "register_activation")
 
 
 def unregister_activation(body: CodeForm) -> None:

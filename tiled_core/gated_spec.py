@@ -20,7 +20,7 @@ GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_glo
 
 
 def hook_count(module: nn.Module) -> int:
-    """How many hooks ``module`` itself carries (read in traced code, so that Dynamo may guard the count)."""
+    """Read in traced code, so that Dynamo may guard the count."""
     return sum(len(getattr(module, name)) for name in MODULE_HOOK_DICTS)
 
 

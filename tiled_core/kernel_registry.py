@@ -1,7 +1,5 @@
-"""The kernel registry: which per-shard kernel a tiled call runs. A call asks the kernels of its shape in
-priority order (``why_not``: "" or why not) and runs the first that applies; every refusal before it goes into
-``tiling.last_reason``. Every built kernel's declared tensors are checked against what the module trains.
-docs/architecture.md, "Adding a kernel".
+"""The kernel registry: which per-shard kernel a tiled call runs (docs/architecture.md, "Adding a kernel"). A
+call asks the kernels of its shape in priority order and runs the first that applies.
 """
 from __future__ import annotations
 
@@ -41,17 +39,15 @@ class KernelCall:
 
 
 class Kernel:
-    """A registered kernel: ``why_not`` ("" where it applies) is asked at every call, ``build`` makes the
-    per-shard kernel for a call it applies to."""
+    """A registered kernel: ``why_not`` ("" where it applies), ``build`` the per-shard kernel for such a call."""
 
     name: str = ""
     shape: str = MAP
     #: map only: the kernel keeps a gradient buffer per trainable parameter beside the module's (the
     #: generic kernel does): the auto shard policy counts those bytes.
     keeps_grad_buffers: bool = True
-    #: map only: ``why_not`` answers from the call's plan alone (``call.cache``), the input's number of dimensions,
-    #: whether the call has other sharded inputs and the guards it added to the plan, and ``build`` makes the same
-    #: kernel for every such call: the registry may answer for it while the plan holds (docs/architecture.md).
+    #: map only: ``why_not`` answers from the call's plan and the guards it added to it, and ``build`` makes the
+    #: same kernel for every such call: the registry may answer for it while the plan holds (docs/architecture.md).
     answers_per_plan: bool = False
 
     def why_not(self, call: KernelCall) -> str:
@@ -148,9 +144,8 @@ def available_kernels(shape: Optional[str] = None) -> List[str]:
 
 
 def choose_kernel(shape: str, call: KernelCall, only: Optional[str] = None) -> KernelChoice:
-    """The first kernel of ``shape`` that applies to ``call`` (only the one named ``only``, when given:
-    the others decline as not asked for), built for it; remembered with the call's plan where it may (see
-    the module doc)."""
+    """The first kernel of ``shape`` that applies to ``call`` (only the one named ``only``, when given: the others
+    decline as not asked for), built for it; remembered with the call's plan where it may (``answers_per_plan``)."""
     plan = call.cache
     key = None if plan is None else (GENERATION[0], shape, only, call.x.dim(), not call.token_inputs)
     declined: List[Tuple[str, str]] = []
@@ -179,8 +174,7 @@ UNDECLARED_TENSORS_ERROR = (
 
 
 def check_declared_tensors(name: str, kernel: Any, module: nn.Module, trainable: Sequence[torch.Tensor]) -> None:
-    """Refuse a kernel whose ``params`` leave out a tensor the module trains (before any work, once per built
-    kernel: a kernel that serves many calls is remembered with the plan, checked)."""
+    """Refuse, before any work, a kernel whose ``params`` leave out a tensor the module trains."""
     params = kernel.params
     if params is trainable:  # built from this very list (the generic and module-head kernels)
         return

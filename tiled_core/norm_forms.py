@@ -38,8 +38,6 @@ _BODIES: List[Tuple[CodeForm, NormForm]] = []
 def register_norm_form(body: CodeForm, form: NormForm) -> None:
     """Declare that a forward whose code is exactly ``body`` computes ``form``, so tiled instances of its
     class may take the norm kernel. Registering a body again replaces its form."""
-    if not isinstance(body, CodeForm):
-        raise TypeError(f"register_norm_form takes a CodeForm body, got {type(body).__name__}")
     if not isinstance(form, NormForm):
         raise TypeError(f"register_norm_form takes a NormForm, got {type(form).__name__}")
     if form.multiply not in MULTIPLIES:
@@ -51,8 +49,8 @@ def register_norm_form(body: CodeForm, form: NormForm) -> None:
     for name, helper in form.helpers:
         if not name.isidentifier():
             raise ValueError(f"a helper is named by a method name, got {name!r}")
-        check_body(helper)
-    replace_body(_BODIES, body, form)
+        check_body(helper, "a NormForm helper")
+    replace_body(_BODIES, body, form, "register_norm_form")
 
 
 UNKNOWN_NORM = ("its forward is not one the norm kernel is known to compute (a registered RMSNorm body, "

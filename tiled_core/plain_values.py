@@ -1,6 +1,8 @@
 """The Python values a module tree's code may read from its attributes, which the generic path's recompute
 would read again (strict mode only; docs/architecture.md, "Strict mode"): every attribute load and string
-constant in the code of the tree's classes, instance forwards, and same-file functions they reach by name.
+constant in the code of the tree's classes, instance forwards, and same-file functions they reach by name. They
+have no version counter, so they are compared as autograd compares a saved tensor's: plain values by value, other
+objects by identity.
 """
 from __future__ import annotations
 
@@ -14,11 +16,22 @@ from torch import nn
 
 from . import strict as _strict
 
+VALUE_CHANGED_ERROR = (
+    "one of the values needed for gradient computation has been changed: {name} of {module} is {now}; expected "
+    "{then} instead. The forward of {module} may read it, and the backward recomputes that forward (TiledMLP), so "
+    "it would compute with the new value and its gradients would be wrong. Change it after the backward (or "
+    "before the forward); if the forward itself changes it, run this module untiled (untile(module))."
+)
+VALUE_CHANGED_BY_FORWARD_ERROR = (
+    "TiledMLP: the forward of {module} changes {name} at every call (it was {before} before the forward, {now} "
+    "after its first shard was run twice). The backward recomputes each shard's forward, which would read another "
+    "value than that shard's forward did, so its gradients would be wrong. Change the value between steps, not "
+    "in the forward, or run this module untiled (untile(module))."
+)
 # Immutable values compared by value: two equal ones compute the same (``torch.device`` and
 # ``torch.Size`` objects are made anew at each read, equal but not identical).
 _PLAIN = (int, float, bool, complex, str, type(None), torch.device, torch.dtype, enum.Enum)
-# The tiling machinery's own classes (the ``Tiled<Name>`` subclass and its base): its code is not the
-# module's computation and the recompute does not run it.
+# The tiling machinery's own classes (the ``Tiled<Name>`` subclass and its base).
 _OWN_PACKAGE = __name__.rpartition(".")[0] + "."
 
 
@@ -31,10 +44,8 @@ def is_plain(value: Any) -> bool:
 # ``nn.Module``'s own registries and hook dicts: changed in place, never rebound, and covered by the
 # plan's key and the hook check. ``training`` is a setting the computation reads.
 _MODULE_BOOKKEEPING = frozenset(vars(nn.Module())) - {"training"}
-
-
-def is_checked_elsewhere(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, nn.Module))
+# Tensors (by version and by the Function's inputs) and submodules (by the plan's key) are compared elsewhere.
+_CHECKED_ELSEWHERE = (torch.Tensor, nn.Module)
 
 
 def same_value(then: Any, now: Any) -> bool:
@@ -58,13 +69,6 @@ def _function(value: Any) -> Optional[types.FunctionType]:
         value = value.__func__
     value = getattr(value, "__func__", value)  # a bound method
     return value if isinstance(value, types.FunctionType) else None
-
-
-def _class_functions(cls: type) -> List[Optional[types.FunctionType]]:
-    return [_function(function) for klass in cls.__mro__
-            if klass not in (nn.Module, object) and not klass.__module__.startswith(_OWN_PACKAGE)
-            for value in vars(klass).values()
-            for function in ((value.fget, value.fset) if isinstance(value, property) else (value,))]
 
 
 def _names_read(functions: List[Optional[types.FunctionType]]) -> Set[str]:
@@ -104,6 +108,65 @@ def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> Read
     modules: List[Tuple[str, Dict[str, Any]]] = []
     for prefix, sub in module.named_modules():  # a class's code is read once (``_names_read`` skips code seen)
         modules.append((prefix, sub.__dict__))
-        functions += _class_functions(type(sub))
+        # The tiling machinery's own classes are not the module's computation: the recompute does not run them.
+        functions += [_function(function) for klass in type(sub).__mro__
+                      if klass not in (nn.Module, object) and not klass.__module__.startswith(_OWN_PACKAGE)
+                      for value in vars(klass).values()
+                      for function in ((value.fget, value.fset) if isinstance(value, property) else (value,))]
         functions.append(_function(root_forward if not prefix else sub.__dict__.get("forward")))
     return frozenset(_names_read(functions)) - _MODULE_BOOKKEEPING, modules
+
+
+_UNSET = object()
+
+
+def _shown(value: Any, by_identity: bool) -> str:
+    if value is _UNSET:
+        return "unset"
+    text = repr(value)
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return f"another {type(value).__name__} object, {text}" if by_identity else text
+
+
+class PlainValues:
+    """The values the module tree's code may read (``read``: which, from ``snapshot``) as they are
+    when made, to be compared later: plain values by value, other objects by identity."""
+
+    def __init__(self, read: ReadSet):
+        self.read = read
+        names, modules = read
+        self.attrs = [frozenset(d) for _, d in modules]
+        self.entries = [(f"{prefix}.{attr}" if prefix else attr, d, attr, d[attr], not is_plain(d[attr]))
+                        for prefix, d in modules for attr in sorted(names.intersection(d))
+                        if not isinstance(d[attr], _CHECKED_ELSEWHERE)]
+
+    def changed(self) -> List[Tuple[str, Any, Any, bool]]:
+        """(qualified name, value then, value now, compared by identity) of each value that changed."""
+        out = []
+        for name, d, attr, then, by_identity in self.entries:
+            now = d.get(attr, _UNSET)
+            if now is not then and (now is _UNSET or by_identity or not same_value(then, now)):
+                out.append((name, then, now, by_identity))
+        names, modules = self.read
+        for (prefix, d), attrs in zip(modules, self.attrs, strict=True):
+            for attr in sorted(names.intersection(d.keys() - attrs)):
+                if not isinstance(d[attr], _CHECKED_ELSEWHERE):
+                    out.append((f"{prefix}.{attr}" if prefix else attr, _UNSET, d[attr], False))
+        return out
+
+    def check(self, where: str) -> None:
+        changed = self.changed()
+        if changed:
+            name, then, now, by_identity = changed[0]
+            then_shown = f"the {type(then).__name__} object it was, {_shown(then, False)}" if by_identity else _shown(then, False)
+            raise RuntimeError(VALUE_CHANGED_ERROR.format(name=name, module=where, now=_shown(now, by_identity),
+                                                          then=then_shown))
+
+    def check_settled(self, where: str, before: PlainValues) -> None:
+        """Refuse a forward that changed a value again when its first shard was run a second time."""
+        changed = self.changed()
+        if changed:
+            name, _, now, by_identity = changed[0]
+            first = next((then for n, then, _, _ in before.changed() if n == name), _UNSET)
+            raise RuntimeError(VALUE_CHANGED_BY_FORWARD_ERROR.format(
+                name=name, module=where, before=_shown(first, False), now=_shown(now, by_identity)))

@@ -1,9 +1,6 @@
-"""Strict mode: the per-call checks that guard against rare configurations, off by default.
-
-``TILED_MLP_STRICT=1`` (read at import) or ``set_strict(True)`` adds every attribute of every submodule by
-identity, the plain values the recompute reads (``plain_values``), the fast path's structural decision, made
-again at each call, and kept-tensor polling. What each guards against: docs/architecture.md,
-"Strict mode".
+"""Strict mode: the per-call checks that guard against rare configurations, off by default
+(``TILED_MLP_STRICT=1``, read at import, or ``set_strict``). Which checks, and what each guards against:
+docs/architecture.md, "Strict mode".
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import torch
 from tiled_mlp.bench import compiled as bench
 from tiled_mlp.bench.measure import make_inputs, max_relative_error
 from tiled_mlp.core.compiled_route import GATED_OP, decide_route
-from tiled_mlp.core.ops.gated_mlp import gated_mlp
+from tiled_mlp.core.ops import gated_mlp
 
 
 def main() -> None:

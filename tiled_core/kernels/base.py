@@ -57,7 +57,7 @@ class ShardKernel:
         """(the shard's input gradient, one gradient per tensor: None where a tensor got none)."""
         raise NotImplementedError(f"{type(self).__name__} defines no backward_shard")
 
-    # The buffer form the sharded Function calls (built-in kernels write in place).
+    # The buffer form the shard loops call (built-in kernels write in place).
     def output_width(self, tensors: Sequence[torch.Tensor]) -> Optional[int]:
         """The output's width where known before the first shard, in the input's dtype (None: from the first shard)."""
         return None

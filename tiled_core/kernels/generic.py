@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence, 
 import torch
 from torch import nn
 
-from ..checks import CHANGED_READ_ERROR, PlainValues, TensorVersions
 from ..collectives import is_pending, wait_pending
-from ..plain_values import snapshot
+from ..plain_values import PlainValues, snapshot
 from ..sharded_autograd import capture_rng_state, replay_rng_state
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
 from .base import ShardKernel
@@ -35,12 +34,18 @@ EXTERNAL_TENSOR_ERROR = (
     "forward: {tensors}. Their gradients would be lost. Keep the tensors a forward reads fixed until its "
     "backward, or register them as parameters of the module."
 )
+CHANGED_READ_ERROR = (
+    "TiledMLP: a tensor the forward of {module} read without a gradient changed between its forward and its "
+    "backward ({what}: {tensors}). The backward recomputes the forward, so it would use other values than the "
+    "forward did and its gradients would be wrong (a conditioning tensor set per micro-batch, with two forwards "
+    "before their backwards, does this). Keep such a tensor fixed until the backward of each forward that read "
+    "it, or pass it as an input."
+)
 
 
 @dataclass(frozen=True)
 class GenericLayout:
-    """What the generic kernel reads of the module's structure, once per call plan (whose key covers every
-    submodule's parameters and hooks, and in strict mode every attribute by identity)."""
+    """What the generic kernel reads of the module's structure, once per call plan."""
 
     slots: List[List[Tuple[nn.Module, str]]]  # per parameter, every (owner, attribute) holding it (tied: several)
     owned_params: List[torch.Tensor]  # trained or not: never mistaken for another tensor the forward reads
@@ -76,7 +81,7 @@ class GenericShardKernel(ShardKernel):
         # Other sharded inputs (a MoE block's routing), sliced like x; found as any other tensor the forward reads.
         self.token_inputs = tuple(token_inputs)
         self.grad_mode = grad_mode  # the caller's: a forward branching on it computes what its recompute does
-        self._forward_reads: Optional[TensorVersions] = None
+        self._forward_reads: Optional[List[Tuple[torch.Tensor, int]]] = None  # (tensor, version)
         self.module_name = module_name
         self.params = params
         self.owned_params = layout.owned_params
@@ -130,19 +135,18 @@ class GenericShardKernel(ShardKernel):
         ``compute_type_is_set``), which every later shard and recompute reads: so it runs again with that value
         and its random numbers. A forward that changes the value at every call is refused, before any work."""
         before = self._plain_values
-        self._plain_values = before.retaken()
+        self._plain_values = PlainValues(before.read)
         with replay_rng_state(x_shard.device, rng_state):
             y = self._run(x_shard, shard)
         self._plain_values.check_settled(self.module_name, before)
         return y
 
     def remember_reads(self, tensors: Sequence[torch.Tensor]) -> None:
-        self._forward_reads = TensorVersions(tensors)
+        self._forward_reads = [(t, t._version) for t in tensors]
 
     @contextlib.contextmanager
     def using(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-        """The module's parameter slots hold the Function's tensors for the recompute (after ``functional_call``
-        they hold the module's own again)."""
+        """The module's parameter slots hold the Function's tensors for the recompute (as ``functional_call``)."""
         self._plain_values.check(self.module_name)
         now = self._current_hooks()
         if now != self._layout.hooks:
@@ -205,10 +209,10 @@ class GenericShardKernel(ShardKernel):
         then = self._forward_reads
         if then is None:
             return  # the forward ran without a graph being built: nothing was recorded to compare
-        then_ids, now_ids = {id(t) for t in then.tensors}, {id(t) for t in now}
+        then_ids, now_ids = {id(t) for t, _ in then}, {id(t) for t in now}
         # A tensor read now equal, exactly, to one the forward read and no longer does is fine (a parent that
         # rebuilds the same conditioning in a checkpoint's recompute).
-        unmatched = [t for t in then.tensors if id(t) not in now_ids]
+        unmatched = [t for t, _ in then if id(t) not in now_ids]
         for tensor in (t for t in now if id(t) not in then_ids):
             twin = next((u for u in unmatched if u.shape == tensor.shape and u.dtype == tensor.dtype
                          and u.device == tensor.device and torch.equal(u, tensor)), None)
@@ -216,7 +220,7 @@ class GenericShardKernel(ShardKernel):
                 raise RuntimeError(CHANGED_READ_ERROR.format(module=self.module_name, what="another tensor is read now",
                                                              tensors=describe([tensor])))
             unmatched.remove(twin)
-        changed = then.changed()
+        changed = [t for t, version in then if t._version != version]
         if changed:
             raise RuntimeError(CHANGED_READ_ERROR.format(module=self.module_name, what="modified in place",
-                                                         tensors=describe([then.tensors[i] for i in changed])))
+                                                         tensors=describe(changed)))

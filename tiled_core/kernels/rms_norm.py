@@ -25,7 +25,7 @@ MULTIPLIES = (MULTIPLY_IN_INPUT_DTYPE, MULTIPLY_IN_FLOAT32)
 
 @dataclass(frozen=True)
 class NormLayout:
-    """The formula's plain values (a custom op carries them as arguments, ``ops/rms_norm.py``)."""
+    """The formula's plain values (a custom op carries them as arguments, ``ops/map_ops.py``)."""
 
     eps: float
     offset: float = 0.0

@@ -3,7 +3,6 @@ as one node of the graph (no graph break), whose autograd, fake (shape) kernel a
 registered here. The shards run eagerly inside the node, through the same kernels and shard loops as
 the sharded autograd Function (``sharded_autograd``). Which calls take an op is decided where the call is
 traced (``compiled_route``)."""
-from .gated_mlp import gated_mlp
-from .rms_norm import rms_norm
+from .map_ops import gated_mlp, rms_norm
 
 __all__ = ["gated_mlp", "rms_norm"]
