@@ -9,6 +9,7 @@ from __future__ import annotations
 import dis
 import enum
 import types
+import weakref
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
@@ -95,8 +96,9 @@ def _names_read(functions: List[Optional[types.FunctionType]]) -> Set[str]:
     return names
 
 
-# Which values the tree's code may read: every name it reads, and (prefix, ``__dict__``) of each module.
-ReadSet = Tuple[FrozenSet[str], List[Tuple[str, Dict[str, Any]]]]
+# Which values the tree's code may read: every name it reads, and (prefix, module) of each module, held weakly:
+# a plan in the root's own state keeps this, and a strong reference would be a cycle outliving ``del model``.
+ReadSet = Tuple[FrozenSet[str], List[Tuple[str, weakref.ref]]]
 
 
 def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> ReadSet:
@@ -105,9 +107,9 @@ def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> Read
     if not _strict.ON:
         return frozenset(), []
     functions: List[Optional[types.FunctionType]] = []
-    modules: List[Tuple[str, Dict[str, Any]]] = []
+    modules: List[Tuple[str, weakref.ref]] = []
     for prefix, sub in module.named_modules():  # a class's code is read once (``_names_read`` skips code seen)
-        modules.append((prefix, sub.__dict__))
+        modules.append((prefix, weakref.ref(sub)))
         # The tiling machinery's own classes are not the module's computation: the recompute does not run them.
         functions += [_function(function) for klass in type(sub).__mro__
                       if klass not in (nn.Module, object) and not klass.__module__.startswith(_OWN_PACKAGE)
@@ -128,6 +130,10 @@ def _shown(value: Any, by_identity: bool) -> str:
     return f"another {type(value).__name__} object, {text}" if by_identity else text
 
 
+def _dicts(read: ReadSet) -> List[Dict[str, Any]]:
+    return [ref().__dict__ for _, ref in read[1]]  # alive: read by the module's own call
+
+
 class PlainValues:
     """The values the module tree's code may read (``read``: which, from ``snapshot``) as they are
     when made, to be compared later: plain values by value, other objects by identity."""
@@ -135,20 +141,22 @@ class PlainValues:
     def __init__(self, read: ReadSet):
         self.read = read
         names, modules = read
-        self.attrs = [frozenset(d) for _, d in modules]
-        self.entries = [(f"{prefix}.{attr}" if prefix else attr, d, attr, d[attr], not is_plain(d[attr]))
-                        for prefix, d in modules for attr in sorted(names.intersection(d))
-                        if not isinstance(d[attr], _CHECKED_ELSEWHERE)]
+        dicts = _dicts(read)
+        self.attrs = [frozenset(d) for d in dicts]
+        self.entries = [(f"{prefix}.{attr}" if prefix else attr, index, attr, d[attr], not is_plain(d[attr]))
+                        for index, ((prefix, _), d) in enumerate(zip(modules, dicts, strict=True))
+                        for attr in sorted(names.intersection(d)) if not isinstance(d[attr], _CHECKED_ELSEWHERE)]
 
     def changed(self) -> List[Tuple[str, Any, Any, bool]]:
         """(qualified name, value then, value now, compared by identity) of each value that changed."""
         out = []
-        for name, d, attr, then, by_identity in self.entries:
-            now = d.get(attr, _UNSET)
+        dicts = _dicts(self.read)
+        for name, index, attr, then, by_identity in self.entries:
+            now = dicts[index].get(attr, _UNSET)
             if now is not then and (now is _UNSET or by_identity or not same_value(then, now)):
                 out.append((name, then, now, by_identity))
         names, modules = self.read
-        for (prefix, d), attrs in zip(modules, self.attrs, strict=True):
+        for (prefix, _), d, attrs in zip(modules, dicts, self.attrs, strict=True):
             for attr in sorted(names.intersection(d.keys() - attrs)):
                 if not isinstance(d[attr], _CHECKED_ELSEWHERE):
                     out.append((f"{prefix}.{attr}" if prefix else attr, _UNSET, d[attr], False))
