@@ -135,3 +135,21 @@ def test_a_model_under_the_long_context_stack_is_freed_by_its_last_reference(no_
     model_ref, layer_weight_ref = weakref.ref(model), weakref.ref(next(model.model.layers[0].parameters()))
     del model, stack
     assert model_ref() is None and layer_weight_ref() is None, "a reference cycle keeps the model alive"
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
+def test_a_compiled_tiled_module_is_freed_once_dynamo_is_reset(no_collector, tiled):
+    """Dynamo's caches hold a compiled module until ``torch._dynamo.reset()``; after it, nothing the tiled call's
+    tracing left behind does (it reads no ``__dict__`` in traced code: ``compiled_route._watched``)."""
+    torch._dynamo.reset()
+    module = seeded(GatedMLP, 0, HIDDEN, INTER, "silu")
+    if tiled:
+        TiledMLP(module, num_shards=4)
+    compiled = torch.compile(module, backend="aot_eager")
+    _train_step(compiled)
+    if tiled:
+        assert module.tiling.last_path == "fast" and "tiled_mlp::gated_mlp" in module.tiling.compiled_reason
+    module_ref, weight_ref = weakref.ref(module), weakref.ref(next(module.parameters()))
+    torch._dynamo.reset()
+    del module, compiled
+    assert module_ref() is None and weight_ref() is None, "a reference cycle keeps the compiled module alive"
