@@ -8,6 +8,7 @@ free anything.
 """
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -153,3 +154,19 @@ def test_a_compiled_tiled_module_is_freed_once_dynamo_is_reset(no_collector, til
     torch._dynamo.reset()
     del module, compiled
     assert module_ref() is None and weight_ref() is None, "a reference cycle keeps the compiled module alive"
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
+def test_a_deep_copy_of_a_tiled_model_is_freed_by_its_last_reference(no_collector, tiled):
+    """The copy's tiled loss holds the copy weakly, as the original's holds the original (``TiledLossForward``'s
+    ``__deepcopy__``: strongly only where the forward is copied alone)."""
+    need("transformers")
+    model = FAMILIES["llama"].build()
+    if tiled:
+        apply_tiled_mlp(model, num_shards=2, loss=True, norms=True)
+    clone = copy.deepcopy(model)
+    ids, labels = token_batch()
+    clone(input_ids=ids, labels=labels).loss.backward()
+    clone_ref, weight_ref = weakref.ref(clone), weakref.ref(clone.model.layers[0].mlp.up_proj.weight)
+    del clone
+    assert clone_ref() is None and weight_ref() is None, "a reference cycle keeps the copy alive"
