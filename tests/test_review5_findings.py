@@ -173,3 +173,38 @@ def test_a_named_scale_changed_after_the_first_call_is_used_by_the_fast_path():
     got.sum().backward()
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(x_tiled.grad, x_ref.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.xfail(strict=True, reason="compiled (backend='eager'): the traced route bakes the named scale in as the "
+                   "op's argument and guards nothing on it: after down_multiplier 1.0 -> 0.5 the compiled tiled "
+                   "FalconH1MLP is off by 0.147, where the compiled untiled one recompiles and is exact")
+def test_a_named_scale_changed_after_the_first_compiled_call_is_used():
+    need("transformers")
+    from transformers import FalconH1Config
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
+
+    config = FalconH1Config(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    reference = FalconH1MLP(config).double()
+    module = TiledMLP(copy.deepcopy(reference), num_shards=2)
+    compiled = torch.compile(module, backend="eager")
+    x = torch.randn(2, 10, 16, dtype=torch.float64)
+    compiled(x)
+    reference.down_multiplier = module.down_multiplier = 0.5
+    torch.testing.assert_close(compiled(x), reference(x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.xfail(strict=True, reason="the fast path's plan keeps the activation kernel chosen from nn.GELU's "
+                   "approximate at the first call; approximate set to 'tanh' afterwards is not seen in default mode: "
+                   "output off by 9.8e-5 (float64), silently; a module tiled fresh with 'tanh' is exact (2.8e-17). "
+                   "Same before this session")
+def test_an_activation_mode_changed_after_the_first_call_is_used_by_the_fast_path():
+    from reference import GatedMLP, seeded
+
+    reference = seeded(GatedMLP, 0, 8, 12, "gelu")
+    module = TiledMLP(copy.deepcopy(reference), num_shards=2)
+    x = torch.randn(2, 10, 8, dtype=torch.float64)
+    module(x)
+    assert module.tiling.last_path == "fast"
+    reference.act_fn.approximate = module.act_fn.approximate = "tanh"
+    torch.testing.assert_close(module(x), reference(x), rtol=0, atol=1e-12)
