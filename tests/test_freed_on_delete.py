@@ -72,3 +72,24 @@ def test_a_model_tiled_by_apply_tiled_mlp_is_freed_by_its_last_reference(no_coll
     mlp_weight_ref = weakref.ref(model.model.layers[0].mlp.up_proj.weight)
     del model
     assert model_ref() is None and mlp_weight_ref() is None, "a reference cycle keeps the model alive"
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+@pytest.mark.parametrize("kind", ["gated", "plain"])
+def test_a_module_deleted_before_its_backward_still_backpropagates_exactly(kind, strict):
+    # The graph keeps what the backward recomputes with, as autograd's keeps what it saved.
+    build = (lambda: seeded(GatedMLP, 0, HIDDEN, INTER, "silu")) if kind == "gated" else (
+        lambda: seeded(PlainMLP, 0, HIDDEN, INTER))
+    reference = build()
+    x = torch.randn(2, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    reference(x_ref).sum().backward()
+    with strict_mode(strict):
+        tiled = TiledMLP(build(), num_shards=4)
+        weight = next(tiled.parameters())
+        y = tiled(x)
+        del tiled
+        gc.collect()
+        y.sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(weight.grad, next(reference.parameters()).grad, rtol=0, atol=1e-12)

@@ -130,7 +130,7 @@ class GenericEntry(Kernel):
                                                                           tiling_of(module).instance_forward)
         assert call.shard_forward is not None, "a map call gives what one shard runs"
         prefix = (1,) * (call.x.dim() - 2)
-        kernel = GenericShardKernel(call.shard_forward, type(module).__name__, plan.trainable, prefix,
+        kernel = GenericShardKernel(module, call.shard_forward, plan.trainable, prefix,
                                     layout, hooks, grad_mode=torch.is_grad_enabled(),
                                     token_inputs=call.token_inputs)
         # A view under which the module's own forward computes on local tensors (sequence parallelism on a norm)
