@@ -1,7 +1,7 @@
 """Review findings on the session that made call plans and the tiled loss hold their module weakly.
 
-Each test states what the library should do; the ones still failing are marked xfail(strict=True) with the
-measured behaviour, so that their fix flips them. Everything runs in float64 against the same module untiled.
+Each test states what the library does, measured in float64 against the same module untiled; each failed
+before its fix (the review measured the numbers in each test's comment).
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ def _two_forwards_child_replaced_between(module: nn.Module, x: torch.Tensor) -> 
 
 
 def test_strict_mode_refuses_a_child_replaced_before_the_backward_with_a_clear_error():
+    # Before: AttributeError from a dead weak reference in the backward (plain values held the child weakly).
     torch.manual_seed(0)
     module = TiledMLP(TanhChild(), num_shards=4)
     x = torch.randn(2, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
@@ -68,7 +69,7 @@ def test_strict_mode_refuses_a_child_replaced_before_the_backward_with_a_clear_e
 
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
 def test_a_child_replaced_between_forward_and_backward_is_refused(strict):
-    # Untiled, the graph keeps the child the forward ran; the recompute would run the new one (grads 16.2 off).
+    # Untiled, the graph keeps the child the forward ran; before, the recompute ran the new one (grads 16.2 off).
     torch.manual_seed(0)
     module = TiledMLP(TanhChild(), num_shards=4)
     x = torch.randn(2, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
@@ -93,6 +94,7 @@ def no_collector():
 
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
 def test_a_generic_module_owning_its_parameters_is_freed_by_its_last_reference(no_collector, strict):
+    # Before: the generic layout's parameter slots held the module itself, inside its own plan: a cycle.
     with strict_mode(strict):
         module = TiledMLP(OwnWeight(), num_shards=4)
         for _ in range(2):
@@ -105,6 +107,7 @@ def test_a_generic_module_owning_its_parameters_is_freed_by_its_last_reference(n
 
 
 def test_a_shallow_copy_of_a_model_with_the_tiled_loss_runs_after_the_original_is_deleted():
+    # Before: TypeError from the pre-hook (the shared forward's model was the deleted original).
     need("transformers")
     ids, labels = token_batch()
     reference = tiny_model("llama")
@@ -123,12 +126,8 @@ def test_a_shallow_copy_of_a_model_with_the_tiled_loss_runs_after_the_original_i
     assert max((got[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
 
 
-@pytest.mark.xfail(strict=True, reason="the fast path's plan keeps a named scale's value (FalconH1MLP's "
-                   "gate_multiplier/down_multiplier, register_gated_mlp(gate_scale='name')) and the default-mode "
-                   "plan check does not read it again: after down_multiplier 1.0 -> 0.5 the tiled output is off by "
-                   "0.147 (float64), silently. Strict mode sees it; the norm path reads its eps at every call. "
-                   "Same before this session")
 def test_a_named_scale_changed_after_the_first_call_is_used_by_the_fast_path():
+    # Before: the plan kept down_multiplier's first value: output 0.147 off, silently.
     need("transformers")
     from transformers import FalconH1Config
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
@@ -150,10 +149,8 @@ def test_a_named_scale_changed_after_the_first_call_is_used_by_the_fast_path():
     torch.testing.assert_close(x_tiled.grad, x_ref.grad, rtol=0, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="compiled (backend='eager'): the traced route bakes the named scale in as the "
-                   "op's argument and guards nothing on it: after down_multiplier 1.0 -> 0.5 the compiled tiled "
-                   "FalconH1MLP is off by 0.147, where the compiled untiled one recompiles and is exact")
 def test_a_named_scale_changed_after_the_first_compiled_call_is_used():
+    # Before: the traced route baked the scale in and guarded nothing on it: 0.147 off.
     need("transformers")
     from transformers import FalconH1Config
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
@@ -169,11 +166,8 @@ def test_a_named_scale_changed_after_the_first_compiled_call_is_used():
     torch.testing.assert_close(compiled(x), reference(x), rtol=0, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="the fast path's plan keeps the activation kernel chosen from nn.GELU's "
-                   "approximate at the first call; approximate set to 'tanh' afterwards is not seen in default mode: "
-                   "output off by 9.8e-5 (float64), silently; a module tiled fresh with 'tanh' is exact (2.8e-17). "
-                   "Same before this session")
 def test_an_activation_mode_changed_after_the_first_call_is_used_by_the_fast_path():
+    # Before: the plan kept the activation chosen at the first call: 9.8e-5 off, silently.
     from reference import GatedMLP, seeded
 
     reference = seeded(GatedMLP, 0, 8, 12, "gelu")

@@ -45,6 +45,7 @@ class GatedEntry(Kernel):
                 # What the plan's key does not see (a class changed, a module global rebound, a torch function
                 # patched) guards the plan in strict mode: the decision is made again at each call.
                 plan.add_guards(lambda module: structural_decision(module, forward_function(module), hook)[0] is not None)
+                plan.tree.watch(module, native.reads)
                 weight = native.params[native.layout.slots[DOWN_WEIGHT_ARG]]
                 if autocast_enabled(x.device.type):
                     plan.fast = None, "autocast is enabled (the fast kernel computes in the weights' dtype)"
