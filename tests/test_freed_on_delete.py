@@ -14,7 +14,7 @@ import weakref
 
 import pytest
 import torch
-from reference import GatedMLP, seeded
+from reference import GatedMLP, PlainMLP, seeded
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -27,17 +27,6 @@ from tiled_mlp.integrations.offload import apply_checkpoint_offload, checkpointi
 pytestmark = pytest.mark.timeout(60)
 
 HIDDEN, INTER, TOKENS = 8, 12, 16
-
-
-class TanhBlock(nn.Module):
-    """Not a known gated form: the generic path runs it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(HIDDEN, HIDDEN, dtype=torch.float64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.proj(x)) * 2
 
 
 @pytest.fixture
@@ -58,9 +47,9 @@ def _train_step(module: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
-@pytest.mark.parametrize("kind,path", [("gated", "fast"), ("tanh", "generic")])
+@pytest.mark.parametrize("kind,path", [("gated", "fast"), ("plain", "generic")])
 def test_a_tiled_module_is_freed_by_its_last_reference(no_collector, kind, path, strict):
-    module = seeded(GatedMLP, 0, HIDDEN, INTER, "silu") if kind == "gated" else TanhBlock()
+    module = seeded(GatedMLP, 0, HIDDEN, INTER, "silu") if kind == "gated" else seeded(PlainMLP, 0, HIDDEN, INTER)
     with strict_mode(strict):
         tiled = TiledMLP(module, num_shards=4)
         _train_step(tiled)
@@ -170,3 +159,24 @@ def test_a_deep_copy_of_a_tiled_model_is_freed_by_its_last_reference(no_collecto
     clone_ref, weight_ref = weakref.ref(clone), weakref.ref(clone.model.layers[0].mlp.up_proj.weight)
     del clone
     assert clone_ref() is None and weight_ref() is None, "a reference cycle keeps the copy alive"
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+@pytest.mark.parametrize("kind", ["gated", "plain"])
+def test_a_module_deleted_before_its_backward_still_backpropagates_exactly(kind, strict):
+    # The graph keeps what the backward recomputes with, as autograd's keeps what it saved.
+    build = (lambda: seeded(GatedMLP, 0, HIDDEN, INTER, "silu")) if kind == "gated" else (
+        lambda: seeded(PlainMLP, 0, HIDDEN, INTER))
+    reference = build()
+    x = torch.randn(2, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    reference(x_ref).sum().backward()
+    with strict_mode(strict):
+        tiled = TiledMLP(build(), num_shards=4)
+        weight = next(tiled.parameters())
+        y = tiled(x)
+        del tiled
+        gc.collect()
+        y.sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(weight.grad, next(reference.parameters()).grad, rtol=0, atol=1e-12)

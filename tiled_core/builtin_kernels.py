@@ -45,6 +45,7 @@ class GatedEntry(Kernel):
                 # What the plan's key does not see (a class changed, a module global rebound, a torch function
                 # patched) guards the plan in strict mode: the decision is made again at each call.
                 plan.add_guards(lambda module: structural_decision(module, forward_function(module), hook)[0] is not None)
+                plan.tree.watch(module, native.reads)
                 weight = native.params[native.layout.slots[DOWN_WEIGHT_ARG]]
                 if autocast_enabled(x.device.type):
                     plan.fast = None, "autocast is enabled (the fast kernel computes in the weights' dtype)"
@@ -130,7 +131,7 @@ class GenericEntry(Kernel):
                                                                           tiling_of(module).instance_forward)
         assert call.shard_forward is not None, "a map call gives what one shard runs"
         prefix = (1,) * (call.x.dim() - 2)
-        kernel = GenericShardKernel(call.shard_forward, type(module).__name__, plan.trainable, prefix,
+        kernel = GenericShardKernel(module, call.shard_forward, plan.trainable, prefix,
                                     layout, hooks, grad_mode=torch.is_grad_enabled(),
                                     token_inputs=call.token_inputs)
         # A view under which the module's own forward computes on local tensors (sequence parallelism on a norm)

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from . import dynamo_support
+from .fast_path import structural_decision
 from .gated_spec import hook_count
-from .module_forward import original_forward
+from .module_forward import forward_function, original_forward
 from .ops.map_ops import gated_mlp, rms_norm
 from .tiled_call import autograd_carries_the_call, decide_map_call, module_strategy
 from .tiling_state import TilingState, tiling_of
@@ -119,7 +120,15 @@ def _watched(module: nn.Module) -> Tuple[Any, ...]:
     return (state.path, state.num_shards, state.grad_accum_dtype, state.use_fused_kernel,
             state.instance_forward is None,
             type(module)._tiled_base.forward, type(getattr(module, "act_fn", None)),  # type: ignore[attr-defined]
-            tuple(hook_count(m) for m in module.modules()))
+            tuple(hook_count(m) for m in module.modules()),
+            tuple(getattr(getattr(module, child) if child else module, key) for child, key in _fast_reads(module)))
+
+
+@dynamo_support.decided_where_traced
+def _fast_reads(module: nn.Module) -> Tuple[Tuple[str, str], ...]:
+    """The plain values the fast kernel's decision reads (a named scale, the attribute choosing the activation)."""
+    kernel = structural_decision(module, forward_function(module))[0]
+    return kernel.reads if kernel is not None else ()
 
 
 def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], kwargs: dict) -> torch.Tensor:

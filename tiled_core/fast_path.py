@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .code_forms import CodeForm, matches
-from .gated_forms import activation_name, called_as_torch_calls, known_form, linear_is_a_linear, shadowed
+from .gated_forms import (
+    activation_name,
+    activation_reads,
+    called_as_torch_calls,
+    known_form,
+    linear_is_a_linear,
+    shadowed,
+)
 from .gated_spec import foreign_child_hooks, no_hook_is_backend
 from .kernels.gated import ROLES, GatedLayout, GatedShardKernel, NativeGatedActivation
 from .module_forward import forward_function, is_tiled
@@ -101,7 +108,8 @@ def structural_decision(module: nn.Module, forward_fn: Optional[Callable], is_ba
     index = {id(p): i for i, p in enumerate(params)}
     slots = tuple(index.get(id(getattr(linears.get(role), attr, None)), -1) for role in ROLES for attr in ("weight", "bias"))
     layout = GatedLayout(slots, tuple(map(float, scales)))
-    return GatedShardKernel(layout, NativeGatedActivation(act), params, type(module).__name__), ""
+    reads = (*(("", name) for name in scale_names), *((form.activation, a) for a in activation_reads(act_module)))
+    return GatedShardKernel(layout, NativeGatedActivation(act), params, type(module).__name__, reads), ""
 
 
 class FastPathRefused(ValueError):

@@ -172,6 +172,12 @@ def activation_name(act: Any) -> Optional[str]:
     return None if shadowed(act, (attribute,)) else _function_name(act.__dict__.get(attribute))
 
 
+def activation_reads(act: nn.Module) -> Tuple[str, ...]:
+    """The instance attributes of ``act`` that ``activation_name`` read (the one holding its function)."""
+    _, attribute = first_match(_ACTIVATION_BODIES, type(act).forward) or (None, None)
+    return () if attribute is None else (attribute,)
+
+
 # Torch's own activations, known to the core alone.
 register_activation(CodeForm("return F.silu({x}, inplace=self.inplace)", {"F": F, "F.silu": F_SILU}), computes="silu")
 register_activation(CodeForm("return F.gelu({x}, approximate=self.approximate)", {"F": F, "F.gelu": F_GELU}),

@@ -96,9 +96,10 @@ def _names_read(functions: List[Optional[types.FunctionType]]) -> Set[str]:
     return names
 
 
-# Which values the tree's code may read: every name it reads, and (prefix, module) of each module, held weakly:
-# a plan in the root's own state keeps this, and a strong reference would be a cycle outliving ``del model``.
-ReadSet = Tuple[FrozenSet[str], List[Tuple[str, weakref.ref]]]
+# Which values the tree's code may read: every name it reads, and (prefix, ``__dict__``) of each module, the root's
+# through a weak reference to the root: a plan in the root's own state keeps this, and the root's dict held would be
+# a cycle outliving ``del model`` (the call's kernel holds the root until its backward).
+ReadSet = Tuple[FrozenSet[str], List[Tuple[str, Any]]]
 
 
 def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> ReadSet:
@@ -107,9 +108,9 @@ def snapshot(module: nn.Module, root_forward: Optional[Callable] = None) -> Read
     if not _strict.ON:
         return frozenset(), []
     functions: List[Optional[types.FunctionType]] = []
-    modules: List[Tuple[str, weakref.ref]] = []
+    modules: List[Tuple[str, Any]] = []
     for prefix, sub in module.named_modules():  # a class's code is read once (``_names_read`` skips code seen)
-        modules.append((prefix, weakref.ref(sub)))
+        modules.append((prefix, sub.__dict__ if prefix else weakref.ref(sub)))
         # The tiling machinery's own classes are not the module's computation: the recompute does not run them.
         functions += [_function(function) for klass in type(sub).__mro__
                       if klass not in (nn.Module, object) and not klass.__module__.startswith(_OWN_PACKAGE)
@@ -131,7 +132,7 @@ def _shown(value: Any, by_identity: bool) -> str:
 
 
 def _dicts(read: ReadSet) -> List[Dict[str, Any]]:
-    return [ref().__dict__ for _, ref in read[1]]  # alive: read by the module's own call
+    return [held if prefix else held().__dict__ for prefix, held in read[1]]
 
 
 class PlainValues:

@@ -146,7 +146,7 @@ class ModuleTree:
     the root's own state, and holding them would make a reference cycle that keeps a deleted model's memory
     until the garbage collector runs."""
 
-    __slots__ = ("root_dict", "root_class", "root_training", "root_items", "modules", "dicts", "read_dicts",
+    __slots__ = ("root_dict", "root_class", "root_training", "root_reads", "root_values", "root_items", "modules", "dicts", "read_dicts",
                  "read_keys", "registries", "keys", "tensors", "hook_dicts", "hooks", "hook_id", "registered",
                  "reading", "values", "empty", "objects")
 
@@ -169,6 +169,8 @@ class ModuleTree:
         self.root_dict = id(root)
         self.root_class = type(module)
         self.root_training = root["training"]
+        self.root_reads: Tuple[str, ...] = ()  # more of the root's values a kernel's decision read (``watch``)
+        self.root_values: tuple = ()
         # Strict mode: the root's attributes but its state (which holds this tree).
         self.root_items = _root_items(root) if deep else None
         self.modules = tuple(modules[1:])
@@ -189,6 +191,18 @@ class ModuleTree:
         self.values = tuple(d.values() for d in held if d)
         self.empty = tuple(d for d in self.registries if not d)  # one filled by a direct write is seen by its size
         self.objects = (*self.dicts, *itertools.chain.from_iterable(self.values), _END)
+
+    def watch(self, root: nn.Module, reads: Sequence[Tuple[str, str]]) -> None:
+        """Plain values a kernel's decision read ((child's name, or "" for the root; attribute)): the tree holds
+        while each is the same (a named scale, the attribute choosing an activation)."""
+        for child, key in reads:
+            if child:
+                self.read_dicts = (*self.read_dicts, root.__dict__["_modules"][child].__dict__)
+                self.read_keys = (*self.read_keys, key)
+            else:
+                self.root_reads = (*self.root_reads, key)
+        self.root_values = tuple(map(root.__dict__.get, self.root_reads))
+        self.reading = self._read()
 
     def _read(self) -> tuple:
         classes = tuple(map(type, self.modules))
@@ -211,6 +225,7 @@ class ModuleTree:
         if self.root_items is not None and not _same_items(_root_items(d), self.root_items):
             return False
         return (id(d) == self.root_dict and type(root) is self.root_class and d["training"] == self.root_training
+                and (not self.root_reads or tuple(map(d.get, self.root_reads)) == self.root_values)
                 and self._read() == self.reading and not any(map(len, self.empty))
                 and all(map(operator.is_, itertools.chain(map(_dict_of, self.modules),
                                                           itertools.chain.from_iterable(self.values), (_END,)),

@@ -130,8 +130,12 @@ class GatedShardKernel(ShardKernel):
     runs_on_local_view = True  # plain tensors only: distributed parameters reach it through a local view
     serves_many_calls = True
 
-    def __init__(self, layout: GatedLayout, activation, params: List[torch.Tensor], module_name: str = "the gated MLP"):
+    def __init__(self, layout: GatedLayout, activation, params: List[torch.Tensor], module_name: str = "the gated MLP",
+                 reads: Tuple[Tuple[str, str], ...] = ()):
         self.module_name = module_name
+        # The plain values the decision read, (child's name, or "" for the module itself; attribute): a named
+        # scale, the attribute choosing the activation. The call plan holds while each is the same.
+        self.reads = reads
         self.activation = activation
         self.params = params
         self.owned_params = params  # the structure proved the module owns nothing else

@@ -34,6 +34,11 @@ EXTERNAL_TENSOR_ERROR = (
     "forward: {tensors}. Their gradients would be lost. Keep the tensors a forward reads fixed until its "
     "backward, or register them as parameters of the module."
 )
+CHILD_REPLACED_ERROR = (
+    "TiledMLP: submodules of {module} were replaced, added or removed between its forward and backward ({names}). "
+    "The backward recomputes the forward through the submodules, so it would not compute what the forward did. "
+    "Change submodules before a forward, not between it and its backward."
+)
 CHANGED_READ_ERROR = (
     "TiledMLP: a tensor the forward of {module} read without a gradient changed between its forward and its "
     "backward ({what}: {tensors}). The backward recomputes the forward, so it would use other values than the "
@@ -47,7 +52,10 @@ CHANGED_READ_ERROR = (
 class GenericLayout:
     """What the generic kernel reads of the module's structure, once per call plan."""
 
-    slots: List[List[Tuple[nn.Module, str]]]  # per parameter, every (owner, attribute) holding it (tied: several)
+    # Per parameter, every (owner, attribute) holding it (tied: several); owner None: the module itself, given at
+    # each call (the layout lives in the module's own plan: holding the module would be a reference cycle).
+    slots: List[List[Tuple[Optional[nn.Module], str]]]
+    children: Tuple[Tuple[str, nn.Module], ...]  # the submodules the forward runs through, by name
     owned_params: List[torch.Tensor]  # trained or not: never mistaken for another tensor the forward reads
     hooks: List[str]  # the submodule hooks the forward runs with; the recompute must run the same ones
     plain_values: PlainValues  # what the recompute must find unchanged (``self.scale``, PEFT's active adapter)
@@ -60,9 +68,13 @@ def generic_layout(module: nn.Module, params: Sequence[torch.Tensor], hooks: Lis
     for owner in module.modules():
         for attr, p in owner._parameters.items():
             if p is not None:
-                where.setdefault(id(p), []).append((owner, attr))
-    return GenericLayout([where.get(id(p), []) for p in params], list(module.parameters()), hooks,
+                where.setdefault(id(p), []).append((None if owner is module else owner, attr))
+    return GenericLayout([where.get(id(p), []) for p in params], _children(module), list(module.parameters()), hooks,
                          PlainValues(snapshot(module, instance_forward)))
+
+
+def _children(module: nn.Module) -> Tuple[Tuple[str, nn.Module], ...]:
+    return tuple(module.named_modules())[1:]
 
 
 def _same(packed: torch.Tensor) -> torch.Tensor:
@@ -74,15 +86,17 @@ class GenericShardKernel(ShardKernel):
     may_read_other_tensors = True
     substitutes_tensors = True
 
-    def __init__(self, forward_fn: Callable, module_name: str, params: List[torch.Tensor], shard_prefix: tuple,
+    def __init__(self, module: nn.Module, forward_fn: Callable, params: List[torch.Tensor], shard_prefix: tuple,
                  layout: GenericLayout, current_hooks: Callable[[], List[str]], grad_mode: bool = True,
                  token_inputs: Sequence[torch.Tensor] = ()):
+        # Built for one call, and kept by its graph only: the module stays alive until its backward.
+        self.module = module
         self.forward_fn = forward_fn
         # Other sharded inputs (a MoE block's routing), sliced like x; found as any other tensor the forward reads.
         self.token_inputs = tuple(token_inputs)
         self.grad_mode = grad_mode  # the caller's: a forward branching on it computes what its recompute does
         self._forward_reads: Optional[List[Tuple[torch.Tensor, int]]] = None  # (tensor, version)
-        self.module_name = module_name
+        self.module_name = type(module).__name__
         self.params = params
         self.owned_params = layout.owned_params
         self._layout = layout
@@ -152,12 +166,17 @@ class GenericShardKernel(ShardKernel):
         if now != self._layout.hooks:
             changed = sorted(set(now) ^ set(self._layout.hooks))
             raise RuntimeError(HOOKS_CHANGED_ERROR.format(module=self.module_name, hooks=", ".join(changed)))
+        children = _children(self.module)
+        if children != self._layout.children:  # tuples of (name, module): compared by identity first
+            changed = sorted({name for name, _ in set(children) ^ set(self._layout.children)})
+            raise RuntimeError(CHILD_REPLACED_ERROR.format(module=self.module_name, names=", ".join(changed)))
         self._reads_checked = False  # once per backward (a retained graph runs several)
         swapped = []
         try:
             # The tensors after the parameters (found reading the forward) have no slot: shorter on purpose.
             for slots, tensor in zip(self._layout.slots, tensors, strict=False):
-                for owner, attr in slots:
+                for slot_owner, attr in slots:
+                    owner = self.module if slot_owner is None else slot_owner
                     if owner._parameters[attr] is not tensor:
                         swapped.append((owner, attr, owner._parameters[attr]))
                         # functional_call's tensors need not be Parameters: the slot holds them anyway.

@@ -185,6 +185,10 @@ def loss_function_refusal(model: nn.Module) -> str:
             "'ForCausalLM'), or leave the tiled loss off")
 
 
+def _NO_MODEL() -> None:
+    return None
+
+
 class TiledLossForward:
     """The forward installed on a causal LM instance; picklable and deep-copyable with the model. It holds the
     model weakly: the model holds it, and a cycle would keep a deleted model's memory until the collector runs."""
@@ -209,13 +213,20 @@ class TiledLossForward:
     @property
     def model(self) -> Any:
         """The causal LM (a transformers PreTrainedModel: get_decoder, config, ...)."""
-        return self._model()
+        model = self._model()
+        if model is None:
+            raise RuntimeError(
+                "tiled loss: the model this forward was installed on was deleted, and the forward was called without "
+                "going through a model (model.forward of a shallow copy, copy.copy, which shares it). Call the model "
+                "itself, or copy it with copy.deepcopy, whose copy has a tiled loss of its own")
+        return model
 
     def __getstate__(self) -> dict:
-        return {**vars(self), "_model": self.model}  # saved with the model it is installed on
+        return {**vars(self), "_model": self._model()}  # saved with the model it is installed on
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _model=weakref.ref(state["_model"]))
+        model = state["_model"]
+        self.__dict__.update(state, _model=weakref.ref(model) if model is not None else _NO_MODEL)
 
     def __deepcopy__(self, memo: dict) -> TiledLossForward:
         memo[id(self.sequence_group)] = self.sequence_group  # shared: a process group cannot be copied
@@ -239,9 +250,12 @@ class TiledLossForward:
         if self._capturing:
             self._captured = out[0] if isinstance(out, tuple) else out.last_hidden_state
 
-    def check_call(self, _module: nn.Module, _args: Any) -> None:
+    def check_call(self, module: nn.Module, _args: Any) -> None:
         """A forward set on the model after installing may not call this one (the tiled loss would silently
         never run) or may change what it returns."""
+        if self._model() is None:
+            # A shallow copy (copy.copy) of a model since deleted shares this forward: it serves the copy now.
+            self._model = weakref.ref(module)
         if not torch.compiler.is_compiling():
             self._check_forward()
         elif dynamo_support.TRACES_TILED_CALLS:
