@@ -21,6 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from integration_tests.frameworks import need
 from integration_tests.tiny_models import FAMILIES, token_batch
 from tiled_mlp import TiledMLP, apply_long_context, apply_tiled_mlp
+from tiled_mlp.core import dynamo_support
 from tiled_mlp.core.strict import strict_mode
 from tiled_mlp.integrations.offload import apply_checkpoint_offload, checkpointing_on
 
@@ -137,7 +138,7 @@ def test_a_compiled_tiled_module_is_freed_once_dynamo_is_reset(no_collector, til
         TiledMLP(module, num_shards=4)
     compiled = torch.compile(module, backend="aot_eager")
     _train_step(compiled)
-    if tiled:
+    if tiled and dynamo_support.TRACES_TILED_CALLS:  # before torch 2.9: the eager call behind a graph break
         assert module.tiling.last_path == "fast" and "tiled_mlp::gated_mlp" in module.tiling.compiled_reason
     module_ref, weight_ref = weakref.ref(module), weakref.ref(next(module.parameters()))
     torch._dynamo.reset()
