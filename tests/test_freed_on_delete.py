@@ -99,7 +99,8 @@ def test_a_model_with_checkpoint_offload_is_freed_by_its_last_reference(no_colle
     need("transformers")
     from tiled_mlp.integrations.seams import transformers_internals
 
-    monkeypatch.setattr(transformers_internals, "checkpoint_wraps_module_hooks", lambda: layers == "hf_call_site")
+    if layers == "hf_call_site":
+        monkeypatch.setattr(transformers_internals, "checkpoint_wraps_module_hooks", lambda: True)
     model = _checkpointed_llama(layers)
     handle = apply_checkpoint_offload(model) if offload else None
     ids, labels = token_batch()
