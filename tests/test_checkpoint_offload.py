@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import pickle
 import weakref
 
 import pytest
@@ -113,6 +114,20 @@ def test_no_graph_nothing_moves_and_remove_undoes_it():
     out = model(_input())
     assert offload.host_bytes.peak == 0 and all(not layer._forward_pre_hooks for layer in model)
     out.sum().backward()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_model_offloads_its_own_layers(how):
+    """The offload holds its layers weakly (tests/test_freed_on_delete.py): a copy of the model still carries an
+    offload of the copy's layers, which offloads as the original does."""
+    model = _stack()
+    offload = apply_checkpoint_offload(model)
+    clone = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+    copied = next(iter(clone[0]._forward_pre_hooks.values())).__self__
+    assert copied is not offload and [id(layer) for layer in copied.layers] == [id(layer) for layer in clone]
+    clone(_input()).sum().backward()
+    model(_input()).sum().backward()
+    assert copied.host_bytes.peak == offload.host_bytes.peak == (LAYERS - 1) * TOKENS * HIDDEN * 8
 
 
 def test_refused_without_checkpointed_layers():

@@ -3,7 +3,7 @@ moved by identity from an outer ``saved_tensors_hooks`` around the layer's call 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -65,25 +65,35 @@ class _LayerCall:
         return self.host.to(self.device, non_blocking=self.host.is_pinned(), copy=True)
 
 
-@dataclass
 class CheckpointOffload:
     """Offloads the inputs of ``layers`` (checkpointed decoder layers, in call order) to host memory;
-    the last one's stays on the device. ``remove()`` undoes it."""
+    the last one's stays on the device. ``remove()`` undoes it. The layers are held weakly: their hooks hold this
+    object, and a cycle would keep a deleted model, and its memory, until the garbage collector runs."""
 
-    layers: Sequence[nn.Module]
-    host_bytes: HostBytes = field(default_factory=HostBytes)
-    # Called with each host copy as it is made: a memory tracker counts it apart from the device's.
-    on_host_copy: Optional[Callable[[torch.Tensor], None]] = None
-    # Called once by ``remove()``: undoes what the caller set up around the layers.
-    on_remove: Optional[Callable[[], None]] = None
-    _handles: List[Any] = field(default_factory=list)
-    _calls: Dict[int, List[Optional[_LayerCall]]] = field(default_factory=dict)
-    _stream: Optional[Any] = None
-
-    def __post_init__(self) -> None:
-        for layer in list(self.layers)[:-1]:
+    def __init__(self, layers: Sequence[nn.Module], on_host_copy: Optional[Callable[[torch.Tensor], None]] = None,
+                 on_remove: Optional[Callable[[], None]] = None) -> None:
+        self.host_bytes = HostBytes()
+        # Called with each host copy as it is made: a memory tracker counts it apart from the device's.
+        self.on_host_copy = on_host_copy
+        # Called once by ``remove()``: undoes what the caller set up around the layers.
+        self.on_remove = on_remove
+        self._layers = [weakref.ref(layer) for layer in layers]
+        self._handles: List[Any] = []
+        self._calls: Dict[int, List[Optional[_LayerCall]]] = {}
+        self._stream: Optional[Any] = None
+        for layer in list(layers)[:-1]:
             self._handles.append(layer.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(layer.register_forward_hook(self._exit, always_call=True))
+
+    @property
+    def layers(self) -> List[nn.Module]:
+        return [layer for layer in (ref() for ref in self._layers) if layer is not None]
+
+    def __getstate__(self) -> dict:
+        return {**vars(self), "_layers": self.layers}  # saved (pickled, deep-copied) with its layers
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _layers=[weakref.ref(layer) for layer in state["_layers"]])
 
     def remove(self) -> None:
         for handle in self._handles:

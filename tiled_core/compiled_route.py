@@ -18,7 +18,7 @@ from .gated_spec import hook_count
 from .module_forward import forward_function, original_forward
 from .ops.map_ops import gated_mlp, rms_norm
 from .tiled_call import autograd_carries_the_call, decide_map_call, module_strategy
-from .tiling_state import tiling_of
+from .tiling_state import TilingState, tiling_of
 from .validation import check_input
 
 EAGER, UNTILED, GATED_OP, NORM_OP = "eager", "untiled", "gated_op", "norm_op"
@@ -112,10 +112,13 @@ def _eager_call(module: nn.Module, reason: str, args: Sequence[Any], kwargs: dic
 
 
 def _watched(module: nn.Module) -> Tuple[Any, ...]:
-    """What the route rests on besides the module and the input, read in traced code so that Dynamo guards on each."""
-    state = tiling_of(module)
+    """What the route rests on besides the module and the input, read in traced code so that Dynamo guards on each.
+    Nothing is read through ``module.__dict__`` or ``vars(module)``: Dynamo's variables for a module and for its dict
+    refer to each other, a cycle that kept the module alive after ``torch._dynamo.reset()`` and ``del`` until the
+    collector ran. (A forward written into the instance dict is seen where the route is decided.)"""
+    state: TilingState = module.tiling  # type: ignore[assignment]  # set on every tiled module
     return (state.path, state.num_shards, state.grad_accum_dtype, state.use_fused_kernel,
-            state.instance_forward is None, vars(module).get("forward") is None,
+            state.instance_forward is None,
             type(module)._tiled_base.forward, type(getattr(module, "act_fn", None)),  # type: ignore[attr-defined]
             tuple(hook_count(m) for m in module.modules()),
             tuple(getattr(getattr(module, child) if child else module, key) for child, key in _fast_reads(module)))

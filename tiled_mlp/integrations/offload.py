@@ -2,6 +2,7 @@
 ``GradientCheckpointingLayer`` with checkpointing on), keep their inputs in host memory until backward."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, List
 
 from torch import nn
@@ -44,10 +45,14 @@ def apply_checkpoint_offload(model: nn.Module) -> CheckpointOffload:
     sites = [_CheckpointCall(layer._gradient_checkpointing_func) for layer in layers]
     for layer, site in zip(layers, sites, strict=True):
         setattr(layer, "_gradient_checkpointing_func", site.checkpoint_function)  # noqa: B010 - an HF instance attribute
+    # Held weakly: the layers hold the sites, whose hooks hold the offload and so this function.
+    originals = [(weakref.ref(layer), site.checkpoint) for layer, site in zip(layers, sites, strict=True)]
 
     def restore() -> None:
-        for layer, site in zip(layers, sites, strict=True):
-            setattr(layer, "_gradient_checkpointing_func", site.checkpoint)  # noqa: B010
+        for layer_ref, checkpoint in originals:
+            layer = layer_ref()
+            if layer is not None:
+                setattr(layer, "_gradient_checkpointing_func", checkpoint)  # noqa: B010
 
     return CheckpointOffload(sites, on_remove=restore)
 

@@ -1,6 +1,7 @@
 """What ``apply_tiled_mlp`` did: the blocks it tiled (and with which path), and what it left alone."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
@@ -41,17 +42,27 @@ def expected_path(tiled: TiledMLP) -> str:
     return f"generic ({why_not})"
 
 
-@dataclass
 class TiledBlock:
-    name: str
-    kind: str  # "gated", "experts", "named", "norm" (norms=True), or "tiled" for a block found already tiled
-    tiled: TiledMLP
-    mlp_class: str = field(init=False)
-    expected_path: str = field(init=False)
+    """A block ``apply_tiled_mlp`` tiled, or found tiled. It holds the module weakly: a report outlives its model where
+    a long-lived object keeps it (Axolotl's plugin manager keeps its plugins, and so their last report, for the whole
+    process), and would keep the deleted model's blocks and their weights."""
 
-    def __post_init__(self) -> None:
-        self.mlp_class = type(self.tiled).__name__
-        self.expected_path = expected_path(self.tiled)
+    def __init__(self, name: str, kind: str, tiled: TiledMLP) -> None:
+        self.name = name
+        self.kind = kind  # "gated", "experts", "named", "norm" (norms=True), or "tiled" for a block found already tiled
+        self._tiled = weakref.ref(tiled)
+        self.mlp_class = type(tiled).__name__
+        self.expected_path = expected_path(tiled)
+
+    def __repr__(self) -> str:
+        return f"TiledBlock({self.name!r}, {self.kind!r}, {self.mlp_class})"
+
+    @property
+    def tiled(self) -> TiledMLP:
+        tiled = self._tiled()
+        if tiled is None:
+            raise ReferenceError(f"tiled-mlp: the block {self.name} this report lists was freed with its model")
+        return tiled
 
     @property
     def last_path(self) -> str:
