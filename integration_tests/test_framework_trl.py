@@ -41,7 +41,7 @@ def _dataset(rows=12):
                               for i in range(rows)])
 
 
-def _sft_trainer(model, tmp_path, name, peft_config=None, **config):
+def sft_trainer(model, tmp_path, name, peft_config=None, **config):
     trl = need("trl")
     args = trl.SFTConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          max_steps=3, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", report_to=[],
@@ -74,20 +74,20 @@ def _tile_all(model):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tiled_loss_applied_before_the_trainer_is_wrapped_by_trls_head(tmp_path, variant):
     config = VARIANTS[variant]
-    want = _train(_sft_trainer(tiny_model("llama", dtype=torch.float64), tmp_path, "untiled", **config))
+    want = _train(sft_trainer(tiny_model("llama", dtype=torch.float64), tmp_path, "untiled", **config))
     model = tiny_model("llama", dtype=torch.float64)
     report = _tile_all(model)
     assert report.tiled_loss == "LlamaForCausalLM"
-    trainer = _sft_trainer(model, tmp_path, "tiled", **config)
+    trainer = sft_trainer(model, tmp_path, "tiled", **config)
     _assert_same_training(want, _train(trainer))
     assert is_tiled_loss(model)
     assert {block.tiled.tiling.last_path for block in report.patched} == {"fast", "norm"}
 
 
 def test_tiled_loss_applied_after_the_trainer_is_left_to_trls_head(tmp_path):
-    want = _train(_sft_trainer(tiny_model("llama", dtype=torch.float64), tmp_path, "untiled"))
+    want = _train(sft_trainer(tiny_model("llama", dtype=torch.float64), tmp_path, "untiled"))
     model = tiny_model("llama", dtype=torch.float64)
-    trainer = _sft_trainer(model, tmp_path, "tiled")
+    trainer = sft_trainer(model, tmp_path, "tiled")
     report = _tile_all(trainer.model)
     assert report.tiled_loss == "" and not is_tiled_loss(model)
     assert "LlamaForCausalLM: computed by TRL 1.16.0's fused LM head (trl.trainer.utils.add_fused_lm_head)" in str(report)
@@ -105,7 +105,7 @@ def test_lora_through_sft_trainer_in_either_order(tmp_path, order):
 
     def trainer(model, name):
         lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "up_proj", "down_proj"])
-        return _sft_trainer(model, tmp_path, name, peft_config=lora)
+        return sft_trainer(model, tmp_path, name, peft_config=lora)
 
     want = _train(trainer(tiny_model("llama", dtype=torch.float64), "untiled"))
     model = tiny_model("llama", dtype=torch.float64)
@@ -124,7 +124,7 @@ def test_under_trls_head_calls_without_fused_lm_head_reach_the_tiled_loss(tmp_pa
     reference = tiny_model("llama", dtype=torch.float64)
     model = tiny_model("llama", dtype=torch.float64)
     _tile_all(model)
-    _sft_trainer(model, tmp_path, "tiled")
+    sft_trainer(model, tmp_path, "tiled")
     ids = torch.randint(2, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     logits = reference(input_ids=ids).logits  # the model's own loss, in float64 (its loss function's is float32)
     want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
@@ -138,7 +138,7 @@ def test_under_trls_head_calls_without_fused_lm_head_reach_the_tiled_loss(tmp_pa
 def test_removing_the_tiled_loss_under_trls_head_is_refused(tmp_path):
     model = tiny_model("llama", dtype=torch.float64)
     _tile_all(model)
-    trainer = _sft_trainer(model, tmp_path, "tiled")
+    trainer = sft_trainer(model, tmp_path, "tiled")
     forward = vars(model)["forward"]
     with pytest.raises(RuntimeError, match=r"TRL 1\.16\.0's fused LM head .* wraps the tiled loss"):
         remove_tiled_loss(model)
@@ -155,7 +155,7 @@ def _trl_release(version: str):
 def test_a_trl_version_not_read_is_refused_in_either_order(tmp_path):
     need("trl")
     model = tiny_model("llama", dtype=torch.float64)
-    trainer = _sft_trainer(model, tmp_path, "after")
+    trainer = sft_trainer(model, tmp_path, "after")
     with mock.patch.object(checked_versions, "installed", _trl_release("1.15.0")):
         with pytest.raises(RuntimeError, match=r"TRL here is 1\.15\.0; .* on trl 1\.16\.0 to 1\.16\.x only"):
             _tile_all(model)
@@ -163,7 +163,7 @@ def test_a_trl_version_not_read_is_refused_in_either_order(tmp_path):
 
     model = tiny_model("llama", dtype=torch.float64)
     _tile_all(model)
-    trainer = _sft_trainer(model, tmp_path, "before")
+    trainer = sft_trainer(model, tmp_path, "before")
     with mock.patch.object(checked_versions, "installed", _trl_release("1.15.0")):
         with pytest.raises(RuntimeError, match=r"TRL here is 1\.15\.0"):
             trainer.train()
@@ -187,7 +187,7 @@ def test_a_forward_replaced_by_trls_head_named_for_what_it_is(tmp_path):
 def test_label_smoothing_hand_over_refuses_sft_trainer(tmp_path):
     model = tiny_model("llama", dtype=torch.float64)
     _tile_all(model)
-    trainer = _sft_trainer(model, tmp_path, "smoothing", label_smoothing_factor=0.1)
+    trainer = sft_trainer(model, tmp_path, "smoothing", label_smoothing_factor=0.1)
     with pytest.raises(ValueError, match=r"trl\.trainer\.sft_trainer\.SFTTrainer computes the loss in a compute_loss "
                                          "of its own"):
         use_tiled_label_smoothing(trainer)

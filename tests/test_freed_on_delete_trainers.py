@@ -41,12 +41,12 @@ def test_a_model_trained_by_trls_sft_trainer_is_freed(no_collector, tmp_path, ti
     cycle of its own (the forward it writes on the instance closes over the model's bound forward): it is taken
     off by hand, in every case, so that what is left is the tiling's."""
     need("trl")
-    from integration_tests.test_framework_trl import _sft_trainer
+    from integration_tests.test_framework_trl import sft_trainer
 
     model = FAMILIES["llama"].build()
     if tiled == "before":
         apply_tiled_mlp(model, num_shards=2, loss=True, norms=True)
-    trainer = _sft_trainer(model, tmp_path, "run")
+    trainer = sft_trainer(model, tmp_path, "run")
     if tiled == "after":
         apply_tiled_mlp(model, num_shards=2, loss=True, norms=True)
     trainer.train()
