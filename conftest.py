@@ -41,3 +41,16 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def no_collector():
+    """The cyclic garbage collector off around a test: only reference counts free anything, so a reference cycle
+    keeping a deleted model alive shows (tests/test_freed_on_delete*.py)."""
+    import gc
+
+    from tiled_mlp.planner.collector import collector_paused
+
+    gc.collect()
+    with collector_paused():
+        yield

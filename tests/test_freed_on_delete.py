@@ -30,19 +30,7 @@ pytestmark = pytest.mark.timeout(60)
 HIDDEN, INTER, TOKENS = 8, 12, 16
 
 
-@pytest.fixture
-def no_collector():
-    was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _train_step(module: nn.Module) -> None:
+def _mlp_train_step(module: nn.Module) -> None:
     x = torch.randn(2, TOKENS, HIDDEN, dtype=torch.float64, requires_grad=True)
     module(x).sum().backward()
 
@@ -53,8 +41,8 @@ def test_a_tiled_module_is_freed_by_its_last_reference(no_collector, kind, path,
     module = seeded(GatedMLP, 0, HIDDEN, INTER, "silu") if kind == "gated" else seeded(PlainMLP, 0, HIDDEN, INTER)
     with strict_mode(strict):
         tiled = TiledMLP(module, num_shards=4)
-        _train_step(tiled)
-        _train_step(tiled)  # a warm call, on the kept plan
+        _mlp_train_step(tiled)
+        _mlp_train_step(tiled)  # a warm call, on the kept plan
     assert tiled.tiling.last_path == path
     module_ref, weight_ref = weakref.ref(tiled), weakref.ref(next(tiled.parameters()))
     del tiled, module
@@ -139,7 +127,7 @@ def test_a_compiled_tiled_module_is_freed_once_dynamo_is_reset(no_collector, til
     if tiled:
         TiledMLP(module, num_shards=4)
     compiled = torch.compile(module, backend="aot_eager")
-    _train_step(compiled)
+    _mlp_train_step(compiled)
     if tiled and dynamo_support.TRACES_TILED_CALLS:  # before torch 2.9: the eager call behind a graph break
         assert module.tiling.last_path == "fast" and "tiled_mlp::gated_mlp" in module.tiling.compiled_reason
     module_ref, weight_ref = weakref.ref(module), weakref.ref(next(module.parameters()))

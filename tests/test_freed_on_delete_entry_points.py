@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 from test_framework_entry_points import RELEASE, stub_axolotl  # noqa: F401 - the fixture
-from test_freed_on_delete import no_collector  # noqa: F401 - the fixture
 
 from integration_tests.frameworks import need
 from integration_tests.tiny_models import FAMILIES, token_batch
@@ -18,12 +17,12 @@ from tiled_mlp.integrations.framework_settings import CheckedFramework
 pytestmark = pytest.mark.timeout(60)
 
 
-def _train_step(model) -> None:
+def _lm_train_step(model) -> None:
     ids, labels = token_batch()
     model(input_ids=ids, labels=labels).loss.backward()
 
 
-def _refs(model):
+def _model_refs(model):
     return weakref.ref(model), weakref.ref(model.model.layers[0].mlp.up_proj.weight)
 
 
@@ -57,8 +56,8 @@ def test_a_model_tiled_by_a_frameworks_entry_point_is_freed_while_the_entry_poin
     need("transformers")
     model = FAMILIES["llama"].build()
     kept = _tile_by(entry_point, model, monkeypatch, stub_axolotl)
-    _train_step(model)
-    refs = _refs(model)
+    _lm_train_step(model)
+    refs = _model_refs(model)
     del model
     assert [ref() for ref in refs] == [None, None], f"{entry_point}'s entry point keeps the model alive"
     report = getattr(kept, "report", None)

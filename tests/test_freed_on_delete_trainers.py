@@ -5,7 +5,6 @@ from __future__ import annotations
 import weakref
 
 import pytest
-from test_freed_on_delete import no_collector  # noqa: F401 - the fixture
 from test_label_smoothing import _trainer
 
 from integration_tests.frameworks import need
@@ -16,12 +15,12 @@ from tiled_mlp.integrations import use_tiled_label_smoothing
 pytestmark = pytest.mark.timeout(60)
 
 
-def _refs(model, trainer):
+def _model_and_trainer_refs(model, trainer):
     return weakref.ref(model), weakref.ref(model.model.layers[0].mlp.up_proj.weight), weakref.ref(trainer)
 
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
-def test_a_model_trained_with_the_trainers_label_smoothing_handed_over_is_freed(no_collector, tmp_path, tiled):  # noqa: F811
+def test_a_model_trained_with_the_trainers_label_smoothing_handed_over_is_freed(no_collector, tmp_path, tiled):
     need("transformers")
     model = FAMILIES["llama"].build()
     if tiled:
@@ -30,13 +29,13 @@ def test_a_model_trained_with_the_trainers_label_smoothing_handed_over_is_freed(
     if tiled:
         assert use_tiled_label_smoothing(trainer) == 0.1
     trainer.train()
-    refs = _refs(model, trainer)
+    refs = _model_and_trainer_refs(model, trainer)
     del model, trainer
     assert [ref() for ref in refs] == [None, None, None], "a reference cycle keeps the model alive"
 
 
 @pytest.mark.parametrize("tiled", ["untiled", "before", "after"])
-def test_a_model_trained_by_trls_sft_trainer_is_freed(no_collector, tmp_path, tiled):  # noqa: F811
+def test_a_model_trained_by_trls_sft_trainer_is_freed(no_collector, tmp_path, tiled):
     """Tiled before the trainer is built (TRL's head wraps the tiled loss) or after. TRL's fused LM head makes a
     cycle of its own (the forward it writes on the instance closes over the model's bound forward): it is taken
     off by hand, in every case, so that what is left is the tiling's."""
@@ -51,6 +50,6 @@ def test_a_model_trained_by_trls_sft_trainer_is_freed(no_collector, tmp_path, ti
         apply_tiled_mlp(model, num_shards=2, loss=True, norms=True)
     trainer.train()
     vars(model).pop("forward")  # TRL's
-    refs = _refs(model, trainer)
+    refs = _model_and_trainer_refs(model, trainer)
     del model, trainer
     assert [ref() for ref in refs] == [None, None, None], "a reference cycle keeps the model alive"

@@ -80,18 +80,6 @@ def test_a_child_replaced_between_forward_and_backward_is_refused(strict):
             y.sum().backward()
 
 
-@pytest.fixture
-def no_collector():
-    was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
 def test_a_generic_module_owning_its_parameters_is_freed_by_its_last_reference(no_collector, strict):
     # Before: the generic layout's parameter slots held the module itself, inside its own plan: a cycle.
@@ -126,16 +114,20 @@ def test_a_shallow_copy_of_a_model_with_the_tiled_loss_runs_after_the_original_i
     assert max((got[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
 
 
-def test_a_named_scale_changed_after_the_first_call_is_used_by_the_fast_path():
-    # Before: the plan kept down_multiplier's first value: output 0.147 off, silently.
+def _falcon_h1_mlp_and_tiled_copy():
     need("transformers")
     from transformers import FalconH1Config
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
 
     config = FalconH1Config(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=1)
     torch.manual_seed(0)
-    reference = FalconH1MLP(config).double()
-    module = TiledMLP(copy.deepcopy(reference), num_shards=2)
+    reference = FalconH1MLP(config).double()  # two named multipliers: down_multiplier, gate_multiplier
+    return reference, TiledMLP(copy.deepcopy(reference), num_shards=2)
+
+
+def test_a_named_scale_changed_after_the_first_call_is_used_by_the_fast_path():
+    # Before: the plan kept down_multiplier's first value: output 0.147 off, silently.
+    reference, module = _falcon_h1_mlp_and_tiled_copy()
     x = torch.randn(2, 10, 16, dtype=torch.float64)
     module(x)
     assert module.tiling.last_path == "fast"
@@ -151,14 +143,7 @@ def test_a_named_scale_changed_after_the_first_call_is_used_by_the_fast_path():
 
 def test_a_named_scale_changed_after_the_first_compiled_call_is_used():
     # Before: the traced route baked the scale in and guarded nothing on it: 0.147 off.
-    need("transformers")
-    from transformers import FalconH1Config
-    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
-
-    config = FalconH1Config(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=1)
-    torch.manual_seed(0)
-    reference = FalconH1MLP(config).double()
-    module = TiledMLP(copy.deepcopy(reference), num_shards=2)
+    reference, module = _falcon_h1_mlp_and_tiled_copy()
     compiled = torch.compile(module, backend="eager")
     x = torch.randn(2, 10, 16, dtype=torch.float64)
     compiled(x)
