@@ -146,9 +146,9 @@ class ModuleTree:
     the root's own state, and holding them would make a reference cycle that keeps a deleted model's memory
     until the garbage collector runs."""
 
-    __slots__ = ("root_dict", "root_class", "root_training", "root_reads", "root_values", "root_items", "modules", "dicts", "read_dicts",
-                 "read_keys", "registries", "keys", "tensors", "hook_dicts", "hooks", "hook_id", "registered",
-                 "reading", "values", "empty", "objects")
+    __slots__ = ("root_dict", "root_class", "root_training", "root_reads", "root_values", "root_items", "modules",
+                 "dicts", "read_dicts", "read_keys", "registries", "keys", "tensors", "hook_dicts", "hooks", "hook_id",
+                 "registered", "reading", "values", "empty", "objects")
 
     def __init__(self, module: nn.Module, deep: bool):
         _count_registrations()
