@@ -191,3 +191,18 @@ class ClaimsNothing(Strategy):
     @classmethod
     def claims(cls, module, ancestors=()):
         return False
+
+
+def falcon_h1_mlp_and_tiled_copy(seed: int = 0):
+    """transformers' FalconH1MLP in float64 (two named multipliers, down_multiplier and gate_multiplier), and a
+    tiled deep copy of it with 2 shards."""
+    from integration_tests.frameworks import need
+
+    need("transformers")
+    from transformers import FalconH1Config
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
+
+    config = FalconH1Config(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(seed)
+    reference = FalconH1MLP(config).double()
+    return reference, TiledMLP(copy.deepcopy(reference), num_shards=2)

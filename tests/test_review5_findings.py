@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from reference import falcon_h1_mlp_and_tiled_copy
 from torch import nn
 
 from integration_tests.frameworks import need
@@ -114,20 +115,9 @@ def test_a_shallow_copy_of_a_model_with_the_tiled_loss_runs_after_the_original_i
     assert max((got[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
 
 
-def _falcon_h1_mlp_and_tiled_copy():
-    need("transformers")
-    from transformers import FalconH1Config
-    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
-
-    config = FalconH1Config(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=1)
-    torch.manual_seed(0)
-    reference = FalconH1MLP(config).double()  # two named multipliers: down_multiplier, gate_multiplier
-    return reference, TiledMLP(copy.deepcopy(reference), num_shards=2)
-
-
 def test_a_named_scale_changed_after_the_first_call_is_used_by_the_fast_path():
     # Before: the plan kept down_multiplier's first value: output 0.147 off, silently.
-    reference, module = _falcon_h1_mlp_and_tiled_copy()
+    reference, module = falcon_h1_mlp_and_tiled_copy()
     x = torch.randn(2, 10, 16, dtype=torch.float64)
     module(x)
     assert module.tiling.last_path == "fast"
@@ -143,7 +133,7 @@ def test_a_named_scale_changed_after_the_first_call_is_used_by_the_fast_path():
 
 def test_a_named_scale_changed_after_the_first_compiled_call_is_used():
     # Before: the traced route baked the scale in and guarded nothing on it: 0.147 off.
-    reference, module = _falcon_h1_mlp_and_tiled_copy()
+    reference, module = falcon_h1_mlp_and_tiled_copy()
     compiled = torch.compile(module, backend="eager")
     x = torch.randn(2, 10, 16, dtype=torch.float64)
     compiled(x)

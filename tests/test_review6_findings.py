@@ -2,12 +2,11 @@
 call plans, the tiled loss, checkpoint offload and tiling reports; the fast plan watching the plain values its
 decision read).
 
-Each strict xfail states what the library does now, measured against the same model untiled (float64 where the
-numbers matter); the plain tests pin what the review checked and found right, each red on an earlier commit.
+Each test states what the library does, measured against the same model untiled (float64 where the numbers
+matter); each was red before its fix (the review's measurements in the comments), or on an earlier commit.
 """
 from __future__ import annotations
 
-import copy
 import os
 import pathlib
 import pickle
@@ -16,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from reference import GatedMLP
+from reference import GatedMLP, falcon_h1_mlp_and_tiled_copy
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from integration_tests.frameworks import need
@@ -26,7 +25,7 @@ from tiled_mlp import TiledMLP, apply_tiled_mlp
 pytestmark = pytest.mark.timeout(60)
 
 
-def _batch():
+def _ids_and_labels():
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (2, 13), generator=generator)
     return ids, ids.clone()
@@ -34,14 +33,7 @@ def _batch():
 
 def test_a_gate_multiplier_changed_after_the_first_call_is_used_by_the_fast_path():
     # At 357d7e0 the plan kept gate_multiplier's first value: output 0.162 off in float64, silently.
-    need("transformers")
-    from transformers import FalconH1Config
-    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
-
-    config = FalconH1Config(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=1)
-    torch.manual_seed(0)
-    reference = FalconH1MLP(config).double()
-    module = TiledMLP(copy.deepcopy(reference), num_shards=2)
+    reference, module = falcon_h1_mlp_and_tiled_copy()
     x = torch.randn(2, 10, 16, dtype=torch.float64)
     module(x)
     assert module.tiling.last_path == "fast"
@@ -55,21 +47,9 @@ def test_a_gate_multiplier_changed_after_the_first_call_is_used_by_the_fast_path
     torch.testing.assert_close(x_tiled.grad, x_ref.grad, rtol=0, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ModuleTree.holds compares the watched scales by == (tuple equality): a named scale rebound after the first "
-    "call to a tensor of equal value (one that requires grad) compares equal, so the plan holds and the fast kernel "
-    "keeps multiplying by its float: the scale's gradient is None, silently (untiled: 0.0156). The decision itself "
-    "sends a tensor scale to the generic path ('not a plain number'); the watch should compare as PlainValues does "
-    "(plain values by type and value, other objects by identity)."))
 def test_a_named_scale_rebound_to_an_equal_tensor_after_the_first_call_gets_its_gradient():
-    need("transformers")
-    from transformers import FalconH1Config
-    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
-
-    config = FalconH1Config(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=1)
-    torch.manual_seed(0)
-    reference = FalconH1MLP(config).double()
-    module = TiledMLP(copy.deepcopy(reference), num_shards=2)
+    # Before: the watch compared by ==, so the plan held and the scale's gradient was None (untiled 0.0156).
+    reference, module = falcon_h1_mlp_and_tiled_copy()
     x = torch.randn(2, 10, 16, dtype=torch.float64)
     module(x)
     value = reference.down_multiplier
@@ -81,16 +61,12 @@ def test_a_named_scale_rebound_to_an_equal_tensor_after_the_first_call_gets_its_
     torch.testing.assert_close(module.down_multiplier.grad, reference.down_multiplier.grad, rtol=0, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "TiledBlock holds its module by a weakref.ref and defines no __getstate__: pickling a TilingReport (with its "
-    "model or alone) raises TypeError: cannot pickle 'weakref.ReferenceType' object. At 357d7e0 the same report "
-    "pickled (36 KB) and its paths read the loaded model's blocks. CheckpointOffload and TiledLossForward save "
-    "their weak referents in __getstate__; TiledBlock should do the same."))
 def test_a_tiling_report_pickles_with_its_model():
+    # Before: TypeError, cannot pickle a weak reference (the report pickled at 357d7e0).
     need("transformers")
     model = tiny_model("llama")
     report = apply_tiled_mlp(model, num_shards=2)
-    ids, labels = _batch()
+    ids, labels = _ids_and_labels()
     model(input_ids=ids, labels=labels)
     loaded_model, loaded_report = pickle.loads(pickle.dumps((model, report)))
     assert [block.tiled for block in loaded_report.blocks] == [loaded_model.model.layers[i].mlp for i in range(2)]
@@ -111,13 +87,8 @@ print("LOSS_ERROR", abs(got.item() - want.item()))
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Pre-existing (also at 357d7e0): where a process's first tiled call is a compiled one, torch.compile of a tiny "
-    "Gemma with tiled MLPs crashes in Dynamo with SpeculationLogDivergence at GemmaModel.forward's "
-    "self.layers[: num_hidden_layers] (a ModuleList slice, so add_module): the first ModuleTree installs the "
-    "process-wide registration hook (tiled_call._count_registrations) during the trace, and the restarted trace "
-    "runs the hook the first did not. Untiled: compiles (2 frames). Llama, which does not slice, compiles tiled."))
 def test_a_tiled_gemma_compiled_before_any_eager_tiled_call_equals_the_untiled_model():
+    # Before: SpeculationLogDivergence (the registration counter was installed during the first trace).
     need("transformers")
     # A fresh process: the hook is installed once per process, by the first tiled call.
     root = pathlib.Path(__file__).resolve().parents[1]
@@ -127,18 +98,14 @@ def test_a_tiled_gemma_compiled_before_any_eager_tiled_call_equals_the_untiled_m
     assert float(done.stdout.split("LOSS_ERROR")[1]) < 1e-10
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Pre-existing (also at 357d7e0): once any module was tiled and called, the process-wide module registration "
-    "hook (tiled_call._count_registration) counts every add_module; a compiled model whose forward registers "
-    "modules (Gemma slices its ModuleList) gets a Dynamo guard on _REGISTERED[0] and recompiles at every call: "
-    "frames 2, 3, 4, 5, ... until recompile_limit (8), then that frame runs eagerly. Without the hook: 2, 2, 2, 2."))
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_an_untiled_compiled_model_is_not_recompiled_at_each_call_once_something_was_tiled():
+    # Before: the registration count was a guard: frames 2, 3, 4, 5, ... up to the recompile limit.
     need("transformers")
     torch.manual_seed(0)
     tiled = TiledMLP(GatedMLP(8, 20).double(), num_shards=2)
     tiled(torch.randn(1, 9, 8, dtype=torch.float64))  # a tiled call: the registration hook is installed
-    ids, labels = _batch()
+    ids, labels = _ids_and_labels()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(tiny_model("gemma"), backend=counter)
     frames = []

@@ -13,6 +13,7 @@ from tiled_mlp.strategies.resolver import StrategyArg, resolve_strategy, strateg
 from .fast_path import fast_path_problem, fast_refused
 from .module_forward import TiledForward, forward_signature, is_tiled
 from .shard_plan import NumShards
+from .tiled_call import count_registrations
 from .tiling_state import STATE_ATTR, TilingState, check_config
 
 _CLASSES: Dict[Tuple[type, type], type] = {}
@@ -80,6 +81,7 @@ def prepare_tiling(mixin: type, mlp: Optional[nn.Module], strategy: StrategyArg,
 
 
 def install_tiling(mixin: type, mlp: nn.Module, state: TilingState) -> Any:
+    count_registrations()  # the call plans' counter, installed here: outside any trace
     # An instance forward would hide the tiled class's forward: it becomes what each shard runs.
     state.instance_forward = mlp.__dict__.pop("forward", None)
     mlp.__class__ = tiled_class(mixin, type(mlp))

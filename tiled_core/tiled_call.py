@@ -120,11 +120,16 @@ _REGISTERED = [0]
 
 
 def _count_registration(module: nn.Module, name: str, value: Any) -> None:
-    _REGISTERED[0] += 1
+    # Not where Dynamo traces (a ModuleList sliced in a compiled forward registers): the count would become a
+    # guard that fails at every call.
+    if not torch.compiler.is_compiling():
+        _REGISTERED[0] += 1
 
 
 @functools.cache
-def _count_registrations() -> None:
+def count_registrations() -> None:
+    """Install the counter (once, when a module is tiled: installed during a trace, it would make the trace run a
+    hook the trace before it did not)."""
     for register in (_nn_module.register_module_parameter_registration_hook,
                      _nn_module.register_module_buffer_registration_hook,
                      _nn_module.register_module_module_registration_hook):
@@ -146,12 +151,12 @@ class ModuleTree:
     the root's own state, and holding them would make a reference cycle that keeps a deleted model's memory
     until the garbage collector runs."""
 
-    __slots__ = ("root_dict", "root_class", "root_training", "root_reads", "root_values", "root_items", "modules",
+    __slots__ = ("root_dict", "root_class", "root_training", "watched", "watched_values", "root_items", "modules",
                  "dicts", "read_dicts", "read_keys", "registries", "keys", "tensors", "hook_dicts", "hooks", "hook_id",
                  "registered", "reading", "values", "empty", "objects")
 
     def __init__(self, module: nn.Module, deep: bool):
-        _count_registrations()
+        count_registrations()
         modules: List[nn.Module] = []
         registries: List[dict] = []
         hook_dicts: List[dict] = list(_GLOBAL_HOOK_DICTS)
@@ -169,8 +174,9 @@ class ModuleTree:
         self.root_dict = id(root)
         self.root_class = type(module)
         self.root_training = root["training"]
-        self.root_reads: Tuple[str, ...] = ()  # more of the root's values a kernel's decision read (``watch``)
-        self.root_values: tuple = ()
+        # Values a kernel's decision read (``watch``): (the child's dict, or None for the root's; attribute).
+        self.watched: Tuple[Tuple[Optional[dict], str], ...] = ()
+        self.watched_values: tuple = ()
         # Strict mode: the root's attributes but its state (which holds this tree).
         self.root_items = _root_items(root) if deep else None
         self.modules = tuple(modules[1:])
@@ -195,14 +201,14 @@ class ModuleTree:
     def watch(self, root: nn.Module, reads: Sequence[Tuple[str, str]]) -> None:
         """Plain values a kernel's decision read ((child's name, or "" for the root; attribute)): the tree holds
         while each is the same (a named scale, the attribute choosing an activation)."""
-        for child, key in reads:
-            if child:
-                self.read_dicts = (*self.read_dicts, root.__dict__["_modules"][child].__dict__)
-                self.read_keys = (*self.read_keys, key)
-            else:
-                self.root_reads = (*self.root_reads, key)
-        self.root_values = tuple(map(root.__dict__.get, self.root_reads))
-        self.reading = self._read()
+        children = root.__dict__["_modules"]
+        self.watched += tuple((children[child].__dict__ if child else None, key) for child, key in reads)
+        self.watched_values = self._watched_now(root.__dict__)
+
+    def _watched_now(self, root_dict: dict) -> tuple:
+        # With their types: a float scale rebound to an equal tensor is another computation.
+        values = [(root_dict if owner is None else owner).get(key) for owner, key in self.watched]
+        return tuple(zip(map(type, values), values, strict=True))
 
     def _read(self) -> tuple:
         classes = tuple(map(type, self.modules))
@@ -225,7 +231,7 @@ class ModuleTree:
         if self.root_items is not None and not _same_items(_root_items(d), self.root_items):
             return False
         return (id(d) == self.root_dict and type(root) is self.root_class and d["training"] == self.root_training
-                and (not self.root_reads or tuple(map(d.get, self.root_reads)) == self.root_values)
+                and (not self.watched or self._watched_now(d) == self.watched_values)
                 and self._read() == self.reading and not any(map(len, self.empty))
                 and all(map(operator.is_, itertools.chain(map(_dict_of, self.modules),
                                                           itertools.chain.from_iterable(self.values), (_END,)),

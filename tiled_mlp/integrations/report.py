@@ -42,6 +42,10 @@ def expected_path(tiled: TiledMLP) -> str:
     return f"generic ({why_not})"
 
 
+def _FREED() -> None:
+    return None
+
+
 class TiledBlock:
     """A block ``apply_tiled_mlp`` tiled, or found tiled. It holds the module weakly: a report outlives its model where
     a long-lived object keeps it (Axolotl's plugin manager keeps its plugins, and so their last report, for the whole
@@ -56,6 +60,13 @@ class TiledBlock:
 
     def __repr__(self) -> str:
         return f"TiledBlock({self.name!r}, {self.kind!r}, {self.mlp_class})"
+
+    def __getstate__(self) -> dict:
+        return {**vars(self), "_tiled": self._tiled()}  # pickled with the block (None: freed)
+
+    def __setstate__(self, state: dict) -> None:
+        tiled = state["_tiled"]
+        self.__dict__.update(state, _tiled=weakref.ref(tiled) if tiled is not None else _FREED)
 
     @property
     def tiled(self) -> TiledMLP:
