@@ -115,18 +115,21 @@ def test_a_shallow_copy_of_a_model_with_the_tiled_loss_runs_after_the_original_i
     assert max((got[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
 
 
-def test_a_named_scale_changed_after_the_first_call_is_used_by_the_fast_path():
-    # Before: the plan kept down_multiplier's first value: output 0.147 off, silently.
+# Before: the plan kept the scale's first value, silently: output 0.147 off (down), 0.162 off (gate).
+@pytest.mark.parametrize("scale", ["down_multiplier", "gate_multiplier"])
+def test_a_named_scale_changed_after_the_first_call_is_used_by_the_fast_path(scale):
     reference, module = falcon_h1_mlp_and_tiled_copy()
     x = torch.randn(2, 10, 16, dtype=torch.float64)
     module(x)
     assert module.tiling.last_path == "fast"
-    reference.down_multiplier = module.down_multiplier = 0.5
+    setattr(reference, scale, 0.5)
+    setattr(module, scale, 0.5)
     x_ref = x.clone().requires_grad_(True)
     x_tiled = x.clone().requires_grad_(True)
     expected, got = reference(x_ref), module(x_tiled)
     expected.sum().backward()
     got.sum().backward()
+    assert module.tiling.last_path == "fast"
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(x_tiled.grad, x_ref.grad, rtol=0, atol=1e-12)
 
