@@ -95,11 +95,14 @@ ROWS = {
     "norms": ("Tiled RMSNorms: norm forms, norm kernel, which norms", [
         "tiled_core/norm_forms.py", "tiled_core/kernels/rms_norm.py", "tiled_mlp/integrations/norms.py", (BK, 73, 110)]),
     "offload": ("Checkpoint offload", ["tiled_core/checkpoint_offload.py", "tiled_mlp/integrations/offload.py"]),
-    "ulysses": ("Ulysses SP: attention, masks, RoPE, DeepSpeed/transformers seams, SP loss sum, SP-aware strategies", [
+    "ulysses": ("Ulysses SP on a HF model: apply_sequence_parallel, attention, masks, RoPE, DeepSpeed/transformers "
+                "seams", [
         "tiled_mlp/integrations/ulysses.py", "tiled_mlp/integrations/ulysses_masks.py",
         "tiled_mlp/integrations/ulysses_rope.py", "tiled_mlp/integrations/seams/deepspeed_internals.py",
-        "tiled_mlp/integrations/seams/transformers_internals.py", "strategies/deepspeed_sp.py",
-        "tiled_core/sequence_group.py", (SB, 42, 50), (SB, 153, 165), (RES, 89, 114)]),
+        "tiled_mlp/integrations/seams/transformers_internals.py"]),
+    "sp_loss": ("The loss over a sequence split across ranks: sum over the SP group, whether each backend sums or "
+                "averages over SP ranks (DeepSpeed engine read, SP-aware strategies)", [
+        "strategies/deepspeed_sp.py", "tiled_core/sequence_group.py", (SB, 42, 50), (SB, 153, 165), (RES, 89, 114)]),
     "hfapply": ("HF apply_tiled_mlp: structural matching (MoE experts included), staged install and rollback", [
         (HF, 1, 88), (HF, 95, 108), "tiled_mlp/integrations/matching.py", (INT, 1, 29)]),
     "report": ("TilingReport", ["tiled_mlp/integrations/report.py"]),
