@@ -78,3 +78,19 @@ if __name__ == "__main__":
         print(f"{total:6}  ({total - BUDGET:+5} vs {BUDGET})  {name}")
         for key in parse(changed):
             print(f"        {key:16} {base[key]:5} -> {kept[key]:5}")
+
+
+def tests_that_go(changed) -> tuple:
+    """The dedicated test files (tests_per_row.DEDICATED) of the rows an option removes or reduces to a refusal
+    (25 lines or fewer): files, and the tests collected in them."""
+    from tests_per_row import collected, per_row
+
+    counts, dedicated = collected(), per_row(dedicated=True)
+    files = sorted({f for key, size in parse(changed).items() if size <= 25 for f in dedicated[key][2]})
+    return len(files), sum(counts.get(f, 0) for f in files)
+
+
+if __name__ == "__main__":
+    for name, changed in OPTIONS.items():
+        n, t = tests_that_go(changed)
+        print(f"{name[:2]} dedicated test files of rows removed or refused: {n} files, {t} tests")
