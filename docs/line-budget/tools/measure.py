@@ -22,7 +22,7 @@ import tokenize
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]  # the repository
 KINDS = ("blank", "comment", "docstring", "message", "text", "code")
 
 

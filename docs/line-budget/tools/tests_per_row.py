@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]  # the repository
 
 KEYS = {
     "inplace": ["untile(", "state_dict", "class_swap", "TilingState", "deepcopy"],
@@ -98,7 +98,7 @@ DEDICATED = {
 
 def collected() -> dict:
     counts = {}
-    for line in (ROOT / "tools/data/collected_per_file.txt").read_text().splitlines():
+    for line in (Path(__file__).parent / "data/collected_per_file.txt").read_text().splitlines():
         path, n = line.split()
         counts[path] = int(n)
     return counts
