@@ -44,3 +44,36 @@ def test_a_global_forward_hook_on_the_head_is_refused_or_sees_the_logits():
         handle.remove()
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     torch.testing.assert_close(head.weight.grad, want_head.weight.grad, rtol=0, atol=1e-12)
+
+
+def _apply_tiled_mlp_off(model: nn.Module) -> None:
+    from tiled_mlp import apply_tiled_mlp
+
+    apply_tiled_mlp(model, num_shards=2, loss="false", norms="false")
+
+
+def _apply_long_context_off(model: nn.Module) -> None:
+    from tiled_mlp import apply_long_context
+
+    apply_long_context(model, tiled_loss="false", tiled_norms="false", checkpoint_offload="false")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the Python entry points take a switch's truth value (`if loss:`), so the string 'false' (a config file's or an "
+    "environment variable's value) turns it on: apply_tiled_mlp(loss='false', norms='false') installs the tiled loss "
+    "and tiles 5 norms of the tiny Llama; apply_long_context(tiled_loss='false', tiled_norms='false', "
+    "checkpoint_offload='false') installs the loss, the norms and the offload and turns checkpointing on. The "
+    "training-flag reader refuses such text (integrations/args.py parse_bool), these do not"))
+@pytest.mark.parametrize("apply", [_apply_tiled_mlp_off, _apply_long_context_off], ids=["apply_tiled_mlp", "apply_long_context"])
+def test_a_switch_given_as_the_string_false_is_refused_before_any_change(apply):
+    from integration_tests.frameworks import need
+    from integration_tests.tiny_models import tiny_model
+    from tiled_mlp.integrations.causal_lm_loss import is_tiled_loss
+
+    need("transformers")
+    model = tiny_model("llama")
+    classes = [type(m) for m in model.modules()]
+    with pytest.raises((TypeError, ValueError), match="false"):
+        apply(model)
+    assert not is_tiled_loss(model) and [type(m) for m in model.modules()] == classes
+    assert not model.is_gradient_checkpointing
