@@ -109,3 +109,37 @@ def test_a_class_forward_patched_after_installing_is_refused_at_the_next_call(mo
     monkeypatch.setattr(modeling_llama.LlamaForCausalLM, "forward", doubled_loss)
     with pytest.raises(RuntimeError, match="forward"):
         model(input_ids=ids, labels=ids)
+
+
+def _doubled_hidden_states(module: nn.Module, args: tuple, out):
+    return type(out)(last_hidden_state=out.last_hidden_state * 2, past_key_values=out.past_key_values)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a forward hook on the decoder (model.model) registered after the tiled loss was installed is not seen by the "
+    "loss: TiledLossForward captures the decoder's output in its own forward hook, registered at install and so run "
+    "before any later hook, and the later hook's output never reaches the loss (untiled, the causal LM reads the "
+    "decoder's output after every hook). Tiny Llama, float64, a hook doubling last_hidden_state: loss 4.1771 tiled "
+    "against 4.2017 untiled, lm_head gradient off by 0.247"))
+def test_a_decoder_hook_registered_after_installing_reaches_the_tiled_loss():
+    import copy
+
+    from integration_tests.float64_loss import float64_causal_lm_loss
+    from integration_tests.frameworks import need
+    from integration_tests.tiny_models import tiny_model, token_ids
+
+    need("transformers")
+    from tiled_mlp import apply_tiled_loss
+
+    reference = tiny_model("llama")
+    model = copy.deepcopy(reference)
+    reference.loss_function = float64_causal_lm_loss
+    apply_tiled_loss(model, num_shards=3)
+    ids = token_ids()
+    for each in (reference, model):
+        each.model.register_forward_hook(_doubled_hidden_states)
+    want, got = reference(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(model.lm_head.weight.grad, reference.lm_head.weight.grad, rtol=0, atol=1e-12)
