@@ -50,10 +50,20 @@ def test_bad_num_shards_set_later_is_refused_at_once():
     ({"path": "fastest"}, ValueError, "path must be one of"),
     ({"grad_accum_dtype": torch.int32}, TypeError, "grad_accum_dtype"),
     ({"strategy": 3}, TypeError, "strategy must be"),
+    ({"use_fused_kernel": "no"}, TypeError, "use_fused_kernel must be True or False"),
 ])
 def test_bad_constructor_arguments(kwargs, error, match):
+    mlp = GatedMLP(HIDDEN, INTER)
     with pytest.raises(error, match=match):
-        TiledMLP(GatedMLP(HIDDEN, INTER), **kwargs)
+        TiledMLP(mlp, **kwargs)
+    assert type(mlp) is GatedMLP and "tiling" not in vars(mlp), "refused, yet tiled"
+
+
+def test_a_switch_set_to_a_string_is_refused():
+    tiled = TiledMLP(GatedMLP(HIDDEN, INTER))
+    with pytest.raises(TypeError, match="use_fused_kernel must be True or False"):
+        tiled.tiling.use_fused_kernel = "no"
+    assert tiled.tiling.use_fused_kernel is True
 
 
 def test_wrapping_twice_or_wrapping_a_non_module():

@@ -15,16 +15,19 @@ from .shard_plan import NumShards, check_num_shards
 STATE_ATTR = "tiling"
 
 
-def check_config(num_shards: NumShards, path: str, grad_accum_dtype: Optional[torch.dtype]) -> None:
+def check_config(num_shards: NumShards, path: str, grad_accum_dtype: Optional[torch.dtype],
+                 use_fused_kernel: bool = True) -> None:
     check_num_shards(num_shards)
     paths = ("auto", *available_kernels(MAP))  # "fast", "generic" and every registered map kernel
     if path not in paths:
         raise ValueError(f"path must be one of {paths}, got {path!r}")
     if grad_accum_dtype is not None and not (isinstance(grad_accum_dtype, torch.dtype) and grad_accum_dtype.is_floating_point):
         raise TypeError(f"grad_accum_dtype must be a floating torch.dtype or None, got {grad_accum_dtype!r}")
+    if not isinstance(use_fused_kernel, bool):  # a truthy string ("no") would turn the kernel on
+        raise TypeError(f"use_fused_kernel must be True or False, got {use_fused_kernel!r}")
 
 
-_CHECKED = ("num_shards", "path", "grad_accum_dtype")
+_CHECKED = ("num_shards", "path", "grad_accum_dtype", "use_fused_kernel")
 _PLANNED = ("path", "use_fused_kernel")  # what the call plan rests on: setting one drops the plan
 
 
@@ -67,7 +70,7 @@ class TilingState:
         if name in _CHECKED:
             config: Dict[str, Any] = {key: getattr(self, key) for key in _CHECKED}
             config[name] = value
-            check_config(config["num_shards"], config["path"], config["grad_accum_dtype"])
+            check_config(**config)
         if name in _PLANNED:
             self.__dict__["call_plan"] = None
         object.__setattr__(self, name, value)
