@@ -5,7 +5,6 @@ or ``norm_op`` (one custom op of ``ops/``), or ``eager`` (the eager call behind 
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
@@ -15,7 +14,7 @@ from torch import nn
 from . import dynamo_support
 from .fast_path import structural_decision
 from .gated_spec import hook_count
-from .module_forward import forward_function, original_forward
+from .module_forward import forward_function
 from .ops.map_ops import gated_mlp, rms_norm
 from .tiled_call import autograd_carries_the_call, decide_map_call, module_strategy
 from .tiling_state import TilingState, tiling_of
@@ -58,8 +57,7 @@ def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...]
         return _eager_route(f"the {strategy.name} strategy gathers parameters or delivers gradients itself")
     # A stand-in input: the decision reads the input's sizes, dtype and device, never its values.
     x = torch.empty((), dtype=dtype, device=device).expand(shape)
-    decision = decide_map_call(module, state, strategy, x, functools.partial(original_forward, module), (),
-                               compiling=True)
+    decision = decide_map_call(module, state, strategy, x, (), compiling=True)
     kernel = decision.kernel
     if kernel is None:
         return CompiledRoute(UNTILED, f"{decision.reason} (traced as the module's own forward)")
