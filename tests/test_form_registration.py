@@ -20,9 +20,9 @@ from tiled_mlp.core.code_forms import CodeForm
 from tiled_mlp.core.gated_forms import (
     F_SILU,
     GatedForm,
-    activation_name,
     known_form,
     linear_is_a_linear,
+    recognised_activation,
     register_activation,
     register_equivalent_linear,
     register_gated_form,
@@ -49,7 +49,7 @@ CORE_ALONE = textwrap.dedent('''
     sys.modules["tiled_mlp"] = facade
     import tiled_mlp.core
     from tiled_mlp.core import gated_forms
-    from tiled_mlp.core.gated_forms import activation_name, known_form, linear_is_a_linear
+    from tiled_mlp.core.gated_forms import known_form, linear_is_a_linear, recognised_activation
 
     class Mlp(nn.Module):  # the body transformers writes for LlamaMLP
         def __init__(self):
@@ -71,7 +71,7 @@ CORE_ALONE = textwrap.dedent('''
     sys.modules["deepspeed.runtime.zero.linear"] = types.SimpleNamespace(zero3_linear_wrap=zero3_linear_wrap)
 
     def known():
-        return (known_form(Mlp.forward) is not None, activation_name(SiLUActivation()),
+        return (known_form(Mlp.forward) is not None, recognised_activation(SiLUActivation())[0],
                 linear_is_a_linear(zero3_linear_wrap), len(gated_forms.KNOWN_BODIES))
 
     alone = known()
@@ -144,11 +144,11 @@ def test_a_third_party_registers_its_form_and_activation_and_takes_the_fast_path
         assert _path_and_check(mlp) == "generic"  # its activation is not recognised yet
         register_activation(THIRD_PARTY_ACTIVATION, computes="silu")
         try:
-            assert activation_name(ThirdPartySiLU()) == "silu"
+            assert recognised_activation(ThirdPartySiLU()) == ("silu", ())
             assert _path_and_check(mlp) == "fast"
         finally:
             unregister_activation(THIRD_PARTY_ACTIVATION)
-        assert activation_name(ThirdPartySiLU()) is None
+        assert recognised_activation(ThirdPartySiLU()) == (None, ())
     finally:
         unregister_gated_form(THIRD_PARTY_BODY)
     assert known_form(ThirdParty.forward) is None
@@ -190,11 +190,11 @@ def test_an_activation_registered_by_the_attribute_holding_its_function():
     body = CodeForm("return self.fn({x})")
     register_activation(body, function_attribute="fn")
     try:
-        assert activation_name(HoldsItsFunction(F.gelu)) == "gelu"
-        assert activation_name(HoldsItsFunction(torch.tanh)) is None  # not one the kernel computes
+        assert recognised_activation(HoldsItsFunction(F.gelu)) == ("gelu", ("fn",))
+        assert recognised_activation(HoldsItsFunction(torch.tanh)) == (None, ("fn",))  # not one the kernel computes
     finally:
         unregister_activation(body)
-    assert activation_name(HoldsItsFunction(F.gelu)) is None
+    assert recognised_activation(HoldsItsFunction(F.gelu)) == (None, ())
 
 
 def test_an_equivalent_linear_is_accepted_only_while_registered_and_its_modules_own(monkeypatch):

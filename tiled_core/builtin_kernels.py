@@ -66,7 +66,8 @@ class GatedEntry(Kernel):
         if plan.fast_kernel is None:  # stateless: one per plan, with the activation kernel for the device
             native, use_fused = plan.fast[0], tiling_of(call.module).use_fused_kernel
             activation = gated_activation(native.activation.name, call.x.device, use_fused)
-            plan.fast_kernel = GatedShardKernel(native.layout, activation, native.params, native.module_name)
+            plan.fast_kernel = GatedShardKernel(native.layout, activation, native.params, native.module_name,
+                                                native.reads)
         return plan.fast_kernel
 
 

@@ -5,7 +5,6 @@ or ``norm_op`` (one custom op of ``ops/``), or ``eager`` (the eager call behind 
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
@@ -13,9 +12,7 @@ import torch
 from torch import nn
 
 from . import dynamo_support
-from .fast_path import structural_decision
 from .gated_spec import hook_count
-from .module_forward import forward_function, original_forward
 from .ops.map_ops import gated_mlp, rms_norm
 from .tiled_call import autograd_carries_the_call, decide_map_call, module_strategy
 from .tiling_state import TilingState, tiling_of
@@ -28,7 +25,8 @@ _OP_KERNELS = {GATED_OP: "fast", NORM_OP: "norm"}
 
 @dataclass(frozen=True)
 class CompiledRoute:
-    """What a traced call runs (``kind``) and why; for an op, its parameters by name and its layout arguments."""
+    """What a traced call runs (``kind``) and why; for an op, its parameters by name, its layout arguments and the
+    plain values its kernel's decision read ((child's name, or "" for the module; attribute): ``GatedShardKernel.reads``)."""
 
     kind: str
     reason: str
@@ -36,6 +34,7 @@ class CompiledRoute:
     param_names: Tuple[str, ...] = ()
     op_args: Tuple[Any, ...] = ()
     accum_dtype: Optional[torch.dtype] = None
+    reads: Tuple[Tuple[str, str], ...] = ()
 
 
 def _eager_route(reason: str) -> CompiledRoute:
@@ -58,8 +57,7 @@ def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...]
         return _eager_route(f"the {strategy.name} strategy gathers parameters or delivers gradients itself")
     # A stand-in input: the decision reads the input's sizes, dtype and device, never its values.
     x = torch.empty((), dtype=dtype, device=device).expand(shape)
-    decision = decide_map_call(module, state, strategy, x, functools.partial(original_forward, module), (),
-                               compiling=True)
+    decision = decide_map_call(module, state, strategy, x, (), compiling=True)
     kernel = decision.kernel
     if kernel is None:
         return CompiledRoute(UNTILED, f"{decision.reason} (traced as the module's own forward)")
@@ -79,14 +77,13 @@ def decide_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...]
                              param_names, (layout.eps, layout.offset, layout.multiply), state.grad_accum_dtype)
     return CompiledRoute(GATED_OP, f"{decision.reason} (traced as one op, tiled_mlp::gated_mlp)", decision.num_shards,
                          param_names, (layout.slots, layout.scales, kernel.activation.name, state.use_fused_kernel),
-                         state.grad_accum_dtype)
+                         state.grad_accum_dtype, kernel.reads)
 
 
 @dynamo_support.decided_where_traced
-def _traced_route(module: nn.Module, default_inputs: bool, watched: Tuple[Any, ...], shape: Tuple[int, ...],
-                  dtype: torch.dtype, device: torch.device) -> CompiledRoute:
-    """``decide_route`` where Dynamo traces the call. ``watched`` (``_watched``) is passed only so that Dynamo
-    guards on it: the graph is traced again when anything in it changes."""
+def _traced_route(module: nn.Module, default_inputs: bool, shape: Tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> CompiledRoute:
+    """``decide_route`` where Dynamo traces the call."""
     route = decide_route(module, default_inputs, shape, dtype, device)
     # Report fields (as the eager call writes them): the compiled call runs what was decided here, and
     # the op cannot write them when it runs. An eager route writes its own at each call.
@@ -96,6 +93,12 @@ def _traced_route(module: nn.Module, default_inputs: bool, watched: Tuple[Any, .
         fields["last_path"] = _OP_KERNELS.get(route.kind, "untiled")
         fields["last_num_shards"], fields["last_reason"] = route.num_shards, route.reason
     return route
+
+
+@dynamo_support.decided_where_traced
+def _rests_on(watched: Tuple[Any, ...]) -> None:
+    """Nothing: ``watched`` (``_watched``) is passed only so that Dynamo guards on it, and the graph is traced
+    again, with the route decided anew, when anything in it changes."""
 
 
 def _param(module: nn.Module, name: str) -> torch.Tensor:
@@ -111,24 +114,18 @@ def _eager_call(module: nn.Module, reason: str, args: Sequence[Any], kwargs: dic
     return module._tiled_forward(*args, **kwargs)  # type: ignore[operator]  # TiledMLP's
 
 
-def _watched(module: nn.Module) -> Tuple[Any, ...]:
-    """What the route rests on besides the module and the input, read in traced code so that Dynamo guards on each.
-    Nothing is read through ``module.__dict__`` or ``vars(module)``: Dynamo's variables for a module and for its dict
-    refer to each other, a cycle that kept the module alive after ``torch._dynamo.reset()`` and ``del`` until the
-    collector ran. (A forward written into the instance dict is seen where the route is decided.)"""
+def _watched(module: nn.Module, reads: Tuple[Tuple[str, str], ...]) -> Tuple[Any, ...]:
+    """What the route rests on besides the module and the input, read in traced code so that Dynamo guards on each;
+    ``reads``: the plain values the route's kernel was decided on (``CompiledRoute.reads``). Nothing is read through
+    ``module.__dict__`` or ``vars(module)``: Dynamo's variables for a module and for its dict refer to each other, a
+    cycle that kept the module alive after ``torch._dynamo.reset()`` and ``del`` until the collector ran. (A forward
+    written into the instance dict is seen where the route is decided.)"""
     state: TilingState = module.tiling  # type: ignore[assignment]  # set on every tiled module
     return (state.path, state.num_shards, state.grad_accum_dtype, state.use_fused_kernel,
             state.instance_forward is None,
             type(module)._tiled_base.forward, type(getattr(module, "act_fn", None)),  # type: ignore[attr-defined]
             tuple(hook_count(m) for m in module.modules()),
-            tuple(getattr(getattr(module, child) if child else module, key) for child, key in _fast_reads(module)))
-
-
-@dynamo_support.decided_where_traced
-def _fast_reads(module: nn.Module) -> Tuple[Tuple[str, str], ...]:
-    """The plain values the fast kernel's decision reads (a named scale, the attribute choosing the activation)."""
-    kernel = structural_decision(module, forward_function(module))[0]
-    return kernel.reads if kernel is not None else ()
+            tuple(getattr(getattr(module, child) if child else module, key) for child, key in reads))
 
 
 def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
@@ -139,7 +136,8 @@ def compiled_call(module: nn.Module, default_inputs: bool, args: Sequence[Any], 
     x = args[0]
     if default_inputs:  # the eager call's input checks, traced (the op would flatten a 1-D input into one token)
         check_input(x, module)
-    route = _traced_route(module, default_inputs, _watched(module), tuple(x.shape), x.dtype, x.device)
+    route = _traced_route(module, default_inputs, tuple(x.shape), x.dtype, x.device)
+    _rests_on(_watched(module, route.reads))
     if route.kind == UNTILED:
         return type(module)._tiled_base.forward(module, x)  # type: ignore[attr-defined]
     if route.kind == GATED_OP:

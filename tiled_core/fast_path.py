@@ -11,11 +11,10 @@ from torch import nn
 
 from .code_forms import CodeForm, matches
 from .gated_forms import (
-    activation_name,
-    activation_reads,
     called_as_torch_calls,
     known_form,
     linear_is_a_linear,
+    recognised_activation,
     shadowed,
 )
 from .gated_spec import foreign_child_hooks, no_hook_is_backend
@@ -79,7 +78,7 @@ def structural_decision(module: nn.Module, forward_fn: Optional[Callable], is_ba
     if missing:
         return None, f"no submodule {', '.join(missing)}"
     act_module = parts[form.activation]
-    act = activation_name(act_module)
+    act, act_reads = recognised_activation(act_module)
     if act is None:
         return None, f"{form.activation} ({type(act_module).__name__}) is not a recognised activation (silu, gelu, gelu tanh)"
     # A named factor is read from the instance (its class was checked above); a bool is no factor.
@@ -108,7 +107,7 @@ def structural_decision(module: nn.Module, forward_fn: Optional[Callable], is_ba
     index = {id(p): i for i, p in enumerate(params)}
     slots = tuple(index.get(id(getattr(linears.get(role), attr, None)), -1) for role in ROLES for attr in ("weight", "bias"))
     layout = GatedLayout(slots, tuple(map(float, scales)))
-    reads = (*(("", name) for name in scale_names), *((form.activation, a) for a in activation_reads(act_module)))
+    reads = (*(("", name) for name in scale_names), *((form.activation, a) for a in act_reads))
     return GatedShardKernel(layout, NativeGatedActivation(act), params, type(module).__name__, reads), ""
 
 

@@ -2,7 +2,7 @@
 
 A forward qualifies by what it *is*, never by running it: a registered body its bytecode equals
 (``register_gated_form``; the integrations register the libraries' bodies), or a class a user registered
-(``register_gated_mlp``). Activations are recognised the same way (``activation_name``). Anything else
+(``register_gated_mlp``). Activations are recognised the same way (``recognised_activation``). Anything else
 takes the generic path, which runs the module's own forward.
 """
 from __future__ import annotations
@@ -162,20 +162,16 @@ def _function_name(value: Any) -> Optional[str]:
     return None
 
 
-def activation_name(act: Any) -> Optional[str]:
-    """"silu", "gelu" or "gelu_tanh" when ``act`` provably computes it, else None."""
+def recognised_activation(act: Any) -> Tuple[Optional[str], Tuple[str, ...]]:
+    """("silu", "gelu" or "gelu_tanh" when ``act`` provably computes it, else None; the instance attributes of
+    ``act`` that this read: the one holding its function, where its body names one)."""
     if not isinstance(act, nn.Module) or "forward" in act.__dict__:
-        return None
+        return None, ()
     computes, attribute = first_match(_ACTIVATION_BODIES, type(act).forward) or (None, None)
-    if computes is not None or attribute is None:
-        return computes
-    return None if shadowed(act, (attribute,)) else _function_name(act.__dict__.get(attribute))
-
-
-def activation_reads(act: nn.Module) -> Tuple[str, ...]:
-    """The instance attributes of ``act`` that ``activation_name`` read (the one holding its function)."""
-    _, attribute = first_match(_ACTIVATION_BODIES, type(act).forward) or (None, None)
-    return () if attribute is None else (attribute,)
+    if attribute is None:
+        return computes, ()
+    name = None if shadowed(act, (attribute,)) else _function_name(act.__dict__.get(attribute))
+    return name, (attribute,)
 
 
 # Torch's own activations, known to the core alone.

@@ -319,17 +319,17 @@ def current_plan(module: nn.Module, state: TilingState, strategy: Strategy, x: t
 # -- the decision ------------------------------------------------------------------------------------------
 
 def decide_map_call(module: nn.Module, state: TilingState, strategy: Strategy, x: torch.Tensor,
-                    shard_forward: Callable, token_inputs: Sequence[torch.Tensor], compiling: bool = False) -> CallDecision:
+                    token_inputs: Sequence[torch.Tensor], compiling: bool = False) -> CallDecision:
     """What this call of ``module`` on ``x`` runs (inside the strategy's gathered region)."""
-    return _decide(module, state, current_plan(module, state, strategy, x, token_inputs), strategy, x,
-                   shard_forward, token_inputs, compiling)
+    return _decide(module, state, current_plan(module, state, strategy, x, token_inputs), strategy, x, token_inputs,
+                   compiling)
 
 
 _DECISIONS_LIMIT = 64  # per plan: varying sequence lengths (packing, padding-free batches) make one per step
 
 
 def _decide(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Strategy, x: torch.Tensor,
-            shard_forward: Callable, token_inputs: Sequence[torch.Tensor], compiling: bool = False) -> CallDecision:
+            token_inputs: Sequence[torch.Tensor], compiling: bool = False) -> CallDecision:
     num_tokens = x.numel() // x.shape[-1]
     configured = state.num_shards
     # Compiling is part of the key: the auto policy passes a launch-bound call through under torch.compile only.
@@ -337,8 +337,7 @@ def _decide(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Stra
                 compiling)
     decision = plan.decisions.get(memo_key)
     if decision is None:
-        decision, keep = _decide_now(module, state, plan, strategy, x, shard_forward, token_inputs, num_tokens,
-                                     compiling)
+        decision, keep = _decide_now(module, state, plan, strategy, x, token_inputs, num_tokens, compiling)
         if keep:
             if len(plan.decisions) >= _DECISIONS_LIMIT:
                 plan.decisions.clear()
@@ -347,8 +346,7 @@ def _decide(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Stra
 
 
 def _decide_now(module: nn.Module, state: TilingState, plan: MapPlan, strategy: Strategy, x: torch.Tensor,
-                shard_forward: Callable, token_inputs: Sequence[torch.Tensor], num_tokens: int,
-                compiling: bool) -> Tuple[CallDecision, bool]:
+                token_inputs: Sequence[torch.Tensor], num_tokens: int, compiling: bool) -> Tuple[CallDecision, bool]:
     by_policy = not isinstance(state.num_shards, int)
     # A configured count never passes a call through for its length: only the auto policy asks the sizes.
     untiled_allowed = (by_policy or num_tokens == 0) and plan.allows_untiled
@@ -360,8 +358,8 @@ def _decide_now(module: nn.Module, state: TilingState, plan: MapPlan, strategy: 
         if auto.num_shards is None:
             return CallDecision(auto.reason), True
     only = None if state.path == "auto" else state.path
-    choice = choose_kernel(MAP, KernelCall(module, x, strategy, plan.trainable, shard_forward, token_inputs, cache=plan),
-                           only)
+    call = KernelCall(module, x, strategy, plan.trainable, plan.shard_forward, token_inputs, cache=plan)
+    choice = choose_kernel(MAP, call, only)
     if choice.entry is None:
         if state.path == "fast":
             raise fast_refused(module, dict(choice.declined).get("fast", "it declined"))
@@ -434,14 +432,13 @@ def _map_run(module: nn.Module, state: TilingState, strategy: Strategy, x: torch
             check_input(x, module)
     elif plan.strategy is not strategy:
         strategy.check_supported(module)
-    shard_forward = plan.shard_forward
-    decision = _decide(module, state, plan, strategy, x, shard_forward, flat_inputs)
+    decision = _decide(module, state, plan, strategy, x, flat_inputs)
     fields = state.__dict__
     kernel = decision.kernel
     if kernel is None:
         # Nothing to split, or too short for tiling to lower the peak: the plain module.
         fields["last_path"], fields["last_num_shards"], fields["last_reason"] = "untiled", 1, decision.reason
-        return shard_forward(x, *token_inputs)
+        return plan.shard_forward(x, *token_inputs)
     run = _run_for(decision, module, strategy, gathered, plan, state.grad_accum_dtype)
     if plan.named_buffers:
         # A buffer update (BatchNorm's running statistics) would run once per shard and again in the recompute.

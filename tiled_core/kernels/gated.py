@@ -134,7 +134,8 @@ class GatedShardKernel(ShardKernel):
                  reads: Tuple[Tuple[str, str], ...] = ()):
         self.module_name = module_name
         # The plain values the decision read, (child's name, or "" for the module itself; attribute): a named
-        # scale, the attribute choosing the activation. The call plan holds while each is the same.
+        # scale, the attribute choosing the activation. The call plan, and a graph traced with the op
+        # (``compiled_route``), hold while each is the same.
         self.reads = reads
         self.activation = activation
         self.params = params
