@@ -3,7 +3,7 @@ where no other test reaches the refusal. Each entry is ``raised``'s ``(exception
 is that a refused call changes nothing, the state it could have changed is returned beside it."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 from torch import nn
@@ -116,3 +116,43 @@ def call_refusals(rank: int, world: int) -> Dict[str, Any]:
     engine.destroy()
     sp.remove()
     return out
+
+
+# Stands for a hub kernel's name (``org/repo``), which DeepSpeed would fetch: no slash, so that nothing is fetched.
+LAZY_NAME = "lazily_loaded_attention"
+
+
+def lazily_registered_attention(rank: int, world: int) -> Tuple[str, str]:
+    """A model under SP whose attention name nothing registered before SP: DeepSpeed 0.19.8 loads a hub kernel's
+    name (``org/repo``) itself, and transformers registers it then (``load_and_register_attn_kernel``). Loading one
+    needs CUDA and the hub, so the registration is made here, where DeepSpeed's lazy import makes it. Another model
+    using that name then has no attention to run outside SP: the error of its call."""
+    from unittest import mock
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from tiled_mlp.integrations.seams import deepspeed_internals
+    from tiled_mlp.integrations.ulysses import apply_sequence_parallel
+
+    from .tiny_models import tiny_model
+
+    register = deepspeed_internals.register_ulysses
+
+    def loading_the_kernel_first(model, attention, size, micro_batch_size):
+        ALL_ATTENTION_FUNCTIONS.register(attention, sdpa_attention_forward)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(attention, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        return register(model, attention, size, micro_batch_size)
+
+    model = _sdpa_llama_with_tiled_loss()
+    model.config._attn_implementation = LAZY_NAME
+    with mock.patch.object(deepspeed_internals, "register_ulysses", loading_the_kernel_first):
+        sp = apply_sequence_parallel(model, world)
+    other = tiny_model("llama", seed=1, dtype=DTYPE)
+    other.config._attn_implementation = LAZY_NAME
+    ids, _ = sp_sample(SPCase("refusals"), 0, 0)
+    with torch.no_grad():
+        outcome = raised(lambda: other(input_ids=ids))
+    sp.remove()
+    return outcome

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from .comparison import needs_deepspeed
-from .refusals_sp_cases import apply_refusals, call_refusals
+from .refusals_sp_cases import LAZY_NAME, apply_refusals, call_refusals, lazily_registered_attention
 from .spawn import run_distributed
 
 pytest.importorskip("transformers")
@@ -42,3 +42,10 @@ def test_refusals_of_a_call_under_sp(tmp_path):
         assert out["engine_group"][0] == "UnsupportedBackendError", out
         assert "was built with the SP group of ranks [0, 1], but the loss is split across ranks" in out["engine_group"][1], out
         assert out["engine_group_untouched"], out
+
+
+@pytest.mark.timeout(60)
+def test_another_model_on_an_attention_name_registered_only_by_sp_is_refused(tmp_path):
+    for kind, message in run_distributed(lazily_registered_attention, WORLD, tmp_path, timeout=50):
+        assert kind == "RuntimeError", (kind, message)
+        assert f"no attention function was registered under '{LAZY_NAME}' before SP" in message, message
