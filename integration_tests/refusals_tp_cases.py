@@ -9,6 +9,7 @@ from unittest import mock
 import torch
 from torch import nn
 
+from . import tp_cases
 from .sp_cases import raised
 from .tp_cases import tiled_norm_outcome
 from .tp_loss_cases import HIDDEN, VOCAB, _case_inputs, _proj_and_head
@@ -99,3 +100,113 @@ def hf_head_unchecked_version(rank: int, world: int, path: str) -> Tuple[str, st
     with mock.patch.object(hf_tensor_parallel, "CHECKED_VERSIONS", ("0.0.0",)):
         apply_tiled_loss(model)
         return raised(lambda: model(input_ids=ids, labels=ids))
+
+
+class TPFusedMLP(nn.Module):
+    """Phi-3's fused MLP (one ``gate_up_proj``, chunked into gate and up), declared to the fast kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(tp_cases.HIDDEN, 2 * tp_cases.INTERMEDIATE, bias=False, dtype=torch.float64)
+        self.down_proj = nn.Linear(tp_cases.INTERMEDIATE, tp_cases.HIDDEN, bias=False, dtype=torch.float64)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def _fast_outcome(mlp: nn.Module) -> str:
+    """The error of a call of ``mlp`` tiled with ``path="fast"``, or what it returned."""
+    from tiled_mlp import TiledMLP
+
+    from .tp_cases import step_data
+
+    try:
+        TiledMLP(mlp, num_shards=2, path="fast")
+        y = mlp(step_data(0)[0].requires_grad_(True))
+    except (RuntimeError, ValueError) as error:
+        return f"raised: {error}"
+    return f"returned {tuple(y.shape)} through {mlp.tiling.last_path}"
+
+
+def fast_view_declines(rank: int, world: int) -> Dict[str, str]:
+    """The gated MLP laid out in ways the fast kernel's local view does not prove, each tiled with ``path="fast"``:
+    the reason it declines, which the forced path raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from tiled_mlp import register_gated_mlp
+
+    from .tp_cases import gated_mlp
+
+    mesh = init_device_mesh("cpu", (world,))
+    other = init_device_mesh("cpu", (world,), mesh_dim_names=("other",))
+
+    def laid_out(plan, module=None, on=mesh):
+        return parallelize_module(module if module is not None else gated_mlp(), on, plan)
+
+    col, row = ColwiseParallel, RowwiseParallel
+    out = {}
+    register_gated_mlp(TPFusedMLP, gate=None, up=None, gate_up="gate_up_proj", activation="act_fn")
+    torch.manual_seed(0)
+    out["fused"] = _fast_outcome(laid_out({"gate_up_proj": col(), "down_proj": row()}, TPFusedMLP()))
+    out["down_plain"] = _fast_outcome(laid_out({"gate_proj": col(), "up_proj": col()}))
+    mlp = laid_out({"gate_proj": col(), "up_proj": col()})
+    out["two_meshes"] = _fast_outcome(parallelize_module(mlp, other, {"down_proj": row()}))
+    mlp = laid_out({"gate_proj": col(), "up_proj": col(), "down_proj": row()})
+    whole = mlp.gate_proj.weight.full_tensor().detach()
+    mlp.gate_proj.weight = nn.Parameter(DTensor.from_local(whole, mesh, [Replicate()], run_check=False))
+    out["replicated_weight"] = _fast_outcome(mlp)
+    mlp = laid_out({"gate_proj": row(), "up_proj": col(), "down_proj": row()})
+    whole = mlp.gate_proj.weight.full_tensor().detach()  # laid out by rows as ColwiseParallel would, its hooks kept
+    rows = whole.chunk(world)[rank]
+    mlp.gate_proj.weight = nn.Parameter(DTensor.from_local(rows, mesh, [Shard(0)], run_check=False))
+    out["rowwise_gate"] = _fast_outcome(mlp)
+    out["inputs_differ"] = _fast_outcome(laid_out({"gate_proj": col(), "up_proj": col(input_layouts=Shard(1)),
+                                                   "down_proj": row()}))
+    sharded_product = [col(), col()]
+    for style in sharded_product:  # ColwiseParallel fixes it to Replicate; it is a public attribute
+        style.desired_input_layouts = (Shard(-1),)
+    out["input_not_replicated"] = _fast_outcome(laid_out({"gate_proj": sharded_product[0], "up_proj": sharded_product[1],
+                                                          "down_proj": row()}))
+    out["down_input"] = _fast_outcome(laid_out({"gate_proj": col(), "up_proj": col(),
+                                                "down_proj": row(input_layouts=Replicate())}))
+    return out
+
+
+def sequence_view_declines(rank: int, world: int) -> Dict[str, str]:
+    """A norm under ``SequenceParallel`` laid out in ways the sequence-parallel view does not prove: the error of
+    its tiled call (the generic kernel is refused with the view's reason)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    other = init_device_mesh("cpu", (world,), mesh_dim_names=("other",))
+    x = torch.randn(2, SEQ, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    norm = _sequence_parallel_norm(mesh)
+    norm.add_module("after", nn.Identity())  # a submodule without parameters (with them, SequenceParallel fails)
+    out = {"submodule": tiled_norm_outcome(norm, x)}
+    norm = _sequence_parallel_norm(mesh)
+    norm.register_forward_hook(lambda module, args, output: None)
+    out["extra_hook"] = tiled_norm_outcome(norm, x)
+    norm = _sequence_parallel_norm(mesh)
+    norm.weight.requires_grad_(False)
+    out["frozen"] = tiled_norm_outcome(norm, x)
+    norm = _sequence_parallel_norm(mesh)
+    norm.register_parameter("shift", nn.Parameter(torch.zeros(HIDDEN, dtype=torch.float64)))
+    out["plain_parameter"] = tiled_norm_outcome(norm, x)
+    norm = _sequence_parallel_norm(mesh)
+    weight = norm.weight.to_local().detach()
+    norm.weight = nn.Parameter(DTensor.from_local(weight[: HIDDEN // world], mesh, [Shard(0)], run_check=False))
+    out["sharded_weight"] = tiled_norm_outcome(norm, x)
+    norm = _sequence_parallel_norm(mesh)
+    norm.weight = nn.Parameter(DTensor.from_local(weight, other, [Replicate()], run_check=False))
+    out["weight_on_other_mesh"] = tiled_norm_outcome(norm, x)
+    style = SequenceParallel(use_local_output=True)
+    style.sequence_sharding = (Replicate(),)  # SequenceParallel fixes it to one Shard; a public attribute
+    norm = parallelize_module(nn.RMSNorm(HIDDEN, dtype=torch.float64), mesh, style)
+    out["replicated_input"] = tiled_norm_outcome(norm, x)
+    return out

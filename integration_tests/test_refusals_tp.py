@@ -6,7 +6,13 @@ import pytest
 
 from .frameworks import need
 from .hf_tp_cases import save_tiny_llama
-from .refusals_tp_cases import head_refusals, hf_head_unchecked_version, norm_refusals
+from .refusals_tp_cases import (
+    fast_view_declines,
+    head_refusals,
+    hf_head_unchecked_version,
+    norm_refusals,
+    sequence_view_declines,
+)
 from .spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -44,3 +50,46 @@ def test_the_tiled_loss_alone_refuses_a_hugging_face_head_from_an_unchecked_vers
         assert kind == "UnsupportedBackendError", (kind, message)
         assert f"laid out Linear under transformers {transformers.__version__};" in message, message
         assert "on transformers 0.0.0 only" in message, message
+
+
+# The reason the fast kernel's local view gives for each layout it does not prove (``path="fast"`` raises it).
+FAST_DECLINES = {
+    "fused": "a fused gate_up_proj is not split into gate and up alike by ColwiseParallel",
+    "down_plain": "some projections' parameters are DTensors and others are not",
+    "two_meshes": "the projections' parameters are not all on one 1-D mesh",
+    "replicated_weight": "gate_proj.weight is (Replicate(),), not (S(0),)",
+    "rowwise_gate": "gate_proj is laid out by RowwiseParallel, not the colwise style the fast kernel computes",
+    "inputs_differ": "gate_proj and up_proj prepare their input differently",
+    "input_not_replicated": "gate_proj's input is made (Shard(dim=-1),), not Replicate",
+    "down_input": "down_proj's input is prepared as ((Replicate(),), (Shard(dim=-1),)), not Shard(-1) kept as it is",
+}
+
+
+@pytest.mark.timeout(60)
+def test_the_fast_kernel_declines_layouts_its_local_view_does_not_prove(tmp_path):
+    for out in run_distributed(fast_view_declines, WORLD, tmp_path, timeout=50):
+        assert set(out) == set(FAST_DECLINES), out
+        for case, words in FAST_DECLINES.items():
+            assert out[case].startswith("raised: path='fast' cannot apply to "), (case, out[case])
+            assert f"tensor parallelism: {words}" in out[case], (case, out[case])
+
+
+# The reason the sequence-parallel view gives for each norm layout it does not prove.
+SEQUENCE_DECLINES = {
+    "submodule": "TiledRMSNorm has submodules; the view proves a module with none",
+    "extra_hook": "TiledRMSNorm has 1 forward pre-hooks and 2 forward hooks, not SequenceParallel's own",
+    "frozen": "TiledRMSNorm has a frozen parameter",
+    "plain_parameter": "some parameters are DTensors and others are not",
+    "sharded_weight": "a parameter is a DTensor (Shard(dim=0),) over a 1-D mesh (2,), not Replicate",
+    "weight_on_other_mesh": "its hooks are on another mesh than its parameters",
+    "replicated_input": "its input is laid out as (Replicate(),), not one Shard",
+}
+
+
+@pytest.mark.timeout(60)
+def test_a_sequence_parallel_norm_the_view_does_not_prove_is_refused(tmp_path):
+    for out in run_distributed(sequence_view_declines, WORLD, tmp_path, timeout=50):
+        assert set(out) == set(SEQUENCE_DECLINES), out
+        for case, words in SEQUENCE_DECLINES.items():
+            assert out[case].startswith("raised: TiledMLP: no registered kernel runs TiledRMSNorm"), (case, out[case])
+            assert f"'generic' declined: tensor parallelism (SequenceParallel): {words}" in out[case], (case, out[case])
