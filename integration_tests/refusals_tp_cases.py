@@ -87,19 +87,35 @@ def head_refusals(rank: int, world: int) -> Dict[str, Tuple[str, str]]:
     return out
 
 
-def hf_head_unchecked_version(rank: int, world: int, path: str) -> Tuple[str, str]:
-    """The tiled loss alone (``apply_tiled_loss``, no tiled MLP) on a model Hugging Face laid out (``tp_plan``)
-    under a transformers version the seam was not checked on: the error of the first labelled forward."""
+def hf_head_refusals(rank: int, world: int, path: str) -> Dict[str, Tuple[str, str]]:
+    """The tiled loss alone (``apply_tiled_loss``, no tiled MLP) on a model Hugging Face laid out (``tp_plan``):
+    under a transformers version the seam was not checked on, and with ``lm_head`` under a subclass of HF's
+    ColwiseParallel (which the seam does not prove): the error of the first labelled forward."""
+    from transformers.distributed import tensor_parallel
+
     from tiled_mlp.integrations import apply_tiled_loss
     from tiled_mlp.strategies import hf_tensor_parallel
 
     from .hf_tp_cases import BATCH, SEQUENCE, _load
 
-    model = _load(path, tensor_parallel=True)
+    class SubclassedColwise(tensor_parallel.ColwiseParallel):
+        pass
+
     ids = torch.zeros(BATCH, SEQUENCE, dtype=torch.long)
+    out = {}
+    model = _load(path, tensor_parallel=True)
     with mock.patch.object(hf_tensor_parallel, "CHECKED_VERSIONS", ("0.0.0",)):
         apply_tiled_loss(model)
-        return raised(lambda: model(input_ids=ids, labels=ids))
+        out["unchecked_version"] = raised(lambda: model(input_ids=ids, labels=ids))
+    model = _load(path, tensor_parallel=True)
+    forward = vars(model.lm_head)["forward"]  # HF's tp_forward, a closure over its style (``self``)
+    cell = forward.__closure__[forward.__code__.co_freevars.index("self")]
+    style = SubclassedColwise()
+    vars(style).update(vars(cell.cell_contents))
+    cell.cell_contents = style
+    apply_tiled_loss(model)
+    out["unproven_style"] = raised(lambda: model(input_ids=ids, labels=ids))
+    return out
 
 
 class TPFusedMLP(nn.Module):

@@ -9,7 +9,7 @@ from .hf_tp_cases import save_tiny_llama
 from .refusals_tp_cases import (
     fast_view_declines,
     head_refusals,
-    hf_head_unchecked_version,
+    hf_head_refusals,
     norm_refusals,
     sequence_view_declines,
 )
@@ -42,14 +42,19 @@ def test_the_vocabulary_parallel_loss_refuses_heads_whose_rows_it_cannot_place(t
 
 
 @pytest.mark.timeout(60)
-def test_the_tiled_loss_alone_refuses_a_hugging_face_head_from_an_unchecked_version(tmp_path):
+def test_the_tiled_loss_alone_refuses_hugging_face_heads_it_does_not_prove(tmp_path):
     transformers = need("transformers")
     path = str(tmp_path / "tiny-llama")
     save_tiny_llama(path)
-    for kind, message in run_distributed(hf_head_unchecked_version, WORLD, tmp_path, path, timeout=50):
-        assert kind == "UnsupportedBackendError", (kind, message)
-        assert f"laid out Linear under transformers {transformers.__version__};" in message, message
-        assert "on transformers 0.0.0 only" in message, message
+    for out in run_distributed(hf_head_refusals, WORLD, tmp_path, path, timeout=50):
+        kind, message = out["unchecked_version"]
+        assert kind == "UnsupportedBackendError", out
+        assert f"laid out Linear under transformers {transformers.__version__};" in message, out
+        assert "on transformers 0.0.0 only" in message, out
+        kind, message = out["unproven_style"]
+        assert kind == "UnsupportedBackendError", out
+        assert "tiled loss: Linear is tensor-parallel with Hugging Face's SubclassedColwise (weight a DTensor" in message, out
+        assert "Lay lm_head out with Hugging Face's 'colwise' or 'colwise_gather_output' style" in message, out
 
 
 # The reason the fast kernel's local view gives for each layout it does not prove (``path="fast"`` raises it).
