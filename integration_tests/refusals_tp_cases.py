@@ -3,7 +3,7 @@ a user would get there (torch's ``parallelize_module``, a parameter set on the m
 ``tp_plan``), and the text of the error each raises (``raised``: ``("", "nothing raised")`` where none was)."""
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 from unittest import mock
 
 import torch
@@ -115,6 +115,60 @@ def hf_head_refusals(rank: int, world: int, path: str) -> Dict[str, Tuple[str, s
     cell.cell_contents = style
     apply_tiled_loss(model)
     out["unproven_style"] = raised(lambda: model(input_ids=ids, labels=ids))
+    return out
+
+
+class LinearSubclass(nn.Linear):
+    """A Linear of another class: Hugging Face's style on it is not the seam's proof (a plain ``nn.Linear``)."""
+
+
+def _unprove(model: nn.Module, how: str) -> Any:
+    """Undo one condition of the seam's proof on layer 0's gate_proj (``hf_tensor_parallel.proven_style``); returns
+    a context manager to run the model in."""
+    import contextlib
+    import copy
+    import functools
+
+    from transformers.distributed import tensor_parallel
+
+    linear = model.model.layers[0].mlp.gate_proj
+    forward = vars(linear)["forward"]  # HF's tp_forward, a closure over its style and the Linear's own forward
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__, strict=True))
+    if how == "style_attribute":  # on a copy: HF's style instances are shared by every model of the process
+        style = copy.copy(cells["self"].cell_contents)
+        style.note = "set on the instance"
+        cells["self"].cell_contents = style
+    elif how == "linear_class":
+        linear.__class__ = LinearSubclass
+    elif how == "inner_forward":
+        cells["original_forward"].cell_contents = functools.partial(nn.Linear.forward, linear)
+    elif how == "class_method":
+        original = tensor_parallel.ColwiseParallel.transform_inputs_pre_forward
+
+        def passing_through(self, *args, **kwargs):
+            return original(self, *args, **kwargs)
+
+        return mock.patch.object(tensor_parallel.ColwiseParallel, "transform_inputs_pre_forward", passing_through)
+    return contextlib.nullcontext()
+
+
+UNPROVEN = ("style_attribute", "class_method", "linear_class", "inner_forward")
+
+
+def hf_unproven_layouts(rank: int, world: int, path: str) -> Dict[str, Tuple[str, Tuple[str, str]]]:
+    """Hugging Face's tensor parallelism with one condition of the seam's proof undone on one Linear of an MLP,
+    tiled with ``apply_tiled_mlp``: what the report expects of that MLP, and the error of the first forward."""
+    from tiled_mlp.integrations import apply_tiled_mlp
+
+    from .hf_tp_cases import BATCH, SEQUENCE, _load
+
+    ids = torch.zeros(BATCH, SEQUENCE, dtype=torch.long)
+    out = {}
+    for how in UNPROVEN:
+        model = _load(path, tensor_parallel=True)
+        with _unprove(model, how):
+            report = apply_tiled_mlp(model, num_shards=2)
+            out[how] = (report.patched[0].expected_path, raised(lambda m=model: m(input_ids=ids)))
     return out
 
 

@@ -7,9 +7,11 @@ import pytest
 from .frameworks import need
 from .hf_tp_cases import save_tiny_llama
 from .refusals_tp_cases import (
+    UNPROVEN,
     fast_view_declines,
     head_refusals,
     hf_head_refusals,
+    hf_unproven_layouts,
     norm_refusals,
     sequence_view_declines,
 )
@@ -55,6 +57,19 @@ def test_the_tiled_loss_alone_refuses_hugging_face_heads_it_does_not_prove(tmp_p
         assert kind == "UnsupportedBackendError", out
         assert "tiled loss: Linear is tensor-parallel with Hugging Face's SubclassedColwise (weight a DTensor" in message, out
         assert "Lay lm_head out with Hugging Face's 'colwise' or 'colwise_gather_output' style" in message, out
+
+
+@pytest.mark.timeout(60)
+def test_hugging_face_styles_the_seam_does_not_prove_are_refused_at_the_first_forward(tmp_path):
+    need("transformers")
+    path = str(tmp_path / "tiny-llama")
+    save_tiny_llama(path)
+    for out in run_distributed(hf_unproven_layouts, WORLD, tmp_path, path, timeout=55):
+        assert set(out) == set(UNPROVEN), out
+        for how, (expected, (kind, message)) in out.items():
+            assert expected.startswith("refused at the first forward"), (how, expected)
+            assert kind == "RuntimeError" and "no registered kernel runs TiledLlamaMLP" in message, (how, message)
+            assert "gate_proj (Hugging Face's ColwiseParallel)" in message, (how, message)
 
 
 # The reason the fast kernel's local view gives for each layout it does not prove (``path="fast"`` raises it).
