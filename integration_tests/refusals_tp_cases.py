@@ -65,7 +65,8 @@ def _loss_outcome(head: nn.Module, **kwargs) -> Tuple[str, str]:
 def head_refusals(rank: int, world: int) -> Dict[str, Tuple[str, str]]:
     """The vocabulary-parallel tiled loss on ``lm_head`` layouts it cannot read its rows from: a bias set to a
     Replicate DTensor after ``ColwiseParallel`` laid the head out, a weight whose Shard(0) split is not
-    ``torch.chunk``'s (``DTensor.from_local`` with uneven rows), and a ``sequence_group`` beside it."""
+    ``torch.chunk``'s (``DTensor.from_local`` with uneven rows), a ``sequence_group`` beside it, and a head FSDP2 shards
+    again over a second mesh dimension."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -84,6 +85,14 @@ def head_refusals(rank: int, world: int) -> Dict[str, Tuple[str, str]]:
                                                   stride=whole.stride()))
     out["uneven_rows"] = _loss_outcome(head)
     out["sequence_group"] = _loss_outcome(_colwise_head(mesh), sequence_group=dist.new_group())
+    # FSDP2 over the TP head, resharded after its forward: the weight is a DTensor on the 2-D mesh.
+    from torch.distributed.fsdp import fully_shard
+
+    two_d = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    head = _colwise_head(two_d["tp"])
+    fully_shard(head, mesh=two_d["dp"])
+    head.reshard()
+    out["resharded_by_fsdp2"] = _loss_outcome(head)
     return out
 
 

@@ -41,6 +41,8 @@ def test_the_vocabulary_parallel_loss_refuses_heads_whose_rows_it_cannot_place(t
         kind, message = out["sequence_group"]
         assert kind == "UnsupportedBackendError" and "is vocabulary-parallel (ColwiseParallel) and a sequence_group " \
             "was given" in message, out
+        kind, message = out["resharded_by_fsdp2"]
+        assert kind == "UnsupportedBackendError" and "keep lm_head out of fully_shard" in message, out
 
 
 @pytest.mark.timeout(60)

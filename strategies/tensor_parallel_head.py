@@ -89,6 +89,10 @@ class TensorParallelHeadStrategy(SequenceParallelAware, Strategy):
         if problem:
             raise UnsupportedBackendError(problem)
         style = linear_style(module)
+        if style is not None and style.kind == "colwise" and has_dtensor([weight]) and weight.device_mesh.ndim > 1:
+            # Laid out as asked, then sharded again over a second mesh dimension (fully_shard over the TP head).
+            raise UnsupportedBackendError(LAYOUT_ERROR.format(
+                head=head, layout=f"its weight {layout_of(weight)}", bias=bias_text, fix=MESH_FIX))
         if style is None or style.kind != "colwise" or style.mesh != weight.device_mesh:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
