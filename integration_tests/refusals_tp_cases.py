@@ -27,7 +27,7 @@ def _sequence_parallel_norm(mesh, sequence_dim: int = 1) -> nn.Module:
 def norm_refusals(rank: int, world: int) -> Dict[str, str]:
     """A tiled RMSNorm under ``SequenceParallel`` handed an input it cannot compute on: a DTensor on another mesh
     (the style's input hook keeps a DTensor already sharded as it wants, whatever its mesh), and the hidden
-    dimension sharded (``sequence_dim=2``)."""
+    dimension sharded (``sequence_dim=2``, or ``-1``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -37,7 +37,11 @@ def norm_refusals(rank: int, world: int) -> Dict[str, str]:
     on_other_mesh = DTensor.from_local(local, other, [Shard(1)], run_check=False)
     return {"other_mesh": tiled_norm_outcome(_sequence_parallel_norm(mesh), on_other_mesh),
             "hidden_sharded": tiled_norm_outcome(_sequence_parallel_norm(mesh, sequence_dim=2),
-                                                 local[..., : HIDDEN // world])}
+                                                 local[..., : HIDDEN // world]),
+            "hidden_sharded_as_last": tiled_norm_outcome(_sequence_parallel_norm(mesh, sequence_dim=-1),
+                                                         local[..., : HIDDEN // world]),
+            # Not a refusal: the token dimension counted from the end is the token dimension.
+            "tokens_as_negative": tiled_norm_outcome(_sequence_parallel_norm(mesh, sequence_dim=-2), local)}
 
 
 def _colwise_head(mesh, bias: bool = False) -> nn.Module:

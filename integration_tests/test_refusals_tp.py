@@ -28,6 +28,9 @@ def test_a_sequence_parallel_norm_refuses_an_input_it_cannot_compute_on(tmp_path
         assert out["other_mesh"].startswith("raised: tensor parallelism: the tiled call's input is a DTensor"), out
         assert "on the weight's mesh that SequenceParallel's input hook makes" in out["other_mesh"], out
         assert "SequenceParallel shards the hidden dimension of the input (sequence_dim=2)" in out["hidden_sharded"], out
+        assert "SequenceParallel shards the hidden dimension of the input (sequence_dim=-1)" in \
+            out["hidden_sharded_as_last"], out
+        assert out["tokens_as_negative"].startswith("returned"), out
 
 
 @pytest.mark.timeout(60)

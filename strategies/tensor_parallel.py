@@ -300,14 +300,15 @@ class SequenceParallelView:
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Shard
 
-        placements = (Shard(self.sequence_dim),)
-        if not isinstance(x, DTensor) or tuple(x.placements) != placements or x.device_mesh != self.mesh:
-            raise RuntimeError(f"tensor parallelism: the tiled call's input is {layout_of(x)}, not the DTensor "
-                               f"{placements} on the weight's mesh that SequenceParallel's input hook makes")
+        # First: DTensor writes a negative dimension as its positive one (Shard(-1) is Shard(2)).
         if self.sequence_dim % x.dim() == x.dim() - 1:
             raise RuntimeError("tensor parallelism: SequenceParallel shards the hidden dimension of the input "
                                f"(sequence_dim={self.sequence_dim}): a norm over a slice of the hidden features is "
                                "not the norm; shard a token dimension")
+        placements = (Shard(self.sequence_dim % x.dim()),)  # as DTensor writes it
+        if not isinstance(x, DTensor) or tuple(x.placements) != placements or x.device_mesh != self.mesh:
+            raise RuntimeError(f"tensor parallelism: the tiled call's input is {layout_of(x)}, not the DTensor "
+                               f"{placements} on the weight's mesh that SequenceParallel's input hook makes")
         # A token-wise map: the output's global shape is the input's, not one re-derived from this rank's slice.
         self.global_shape = tuple(x.shape)
         return x.to_local()
