@@ -59,14 +59,9 @@ def _apply_long_context_off(model: nn.Module) -> None:
     apply_long_context(model, tiled_loss="false", tiled_norms="false", checkpoint_offload="false")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the Python entry points take a switch's truth value (`if loss:`), so the string 'false' (a config file's or an "
-    "environment variable's value) turns it on: apply_tiled_mlp(loss='false', norms='false') installs the tiled loss "
-    "and tiles 5 norms of the tiny Llama; apply_long_context(tiled_loss='false', tiled_norms='false', "
-    "checkpoint_offload='false') installs the loss, the norms and the offload and turns checkpointing on. The "
-    "training-flag reader refuses such text (integrations/args.py parse_bool), these do not"))
 @pytest.mark.parametrize("apply", [_apply_tiled_mlp_off, _apply_long_context_off], ids=["apply_tiled_mlp", "apply_long_context"])
 def test_a_switch_given_as_the_string_false_is_refused_before_any_change(apply):
+    """The string 'false' (a config file's or an environment variable's value) is true in Python: refused, not read."""
     from integration_tests.frameworks import need
     from integration_tests.tiny_models import tiny_model
     from tiled_mlp.integrations.causal_lm_loss import is_tiled_loss
