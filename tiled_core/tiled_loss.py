@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module_globals
 
 from tiled_mlp.strategies.base import Strategy, VocabSlice
 from tiled_mlp.strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg, sums_over_sequence_ranks
@@ -45,6 +46,12 @@ HEAD_HOOKS_ERROR = (
     "tiled loss: {head} carries hooks of its own ({hooks}); the loss runs inside the head's call (so that a "
     "backend's hooks on it surround the loss), where these would see the hidden states and the loss instead of "
     "the logits, and could change the loss. Remove them from the head, or leave the tiled loss off"
+)
+GLOBAL_HOOK_ERROR = (
+    "tiled loss: a forward hook registered for every module (torch.nn.modules.module.register_module_forward_hook: "
+    "{hooks}) changed what {head}'s call returned; the loss runs inside the head's call, so the hook was given the "
+    "loss where it would be given the logits, and the loss it returned is not the model's. Remove the hook while "
+    "the tiled loss runs (its handle's remove()), or leave the tiled loss off"
 )
 
 
@@ -146,6 +153,8 @@ class _ForwardForOneCall:
         self.work = work
         self.hidden = hidden  # where the head is given a stand-in: the hidden states the loss computes with
         self.previous = vars(head).get("forward")
+        self.result: Any = None  # what ``work`` returned, and its version counter then (a tensor's)
+        self.version: Optional[int] = None
 
     def put_back(self) -> None:
         if vars(self.head).get("forward") is not self:
@@ -159,7 +168,9 @@ class _ForwardForOneCall:
         self.put_back()
         if self.hidden is not None:  # as the hooks handed over the stand-in: cast, or moved by a root's hook
             given = self.hidden.to(device=given.device, dtype=given.dtype)
-        return self.work(given)
+        self.result = self.work(given)
+        self.version = getattr(self.result, "_version", None)
+        return self.result
 
 
 def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Tensor], torch.Tensor],
@@ -169,9 +180,17 @@ def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Te
     forward = _ForwardForOneCall(head, work, None if sees_graph else hidden)
     head.__dict__["forward"] = forward
     try:
-        return head(hidden if sees_graph else hidden.detach())
+        out = head(hidden if sees_graph else hidden.detach())
     finally:
         forward.put_back()  # where a pre-hook raised before the forward ran
+    # The head's own hooks were checked before (only a backend's may be there, and may hand on another tensor);
+    # where there are none, only a global hook can have replaced the loss or changed it in place.
+    loss = forward.result
+    if loss is not None and hook_count(head) == 0 and (out is not loss or getattr(out, "_version", None) != forward.version):
+        hooks = [getattr(h, "__qualname__", type(h).__qualname__)
+                 for h in _module_globals._global_forward_hooks.values()]
+        raise RuntimeError(GLOBAL_HOOK_ERROR.format(hooks=", ".join(hooks), head=type(head).__name__))
+    return out
 
 
 def _backend(lm_head: nn.Module, fixed: Optional[Strategy]) -> Tuple[Strategy, Any, List[torch.Tensor]]:
