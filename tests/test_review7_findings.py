@@ -73,20 +73,17 @@ def test_a_switch_given_as_the_string_false_is_refused_before_any_change(apply):
     assert not model.is_gradient_checkpointing
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a causal LM's class forward patched after the tiled loss was installed (as Liger-Kernel's apply_liger_kernel_to_* "
-    "or any library patching LlamaForCausalLM.forward does) is not refused at the next call: docs/long-context-stack.md "
-    "says it is, and install refuses it (check_tiled_loss), but TiledLossForward._check_forward reads only the instance "
-    "forward. The tiled loss runs the patched forward with labels=None, so a patch that changes the loss is dropped "
-    "silently: tiny Llama, float64, a patch doubling the loss: tiled 4.1771 against 8.3542 untiled"))
 def test_a_class_forward_patched_after_installing_is_refused_at_the_next_call(monkeypatch):
+    """The tiled loss runs the class forward with labels=None, so a patch that changes the loss would be dropped
+    (a patch doubling it: 4.1771 tiled against 8.3542 untiled, float64)."""
     from integration_tests.frameworks import need
     from integration_tests.tiny_models import tiny_model, token_ids
 
     need("transformers")
     from transformers.models.llama import modeling_llama
 
-    from tiled_mlp import apply_tiled_loss
+    from tiled_mlp import apply_tiled_loss, remove_tiled_loss
+    from tiled_mlp.integrations.causal_lm_loss import is_tiled_loss
 
     model = tiny_model("llama")
     apply_tiled_loss(model, num_shards=3)
@@ -103,6 +100,9 @@ def test_a_class_forward_patched_after_installing_is_refused_at_the_next_call(mo
     monkeypatch.setattr(modeling_llama.LlamaForCausalLM, "forward", doubled_loss)
     with pytest.raises(RuntimeError, match="forward"):
         model(input_ids=ids, labels=ids)
+    remove_tiled_loss(model)  # not refused: the patched forward runs once the tiled loss is off
+    assert not is_tiled_loss(model)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, 2 * original(model, input_ids=ids, labels=ids).loss)
 
 
 def _doubled_hidden_states(module: nn.Module, args: tuple, out):
