@@ -261,6 +261,16 @@ class TiledLossForward:
         # The Trainer reads the model's forward signature (label columns, ``**kwargs`` for num_items_in_batch).
         return inspect.signature(self._inner())
 
+    def _capture_after_every_hook(self) -> None:
+        """The capture hook last among the decoder's forward hooks, so that the loss reads the decoder's output as
+        the causal LM would, after every hook registered since. Moved, not registered again: its handle's id (the
+        key of torch's hook dicts, ``_forward_hooks_with_kwargs`` and ``_forward_hooks_always_called`` included)
+        stays, and torch's handle counter does not move."""
+        hooks = self.decoder_hook.hooks_dict_ref()
+        key = self.decoder_hook.id
+        if hooks is not None and key in hooks and next(reversed(hooks)) != key:
+            cast(Any, hooks).move_to_end(key)
+
     def capture_decoder_output(self, _module: nn.Module, _args: Any, out: Any) -> None:
         if self._capturing:
             self._captured = out[0] if isinstance(out, tuple) else out.last_hidden_state
@@ -326,6 +336,7 @@ class TiledLossForward:
         if args and args[0] is self.model:  # accelerate's unwrap_model binds this forward to the model
             args = args[1:]
         self._check_forward()
+        self._capture_after_every_hook()
         arguments = inspect.signature(self._inner()).bind(*args, **kwargs).arguments
         return self._run(args, kwargs, arguments, dict(arguments.pop("kwargs", {})))
 
@@ -426,6 +437,7 @@ def _traced_names(forward: TiledLossForward, names: Tuple[str, ...], positional:
     """The eager call's checks, then ``names`` split into the forward's own parameters and those its ``**kwargs``
     takes; None where the call runs eagerly. ``loss_function`` is passed so that Dynamo guards on it."""
     forward._check_forward()
+    forward._capture_after_every_hook()  # where traced: Dynamo traces the decoder's hooks in their order then
     if positional or forward.sequence_group is not None:
         return None
     if not loss_as_op(forward.model.get_output_embeddings(), "auto", False):
