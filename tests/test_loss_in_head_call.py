@@ -71,6 +71,28 @@ def test_a_hook_of_the_head_is_refused_before_any_work(kind):
     assert hidden.grad is None and head.weight.grad is None and "forward" not in vars(head)
 
 
+def _halve_in_place(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    if isinstance(module, nn.Linear):
+        output.mul_(0.5)  # what a global hook can do to every Linear's output without returning it
+
+
+@pytest.mark.parametrize("changes", ["returned", "in_place"])
+def test_a_global_hook_that_changes_the_heads_output_is_refused_naming_it(changes):
+    """A hook for every module sees the loss as the head's output (untiled: the logits); one that hands on
+    another output, or changes it in place, would change the loss: refused after the call, before backward."""
+    head = nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64)
+    hook = _halve_in_place if changes == "in_place" else (lambda m, a, out: out * 0.5)
+    hidden, labels = _hidden_and_labels()
+    handle = nn.modules.module.register_module_forward_hook(hook)
+    try:
+        with pytest.raises(RuntimeError, match=r"register_module_forward_hook: (_halve_in_place|.*<lambda>)\) "
+                                               r"changed what Linear's call returned"):
+            tiled_cross_entropy(hidden, head, labels, num_shards=3)
+    finally:
+        handle.remove()
+    assert hidden.grad is None and head.weight.grad is None and "forward" not in vars(head)
+
+
 def test_a_stand_in_for_the_hooks_and_the_hidden_states_for_the_loss():
     """``sees_graph=False`` (an FSDP2 unit of several modules): the head's hooks see a detached copy of the
     hidden states, the loss computes with the hidden states themselves (in the dtype the hooks gave the copy),
