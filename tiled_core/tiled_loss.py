@@ -20,7 +20,7 @@ from tiled_mlp.strategies.base import Strategy, VocabSlice
 from tiled_mlp.strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg, sums_over_sequence_ranks
 
 from . import dynamo_support
-from .gated_spec import MODULE_HOOK_DICTS, hook_count
+from .gated_spec import GLOBAL_HOOK_DICTS, MODULE_HOOK_DICTS, hook_count
 from .kernel_registry import REDUCE, KernelCall, choose_kernel
 from .kernels.cross_entropy import CrossEntropyOptions, check_targets
 from .kernels.lm_head import is_plain_linear, loss_dtype
@@ -105,7 +105,7 @@ def tiled_cross_entropy(
     if not torch.compiler.is_compiling():
         return _loss(*args)
     if dynamo_support.TRACES_TILED_CALLS and _traced_as_op(lm_head, strategy, sequence_group is not None,
-                                                           hook_count(lm_head)):
+                                                           hook_count(lm_head), global_hook_count()):
         return _traced_linear_loss(*args[:8], grad_accum_dtype)
     return _eager_loss(*args)
 
@@ -208,15 +208,22 @@ def loss_as_op(lm_head: nn.Module, strategy: StrategyArg, has_group: bool) -> bo
     if has_group or not is_plain_linear(lm_head):
         return False
     backend, splits_vocab, dtensors = _backend(lm_head, strategy_from_arg(strategy))
-    if splits_vocab is not None or dtensors or not autograd_carries_the_call(backend) or hook_count(lm_head):
+    if (splits_vocab is not None or dtensors or not autograd_carries_the_call(backend) or hook_count(lm_head)
+            or global_hook_count()):  # the op calls no module: a hook for every module would miss the head's call
         return False
     weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]  # read last: ZeRO-3 gathers it on access
     return not autocast_enabled(weight.device.type)
 
 
+def global_hook_count() -> int:
+    """The hooks registered for every module (``register_module_forward_hook``...); read in traced code, so that
+    Dynamo may guard the count."""
+    return sum(len(getattr(_module_globals, name)) for name in GLOBAL_HOOK_DICTS)
+
+
 @dynamo_support.decided_where_traced
-def _traced_as_op(lm_head: nn.Module, strategy: Any, has_group: bool, hooks: int) -> bool:
-    """``hooks`` is passed so that Dynamo guards the count."""
+def _traced_as_op(lm_head: nn.Module, strategy: Any, has_group: bool, hooks: int, global_hooks: int) -> bool:
+    """``hooks`` and ``global_hooks`` are passed so that Dynamo guards the counts."""
     return loss_as_op(lm_head, strategy, has_group)
 
 
