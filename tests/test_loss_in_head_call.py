@@ -71,6 +71,45 @@ def test_a_hook_of_the_head_is_refused_before_any_work(kind):
     assert hidden.grad is None and head.weight.grad is None and "forward" not in vars(head)
 
 
+def _halve_in_place(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    if isinstance(module, nn.Linear):
+        output.mul_(0.5)  # what a global hook can do to every Linear's output without returning it
+
+
+@pytest.mark.parametrize("changes", ["returned", "in_place"])
+def test_a_global_hook_that_changes_the_heads_output_is_refused_naming_it(changes):
+    """A hook for every module sees the loss as the head's output (untiled: the logits); one that hands on
+    another output, or changes it in place, would change the loss: refused after the call, before backward."""
+    head = nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64)
+    hook = _halve_in_place if changes == "in_place" else (lambda m, a, out: out * 0.5)
+    hidden, labels = _hidden_and_labels()
+    handle = nn.modules.module.register_module_forward_hook(hook)
+    try:
+        with pytest.raises(RuntimeError, match=r"register_module_forward_hook: (_halve_in_place|.*<lambda>)\) "
+                                               r"changed what Linear's call returned"):
+            tiled_cross_entropy(hidden, head, labels, num_shards=3)
+    finally:
+        handle.remove()
+    assert hidden.grad is None and head.weight.grad is None and "forward" not in vars(head)
+
+
+def test_under_compile_a_global_hook_registered_after_compiling_is_refused_too():
+    """Compiled, a plain linear head's loss is one op that calls no module, so a hook for every module would
+    never see the head's call (float64, a hook scaling every Linear's output by 1.5: 4.3063 against 4.6442
+    compiled untiled); with such a hook the loss runs as the head's call, and Dynamo guards the hooks' count."""
+    head = nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64)
+    hidden, labels = _hidden_and_labels()
+    compiled = torch.compile(lambda x: tiled_cross_entropy(x, head, labels, num_shards=3))
+    reference = nn.functional.cross_entropy(head(hidden)[0, :-1], labels[0, 1:])
+    torch.testing.assert_close(compiled(hidden), reference, rtol=1e-12, atol=0)
+    handle = nn.modules.module.register_module_forward_hook(lambda m, a, out: out * 1.5)
+    try:
+        with pytest.raises(RuntimeError, match="register_module_forward_hook"):
+            compiled(hidden)
+    finally:
+        handle.remove()
+
+
 def test_a_stand_in_for_the_hooks_and_the_hidden_states_for_the_loss():
     """``sees_graph=False`` (an FSDP2 unit of several modules): the head's hooks see a detached copy of the
     hidden states, the loss computes with the hidden states themselves (in the dtype the hooks gave the copy),

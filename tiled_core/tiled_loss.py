@@ -14,12 +14,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module_globals
 
 from tiled_mlp.strategies.base import Strategy, VocabSlice
 from tiled_mlp.strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg, sums_over_sequence_ranks
 
 from . import dynamo_support
-from .gated_spec import MODULE_HOOK_DICTS, hook_count
+from .gated_spec import GLOBAL_HOOK_DICTS, MODULE_HOOK_DICTS, hook_count
 from .kernel_registry import REDUCE, KernelCall, choose_kernel
 from .kernels.cross_entropy import CrossEntropyOptions, check_targets
 from .kernels.lm_head import is_plain_linear, loss_dtype
@@ -45,6 +46,12 @@ HEAD_HOOKS_ERROR = (
     "tiled loss: {head} carries hooks of its own ({hooks}); the loss runs inside the head's call (so that a "
     "backend's hooks on it surround the loss), where these would see the hidden states and the loss instead of "
     "the logits, and could change the loss. Remove them from the head, or leave the tiled loss off"
+)
+GLOBAL_HOOK_ERROR = (
+    "tiled loss: a forward hook registered for every module (torch.nn.modules.module.register_module_forward_hook: "
+    "{hooks}) changed what {head}'s call returned; the loss runs inside the head's call, so the hook was given the "
+    "loss where it would be given the logits, and the loss it returned is not the model's. Remove the hook while "
+    "the tiled loss runs (its handle's remove()), or leave the tiled loss off"
 )
 
 
@@ -98,7 +105,7 @@ def tiled_cross_entropy(
     if not torch.compiler.is_compiling():
         return _loss(*args)
     if dynamo_support.TRACES_TILED_CALLS and _traced_as_op(lm_head, strategy, sequence_group is not None,
-                                                           hook_count(lm_head)):
+                                                           hook_count(lm_head), global_hook_count()):
         return _traced_linear_loss(*args[:8], grad_accum_dtype)
     return _eager_loss(*args)
 
@@ -146,6 +153,8 @@ class _ForwardForOneCall:
         self.work = work
         self.hidden = hidden  # where the head is given a stand-in: the hidden states the loss computes with
         self.previous = vars(head).get("forward")
+        self.result: Any = None  # what ``work`` returned, and its version counter then (a tensor's)
+        self.version: Optional[int] = None
 
     def put_back(self) -> None:
         if vars(self.head).get("forward") is not self:
@@ -159,7 +168,9 @@ class _ForwardForOneCall:
         self.put_back()
         if self.hidden is not None:  # as the hooks handed over the stand-in: cast, or moved by a root's hook
             given = self.hidden.to(device=given.device, dtype=given.dtype)
-        return self.work(given)
+        self.result = self.work(given)
+        self.version = getattr(self.result, "_version", None)
+        return self.result
 
 
 def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Tensor], torch.Tensor],
@@ -169,9 +180,17 @@ def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Te
     forward = _ForwardForOneCall(head, work, None if sees_graph else hidden)
     head.__dict__["forward"] = forward
     try:
-        return head(hidden if sees_graph else hidden.detach())
+        out = head(hidden if sees_graph else hidden.detach())
     finally:
         forward.put_back()  # where a pre-hook raised before the forward ran
+    # The head's own hooks were checked before (only a backend's may be there, and may hand on another tensor);
+    # where there are none, only a global hook can have replaced the loss or changed it in place.
+    loss = forward.result
+    if loss is not None and hook_count(head) == 0 and (out is not loss or getattr(out, "_version", None) != forward.version):
+        hooks = [getattr(h, "__qualname__", type(h).__qualname__)
+                 for h in _module_globals._global_forward_hooks.values()]
+        raise RuntimeError(GLOBAL_HOOK_ERROR.format(hooks=", ".join(hooks), head=type(head).__name__))
+    return out
 
 
 def _backend(lm_head: nn.Module, fixed: Optional[Strategy]) -> Tuple[Strategy, Any, List[torch.Tensor]]:
@@ -189,15 +208,22 @@ def loss_as_op(lm_head: nn.Module, strategy: StrategyArg, has_group: bool) -> bo
     if has_group or not is_plain_linear(lm_head):
         return False
     backend, splits_vocab, dtensors = _backend(lm_head, strategy_from_arg(strategy))
-    if splits_vocab is not None or dtensors or not autograd_carries_the_call(backend) or hook_count(lm_head):
+    if (splits_vocab is not None or dtensors or not autograd_carries_the_call(backend) or hook_count(lm_head)
+            or global_hook_count()):  # the op calls no module: a hook for every module would miss the head's call
         return False
     weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]  # read last: ZeRO-3 gathers it on access
     return not autocast_enabled(weight.device.type)
 
 
+def global_hook_count() -> int:
+    """The hooks registered for every module (``register_module_forward_hook``...); read in traced code, so that
+    Dynamo may guard the count."""
+    return sum(len(getattr(_module_globals, name)) for name in GLOBAL_HOOK_DICTS)
+
+
 @dynamo_support.decided_where_traced
-def _traced_as_op(lm_head: nn.Module, strategy: Any, has_group: bool, hooks: int) -> bool:
-    """``hooks`` is passed so that Dynamo guards the count."""
+def _traced_as_op(lm_head: nn.Module, strategy: Any, has_group: bool, hooks: int, global_hooks: int) -> bool:
+    """``hooks`` and ``global_hooks`` are passed so that Dynamo guards the counts."""
     return loss_as_op(lm_head, strategy, has_group)
 
 

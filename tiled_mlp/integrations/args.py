@@ -27,6 +27,15 @@ def parse_bool(value: Any, name: str = "use_tiled_mlp") -> bool:
     raise ValueError(f"{name} must be a bool or one of {_WORDS} (any case), got {value!r}")
 
 
+def check_switches(where: str, **switches: Any) -> None:
+    """A Python entry point's on/off arguments: each a bool. Text is refused, not read (``bool("false")`` is True);
+    the flag readers (``parse_bool``, ``read_tiled_mlp_flags``) are where a config's or the environment's words go."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{where}: {name} must be True or False, got {value!r} ({type(value).__name__}); read a "
+                            f"config's or the environment's text with tiled_mlp.integrations.args.parse_bool first")
+
+
 def parse_sp_size(value: Any, name: str = "ulysses_sp_size") -> int:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())

@@ -125,6 +125,19 @@ def describe_forward(thing: Any) -> str:
     return defined
 
 
+def class_forward_refusal(model: nn.Module) -> str:
+    """Why the forward ``model``'s class has stops the tiled loss ('' where it is the family's own): one put on the
+    class by another library (Liger-Kernel's loss patch) is not the one the family's form describes, and the tiled
+    loss, which runs it without labels, would drop what it does to the loss."""
+    klass = cast(type, _family_class(model))
+    forward = type(model).forward
+    if (getattr(forward, "__module__", None), getattr(forward, "__qualname__", None)) == (klass.__module__,
+                                                                                       f"{klass.__qualname__}.forward"):
+        return ""
+    return (f"{type(model).__name__}.forward is not {klass.__qualname__}'s own (another library patched it: it is "
+            f"{describe_forward(forward)}); its loss could change silently")
+
+
 def instance_forward_refusal(model: nn.Module) -> str:
     """Why the forward set on ``model``'s instance stops the tiled loss ('' where there is none, or it is
     the class's forward bound to the model)."""
@@ -206,6 +219,7 @@ class TiledLossForward:
         self._captured: Optional[torch.Tensor] = None  # the decoder's hidden states of that run
         self._trl_noted = False
         self._bypass_noted = False
+        self._class_forward: Any = type(model).forward  # checked at install; another one is checked at the call
         decoder: nn.Module = model.get_decoder()  # type: ignore[operator]  # a transformers PreTrainedModel
         self.decoder_hook = decoder.register_forward_hook(self.capture_decoder_output)
         self.pre_hook = model.register_forward_pre_hook(self.check_call)  # how ``_installed_on`` finds it
@@ -222,11 +236,12 @@ class TiledLossForward:
         return model
 
     def __getstate__(self) -> dict:
-        return {**vars(self), "_model": self._model()}  # saved with the model it is installed on
+        # Saved with the model it is installed on; the class forward is checked again at the first call.
+        return {**vars(self), "_model": self._model(), "_class_forward": None}
 
     def __setstate__(self, state: dict) -> None:
         model = state["_model"]
-        self.__dict__.update(state, _model=weakref.ref(model) if model is not None else _NO_MODEL)
+        self.__dict__.update(state, _model=weakref.ref(model) if model is not None else _NO_MODEL, _class_forward=None)
 
     def __deepcopy__(self, memo: dict) -> TiledLossForward:
         memo[id(self.sequence_group)] = self.sequence_group  # shared: a process group cannot be copied
@@ -246,6 +261,16 @@ class TiledLossForward:
         # The Trainer reads the model's forward signature (label columns, ``**kwargs`` for num_items_in_batch).
         return inspect.signature(self._inner())
 
+    def _capture_after_every_hook(self) -> None:
+        """The capture hook last among the decoder's forward hooks, so that the loss reads the decoder's output as
+        the causal LM would, after every hook registered since. Moved, not registered again: its handle's id (the
+        key of torch's hook dicts, ``_forward_hooks_with_kwargs`` and ``_forward_hooks_always_called`` included)
+        stays, and torch's handle counter does not move."""
+        hooks = self.decoder_hook.hooks_dict_ref()
+        key = self.decoder_hook.id
+        if hooks is not None and key in hooks and next(reversed(hooks)) != key:
+            cast(Any, hooks).move_to_end(key)
+
     def capture_decoder_output(self, _module: nn.Module, _args: Any, out: Any) -> None:
         if self._capturing:
             self._captured = out[0] if isinstance(out, tuple) else out.last_hidden_state
@@ -259,13 +284,14 @@ class TiledLossForward:
         if not torch.compiler.is_compiling():
             self._check_forward()
         elif dynamo_support.TRACES_TILED_CALLS:
-            # With the instance forward as an argument, so that Dynamo guards on it: one set after compiling
-            # traces the call again, and is checked then.
-            _checked_where_traced(self, vars(self.model).get("forward"))
+            # With the instance and class forwards as arguments, so that Dynamo guards on them: one set after
+            # compiling traces the call again, and is checked then.
+            _checked_where_traced(self, vars(self.model).get("forward"), type(self.model).forward)
         else:
             _checked_eagerly(self)
 
-    def _check_forward(self) -> ForwardLayers:
+    def _check_forward(self, class_forward: bool = True) -> ForwardLayers:
+        """The model's forward is still this one (and, with ``class_forward``, its class's the family's own)."""
         layers = forward_layers(self.model)
         reached = layers.forward  # this object itself, or bound to the model by accelerate's unwrap_model
         if isinstance(reached, types.MethodType) and reached.__self__ is self.model:
@@ -277,6 +303,14 @@ class TiledLossForward:
                 f"(it is {replacer}{layers.under()}); the tiled loss cannot tell whether it still runs or "
                 "what the new forward does to the loss. Put the forward back, or remove the tiled loss first "
                 "(remove_tiled_loss(model)) to run it with the model's own loss")
+        if class_forward and type(self.model).forward is not self._class_forward:
+            why = class_forward_refusal(self.model)
+            if why:
+                raise RuntimeError(
+                    f"tiled loss: {type(self.model).__name__}'s class forward changed after the tiled loss was "
+                    f"installed: {why}. Undo the patch, or remove the tiled loss (remove_tiled_loss(model)) to run "
+                    "the patched forward with the model's own loss")
+            self._class_forward = type(self.model).forward
         if layers.trl_head is not None and not self._trl_noted:
             self._trl_noted = True
             logger.warning("tiled loss: %s now wraps %s's forward: its calls with fused_lm_head=True (every labelled "
@@ -302,6 +336,7 @@ class TiledLossForward:
         if args and args[0] is self.model:  # accelerate's unwrap_model binds this forward to the model
             args = args[1:]
         self._check_forward()
+        self._capture_after_every_hook()
         arguments = inspect.signature(self._inner()).bind(*args, **kwargs).arguments
         return self._run(args, kwargs, arguments, dict(arguments.pop("kwargs", {})))
 
@@ -388,7 +423,7 @@ def _no_logits(head: nn.Module) -> Any:
 
 
 @dynamo_support.decided_where_traced
-def _checked_where_traced(forward: TiledLossForward, instance_forward: Any) -> bool:
+def _checked_where_traced(forward: TiledLossForward, instance_forward: Any, class_forward: Any) -> bool:
     forward._check_forward()
     return True
 
@@ -402,6 +437,7 @@ def _traced_names(forward: TiledLossForward, names: Tuple[str, ...], positional:
     """The eager call's checks, then ``names`` split into the forward's own parameters and those its ``**kwargs``
     takes; None where the call runs eagerly. ``loss_function`` is passed so that Dynamo guards on it."""
     forward._check_forward()
+    forward._capture_after_every_hook()  # where traced: Dynamo traces the decoder's hooks in their order then
     if positional or forward.sequence_group is not None:
         return None
     if not loss_as_op(forward.model.get_output_embeddings(), "auto", False):
@@ -432,18 +468,11 @@ def check_tiled_loss(model: nn.Module) -> Tuple[nn.Module, LossForm]:
         installed._check_forward()
         return causal_lm, installed.form
     klass = cast(type, _family_class(causal_lm))
-    name, forward = klass.__qualname__, type(causal_lm).forward
-    if (getattr(forward, "__module__", None), getattr(forward, "__qualname__", None)) != (klass.__module__,
-                                                                                       f"{name}.forward"):
-        # A forward put on the class since (Liger's loss patch): not the one this form describes.
-        why = (f"{type(causal_lm).__name__}.forward is not {name}'s own (another library patched it); its loss "
-               "could change silently")
-    else:
-        why = (instance_forward_refusal(causal_lm) or loss_function_refusal(causal_lm)
-               or head_device_hook_refusal(cast(Any, causal_lm).get_output_embeddings()))
+    why = (class_forward_refusal(causal_lm) or instance_forward_refusal(causal_lm) or loss_function_refusal(causal_lm)
+           or head_device_hook_refusal(cast(Any, causal_lm).get_output_embeddings()))
     if why:
         raise TypeError(f"tiled loss cannot be put on {type(causal_lm).__name__}: {why}")
-    return causal_lm, KNOWN_FORMS[(klass.__module__, name)]
+    return causal_lm, KNOWN_FORMS[(klass.__module__, klass.__qualname__)]
 
 
 def install_tiled_loss(model: nn.Module, num_shards: NumShards = "auto",
@@ -489,7 +518,9 @@ def remove_tiled_loss(model: nn.Module) -> bool:
     if installed is None:
         return False
     causal_lm = installed.model
-    layers = installed._check_forward()  # a forward put over it since: removing the tiled loss would not undo that
+    # A forward put over it since: removing the tiled loss would not undo that (a class forward patched since
+    # runs once it is off).
+    layers = installed._check_forward(class_forward=False)
     if layers.trl_head is not None:
         # TRL's closure holds the tiled loss as the forward it calls: only a new head could drop it.
         raise RuntimeError(f"tiled loss: {layers.trl_head.describe()} wraps the tiled loss on "

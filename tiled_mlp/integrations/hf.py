@@ -11,7 +11,7 @@ from tiled_mlp.core import FastPathRefused, TiledMLP, TilingState, install_tilin
 from tiled_mlp.core.shard_plan import NumShards
 from tiled_mlp.strategies.resolver import StrategyArg
 
-from .args import TiledMLPFlags, read_tiled_mlp_flags
+from .args import TiledMLPFlags, check_switches, read_tiled_mlp_flags
 from .causal_lm_loss import check_tiled_loss, install_tiled_loss, loss_left_to_trl, remove_tiled_loss
 from .matching import Patterns, TiledExperts, scan
 from .norms import NORM_ACCUM_DTYPE, TiledNorm, norm_names, why_no_norms
@@ -40,6 +40,7 @@ def apply_tiled_mlp(
     hidden size); returns and logs what was tiled and skipped. ``include``/``exclude`` are globs on qualified names;
     ``include`` may name a custom token-wise block. Every block is checked before any is installed, so an error
     leaves the model unchanged."""
+    check_switches("apply_tiled_mlp", loss=loss, norms=norms)
     # A TRL trainer built before put its fused LM head on the forward: it computes the loss without the logits.
     loss_elsewhere = loss_left_to_trl(model) if loss else ""
     if loss and not loss_elsewhere:

@@ -12,7 +12,7 @@ from torch import nn
 from tiled_mlp.core.checkpoint_offload import CheckpointOffload
 from tiled_mlp.core.shard_plan import NumShards
 
-from .args import TiledMLPFlags, read_tiled_mlp_flags
+from .args import TiledMLPFlags, check_switches, read_tiled_mlp_flags
 from .causal_lm_loss import is_tiled_loss
 from .hf import apply_tiled_mlp, is_tiled, remove_tiled_mlp
 from .offload import apply_checkpoint_offload, checkpointed_layers, checkpointing_on
@@ -59,6 +59,8 @@ def apply_long_context(
 ) -> LongContextStack:
     """The stack on ``model``; ``tiling``: more options of ``apply_tiled_mlp``. Under SP every rank calls it and feeds
     ``handle.sequence_parallel.shard(batch)``."""
+    check_switches("apply_long_context", tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, tiled_norms=tiled_norms,
+                   checkpoint_offload=checkpoint_offload)
     if sequence_parallel != 1 and not tiled_loss:
         raise ValueError("apply_long_context: sequence_parallel > 1 needs tiled_loss=True (the loss of a sequence "
                          "split across ranks is summed per rank and divided once by the group's valid tokens)")
