@@ -25,7 +25,7 @@ from tiled_mlp.core import dynamo_support
 from tiled_mlp.core.strict import strict_mode
 from tiled_mlp.integrations.offload import apply_checkpoint_offload, checkpointing_on
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("llama_built_once")]
 
 HIDDEN, INTER, TOKENS = 8, 12, 16
 

@@ -14,7 +14,7 @@ from integration_tests.frameworks import need
 from integration_tests.tiny_models import FAMILIES, token_batch
 from tiled_mlp.integrations.framework_settings import CheckedFramework
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("llama_built_once")]
 
 
 def _lm_train_step(model) -> None:

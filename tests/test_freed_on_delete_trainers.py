@@ -12,7 +12,7 @@ from integration_tests.tiny_models import FAMILIES
 from tiled_mlp import apply_tiled_mlp
 from tiled_mlp.integrations import use_tiled_label_smoothing
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("llama_built_once")]
 
 
 def _model_and_trainer_refs(model, trainer):
