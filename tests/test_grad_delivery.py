@@ -116,3 +116,32 @@ def test_a_parameter_read_also_outside_its_slot_gets_its_whole_gradient():
     tiled(x).backward(dy)
     for (name, p), q in zip(reference.named_parameters(), mlp.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-12, msg=name)
+
+
+class _OutsideReader(PlainMLP):
+    """Scales its output by a tensor that needs a gradient and is no parameter of it (held in a plain list)."""
+
+    def __init__(self, scale) -> None:
+        super().__init__(HIDDEN, INTER)
+        self.scales = [scale]
+
+    def forward(self, x):
+        return super().forward(x) * self.scales[0]
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_a_tensor_hook_on_a_tensor_read_outside_the_parameters_runs_once(num_shards):
+    """A tensor with no parameter slot gets its stand-in at each torch call that reads it."""
+    runs = []
+    for tiled in (False, True):
+        scale = torch.randn(HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        hook = _CountingDoubler()
+        scale.register_hook(hook)
+        mlp = seeded(_OutsideReader, 0, scale)
+        x, dy = fresh_inputs((2, TOKENS, HIDDEN), HIDDEN, seed=1)
+        (TiledMLP(mlp, num_shards=num_shards, path="generic") if tiled else mlp)(x).backward(dy)
+        runs.append((hook.calls, scale.grad, mlp.fc1.weight.grad))
+    (want_calls, *want), (calls, *got) = runs
+    assert calls == want_calls == 1
+    for have, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(have, expected, rtol=0, atol=1e-12)
