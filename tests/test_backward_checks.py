@@ -121,6 +121,18 @@ def test_a_conditioning_tensor_rebound_before_backward_raises():
         y.backward(dy)
 
 
+def test_a_trained_conditioning_tensor_rebound_before_backward_raises():
+    """One that needs a gradient: the recompute would read a tensor the Function has no gradient slot for (the old
+    one gets a stand-in at each torch call that reads it; the new one is no such call's)."""
+    x, dy = fresh_inputs(SHAPE, HIDDEN, seed=4)
+    tiled = TiledMLP(film(), num_shards=3)
+    tiled.cond = new_cond(1).requires_grad_()
+    y = tiled(x.detach().clone().requires_grad_())
+    tiled.cond = new_cond(2).requires_grad_()
+    with pytest.raises(RuntimeError, match="gradients would be lost"):
+        y.backward(dy)
+
+
 def test_pipeline_schedule_two_forwards_before_two_backwards_raises():
     """A pipeline schedule sets each micro-batch's conditioning, runs both forwards, then both
     backwards: the first micro-batch's recompute would see the second one's conditioning."""

@@ -148,13 +148,9 @@ class _DoublingHook:
         return grad * 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a tensor hook on a parameter (param.register_hook: a per-parameter gradient multiplier, clipping, noise, "
-    "wandb.watch's gradient logging) runs on each shard's part on the generic path (kernels/generic.py backward_into "
-    "takes torch.autograd.grad with the parameters as inputs) and again on the summed gradient autograd delivers: "
-    "PlainMLP 8->20->8, float64, 3 shards, a doubling hook on fc2.weight: called 4 times against once untiled, "
-    "fc2.weight's gradient 2.0 times the untiled one (1 shard: called twice, also 2.0 times)"))
 def test_a_tensor_hook_on_a_parameter_runs_once_on_the_generic_path():
+    """A tensor hook on a parameter (a gradient multiplier, clipping, logging) sees the summed gradient once, as
+    untiled: each shard's gradient is taken against a stand-in of the parameter, not the parameter itself."""
     torch.manual_seed(0)
     reference = PlainMLP(8, 20).double()
     module = tile(PlainMLP(8, 20).double(), num_shards=3)
@@ -170,12 +166,8 @@ def test_a_tensor_hook_on_a_parameter_runs_once_on_the_generic_path():
     torch.testing.assert_close(module.fc2.weight.grad, reference.fc2.weight.grad, rtol=0, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the same for the tiled loss of a head that is not a plain nn.Linear (PEFT's LoRA lm_head; kernels/lm_head.py "
-    "ModuleHeadKernel takes torch.autograd.grad per shard with the head's trainable tensors as inputs): a doubling "
-    "hook on the LoRA B weight, float64, hidden [2, 9, 16], vocab 50, 3 shards: called 4 times against once untiled, "
-    "its gradient 2.0 times the untiled one (off by up to 0.120)"))
 def test_a_tensor_hook_on_a_module_heads_parameter_runs_once():
+    """The same for the tiled loss of a head that is not a plain nn.Linear (PEFT's LoRA lm_head)."""
     hidden, labels = hidden_batch()
     reference, head = module_head(), module_head()
     want_hook, hook = _DoublingHook(), _DoublingHook()

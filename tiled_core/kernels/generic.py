@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..collectives import is_pending, wait_pending
 from ..plain_values import PlainValues, snapshot
@@ -81,6 +82,27 @@ def _same(packed: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+class _ReadAsStandIns(TorchFunctionMode):
+    """Hands every torch call the stand-ins of the tensors a forward reads outside the module's parameter slots (a
+    weight in a closure or a plain attribute), by identity; one level of lists and tuples, as ``TensorReads`` sees."""
+
+    def __init__(self, stand_ins: Dict[int, torch.Tensor]):
+        super().__init__()
+        self._by_id = stand_ins
+
+    def _swap(self, value: Any) -> Any:
+        by_id = self._by_id
+        if isinstance(value, torch.Tensor):
+            return by_id.get(id(value), value)
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) and id(v) in by_id for v in value):
+            swapped = [by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in value]
+            return swapped if isinstance(value, list) else tuple(swapped)
+        return value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*map(self._swap, args), **{k: self._swap(v) for k, v in (kwargs or {}).items()})
+
+
 class GenericShardKernel(ShardKernel):
     name = "generic"
     may_read_other_tensors = True
@@ -105,6 +127,10 @@ class GenericShardKernel(ShardKernel):
         self._first_shard_done = False
         self.shard_prefix = shard_prefix  # leading 1s: each shard has the rank of the caller's input (MoE blocks)
         self._reads_checked = False
+        # Inside ``using``: the slots it changed (restored at its exit), and the backward's stand-ins once made.
+        self._swapped: Optional[List[Tuple[nn.Module, str, torch.Tensor]]] = None
+        self._stand_ins: Optional[List[torch.Tensor]] = None
+        self._read_elsewhere: Optional[_ReadAsStandIns] = None  # for the tensors without a slot, where any
 
     def _run(self, x_shard: torch.Tensor, shard: Optional[slice]) -> torch.Tensor:
         token_inputs: Tuple[torch.Tensor, ...] = ()
@@ -171,31 +197,75 @@ class GenericShardKernel(ShardKernel):
             changed = sorted({name for name, _ in set(children) ^ set(self._layout.children)})
             raise RuntimeError(CHILD_REPLACED_ERROR.format(module=self.module_name, names=", ".join(changed)))
         self._reads_checked = False  # once per backward (a retained graph runs several)
-        swapped = []
+        swapped: List[Tuple[nn.Module, str, torch.Tensor]] = []
+        outer = self._swapped, self._stand_ins, self._read_elsewhere
+        self._swapped, self._stand_ins, self._read_elsewhere = swapped, None, None
         try:
-            # The tensors after the parameters (found reading the forward) have no slot: shorter on purpose.
-            for slots, tensor in zip(self._layout.slots, tensors, strict=False):
-                for slot_owner, attr in slots:
-                    owner = self.module if slot_owner is None else slot_owner
-                    if owner._parameters[attr] is not tensor:
-                        swapped.append((owner, attr, owner._parameters[attr]))
-                        # functional_call's tensors need not be Parameters: the slot holds them anyway.
-                        owner._parameters[attr] = tensor  # type: ignore[assignment]
+            self._place(tensors, swapped)
             yield
         finally:
             for owner, attr, original in reversed(swapped):
-                owner._parameters[attr] = original
+                owner._parameters[attr] = original  # type: ignore[assignment]
+            self._swapped, self._stand_ins, self._read_elsewhere = outer
+
+    def _place(self, tensors: Sequence[torch.Tensor], swapped: List[Tuple[nn.Module, str, torch.Tensor]]) -> None:
+        # The tensors after the parameters (found reading the forward) have no slot: shorter on purpose.
+        for slots, tensor in zip(self._layout.slots, tensors, strict=False):
+            for slot_owner, attr in slots:
+                owner = self.module if slot_owner is None else slot_owner
+                held = owner._parameters[attr]
+                if held is not tensor:
+                    assert held is not None, "a slot of the layout holds a tensor"
+                    swapped.append((owner, attr, held))
+                    # functional_call's tensors need not be Parameters: the slot holds them anyway.
+                    owner._parameters[attr] = tensor  # type: ignore[assignment]
+
+    def _stand_ins_for(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The backward's tensors, each one in a slot that needs a gradient replaced in its slots by a stand-in:
+        a new leaf on its memory and version counter, without its tensor hooks. ``autograd.grad`` hands each
+        input's gradient to that input's hooks, so taken against the parameter itself every shard's part would
+        pass its hooks (a gradient multiplier, clipping, logging), and the sum autograd delivers again; taken
+        against the stand-in, only the sum does, once, as untiled. Made once per backward, inside ``using``.
+        The tensors after the parameters (found reading the forward) have no slot: they get stand-ins handed to
+        each torch call that reads them (``_ReadAsStandIns``), entered only where there are any."""
+        if self._stand_ins is not None:
+            return self._stand_ins
+        assert self._swapped is not None, "the generic kernel's backward runs inside using()"
+        made: Dict[int, torch.Tensor] = {}  # by the tensor's id: a tensor in two slots (tied weights) gets one
+        elsewhere: Dict[int, torch.Tensor] = {}
+        stand_ins = list(tensors)
+        slots = self._layout.slots
+        for index, tensor in enumerate(tensors):
+            slotted = index < len(slots) and bool(slots[index])
+            if (slotted or index >= len(slots)) and tensor.requires_grad:
+                if id(tensor) not in made:
+                    made[id(tensor)] = tensor.detach().requires_grad_()
+                stand_ins[index] = made[id(tensor)]
+                if not slotted:
+                    elsewhere[id(tensor)] = made[id(tensor)]
+        self._place(stand_ins, self._swapped)
+        self._stand_ins = stand_ins
+        self._read_elsewhere = _ReadAsStandIns(elsewhere) if elsewhere else None
+        return stand_ins
 
     def backward_into(self, x_shard: torch.Tensor, grad_out_shard: torch.Tensor, grad_in_shard: Optional[torch.Tensor],
                       grads: GradAccumulator, tensors: Sequence[torch.Tensor],
                       shard: Optional[slice] = None) -> Optional[torch.Tensor]:
         wanted = [i for i, need in enumerate(grads.needed) if need]
-        with torch.enable_grad():
+        stand_ins = self._stand_ins_for(tensors)
+        elsewhere = self._read_elsewhere
+        # Entered before the first shard's ``TensorReads``, which so sees the tensors themselves, as in the forward.
+        with torch.enable_grad(), elsewhere if elsewhere is not None else contextlib.nullcontext():
             x_leaf = x_shard.detach().requires_grad_(grad_in_shard is not None)
-            y = self._recompute(x_leaf, tensors, shard)
+            y = self._recompute(x_leaf, [*stand_ins, *tensors], shard)
         # A collective in the forward runs again here: its work stays registered until waited for.
         wait_pending(y)
-        inputs = ([x_leaf] if grad_in_shard is not None else []) + [tensors[i] for i in wanted]
+        # A tensor with a stand-in is asked for too: code that reads it other than through its slot (a reference
+        # kept in a list or a closure; deeper than ``_ReadAsStandIns`` looks) reaches it itself; unread, it costs
+        # nothing and its hooks do not run.
+        replaced = [i for i in wanted if stand_ins[i] is not tensors[i]]
+        inputs = ([x_leaf] if grad_in_shard is not None else []) + [stand_ins[i] for i in wanted] + \
+            [tensors[i] for i in replaced]
         if not inputs or not y.requires_grad:
             return None if grad_in_shard is None else grad_in_shard.zero_()
         shard_grads = torch.autograd.grad(y, inputs, grad_out_shard, allow_unused=True)
@@ -203,16 +273,16 @@ class GenericShardKernel(ShardKernel):
         if grad_in_shard is not None:
             dx, shard_grads = shard_grads[0], shard_grads[1:]
             dx = grad_in_shard.zero_() if dx is None else dx
-        for index, grad in zip(wanted, shard_grads, strict=True):
+        for index, grad in zip((*wanted, *replaced), shard_grads, strict=True):
             grads.add(index, grad)
         return dx
 
-    def _recompute(self, x_leaf: torch.Tensor, tensors: Sequence[torch.Tensor], shard: Optional[slice]) -> torch.Tensor:
+    def _recompute(self, x_leaf: torch.Tensor, known: Sequence[torch.Tensor], shard: Optional[slice]) -> torch.Tensor:
         if self._reads_checked:
             return self._run(x_leaf, shard)
         # Once per call: no tensor needing a gradient that the forward did not read (autograd.grad would skip
         # it), and the same tensors without one as the forward, unchanged.
-        reads = TensorReads(known=[x_leaf, *tensors, *self.owned_params], made_since=next_sequence_nr(),
+        reads = TensorReads(known=[x_leaf, *known, *self.owned_params], made_since=next_sequence_nr(),
                             grad_only=False, watch_kept=True)
         with reads:
             y = self._run(x_leaf, shard)

@@ -4,7 +4,7 @@ head's dtype, the loss in float32 or wider (``ForCausalLMLoss``'s ``logits.float
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -95,6 +95,42 @@ class ModuleHeadKernel(ReduceKernel):
         self.head = head
         self.options = options
         self._reads_checked = False
+        # Per trainable tensor, every (module, attribute) holding it (tied: several). Built with the call.
+        where: dict = {}
+        for owner in head.modules():
+            for attr, p in owner._parameters.items():
+                if p is not None:
+                    where.setdefault(id(p), []).append((owner, attr))
+        self._slots: List[List[Tuple[nn.Module, str]]] = [where.get(id(t), []) for t in self.params]
+
+    def compute_tensors(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+        """Each trainable tensor in a slot of the head as a stand-in for the call: a new leaf on its memory and
+        version counter, without its tensor hooks, which the head's slots hold around each shard's forward.
+        ``autograd.grad`` hands each input's gradient to that input's hooks: taken against the parameter itself,
+        every shard's part would pass its hooks (a gradient multiplier, clipping, logging) and the sum autograd
+        delivers again; taken against the stand-in, only the sum does, once, as untiled."""
+        made: dict = {}  # by the tensor's id: a tensor in two slots (tied weights) gets one stand-in
+        stand_ins = list(tensors)
+        for index, (slots, tensor) in enumerate(zip(self._slots, tensors, strict=True)):
+            if slots and tensor.requires_grad:
+                if id(tensor) not in made:
+                    made[id(tensor)] = tensor.detach().requires_grad_()
+                stand_ins[index] = made[id(tensor)]
+        return tuple(stand_ins)
+
+    @contextlib.contextmanager
+    def _holding(self, stand_ins: Sequence[torch.Tensor]) -> Iterator[None]:
+        swapped = []
+        try:
+            for slots, tensor in zip(self._slots, stand_ins, strict=True):
+                for owner, attr in slots:
+                    if owner._parameters[attr] is not tensor:
+                        swapped.append((owner, attr, owner._parameters[attr]))
+                        owner._parameters[attr] = tensor  # type: ignore[assignment]  # a stand-in, not a Parameter
+            yield
+        finally:
+            for owner, attr, original in reversed(swapped):
+                owner._parameters[attr] = original
 
     def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
               grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -105,10 +141,10 @@ class ModuleHeadKernel(ReduceKernel):
             # The first shard's reads are checked: later shards run the same code.
             reads = None
             if with_grad and not self._reads_checked:
-                reads = TensorReads(known=[x_in, *tensors, *self.head.parameters()], grad_only=True,
+                reads = TensorReads(known=[x_in, *tensors, *self.params, *self.head.parameters()], grad_only=True,
                                     made_since=next_sequence_nr())
                 self._reads_checked = True
-            with reads if reads is not None else contextlib.nullcontext():
+            with reads if reads is not None else contextlib.nullcontext(), self._holding(tensors):
                 logits = self.head.forward(x_in)
             if reads is not None and reads.foreign:
                 raise RuntimeError(HEAD_READ_ERROR.format(head=self.module_name, tensors=describe(reads.foreign_tensors())))
@@ -117,10 +153,14 @@ class ModuleHeadKernel(ReduceKernel):
         loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad)
         if grad is None:
             return loss
-        inputs = ([x_in] if dx is not None else []) + [tensors[index] for index in needed]
+        # A tensor with a stand-in is asked for too: code that reads it other than through its slot (a reference
+        # kept in a list or a closure) reaches it itself; unread, it costs nothing and its hooks do not run.
+        replaced = [index for index in needed if tensors[index] is not self.params[index]]
+        inputs = ([x_in] if dx is not None else []) + [tensors[index] for index in needed] + \
+            [self.params[index] for index in replaced]
         found = list(torch.autograd.grad(logits, inputs, grad.to(logits.dtype), allow_unused=True))
         if dx is not None:
             dx.copy_(found.pop(0))
-        for index, found_grad in zip(needed, found, strict=True):
+        for index, found_grad in zip((*needed, *replaced), found, strict=True):
             grads.add(index, found_grad)  # type: ignore[union-attr]  # given: ``needed`` is not empty
         return loss
