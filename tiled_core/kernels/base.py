@@ -20,6 +20,53 @@ GRAD_COUNT_ERROR = (
     "tensor it was given (None where a tensor got none)."
 )
 
+# A parameter's slots: every (owner, attribute) of a module tree holding it (tied: several; none: read otherwise).
+# Owner None: the tree's root, given at each use (a layout kept in the root's own plan must not hold it).
+Slots = List[List[Tuple[Optional[nn.Module], str]]]
+Swapped = List[Tuple[nn.Module, str, Optional[torch.Tensor]]]
+
+
+def parameter_slots(root: nn.Module, tensors: Sequence[torch.Tensor], root_as_none: bool = False) -> Slots:
+    where: dict = {}
+    for owner in root.modules():
+        for attr, p in owner._parameters.items():
+            if p is not None:
+                where.setdefault(id(p), []).append((None if root_as_none and owner is root else owner, attr))
+    return [where.get(id(t), []) for t in tensors]
+
+
+def put_in_slots(root: nn.Module, slots: Slots, tensors: Sequence[torch.Tensor], swapped: Swapped) -> None:
+    """Each tensor into its slots, as ``functional_call`` does (a slot may hold a plain tensor); what a slot held
+    is added to ``swapped`` for ``restore_slots``. ``tensors`` may be longer than ``slots``: the rest have none."""
+    for owner_slots, tensor in zip(slots, tensors, strict=False):
+        for slot_owner, attr in owner_slots:
+            owner = root if slot_owner is None else slot_owner
+            held = owner._parameters[attr]
+            if held is not tensor:
+                swapped.append((owner, attr, held))
+                owner._parameters[attr] = tensor  # type: ignore[assignment]
+
+
+def restore_slots(swapped: Swapped) -> None:
+    for owner, attr, held in reversed(swapped):
+        owner._parameters[attr] = held  # type: ignore[assignment]
+
+
+def hookless_stand_ins(tensors: Sequence[torch.Tensor], eligible: Sequence[bool]) -> List[torch.Tensor]:
+    """``tensors``, each eligible one that requires grad as a stand-in: a new leaf on its memory and version counter,
+    without its tensor hooks (a tensor twice, tied, gets one). ``autograd.grad`` hands each input's gradient to that
+    input's hooks: taken per shard against a parameter itself, every shard's part would pass its hooks (a gradient
+    multiplier, clipping, logging) and the sum autograd delivers would pass them again; against the stand-in, only
+    the sum does, once, as untiled."""
+    made: dict = {}
+    out = list(tensors)
+    for index, (tensor, ok) in enumerate(zip(tensors, eligible, strict=True)):
+        if ok and tensor.requires_grad:
+            if id(tensor) not in made:
+                made[id(tensor)] = tensor.detach().requires_grad_()
+            out[index] = made[id(tensor)]
+    return out
+
 
 class ShardKernel:
     """A token-wise computation run one shard at a time, recomputed in backward."""

@@ -14,7 +14,7 @@ from ..collectives import is_pending, wait_pending
 from ..plain_values import PlainValues, snapshot
 from ..sharded_autograd import capture_rng_state, replay_rng_state
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
-from .base import ShardKernel
+from .base import ShardKernel, Slots, Swapped, hookless_stand_ins, parameter_slots, put_in_slots, restore_slots
 
 if TYPE_CHECKING:
     from ..sharded_autograd import GradAccumulator
@@ -53,9 +53,7 @@ CHANGED_READ_ERROR = (
 class GenericLayout:
     """What the generic kernel reads of the module's structure, once per call plan."""
 
-    # Per parameter, every (owner, attribute) holding it (tied: several); owner None: the module itself, given at
-    # each call (the layout lives in the module's own plan: holding the module would be a reference cycle).
-    slots: List[List[Tuple[Optional[nn.Module], str]]]
+    slots: Slots  # per parameter (``parameter_slots``, the module itself as None)
     children: Tuple[Tuple[str, nn.Module], ...]  # the submodules the forward runs through, by name
     owned_params: List[torch.Tensor]  # trained or not: never mistaken for another tensor the forward reads
     hooks: List[str]  # the submodule hooks the forward runs with; the recompute must run the same ones
@@ -65,13 +63,8 @@ class GenericLayout:
 def generic_layout(module: nn.Module, params: Sequence[torch.Tensor], hooks: List[str],
                    instance_forward: Optional[Callable] = None) -> GenericLayout:
     """``instance_forward``: what the module's forward runs where it is not its class's."""
-    where: dict = {}
-    for owner in module.modules():
-        for attr, p in owner._parameters.items():
-            if p is not None:
-                where.setdefault(id(p), []).append((None if owner is module else owner, attr))
-    return GenericLayout([where.get(id(p), []) for p in params], _children(module), list(module.parameters()), hooks,
-                         PlainValues(snapshot(module, instance_forward)))
+    return GenericLayout(parameter_slots(module, params, root_as_none=True), _children(module),
+                         list(module.parameters()), hooks, PlainValues(snapshot(module, instance_forward)))
 
 
 def _children(module: nn.Module) -> Tuple[Tuple[str, nn.Module], ...]:
@@ -128,7 +121,7 @@ class GenericShardKernel(ShardKernel):
         self.shard_prefix = shard_prefix  # leading 1s: each shard has the rank of the caller's input (MoE blocks)
         self._reads_checked = False
         # Inside ``using``: the slots it changed (restored at its exit), and the backward's stand-ins once made.
-        self._swapped: Optional[List[Tuple[nn.Module, str, torch.Tensor]]] = None
+        self._swapped: Optional[Swapped] = None
         self._stand_ins: Optional[List[torch.Tensor]] = None
         self._read_elsewhere: Optional[_ReadAsStandIns] = None  # for the tensors without a slot, where any
 
@@ -197,53 +190,30 @@ class GenericShardKernel(ShardKernel):
             changed = sorted({name for name, _ in set(children) ^ set(self._layout.children)})
             raise RuntimeError(CHILD_REPLACED_ERROR.format(module=self.module_name, names=", ".join(changed)))
         self._reads_checked = False  # once per backward (a retained graph runs several)
-        swapped: List[Tuple[nn.Module, str, torch.Tensor]] = []
+        swapped: Swapped = []
         outer = self._swapped, self._stand_ins, self._read_elsewhere
         self._swapped, self._stand_ins, self._read_elsewhere = swapped, None, None
         try:
-            self._place(tensors, swapped)
+            # The tensors after the parameters (found reading the forward) have no slot: ``slots`` is shorter.
+            put_in_slots(self.module, self._layout.slots, tensors, swapped)
             yield
         finally:
-            for owner, attr, original in reversed(swapped):
-                owner._parameters[attr] = original  # type: ignore[assignment]
+            restore_slots(swapped)
             self._swapped, self._stand_ins, self._read_elsewhere = outer
 
-    def _place(self, tensors: Sequence[torch.Tensor], swapped: List[Tuple[nn.Module, str, torch.Tensor]]) -> None:
-        # The tensors after the parameters (found reading the forward) have no slot: shorter on purpose.
-        for slots, tensor in zip(self._layout.slots, tensors, strict=False):
-            for slot_owner, attr in slots:
-                owner = self.module if slot_owner is None else slot_owner
-                held = owner._parameters[attr]
-                if held is not tensor:
-                    assert held is not None, "a slot of the layout holds a tensor"
-                    swapped.append((owner, attr, held))
-                    # functional_call's tensors need not be Parameters: the slot holds them anyway.
-                    owner._parameters[attr] = tensor  # type: ignore[assignment]
-
     def _stand_ins_for(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """The backward's tensors, each one in a slot that needs a gradient replaced in its slots by a stand-in:
-        a new leaf on its memory and version counter, without its tensor hooks. ``autograd.grad`` hands each
-        input's gradient to that input's hooks, so taken against the parameter itself every shard's part would
-        pass its hooks (a gradient multiplier, clipping, logging), and the sum autograd delivers again; taken
-        against the stand-in, only the sum does, once, as untiled. Made once per backward, inside ``using``.
-        The tensors after the parameters (found reading the forward) have no slot: they get stand-ins handed to
-        each torch call that reads them (``_ReadAsStandIns``), entered only where there are any."""
+        """The backward's tensors, each one that needs a gradient as a stand-in (``hookless_stand_ins``), put in
+        its slots; made once per backward, inside ``using``. The tensors after the parameters (found reading the
+        forward) have no slot: their stand-ins are handed to each torch call that reads them (``_ReadAsStandIns``),
+        entered only where there are any."""
         if self._stand_ins is not None:
             return self._stand_ins
         assert self._swapped is not None, "the generic kernel's backward runs inside using()"
-        made: Dict[int, torch.Tensor] = {}  # by the tensor's id: a tensor in two slots (tied weights) gets one
-        elsewhere: Dict[int, torch.Tensor] = {}
-        stand_ins = list(tensors)
         slots = self._layout.slots
-        for index, tensor in enumerate(tensors):
-            slotted = index < len(slots) and bool(slots[index])
-            if (slotted or index >= len(slots)) and tensor.requires_grad:
-                if id(tensor) not in made:
-                    made[id(tensor)] = tensor.detach().requires_grad_()
-                stand_ins[index] = made[id(tensor)]
-                if not slotted:
-                    elsewhere[id(tensor)] = made[id(tensor)]
-        self._place(stand_ins, self._swapped)
+        slotted = [index >= len(slots) or bool(slots[index]) for index in range(len(tensors))]
+        stand_ins = hookless_stand_ins(tensors, slotted)
+        elsewhere = {id(t): s for t, s in zip(tensors[len(slots):], stand_ins[len(slots):], strict=True) if s is not t}
+        put_in_slots(self.module, slots, stand_ins, self._swapped)
         self._stand_ins = stand_ins
         self._read_elsewhere = _ReadAsStandIns(elsewhere) if elsewhere else None
         return stand_ins

@@ -4,14 +4,14 @@ head's dtype, the loss in float32 or wider (``ForCausalLMLoss``'s ``logits.float
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..sharded_autograd import autocast_enabled
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
-from .base import ReduceKernel
+from .base import ReduceKernel, Slots, Swapped, hookless_stand_ins, parameter_slots, put_in_slots, restore_slots
 from .cross_entropy import CrossEntropyOptions, check_targets, cross_entropy_shard
 
 if TYPE_CHECKING:
@@ -95,42 +95,21 @@ class ModuleHeadKernel(ReduceKernel):
         self.head = head
         self.options = options
         self._reads_checked = False
-        # Per trainable tensor, every (module, attribute) holding it (tied: several). Built with the call.
-        where: dict = {}
-        for owner in head.modules():
-            for attr, p in owner._parameters.items():
-                if p is not None:
-                    where.setdefault(id(p), []).append((owner, attr))
-        self._slots: List[List[Tuple[nn.Module, str]]] = [where.get(id(t), []) for t in self.params]
+        self._slots: Slots = parameter_slots(head, self.params)
 
     def compute_tensors(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
-        """Each trainable tensor in a slot of the head as a stand-in for the call: a new leaf on its memory and
-        version counter, without its tensor hooks, which the head's slots hold around each shard's forward.
-        ``autograd.grad`` hands each input's gradient to that input's hooks: taken against the parameter itself,
-        every shard's part would pass its hooks (a gradient multiplier, clipping, logging) and the sum autograd
-        delivers again; taken against the stand-in, only the sum does, once, as untiled."""
-        made: dict = {}  # by the tensor's id: a tensor in two slots (tied weights) gets one stand-in
-        stand_ins = list(tensors)
-        for index, (slots, tensor) in enumerate(zip(self._slots, tensors, strict=True)):
-            if slots and tensor.requires_grad:
-                if id(tensor) not in made:
-                    made[id(tensor)] = tensor.detach().requires_grad_()
-                stand_ins[index] = made[id(tensor)]
-        return tuple(stand_ins)
+        """Each trainable tensor in a slot of the head as a stand-in for the call (``hookless_stand_ins``), which
+        the head's slots hold around each shard's forward."""
+        return tuple(hookless_stand_ins(tensors, [bool(slots) for slots in self._slots]))
 
     @contextlib.contextmanager
     def _holding(self, stand_ins: Sequence[torch.Tensor]) -> Iterator[None]:
-        swapped = []
+        swapped: Swapped = []
         try:
-            for slots, tensor in zip(self._slots, stand_ins, strict=True):
-                for owner, attr in slots:
-                    if owner._parameters[attr] is not tensor:
-                        swapped.append((owner, attr, owner._parameters[attr]))
-                        owner._parameters[attr] = tensor  # type: ignore[assignment]  # a stand-in, not a Parameter
+            put_in_slots(self.head, self._slots, stand_ins, swapped)
             yield
         finally:
-            for owner, attr, original in reversed(swapped):
-                owner._parameters[attr] = original
+            restore_slots(swapped)
 
     def shard(self, x: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, dx: Optional[torch.Tensor],
               grads: Optional[GradAccumulator], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
