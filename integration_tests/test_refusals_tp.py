@@ -90,15 +90,6 @@ FAST_DECLINES = {
 }
 
 
-@pytest.mark.timeout(60)
-def test_the_fast_kernel_declines_layouts_its_local_view_does_not_prove(tmp_path):
-    for out in run_distributed(fast_view_declines, WORLD, tmp_path, timeout=50):
-        assert set(out) == set(FAST_DECLINES), out
-        for case, words in FAST_DECLINES.items():
-            assert out[case].startswith("raised: path='fast' cannot apply to "), (case, out[case])
-            assert f"tensor parallelism: {words}" in out[case], (case, out[case])
-
-
 # The reason the sequence-parallel view gives for each norm layout it does not prove.
 SEQUENCE_DECLINES = {
     "submodule": "TiledRMSNorm has submodules; the view proves a module with none",
@@ -112,9 +103,14 @@ SEQUENCE_DECLINES = {
 
 
 @pytest.mark.timeout(60)
-def test_a_sequence_parallel_norm_the_view_does_not_prove_is_refused(tmp_path):
-    for out in run_distributed(sequence_view_declines, WORLD, tmp_path, timeout=50):
-        assert set(out) == set(SEQUENCE_DECLINES), out
-        for case, words in SEQUENCE_DECLINES.items():
-            assert out[case].startswith("raised: TiledMLP: no registered kernel runs TiledRMSNorm"), (case, out[case])
-            assert f"'generic' declined: tensor parallelism (SequenceParallel): {words}" in out[case], (case, out[case])
+@pytest.mark.parametrize("body, declines, raised_as, reason_as", [
+    (fast_view_declines, FAST_DECLINES, "raised: path='fast' cannot apply to ", "tensor parallelism: {}"),
+    (sequence_view_declines, SEQUENCE_DECLINES, "raised: TiledMLP: no registered kernel runs TiledRMSNorm",
+     "'generic' declined: tensor parallelism (SequenceParallel): {}"),
+], ids=["fast_kernel", "sequence_parallel_norm"])
+def test_layouts_a_local_view_does_not_prove_are_refused(tmp_path, body, declines, raised_as, reason_as):
+    for out in run_distributed(body, WORLD, tmp_path, timeout=50):
+        assert set(out) == set(declines), out
+        for case, words in declines.items():
+            assert out[case].startswith(raised_as), (case, out[case])
+            assert reason_as.format(words) in out[case], (case, out[case])
