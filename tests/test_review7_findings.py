@@ -177,3 +177,24 @@ def test_a_tensor_hook_on_a_module_heads_parameter_runs_once():
     tiled_cross_entropy(hidden, head, labels, num_shards=3).backward()
     assert hook.calls == want_hook.calls == 1
     torch.testing.assert_close(head.b.weight.grad, reference.b.weight.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("trainable", [True, False], ids=["trained", "frozen"])
+def test_a_parametrized_head_gets_its_untiled_loss_and_gradients(trainable):
+    """An ``lm_head`` whose weight a parametrization computes (weight norm, an adapter registered as one): the
+    tiled loss runs the head's own forward, so the parametrization's tensors get their gradients (it was refused
+    with a message for kernel authors)."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    hidden, labels = hidden_batch()
+    reference, head = weight_norm(linear_head()), weight_norm(linear_head())
+    for module in (reference, head):
+        module.requires_grad_(trainable)
+    hidden_want, hidden_got = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    F.cross_entropy(reference(hidden_want).flatten(0, 1), shifted(labels).flatten(), ignore_index=-100).backward()
+    tiled_cross_entropy(hidden_got, head, labels, num_shards=3).backward()
+    torch.testing.assert_close(hidden_got.grad, hidden_want.grad, rtol=0, atol=1e-12)
+    for (name, got), want in zip(head.named_parameters(), reference.parameters(), strict=True):
+        assert (got.grad is None) == (want.grad is None), name
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-12, msg=name)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, T
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..sharded_autograd import autocast_enabled
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
@@ -31,10 +32,11 @@ def loss_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def is_plain_linear(head: nn.Module, is_backend_hook: Callable[[Any], bool] = lambda hook: False) -> bool:
     """``head`` computes ``F.linear`` with its weight and bias: no forward on the instance unless it is the
-    backend's own (Hugging Face's tensor-parallel styles put one there, which the vocabulary slice stands in for)."""
+    backend's own (Hugging Face's tensor-parallel styles put one there, which the vocabulary slice stands in for),
+    and no parametrization (its weight is computed from other tensors, which the module head trains)."""
     own = head.__dict__.get("forward")
     return (isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward
-            and (own is None or is_backend_hook(own)))
+            and (own is None or is_backend_hook(own)) and not parametrize.is_parametrized(head))
 
 
 class LinearHeadKernel(ReduceKernel):
