@@ -130,6 +130,7 @@ BAD_CALLS = {
     "hidden size": (lambda kw: kw.update(lm_head=linear_head(hidden=HIDDEN + 1)), ValueError, "in_features"),
     "integer hidden": (lambda kw: kw.update(hidden=kw["labels"].clone()[..., None]), ValueError, "floating-point"),
     "unknown strategy": (set_(strategy="nope"), KeyError, "unknown strategy"),
+    "grad_accum_dtype int32": (set_(grad_accum_dtype=torch.int32), TypeError, "grad_accum_dtype"),
 }
 
 

@@ -30,6 +30,7 @@ from .sequence_group import check_group, group_count, sum_over_group
 from .shard_plan import AUTO, NumShards, check_num_shards
 from .sharded_autograd import ShardedRun, autocast_enabled, sharded_reduce
 from .tiled_call import CallDecision, autograd_carries_the_call, tiled_call
+from .tiling_state import check_grad_accum_dtype
 
 REDUCTIONS = ("mean", "sum")
 # A head whose vocabulary cannot be read before it runs: "auto" sizes its shards for a vocabulary this large
@@ -80,6 +81,7 @@ def tiled_cross_entropy(
     argument: docs/long-context-stack.md, "Tiled loss".
     """
     options = _options(ignore_index, label_smoothing, logit_softcap, z_loss, reduction, num_shards)
+    check_grad_accum_dtype(grad_accum_dtype)
     if labels is None and shift_labels is None:
         raise ValueError("tiled loss: pass labels (shifted here: position t predicts t+1) or shift_labels (already shifted)")
     given = shift_labels if shift_labels is not None else labels

@@ -15,14 +15,18 @@ from .shard_plan import NumShards, check_num_shards
 STATE_ATTR = "tiling"
 
 
+def check_grad_accum_dtype(grad_accum_dtype: Optional[torch.dtype]) -> None:
+    if grad_accum_dtype is not None and not (isinstance(grad_accum_dtype, torch.dtype) and grad_accum_dtype.is_floating_point):
+        raise TypeError(f"grad_accum_dtype must be a floating torch.dtype or None, got {grad_accum_dtype!r}")
+
+
 def check_config(num_shards: NumShards, path: str, grad_accum_dtype: Optional[torch.dtype],
                  use_fused_kernel: bool = True) -> None:
     check_num_shards(num_shards)
     paths = ("auto", *available_kernels(MAP))  # "fast", "generic" and every registered map kernel
     if path not in paths:
         raise ValueError(f"path must be one of {paths}, got {path!r}")
-    if grad_accum_dtype is not None and not (isinstance(grad_accum_dtype, torch.dtype) and grad_accum_dtype.is_floating_point):
-        raise TypeError(f"grad_accum_dtype must be a floating torch.dtype or None, got {grad_accum_dtype!r}")
+    check_grad_accum_dtype(grad_accum_dtype)
     if not isinstance(use_fused_kernel, bool):  # a truthy string ("no") would turn the kernel on
         raise TypeError(f"use_fused_kernel must be True or False, got {use_fused_kernel!r}")
 
