@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module_globals
+from torch.nn.modules._functions import BackwardHookFunction  # what full backward hooks wrap outputs in
 
 from tiled_mlp.strategies.base import Strategy, VocabSlice
 from tiled_mlp.strategies.resolver import StrategyArg, resolve_strategy, strategy_from_arg, sums_over_sequence_ranks
@@ -171,7 +172,7 @@ class _ForwardForOneCall:
         if self.hidden is not None:  # as the hooks handed over the stand-in: cast, or moved by a root's hook
             given = self.hidden.to(device=given.device, dtype=given.dtype)
         self.result = self.work(given)
-        self.version = getattr(self.result, "_version", None)
+        self.version = _version(self.result)
         return self.result
 
 
@@ -188,11 +189,26 @@ def in_head_call(head: nn.Module, hidden: torch.Tensor, work: Callable[[torch.Te
     # The head's own hooks were checked before (only a backend's may be there, and may hand on another tensor);
     # where there are none, only a global hook can have replaced the loss or changed it in place.
     loss = forward.result
-    if loss is not None and hook_count(head) == 0 and (out is not loss or getattr(out, "_version", None) != forward.version):
+    if loss is not None and hook_count(head) == 0 and not _is_the_loss(out, loss, forward.version):
         hooks = [getattr(h, "__qualname__", type(h).__qualname__)
                  for h in _module_globals._global_forward_hooks.values()]
         raise RuntimeError(GLOBAL_HOOK_ERROR.format(hooks=", ".join(hooks), head=type(head).__name__))
     return out
+
+
+def _version(value: Any) -> Optional[int]:
+    # An inference tensor (``torch.inference_mode``) has no version counter.
+    return value._version if isinstance(value, torch.Tensor) and not value.is_inference() else None
+
+
+def _is_the_loss(out: Any, loss: Any, version: Optional[int]) -> bool:
+    """Whether the head's call returned the loss unchanged: itself, or handed on by torch's full backward hooks
+    (a global one wraps every module's output in ``BackwardHookFunction``, a new tensor over the same one)."""
+    if out is not loss:
+        grad_fn = getattr(out, "grad_fn", None)
+        if type(grad_fn) is not BackwardHookFunction._backward_cls or grad_fn.next_functions[0][0] is not loss.grad_fn:
+            return False
+    return _version(out) == version
 
 
 def _backend(lm_head: nn.Module, fixed: Optional[Strategy]) -> Tuple[Strategy, Any, List[torch.Tensor]]:
