@@ -205,7 +205,7 @@ def _is_the_loss(out: Any, loss: Any, version: Optional[int]) -> bool:
     """Whether the head's call returned the loss unchanged: itself, or handed on by torch's full backward hooks
     (a global one wraps every module's output in ``BackwardHookFunction``, a new tensor over the same one)."""
     if out is not loss:
-        grad_fn = getattr(out, "grad_fn", None)
+        grad_fn: Any = getattr(out, "grad_fn", None)
         if type(grad_fn) is not BackwardHookFunction._backward_cls or grad_fn.next_functions[0][0] is not loss.grad_fn:
             return False
     return _version(out) == version
