@@ -206,7 +206,8 @@ def _is_the_loss(out: Any, loss: Any, version: Optional[int]) -> bool:
     (a global one wraps every module's output in ``BackwardHookFunction``, a new tensor over the same one)."""
     if out is not loss:
         grad_fn: Any = getattr(out, "grad_fn", None)
-        if type(grad_fn) is not BackwardHookFunction._backward_cls or grad_fn.next_functions[0][0] is not loss.grad_fn:
+        wrapped = type(grad_fn) is BackwardHookFunction._backward_cls
+        if not wrapped or grad_fn.next_functions[0][0] is not loss.grad_fn:
             return False
     return _version(out) == version
 
