@@ -1,0 +1,68 @@
+"""Rank bodies for integration_tests/test_review9_findings.py: Ulysses SP (size 2, 2 gloo ranks) with the tiled loss
+under label smoothing, packed samples (position_ids restarting) and ``num_items_in_batch``, against the same batch
+untiled on one process in float64."""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .sp_cases import IGNORE, TOKENS, reference_model
+
+SMOOTHING = 0.1
+
+
+def batch(packed: bool) -> Dict[str, torch.Tensor]:
+    """One ``[1, TOKENS]`` sample; packed: two samples of 6 and 10 tokens, position_ids restarting at 6."""
+    from .tiny_models import VOCAB
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (1, TOKENS), generator=g)
+    labels = ids.clone()
+    labels[0, [2, 5, 11]] = IGNORE
+    positions = torch.arange(TOKENS)[None]
+    if packed:
+        positions = torch.cat([torch.arange(6), torch.arange(TOKENS - 6)])[None]
+        labels[0, 6] = IGNORE  # the second sample's first token is no target of the first
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+
+def reference_loss_and_grads(packed: bool, smoothing: float, num_items: Optional[int]) -> Dict:
+    """One process, untiled, no SP, float64: sum of smoothed token losses over ``num_items`` (or the mean)."""
+    model = reference_model("llama")
+    data = batch(packed)
+    logits = model(input_ids=data["input_ids"], position_ids=data["position_ids"]).logits
+    targets = F.pad(data["labels"], (0, 1), value=IGNORE)[..., 1:]
+    per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                                label_smoothing=smoothing, reduction="none")
+    loss = per_token.sum() / num_items if num_items is not None else per_token.sum() / (targets != IGNORE).sum()
+    loss.backward()
+    return {"loss": loss.detach(), "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+
+
+def sp_loss_and_grads(rank: int, world: int, packed: bool, smoothing: float, num_items: Optional[int]) -> Dict:
+    from tiled_mlp.integrations import apply_tiled_mlp, set_tiled_loss_label_smoothing
+    from tiled_mlp.integrations.ulysses import apply_sequence_parallel
+
+    from .tiny_models import tiny_model
+
+    model = tiny_model("llama", seed=0, dtype=torch.float64)
+    model.set_attn_implementation("sdpa")
+    model.train()
+    apply_tiled_mlp(model, num_shards=2 + rank, loss=True, loss_num_shards=3 - rank)
+    if smoothing:
+        set_tiled_loss_label_smoothing(model, smoothing)
+    sp = apply_sequence_parallel(model, 2)
+    try:
+        kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+        loss = model(**sp.shard(batch(packed)), **kwargs).loss
+        loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            grad = p.grad.detach().clone()
+            torch.distributed.all_reduce(grad)  # averaged over the ranks, as DDP does (the loss's backward hands
+            grads[name] = grad / world          # each SP rank the group's sum, so the average is the gradient)
+        return {"loss": loss.detach(), "grads": grads}
+    finally:
+        sp.remove()

@@ -1,0 +1,25 @@
+"""Ninth review: Ulysses SP (size 2 on 2 gloo ranks) with the tiled loss under label smoothing, packed samples and
+``num_items_in_batch``, against the same batch untiled on one process in float64 (rank bodies in
+``review9_cases``). Bound: ``comparison.BOUND`` (1e-12, float64 end to end)."""
+from __future__ import annotations
+
+import pytest
+
+from .comparison import BOUND, needs_deepspeed, rel_error
+from .review9_cases import SMOOTHING, reference_loss_and_grads, sp_loss_and_grads
+from .spawn import run_distributed
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.distributed, needs_deepspeed, pytest.mark.timeout(60)]
+
+
+@pytest.mark.parametrize("packed,smoothing,num_items", [
+    (False, SMOOTHING, None), (True, 0.0, None), (True, SMOOTHING, 40)],
+    ids=["smoothing", "packed", "packed-smoothing-num-items"])
+def test_sp2_matches_one_process(tmp_path, packed, smoothing, num_items):
+    want = reference_loss_and_grads(packed, smoothing, num_items)
+    ranks = run_distributed(sp_loss_and_grads, 2, tmp_path, packed, smoothing, num_items, timeout=50)
+    errors = {f"rank {r} loss": rel_error(want["loss"], got["loss"]) for r, got in enumerate(ranks)}
+    errors.update({f"grad {name}": rel_error(w, ranks[0]["grads"][name]) for name, w in want["grads"].items()})
+    print({k: f"{v:.1e}" for k, v in errors.items() if "loss" in k}, "worst", f"{max(errors.values()):.1e}")
+    assert max(errors.values()) < BOUND, {k: v for k, v in errors.items() if v >= BOUND}
