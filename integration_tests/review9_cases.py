@@ -13,26 +13,37 @@ from .sp_cases import IGNORE, TOKENS, reference_model
 SMOOTHING = 0.1
 
 
-def batch(packed: bool) -> Dict[str, torch.Tensor]:
-    """One ``[1, TOKENS]`` sample; packed: two samples of 6 and 10 tokens, position_ids restarting at 6."""
+def batch(packed) -> Dict[str, torch.Tensor]:
+    """``[1, TOKENS]`` samples. ``True``/"packed": two samples of 6 and 10 tokens, position_ids restarting at 6;
+    "right-pad"/"left-pad": 5 padding tokens (attention_mask 0, labels ignored); "batch2": 2 samples, the second
+    left-padded."""
     from .tiny_models import VOCAB
 
+    rows = 2 if packed == "batch2" else 1
     g = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, VOCAB, (1, TOKENS), generator=g)
+    ids = torch.randint(0, VOCAB, (rows, TOKENS), generator=g)
     labels = ids.clone()
-    labels[0, [2, 5, 11]] = IGNORE
-    positions = torch.arange(TOKENS)[None]
-    if packed:
+    labels[:, [2, 5, 11]] = IGNORE
+    positions = torch.arange(TOKENS)[None].expand(rows, -1)
+    out = {}
+    if packed is True or packed == "packed":
         positions = torch.cat([torch.arange(6), torch.arange(TOKENS - 6)])[None]
         labels[0, 6] = IGNORE  # the second sample's first token is no target of the first
-    return {"input_ids": ids, "labels": labels, "position_ids": positions}
+    elif packed in ("right-pad", "left-pad", "batch2"):
+        mask = torch.ones_like(ids)
+        pad = slice(TOKENS - 5, TOKENS) if packed == "right-pad" else slice(0, 5)
+        mask[-1, pad] = 0
+        labels[-1, pad] = IGNORE
+        out["attention_mask"] = mask
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, **out}
 
 
 def reference_loss_and_grads(packed: bool, smoothing: float, num_items: Optional[int]) -> Dict:
     """One process, untiled, no SP, float64: sum of smoothed token losses over ``num_items`` (or the mean)."""
     model = reference_model("llama")
     data = batch(packed)
-    logits = model(input_ids=data["input_ids"], position_ids=data["position_ids"]).logits
+    logits = model(input_ids=data["input_ids"], position_ids=data["position_ids"],
+                   attention_mask=data.get("attention_mask")).logits
     targets = F.pad(data["labels"], (0, 1), value=IGNORE)[..., 1:]
     per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
                                 label_smoothing=smoothing, reduction="none")
@@ -53,7 +64,7 @@ def sp_loss_and_grads(rank: int, world: int, packed: bool, smoothing: float, num
     apply_tiled_mlp(model, num_shards=2 + rank, loss=True, loss_num_shards=3 - rank)
     if smoothing:
         set_tiled_loss_label_smoothing(model, smoothing)
-    sp = apply_sequence_parallel(model, 2)
+    sp = apply_sequence_parallel(model, 2, micro_batch_size=2 if packed == "batch2" else 1)
     try:
         kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
         loss = model(**sp.shard(batch(packed)), **kwargs).loss

@@ -14,8 +14,9 @@ pytestmark = [pytest.mark.distributed, needs_deepspeed, pytest.mark.timeout(60)]
 
 
 @pytest.mark.parametrize("packed,smoothing,num_items", [
-    (False, SMOOTHING, None), (True, 0.0, None), (True, SMOOTHING, 40)],
-    ids=["smoothing", "packed", "packed-smoothing-num-items"])
+    (False, SMOOTHING, None), (True, 0.0, None), (True, SMOOTHING, 40),
+    ("right-pad", 0.0, None), ("left-pad", SMOOTHING, None), ("batch2", 0.0, 50)],
+    ids=["smoothing", "packed", "packed-smoothing-num-items", "right-pad", "left-pad-smoothing", "batch2-num-items"])
 def test_sp2_matches_one_process(tmp_path, packed, smoothing, num_items):
     want = reference_loss_and_grads(packed, smoothing, num_items)
     ranks = run_distributed(sp_loss_and_grads, 2, tmp_path, packed, smoothing, num_items, timeout=50)
