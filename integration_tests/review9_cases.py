@@ -38,9 +38,9 @@ def batch(packed) -> Dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "position_ids": positions, **out}
 
 
-def reference_loss_and_grads(packed: bool, smoothing: float, num_items: Optional[int]) -> Dict:
+def reference_loss_and_grads(packed, smoothing: float, num_items: Optional[int], family: str = "llama") -> Dict:
     """One process, untiled, no SP, float64: sum of smoothed token losses over ``num_items`` (or the mean)."""
-    model = reference_model("llama")
+    model = reference_model(family)
     data = batch(packed)
     logits = model(input_ids=data["input_ids"], position_ids=data["position_ids"],
                    attention_mask=data.get("attention_mask")).logits
@@ -52,16 +52,17 @@ def reference_loss_and_grads(packed: bool, smoothing: float, num_items: Optional
     return {"loss": loss.detach(), "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
 
 
-def sp_loss_and_grads(rank: int, world: int, packed: bool, smoothing: float, num_items: Optional[int]) -> Dict:
+def sp_loss_and_grads(rank: int, world: int, packed, smoothing: float, num_items: Optional[int], family: str = "llama",
+                      norms: bool = False) -> Dict:
     from tiled_mlp.integrations import apply_tiled_mlp, set_tiled_loss_label_smoothing
     from tiled_mlp.integrations.ulysses import apply_sequence_parallel
 
     from .tiny_models import tiny_model
 
-    model = tiny_model("llama", seed=0, dtype=torch.float64)
+    model = tiny_model(family, seed=0, dtype=torch.float64)
     model.set_attn_implementation("sdpa")
     model.train()
-    apply_tiled_mlp(model, num_shards=2 + rank, loss=True, loss_num_shards=3 - rank)
+    apply_tiled_mlp(model, num_shards=2 + rank, loss=True, loss_num_shards=3 - rank, norms=norms)
     if smoothing:
         set_tiled_loss_label_smoothing(model, smoothing)
     sp = apply_sequence_parallel(model, 2, micro_batch_size=2 if packed == "batch2" else 1)
