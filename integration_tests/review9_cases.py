@@ -75,6 +75,9 @@ def sp_loss_and_grads(rank: int, world: int, packed, smoothing: float, num_items
             grad = p.grad.detach().clone()
             torch.distributed.all_reduce(grad)  # averaged over the ranks, as DDP does (the loss's backward hands
             grads[name] = grad / world          # each SP rank the group's sum, so the average is the gradient)
-        return {"loss": loss.detach(), "grads": grads}
+        model.eval()
+        with torch.no_grad():  # evaluation under SP takes the tiled loss too (a rank's logits are a slice)
+            evaluated = model(**sp.shard(batch(packed)), **kwargs).loss
+        return {"loss": loss.detach(), "grads": grads, "eval": evaluated}
     finally:
         sp.remove()

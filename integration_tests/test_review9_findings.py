@@ -21,6 +21,7 @@ def test_sp2_matches_one_process(tmp_path, packed, smoothing, num_items):
     want = reference_loss_and_grads(packed, smoothing, num_items)
     ranks = run_distributed(sp_loss_and_grads, 2, tmp_path, packed, smoothing, num_items, timeout=50)
     errors = {f"rank {r} loss": rel_error(want["loss"], got["loss"]) for r, got in enumerate(ranks)}
+    errors.update({f"rank {r} eval loss": rel_error(want["loss"], got["eval"]) for r, got in enumerate(ranks)})
     errors.update({f"grad {name}": rel_error(w, ranks[0]["grads"][name]) for name, w in want["grads"].items()})
     print({k: f"{v:.1e}" for k, v in errors.items() if "loss" in k}, "worst", f"{max(errors.values()):.1e}")
     assert max(errors.values()) < BOUND, {k: v for k, v in errors.items() if v >= BOUND}
