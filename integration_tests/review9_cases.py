@@ -81,3 +81,50 @@ def sp_loss_and_grads(rank: int, world: int, packed, smoothing: float, num_items
         return {"loss": loss.detach(), "grads": grads, "eval": evaluated}
     finally:
         sp.remove()
+
+
+ACCUMULATED = ("packed", "left-pad")  # the micro batches of one optimizer step
+
+
+def accumulated_targets() -> int:
+    return sum(int((batch(kind)["labels"][..., 1:] != IGNORE).sum()) for kind in ACCUMULATED)
+
+
+def reference_accumulated() -> Dict:
+    """Gradient accumulation on one process: each micro batch's smoothed sum over the step's valid targets."""
+    model = reference_model("llama")
+    count = accumulated_targets()
+    for kind in ACCUMULATED:
+        data = batch(kind)
+        logits = model(input_ids=data["input_ids"], position_ids=data["position_ids"],
+                       attention_mask=data.get("attention_mask")).logits
+        targets = F.pad(data["labels"], (0, 1), value=IGNORE)[..., 1:]
+        (F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, label_smoothing=SMOOTHING,
+                         reduction="sum") / count).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def sp_accumulated(rank: int, world: int) -> Dict:
+    """The same micro batches under SP=2, gradients accumulated, ``num_items_in_batch`` the step's count."""
+    from tiled_mlp.integrations import apply_tiled_mlp, set_tiled_loss_label_smoothing
+    from tiled_mlp.integrations.ulysses import apply_sequence_parallel
+
+    from .tiny_models import tiny_model
+
+    model = tiny_model("llama", seed=0, dtype=torch.float64)
+    model.set_attn_implementation("sdpa")
+    model.train()
+    apply_tiled_mlp(model, num_shards=2 + rank, loss=True, loss_num_shards=3 - rank, norms=True)
+    set_tiled_loss_label_smoothing(model, SMOOTHING)
+    sp = apply_sequence_parallel(model, 2)
+    try:
+        for kind in ACCUMULATED:
+            model(**sp.shard(batch(kind)), num_items_in_batch=torch.tensor(accumulated_targets())).loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            grad = p.grad.detach().clone()
+            torch.distributed.all_reduce(grad)
+            grads[name] = grad / world
+        return grads
+    finally:
+        sp.remove()

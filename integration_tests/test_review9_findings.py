@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from .comparison import BOUND, needs_deepspeed, rel_error
-from .review9_cases import SMOOTHING, reference_loss_and_grads, sp_loss_and_grads
+from .review9_cases import SMOOTHING, reference_accumulated, reference_loss_and_grads, sp_accumulated, sp_loss_and_grads
 from .spawn import run_distributed
 
 pytest.importorskip("transformers")
@@ -41,3 +41,11 @@ def test_sp2_with_tiled_norms_matches_one_process_per_family(tmp_path, family, p
     errors = {f"rank {r} loss": rel_error(want["loss"], got["loss"]) for r, got in enumerate(ranks)}
     errors.update({f"grad {name}": rel_error(w, ranks[0]["grads"][name]) for name, w in want["grads"].items()})
     assert max(errors.values()) < FAMILY_BOUNDS[family], {k: v for k, v in errors.items() if v >= FAMILY_BOUNDS[family]}
+
+
+def test_sp2_gradient_accumulation_with_num_items_matches_one_process(tmp_path):
+    """Two micro batches (packed, left-padded) accumulated, label smoothing, the step's num_items_in_batch."""
+    want = reference_accumulated()
+    got = run_distributed(sp_accumulated, 2, tmp_path, timeout=50)[0]
+    errors = {name: rel_error(w, got[name]) for name, w in want.items()}
+    assert max(errors.values()) < BOUND, {k: v for k, v in errors.items() if v >= BOUND}
