@@ -53,7 +53,7 @@ def reference_loss_and_grads(packed, smoothing: float, num_items: Optional[int],
 
 
 def sp_loss_and_grads(rank: int, world: int, packed, smoothing: float, num_items: Optional[int], family: str = "llama",
-                      norms: bool = False) -> Dict:
+                      norms: bool = False, compiled: Optional[dict] = None) -> Dict:
     from tiled_mlp.integrations import apply_tiled_mlp, set_tiled_loss_label_smoothing
     from tiled_mlp.integrations.ulysses import apply_sequence_parallel
 
@@ -68,7 +68,8 @@ def sp_loss_and_grads(rank: int, world: int, packed, smoothing: float, num_items
     sp = apply_sequence_parallel(model, 2, micro_batch_size=2 if packed == "batch2" else 1)
     try:
         kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
-        loss = model(**sp.shard(batch(packed)), **kwargs).loss
+        run = torch.compile(model, backend="aot_eager", **compiled) if compiled is not None else model
+        loss = run(**sp.shard(batch(packed)), **kwargs).loss
         loss.backward()
         grads = {}
         for name, p in model.named_parameters():
@@ -77,7 +78,7 @@ def sp_loss_and_grads(rank: int, world: int, packed, smoothing: float, num_items
             grads[name] = grad / world          # each SP rank the group's sum, so the average is the gradient)
         model.eval()
         with torch.no_grad():  # evaluation under SP takes the tiled loss too (a rank's logits are a slice)
-            evaluated = model(**sp.shard(batch(packed)), **kwargs).loss
+            evaluated = run(**sp.shard(batch(packed)), **kwargs).loss
         return {"loss": loss.detach(), "grads": grads, "eval": evaluated}
     finally:
         sp.remove()
