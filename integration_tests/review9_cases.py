@@ -53,7 +53,7 @@ def reference_loss_and_grads(packed, smoothing: float, num_items: Optional[int],
 
 
 def sp_loss_and_grads(rank: int, world: int, packed, smoothing: float, num_items: Optional[int], family: str = "llama",
-                      norms: bool = False, compiled: Optional[dict] = None) -> Dict:
+                      norms: bool = False, compiled: Optional[dict] = None, count_as_int: bool = False) -> Dict:
     from tiled_mlp.integrations import apply_tiled_mlp, set_tiled_loss_label_smoothing
     from tiled_mlp.integrations.ulysses import apply_sequence_parallel
 
@@ -67,7 +67,9 @@ def sp_loss_and_grads(rank: int, world: int, packed, smoothing: float, num_items
         set_tiled_loss_label_smoothing(model, smoothing)
     sp = apply_sequence_parallel(model, 2, micro_batch_size=2 if packed == "batch2" else 1)
     try:
-        kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+        kwargs = {}
+        if num_items is not None:  # the Trainer passes a tensor or an int
+            kwargs["num_items_in_batch"] = num_items if count_as_int else torch.tensor(num_items)
         run = torch.compile(model, backend="aot_eager", **compiled) if compiled is not None else model
         loss = run(**sp.shard(batch(packed)), **kwargs).loss
         loss.backward()
