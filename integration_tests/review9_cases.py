@@ -131,3 +131,41 @@ def sp_accumulated(rank: int, world: int) -> Dict:
         return grads
     finally:
         sp.remove()
+
+
+def tp_smoothing_errors(rank: int, world: int, path: str) -> Dict:
+    """transformers' tensor parallelism (``tp_plan="auto"``) with the tiled MLP, norms and loss, label smoothing and
+    ``num_items_in_batch``, against the same model loaded whole and untiled on this rank: ``{(smoothing, count):
+    (loss error, worst gradient error)}``. Both in float64 with HF's ``.float()`` kept float64."""
+    from unittest import mock
+
+    from tiled_mlp.integrations import apply_tiled_mlp, set_tiled_loss_label_smoothing
+
+    from .comparison import rel_error
+    from .hf_tp_cases import _load, full_tensor
+    from .tiny_models import VOCAB
+
+    ids = torch.randint(0, VOCAB, (2, TOKENS), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[:, :3] = IGNORE
+    labels[1, :5] = IGNORE
+    targets = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+    out = {}
+    for smoothing, count in [(SMOOTHING, None), (0.0, 30), (SMOOTHING, 30)]:
+        reference = _load(path, tensor_parallel=False)
+        model = _load(path, tensor_parallel=True)
+        apply_tiled_mlp(model, loss=True, norms=True, num_shards=2, loss_num_shards=3)
+        set_tiled_loss_label_smoothing(model, smoothing)
+        extra = {"num_items_in_batch": torch.tensor(count)} if count else {}
+        with mock.patch.object(torch.Tensor, "float", lambda self: self):
+            logits = reference(input_ids=ids).logits
+            got = model(input_ids=ids, labels=labels, **extra).loss
+        per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                                    label_smoothing=smoothing, reduction="none")
+        want = per_token.sum() / (count if count else (targets != IGNORE).sum())
+        want.backward()
+        got.backward()
+        grads = {name: full_tensor(p.grad) for name, p in model.named_parameters()}
+        worst = max(rel_error(p.grad, grads[name]) for name, p in reference.named_parameters())
+        out[(smoothing, count)] = (abs(got.item() - want.item()) / abs(want.item()), worst)
+    return out

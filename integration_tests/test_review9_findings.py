@@ -1,7 +1,9 @@
 """Ninth review: Ulysses SP (size 2 on 2 gloo ranks, tiled MLP and tiled loss in different shard counts per rank)
 against the same batch untiled on one process in float64 (rank bodies in ``review9_cases``): label smoothing, packed
 samples (position_ids restarting), left/right padding masks, a 2-sample micro batch, ``num_items_in_batch`` (tensor
-and int), gradient accumulation, evaluation without a graph, tiled norms across families, and ``torch.compile``.
+and int), gradient accumulation, evaluation without a graph, tiled norms across families, and ``torch.compile``;
+then transformers' tensor parallelism (``tp_plan="auto"``) with the tiled MLP, norms and loss under label smoothing
+and ``num_items_in_batch``.
 Bound: ``comparison.BOUND`` (1e-12, float64 end to end); measured worst 5.4e-16. No finding: every test passes."""
 from __future__ import annotations
 
@@ -71,3 +73,13 @@ def test_sp2_with_num_items_as_a_python_int_matches_one_process(tmp_path):
     errors = {f"rank {r} loss": rel_error(want["loss"], got["loss"]) for r, got in enumerate(ranks)}
     errors.update({f"grad {name}": rel_error(w, ranks[0]["grads"][name]) for name, w in want["grads"].items()})
     assert max(errors.values()) < BOUND, {k: v for k, v in errors.items() if v >= BOUND}
+
+
+def test_hf_tensor_parallel_with_label_smoothing_and_num_items_matches_one_process(tmp_path):
+    from .hf_tp_cases import save_tiny_llama
+    from .review9_cases import tp_smoothing_errors
+
+    path = str(tmp_path / "tiny-llama")
+    save_tiny_llama(path)
+    for errors in run_distributed(tp_smoothing_errors, 2, tmp_path, path, timeout=50):
+        assert len(errors) == 3 and all(max(pair) < BOUND for pair in errors.values()), errors
