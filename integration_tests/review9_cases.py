@@ -13,7 +13,7 @@ from .sp_cases import IGNORE, TOKENS, reference_model
 SMOOTHING = 0.1
 
 
-def batch(packed) -> Dict[str, torch.Tensor]:
+def sp_sample_batch(packed) -> Dict[str, torch.Tensor]:
     """``[1, TOKENS]`` samples. ``True``/"packed": two samples of 6 and 10 tokens, position_ids restarting at 6;
     "right-pad"/"left-pad": 5 padding tokens (attention_mask 0, labels ignored); "batch2": 2 samples, the second
     left-padded."""
@@ -41,7 +41,7 @@ def batch(packed) -> Dict[str, torch.Tensor]:
 def reference_loss_and_grads(packed, smoothing: float, num_items: Optional[int], family: str = "llama") -> Dict:
     """One process, untiled, no SP, float64: sum of smoothed token losses over ``num_items`` (or the mean)."""
     model = reference_model(family)
-    data = batch(packed)
+    data = sp_sample_batch(packed)
     logits = model(input_ids=data["input_ids"], position_ids=data["position_ids"],
                    attention_mask=data.get("attention_mask")).logits
     targets = F.pad(data["labels"], (0, 1), value=IGNORE)[..., 1:]
@@ -71,7 +71,7 @@ def sp_loss_and_grads(rank: int, world: int, packed, smoothing: float, num_items
         if num_items is not None:  # the Trainer passes a tensor or an int
             kwargs["num_items_in_batch"] = num_items if count_as_int else torch.tensor(num_items)
         run = torch.compile(model, backend="aot_eager", **compiled) if compiled is not None else model
-        loss = run(**sp.shard(batch(packed)), **kwargs).loss
+        loss = run(**sp.shard(sp_sample_batch(packed)), **kwargs).loss
         loss.backward()
         grads = {}
         for name, p in model.named_parameters():
@@ -80,7 +80,7 @@ def sp_loss_and_grads(rank: int, world: int, packed, smoothing: float, num_items
             grads[name] = grad / world          # each SP rank the group's sum, so the average is the gradient)
         model.eval()
         with torch.no_grad():  # evaluation under SP takes the tiled loss too (a rank's logits are a slice)
-            evaluated = run(**sp.shard(batch(packed)), **kwargs).loss
+            evaluated = run(**sp.shard(sp_sample_batch(packed)), **kwargs).loss
         return {"loss": loss.detach(), "grads": grads, "eval": evaluated}
     finally:
         sp.remove()
@@ -90,7 +90,7 @@ ACCUMULATED = ("packed", "left-pad")  # the micro batches of one optimizer step
 
 
 def accumulated_targets() -> int:
-    return sum(int((batch(kind)["labels"][..., 1:] != IGNORE).sum()) for kind in ACCUMULATED)
+    return sum(int((sp_sample_batch(kind)["labels"][..., 1:] != IGNORE).sum()) for kind in ACCUMULATED)
 
 
 def reference_accumulated() -> Dict:
@@ -98,7 +98,7 @@ def reference_accumulated() -> Dict:
     model = reference_model("llama")
     count = accumulated_targets()
     for kind in ACCUMULATED:
-        data = batch(kind)
+        data = sp_sample_batch(kind)
         logits = model(input_ids=data["input_ids"], position_ids=data["position_ids"],
                        attention_mask=data.get("attention_mask")).logits
         targets = F.pad(data["labels"], (0, 1), value=IGNORE)[..., 1:]
@@ -122,7 +122,7 @@ def sp_accumulated(rank: int, world: int) -> Dict:
     sp = apply_sequence_parallel(model, 2)
     try:
         for kind in ACCUMULATED:
-            model(**sp.shard(batch(kind)), num_items_in_batch=torch.tensor(accumulated_targets())).loss.backward()
+            model(**sp.shard(sp_sample_batch(kind)), num_items_in_batch=torch.tensor(accumulated_targets())).loss.backward()
         grads = {}
         for name, p in model.named_parameters():
             grad = p.grad.detach().clone()

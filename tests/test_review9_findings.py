@@ -28,7 +28,7 @@ CALLS = [(16, 1, 0.0, False, None, "train", True), (24, 2, 0.0, True, None, "tra
          (18, 2, 0.0, False, None, "eval", False)]
 
 
-def _reference_loss(model, ids, labels, mask, smoothing, count):
+def _smoothed_reference_loss(model, ids, labels, mask, smoothing, count):
     logits = model(input_ids=ids, attention_mask=mask).logits
     targets = F.pad(labels, (0, 1), value=-100)[..., 1:]
     per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
@@ -64,7 +64,7 @@ def test_compiled_tiled_model_across_switches_between_calls_equals_the_untiled_m
             if not graph and smoothing == 0.0:  # the model's own forward: HF's float32 loss
                 want = reference(input_ids=ids, labels=labels, attention_mask=mask).loss
             else:
-                want = _reference_loss(reference, ids, labels, mask, smoothing, count)
+                want = _smoothed_reference_loss(reference, ids, labels, mask, smoothing, count)
         assert abs(got.item() - want.item()) <= BOUND * abs(want.item()), (i, got.item(), want.item())
         if graph:
             got.backward()
