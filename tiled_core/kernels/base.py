@@ -68,6 +68,21 @@ def hookless_stand_ins(tensors: Sequence[torch.Tensor], eligible: Sequence[bool]
     return out
 
 
+def grads_via_stand_ins(output: torch.Tensor, grad_output: torch.Tensor, leading: Sequence[torch.Tensor],
+                        stand_ins: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], wanted: Sequence[int],
+                        grads: Optional[GradAccumulator]) -> List[Optional[torch.Tensor]]:
+    """``autograd.grad`` of ``output`` for ``leading`` (the shard's input, where it needs one) and for each ``wanted``
+    tensor, added into ``grads``; returns the leading tensors' gradients. A tensor is asked for through its stand-in
+    and, where it has one, as itself too: code that reads it other than through its slot (a reference kept in a list
+    or a closure) reaches it; unread, asking costs nothing and its hooks do not run."""
+    replaced = [index for index in wanted if stand_ins[index] is not tensors[index]]
+    inputs = [*leading, *(stand_ins[index] for index in wanted), *(tensors[index] for index in replaced)]
+    found = torch.autograd.grad(output, inputs, grad_output, allow_unused=True)
+    for index, grad in zip((*wanted, *replaced), found[len(leading):], strict=True):
+        grads.add(index, grad)  # type: ignore[union-attr]  # given wherever a tensor is wanted
+    return list(found[:len(leading)])
+
+
 class ShardKernel:
     """A token-wise computation run one shard at a time, recomputed in backward."""
 

@@ -14,7 +14,16 @@ from ..collectives import is_pending, wait_pending
 from ..plain_values import PlainValues, snapshot
 from ..sharded_autograd import capture_rng_state, replay_rng_state
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
-from .base import ShardKernel, Slots, Swapped, hookless_stand_ins, parameter_slots, put_in_slots, restore_slots
+from .base import (
+    ShardKernel,
+    Slots,
+    Swapped,
+    grads_via_stand_ins,
+    hookless_stand_ins,
+    parameter_slots,
+    put_in_slots,
+    restore_slots,
+)
 
 if TYPE_CHECKING:
     from ..sharded_autograd import GradAccumulator
@@ -230,22 +239,14 @@ class GenericShardKernel(ShardKernel):
             y = self._recompute(x_leaf, [*stand_ins, *tensors], shard)
         # A collective in the forward runs again here: its work stays registered until waited for.
         wait_pending(y)
-        # A tensor with a stand-in is asked for too: code that reads it other than through its slot (a reference
-        # kept in a list or a closure; deeper than ``_ReadAsStandIns`` looks) reaches it itself; unread, it costs
-        # nothing and its hooks do not run.
-        replaced = [i for i in wanted if stand_ins[i] is not tensors[i]]
-        inputs = ([x_leaf] if grad_in_shard is not None else []) + [stand_ins[i] for i in wanted] + \
-            [tensors[i] for i in replaced]
-        if not inputs or not y.requires_grad:
+        leading = [x_leaf] if grad_in_shard is not None else []
+        if not (leading or wanted) or not y.requires_grad:
             return None if grad_in_shard is None else grad_in_shard.zero_()
-        shard_grads = torch.autograd.grad(y, inputs, grad_out_shard, allow_unused=True)
-        dx = None
-        if grad_in_shard is not None:
-            dx, shard_grads = shard_grads[0], shard_grads[1:]
-            dx = grad_in_shard.zero_() if dx is None else dx
-        for index, grad in zip((*wanted, *replaced), shard_grads, strict=True):
-            grads.add(index, grad)
-        return dx
+        # Code reading a tensor deeper than ``_ReadAsStandIns`` looks reaches the tensor itself (``grads_via_stand_ins``).
+        found = grads_via_stand_ins(y, grad_out_shard, leading, stand_ins, tensors, wanted, grads)
+        if grad_in_shard is None:
+            return None
+        return grad_in_shard.zero_() if found[0] is None else found[0]
 
     def _recompute(self, x_leaf: torch.Tensor, known: Sequence[torch.Tensor], shard: Optional[slice]) -> torch.Tensor:
         if self._reads_checked:

@@ -12,7 +12,16 @@ from torch.nn.utils import parametrize
 
 from ..sharded_autograd import autocast_enabled
 from ..tensor_reads import TensorReads, describe, next_sequence_nr
-from .base import ReduceKernel, Slots, Swapped, hookless_stand_ins, parameter_slots, put_in_slots, restore_slots
+from .base import (
+    ReduceKernel,
+    Slots,
+    Swapped,
+    grads_via_stand_ins,
+    hookless_stand_ins,
+    parameter_slots,
+    put_in_slots,
+    restore_slots,
+)
 from .cross_entropy import CrossEntropyOptions, check_targets, cross_entropy_shard
 
 if TYPE_CHECKING:
@@ -134,14 +143,8 @@ class ModuleHeadKernel(ReduceKernel):
         loss, grad = cross_entropy_shard(wide, targets, self.options, scale, with_grad)
         if grad is None:
             return loss
-        # A tensor with a stand-in is asked for too: code that reads it other than through its slot (a reference
-        # kept in a list or a closure) reaches it itself; unread, it costs nothing and its hooks do not run.
-        replaced = [index for index in needed if tensors[index] is not self.params[index]]
-        inputs = ([x_in] if dx is not None else []) + [tensors[index] for index in needed] + \
-            [self.params[index] for index in replaced]
-        found = list(torch.autograd.grad(logits, inputs, grad.to(logits.dtype), allow_unused=True))
+        leading = [x_in] if dx is not None else []
+        found = grads_via_stand_ins(logits, grad.to(logits.dtype), leading, tensors, self.params, needed, grads)
         if dx is not None:
-            dx.copy_(found.pop(0))
-        for index, found_grad in zip((*needed, *replaced), found, strict=True):
-            grads.add(index, found_grad)  # type: ignore[union-attr]  # given: ``needed`` is not empty
+            dx.copy_(found[0])  # type: ignore[arg-type]  # x_in is read by every head
         return loss
